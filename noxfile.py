@@ -1,0 +1,115 @@
+"""One session per package (its own virtualenv, its own tests and benchmark smoke runs), plus lint and e2e.
+
+`nox` runs them all; `nox -s kvt` one; `nox -s bench` runs the full benchmarks (not part of the default).
+Each session's virtualenv is synced from uv.lock with only that package and its dependencies, so a
+package that imports something it does not declare fails here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = [
+    "lint",
+    "simple_rpc",
+    "ipcblock",
+    "kvt",
+    "memprof",
+    "refstore",
+    "hybrid_connector",
+    "pd_serving",
+    "rl_dataflow",
+    "e2e",
+]
+
+ROOT = Path(__file__).parent
+PYTHON = "3.11"
+
+
+def _sync(session: nox.Session, package: str | None, *, extras: tuple[str, ...] = ()) -> None:
+    """Install one workspace package (or the whole workspace) from the lock into the session venv."""
+    args = ["uv", "sync", "--frozen", "--group", "dev", "--group", "bench"]
+    if package:
+        args += ["--package", package]
+    for extra in extras:
+        args += ["--extra", extra]
+    session.run_install(
+        *args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}, external=True
+    )
+
+
+def _test_package(session: nox.Session, package: str, *, extras: tuple[str, ...] = ()) -> None:
+    _sync(session, package, extras=extras)
+    pkg_dir = ROOT / "packages" / package
+    session.run("pytest", str(pkg_dir / "tests"), *session.posargs)
+    for bench in sorted((pkg_dir / "benchmarks").glob("bench_*.py")):
+        session.run("python", str(bench), "--smoke")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON, name="simple_rpc")
+def simple_rpc(session: nox.Session) -> None:
+    _test_package(session, "simple-rpc", extras=("fast",))
+
+
+@nox.session(python=PYTHON)
+def ipcblock(session: nox.Session) -> None:
+    _test_package(session, "ipcblock")
+
+
+@nox.session(python=PYTHON)
+def kvt(session: nox.Session) -> None:
+    _test_package(session, "kvt")
+
+
+@nox.session(python=PYTHON)
+def memprof(session: nox.Session) -> None:
+    _test_package(session, "memprof")
+
+
+@nox.session(python=PYTHON)
+def refstore(session: nox.Session) -> None:
+    _test_package(session, "refstore", extras=("torch", "ray"))
+
+
+@nox.session(python=PYTHON, name="hybrid_connector")
+def hybrid_connector(session: nox.Session) -> None:
+    _test_package(session, "hybrid-connector", extras=("cpu",))
+
+
+@nox.session(python=PYTHON, name="pd_serving")
+def pd_serving(session: nox.Session) -> None:
+    _test_package(session, "pd-serving")
+
+
+@nox.session(python=PYTHON, name="rl_dataflow")
+def rl_dataflow(session: nox.Session) -> None:
+    _test_package(session, "rl-dataflow")
+
+
+@nox.session(python=PYTHON)
+def e2e(session: nox.Session) -> None:
+    """Cross-package and end-to-end tests (real vLLM instances), run once."""
+    _sync(session, None)
+    session.run("pytest", str(ROOT / "tests"), *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Full benchmarks, side by side with the competitors; results go to benchmarks/results/."""
+    _sync(session, None)
+    env = {"BENCH_FULL": "1", **({"BENCH_FILTER": os.environ["BENCH_FILTER"]} if "BENCH_FILTER" in os.environ else {})}
+    for bench in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
+        session.run("python", str(bench), env=env)

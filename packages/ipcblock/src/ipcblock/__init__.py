@@ -1,0 +1,3 @@
+"""The 30-byte IpcBlock descriptor and ParseBlock KV layouts."""
+
+__version__ = "0.1.0"

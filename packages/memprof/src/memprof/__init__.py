@@ -1,0 +1,3 @@
+"""Always-on sampling memory profiler."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,6 @@
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static struct PyModuleDef core_module = {PyModuleDef_HEAD_INIT, "_core", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__core(void) { return PyModule_Create(&core_module); }
