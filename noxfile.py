@@ -1,13 +1,12 @@
-"""One session per package (its own virtualenv, its own tests and benchmark smoke runs), plus lint and e2e.
+"""One session per package (own virtualenv, own tests, benchmark smoke runs), plus lint and e2e.
 
-`nox` runs them all; `nox -s kvt` one; `nox -s bench` runs the full benchmarks (not part of the default).
-Each session's virtualenv is synced from uv.lock with only that package and its dependencies, so a
-package that imports something it does not declare fails here.
+`nox` runs them all; `nox -s kvt` one; `nox -s bench` runs the full benchmarks (not a default).
+Each session's virtualenv is synced from uv.lock with only that package and its dependencies, so
+a package that imports something it does not declare fails here.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import nox
@@ -33,15 +32,14 @@ PYTHON = "3.11"
 
 
 def _sync(session: nox.Session, package: str | None, *, extras: tuple[str, ...] = ()) -> None:
-    """Install one workspace package (or the whole workspace) from the lock into the session venv."""
+    """Install one workspace package (or the whole workspace) from the lock into the venv."""
     args = ["uv", "sync", "--frozen", "--group", "dev", "--group", "bench"]
     if package:
         args += ["--package", package]
     for extra in extras:
         args += ["--extra", extra]
-    session.run_install(
-        *args, env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}, external=True
-    )
+    env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
+    session.run_install(*args, env=env, external=True)
 
 
 def _test_package(session: nox.Session, package: str, *, extras: tuple[str, ...] = ()) -> None:
@@ -110,6 +108,7 @@ def e2e(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Full benchmarks, side by side with the competitors; results go to benchmarks/results/."""
     _sync(session, None)
-    env = {"BENCH_FULL": "1", **({"BENCH_FILTER": os.environ["BENCH_FILTER"]} if "BENCH_FILTER" in os.environ else {})}
+    only = session.posargs or None
     for bench in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
-        session.run("python", str(bench), env=env)
+        if only is None or bench.parent.parent.name in only:
+            session.run("python", str(bench))
