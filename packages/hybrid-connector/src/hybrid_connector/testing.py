@@ -1,0 +1,203 @@
+"""Test helpers: a deterministic tiny random-weight Qwen2 model with a locally trained tokenizer.
+
+`make_tiny_model(path)` builds everything offline (no hub access): a byte-level BPE tokenizer
+trained on a fixed built-in corpus and a 2-layer Qwen2 with seeded random weights, saved as
+safetensors. The same call on any machine produces the same tokenizer and the same weights, so
+greedy outputs are reproducible across runs and across instances (single vs prefill/decode).
+
+Heavy imports (torch, transformers, tokenizers) happen inside the function so that importing
+`hybrid_connector` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = ["TINY_MODEL_SPEC", "make_tiny_model"]
+
+# Shape of the tiny model. KV per token per layer: 2 (k, v) * 2 heads * 32 dims * 2 bytes = 256 B.
+# bfloat16 because vLLM's CPU backend runs float32 checkpoints in bfloat16 anyway (it would warn
+# on every weight while converting).
+TINY_MODEL_SPEC: dict[str, int | float | str] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+    "intermediate_size": 256,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+# Bump when the recipe changes, so an old directory is rebuilt instead of silently reused.
+_RECIPE_VERSION = 2
+_SEED = 1234
+_MARKER = "tiny_model_complete.json"
+
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as Qwen2 uses; `add_generation_prompt` opens the assistant turn.
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# A fixed small corpus: enough varied English and code-ish text for ~250 merges.
+_CORPUS_BASE = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Prefill and decode run on different instances; the KV cache moves between them.",
+    "A request goes to the prefill instance first, then to the decode instance.",
+    "The scheduler allocates blocks, the worker computes attention, the connector moves bytes.",
+    "Once upon a time there was a small model that answered every question with numbers.",
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "Hello, world! How are you today? I am fine, thank you.",
+    "One two three four five six seven eight nine ten eleven twelve.",
+    "Monday Tuesday Wednesday Thursday Friday Saturday Sunday",
+    "January February March April May June July August September October November December",
+    "The transport writes source bytes into destination bytes on the peer.",
+    "Machine learning models predict the next token from the previous tokens.",
+    "Large language models serve many users at the same time on shared hardware.",
+    "user assistant system: you are a helpful assistant. Answer briefly.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+    "It was the best of times, it was the worst of times, it was the age of wisdom.",
+    "To be, or not to be, that is the question.",
+    "All happy families are alike; each unhappy family is unhappy in its own way.",
+    "In the beginning the universe was created. This has made a lot of people very angry.",
+]
+
+
+def _corpus() -> list[str]:
+    # Repetition makes frequent pairs clearly frequent so the merges do not depend on tie order.
+    return [line for _ in range(4) for line in _CORPUS_BASE]
+
+
+def _is_complete(path: Path) -> bool:
+    marker = path / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return info.get("recipe_version") == _RECIPE_VERSION
+
+
+def _build_tokenizer(out_dir: Path) -> int:
+    """Train and save the tokenizer; returns the id of the end-of-sequence token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=int(TINY_MODEL_SPEC["vocab_size"]),
+        min_frequency=2,
+        special_tokens=_SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=int(TINY_MODEL_SPEC["max_position_embeddings"]),
+        chat_template=_CHAT_TEMPLATE,
+    )
+    fast.save_pretrained(str(out_dir))
+    # Some transformers versions keep the chat template only in chat_template.jinja; keep it in
+    # tokenizer_config.json too so every loader (vLLM, older transformers) finds it.
+    config_path = out_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = _CHAT_TEMPLATE
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(config, indent=2))
+    eos_id = tokenizer.token_to_id("<|im_end|>")
+    assert eos_id is not None
+    return int(eos_id)
+
+
+def _build_model(out_dir: Path, eos_token_id: int, pad_token_id: int) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=int(TINY_MODEL_SPEC["vocab_size"]),
+        hidden_size=int(TINY_MODEL_SPEC["hidden_size"]),
+        intermediate_size=int(TINY_MODEL_SPEC["intermediate_size"]),
+        num_hidden_layers=int(TINY_MODEL_SPEC["num_hidden_layers"]),
+        num_attention_heads=int(TINY_MODEL_SPEC["num_attention_heads"]),
+        num_key_value_heads=int(TINY_MODEL_SPEC["num_key_value_heads"]),
+        head_dim=int(TINY_MODEL_SPEC["head_dim"]),
+        max_position_embeddings=int(TINY_MODEL_SPEC["max_position_embeddings"]),
+        # A large init spread makes the random model's greedy choices depend strongly on the
+        # prompt, so a wrong KV cache shows up as different tokens instead of the same few.
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="bfloat16",
+        use_sliding_window=False,
+    )
+    torch.manual_seed(_SEED)
+    with torch.no_grad():
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.eval()
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    cfg_path = out_dir / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    # transformers 5 writes "dtype"; older readers look for "torch_dtype". Keep both.
+    cfg["torch_dtype"] = "bfloat16"
+    cfg["dtype"] = "bfloat16"
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+
+
+def make_tiny_model(path: str | os.PathLike[str]) -> Path:
+    """Create (or reuse) the deterministic tiny Qwen2 model directory at `path`; return it.
+
+    Idempotent: a directory already holding a complete model of the current recipe is returned as
+    is. Otherwise the model is built in a temporary sibling directory and renamed into place, so a
+    crash or a concurrent caller never leaves a half-written model at `path`.
+    """
+    target = Path(path).resolve()
+    if _is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        eos_id = _build_tokenizer(tmp)
+        pad_id = _SPECIAL_TOKENS.index("<|endoftext|>")
+        _build_model(tmp, eos_token_id=eos_id, pad_token_id=pad_id)
+        (tmp / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False})
+        )
+        (tmp / _MARKER).write_text(
+            json.dumps({"recipe_version": _RECIPE_VERSION, "seed": _SEED, **TINY_MODEL_SPEC})
+        )
+        if _is_complete(target):  # another caller finished first
+            return target
+        if target.exists():
+            shutil.rmtree(target)  # an incomplete or outdated directory
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
