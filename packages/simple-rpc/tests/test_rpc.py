@@ -1,0 +1,162 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import FAIL, PING, RAW, SLOW, UNKNOWN, Other, Ping, make_server
+from simple_rpc import (
+    CallerError,
+    Client,
+    ConnectError,
+    ConnectionLost,
+    Method,
+    RemoteError,
+    RpcTimeout,
+    Server,
+)
+
+
+async def test_typed_call_round_trip(server):
+    async with Client(server.address) as client:
+        resp = await client.call(PING, Ping(41), timeout=5.0)
+        assert isinstance(resp, Ping)
+        assert resp.n == 42
+        assert resp.note.startswith("127.0.0.1:")  # ctx.peer
+
+
+async def test_raw_bytes_method_small_and_large(server):
+    async with Client(server.address) as client:
+        assert await client.call(RAW, b"abc") == b"cba"
+        big = bytes(range(256)) * 20_000  # ~5 MiB, exercises the preallocated path both ways
+        resp = await client.call(RAW, memoryview(big))
+        assert isinstance(resp, memoryview)
+        assert resp == big[::-1]
+
+
+async def test_concurrent_calls_share_one_connection(server):
+    async with Client(server.address) as client:
+        results = await asyncio.gather(*(client.call(PING, Ping(i)) for i in range(500)))
+        assert [r.n for r in results] == list(range(1, 501))
+        # Out-of-order completion: the short sleep overtakes the long one on the same connection.
+        slow = asyncio.ensure_future(client.call(SLOW, 0.3))
+        assert await client.call(SLOW, 0.0) == 0.0
+        assert not slow.done()
+        assert await slow == 0.3
+        assert server.connection_count == 1
+
+
+async def test_handler_exception_becomes_remote_error_and_server_lives(server):
+    async with Client(server.address) as client:
+        with pytest.raises(RemoteError, match="no thanks 3") as info:
+            await client.call(FAIL, Ping(3))
+        assert info.value.kind == "handler_error"
+        assert "ValueError" in info.value.remote_message
+        assert (await client.call(PING, Ping(1))).n == 2
+
+
+async def test_unknown_head_gets_error_and_connection_stays(server, caplog):
+    async with Client(server.address) as client:
+        assert (await client.call(PING, Ping(1))).n == 2
+        with pytest.raises(RemoteError) as info:
+            await client.call(UNKNOWN, Ping(1), timeout=5.0)
+        assert info.value.kind == "unknown_head"
+        assert "0x53520199" in info.value.remote_message
+        assert (await client.call(PING, Ping(2))).n == 3
+        assert client.connected
+        assert server.connection_count == 1
+    assert "unknown head 0x53520199" in caplog.text
+
+
+async def test_body_of_wrong_schema_is_a_bad_request(server):
+    # Same heads as PING but a different request schema: the server cannot decode it.
+    wrong = Method("ping", PING.request_head, PING.response_head, Other, Ping)
+    async with Client(server.address) as client:
+        with pytest.raises(RemoteError) as info:
+            await client.call(wrong, Other("hi"))
+        assert info.value.kind == "bad_request"
+        assert (await client.call(PING, Ping(1))).n == 2
+
+
+async def test_caller_errors(server):
+    async with Client(server.address) as client:
+        with pytest.raises(CallerError, match="request must be Ping"):
+            await client.call(PING, Other("x"))
+        with pytest.raises(CallerError):
+            await client.call(RAW, "not bytes")
+    with pytest.raises(CallerError, match="closed"):
+        await client.call(PING, Ping(1))
+    with pytest.raises(CallerError, match="already registered"):
+        server.register(Method("dup", PING.request_head, 0x53528FFF, Ping, Ping), lambda r, c: r)
+    with pytest.raises(CallerError, match="reserved"):
+        Method("bad", 0x45525221, 1, Ping, Ping)
+    with pytest.raises(CallerError, match="host:port"):
+        Client("nowhere")
+
+
+async def test_request_over_max_frame_size_is_a_caller_error(server):
+    async with Client(server.address, max_frame_size=1024) as client:
+        with pytest.raises(CallerError, match="max_frame_size"):
+            await client.call(RAW, b"x" * 2000)
+        assert await client.call(RAW, b"x" * 100) == b"x" * 100
+
+
+async def test_per_call_timeout_and_late_answer_is_dropped(server):
+    async with Client(server.address) as client:
+        with pytest.raises(RpcTimeout):
+            await client.call(SLOW, 0.5, timeout=0.05)
+        with pytest.raises(TimeoutError):  # RpcTimeout is a builtin TimeoutError too
+            await client.call(SLOW, 0.5, timeout=0.05)
+        # The connection is still good, and the late answers do not confuse later calls.
+        assert await client.call(SLOW, 0.6, timeout=5.0) == 0.6
+        assert (await client.call(PING, Ping(5))).n == 6
+
+
+async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
+    server = make_server()
+    address = await server.start("127.0.0.1", 0)
+    port = int(address.rsplit(":", 1)[1])
+    client = Client(address)
+    pending = [asyncio.ensure_future(client.call(SLOW, 30.0)) for _ in range(10)]
+    assert (await client.call(PING, Ping(0))).n == 1
+    await server.close()
+    results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5.0)
+    assert all(isinstance(r, ConnectionLost) for r in results), results
+    assert not client.connected
+    with pytest.raises(ConnectError):  # nothing listens any more
+        await client.call(PING, Ping(1), timeout=5.0)
+    server2 = make_server()
+    await server2.start("127.0.0.1", port)
+    try:
+        assert (await client.call(PING, Ping(1), timeout=5.0)).n == 2  # reconnected lazily
+    finally:
+        await client.close()
+        await server2.close()
+
+
+async def test_cancelled_call_leaves_client_usable(server):
+    async with Client(server.address) as client:
+        task = asyncio.ensure_future(client.call(SLOW, 0.3))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (await client.call(PING, Ping(1))).n == 2
+
+
+async def test_close_fails_pending_calls(server):
+    client = Client(server.address)
+    pending = asyncio.ensure_future(client.call(SLOW, 30.0))
+    await asyncio.sleep(0.05)
+    await client.close()
+    with pytest.raises(ConnectionLost):
+        await pending
+    await client.close()  # idempotent
+
+
+async def test_server_close_is_idempotent_and_start_twice_is_refused():
+    server = Server()
+    await server.start()
+    with pytest.raises(CallerError):
+        await server.start()
+    await server.close()
+    await server.close()
