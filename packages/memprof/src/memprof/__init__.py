@@ -1,3 +1,153 @@
-"""Always-on sampling memory profiler."""
+"""memprof: an always-on sampling memory profiler.
+
+Python allocations are sampled by allocator hooks (Poisson by bytes, mean 512 KiB); native
+allocations optionally by jemalloc's sampler with the Python stack attached. Snapshots of the
+live samples are written periodically, on SIGUSR2 and at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal as _signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _core
+from .native import NativeModeUnavailable
+from .snapshot import Frame, SiteDelta, SiteStat, Snapshot, SnapshotFormatError, diff
 
 __version__ = "0.1.0"
+__all__ = [
+    "Frame",
+    "NativeModeUnavailable",
+    "SiteDelta",
+    "SiteStat",
+    "Snapshot",
+    "SnapshotFormatError",
+    "diff",
+    "is_running",
+    "request_snapshot",
+    "snapshot",
+    "start",
+    "stop",
+    "write_snapshot",
+]
+
+DEFAULT_MEAN = 512 * 1024
+
+
+@dataclass(frozen=True)
+class _Config:
+    mean: int
+    out_dir: str | None
+    interval: float
+    keep: int
+    signum: int
+    native: bool
+    seed: int
+
+
+_lock = threading.Lock()
+_config: _Config | None = None
+_hooks_registered = False
+
+
+def start(
+    *,
+    mean: int = DEFAULT_MEAN,
+    out_dir: str | os.PathLike[str] | None = None,
+    interval: float = 60.0,
+    keep: int = 5,
+    signum: int | None = _signal.SIGUSR2,
+    native: bool | None = False,
+    seed: int = 0,
+) -> None:
+    """Start sampling in this process (safe with threads already running).
+
+    mean: average bytes between samples. out_dir: where the background thread writes
+    `memprof-<pid>-<seq>.mprof` every `interval` seconds (keeping the last `keep`), on
+    `signum` and at exit; None = no writer (use snapshot()). native: also sample native
+    allocations through jemalloc (True: required, None: if available). seed: 0 = random.
+    """
+    global _config, _hooks_registered
+    if mean < 1:
+        raise ValueError(f"mean must be >= 1 byte, got {mean}")
+    if interval <= 0:
+        raise ValueError(f"interval must be > 0 seconds, got {interval}")
+    if native is None:
+        native = _core.native_available() is None
+    elif native:
+        why = _core.native_available()
+        if why is not None:
+            raise NativeModeUnavailable(why)
+    out = str(Path(out_dir).resolve()) if out_dir is not None else None
+    if out is not None:
+        Path(out).mkdir(parents=True, exist_ok=True)
+    with _lock:
+        if _config is not None:
+            raise RuntimeError("memprof is already running in this process; call stop() first")
+        _core.start(mean=float(mean), seed=seed, native=bool(native), native_dump_dir=out)
+        cfg = _Config(mean, out, interval, keep, signum or 0, bool(native), seed)
+        try:
+            if out is not None:
+                _core.writer_start(out_dir=out, interval=interval, keep=keep, signum=cfg.signum)
+        except BaseException:
+            _core.stop()
+            raise
+        _config = cfg
+        if not _hooks_registered:
+            atexit.register(stop)
+            os.register_at_fork(after_in_child=_after_fork_in_child)
+            _hooks_registered = True
+
+
+def stop() -> None:
+    """Write a final snapshot (if a writer runs), restore the allocators, drop the samples."""
+    global _config
+    with _lock:
+        if _config is None:
+            return
+        _core.writer_stop()
+        _core.stop()
+        _config = None
+
+
+def is_running() -> bool:
+    return _config is not None
+
+
+def snapshot() -> Snapshot:
+    """The live samples of this process, now."""
+    return Snapshot.from_bytes(_core.snapshot_bytes())
+
+
+def write_snapshot(path: str | os.PathLike[str]) -> float:
+    """Write a snapshot to `path` (tmp file, fsync, rename); returns the seconds it took."""
+    return _core.write_snapshot(os.fspath(path))
+
+
+def request_snapshot() -> None:
+    """Ask the background writer for a snapshot now (what the signal does)."""
+    _core.writer_request()
+
+
+def writer_info() -> dict:
+    """running, written (count), last_path, last_write_s."""
+    return _core.writer_info()
+
+
+def stats() -> dict:
+    """active, native, mean, live_samples, stacks, frames."""
+    return _core.stats()
+
+
+def _after_fork_in_child() -> None:
+    # The C atfork handler reset the locks and forgot the parent's writer thread (it does not
+    # exist here). Sampling continues; give the child its own writer (files carry its pid).
+    cfg = _config
+    if cfg is not None and cfg.out_dir is not None:
+        _core.writer_start(
+            out_dir=cfg.out_dir, interval=cfg.interval, keep=cfg.keep, signum=cfg.signum
+        )
