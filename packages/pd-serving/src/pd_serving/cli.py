@@ -1,0 +1,225 @@
+"""``pdserve``: make-model, up, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from pd_serving.launcher import ChildFailed
+from pd_serving.model import cache_dir, default_model_dir, make_model
+from pd_serving.servers import Connector, CpuSettings
+
+log = logging.getLogger("pdserve")
+
+READY_LINE = "pdserve: proxy ready on"
+
+
+class Terminated(SystemExit):
+    """SIGTERM turned into an exception, so ``finally`` blocks stop the children."""
+
+
+def _raise_terminated(signum: int, _frame: object) -> None:
+    raise Terminated(128 + signum)
+
+
+def _default_log_dir(command: str) -> Path:
+    return cache_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}-{os.getpid()}"
+
+
+def _add_instance_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"model directory (default: the tiny model in {default_model_dir()}, made if missing)",
+    )
+    parser.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
+    parser.add_argument(
+        "--dispatch",
+        choices=["sequential", "parallel"],
+        default=None,
+        help="P then D, or both at once (hybrid only); default: parallel for hybrid, "
+        "sequential for nixl",
+    )
+    parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache per instance")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+def _cpu_settings(args: argparse.Namespace) -> CpuSettings:
+    return CpuSettings(
+        kv_cache_bytes=args.kv_cache_mib * 1024 * 1024, max_model_len=args.max_model_len
+    )
+
+
+def _resolve_model(args: argparse.Namespace) -> Path:
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            raise SystemExit(f"pdserve: {args.model} is not a model directory (no config.json)")
+        return args.model.resolve()
+    return make_model(default_model_dir())
+
+
+def _dispatch(args: argparse.Namespace):
+    from pd_serving.proxy import Dispatch
+
+    if args.dispatch is not None:
+        return Dispatch(args.dispatch)
+    return Dispatch.PARALLEL if args.connector == Connector.HYBRID else Dispatch.SEQUENTIAL
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    path = make_model(args.dir)
+    print(path)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from pd_serving.deploy import Deployment
+    from pd_serving.proxy import PdProxy
+    from pd_serving.servers import plan_servers
+
+    model = _resolve_model(args)
+    connector = Connector(args.connector)
+    dispatch = _dispatch(args)
+    log_dir = args.log_dir or _default_log_dir("up")
+    servers = plan_servers(
+        model,
+        log_dir=log_dir,
+        connector=connector,
+        prefill=args.prefill,
+        decode=args.decode,
+        cpu=_cpu_settings(args),
+    )
+    print(
+        f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
+        f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
+        flush=True,
+    )
+    with Deployment(servers) as deployment:
+        deployment.start(timeout=args.startup_timeout)
+        config = deployment.proxy_config(connector, dispatch)
+        return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
+
+
+async def _run_proxy(proxy, host: str, port: int, deployment) -> int:
+    from pd_serving.proxy import serve
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    # A child that dies ends the deployment: the proxy must not answer 502 forever.
+    child_exited = asyncio.Event()
+
+    def on_child_exit(_fut: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop may be closed by then
+            loop.call_soon_threadsafe(child_exited.set)
+
+    for fut in deployment.exited_futures():
+        fut.add_done_callback(on_child_exit)
+    runner = await serve(proxy, host, port)
+    print(f"{READY_LINE} http://{host}:{port}", flush=True)
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(child_exited.wait())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            print("pdserve: stopping", flush=True)
+            return 0
+        names = [
+            s.name
+            for s, f in zip(deployment.servers, deployment.exited_futures(), strict=True)
+            if f.done()
+        ]
+        print(
+            f"pdserve: {', '.join(names)} exited; stopping everything", file=sys.stderr, flush=True
+        )
+        return 1
+    finally:
+        for task in waits:
+            task.cancel()
+        await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pd_serving.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pd_serving.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode vLLM instances behind an OpenAI-compatible proxy",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write the deterministic tiny Qwen2 model to DIR")
+    p.add_argument("dir", type=Path)
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("up", help="start P and D vLLM instances and the proxy; Ctrl-C stops all")
+    _add_instance_options(p)
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")
+    _add_instance_options(p)
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="TTFT/TPOT of 1P1D against a single instance")
+    _add_instance_options(p)
+    p.add_argument("--compare", action="store_true", help="single, hybrid and nixl in one run")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=300)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--smoke", action="store_true", help="few short requests (CI)")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("pdserve: interrupted; children stopped", file=sys.stderr)
+        return 130
+    except Terminated as exc:
+        return int(exc.code or 143)
+    except ChildFailed as exc:
+        print(f"pdserve: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

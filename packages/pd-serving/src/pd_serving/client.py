@@ -1,0 +1,167 @@
+"""A small OpenAI client that measures TTFT and TPOT from the stream, plus exact-length prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+
+@dataclass
+class Completion:
+    """One answer: its text, its token ids (when the server returns them) and its timing."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    ttft_s: float = 0.0  # request sent -> first token
+    tpot_s: float = 0.0  # mean time per output token after the first
+    latency_s: float = 0.0
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+
+
+class UpstreamHttpError(RuntimeError):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:300]}")
+        self.status = status
+        self.body = body
+
+
+async def complete(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    prompt: str | list[int],
+    *,
+    max_tokens: int,
+    stream: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> Completion:
+    """Greedy ``/v1/completions``; streaming gives TTFT and TPOT, non-streaming only latency."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        **(extra or {}),
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    started = time.perf_counter()
+    async with session.post(f"{base_url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise UpstreamHttpError(resp.status, await resp.text())
+        if not stream:
+            data = await resp.json()
+            done = time.perf_counter()
+            choice = data["choices"][0]
+            return Completion(
+                text=choice["text"],
+                token_ids=list(choice.get("token_ids") or []),
+                latency_s=done - started,
+                ttft_s=done - started,
+                completion_tokens=data["usage"]["completion_tokens"],
+                finish_reason=choice.get("finish_reason"),
+            )
+        return await _read_stream(resp, started)
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completion:
+    out = Completion(text="")
+    first_token_at: float | None = None
+    last_token_at = started
+    texts: list[str] = []
+    async for raw_line in resp.content:
+        line = raw_line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            break
+        event = json.loads(payload)
+        if event.get("usage"):
+            out.completion_tokens = event["usage"]["completion_tokens"]
+        for choice in event.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            if choice.get("text") or ids:
+                now = time.perf_counter()
+                first_token_at = first_token_at or now
+                last_token_at = now
+            texts.append(choice.get("text") or "")
+            out.token_ids.extend(ids)
+            out.finish_reason = choice.get("finish_reason") or out.finish_reason
+    done = time.perf_counter()
+    out.text = "".join(texts)
+    out.latency_s = done - started
+    out.ttft_s = (first_token_at or done) - started
+    n = out.completion_tokens or len(out.token_ids)
+    out.completion_tokens = n
+    out.tpot_s = (last_token_at - (first_token_at or last_token_at)) / (n - 1) if n > 1 else 0.0
+    return out
+
+
+def load_tokenizer(model_dir: Path):
+    """The model's own fast tokenizer (``tokenizers``, no transformers import)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+
+_WORDS = [
+    "prefill",
+    "decode",
+    "cache",
+    "block",
+    "token",
+    "request",
+    "model",
+    "answer",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "Monday",
+    "Friday",
+    "January",
+    "question",
+]
+
+
+def exact_length_prompt(tokenizer, num_tokens: int, seed: int = 0) -> str:
+    """A text prompt that the model's tokenizer turns into exactly ``num_tokens`` tokens.
+
+    Random words are appended until the text is long enough, then cut at a token boundary; a cut
+    can merge differently when re-encoded, so other word draws are tried until one round-trips.
+    """
+    rng = random.Random(seed)
+    for _attempt in range(50):
+        words: list[str] = []
+        while len(tokenizer.encode(" ".join(words), add_special_tokens=False).ids) < num_tokens + 8:
+            words.append(rng.choice(_WORDS))
+        ids = tokenizer.encode(" ".join(words), add_special_tokens=False).ids
+        text = tokenizer.decode(ids[:num_tokens])
+        if len(tokenizer.encode(text, add_special_tokens=False).ids) == num_tokens:
+            return text
+    raise ValueError(f"could not build a prompt of exactly {num_tokens} tokens")

@@ -1,0 +1,239 @@
+"""Child processes with a readiness signal: vLLM API servers and `pdserve up` itself.
+
+A child is started in its own process group (so a terminal's Ctrl-C reaches only the parent, and
+stopping the child's group also stops the engine and worker processes vLLM forks), with
+``PR_SET_PDEATHSIG`` so it gets SIGTERM if the parent dies without cleaning up.
+
+Readiness is event driven: a reader thread copies the child's output into its log file and watches
+for the line the server prints once it accepts connections (uvicorn's "Application startup
+complete."); a waiter thread blocks in ``wait()`` so a child that dies before it is ready fails the
+readiness future at once, with the tail of its log. Only after the marker is seen is ``/health``
+asked (a few tries with backoff, for servers that print the marker a moment before they answer).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+UVICORN_READY_MARKER = "Application startup complete."
+_PR_SET_PDEATHSIG = 1
+_LOG_TAIL_LINES = 40
+
+# Resolved in the parent: the child, between fork and exec, must not import or allocate.
+try:
+    _libc_prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _libc_prctl = None
+
+
+def _die_with_parent() -> None:
+    if _libc_prctl is not None:
+        _libc_prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class ChildFailed(RuntimeError):
+    """A child process exited (or never became ready); the message carries the tail of its log."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (the kernel picks it; a tiny race is accepted)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ManagedProcess:
+    """One child process: started in its own process group, readiness as a future, stopped for sure.
+
+    ``ready`` resolves when ``ready_marker`` appeared in the child's output and ``health_url`` (if
+    given) answered 200; it fails with :class:`ChildFailed` if the child exits first.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        ready_marker: str = UVICORN_READY_MARKER,
+        health_url: str | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.env = dict(os.environ if env is None else env)
+        self.ready_marker = ready_marker
+        self.health_url = health_url
+        self.cwd = cwd
+        self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.exited: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._threads: list[threading.Thread] = []
+        self._tail: collections.deque[str] = collections.deque(maxlen=_LOG_TAIL_LINES)
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> None:
+        """Spawn the child; returns at once (wait on ``ready``)."""
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log.info("starting %s: %s (log %s)", self.name, " ".join(self.argv), self.log_path)
+        self._proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            cwd=self.cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 -- only a prctl call, resolved beforehand
+        )
+        for target, suffix in ((self._read_output, "out"), (self._wait_exit, "wait")):
+            thread = threading.Thread(target=target, name=f"{self.name}-{suffix}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _read_output(self) -> None:
+        assert self._proc is not None
+        assert self._proc.stdout is not None
+        with self._proc.stdout as stream, self.log_path.open("ab") as sink:
+            for raw in stream:  # ends at EOF: every holder of the pipe (the whole group) exited
+                sink.write(raw)
+                sink.flush()
+                line = raw.decode(errors="replace").rstrip()
+                self._tail.append(line)
+                if not self.ready.done() and self.ready_marker in line:
+                    threading.Thread(
+                        target=self._confirm_health, name=f"{self.name}-health", daemon=True
+                    ).start()
+
+    def _confirm_health(self) -> None:
+        if self.health_url is not None:
+            delay = 0.05
+            deadline = time.monotonic() + 30.0
+            while True:
+                try:
+                    with urllib.request.urlopen(self.health_url, timeout=5.0) as resp:
+                        if resp.status == 200:
+                            break
+                except (urllib.error.URLError, OSError) as exc:
+                    if time.monotonic() > deadline or self.exited.done():
+                        self._fail_ready(f"{self.health_url} did not answer: {exc}")
+                        return
+                # The marker is printed as the socket starts accepting; only a short race is left.
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.ready.set_result(None)
+            log.info("%s ready (pid %s)", self.name, self.pid)
+
+    def _wait_exit(self) -> None:
+        assert self._proc is not None
+        code = self._proc.wait()
+        self.exited.set_result(code)
+        self._fail_ready(f"exited with code {code} before it was ready")
+
+    def _fail_ready(self, why: str) -> None:
+        if self.ready.done():
+            return
+        # Wait briefly for the output reader so the tail shows the child's last words.
+        for thread in self._threads[:1]:
+            thread.join(timeout=2.0)
+        tail = "\n".join(self._tail)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            self.ready.set_exception(
+                ChildFailed(f"{self.name} {why}; last lines of {self.log_path}:\n{tail}")
+            )
+
+    def log_tail(self) -> str:
+        return "\n".join(self._tail)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        """SIGTERM the child's process group, SIGKILL it after ``timeout``; idempotent."""
+        with self._stop_lock:
+            if self._stopped or self._proc is None:
+                return self._proc.returncode if self._proc else None
+            self._stopped = True
+        proc = self._proc
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            code = self.exited.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            log.warning(
+                "%s (pid %s) ignored SIGTERM for %.0f s; killing", self.name, proc.pid, timeout
+            )
+            _signal_group(proc.pid, signal.SIGKILL)
+            code = self.exited.result(timeout=10.0)
+        # The group leader is gone; anything it left in its group (engine, workers) goes too.
+        _signal_group(proc.pid, signal.SIGKILL)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self._fail_ready("was stopped")
+        return code
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def start_all(processes: Iterable[ManagedProcess]) -> list[ManagedProcess]:
+    started = []
+    for proc in processes:
+        proc.start()
+        started.append(proc)
+    return started
+
+
+def wait_all_ready(processes: Sequence[ManagedProcess], timeout: float) -> None:
+    """Block until every child is ready; the first failure (or the timeout) raises at once."""
+    pending = {proc.ready: proc for proc in processes}
+    deadline = time.monotonic() + timeout
+    while pending:
+        done, _ = concurrent.futures.wait(
+            pending,
+            timeout=max(0.0, deadline - time.monotonic()),
+            return_when=concurrent.futures.FIRST_EXCEPTION,
+        )
+        if not done:
+            names = ", ".join(proc.name for proc in pending.values())
+            raise ChildFailed(f"not ready after {timeout:.0f} s: {names}")
+        for fut in done:
+            proc = pending.pop(fut)
+            fut.result()  # raises ChildFailed
+            log.debug("%s is ready", proc.name)
+
+
+def stop_all(processes: Iterable[ManagedProcess], timeout: float = 20.0) -> None:
+    """Stop every child in parallel (each one's SIGTERM grace period overlaps the others')."""
+    procs = list(processes)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(procs))) as pool:
+        list(pool.map(lambda p: p.stop(timeout), procs))
+
+
+def python_argv(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]

@@ -1,0 +1,190 @@
+"""How one vLLM API server is started: role (single / prefill / decode), connector, CPU settings."""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_serving.launcher import ManagedProcess, free_port, python_argv
+
+
+class Connector(enum.StrEnum):
+    HYBRID = "hybrid"  # ours: hybrid_connector on kvt
+    NIXL = "nixl"  # vLLM's own NixlConnector (UCX), the reference
+
+
+class Role(enum.StrEnum):
+    SINGLE = "single"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+# vLLM's CPU backend allocates KV in blocks of 128 tokens by default.
+CPU_BLOCK_SIZE = 128
+
+
+@dataclass
+class CpuSettings:
+    """Knobs that make several vLLM instances share a small CPU box."""
+
+    kv_cache_bytes: int = 64 * 1024 * 1024
+    max_model_len: int = 2048
+    omp_threads: int = 1
+    # VLLM_CPU_OMP_THREADS_BIND value, e.g. "0" or "nobind"; None picks per role (see cpu_bind_for).
+    cpu_bind: str | None = None
+    max_num_seqs: int = 16
+
+
+def cpu_bind_for(role: Role, index: int) -> str:
+    """Spread instances over the cores: prefill from core 0 up, decode from the last core down.
+
+    The single instance shares the decode cores: it only runs when the 1P1D pair is idle (the demo
+    and the bench measure one system at a time).
+    """
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        return "nobind"
+    if role is Role.PREFILL:
+        return str(index % cores)
+    return str(cores - 1 - (index % cores))
+
+
+@dataclass
+class VllmServer:
+    """One vLLM OpenAI API server to start: a child process plus the addresses it will serve."""
+
+    name: str
+    model: Path
+    role: Role
+    connector: Connector | None
+    log_dir: Path
+    host: str = "127.0.0.1"
+    index: int = 0
+    cpu: CpuSettings = field(default_factory=CpuSettings)
+    port: int = field(default_factory=free_port)
+    rpc_port: int = field(default_factory=free_port)  # the connector's control port (P side)
+    served_model_name: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_connector_config: dict[str, Any] = field(default_factory=dict)
+    process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def rpc_address(self) -> str:
+        return f"{self.host}:{self.rpc_port}"
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        if self.role is Role.SINGLE or self.connector is None:
+            return None
+        if self.connector is Connector.NIXL:
+            return {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_both",
+                "kv_buffer_device": "cpu",
+            }
+        return {
+            "kv_connector": "HybridConnector",
+            "kv_connector_module_path": "hybrid_connector.connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "rpc_host": self.host,
+                "rpc_port": self.rpc_port,
+                "data_host": self.host,
+                **self.extra_connector_config,
+            },
+        }
+
+    def argv(self) -> list[str]:
+        args = [
+            "--model",
+            str(self.model),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.cpu.max_model_len),
+            "--kv-cache-memory-bytes",
+            str(self.cpu.kv_cache_bytes),
+            "--max-num-seqs",
+            str(self.cpu.max_num_seqs),
+            "--disable-uvicorn-access-log",
+        ]
+        if self.served_model_name:
+            args += ["--served-model-name", self.served_model_name]
+        config = self.kv_transfer_config()
+        if config is not None:
+            args += ["--kv-transfer-config", json.dumps(config)]
+        return python_argv("vllm.entrypoints.openai.api_server", *args, *self.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            {
+                "OMP_NUM_THREADS": str(self.cpu.omp_threads),
+                "VLLM_CPU_OMP_THREADS_BIND": self.cpu.cpu_bind
+                or cpu_bind_for(self.role, self.index),
+                "VLLM_CPU_KVCACHE_SPACE": "1",  # superseded by --kv-cache-memory-bytes
+                "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+                "HF_HUB_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        if self.connector is Connector.NIXL:
+            # NIXL's handshake side channel needs its own port per instance on one host.
+            env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.rpc_port)
+        return env
+
+    def make_process(self) -> ManagedProcess:
+        self.process = ManagedProcess(
+            self.name,
+            self.argv(),
+            log_path=self.log_dir / f"{self.name}.log",
+            env=self.env(),
+            health_url=f"{self.url}/health",
+        )
+        return self.process
+
+
+def plan_servers(
+    model: Path,
+    *,
+    log_dir: Path,
+    connector: Connector,
+    prefill: int = 1,
+    decode: int = 1,
+    single: int = 0,
+    cpu: CpuSettings | None = None,
+    served_model_name: str | None = None,
+    extra_connector_config: dict[str, Any] | None = None,
+) -> list[VllmServer]:
+    """The vLLM servers of one deployment: ``prefill`` P's, ``decode`` D's, ``single`` plain."""
+    cpu = cpu or CpuSettings()
+    servers: list[VllmServer] = []
+    for role, count in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.SINGLE, single)):
+        for index in range(count):
+            servers.append(
+                VllmServer(
+                    name=f"{role.value}{index}" if role is not Role.SINGLE else f"single{index}",
+                    model=model,
+                    role=role,
+                    connector=None if role is Role.SINGLE else connector,
+                    log_dir=log_dir,
+                    index=index,
+                    cpu=cpu,
+                    served_model_name=served_model_name,
+                    extra_connector_config=dict(extra_connector_config or {}),
+                )
+            )
+    return servers
