@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -209,9 +210,20 @@ class _ClientConnection(asyncio.Protocol):
         self._write_waiters.append(waiter)
         await waiter
 
+    def detach(self) -> None:
+        """Stop new calls from using this connection (the next call opens a new one)."""
+        if self.client._conn is self:
+            self.client._conn = None
+
     def abort(self, reason: str) -> None:
         self.lost_reason = reason
+        self.detach()
         self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        # The server closed its side: nothing more will be answered here.
+        self.detach()
+        return None
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -219,33 +231,39 @@ class _ClientConnection(asyncio.Protocol):
         set_nodelay(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.client._conn is self:
-            self.client._conn = None
+        self.detach()
         reason = self.lost_reason if exc is None else f"{self.lost_reason}: {exc}"
-        pending = list(self.pending.values())
-        self.pending.clear()
-        for future, method, timer in pending:
-            if timer is not None:
-                timer.cancel()
-            if not future.done():
-                future.set_exception(
-                    ConnectionLost(f"{method.name}: connection to {self.address} lost ({reason})")
-                )
+        failed = self._fail_pending(
+            lambda method: ConnectionLost(
+                f"{method.name}: connection to {self.address} lost ({reason})"
+            )
+        )
         for waiter in self._write_waiters:
             if not waiter.done():
                 waiter.set_exception(
                     ConnectionLost(f"connection to {self.address} lost ({reason})")
                 )
         self._write_waiters.clear()
-        if pending:
+        if failed:
             logger.warning(
                 "connection to %s lost (%s); failed %d pending call(s)",
                 self.address,
                 reason,
-                len(pending),
+                failed,
             )
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _fail_pending(self, make_error: Callable[[Method], Exception]) -> int:
+        """Fail every pending call at once; returns how many there were."""
+        pending = list(self.pending.values())
+        self.pending.clear()
+        for future, method, timer in pending:
+            if timer is not None:
+                timer.cancel()
+            if not future.done():
+                future.set_exception(make_error(method))
+        return len(pending)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -265,6 +283,14 @@ class _ClientConnection(asyncio.Protocol):
                 self._deliver(head, call_id, payload)
             logger.warning(
                 "closing connection to %s: malformed frame: %s", self.address, err.reason
+            )
+            # The server is at fault: its pending calls fail with the ProtocolError itself.
+            reason = err.reason
+            self._fail_pending(
+                lambda method: ProtocolError(
+                    f"{method.name}: malformed frame from the server: {reason}",
+                    peer=self.address,
+                )
             )
             self.abort(f"malformed frame from the server: {err.reason}")
             return

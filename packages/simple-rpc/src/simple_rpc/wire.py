@@ -30,7 +30,7 @@ DEFAULT_MAX_FRAME_SIZE = 64 * 1024 * 1024
 MAX_CALL_ID = 0xFFFFFFFF
 # A payload at least this large that is not yet complete is received into one preallocated
 # buffer (one copy per byte) instead of being accumulated chunk by chunk.
-_PREALLOCATE_AT = 64 * 1024
+PREALLOCATE_AT = 64 * 1024
 
 
 class Frame(NamedTuple):
@@ -71,9 +71,12 @@ class FrameDecoder:
         "_error",
         "_filled",
         "max_frame_size",
+        "preallocate_at",
     )
 
-    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+    def __init__(
+        self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, *, preallocate_at: int = PREALLOCATE_AT
+    ) -> None:
         if not isinstance(max_frame_size, int) or max_frame_size < CALL_ID_SIZE:
             from .errors import CallerError
 
@@ -81,6 +84,7 @@ class FrameDecoder:
                 f"max_frame_size must be an int >= {CALL_ID_SIZE}, got {max_frame_size!r}"
             )
         self.max_frame_size = max_frame_size
+        self.preallocate_at = preallocate_at
         # Partial frame (at most one small frame, or a partial header) carried between feeds.
         self._buf = bytearray()
         # Preallocated payload of a large frame being filled.
@@ -93,7 +97,7 @@ class FrameDecoder:
     @property
     def buffered(self) -> int:
         """Bytes received but not yet returned as frames."""
-        return len(self._buf) + (self._filled if self._body is not None else 0)
+        return len(self._buf) + (HEADER_SIZE + self._filled if self._body is not None else 0)
 
     @property
     def failed(self) -> bool:
@@ -172,7 +176,7 @@ class FrameDecoder:
                 return pos
             head, length, call_id = HEADER.unpack_from(buf, 0)
             size = self._check_length(head, length)
-            if size >= _PREALLOCATE_AT and end - pos < size:
+            if size >= self.preallocate_at and end - pos < size:
                 self._buf = bytearray()
                 return self._start_body((head, length, call_id), view, pos, frames)
         else:
@@ -199,7 +203,7 @@ class FrameDecoder:
             if end - start >= size:
                 pos = start + size
                 frames.append(Frame(head, call_id, view[start:pos]))
-            elif size >= _PREALLOCATE_AT:
+            elif size >= self.preallocate_at:
                 return self._start_body((head, length, call_id), view, start, frames)
             else:
                 break
