@@ -9,7 +9,6 @@ import os
 import threading
 
 from conftest import PING, SLOW, Ping, make_server
-
 from simple_rpc import Client, ConnectionLost, LoopThread, SyncClient
 
 
