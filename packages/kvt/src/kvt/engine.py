@@ -1,0 +1,663 @@
+"""Control layer: the TransferEngine, per-request state machines, timeouts, notifications.
+
+State machine (one per request and side)::
+
+    PENDING --first byte moves--> TRANSFERRING --receiver wrote last byte--> DONE
+       \\________________________________\\______ abort / timeout / link lost __> ABORTED(origin)
+
+Exactly one completion per request and side: every path goes through :meth:`_finish`, which
+decides under the engine lock and is a no-op once a completion exists. If the backend is touching
+the request's memory at that moment (``io_active``), delivery waits until it stops, so callers may
+free or reuse the blocks as soon as their callback runs. Callbacks run on the engine's notifier
+thread, never on an I/O thread or under a lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from ipcblock import IPCBLOCK_DTYPE
+
+from kvt.access import LayerEvents, Region, RegionTable
+from kvt.backend import DataPlaneBackend, Link
+from kvt.errors import (
+    EngineClosedError,
+    InvalidBlocksError,
+    InvalidRegionError,
+    RequestStateError,
+)
+from kvt.metrics import EngineMetrics
+from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
+from kvt.protocol import (
+    MAX_REQUEST_ID,
+    Abort,
+    AbortTarget,
+    DataHeader,
+    Done,
+    Hello,
+    encode_abort,
+    encode_done,
+)
+from kvt.tcp import TcpBackend
+from kvt.timers import TimerHandle, TimerScheduler
+
+log = logging.getLogger(__name__)
+
+CompletionCallback = Callable[[Completion], None]
+SEND, RECV = "send", "recv"
+_TOMBSTONES = 65536  # finished request ids remembered (late frames, abort-before-start)
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    role: str
+    created: float
+    callbacks: list[CompletionCallback] = field(default_factory=list)
+    status: TransferStatus = TransferStatus.PENDING
+    link: Link | None = None
+    peer: str | None = None
+    peer_address: str | None = None  # receiver: where to send an abort before any data arrived
+    nbytes: int = 0
+    last_submitted: bool = False
+    batches_waiting: int = 0  # sender: batches waiting for their layer event
+    parked_last: Any = None  # sender: the last batch, held until earlier batches are queued
+    io_active: int = 0
+    pending: Completion | None = None
+    final: Completion | None = None
+    timer: TimerHandle | None = None
+    abort_replied: bool = False
+
+
+class _SendJob:
+    """One send() batch as the backend sees it (see kvt.backend.SendJob)."""
+
+    __slots__ = ("blocks", "engine", "last", "req", "request_id", "submitted", "views")
+
+    def __init__(self, engine: TransferEngine, req: _Request, blocks: np.ndarray, views, last):
+        self.engine, self.req, self.blocks, self.views, self.last = engine, req, blocks, views, last
+        self.request_id = req.request_id
+        self.submitted = time.monotonic()
+
+    def begin_frame(self) -> bool:
+        return self.engine._begin_io(self.req, queued_since=self.submitted)
+
+    def end_frame(self, nbytes: int) -> None:
+        self.engine._end_io(self.req, nbytes, "sent")
+
+    def fail(self, reason: str) -> None:
+        self.engine._finish(
+            self.req, AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST, reason, notify_peer=False
+        )
+
+
+class _RecvSink:
+    __slots__ = ("engine", "req", "views")
+
+    def __init__(self, engine: TransferEngine, req: _Request, views: list[memoryview]):
+        self.engine, self.req, self.views = engine, req, views
+
+    def begin_chunk(self) -> bool:
+        return self.engine._begin_io(self.req, queued_since=None)
+
+    def end_chunk(self, nbytes: int) -> None:
+        self.engine._end_io(self.req, nbytes, "received")
+
+
+class TransferEngine:
+    """One engine per process side: regions, a data-plane listener, requests, metrics.
+
+    See the package README for the API walk-through; all public methods are thread-safe and
+    never block on the network.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "kvt",
+        *,
+        default_timeout_s: float = 60.0,
+        backend: DataPlaneBackend | None = None,
+    ) -> None:
+        self.name = name
+        self.default_timeout_s = default_timeout_s
+        self.metrics = EngineMetrics(name)
+        self.regions = RegionTable()
+        self._lock = threading.Lock()
+        self._send: dict[str, _Request] = {}
+        self._recv: dict[str, _Request] = {}
+        self._tombstones: collections.OrderedDict[tuple[str, str], Completion] = (
+            collections.OrderedDict()
+        )
+        self._closed = False
+        self._notify_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._notifier = threading.Thread(
+            target=self._notify_main, name=f"kvt-{name}-notify", daemon=True
+        )
+        self._notifier.start()
+        self._timers = TimerScheduler(name=f"kvt-{name}-timers")
+        self.backend = backend or TcpBackend(host, port, name=name)
+        self.backend.start(self)
+
+    # ================================================================ public API
+    @property
+    def data_address(self) -> str:
+        """"host:port" the peer's data plane connects to."""
+        return self.backend.address
+
+    @property
+    def metrics_registry(self):  # -> prometheus_client.CollectorRegistry
+        """This engine's CollectorRegistry (expose it with prometheus_client's helpers)."""
+        return self.metrics.registry
+
+    def metrics_text(self) -> bytes:
+        """The registry in Prometheus text format (for a /metrics handler)."""
+        return self.metrics.text()
+
+    def register_region(self, obj: Any, *, writable: bool | None = None) -> int:
+        """Register memory kvt may read (send) or write (receive); returns the region id.
+
+        ``obj``: a C-contiguous numpy array, a contiguous torch CPU tensor, a contiguous
+        memoryview/bytearray (read-only buffers can only be sent from), or ``(address, nbytes)``.
+        The caller keeps the memory valid until :meth:`unregister_region`.
+        """
+        self._check_open()
+        return self.regions.register(obj, writable=writable).region_id
+
+    def unregister_region(self, region_id: int) -> None:
+        self.regions.unregister(region_id)
+
+    def expect(
+        self,
+        request_id: str,
+        timeout_s: float | None = None,
+        on_complete: CompletionCallback | None = None,
+        *,
+        peer_data_address: str | None = None,
+    ) -> None:
+        """Receiver side: accept data for ``request_id`` (call before the peer starts sending).
+
+        ``on_complete`` runs once: DONE when the last batch's bytes are written, else ABORTED.
+        ``peer_data_address`` (optional) lets an abort reach the sender before any data arrived.
+        """
+        self._check_open()
+        _check_request_id(request_id)
+        with self._lock:
+            if request_id in self._recv:
+                raise RequestStateError(f"expect({request_id!r}) called twice")
+            tomb = self._tombstones.get((RECV, request_id))
+            if tomb is not None and tomb.status is TransferStatus.DONE:
+                raise RequestStateError(f"request {request_id!r} already completed")
+            req = _Request(request_id, RECV, time.monotonic(), peer_address=peer_data_address)
+            if on_complete is not None:
+                req.callbacks.append(on_complete)
+            if tomb is not None:  # aborted before it was expected (by the peer or abort())
+                req.final = tomb
+            else:
+                self._recv[request_id] = req
+                self.metrics.active.labels(role=RECV).inc()
+        if req.final is not None:
+            self._notify(req.callbacks, req.final, time.monotonic())
+            return
+        self._arm_timer(req, self.default_timeout_s if timeout_s is None else timeout_s)
+
+    def send(
+        self,
+        request_id: str,
+        peer_data_address: str,
+        blocks: np.ndarray,
+        last: bool = False,
+        on_complete: CompletionCallback | None = None,
+        *,
+        after: tuple[LayerEvents, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Sender side: queue ``blocks`` (IPCBLOCK_DTYPE; src_region local, dst_region the peer's).
+
+        Non-blocking; call once per batch (e.g. per layer). ``last=True`` closes the request; the
+        sender's completion is DONE only once the receiver confirmed every byte. ``after=(events,
+        layer)`` holds the batch until that layer's compute is ready. Raises
+        :class:`InvalidBlocksError` if a block falls outside the local registered regions.
+        """
+        self._check_open()
+        _check_request_id(request_id)
+        views = self._source_views(blocks)
+        new = False
+        aborted: Completion | None = None
+        with self._lock:
+            req = self._send.get(request_id)
+            if req is None:
+                tomb = self._tombstones.get((SEND, request_id))
+                if tomb is not None and tomb.status is TransferStatus.DONE:
+                    raise RequestStateError(f"request {request_id!r} already completed")
+                if tomb is not None:
+                    aborted = tomb  # aborted before its first batch (abort(), or by the peer)
+                else:
+                    req = _Request(request_id, SEND, time.monotonic(), peer=peer_data_address)
+                    self._send[request_id] = req
+                    self.metrics.active.labels(role=SEND).inc()
+                    new = True
+            elif req.last_submitted:
+                raise RequestStateError(f"send({request_id!r}) after the last batch")
+            elif req.peer != peer_data_address:
+                raise RequestStateError(
+                    f"request {request_id!r} goes to {req.peer}, not {peer_data_address}"
+                )
+            if req is not None:
+                aborted = req.final or req.pending
+                if aborted is None:
+                    if on_complete is not None:
+                        req.callbacks.append(on_complete)
+                    req.last_submitted = last
+                    if after is not None:
+                        req.batches_waiting += 1
+        if aborted is not None:  # already finished: nothing to send, tell this caller too
+            if on_complete is not None:
+                self._notify([on_complete], aborted, time.monotonic())
+            return
+        assert req is not None
+        if new:
+            self._arm_timer(req, self.default_timeout_s if timeout_s is None else timeout_s)
+        try:
+            link = self.backend.link_to(peer_data_address)
+        except (OSError, ValueError) as exc:
+            self._finish(req, AbortOrigin.TRANSPORT, AbortCode.CONNECT_FAILED, str(exc), False)
+            return
+        with self._lock:
+            req.link = link
+        job = _SendJob(self, req, np.asarray(blocks), views, last)
+        if after is None:
+            self._queue_job(link, job)
+        else:
+            events, layer = after
+            events.when_ready(layer, lambda: self._layer_ready(link, job))
+
+    def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
+        """Abort on this side (either role); the peer's side completes ABORTED(PEER). Idempotent.
+
+        An id this engine has not seen yet is remembered as aborted, so a later send()/expect()
+        completes ABORTED at once.
+        """
+        with self._lock:
+            reqs = [r for r in (self._send.get(request_id), self._recv.get(request_id)) if r]
+            if not reqs:
+                for role in (SEND, RECV):
+                    key = (role, request_id)
+                    if key not in self._tombstones:
+                        self._remember(
+                            key,
+                            Completion(
+                                request_id, role, TransferStatus.ABORTED, AbortOrigin.LOCAL,
+                                AbortCode.CALLER_ABORT, reason,
+                            ),
+                        )  # fmt: skip
+        for req in reqs:
+            self._finish(req, AbortOrigin.LOCAL, AbortCode.CALLER_ABORT, reason, notify_peer=True)
+
+    def status(self, request_id: str, role: str = SEND) -> TransferStatus | None:
+        """Current state of a request on this side, None if unknown (or long forgotten)."""
+        with self._lock:
+            req = (self._send if role == SEND else self._recv).get(request_id)
+            if req is not None:
+                return req.status
+            tomb = self._tombstones.get((role, request_id))
+            return tomb.status if tomb else None
+
+    def close(self) -> None:
+        """Abort open requests (peers are told), stop every thread, close every socket. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            open_requests = [*self._send.values(), *self._recv.values()]
+        for req in open_requests:
+            self._finish(
+                req, AbortOrigin.LOCAL, AbortCode.ENGINE_CLOSED, "engine closed", notify_peer=True
+            )
+        self.backend.close()
+        self._timers.close()
+        self._notify_queue.put(None)
+        self._notifier.join()
+        self.regions.clear()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ================================================================ sender internals
+    def _source_views(self, blocks: np.ndarray) -> list[memoryview]:
+        if not isinstance(blocks, np.ndarray) or blocks.dtype != IPCBLOCK_DTYPE:
+            raise InvalidBlocksError("blocks must be a numpy array of ipcblock.IPCBLOCK_DTYPE")
+        regions, error = self._validate(blocks, "src_region", "src_offset", need_writable=False)
+        if error is not None:
+            raise InvalidBlocksError(error)
+        src = blocks["src_region"].tolist()
+        off = blocks["src_offset"].tolist()
+        end = (blocks["src_offset"] + blocks["length"]).tolist()
+        return [regions[r].view[o:e] for r, o, e in zip(src, off, end, strict=True)]
+
+    def _layer_ready(self, link: Link, job: _SendJob) -> None:
+        req = job.req
+        with self._lock:
+            req.batches_waiting -= 1
+            release = req.parked_last if req.batches_waiting == 0 else None
+            if release is not None:
+                req.parked_last = None
+        self._queue_job(link, job)
+        if release is not None:
+            self.backend.submit(link, release)
+
+    def _queue_job(self, link: Link, job: _SendJob) -> None:
+        # The last batch must leave after every other batch of the request, or the receiver would
+        # report DONE early; batches still waiting for a layer event hold it back.
+        if job.last:
+            with self._lock:
+                if job.req.batches_waiting > 0:
+                    job.req.parked_last = job
+                    return
+        self.backend.submit(link, job)
+
+    # ================================================================ validation
+    def _validate(
+        self, blocks: np.ndarray, region_key: str, offset_key: str, *, need_writable: bool
+    ) -> tuple[dict[int, Region], str | None]:
+        """Every block inside a registered region (vectorised): (regions by id, error or None)."""
+        regions: dict[int, Region] = {}
+        if blocks.size == 0:
+            return regions, None
+        region_ids = blocks[region_key]
+        offsets = blocks[offset_key]
+        lengths = blocks["length"]
+        for rid in np.unique(region_ids).tolist():
+            region = self.regions.get(rid)
+            if region is None:
+                return regions, f"unknown region {rid}"
+            if need_writable and not region.writable:
+                return regions, f"region {rid} is read-only"
+            mask = region_ids == rid
+            size = np.uint64(region.nbytes)
+            length, offset = lengths[mask], offsets[mask]
+            # offset + length <= size, written so that no u64 sum can wrap around
+            bad = (length > size) | (offset > size - np.minimum(length, size))
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                return regions, (
+                    f"block [{int(offset[i])}, +{int(length[i])}) outside region {rid} "
+                    f"of {region.nbytes} bytes"
+                )
+            regions[rid] = region
+        return regions, None
+
+    # ================================================================ backend listener
+    def on_hello(self, link: Link, hello: Hello) -> None:
+        log.debug("kvt %s: link from %s (%s)", self.name, hello.name, hello.data_address)
+
+    def on_data(self, link: Link, header: DataHeader) -> _RecvSink | None:
+        rid = header.request_id
+        with self._lock:
+            req = self._recv.get(rid)
+            finished = None if req is None else (req.final or req.pending)
+            if req is None:
+                finished = self._tombstones.get((RECV, rid))
+                if finished is None:  # never expected: remember it as aborted, tell the sender
+                    reason = f"no expect() for request {rid!r}"
+                    finished = Completion(
+                        rid, RECV, TransferStatus.ABORTED, AbortOrigin.PEER,
+                        AbortCode.UNKNOWN_REQUEST, reason, peer=link.peer,
+                    )  # fmt: skip
+                    self._remember((RECV, rid), finished)
+                    log.warning(
+                        "kvt %s: data for unknown request %r from peer %s; rejected",
+                        self.name, rid, link.peer,
+                    )  # fmt: skip
+            reply = None
+            if finished is not None and finished.status is TransferStatus.ABORTED:
+                # Late data of an aborted request: tell the sender why (once), discard the bytes.
+                replied_key = (RECV + "-replied", rid)
+                if replied_key not in self._tombstones:
+                    self._remember(replied_key, finished)
+                    reply = encode_abort(
+                        rid, finished.code or AbortCode.CALLER_ABORT, AbortTarget.SENDER,
+                        finished.reason,
+                    )  # fmt: skip
+        if finished is not None:
+            if reply is not None:
+                link.send_control(reply)
+            return None
+        assert req is not None
+        regions, error = self._validate(
+            header.blocks, "dst_region", "dst_offset", need_writable=True
+        )
+        if error is not None:
+            reason = f"bad block from peer: {error}"
+            log.warning("kvt %s: request %r from peer %s: %s", self.name, rid, link.peer, reason)
+            with self._lock:
+                req.link = link
+            self._finish(req, AbortOrigin.PEER, AbortCode.BAD_BLOCK, reason, notify_peer=True)
+            return None
+        blocks = header.blocks
+        dst = blocks["dst_region"].tolist()
+        off = blocks["dst_offset"].tolist()
+        end = (blocks["dst_offset"] + blocks["length"]).tolist()
+        views = [regions[r].view[o:e] for r, o, e in zip(dst, off, end, strict=True)]
+        with self._lock:
+            if req.link is None:
+                req.link, req.peer = link, link.peer
+        return _RecvSink(self, req, views)
+
+    def on_data_end(self, link: Link, header: DataHeader, sink: _RecvSink | None) -> None:
+        if sink is None or not header.last:
+            return
+        req = sink.req
+        with self._lock:
+            if req.final is not None or req.pending is not None:
+                return
+            nbytes = req.nbytes
+        if self._finish(req, None, None, "", notify_peer=False):
+            link.send_control(encode_done(req.request_id, nbytes))
+
+    def on_done(self, link: Link, done: Done) -> None:
+        with self._lock:
+            req = self._send.get(done.request_id)
+        if req is None:
+            log.debug("kvt %s: DONE for finished request %r", self.name, done.request_id)
+            return
+        if not req.last_submitted:
+            reason = f"peer confirmed {done.request_id!r} before the last batch was sent"
+            log.warning("kvt %s: %s (peer %s)", self.name, reason, link.peer)
+            self._finish(req, AbortOrigin.PEER, AbortCode.PROTOCOL_ERROR, reason, True)
+            return
+        self._finish(req, None, None, "", notify_peer=False, nbytes=done.nbytes)
+
+    def on_abort(self, link: Link, abort: Abort) -> None:
+        role = SEND if abort.target is AbortTarget.SENDER else RECV
+        table = self._send if role == SEND else self._recv
+        reason = f"peer {link.peer} aborted ({abort.code.name}): {abort.reason}"
+        with self._lock:
+            req = table.get(abort.request_id)
+            if req is None and (role, abort.request_id) not in self._tombstones:
+                self._remember(
+                    (role, abort.request_id),
+                    Completion(
+                        abort.request_id, role, TransferStatus.ABORTED, AbortOrigin.PEER,
+                        abort.code, reason, peer=link.peer,
+                    ),
+                )  # fmt: skip
+        if req is not None:
+            log.info("kvt %s: request %r: %s", self.name, abort.request_id, reason)
+            self._finish(req, AbortOrigin.PEER, abort.code, reason, notify_peer=False)
+
+    def on_link_lost(self, link: Link, reason: str, connect_failed: bool) -> None:
+        code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
+        with self._lock:
+            victims = [
+                r for table in (self._send, self._recv) for r in table.values() if r.link is link
+            ]
+        if victims:
+            log.warning(
+                "kvt %s: link %s lost (%s): aborting %d request(s)",
+                self.name, link.peer, reason, len(victims),
+            )  # fmt: skip
+        for req in victims:
+            self._finish(req, AbortOrigin.TRANSPORT, code, reason, notify_peer=False)
+
+    # ================================================================ completion core
+    def _begin_io(self, req: _Request, queued_since: float | None) -> bool:
+        with self._lock:
+            if req.final is not None or req.pending is not None:
+                return False
+            if req.status is TransferStatus.PENDING:
+                req.status = TransferStatus.TRANSFERRING
+                if queued_since is not None:
+                    self.metrics.stage.labels(stage="queue").observe(
+                        time.monotonic() - queued_since
+                    )
+            req.io_active += 1
+            return True
+
+    def _end_io(self, req: _Request, nbytes: int, direction: str) -> None:
+        if nbytes:
+            self.metrics.bytes.labels(direction=direction).inc(nbytes)
+        with self._lock:
+            req.nbytes += nbytes
+            req.io_active -= 1
+            deliver = req.io_active == 0 and req.pending is not None and req.final is None
+            if deliver:
+                completion = req.pending
+                self._retire(req, completion)
+        if deliver:
+            self._deliver(req, completion)
+
+    def _finish(
+        self,
+        req: _Request,
+        origin: AbortOrigin | None,
+        code: AbortCode | None,
+        reason: str,
+        notify_peer: bool,
+        *,
+        nbytes: int | None = None,
+    ) -> bool:
+        """Decide the request's one completion (DONE when origin is None). False if already decided."""
+        with self._lock:
+            if req.final is not None or req.pending is not None:
+                return False
+            status = TransferStatus.DONE if origin is None else TransferStatus.ABORTED
+            completion = Completion(
+                req.request_id, req.role, status, origin, code, reason,
+                max(req.nbytes, nbytes or 0), req.peer,
+            )  # fmt: skip
+            if req.io_active:
+                req.pending = completion  # delivered by _end_io when the backend lets go
+                deliver = False
+            else:
+                self._retire(req, completion)
+                deliver = True
+            link = req.link if notify_peer else None
+            io_busy = req.io_active > 0
+        if status is TransferStatus.ABORTED:
+            level = logging.DEBUG if origin is AbortOrigin.LOCAL else logging.INFO
+            log.log(level, "kvt %s: %s request %r aborted (%s, %s): %s", self.name, req.role,
+                    req.request_id, origin.name, code.name if code else "-", reason)  # fmt: skip
+        if notify_peer:
+            target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
+            frame = encode_abort(req.request_id, code or AbortCode.CALLER_ABORT, target, reason)
+            if link is not None:
+                link.send_control(frame)
+            elif req.role == RECV and req.peer_address and not self._closed:
+                try:
+                    self.backend.link_to(req.peer_address).send_control(frame)
+                except (OSError, ValueError) as exc:
+                    log.info("kvt %s: could not tell %s about the abort: %s",
+                             self.name, req.peer_address, exc)  # fmt: skip
+        if origin is AbortOrigin.TIMEOUT and io_busy and req.link is not None:
+            # The backend is inside a frame of this request past its deadline: the link is stalled
+            # or far too slow. Closing it wakes the I/O thread, which then delivers the completion.
+            req.link.close(f"request {req.request_id!r} timed out mid-frame")
+        if deliver:
+            self._deliver(req, completion)
+        return True
+
+    def _retire(self, req: _Request, completion: Completion) -> None:
+        """Under the lock: the request leaves the active table and is remembered."""
+        req.final = completion
+        req.status = completion.status
+        table = self._send if req.role == SEND else self._recv
+        if table.get(req.request_id) is req:
+            del table[req.request_id]
+            self.metrics.active.labels(role=req.role).dec()
+        self._remember((req.role, req.request_id), completion)
+
+    def _remember(self, key: tuple[str, str], completion: Completion) -> None:
+        self._tombstones[key] = completion
+        self._tombstones.move_to_end(key)
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+
+    def _deliver(self, req: _Request, completion: Completion) -> None:
+        if req.timer is not None:
+            req.timer.cancel()
+        now = time.monotonic()
+        self.metrics.requests.labels(role=req.role, status=completion.status.value).inc()
+        if completion.origin is not None:
+            self.metrics.aborts.labels(role=req.role, origin=completion.origin.value).inc()
+        self.metrics.stage.labels(stage="transfer").observe(now - req.created)
+        self._notify(req.callbacks, completion, now)
+
+    def _notify(self, callbacks: list[CompletionCallback], completion: Completion, t: float):
+        self._notify_queue.put((callbacks, completion, t))
+
+    def _notify_main(self) -> None:
+        while (item := self._notify_queue.get()) is not None:
+            callbacks, completion, decided = item
+            self.metrics.stage.labels(stage="notify").observe(time.monotonic() - decided)
+            for callback in callbacks:
+                try:
+                    callback(completion)
+                except Exception:
+                    log.exception("kvt %s: completion callback raised", self.name)
+
+    def _arm_timer(self, req: _Request, timeout_s: float) -> None:
+        if timeout_s is None or timeout_s <= 0:
+            return
+        handle = self._timers.call_later(timeout_s, lambda: self._on_deadline(req, timeout_s))
+        with self._lock:
+            if req.final is None:
+                req.timer = handle
+                return
+        handle.cancel()
+
+    def _on_deadline(self, req: _Request, timeout_s: float) -> None:
+        reason = f"no completion within {timeout_s:g}s"
+        if self._finish(req, AbortOrigin.TIMEOUT, AbortCode.TIMEOUT, reason, notify_peer=True):
+            return
+        with self._lock:
+            stuck = req.final is None and req.io_active > 0
+            link = req.link
+        if stuck and link is not None:
+            # An earlier abort is waiting for the backend to leave a frame that has not moved
+            # since: the link is stalled, and closing it is the only way to release the memory.
+            link.close(f"request {req.request_id!r} stuck mid-frame past its deadline")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError(f"engine {self.name} is closed")
+
+
+def _check_request_id(request_id: str) -> None:
+    if not isinstance(request_id, str) or not 0 < len(request_id.encode()) <= MAX_REQUEST_ID:
+        raise RequestStateError(f"request id must be a 1..{MAX_REQUEST_ID} byte string")
+
+
+__all__ = ["InvalidRegionError", "TransferEngine"]

@@ -1,0 +1,336 @@
+"""kvt's wire format and its sans-I/O decoder.
+
+One TCP connection carries frames in both directions. Every frame starts with a 16-byte header::
+
+    offset size field
+    0      2    magic        b"KV"
+    2      1    version      1
+    3      1    type         1 HELLO, 2 DATA, 3 DONE, 4 ABORT
+    4      4    meta_len     u32 LE, bytes of type-specific metadata that follow the header
+    8      8    payload_len  u64 LE, raw bytes after the metadata (DATA only, else 0)
+
+Metadata (little-endian):
+
+    HELLO  u16 name_len | u16 addr_len | name utf-8 | data address utf-8
+    DATA   u16 rid_len | u8 flags (bit0 = last batch) | u8 0 | u32 n_blocks | rid | n_blocks x 30 B IpcBlock
+           payload = the blocks' bytes, concatenated in record order (sum of lengths == payload_len)
+    DONE   u16 rid_len | u16 0 | u64 nbytes | rid          (receiver -> sender: every byte written)
+    ABORT  u16 rid_len | u8 code | u8 target (1 sender side, 2 receiver side) | rid | reason utf-8
+
+The decoder never sees payload bytes in the fast path: after a DATA header it enters the PAYLOAD
+state, the I/O layer reads the payload straight into destination memory and reports how much it
+consumed (:meth:`FrameDecoder.payload_consumed`). For fuzzing and for draining, payload bytes can
+also be fed through :meth:`FrameDecoder.feed`, which then yields :class:`PayloadBytes` events.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from ipcblock import IPCBLOCK_DTYPE, IPCBLOCK_SIZE, blocks_from_bytes
+
+from kvt.errors import ProtocolViolation
+from kvt.outcome import AbortCode
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIQ")
+HEADER_SIZE = HEADER.size  # 16
+DATA_META = struct.Struct("<HBBI")  # rid_len, flags, reserved, n_blocks
+DONE_META = struct.Struct("<HHQ")  # rid_len, reserved, nbytes
+ABORT_META = struct.Struct("<HBB")  # rid_len, code, target
+HELLO_META = struct.Struct("<HH")  # name_len, addr_len
+FLAG_LAST = 0x01
+MAX_REQUEST_ID = 1024
+DEFAULT_MAX_META = 8 * 1024 * 1024  # 8 MiB of metadata = ~280k records per frame
+assert HEADER_SIZE == 16
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    DATA = 2
+    DONE = 3
+    ABORT = 4
+
+
+class AbortTarget(enum.IntEnum):
+    SENDER = 1  # abort the request on the side that sends data
+    RECEIVER = 2  # abort the request on the side that receives data
+
+
+# ------------------------------------------------------------------ events
+@dataclass(frozen=True, slots=True)
+class Hello:
+    name: str
+    data_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class DataHeader:
+    request_id: str
+    last: bool
+    blocks: np.ndarray  # IPCBLOCK_DTYPE, read-only view of the metadata
+    payload_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    request_id: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+    code: AbortCode
+    target: AbortTarget
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadBytes:
+    """Payload bytes fed through :meth:`FrameDecoder.feed` (fuzzing/draining, not the fast path)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PayloadEnd:
+    """The current DATA frame's payload is complete."""
+
+    request_id: str
+
+
+Event = Hello | DataHeader | Done | Abort | PayloadBytes | PayloadEnd
+
+
+# ------------------------------------------------------------------ encoders
+def _rid(request_id: str) -> bytes:
+    raw = request_id.encode()
+    if not raw or len(raw) > MAX_REQUEST_ID:
+        raise ValueError(f"request id must be 1..{MAX_REQUEST_ID} bytes of utf-8, got {len(raw)}")
+    return raw
+
+
+def _frame(ftype: FrameType, meta: bytes, payload_len: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, ftype, len(meta), payload_len) + meta
+
+
+def encode_hello(name: str, data_address: str) -> bytes:
+    n, a = name.encode()[:512], data_address.encode()[:512]
+    return _frame(FrameType.HELLO, HELLO_META.pack(len(n), len(a)) + n + a)
+
+
+def encode_data_head(request_id: str, blocks: np.ndarray, last: bool) -> bytes:
+    """Header + metadata of a DATA frame; the payload (the blocks' source bytes) follows on the wire."""
+    rid = _rid(request_id)
+    records = np.ascontiguousarray(blocks, dtype=IPCBLOCK_DTYPE)
+    payload_len = int(records["length"].sum(dtype=np.uint64)) if records.size else 0
+    meta = (
+        DATA_META.pack(len(rid), FLAG_LAST if last else 0, 0, records.size)
+        + rid
+        + records.tobytes()
+    )
+    return _frame(FrameType.DATA, meta, payload_len)
+
+
+def encode_done(request_id: str, nbytes: int) -> bytes:
+    rid = _rid(request_id)
+    return _frame(FrameType.DONE, DONE_META.pack(len(rid), 0, nbytes) + rid)
+
+
+def encode_abort(request_id: str, code: AbortCode, target: AbortTarget, reason: str) -> bytes:
+    rid = _rid(request_id)
+    text = reason.encode(errors="replace")[:4096]
+    return _frame(FrameType.ABORT, ABORT_META.pack(len(rid), int(code), int(target)) + rid + text)
+
+
+# ------------------------------------------------------------------ decoder
+class _State(enum.Enum):
+    HEADER = 1
+    META = 2
+    PAYLOAD = 3
+
+
+class FrameDecoder:
+    """Bytes in, typed events out; raises :class:`ProtocolViolation` on malformed input.
+
+    After a violation the decoder is poisoned (every later call raises): the stream has lost its
+    framing and the connection must be closed.
+    """
+
+    def __init__(self, max_meta: int = DEFAULT_MAX_META) -> None:
+        self.max_meta = max_meta
+        self._state = _State.HEADER
+        self._buf = bytearray()
+        self._ftype = FrameType.HELLO
+        self._meta_len = 0
+        self._payload_left = 0
+        self._payload_rid = ""
+        self._error: ProtocolViolation | None = None
+
+    # -- introspection used by the I/O layer
+    @property
+    def in_payload(self) -> bool:
+        return self._state is _State.PAYLOAD
+
+    @property
+    def payload_left(self) -> int:
+        return self._payload_left
+
+    def next_read_size(self) -> int:
+        """Bytes to read so the next header or metadata is complete, never reading past it."""
+        if self._state is _State.HEADER:
+            return HEADER_SIZE - len(self._buf)
+        if self._state is _State.META:
+            return self._meta_len - len(self._buf)
+        return self._payload_left
+
+    # -- feeding
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Event]:
+        self._check_poisoned()
+        events: list[Event] = []
+        view = memoryview(data).cast("B")
+        pos = 0
+        try:
+            while pos < len(view):
+                if self._state is _State.PAYLOAD:
+                    take = min(self._payload_left, len(view) - pos)
+                    events.append(PayloadBytes(bytes(view[pos : pos + take])))
+                    pos += take
+                    events.extend(self.payload_consumed(take))
+                    continue
+                need = self.next_read_size()
+                take = min(need, len(view) - pos)
+                self._buf += view[pos : pos + take]
+                pos += take
+                if take == need:
+                    events.extend(self._advance())
+        except ProtocolViolation as exc:
+            self._error = exc
+            raise
+        return events
+
+    def payload_consumed(self, n: int) -> list[Event]:
+        """The I/O layer moved ``n`` payload bytes itself (straight into destination memory)."""
+        self._check_poisoned()
+        if self._state is not _State.PAYLOAD or n > self._payload_left or n < 0:
+            raise ProtocolViolation(f"payload_consumed({n}) outside a payload")
+        self._payload_left -= n
+        if self._payload_left == 0:
+            self._state = _State.HEADER
+            return [PayloadEnd(self._payload_rid)]
+        return []
+
+    def _check_poisoned(self) -> None:
+        if self._error is not None:
+            raise ProtocolViolation(f"decoder unusable after earlier error: {self._error}")
+
+    def _advance(self) -> list[Event]:
+        if self._state is _State.HEADER:
+            magic, version, ftype, meta_len, payload_len = HEADER.unpack(self._buf)
+            self._buf.clear()
+            if magic != MAGIC:
+                raise ProtocolViolation(f"bad magic {magic!r}")
+            if version != VERSION:
+                raise ProtocolViolation(f"unsupported version {version}")
+            try:
+                self._ftype = FrameType(ftype)
+            except ValueError:
+                raise ProtocolViolation(f"unknown frame type {ftype}") from None
+            if meta_len > self.max_meta:
+                raise ProtocolViolation(f"metadata of {meta_len} bytes exceeds {self.max_meta}")
+            if payload_len and self._ftype is not FrameType.DATA:
+                raise ProtocolViolation(f"{self._ftype.name} frame with a payload")
+            self._meta_len = meta_len
+            self._payload_left = payload_len
+            self._state = _State.META
+            if meta_len == 0:
+                return self._advance()
+            return []
+        # META complete
+        meta = bytes(self._buf)
+        self._buf.clear()
+        self._state = _State.HEADER
+        event = self._parse_meta(self._ftype, meta)
+        if isinstance(event, DataHeader):
+            self._payload_rid = event.request_id
+            if self._payload_left:
+                self._state = _State.PAYLOAD
+                return [event]
+            return [event, PayloadEnd(event.request_id)]
+        return [event]
+
+    def _parse_meta(self, ftype: FrameType, meta: bytes) -> Event:
+        if ftype is FrameType.HELLO:
+            name_len, addr_len = _unpack(HELLO_META, meta, "HELLO")
+            if HELLO_META.size + name_len + addr_len != len(meta):
+                raise ProtocolViolation("HELLO lengths do not add up")
+            body = meta[HELLO_META.size :]
+            return Hello(_text(body[:name_len]), _text(body[name_len:]))
+        if ftype is FrameType.DATA:
+            rid_len, flags, _, n_blocks = _unpack(DATA_META, meta, "DATA")
+            if DATA_META.size + rid_len + n_blocks * IPCBLOCK_SIZE != len(meta):
+                raise ProtocolViolation("DATA metadata length does not match its block count")
+            rid = _request_id(meta[DATA_META.size : DATA_META.size + rid_len])
+            if flags & ~FLAG_LAST:
+                raise ProtocolViolation(f"unknown DATA flags {flags:#x}")
+            blocks = blocks_from_bytes(meta[DATA_META.size + rid_len :])
+            total = _checked_total(blocks)
+            if total != self._payload_left:
+                raise ProtocolViolation(
+                    f"DATA {rid!r}: payload_len {self._payload_left} != sum of block lengths {total}"
+                )
+            return DataHeader(rid, bool(flags & FLAG_LAST), blocks, total)
+        if ftype is FrameType.DONE:
+            rid_len, _, nbytes = _unpack(DONE_META, meta, "DONE")
+            if DONE_META.size + rid_len != len(meta):
+                raise ProtocolViolation("DONE metadata length mismatch")
+            return Done(_request_id(meta[DONE_META.size :]), nbytes)
+        rid_len, code, target = _unpack(ABORT_META, meta, "ABORT")
+        if ABORT_META.size + rid_len > len(meta):
+            raise ProtocolViolation("ABORT request id runs past the metadata")
+        rid = _request_id(meta[ABORT_META.size : ABORT_META.size + rid_len])
+        try:
+            abort_code, abort_target = AbortCode(code), AbortTarget(target)
+        except ValueError:
+            raise ProtocolViolation(f"ABORT with unknown code {code} / target {target}") from None
+        return Abort(rid, abort_code, abort_target, _text(meta[ABORT_META.size + rid_len :]))
+
+
+def _unpack(st: struct.Struct, meta: bytes, what: str) -> tuple:
+    if len(meta) < st.size:
+        raise ProtocolViolation(f"{what} metadata of {len(meta)} bytes is too short")
+    return st.unpack_from(meta)
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+def _request_id(raw: bytes) -> str:
+    if not raw or len(raw) > MAX_REQUEST_ID:
+        raise ProtocolViolation(f"request id of {len(raw)} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolViolation("request id is not utf-8") from None
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _checked_total(blocks: np.ndarray) -> int:
+    """Sum of lengths without silent u64 wrap-around (a crafted frame could try that)."""
+    if blocks.size == 0:
+        return 0
+    lengths = blocks["length"]
+    if int(lengths.max()) > _U64_MAX // max(1, blocks.size):
+        total = sum(int(x) for x in lengths.tolist())
+        if total > _U64_MAX:
+            raise ProtocolViolation("block lengths overflow u64")
+        return total
+    return int(lengths.sum(dtype=np.uint64))
