@@ -1,3 +1,56 @@
-"""Reference store for RL data (R3): shared-memory pool, leases, manifests."""
+"""refstore: a node-local reference store for RL data (R3).
+
+    import refstore
+    client = refstore.connect(autostart=True)        # finds or starts this node's master
+    ref = client.put({"tokens": tokens, "topk": topk})  # one copy into shared memory; ref < 200 B
+    views = client.get(ref)                           # zero-copy, read-only numpy / torch views
+    client.release(ref)                               # free now (or let the lease expire)
+
+See README.md for leases, soft pins, eviction, manifests, remote get, faults and Ray helpers.
+"""
+
+from .client import Client, connect, start_master_process
+from .errors import (
+    CallerError,
+    InjectedFault,
+    MasterRestarted,
+    MasterUnavailable,
+    ObjectEvicted,
+    ObjectExpired,
+    ObjectGone,
+    ObjectReleased,
+    PeerError,
+    PoolFull,
+    RefstoreError,
+    UnknownObject,
+)
+from .manifest import Manifest, materialize
+from .master import Master, MasterThread
+from .protocol import Stats
+from .ref import Ref
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "CallerError",
+    "Client",
+    "InjectedFault",
+    "Manifest",
+    "Master",
+    "MasterRestarted",
+    "MasterThread",
+    "MasterUnavailable",
+    "ObjectEvicted",
+    "ObjectExpired",
+    "ObjectGone",
+    "ObjectReleased",
+    "PeerError",
+    "PoolFull",
+    "Ref",
+    "RefstoreError",
+    "Stats",
+    "UnknownObject",
+    "connect",
+    "materialize",
+    "start_master_process",
+]

@@ -1,0 +1,407 @@
+"""The client: put / get / release / extend / pin / stats against the node-local master.
+
+A put is two small RPCs (alloc, seal) around one copy of the payload straight into the mapped pool;
+a get is one RPC (resolve the ref to an offset) and a zero-copy view, whatever the size. A ref owned
+by another node's master is fetched into the local pool by the local master (``remote.py``) first.
+
+Threads: the client owns a ``SyncClient`` (its loop thread) and, lazily, one copy thread for large
+puts; ``close()`` stops both and unmaps the pool once no view is left. The client is thread-safe.
+
+Master restarts: when the connection to the master is lost the client re-reads the discovery file;
+if a new master (new epoch) is running it re-attaches to the new pool, gives refs of the old epoch a
+``MasterRestarted`` error (with the time the old master was noticed gone) and retries puts once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from simple_rpc import RpcError, SyncClient
+
+from . import codec, discovery, protocol
+from .errors import (
+    CallerError,
+    MasterRestarted,
+    MasterUnavailable,
+    from_info,
+)
+from .pool import SharedPool
+from .ref import Ref
+
+log = logging.getLogger("refstore.client")
+
+DEFAULT_TTL_S = float(os.environ.get("REFSTORE_TTL", "300"))
+DEFAULT_TIMEOUT_S = 30.0
+PARALLEL_COPY_MIN = 32 << 20  # below this a second thread costs more than it saves
+
+
+class _Copier:
+    """Copies large contiguous payloads with the caller's thread plus one helper thread."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self.threads = max(1, min(2, os.cpu_count() or 1))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.threads - 1, thread_name_prefix="refstore-copy"
+                )
+            return self._pool
+
+    def copy_numpy(self, target: np.ndarray, source: np.ndarray) -> None:
+        if (
+            self.threads < 2
+            or source.nbytes < PARALLEL_COPY_MIN
+            or not source.flags.c_contiguous
+            or source.ndim == 0
+        ):
+            np.copyto(target, source, casting="no")
+            return
+        flat_dst = target.reshape(-1).view(np.uint8)
+        flat_src = source.reshape(-1).view(np.uint8)
+        half = (flat_src.nbytes // 2) & ~4095
+        helper = self._executor().submit(np.copyto, flat_dst[half:], flat_src[half:])
+        np.copyto(flat_dst[:half], flat_src[:half])
+        helper.result()
+
+    def copy_torch(self, target: Any, source: Any) -> None:
+        target.copy_(source)  # torch's own intra-op threads split large copies
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+class Client:
+    """Connect with ``refstore.connect()`` (finds or starts the local master) or directly."""
+
+    def __init__(
+        self,
+        name: str = discovery.DEFAULT_NAME,
+        *,
+        address: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        default_ttl: float | None = DEFAULT_TTL_S,
+    ) -> None:
+        self.name = name
+        self.timeout = timeout
+        self.default_ttl = default_ttl
+        self._fixed_address = address
+        self._lock = threading.RLock()
+        self._copier = _Copier()
+        self._rpc: SyncClient | None = None
+        self._pool: SharedPool | None = None
+        self._old_pools: list[SharedPool] = []
+        self._closed = False
+        self.epoch = ""
+        self.node = ""
+        self.address = ""
+        self._past_epochs: dict[str, float] = {}
+        self._attach()
+
+    # -- connection ---------------------------------------------------------------------------
+    def _attach(self) -> None:
+        """(Re)connect to the master named in the discovery file and map its pool."""
+        address = self._fixed_address
+        info = discovery.read_info(self.name)
+        if info is not None:
+            self._past_epochs.update(dict(info.past_epochs))
+        if address is None:
+            if info is None or not discovery.master_running(self.name):
+                raise MasterUnavailable(
+                    f"no refstore master {self.name!r} is running (dir {discovery.directory()}); "
+                    "start one with `refstore serve` or use refstore.connect(autostart=True)"
+                )
+            address = info.address
+        rpc = SyncClient(address)
+        try:
+            hello = rpc.call(
+                protocol.HELLO,
+                protocol.Hello(f"{self.name} pid {os.getpid()}"),
+                timeout=self.timeout,
+            )
+            pool = SharedPool.attach(hello.pid, hello.pool_fd, hello.pool_size)
+        except RpcError as err:
+            rpc.close()
+            raise MasterUnavailable(
+                f"refstore master at {address}: {type(err).__name__}: {err}"
+            ) from err
+        except BaseException:
+            rpc.close()
+            raise
+        if self.epoch and self.epoch != hello.epoch:
+            self._past_epochs.setdefault(self.epoch, time.time())
+            log.warning(
+                "refstore master %s restarted: epoch %s -> %s", self.name, self.epoch, hello.epoch
+            )
+        old_rpc, old_pool = self._rpc, self._pool
+        self._rpc, self._pool = rpc, pool
+        self.epoch, self.node, self.address = hello.epoch, hello.node, address
+        if old_rpc is not None:
+            old_rpc.close()
+        if old_pool is not None:
+            old_pool.close()  # stays mapped while old views are alive
+
+    def _call(self, method: Any, request: Any, *, timeout: float | None = None) -> Any:
+        if self._closed:
+            raise CallerError("refstore client is closed")
+        rpc = self._rpc
+        assert rpc is not None
+        try:
+            resp = rpc.call(method, request, timeout=timeout or self.timeout)
+        except RpcError as err:
+            raise MasterUnavailable(
+                f"refstore master at {self.address}: {type(err).__name__}: {err}"
+            ) from err
+        err_info = getattr(resp, "err", None)
+        if err_info is not None:
+            raise from_info(err_info)
+        return resp
+
+    def reconnect(self) -> bool:
+        """Re-attach after losing the master. True if a different master (new epoch) took over."""
+        with self._lock:
+            before = self.epoch
+            self._attach()
+            return self.epoch != before
+
+    def _check_epoch(self, ref: Ref) -> None:
+        """Raise MasterRestarted for refs of a local master that no longer runs."""
+        since = self._past_epochs.get(ref.pool)
+        if since is not None:
+            raise MasterRestarted(f"object {ref.oid} of pool {ref.pool} (now {self.epoch})", since)
+
+    def _with_recovery(self, fn: Any, *, retry: bool) -> Any:
+        try:
+            return fn()
+        except MasterUnavailable:
+            if self._fixed_address is not None:
+                raise
+            try:
+                changed = self.reconnect()
+            except MasterUnavailable:
+                raise
+            if changed and retry:
+                return fn()
+            raise
+
+    # -- put ----------------------------------------------------------------------------------
+    def put(self, obj: Any, *, ttl: float | str | None = "default", pin: bool = False) -> Ref:
+        """Store ``obj`` (array, tensor, bytes, or a list/tuple/dict of them) and return its ref.
+
+        ``ttl``: lease seconds (default ``default_ttl``); ``None`` for no lease (a cache entry,
+        evictable under memory pressure). ``pin``: soft pin (evicted only when nothing else can be).
+        """
+        ttl_s = self.default_ttl if ttl == "default" else ttl
+        layout, sources, nbytes = codec.encode(obj)
+        return self._with_recovery(
+            lambda: self._put(layout, sources, nbytes, ttl_s, pin), retry=True
+        )
+
+    def _put(
+        self, layout: protocol.Layout, sources: list[Any], nbytes: int, ttl_s: Any, pin: bool
+    ) -> Ref:
+        resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin))
+        pool = self._pool
+        assert pool is not None
+        try:
+            for item, source in zip(layout.items, sources, strict=True):
+                start = resp.offset + item.offset
+                codec.copy_into(pool.view[start : start + item.nbytes], source, item, self._copier)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._call(protocol.RELEASE, protocol.OidList(self.epoch, [resp.oid]))
+            raise
+        self._call(protocol.SEAL, protocol.Seal(resp.oid))
+        return Ref(self.epoch, resp.oid, nbytes, self.node)
+
+    # -- get ----------------------------------------------------------------------------------
+    def get(
+        self, ref: Ref, *, as_: str | None = None, writable: bool = False, ttl: float | None = None
+    ) -> Any:
+        """Zero-copy view(s) of a stored object: numpy arrays, torch tensors, or memoryviews.
+
+        Read-only unless ``writable=True`` (writes then go to the shared object). torch has no
+        read-only tensors: a read-only torch view must simply not be written to. ``as_`` may be
+        ``"numpy"`` or ``"torch"`` to convert on the fly. Views stay valid while the object lives
+        (lease or release decide); they keep the pool mapped even after ``close()``.
+        A ref of another node's master is first pulled into the local pool (``ttl`` = the local
+        copy's lease, default ``default_ttl``).
+        """
+        if as_ not in (None, "numpy", "torch"):
+            raise CallerError(f"as_ must be None, 'numpy' or 'torch', got {as_!r}")
+        if not isinstance(ref, Ref):
+            raise CallerError(f"expected a refstore.Ref, got {type(ref).__name__}")
+
+        def resolve() -> tuple[int, protocol.Layout]:
+            if ref.pool == self.epoch:
+                resp = self._call(protocol.GET, protocol.Get(ref.pool, ref.oid))
+                return resp.offset, resp.layout
+            self._check_epoch(ref)
+            fetch_ttl = ttl if ttl is not None else (self.default_ttl or DEFAULT_TTL_S)
+            resp = self._call(
+                protocol.FETCH,
+                protocol.Fetch(ref.pool, ref.oid, ref.nbytes, ref.node, fetch_ttl),
+                timeout=max(self.timeout, 120.0),
+            )
+            return resp.offset, resp.layout
+
+        offset, layout = self._with_recovery(resolve, retry=False)
+        pool = self._pool
+        assert pool is not None
+        base = pool.view if writable else pool.readonly_view
+        return codec.decode(base, offset, layout, as_, writable)
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def _by_pool(self, refs: Ref | Iterable[Ref]) -> dict[str, list[int]]:
+        groups: dict[str, list[int]] = {}
+        for ref in [refs] if isinstance(refs, Ref) else refs:
+            if ref.pool != self.epoch:
+                self._check_epoch(ref)
+                raise CallerError(
+                    f"ref {ref.oid} belongs to pool {ref.pool} on {ref.node}, not this node"
+                )
+            groups.setdefault(ref.pool, []).append(ref.oid)
+        return groups
+
+    def release(self, refs: Ref | Iterable[Ref]) -> None:
+        """Free now (active release). Views of released objects must not be used any more."""
+        for pool, oids in self._by_pool(refs).items():
+            self._with_recovery(
+                lambda p=pool, o=oids: self._call(protocol.RELEASE, protocol.OidList(p, o)),
+                retry=False,
+            )
+
+    def extend(self, refs: Ref | Iterable[Ref], ttl: float | None) -> None:
+        """Renew the lease to ``ttl`` seconds from now; ``None`` drops it (the object becomes a
+        cache entry, evictable)."""
+        for pool, oids in self._by_pool(refs).items():
+            self._call(protocol.EXTEND, protocol.Extend(pool, oids, ttl))
+
+    def pin(self, refs: Ref | Iterable[Ref], pinned: bool = True) -> None:
+        """Soft pin: evicted only when no unpinned object can make room."""
+        for pool, oids in self._by_pool(refs).items():
+            self._call(protocol.PIN, protocol.Pin(pool, oids, pinned))
+
+    def wait_gone(self, ref: Ref, timeout: float) -> tuple[str, float] | None:
+        """Block until the object is freed; (reason, since) or None at the timeout."""
+        self._check_epoch(ref)
+        resp = self._call(
+            protocol.WAIT_GONE,
+            protocol.WaitGone(ref.pool, ref.oid, timeout),
+            timeout=timeout + self.timeout,
+        )
+        return (resp.reason, resp.since) if resp.gone else None
+
+    def stats(self) -> protocol.Stats:
+        return self._with_recovery(
+            lambda: self._call(protocol.STATS, protocol.StatsReq()), retry=True
+        )
+
+    def shutdown_master(self, reason: str = "requested by client") -> None:
+        self._call(protocol.SHUTDOWN, protocol.Shutdown(reason))
+
+    def _set_faults(self, spec: str) -> None:
+        if spec == "kill!":
+            # The master dies before answering; the lost connection is the expected outcome.
+            with contextlib.suppress(MasterUnavailable):
+                self._call(protocol.SET_FAULTS, protocol.SetFaults(spec), timeout=5.0)
+            return
+        self._call(protocol.SET_FAULTS, protocol.SetFaults(spec))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._rpc is not None:
+            self._rpc.close()
+        self._copier.close()
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_master_process(
+    name: str = discovery.DEFAULT_NAME,
+    pool_size: str | int = "1G",
+    *,
+    extra_args: Iterable[str] = (),
+    detach: bool = False,
+    env: dict[str, str] | None = None,
+    prefix: Iterable[str] = (),
+) -> subprocess.Popen:
+    """Start ``refstore serve`` as a child process; returns once it accepts connections.
+
+    The caller owns the process (terminate() it, or ``Client.shutdown_master()``). With ``detach``
+    the master is started through a shell that exits at once, so it belongs to no one but the node
+    (the returned Popen is that shell, already reaped). Readiness is the ``ready`` line the master
+    prints on stdout: a blocking read, no polling. ``prefix`` runs it under e.g. ``ip netns exec``.
+    """
+    cmd = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "refstore.cli",
+        "serve",
+        "--name",
+        name,
+        "--size",
+        str(pool_size),
+        "--ready-line",
+        *extra_args,
+    ]
+    if detach:
+        cmd = ["/bin/sh", "-c", '"$@" </dev/null 2>/dev/null &', "sh", *cmd]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, start_new_session=True, env=env or os.environ.copy()
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    proc.stdout.close()
+    if detach:
+        proc.wait()
+    if not line.startswith(b"ready "):
+        code = proc.wait()
+        raise MasterUnavailable(f"refstore master {name!r} failed to start (exit {code}): {line!r}")
+    return proc
+
+
+def connect(
+    name: str = discovery.DEFAULT_NAME,
+    *,
+    autostart: bool = False,
+    pool_size: str | int = "1G",
+    **kwargs: Any,
+) -> Client:
+    """A client of the local master ``name``; with ``autostart`` start one if none is running.
+
+    An auto-started master runs in its own session and outlives this process (it serves the whole
+    node); stop it with ``refstore stop --name NAME`` or ``Client.shutdown_master()``.
+    """
+    if autostart:
+        with discovery.spawn_lock(name):
+            if not discovery.master_running(name):
+                start_master_process(name, pool_size, detach=True)
+                log.info("started refstore master %s", name)
+    return Client(name, **kwargs)

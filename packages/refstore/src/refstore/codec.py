@@ -1,0 +1,169 @@
+"""Objects <-> (layout, byte sources), and pool bytes -> zero-copy views.
+
+Supported: numpy arrays (any fixed-size dtype, any strides: non-contiguous ones are gathered by the
+single copy into the pool), torch CPU tensors (any dtype including bfloat16), bytes / bytearray /
+memoryview, and a list, tuple or dict (str or int keys) of those, stored as one object (one
+allocation, one lease, one ref). Items are 64-byte aligned inside the object.
+
+torch is imported only when a tensor is put or asked for.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .errors import CallerError
+from .protocol import (
+    CONTAINER_DICT,
+    CONTAINER_LIST,
+    CONTAINER_SINGLE,
+    CONTAINER_TUPLE,
+    KIND_BYTES,
+    KIND_NUMPY,
+    KIND_TORCH,
+    Item,
+    Layout,
+)
+
+ALIGN = 64
+
+
+def dtype_to_str(dtype: np.dtype) -> str:
+    """numpy dtype -> a string that round-trips, structured dtypes included."""
+    return (
+        dtype.str if dtype.fields is None else "descr:" + repr(np.lib.format.dtype_to_descr(dtype))
+    )
+
+
+def str_to_dtype(text: str) -> np.dtype:
+    if text.startswith("descr:"):
+        return np.lib.format.descr_to_dtype(ast.literal_eval(text[6:]))
+    return np.dtype(text)
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _source(obj: Any, key: str | int | None, offset: int) -> tuple[Item, Any]:
+    """(item, source) where source is a numpy array or a torch tensor to copy from."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise CallerError(f"item {key!r}: object arrays cannot be stored (dtype {obj.dtype})")
+        return Item(
+            key, KIND_NUMPY, dtype_to_str(obj.dtype), tuple(obj.shape), offset, obj.nbytes
+        ), obj
+    if _is_torch_tensor(obj):
+        if obj.device.type != "cpu":
+            raise CallerError(f"item {key!r}: only CPU tensors are supported, got {obj.device}")
+        dtype = str(obj.dtype).removeprefix("torch.")
+        nbytes = obj.numel() * obj.element_size()
+        return Item(key, KIND_TORCH, dtype, tuple(obj.shape), offset, nbytes), obj
+    if isinstance(obj, bytes | bytearray | memoryview):
+        view = memoryview(obj).cast("B") if isinstance(obj, memoryview) else memoryview(obj)
+        array = np.frombuffer(view, dtype=np.uint8) if view.nbytes else np.empty(0, np.uint8)
+        return Item(key, KIND_BYTES, "|u1", (view.nbytes,), offset, view.nbytes), array
+    raise CallerError(
+        f"item {key!r}: cannot store {type(obj).__name__}; use numpy arrays, torch CPU tensors, "
+        "bytes/memoryviews, or a list/tuple/dict of those"
+    )
+
+
+def encode(obj: Any) -> tuple[Layout, list[Any], int]:
+    """Returns (layout, sources in item order, total bytes)."""
+    if isinstance(obj, Mapping):
+        container, entries = CONTAINER_DICT, list(obj.items())
+        for key, _ in entries:
+            if not isinstance(key, str | int):
+                raise CallerError(f"dict keys must be str or int, got {type(key).__name__}")
+    elif isinstance(obj, list | tuple):
+        container = CONTAINER_LIST if isinstance(obj, list) else CONTAINER_TUPLE
+        entries = list(enumerate(obj))
+    else:
+        container, entries = CONTAINER_SINGLE, [(None, obj)]
+    items, sources = [], []
+    offset = 0
+    for key, value in entries:
+        item, source = _source(value, key, offset)
+        items.append(item)
+        sources.append(source)
+        offset += -(-item.nbytes // ALIGN) * ALIGN
+    total = items[-1].offset + items[-1].nbytes if items else 0
+    return Layout(container, items), sources, total
+
+
+def copy_into(dst: memoryview, source: Any, item: Item, copier: Any) -> None:
+    """The one copy of a put: from the caller's object into the pool."""
+    if item.nbytes == 0:
+        return
+    if item.kind == KIND_TORCH:
+        import torch
+
+        target = torch.frombuffer(dst, dtype=getattr(torch, item.dtype), count=source.numel())
+        copier.copy_torch(target.view(source.shape), source)
+        return
+    target = np.frombuffer(dst, dtype=source.dtype, count=source.size).reshape(source.shape)
+    copier.copy_numpy(target, source)
+
+
+def _torch_view(buf: memoryview, item: Item, writable: bool) -> Any:
+    import torch
+
+    dtype = getattr(torch, item.dtype)
+    if item.nbytes == 0:
+        return torch.empty(item.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # torch has no read-only tensors and warns about non-writable buffers; the caller asked
+        # for a read-only view and gets one backed by shared memory (documented on get()).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype).view(item.shape)
+
+
+def view_item(base: memoryview, offset: int, item: Item, as_: str | None, writable: bool) -> Any:
+    buf = base[offset + item.offset : offset + item.offset + item.nbytes]
+    kind = item.kind
+    if as_ == "torch" and kind != KIND_TORCH:
+        import torch
+
+        if kind == KIND_BYTES:
+            return _torch_view(
+                buf, Item(item.key, KIND_TORCH, "uint8", item.shape, 0, item.nbytes), writable
+            )
+        dtype = torch.from_numpy(np.empty(0, dtype=np.dtype(item.dtype))).dtype
+        name = str(dtype).removeprefix("torch.")
+        return _torch_view(
+            buf, Item(item.key, KIND_TORCH, name, item.shape, 0, item.nbytes), writable
+        )
+    if as_ == "numpy" and kind == KIND_TORCH:
+        import torch
+
+        tensor = _torch_view(buf, item, writable)
+        if tensor.dtype == torch.bfloat16:
+            raise CallerError(f"item {item.key!r}: bfloat16 has no numpy dtype; get it as torch")
+        array = tensor.numpy()
+        if not writable:
+            array.flags.writeable = False
+        return array
+    if kind == KIND_TORCH:
+        return _torch_view(buf, item, writable)
+    if kind == KIND_BYTES and as_ is None:
+        return buf
+    return np.frombuffer(buf, dtype=str_to_dtype(item.dtype)).reshape(item.shape)
+
+
+def decode(base: memoryview, offset: int, layout: Layout, as_: str | None, writable: bool) -> Any:
+    values = [view_item(base, offset, item, as_, writable) for item in layout.items]
+    if layout.container == CONTAINER_SINGLE:
+        return values[0]
+    if layout.container == CONTAINER_DICT:
+        return {item.key: value for item, value in zip(layout.items, values, strict=True)}
+    if layout.container == CONTAINER_TUPLE:
+        return tuple(values)
+    return values

@@ -1,0 +1,380 @@
+"""The local master: owns one node's pool and all of its metadata, serves clients over simple-rpc.
+
+Data never passes through the master: it hands out offsets (alloc), marks objects readable (seal),
+resolves refs to offsets (get), and keeps leases, pins, eviction and tombstones (``state.py``).
+Everything runs on one asyncio loop thread, which owns the state; a single timer fires at the
+earliest lease deadline (no periodic sweeps).
+
+Remote get: a client asks its local master to ``fetch`` a ref owned by another node's master; the
+local master allocates room in its own pool and pulls the payload from the owner (kvt when
+available, else simple-rpc raw reads; see ``remote.py``), then the client reads it locally.
+
+Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
+actor), or let the first client start one (``refstore.connect(autostart=True)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from simple_rpc import CallContext, LoopThread, Method, Server
+
+from . import discovery, protocol
+from .errors import CallerError, RefstoreError, to_info
+from .faults import FaultPlan
+from .pool import SharedPool, shmem_hugepages_mode
+from .state import MasterState
+
+log = logging.getLogger("refstore.master")
+
+DEFAULT_POOL_SIZE = 1 << 30
+MAX_WAIT_GONE_S = 3600.0
+
+
+def parse_size(text: str | int) -> int:
+    """'512M', '2G', '1.5GiB', 1048576 -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = cleaned[-1:] if cleaned[-1:] in units else ""
+    number = cleaned[: len(cleaned) - len(unit)]
+    try:
+        return int(float(number) * units[unit])
+    except ValueError as err:
+        raise CallerError(f"bad size {text!r}") from err
+
+
+class Master:
+    """Create with ``await Master.start(...)`` on the loop that will own it; ``await close()``."""
+
+    def __init__(
+        self, name: str, pool: SharedPool, epoch: str, faults: FaultPlan, advertise: str | None
+    ) -> None:
+        self.name = name
+        self.pool = pool
+        self.epoch = epoch
+        self.faults = faults
+        self.state = MasterState(pool.size, epoch)
+        self.server = Server(name=f"refstore-master-{name}")
+        self._advertise = advertise
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_deadline: float | None = None
+        self._lock = discovery.MasterLock(name)
+        self._closed = False
+        self.closed_event = asyncio.Event()
+        self.remote: Any = None  # remote.RemotePuller, created in start()
+        self.info: discovery.MasterInfo | None = None
+        for method, handler in (
+            (protocol.HELLO, self._hello),
+            (protocol.ALLOC, self._alloc),
+            (protocol.SEAL, self._seal),
+            (protocol.GET, self._get),
+            (protocol.DESCRIBE, self._describe),
+            (protocol.RELEASE, self._release),
+            (protocol.EXTEND, self._extend),
+            (protocol.PIN, self._pin),
+            (protocol.STATS, self._stats),
+            (protocol.WAIT_GONE, self._wait_gone),
+            (protocol.SET_FAULTS, self._set_faults),
+            (protocol.SHUTDOWN, self._shutdown),
+            (protocol.FETCH, self._fetch),
+            (protocol.SEND_TO, self._send_to),
+            (protocol.READ_RANGE, self._read_range),
+        ):
+            self.server.register(method, self._wrap(method, handler))
+
+    @classmethod
+    async def start(
+        cls,
+        name: str = discovery.DEFAULT_NAME,
+        pool_size: int | str = DEFAULT_POOL_SIZE,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        advertise: str | None = None,
+        faults: str | None = None,
+        remote: str = "auto",
+    ) -> Master:
+        lock = discovery.MasterLock(name)
+        if not lock.try_acquire():
+            raise CallerError(f"a refstore master named {name!r} is already running ({lock.path})")
+        try:
+            size = parse_size(pool_size)
+            started = time.perf_counter()
+            pool = await asyncio.to_thread(SharedPool.create, size, f"refstore-{name}")
+            log.info(
+                "pool %s: %d MiB pre-faulted in %.2f s (shmem huge pages: %s)",
+                name,
+                size >> 20,
+                time.perf_counter() - started,
+                shmem_hugepages_mode(),
+            )
+            plan = FaultPlan(faults) if faults is not None else FaultPlan.from_env()
+            self = cls(name, pool, uuid.uuid4().hex[:16], plan, advertise)
+            self._lock = lock
+            await self.server.start(host, port)
+        except BaseException:
+            lock.release()
+            with contextlib.suppress(NameError):
+                pool.close()
+            raise
+        from .remote import RemotePuller
+
+        self.remote = RemotePuller(self, mode=remote, host=host)
+        node = advertise or self.server.address
+        self.info = discovery.MasterInfo(
+            name=name,
+            address=self.server.address,
+            node=node,
+            pid=os.getpid(),
+            pool_fd=pool.fd,
+            pool_size=pool.size,
+            epoch=self.epoch,
+            started_at=time.time(),
+            past_epochs=discovery.past_epochs_for_new_master(name),
+        )
+        discovery.write_info(self.info)
+        log.info("refstore master %s epoch %s serving at %s", name, self.epoch, node)
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def node(self) -> str:
+        return self._advertise or self.server.address
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+        await self.server.close()
+        if self.remote is not None:
+            await self.remote.close()
+        self.pool.close()
+        self._lock.release()
+        self.closed_event.set()
+        log.info("refstore master %s epoch %s closed", self.name, self.epoch)
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _wrap(
+        self, method: Method, handler: Callable[[Any, CallContext], Awaitable[Any]]
+    ) -> Callable[[Any, CallContext], Awaitable[Any]]:
+        op = method.name.removeprefix("refstore.")
+        response_type = method.response_type
+
+        @functools.wraps(handler)
+        async def wrapped(request: Any, ctx: CallContext) -> Any:
+            try:
+                if self.faults:
+                    await self.faults.apply(op, ctx.peer)
+                return await handler(request, ctx)
+            except RefstoreError as err:
+                if isinstance(err, CallerError):
+                    log.warning("%s from %s rejected: %s", op, ctx.peer, err)
+                if response_type is bytes:
+                    raise
+                return response_type(err=to_info(err))
+            finally:
+                self._reschedule_expiry()
+
+        return wrapped
+
+    def _reschedule_expiry(self) -> None:
+        """Keep exactly one timer, set for the earliest lease deadline."""
+        deadline = self.state.next_deadline()
+        if deadline == self._timer_deadline or self._closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_deadline = deadline
+        if deadline is not None:
+            delay = max(0.0, deadline - time.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_expiry_timer)
+
+    def _on_expiry_timer(self) -> None:
+        self._timer = None
+        self._timer_deadline = None
+        expired = self.state.expire_due()
+        if expired:
+            log.debug("master %s: %d leases expired", self.name, expired)
+        self._reschedule_expiry()
+
+    # -- handlers -----------------------------------------------------------------------------
+    async def _hello(self, req: protocol.Hello, ctx: CallContext) -> protocol.HelloResp:
+        log.debug("hello from %s (%s)", req.client, ctx.peer)
+        return protocol.HelloResp(
+            epoch=self.epoch,
+            pid=os.getpid(),
+            pool_fd=self.pool.fd,
+            pool_size=self.pool.size,
+            node=self.node,
+        )
+
+    async def _alloc(self, req: protocol.Alloc, ctx: CallContext) -> protocol.AllocResp:
+        obj = self.state.alloc(req.nbytes, req.layout, req.ttl_s, req.pin)
+        return protocol.AllocResp(oid=obj.oid, offset=obj.offset)
+
+    async def _seal(self, req: protocol.Seal, ctx: CallContext) -> protocol.Ack:
+        self.state.seal(req.oid)
+        return protocol.Ack()
+
+    async def _get(self, req: protocol.Get, ctx: CallContext) -> protocol.GetResp:
+        obj = self.state.get(req.epoch, req.oid)
+        return protocol.GetResp(offset=obj.offset, nbytes=obj.nbytes, layout=obj.layout)
+
+    async def _describe(self, req: protocol.Describe, ctx: CallContext) -> protocol.GetResp:
+        obj = self.state.lookup(req.epoch, req.oid)
+        if not obj.sealed:
+            raise CallerError(f"object {req.oid} is still being written (not sealed)")
+        return protocol.GetResp(offset=obj.offset, nbytes=obj.nbytes, layout=obj.layout)
+
+    async def _release(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
+        self.state.release(req.epoch, req.oids)
+        return protocol.Ack()
+
+    async def _extend(self, req: protocol.Extend, ctx: CallContext) -> protocol.Ack:
+        self.state.extend(req.epoch, req.oids, req.ttl_s)
+        return protocol.Ack()
+
+    async def _pin(self, req: protocol.Pin, ctx: CallContext) -> protocol.Ack:
+        self.state.pin(req.epoch, req.oids, req.pinned)
+        return protocol.Ack()
+
+    async def _stats(self, req: protocol.StatsReq, ctx: CallContext) -> protocol.Stats:
+        return self.state.stats()
+
+    async def _wait_gone(self, req: protocol.WaitGone, ctx: CallContext) -> protocol.GoneResp:
+        """Answer when the object is freed (or at the timeout): an event, not a poll."""
+        timeout = min(max(req.timeout_s, 0.0), MAX_WAIT_GONE_S)
+        try:
+            obj = self.state.lookup(req.epoch, req.oid)
+        except RefstoreError as err:
+            since = getattr(err, "since", None)
+            if since is None:
+                raise
+            return protocol.GoneResp(gone=True, reason=type(err).reason, since=since)  # type: ignore[attr-defined]
+        future: asyncio.Future[tuple[str, float]] = asyncio.get_running_loop().create_future()
+
+        def on_gone(reason: str, since: float) -> None:
+            if not future.done():
+                future.set_result((reason, since))
+
+        self.state.add_gone_listener(req.epoch, obj.oid, on_gone)
+        try:
+            reason, since = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            return protocol.GoneResp(gone=False)
+        finally:
+            self.state.remove_gone_listener(obj.oid, on_gone)
+        return protocol.GoneResp(gone=True, reason=reason, since=since)
+
+    async def _set_faults(self, req: protocol.SetFaults, ctx: CallContext) -> protocol.Ack:
+        log.warning("fault plan set to %r by %s", req.spec, ctx.peer)
+        if req.spec == "kill!":
+            self.faults.set("*:kill#1")
+            await self.faults.apply("kill", ctx.peer)
+        self.faults.set(req.spec)
+        return protocol.Ack()
+
+    async def _shutdown(self, req: protocol.Shutdown, ctx: CallContext) -> protocol.Ack:
+        log.info("shutdown requested by %s: %s", ctx.peer, req.reason)
+        # Close after this answer is on its way.
+        asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.close()))
+        return protocol.Ack()
+
+    async def _fetch(self, req: protocol.Fetch, ctx: CallContext) -> protocol.FetchResp:
+        return await self.remote.fetch(req)
+
+    async def _send_to(self, req: protocol.SendTo, ctx: CallContext) -> protocol.SendToResp:
+        return await self.remote.send_to(req, ctx.peer)
+
+    async def _read_range(self, req: protocol.ReadRange, ctx: CallContext) -> bytes:
+        obj = self.state.get(req.epoch, req.oid)
+        if req.offset < 0 or req.length < 0 or req.offset + req.length > obj.nbytes:
+            raise CallerError(f"range {req.offset}+{req.length} outside object of {obj.nbytes}")
+        start = obj.offset + req.offset
+        # A copy: the answer may sit in the transport's buffer after the object is freed.
+        return bytes(self.pool.view[start : start + req.length])
+
+
+class MasterThread:
+    """A master on its own loop thread inside this process (tests, the Ray actor).
+
+    ``close()`` is idempotent; it closes the master, then the loop thread.
+    """
+
+    def __init__(
+        self,
+        name: str = discovery.DEFAULT_NAME,
+        pool_size: int | str = DEFAULT_POOL_SIZE,
+        **kwargs: Any,
+    ) -> None:
+        self._loop = LoopThread(name=f"refstore-master-{name}")
+        try:
+            self.master: Master = self._loop.run(Master.start(name, pool_size, **kwargs))
+        except BaseException:
+            self._loop.close()
+            raise
+        self._closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self.master.address
+
+    @property
+    def epoch(self) -> str:
+        return self.master.epoch
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._loop.run(self.master.close(), timeout=30)
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> MasterThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+async def serve(
+    name: str = discovery.DEFAULT_NAME,
+    pool_size: int | str = DEFAULT_POOL_SIZE,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    advertise: str | None = None,
+    ready: Callable[[Master], None] | None = None,
+    remote: str = "auto",
+) -> None:
+    """Run a master until SIGTERM/SIGINT or a shutdown RPC."""
+    import signal
+
+    master = await Master.start(name, pool_size, host, port, advertise=advertise, remote=remote)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(master.close()))
+    if ready is not None:
+        ready(master)
+    await master.closed_event.wait()

@@ -1,0 +1,222 @@
+"""Wire schemas between clients and masters, and between masters (remote get).
+
+Every method has its own pair of 4-byte heads in the refstore range 0x5253xxxx ("RS"). Every
+response carries ``err: ErrorInfo | None`` so a typed refstore error survives the RPC (a handler
+that raises anything else reaches the caller as simple_rpc's RemoteError, i.e. a master bug).
+Payload bytes never travel in these messages: the client reads and writes the shared pool itself.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from simple_rpc import Method
+
+from .errors import ErrorInfo
+
+
+class Item(msgspec.Struct, frozen=True, array_like=True):
+    """One array (or byte string) inside a stored object."""
+
+    key: str | int | None
+    kind: int  # KIND_NUMPY, KIND_TORCH, KIND_BYTES
+    dtype: str  # numpy dtype string ("<f4"); for torch the torch dtype name ("bfloat16")
+    shape: tuple[int, ...]
+    offset: int  # from the start of the object's block, 64-byte aligned
+    nbytes: int
+
+
+KIND_NUMPY = 0
+KIND_TORCH = 1
+KIND_BYTES = 2
+
+CONTAINER_SINGLE = 0
+CONTAINER_LIST = 1
+CONTAINER_DICT = 2
+CONTAINER_TUPLE = 3
+
+
+class Layout(msgspec.Struct, frozen=True, array_like=True):
+    container: int
+    items: list[Item]
+
+
+class Ack(msgspec.Struct, frozen=True):
+    err: ErrorInfo | None = None
+
+
+class Hello(msgspec.Struct, frozen=True):
+    client: str  # "name pid" for logs
+
+
+class HelloResp(msgspec.Struct, frozen=True):
+    epoch: str
+    pid: int
+    pool_fd: int
+    pool_size: int
+    node: str  # the address other nodes use to reach this master
+    err: ErrorInfo | None = None
+
+
+class Alloc(msgspec.Struct, frozen=True):
+    nbytes: int
+    layout: Layout
+    ttl_s: float | None  # None: no lease, the object is a cache entry (evictable)
+    pin: bool = False
+
+
+class AllocResp(msgspec.Struct, frozen=True):
+    oid: int = 0
+    offset: int = 0
+    err: ErrorInfo | None = None
+
+
+class Seal(msgspec.Struct, frozen=True):
+    oid: int
+
+
+class Get(msgspec.Struct, frozen=True):
+    epoch: str
+    oid: int
+
+
+class GetResp(msgspec.Struct, frozen=True):
+    offset: int = 0
+    nbytes: int = 0
+    layout: Layout | None = None
+    err: ErrorInfo | None = None
+
+
+class OidList(msgspec.Struct, frozen=True):
+    epoch: str
+    oids: list[int]
+
+
+class Extend(msgspec.Struct, frozen=True):
+    epoch: str
+    oids: list[int]
+    ttl_s: float | None  # None drops the lease (the object becomes evictable)
+
+
+class Pin(msgspec.Struct, frozen=True):
+    epoch: str
+    oids: list[int]
+    pinned: bool
+
+
+class StatsReq(msgspec.Struct, frozen=True):
+    pass
+
+
+class Stats(msgspec.Struct, frozen=True):
+    epoch: str = ""
+    capacity: int = 0
+    used: int = 0
+    free: int = 0
+    largest_free: int = 0
+    free_blocks: int = 0
+    objects: int = 0
+    leased: int = 0
+    pinned: int = 0
+    evictable: int = 0
+    puts: int = 0
+    gets: int = 0
+    evictions: int = 0
+    expirations: int = 0
+    releases: int = 0
+    remote_fetches: int = 0
+    err: ErrorInfo | None = None
+
+    @property
+    def external_fragmentation(self) -> float:
+        return 0.0 if self.free == 0 else 1.0 - self.largest_free / self.free
+
+
+class WaitGone(msgspec.Struct, frozen=True):
+    epoch: str
+    oid: int
+    timeout_s: float
+
+
+class GoneResp(msgspec.Struct, frozen=True):
+    gone: bool = False  # False: the timeout passed first
+    reason: str = ""
+    since: float = 0.0
+    err: ErrorInfo | None = None
+
+
+class SetFaults(msgspec.Struct, frozen=True):
+    spec: str
+
+
+class Shutdown(msgspec.Struct, frozen=True):
+    reason: str
+
+
+class Fetch(msgspec.Struct, frozen=True):
+    """Client -> its local master: bring a remote object into the local pool."""
+
+    epoch: str
+    oid: int
+    nbytes: int
+    node: str
+    ttl_s: float
+
+
+class FetchResp(msgspec.Struct, frozen=True):
+    epoch: str = ""  # the local copy's ref
+    oid: int = 0
+    offset: int = 0
+    layout: Layout | None = None
+    err: ErrorInfo | None = None
+
+
+class SendTo(msgspec.Struct, frozen=True):
+    """Requester master -> owner master: write object ``oid`` to the requester's pool with kvt."""
+
+    epoch: str
+    oid: int
+    request_id: str
+    data_address: str  # the requester's kvt data plane
+    dst_region: int
+    dst_offset: int
+
+
+class SendToResp(msgspec.Struct, frozen=True):
+    nbytes: int = 0
+    layout: Layout | None = None
+    err: ErrorInfo | None = None
+
+
+class ReadRange(msgspec.Struct, frozen=True):
+    """Requester master -> owner master: raw bytes of an object (fallback without kvt)."""
+
+    epoch: str
+    oid: int
+    offset: int
+    length: int
+
+
+class Describe(msgspec.Struct, frozen=True):
+    epoch: str
+    oid: int
+
+
+def _method(name: str, n: int, req: object, resp: object) -> Method:
+    return Method(name, 0x52530000 | n, 0x52538000 | n, req, resp)
+
+
+HELLO = _method("refstore.hello", 1, Hello, HelloResp)
+ALLOC = _method("refstore.alloc", 2, Alloc, AllocResp)
+SEAL = _method("refstore.seal", 3, Seal, Ack)
+GET = _method("refstore.get", 4, Get, GetResp)
+RELEASE = _method("refstore.release", 5, OidList, Ack)
+EXTEND = _method("refstore.extend", 6, Extend, Ack)
+PIN = _method("refstore.pin", 7, Pin, Ack)
+STATS = _method("refstore.stats", 8, StatsReq, Stats)
+WAIT_GONE = _method("refstore.wait_gone", 9, WaitGone, GoneResp)
+SET_FAULTS = _method("refstore.set_faults", 10, SetFaults, Ack)
+SHUTDOWN = _method("refstore.shutdown", 11, Shutdown, Ack)
+FETCH = _method("refstore.fetch", 12, Fetch, FetchResp)
+SEND_TO = _method("refstore.send_to", 13, SendTo, SendToResp)
+READ_RANGE = _method("refstore.read_range", 14, ReadRange, bytes)
+DESCRIBE = _method("refstore.describe", 15, Describe, GetResp)

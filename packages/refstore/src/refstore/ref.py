@@ -1,0 +1,21 @@
+"""``Ref``: the handle that travels instead of the payload (pickles in well under 200 bytes)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Ref(msgspec.Struct, frozen=True, array_like=True):
+    """Which master instance (``pool`` epoch), which object, how big, and where to fetch it from.
+
+    Equal refs name the same object. ``node`` is the owner master's address, used by other nodes'
+    masters for remote gets.
+    """
+
+    pool: str
+    oid: int
+    nbytes: int
+    node: str
+
+    def __repr__(self) -> str:
+        return f"Ref({self.pool}:{self.oid}, {self.nbytes} B @ {self.node})"

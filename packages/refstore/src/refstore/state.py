@@ -1,0 +1,341 @@
+"""The master's bookkeeping: objects, leases, soft pins, eviction, tombstones. Pure logic, no I/O.
+
+Object lifecycle::
+
+    alloc -> WRITING --seal--> SEALED --release------------------> freed (tombstone "released")
+               |                  |--lease deadline passes-------> freed (tombstone "lease expired")
+               |                  |--(no lease) memory pressure--> freed (tombstone "evicted")
+               '--write deadline passes (writer died) -----------> freed (tombstone "lease expired")
+
+- A **lease** (``ttl_s`` at put, renewable with ``extend``) keeps the object readable and never
+  evicted until its deadline; when it passes, the object is freed at once, so memory held by a
+  client that died is reclaimed after the TTL without anyone asking.
+- An object put (or extended) with ``ttl_s=None`` holds no lease: it is a cache entry that stays
+  until evicted or released.
+- **Eviction** runs only when an allocation does not fit. Victims are unleased objects in least
+  recently used order (a get counts as a use), with one refinement over plain LRU: if one of the
+  ``EVICTION_WINDOW`` least recently used objects sits next to enough free space to satisfy the
+  request on its own, it alone is evicted (plain LRU would evict in order until some freed blocks
+  happen to coalesce, destroying more of the cache); **soft-pinned** unleased objects form a second
+  LRU list that is touched only when the first is empty. Before evicting anything the master checks
+  that free + evictable bytes could cover the request at all, so a hopeless request fails with
+  PoolFull without destroying the cache. Leased and in-flight (being sent to a peer) objects are
+  never evicted.
+- A freed object leaves a **tombstone** (reason + wall-clock time) so a later get raises a typed
+  error saying which and since when. Tombstones are bounded (oldest dropped first).
+
+The state is owned by the master's event-loop thread; nothing here is thread-safe.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from .allocator import TlsfAllocator
+from .errors import (
+    CallerError,
+    ObjectEvicted,
+    ObjectExpired,
+    ObjectGone,
+    ObjectReleased,
+    PoolFull,
+    UnknownObject,
+)
+from .protocol import Layout, Stats
+
+# An unsealed object whose writer never seals it is reclaimed after this long even without a lease.
+WRITE_TIMEOUT_S = 120.0
+MAX_TOMBSTONES = 200_000
+# How many of the least recently used objects are checked for one that alone makes room.
+EVICTION_WINDOW = 64
+
+
+class StoredObject:
+    __slots__ = (
+        "busy",
+        "deadline",
+        "free_when_idle",
+        "layout",
+        "leased",
+        "nbytes",
+        "offset",
+        "oid",
+        "pinned",
+        "sealed",
+    )
+
+    def __init__(self, oid: int, offset: int, nbytes: int, layout: Layout) -> None:
+        self.oid = oid
+        self.offset = offset
+        self.nbytes = nbytes
+        self.layout = layout
+        self.sealed = False
+        self.deadline: float | None = None  # monotonic; None = no lease
+        self.pinned = False
+        self.leased = True  # False: a cache entry, its write deadline is dropped at seal
+        self.busy = 0  # in-flight sends to peers; freeing waits for them
+        self.free_when_idle: type[ObjectGone] | None = None
+
+
+class MasterState:
+    def __init__(
+        self,
+        capacity: int,
+        epoch: str,
+        *,
+        granule: int = 256,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.epoch = epoch
+        self.allocator = TlsfAllocator(capacity, granule)
+        self._clock = clock
+        self._wall = wall_clock
+        self._next_oid = 1
+        self.objects: dict[int, StoredObject] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unleased, unpinned, sealed
+        self._lru_pinned: OrderedDict[int, None] = OrderedDict()  # unleased, soft-pinned, sealed
+        self._evictable_bytes = 0
+        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
+        self.tombstones: OrderedDict[int, tuple[type[ObjectGone], float]] = OrderedDict()
+        self._gone_listeners: dict[int, list[Callable[[str, float], None]]] = {}
+        self.counters = dict.fromkeys(
+            ("puts", "gets", "evictions", "expirations", "releases", "remote_fetches"), 0
+        )
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _check_epoch(self, epoch: str) -> None:
+        if epoch != self.epoch:
+            raise UnknownObject(f"ref from pool {epoch!r}, this master serves pool {self.epoch!r}")
+
+    def lookup(self, epoch: str, oid: int) -> StoredObject:
+        self._check_epoch(epoch)
+        obj = self.objects.get(oid)
+        if obj is not None and obj.free_when_idle is None:
+            return obj
+        tomb = self.tombstones.get(oid)
+        if tomb is not None:
+            cls, since = tomb
+            raise cls(f"object {oid} of pool {epoch}", since)
+        if obj is not None and obj.free_when_idle is not None:
+            raise obj.free_when_idle(f"object {oid} of pool {epoch}", self._wall())
+        raise UnknownObject(f"object {oid} is unknown to pool {epoch} (never stored, or forgotten)")
+
+    def _set_deadline(self, obj: StoredObject, deadline: float | None) -> None:
+        was_evictable = self._is_evictable(obj)
+        obj.deadline = deadline
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, obj.oid))
+        self._update_lists(obj, was_evictable)
+
+    def _is_evictable(self, obj: StoredObject) -> bool:
+        return obj.sealed and obj.deadline is None and obj.free_when_idle is None
+
+    def _update_lists(self, obj: StoredObject, was_evictable: bool) -> None:
+        self._lru.pop(obj.oid, None)
+        self._lru_pinned.pop(obj.oid, None)
+        now_evictable = self._is_evictable(obj)
+        if now_evictable:
+            (self._lru_pinned if obj.pinned else self._lru)[obj.oid] = None
+        self._evictable_bytes += (now_evictable - was_evictable) * self.allocator.block_size(
+            obj.offset
+        )
+
+    def _free(self, obj: StoredObject, reason: type[ObjectGone]) -> None:
+        if obj.busy:
+            # A peer is still reading it: free once the send completes (see ``end_send``).
+            was_evictable = self._is_evictable(obj)
+            obj.free_when_idle = reason
+            self._update_lists(obj, was_evictable)
+            return
+        if self._is_evictable(obj):
+            self._evictable_bytes -= self.allocator.block_size(obj.offset)
+        self._lru.pop(obj.oid, None)
+        self._lru_pinned.pop(obj.oid, None)
+        del self.objects[obj.oid]
+        self.allocator.free(obj.offset)
+        since = self._wall()
+        self.tombstones[obj.oid] = (reason, since)
+        while len(self.tombstones) > MAX_TOMBSTONES:
+            self.tombstones.popitem(last=False)
+        for listener in self._gone_listeners.pop(obj.oid, ()):
+            listener(reason.reason, since)
+
+    # -- operations ---------------------------------------------------------------------------
+    def alloc(self, nbytes: int, layout: Layout, ttl_s: float | None, pin: bool) -> StoredObject:
+        if nbytes < 0:
+            raise CallerError(f"negative size {nbytes}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        if nbytes > self.allocator.capacity:
+            raise PoolFull(f"{nbytes} bytes requested, the pool holds {self.allocator.capacity}")
+        offset = self.allocator.malloc(nbytes)
+        if offset is None:
+            offset = self._evict_for(nbytes)
+        obj = StoredObject(self._next_oid, offset, nbytes, layout)
+        self._next_oid += 1
+        self.objects[obj.oid] = obj
+        obj.pinned = pin
+        obj.leased = ttl_s is not None
+        now = self._clock()
+        # The writer holds a deadline even without a lease, so a writer that dies is reclaimed.
+        self._set_deadline(obj, now + (ttl_s if ttl_s is not None else WRITE_TIMEOUT_S))
+        return obj
+
+    def _evict_for(self, nbytes: int) -> int:
+        need = self.allocator.round_up(nbytes)
+        stats = self.allocator.stats()
+        if stats.free + self._evictable_bytes < need:
+            raise PoolFull(
+                f"{nbytes} bytes requested: {stats.free} free and {self._evictable_bytes} "
+                f"evictable of {stats.capacity}; the rest is leased or being written"
+            )
+        for lru in (self._lru, self._lru_pinned):
+            # Better than plain LRU: among the least recently used few, one object whose block
+            # (with its free neighbours) already fits the request is evicted alone.
+            for oid in itertools.islice(lru, EVICTION_WINDOW):
+                obj = self.objects[oid]
+                if self.allocator.span_if_freed(obj.offset) >= need:
+                    self._free(obj, ObjectEvicted)
+                    self.counters["evictions"] += 1
+                    offset = self.allocator.malloc(nbytes)
+                    assert offset is not None
+                    return offset
+            while lru:
+                oid = next(iter(lru))
+                self._free(self.objects[oid], ObjectEvicted)
+                self.counters["evictions"] += 1
+                offset = self.allocator.malloc(nbytes)
+                if offset is not None:
+                    return offset
+        stats = self.allocator.stats()
+        raise PoolFull(
+            f"{nbytes} bytes requested: evicted everything evictable, largest free block "
+            f"{stats.largest_free} of {stats.free} free (fragmented by leased objects)"
+        )
+
+    def seal(self, oid: int) -> None:
+        obj = self.objects.get(oid)
+        if obj is None:
+            self.lookup(self.epoch, oid)  # raises the typed reason
+            raise AssertionError("unreachable")
+        if obj.sealed:
+            raise CallerError(f"object {oid} is already sealed")
+        was_evictable = self._is_evictable(obj)
+        obj.sealed = True
+        self._update_lists(obj, was_evictable)
+        if not obj.leased:
+            self._set_deadline(obj, None)
+        self.counters["puts"] += 1
+
+    def get(self, epoch: str, oid: int) -> StoredObject:
+        obj = self.lookup(epoch, oid)
+        if not obj.sealed:
+            raise CallerError(f"object {oid} is still being written (not sealed)")
+        if oid in self._lru:
+            self._lru.move_to_end(oid)
+        elif oid in self._lru_pinned:
+            self._lru_pinned.move_to_end(oid)
+        self.counters["gets"] += 1
+        return obj
+
+    def release(self, epoch: str, oids: list[int]) -> None:
+        """Free at once (active release). Releasing an already freed object is a no-op."""
+        self._check_epoch(epoch)
+        for oid in oids:
+            obj = self.objects.get(oid)
+            if obj is not None and obj.free_when_idle is None:
+                self._free(obj, ObjectReleased)
+                self.counters["releases"] += 1
+
+    def extend(self, epoch: str, oids: list[int], ttl_s: float | None) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        objs = [self.lookup(epoch, oid) for oid in oids]  # all or nothing
+        now = self._clock()
+        for obj in objs:
+            obj.leased = ttl_s is not None
+            if obj.sealed or obj.leased:
+                self._set_deadline(obj, None if ttl_s is None else now + ttl_s)
+
+    def pin(self, epoch: str, oids: list[int], pinned: bool) -> None:
+        objs = [self.lookup(epoch, oid) for oid in oids]
+        for obj in objs:
+            was_evictable = self._is_evictable(obj)
+            obj.pinned = pinned
+            self._update_lists(obj, was_evictable)
+
+    def begin_send(self, obj: StoredObject) -> None:
+        obj.busy += 1
+
+    def end_send(self, obj: StoredObject) -> None:
+        obj.busy -= 1
+        if not obj.busy and obj.free_when_idle is not None:
+            reason, obj.free_when_idle = obj.free_when_idle, None
+            self._free(obj, reason)
+
+    def add_gone_listener(
+        self, epoch: str, oid: int, listener: Callable[[str, float], None]
+    ) -> bool:
+        """Call ``listener(reason, since)`` when the object is freed; False if already gone."""
+        self._check_epoch(epoch)
+        if oid not in self.objects:
+            return False
+        self._gone_listeners.setdefault(oid, []).append(listener)
+        return True
+
+    def remove_gone_listener(self, oid: int, listener: Callable[[str, float], None]) -> None:
+        listeners = self._gone_listeners.get(oid)
+        if listeners and listener in listeners:
+            listeners.remove(listener)
+            if not listeners:
+                del self._gone_listeners[oid]
+
+    # -- leases -------------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """The earliest pending lease deadline (monotonic), for the master's single timer."""
+        while self._deadlines:
+            deadline, oid = self._deadlines[0]
+            obj = self.objects.get(oid)
+            if obj is not None and obj.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)  # stale: object freed or lease changed
+        return None
+
+    def expire_due(self) -> int:
+        """Free every object whose lease deadline has passed; returns how many."""
+        now = self._clock()
+        expired = 0
+        while True:
+            deadline = self.next_deadline()
+            if deadline is None or deadline > now:
+                return expired
+            _, oid = heapq.heappop(self._deadlines)
+            obj = self.objects[oid]
+            was_evictable = self._is_evictable(obj)
+            obj.deadline = None
+            self._update_lists(obj, was_evictable)
+            self._free(obj, ObjectExpired)
+            self.counters["expirations"] += 1
+            expired += 1
+
+    def stats(self) -> Stats:
+        alloc = self.allocator.stats()
+        leased = sum(1 for o in self.objects.values() if o.deadline is not None)
+        return Stats(
+            epoch=self.epoch,
+            capacity=alloc.capacity,
+            used=alloc.used,
+            free=alloc.free,
+            largest_free=alloc.largest_free,
+            free_blocks=alloc.free_blocks,
+            objects=len(self.objects),
+            leased=leased,
+            pinned=sum(1 for o in self.objects.values() if o.pinned),
+            evictable=len(self._lru) + len(self._lru_pinned),
+            **self.counters,
+        )

@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+import pickle
+import time
+
+import numpy as np
+import pytest
+import refstore
+import torch
+from refstore import Client, MasterThread
+
+
+def test_numpy_roundtrip_is_zero_copy_and_read_only(client):
+    a = np.random.default_rng(0).standard_normal((256, 33)).astype(np.float32)
+    ref = client.put(a)
+    v1, v2 = client.get(ref), client.get(ref)
+    np.testing.assert_array_equal(v1, a)
+    assert not v1.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        v1[0, 0] = 1.0
+    w = client.get(ref, writable=True)
+    w[0, 0] = 42.0  # writes go to the shared object: every view sees them (zero copy)
+    assert v1[0, 0] == 42.0
+    assert v2[0, 0] == 42.0
+
+
+def test_non_contiguous_and_odd_dtypes(client):
+    a = np.arange(100, dtype=np.int16).reshape(10, 10)[:, ::3]
+    np.testing.assert_array_equal(client.get(client.put(a)), a)
+    s = np.zeros(3, dtype=[("x", "<i4"), ("y", "<f8")])
+    s["y"] = [1.5, 2.5, 3.5]
+    np.testing.assert_array_equal(client.get(client.put(s)), s)
+    empty = np.empty((0, 4), np.float64)
+    assert client.get(client.put(empty)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_torch_roundtrip(client, dtype):
+    t = (torch.arange(24) % 3).to(dtype).reshape(2, 3, 4)
+    ref = client.put(t)
+    got = client.get(ref)
+    assert isinstance(got, torch.Tensor)
+    assert got.dtype == dtype
+    assert torch.equal(got, t)
+    # The same object as numpy (zero-copy) where numpy has the dtype.
+    if dtype != torch.bfloat16:
+        np.testing.assert_array_equal(client.get(ref, as_="numpy"), t.numpy())
+    # And a numpy object as torch.
+    assert torch.equal(client.get(client.put(np.arange(5)), as_="torch"), torch.arange(5))
+
+
+def test_torch_view_shares_memory(client):
+    ref = client.put(torch.zeros(8))
+    w = client.get(ref, writable=True)
+    w += 1
+    assert torch.equal(client.get(ref), torch.ones(8))
+
+
+def test_bytes_and_batches(client):
+    payload = {"tokens": np.arange(10, dtype=np.int32), "meta": b"abc", 3: torch.ones(2, 2)}
+    ref = client.put(payload)
+    got = client.get(ref)
+    assert set(got) == {"tokens", "meta", 3}
+    np.testing.assert_array_equal(got["tokens"], payload["tokens"])
+    assert bytes(got["meta"]) == b"abc"
+    assert torch.equal(got[3], payload[3])
+    lst = client.get(client.put([b"x" * 100, np.ones(3)]))
+    assert isinstance(lst, list)
+    assert bytes(lst[0]) == b"x" * 100
+    tup = client.get(client.put((memoryview(b"hi"),)))
+    assert isinstance(tup, tuple)
+    assert bytes(tup[0]) == b"hi"
+
+
+def test_ref_is_small_and_pickles(client):
+    ref = client.put(np.zeros((1024, 1024), np.float32))
+    data = pickle.dumps(ref)
+    assert len(data) < 200, len(data)
+    assert pickle.loads(data) == ref
+    np.testing.assert_array_equal(client.get(pickle.loads(data)), 0)
+
+
+def test_bad_input_is_a_caller_error(client):
+    with pytest.raises(refstore.CallerError, match="cannot store"):
+        client.put(object())
+    with pytest.raises(refstore.CallerError, match="object arrays"):
+        client.put(np.array([object()]))
+    with pytest.raises(refstore.CallerError, match=r"expected a refstore\.Ref"):
+        client.get("nope")
+    with pytest.raises(refstore.UnknownObject):
+        client.get(refstore.Ref(client.epoch, 10_000, 1, client.node))
+    with pytest.raises(refstore.PoolFull):
+        client.put(np.zeros(65 << 20, np.uint8))
+
+
+def test_release_frees_at_once_and_get_says_since_when(client):
+    ref = client.put(np.ones(1 << 20, np.uint8))
+    assert client.stats().used >= 1 << 20
+    before = time.time()
+    client.release(ref)
+    assert client.stats().used == 0
+    with pytest.raises(refstore.ObjectReleased, match="released since") as info:
+        client.get(ref)
+    assert before <= info.value.since <= time.time()
+    client.release(ref)  # idempotent
+
+
+def test_lease_expires_and_memory_is_reclaimed(client):
+    ref = client.put(np.ones(1 << 20, np.uint8), ttl=0.2)
+    keep = client.put(np.ones(10, np.uint8), ttl=60)
+    gone = client.wait_gone(ref, timeout=10)
+    assert gone is not None
+    assert gone[0] == "lease expired"
+    with pytest.raises(refstore.ObjectExpired, match="lease expired since"):
+        client.get(ref)
+    stats = client.stats()
+    assert stats.objects == 1
+    assert stats.expirations == 1
+    np.testing.assert_array_equal(client.get(keep), 1)
+    assert client.wait_gone(keep, timeout=0.05) is None
+
+
+def test_extend_keeps_object_alive(client):
+    ref = client.put(b"x", ttl=0.2)
+    client.extend(ref, 30)
+    assert client.wait_gone(ref, timeout=0.5) is None
+    client.extend(ref, 0.1)
+    assert client.wait_gone(ref, timeout=10)[0] == "lease expired"
+
+
+def test_eviction_is_lru_of_unleased_and_spares_pins_and_leases(client):
+    mib = 1 << 20
+    leased = client.put(np.full(16 * mib, 1, np.uint8))  # leased: never evicted
+    pinned = client.put(np.full(8 * mib, 2, np.uint8), ttl=None, pin=True)
+    cache = [client.put(np.full(8 * mib, 10 + i, np.uint8), ttl=None) for i in range(4)]
+    client.get(cache[0])  # touch: cache[1] is now the least recently used
+    assert client.stats().evictable == 5
+    # Layout: leased 0-16, pinned 16-24, cache 24-56, free 56-64 MiB. Needs 8 MiB more than is
+    # free: plain LRU would evict cache[1], cache[2], cache[3] until blocks coalesce; refstore
+    # evicts only cache[3], which together with the free tail makes room.
+    client.put(np.zeros(16 * mib, np.uint8))
+    assert client.stats().evictions == 1
+    with pytest.raises(refstore.ObjectEvicted, match="evicted since"):
+        client.get(cache[3])
+    for ref in (cache[0], cache[1], cache[2], pinned, leased):
+        client.get(ref)
+    # Now more than all unpinned cache entries: the pinned one goes last.
+    client.put(np.zeros(24 * mib, np.uint8))
+    assert client.stats().evictions >= 3
+    np.testing.assert_array_equal(client.get(leased), 1)
+    with pytest.raises(refstore.PoolFull, match="leased"):
+        client.put(np.zeros(40 * mib, np.uint8))
+
+
+def test_soft_pin_evicted_only_when_nothing_else(client):
+    mib = 1 << 20
+    pinned = client.put(np.full(30 * mib, 2, np.uint8), ttl=None, pin=True)
+    plain = client.put(np.full(30 * mib, 3, np.uint8), ttl=None)
+    client.get(plain)
+    # Evicts the unpinned one although it is newer.
+    client.release(client.put(np.zeros(8 * mib, np.uint8)))
+    np.testing.assert_array_equal(client.get(pinned), 2)
+    with pytest.raises(refstore.ObjectEvicted):
+        client.get(plain)
+    client.pin(pinned, False)
+    client.put(np.zeros(40 * mib, np.uint8))
+    with pytest.raises(refstore.ObjectEvicted):
+        client.get(pinned)
+
+
+def test_two_clients_share_objects(master):
+    with Client("test") as a, Client("test") as b:
+        ref = a.put(np.arange(1000))
+        np.testing.assert_array_equal(b.get(ref), np.arange(1000))
+        b.release(ref)
+        with pytest.raises(refstore.ObjectReleased):
+            a.get(ref)
+
+
+def test_no_master_is_a_clear_error(no_leaks):
+    with pytest.raises(refstore.MasterUnavailable, match="no refstore master 'nobody'"):
+        Client("nobody")
+
+
+def test_second_master_with_same_name_refused(master):
+    with pytest.raises(refstore.CallerError, match="already running"):
+        MasterThread("test", "1M")
+
+
+def test_close_is_idempotent_and_views_survive_close(master):
+    c = Client("test")
+    ref = c.put(np.arange(10))
+    view = c.get(ref)
+    c.close()
+    c.close()
+    np.testing.assert_array_equal(view, np.arange(10))  # the mapping lives while views do
+    with pytest.raises(refstore.CallerError, match="closed"):
+        c.get(ref)
+    del view
