@@ -27,6 +27,7 @@ __all__ = [
     "Snapshot",
     "SnapshotFormatError",
     "diff",
+    "flush",
     "is_running",
     "request_snapshot",
     "snapshot",
@@ -131,6 +132,18 @@ def write_snapshot(path: str | os.PathLike[str]) -> float:
 def request_snapshot() -> None:
     """Ask the background writer for a snapshot now (what the signal does)."""
     _core.writer_request()
+
+
+def flush(timeout: float = 30.0) -> bool:
+    """Have the background writer write a snapshot now and wait for it; False on timeout."""
+    target = _core.writer_info()["written"] + 1
+    _core.writer_request()
+    return _core.wait_written(target, timeout)
+
+
+def wait_written(count: int, timeout: float = 30.0) -> bool:
+    """Wait until the writer has written `count` snapshots in total (e.g. after a signal)."""
+    return _core.wait_written(count, timeout)
 
 
 def writer_info() -> dict:

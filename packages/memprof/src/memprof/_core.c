@@ -234,12 +234,22 @@ static int64_t intern_str(const char *s, size_t len) {
     }
     return g_nstrs++;
 }
-static int64_t intern_pystr(PyObject *o) {
+/* UTF-8 of a str without the GIL where possible: compact ASCII (the usual case for file and
+ * function names) and already-cached UTF-8 are read in place; anything else needs the GIL. */
+static int64_t intern_pystr(PyObject *o, int have_gil) {
     Py_ssize_t n = 0;
     const char *s = NULL;
-    if (o && PyUnicode_Check(o)) {
-        s = PyUnicode_AsUTF8AndSize(o, &n);
-        if (!s) PyErr_Clear();
+    if (o && PyUnicode_Check(o) && PyUnicode_IS_READY(o)) {
+        if (PyUnicode_IS_COMPACT_ASCII(o)) {
+            s = (const char *)PyUnicode_DATA(o);
+            n = PyUnicode_GET_LENGTH(o);
+        } else if (PyUnicode_IS_COMPACT(o) && ((PyCompactUnicodeObject *)o)->utf8) {
+            s = ((PyCompactUnicodeObject *)o)->utf8;
+            n = ((PyCompactUnicodeObject *)o)->utf8_length;
+        } else if (have_gil) {
+            s = PyUnicode_AsUTF8AndSize(o, &n);
+            if (!s) PyErr_Clear();
+        }
     }
     if (!s) {
         s = "?";
@@ -248,10 +258,13 @@ static int64_t intern_pystr(PyObject *o) {
     return intern_str(s, (size_t)n);
 }
 
-/* frames: (code object, line). The table keeps a reference to each code object it names, so
- * an address is never reused for a different function while the table holds it. */
+/* frames: (code object, line), validated by the code's filename and qualname objects. No
+ * reference is taken (that would need the GIL, and native-mode samples often come from
+ * threads that released it): should a code object die and another take its address, the
+ * key only matches if that one also has the same filename and qualname objects -- i.e. it
+ * is the same function recompiled, and the attribution is still right. */
 typedef struct {
-    PyObject *code;
+    const void *code, *file_obj, *name_obj;
     int32_t line;
     uint32_t file, name;
 } frame_t;
@@ -259,16 +272,19 @@ static frame_t *g_frames;
 static uint32_t g_nframes, g_capframes;
 static imap_t g_frame_map;
 typedef struct {
-    PyObject *code;
+    const void *code, *file_obj, *name_obj;
     int32_t line;
 } frame_key;
 static int frame_eq(uint32_t idx, const void *k) {
     const frame_key *key = k;
-    return g_frames[idx].code == key->code && g_frames[idx].line == key->line;
+    const frame_t *f = &g_frames[idx];
+    return f->code == key->code && f->line == key->line && f->file_obj == key->file_obj &&
+           f->name_obj == key->name_obj;
 }
-static int64_t intern_frame(PyObject *code, int line) {
-    frame_key key = {code, line};
-    uint64_t h = ((uint64_t)(uintptr_t)code * 0x9E3779B97F4A7C15ULL) ^ ((uint64_t)(uint32_t)line * 0xC2B2AE3D27D4EB4FULL);
+static int64_t intern_frame(PyCodeObject *co, int line, int have_gil) {
+    frame_key key = {co, co ? co->co_filename : NULL, co ? co->co_qualname : NULL, line};
+    uint64_t h = ((uint64_t)(uintptr_t)co * 0x9E3779B97F4A7C15ULL) ^ ((uint64_t)(uint32_t)line * 0xC2B2AE3D27D4EB4FULL) ^
+                 ((uint64_t)(uintptr_t)key.file_obj >> 4) ^ ((uint64_t)(uintptr_t)key.name_obj << 7);
     h ^= h >> 31;
     int64_t found = imap_find(&g_frame_map, h, frame_eq, &key);
     if (found >= 0) return found;
@@ -280,22 +296,22 @@ static int64_t intern_frame(PyObject *code, int line) {
         g_capframes = nc;
     }
     int64_t file = -1, name = -1;
-    if (code) {
-        PyCodeObject *co = (PyCodeObject *)code;
-        file = intern_pystr(co->co_filename);
-        name = intern_pystr(co->co_qualname);
+    if (co) {
+        file = intern_pystr(co->co_filename, have_gil);
+        name = intern_pystr(co->co_qualname, have_gil);
     } else {
         file = intern_str("<native>", 8);
         name = intern_str("<no Python stack>", 17);
     }
     if (file < 0 || name < 0) return -1;
     frame_t *f = &g_frames[g_nframes];
-    f->code = code;
+    f->code = key.code;
+    f->file_obj = key.file_obj;
+    f->name_obj = key.name_obj;
     f->line = line;
     f->file = (uint32_t)file;
     f->name = (uint32_t)name;
     if (imap_insert(&g_frame_map, h, g_nframes)) return -1;
-    Py_XINCREF(code);
     return g_nframes++;
 }
 
@@ -346,23 +362,26 @@ static int64_t intern_stack(uint32_t tid, const uint32_t *ids, uint32_t n) {
 }
 
 /* Capture the calling thread's Python stack and return its interned id (or -1).
- * Requires tls.busy == tls.internal == 1 (nested allocations pass straight through). Takes the GIL-holding
- * path only when this thread really holds the GIL; otherwise the sample gets the
- * "<no Python stack>" frame and the thread id. */
+ * Requires tls.busy == tls.internal == 1 (nested allocations pass straight through).
+ * The frames walked are this thread's own, so they cannot change under us even when the
+ * thread has released the GIL (it is inside a C call, e.g. ctypes or a numpy kernel): we
+ * read them either way; the GIL only decides whether we may call into the C API for a
+ * non-ASCII name. A thread without a Python thread state gets "<no Python stack>". */
 static int64_t capture_stack(void) {
-    PyObject *codes[MAX_FRAMES];
+    PyCodeObject *codes[MAX_FRAMES];
     int lines[MAX_FRAMES];
     uint32_t ids[MAX_FRAMES];
     int n = 0;
-    int have_gil = Py_IsInitialized() && !_Py_IsFinalizing() && PyGILState_Check();
-    if (have_gil) {
+    int have_gil = 0;
+    if (Py_IsInitialized() && !_Py_IsFinalizing()) {
+        have_gil = PyGILState_Check();
         PyThreadState *ts = PyGILState_GetThisThreadState();
         _PyInterpreterFrame *f = ts && ts->cframe ? ts->cframe->current_frame : NULL;
         while (f && n < MAX_FRAMES) {
             PyCodeObject *co = f->f_code;
             if (co && !_PyFrame_IsIncomplete(f)) {
                 int line = PyCode_Addr2Line(co, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
-                codes[n] = (PyObject *)co;
+                codes[n] = co;
                 lines[n] = line < 0 ? 0 : line;
                 n++;
             }
@@ -375,7 +394,7 @@ static int64_t capture_stack(void) {
     pthread_mutex_lock(&g_intern_lock);
     int64_t result = -1;
     if (n == 0) {
-        int64_t fid = intern_frame(NULL, 0);
+        int64_t fid = intern_frame(NULL, 0, have_gil);
         if (fid >= 0) {
             ids[0] = (uint32_t)fid;
             result = intern_stack(tid, ids, 1);
@@ -383,7 +402,7 @@ static int64_t capture_stack(void) {
     } else {
         int ok = 1;
         for (int i = 0; i < n; i++) {
-            int64_t fid = intern_frame(codes[i], lines[i]);
+            int64_t fid = intern_frame(codes[i], lines[i], have_gil);
             if (fid < 0) {
                 ok = 0;
                 break;
@@ -859,6 +878,7 @@ static int write_snapshot_file(const char *final_path) {
 /* ------------------------------------------------------------------ background writer */
 
 static pthread_mutex_t g_writer_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_written_cond = PTHREAD_COND_INITIALIZER;
 static pthread_t g_writer;
 static int g_writer_running;
 static int g_wake[2] = {-1, -1};
@@ -898,22 +918,24 @@ static void writer_write_one(void) {
     double t0 = mono_s();
     if (write_snapshot_file(path) == 0) {
         g_last_write_s = mono_s() - t0;
-        pthread_mutex_lock(&g_writer_lock);
-        g_written++;
-        memcpy(g_last_path, path, sizeof(path));
-        pthread_mutex_unlock(&g_writer_lock);
         if (g_keep > 0 && seq > (uint64_t)g_keep) {
             char old[4096];
             snprintf(old, sizeof(old), "%s/memprof-%d-%06llu.mprof", g_out_dir, (int)pid,
                      (unsigned long long)(seq - (uint64_t)g_keep));
             unlink(old);
         }
+        pthread_mutex_lock(&g_writer_lock);
+        g_written++;
+        memcpy(g_last_path, path, sizeof(path));
+        pthread_cond_broadcast(&g_written_cond);
+        pthread_mutex_unlock(&g_writer_lock);
     }
 }
 
 static void *writer_main(void *arg) {
     (void)arg;
     tls.busy = tls.internal = 1; /* the writer's own allocations are never sampled */
+    pthread_setname_np(pthread_self(), "memprof-writer");
     sigset_t all;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL); /* signals go to the application's threads */
@@ -966,6 +988,7 @@ static void atfork_parent(void) {
 static void atfork_child(void) {
     /* only the forking thread survives: fresh locks, no writer thread, a new wake pipe */
     pthread_mutex_init(&g_writer_lock, NULL);
+    pthread_cond_init(&g_written_cond, NULL);
     for (int i = 0; i < NSHARDS; i++) pthread_mutex_init(&g_shards[i].lock, NULL);
     pthread_mutex_init(&g_intern_lock, NULL);
     tls.tid = 0;
@@ -1118,6 +1141,7 @@ static PyObject *py_writer_start(PyObject *self, PyObject *args, PyObject *kw) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
     g_writer_running = 1;
+    pthread_setname_np(g_writer, "memprof-writer"); /* visible in /proc, top -H, py-spy */
     if (signum > 0) {
         struct sigaction sa;
         memset(&sa, 0, sizeof(sa));
@@ -1138,6 +1162,26 @@ static PyObject *py_writer_request(PyObject *self, PyObject *unused) {
         (void)r;
     }
     Py_RETURN_NONE;
+}
+
+/* wait_written(n, timeout): block (GIL released) until the writer has written n snapshots */
+static PyObject *py_wait_written(PyObject *self, PyObject *args) {
+    unsigned long long target;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "Kd", &target, &timeout)) return NULL;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    double end = (double)dl.tv_sec + dl.tv_nsec * 1e-9 + (timeout > 0 ? timeout : 0);
+    dl.tv_sec = (time_t)end;
+    dl.tv_nsec = (long)((end - (double)dl.tv_sec) * 1e9);
+    pthread_mutex_lock(&g_writer_lock);
+    while (g_written < target && g_writer_running) {
+        if (pthread_cond_timedwait(&g_written_cond, &g_writer_lock, &dl) == ETIMEDOUT) break;
+    }
+    ok = g_written >= target;
+    pthread_mutex_unlock(&g_writer_lock);
+    Py_END_ALLOW_THREADS return PyBool_FromLong(ok);
 }
 
 static PyObject *py_writer_stop(PyObject *self, PyObject *unused) {
@@ -1187,6 +1231,7 @@ static PyMethodDef core_methods[] = {
     {"writer_request", py_writer_request, METH_NOARGS, "ask the writer for a snapshot now"},
     {"writer_stop", py_writer_stop, METH_NOARGS, "write a final snapshot and join the writer thread"},
     {"writer_info", py_writer_info, METH_NOARGS, "writer state"},
+    {"wait_written", py_wait_written, METH_VARARGS, "wait_written(n, timeout) -> True once n snapshots are written"},
     {"stats", py_stats, METH_NOARGS, "profiler counters"},
     {"native_available", py_native_available, METH_NOARGS, "None if native mode can start, else the reason"},
     {NULL, NULL, 0, NULL}};
