@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import threading
 
@@ -35,6 +36,7 @@ def no_leaks():
     threads = set(threading.enumerate())
     fds = _fd_count()
     yield
+    gc.collect()  # views held by tracebacks of expected exceptions keep mappings (and fds) alive
     extra = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
     assert not extra, f"threads left running: {extra}"
     assert _fd_count() <= fds, f"file descriptors leaked: {_fd_count()} > {fds}"

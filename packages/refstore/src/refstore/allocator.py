@@ -2,9 +2,9 @@
 
 Why TLSF and not a buddy allocator: RL payloads range from a few KiB to GiBs and are rarely powers
 of two; a buddy allocator rounds every request up to the next power of two (up to 50% internal
-waste, 25% on average for uniform sizes), while TLSF's good-fit search wastes at most 1/``SL_COUNT`` of a
-request (here 1/16 = 6.25%) plus the granule, and coalesces freed neighbours immediately so external
-fragmentation stays low (see ``benchmarks/bench_allocator.py`` and ``tests/test_allocator.py``).
+waste, 25% on average for uniform sizes), while TLSF's good-fit search wastes at most
+1/``SL_COUNT`` of a request (here 1/16 = 6.25%) plus the granule, and coalesces freed neighbours
+immediately so external fragmentation stays low (measured in ``tests/test_allocator.py``).
 
 Layout of the index:
 - first level ``fl`` = floor(log2(size)), second level ``sl`` = the next ``SL_LOG2`` bits of the

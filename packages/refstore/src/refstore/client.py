@@ -186,19 +186,15 @@ class Client:
         if since is not None:
             raise MasterRestarted(f"object {ref.oid} of pool {ref.pool} (now {self.epoch})", since)
 
-    def _with_recovery(self, fn: Any, *, retry: bool) -> Any:
+    def _with_recovery(self, fn: Any) -> Any:
+        """Run ``fn``; if the master is gone and a new one runs, re-attach and run ``fn`` again
+        (a put then lands in the new pool; a get of an old ref raises MasterRestarted)."""
         try:
             return fn()
         except MasterUnavailable:
-            if self._fixed_address is not None:
+            if self._fixed_address is not None or not self.reconnect():
                 raise
-            try:
-                changed = self.reconnect()
-            except MasterUnavailable:
-                raise
-            if changed and retry:
-                return fn()
-            raise
+        return fn()
 
     # -- put ----------------------------------------------------------------------------------
     def put(self, obj: Any, *, ttl: float | str | None = "default", pin: bool = False) -> Ref:
@@ -209,9 +205,7 @@ class Client:
         """
         ttl_s = self.default_ttl if ttl == "default" else ttl
         layout, sources, nbytes = codec.encode(obj)
-        return self._with_recovery(
-            lambda: self._put(layout, sources, nbytes, ttl_s, pin), retry=True
-        )
+        return self._with_recovery(lambda: self._put(layout, sources, nbytes, ttl_s, pin))
 
     def _put(
         self, layout: protocol.Layout, sources: list[Any], nbytes: int, ttl_s: Any, pin: bool
@@ -261,17 +255,21 @@ class Client:
             )
             return resp.offset, resp.layout
 
-        offset, layout = self._with_recovery(resolve, retry=False)
+        offset, layout = self._with_recovery(resolve)
         pool = self._pool
         assert pool is not None
         base = pool.view if writable else pool.readonly_view
         return codec.decode(base, offset, layout, as_, writable)
 
     # -- lifetime -----------------------------------------------------------------------------
-    def _by_pool(self, refs: Ref | Iterable[Ref]) -> dict[str, list[int]]:
+    def _by_pool(
+        self, refs: Ref | Iterable[Ref], *, skip_dead: bool = False
+    ) -> dict[str, list[int]]:
         groups: dict[str, list[int]] = {}
         for ref in [refs] if isinstance(refs, Ref) else refs:
             if ref.pool != self.epoch:
+                if skip_dead and ref.pool in self._past_epochs:
+                    continue  # its master and memory are gone already
                 self._check_epoch(ref)
                 raise CallerError(
                     f"ref {ref.oid} belongs to pool {ref.pool} on {ref.node}, not this node"
@@ -281,10 +279,9 @@ class Client:
 
     def release(self, refs: Ref | Iterable[Ref]) -> None:
         """Free now (active release). Views of released objects must not be used any more."""
-        for pool, oids in self._by_pool(refs).items():
+        for pool, oids in self._by_pool(refs, skip_dead=True).items():
             self._with_recovery(
                 lambda p=pool, o=oids: self._call(protocol.RELEASE, protocol.OidList(p, o)),
-                retry=False,
             )
 
     def extend(self, refs: Ref | Iterable[Ref], ttl: float | None) -> None:
@@ -309,9 +306,7 @@ class Client:
         return (resp.reason, resp.since) if resp.gone else None
 
     def stats(self) -> protocol.Stats:
-        return self._with_recovery(
-            lambda: self._call(protocol.STATS, protocol.StatsReq()), retry=True
-        )
+        return self._with_recovery(lambda: self._call(protocol.STATS, protocol.StatsReq()))
 
     def shutdown_master(self, reason: str = "requested by client") -> None:
         self._call(protocol.SHUTDOWN, protocol.Shutdown(reason))

@@ -1,0 +1,162 @@
+"""Fault injection: failing, delayed and dropped operations, dead clients, killed masters."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import zlib
+
+import numpy as np
+import pytest
+import refstore
+from refstore import Client, MasterThread, faults, start_master_process
+
+
+def test_parse_rejects_bad_rules():
+    assert faults.parse("get:delay=0.5@0.25#3; *:drop")[0].remaining == 3
+    for bad in ("get", "get:explode", "get:delay=abc", "get:fail@2"):
+        with pytest.raises(refstore.CallerError, match="bad fault rule"):
+            faults.parse(bad)
+
+
+def test_fail_delay_and_drop_then_recover(client):
+    ref = client.put(np.arange(100))
+    faults.inject(client, "get:fail#1")
+    with pytest.raises(refstore.InjectedFault, match="injected failure of get"):
+        client.get(ref)
+    np.testing.assert_array_equal(client.get(ref), np.arange(100))  # the rule fired once
+
+    faults.inject(client, "get:delay=0.3#1")
+    started = time.monotonic()
+    client.get(ref)
+    assert time.monotonic() - started >= 0.3
+
+    client.timeout = 0.5
+    faults.inject(client, "alloc:drop#1")
+    with pytest.raises(refstore.MasterUnavailable, match="RpcTimeout"):
+        client.put(np.ones(10))
+    assert client.stats().objects == 1  # a dropped operation changed nothing
+    np.testing.assert_array_equal(client.get(client.put(np.ones(10))), 1)
+    faults.clear(client)
+
+
+def test_master_reads_plan_from_environment(no_leaks, monkeypatch):
+    monkeypatch.setenv(faults.ENV_VAR, "seal:fail#1")
+    with MasterThread("envfaults", "4M"), Client("envfaults") as c:
+        with pytest.raises(refstore.InjectedFault):
+            c.put(b"x")
+        assert bytes(c.get(c.put(b"y"))) == b"y"
+
+
+DYING_CLIENT = """
+import os, pickle, sys
+import numpy as np
+from refstore import Client
+c = Client("test")
+refs = [c.put(np.full(4 << 20, i, np.uint8), ttl=float(sys.argv[1])) for i in range(3)]
+sys.stdout.buffer.write(pickle.dumps(refs))
+sys.stdout.flush()
+os._exit(0)  # dies holding its leases: no release, no close
+"""
+
+
+def test_dead_client_memory_reclaimed_after_ttl(client):
+    out = subprocess.run(
+        [sys.executable, "-c", DYING_CLIENT, "1.0"], capture_output=True, check=True, timeout=60
+    ).stdout
+    refs = pickle.loads(out)
+    assert client.stats().used >= 12 << 20
+    np.testing.assert_array_equal(client.get(refs[2])[:10], 2)  # readable until the TTL
+    for ref in refs:
+        reason, since = client.wait_gone(ref, timeout=30)
+        assert reason == "lease expired"
+    stats = client.stats()
+    assert stats.used == 0
+    assert stats.expirations == 3
+    with pytest.raises(refstore.ObjectExpired, match="lease expired since"):
+        client.get(refs[0])
+
+
+def test_killed_master_restart_gives_clear_error_and_clients_recover(no_leaks):
+    proc = start_master_process("crashy", "16M")
+    try:
+        client = Client("crashy", timeout=5.0)
+        old = client.put(np.arange(1000))
+        view = client.get(old)
+        faults.kill_master(client)
+        assert proc.wait(timeout=30) == -9
+        with pytest.raises(refstore.MasterUnavailable, match="no refstore master 'crashy'"):
+            client.put(b"nobody home")
+        proc = start_master_process("crashy", "16M")
+        with pytest.raises(refstore.MasterRestarted, match="master restarted since"):
+            client.get(old)
+        np.testing.assert_array_equal(view, np.arange(1000))  # old views stay valid memory
+        new = client.put(np.arange(5))  # recovered: works against the new master
+        np.testing.assert_array_equal(client.get(new), np.arange(5))
+        client.release([old, new])  # the dead master's ref is skipped, not an error
+        with Client("crashy") as fresh:  # a client that never saw the old master knows too
+            with pytest.raises(refstore.MasterRestarted):
+                fresh.get(old)
+        client.shutdown_master("test done")
+        assert proc.wait(timeout=30) == 0
+        client.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_autostart_starts_one_master_and_stop_ends_it(no_leaks):
+    with refstore.connect("auto", autostart=True, pool_size="8M") as a:
+        with refstore.connect("auto", autostart=True, pool_size="8M") as b:
+            assert a.epoch == b.epoch
+            assert bytes(b.get(a.put(b"shared"))) == b"shared"
+        subprocess.run(
+            [sys.executable, "-m", "refstore.cli", "stop", "--name", "auto"], check=True, timeout=60
+        )
+    with pytest.raises(refstore.MasterUnavailable):
+        Client("auto")
+
+
+def test_payloads_never_corrupted_under_faults_and_eviction(no_leaks):
+    """Two writer threads churn cache entries through a small pool (constant eviction) while the
+    master delays and fails operations at random; every successful get must match its checksum."""
+    with MasterThread("churn", "24M", faults="*:delay=0.002@0.2;alloc:fail@0.05;get:fail@0.05"):
+        errors: list[str] = []
+        checked = [0, 0]
+
+        def worker(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            with Client("churn") as c:
+                live: list[tuple[refstore.Ref, int]] = []
+                for _ in range(150):
+                    data = rng.integers(0, 255, int(rng.integers(1, 2 << 20)), dtype=np.uint8)
+                    try:
+                        live.append((c.put(data, ttl=None), zlib.crc32(data)))
+                    except (refstore.InjectedFault, refstore.PoolFull):
+                        pass
+                    for ref, crc in live[-8:]:
+                        try:
+                            got = c.get(ref)
+                        except (refstore.ObjectEvicted, refstore.InjectedFault):
+                            continue
+                        checked[seed] += 1
+                        if zlib.crc32(got) != crc:
+                            errors.append(f"corrupted {ref}")
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert min(checked) > 100
+
+
+def test_fd_env_var_documented():
+    assert faults.ENV_VAR == "REFSTORE_FAULTS"
+    assert os.environ.get(faults.ENV_VAR) is None
