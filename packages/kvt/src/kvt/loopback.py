@@ -1,0 +1,184 @@
+"""Two-process loopback transfer: kvt vs a plain contiguous socket, measured in the same run.
+
+Shared by ``kvt-demo`` and ``benchmarks/bench_tcp.py``. The parent process is the sender (P);
+a spawned child is the receiver (D). The pattern is a KV-like region: ``total`` bytes cut into
+blocks of ``block_size``, sent from a random permutation of source blocks to a random
+permutation of destination blocks (every block scattered), verified byte for byte afterwards.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from ipcblock import make_blocks
+
+from kvt.engine import TransferEngine
+
+_FILL_SEED = 1234
+
+
+def _source(total: int) -> np.ndarray:
+    """Reproducible bytes in which every 4 KiB page differs (a misplaced block cannot pass).
+
+    A 1 MiB random tile repeated, each 4 KiB page stamped with its index: as good as random for
+    catching misplaced or torn blocks, and ten times cheaper to make than 256 MiB of random bytes.
+    """
+    tile = np.frombuffer(np.random.default_rng(_FILL_SEED).bytes(1 << 20), dtype=np.uint8)
+    data = np.resize(tile, total)
+    pages = total // 4096
+    data[: pages * 4096].view(np.uint64).reshape(pages, 512)[:, 0] = np.arange(pages)
+    return data
+
+
+def _permutations(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.permutation(n), rng.permutation(n)
+
+
+def _receiver_main(conn, total: int) -> None:  # runs in the child process
+    engine = TransferEngine(name="D")
+    dst = np.ones(total, dtype=np.uint8)  # touched now, so no run pays first-touch page faults
+    region = engine.register_region(dst)
+    plain = socket.create_server(("127.0.0.1", 0))
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    conn.send((engine.data_address, region, plain.getsockname()[1]))
+    plain_sock = None
+    try:
+        while True:
+            cmd, *args = conn.recv()
+            if cmd == "expect":
+                engine.expect(args[0], timeout_s=60.0, on_complete=done.put)
+                conn.send("ready")
+            elif cmd == "completion":
+                c = done.get()
+                conn.send((c.status.value, c.nbytes))
+            elif cmd == "plain":
+                if plain_sock is None:
+                    plain_sock, _ = plain.accept()
+                view, got = memoryview(dst), 0
+                conn.send("ready")
+                while got < total:
+                    n = plain_sock.recv_into(view[got:], total - got)
+                    if n == 0:
+                        raise ConnectionError("plain sender went away")
+                    got += n
+                plain_sock.sendall(b"k")
+            elif cmd == "verify":
+                block_size, seed = args
+                n = total // block_size
+                perm_src, perm_dst = _permutations(n, seed)
+                src = _source(total).reshape(n, block_size)
+                ok = bool(np.array_equal(dst.reshape(n, block_size)[perm_dst], src[perm_src]))
+                conn.send(ok)
+                dst[:] = 1  # next pattern starts from a known state
+            elif cmd == "close":
+                break
+    finally:
+        if plain_sock is not None:
+            plain_sock.close()
+        plain.close()
+        engine.close()
+        conn.close()
+
+
+@dataclass
+class Measurement:
+    label: str
+    block_size: int
+    blocks: int
+    seconds: list[float]
+    total: int
+
+    @property
+    def best_gbps(self) -> float:
+        return self.total / min(self.seconds) / 1e9
+
+    @property
+    def median_gbps(self) -> float:
+        return self.total / statistics.median(self.seconds) / 1e9
+
+
+@dataclass
+class LoopbackResult:
+    total: int
+    plain: Measurement
+    kvt: list[Measurement]
+    verified: dict[int, bool]
+
+
+def run_loopback(
+    total: int = 256 << 20, block_sizes: tuple[int, ...] = (64 << 10,), repeats: int = 3
+) -> LoopbackResult:
+    """Measure kvt (scattered blocks) and a plain contiguous socket between two processes."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, total), daemon=True)
+    proc.start()
+    child.close()
+    engine = TransferEngine(name="P")
+    plain_sock = None
+    try:
+        if not parent.poll(60):
+            raise RuntimeError("receiver process did not start")
+        data_address, dst_region, plain_port = parent.recv()
+        src = _source(total)
+        src_region = engine.register_region(src)
+
+        plain_sock = socket.create_connection(("127.0.0.1", plain_port))
+        plain_times = []
+        for _ in range(repeats + 1):  # first run warms up
+            parent.send(("plain",))
+            parent.recv()
+            start = time.perf_counter()
+            plain_sock.sendall(memoryview(src))
+            if plain_sock.recv(1) != b"k":
+                raise ConnectionError("plain receiver went away")
+            plain_times.append(time.perf_counter() - start)
+        plain = Measurement("plain socket, 1 contiguous buffer", total, 1, plain_times[1:], total)
+
+        results, verified = [], {}
+        for block_size in block_sizes:
+            n = total // block_size
+            perm_src, perm_dst = _permutations(n, seed=block_size)
+            blocks = make_blocks(
+                perm_src * block_size, perm_dst * block_size, block_size,
+                src_region=src_region, dst_region=dst_region,
+            )  # fmt: skip
+            times = []
+            for i in range(repeats + 1):
+                rid = f"bench-{block_size}-{i}"
+                done: queue.SimpleQueue = queue.SimpleQueue()
+                parent.send(("expect", rid))
+                parent.recv()
+                start = time.perf_counter()
+                engine.send(rid, data_address, blocks, last=True, on_complete=done.put)
+                completion = done.get()
+                times.append(time.perf_counter() - start)
+                parent.send(("completion",))
+                recv_status, _ = parent.recv()
+                if not completion.ok or recv_status != "done":
+                    raise RuntimeError(f"transfer failed: {completion} / receiver {recv_status}")
+            parent.send(("verify", block_size, block_size))
+            verified[block_size] = parent.recv()
+            label = f"kvt, {n} x {block_size >> 10} KiB scattered"
+            results.append(Measurement(label, block_size, n, times[1:], total))
+        return LoopbackResult(total, plain, results, verified)
+    finally:
+        if plain_sock is not None:
+            plain_sock.close()
+        try:
+            parent.send(("close",))
+        except OSError:
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        parent.close()
+        engine.close()

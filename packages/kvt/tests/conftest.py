@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from kvt import Completion, TransferEngine
+
+
+def kvt_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("kvt-")]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails the test if kvt threads or file descriptors outlive it (engines must be closed)."""
+    assert kvt_threads() == [], f"threads left by an earlier test: {kvt_threads()}"
+    before = open_fds()
+    yield
+    assert kvt_threads() == []
+    assert open_fds() == before
+
+
+class Completions:
+    """Collects completions from callbacks; wait() blocks on a queue (no polling)."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self.all: list[Completion] = []
+
+    def __call__(self, completion: Completion) -> None:
+        self.q.put(completion)
+
+    def wait(self, timeout: float = 10.0) -> Completion:
+        c = self.q.get(timeout=timeout)
+        self.all.append(c)
+        return c
+
+    def empty(self) -> bool:
+        return self.q.empty()
+
+
+@pytest.fixture
+def pair(no_leaks):
+    """Two engines in this process (P sends, D receives), 4 MiB regions of 64 blocks x 64 KiB."""
+    p, d = TransferEngine(name="P", default_timeout_s=20), TransferEngine(name="D", default_timeout_s=20)
+    src = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
+    dst = np.zeros(4 << 20, dtype=np.uint8)
+    src_region, dst_region = p.register_region(src), d.register_region(dst)
+    yield p, d, src, dst, src_region, dst_region
+    p.close()
+    d.close()

@@ -1,0 +1,148 @@
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ipcblock import make_blocks
+
+from kvt.errors import ProtocolViolation
+from kvt.outcome import AbortCode
+from kvt.protocol import (
+    HEADER,
+    Abort,
+    AbortTarget,
+    DataHeader,
+    Done,
+    FrameDecoder,
+    Hello,
+    PayloadBytes,
+    PayloadEnd,
+    encode_abort,
+    encode_data_head,
+    encode_done,
+    encode_hello,
+)
+
+
+def stream() -> tuple[bytes, np.ndarray, bytes]:
+    blocks = make_blocks([0, 100], [50, 7], [3, 4], src_region=1, dst_region=2, tag=5)
+    payload = b"abcdefg"
+    wire = (
+        encode_hello("P0", "127.0.0.1:5000")
+        + encode_data_head("req-1", blocks, last=True)
+        + payload
+        + encode_done("req-1", 7)
+        + encode_abort("req-2", AbortCode.TIMEOUT, AbortTarget.RECEIVER, "too slow")
+        + encode_data_head("req-3", blocks[:0], last=False)
+    )
+    return wire, blocks, payload
+
+
+def check_events(events, blocks, payload) -> None:
+    payload_seen = b"".join(e.data for e in events if isinstance(e, PayloadBytes))
+    kinds = [type(e) for e in events if not isinstance(e, PayloadBytes)]
+    assert kinds == [Hello, DataHeader, PayloadEnd, Done, Abort, DataHeader, PayloadEnd]
+    hello, data, _, done, abort, empty, _ = [e for e in events if not isinstance(e, PayloadBytes)]
+    assert hello == Hello("P0", "127.0.0.1:5000")
+    assert data.request_id == "req-1"
+    assert data.last
+    np.testing.assert_array_equal(data.blocks, blocks)
+    assert data.payload_len == 7
+    assert payload_seen == payload
+    assert done == Done("req-1", 7)
+    assert abort == Abort("req-2", AbortCode.TIMEOUT, AbortTarget.RECEIVER, "too slow")
+    assert empty.blocks.size == 0
+    assert not empty.last
+
+
+def test_round_trip_in_one_feed() -> None:
+    wire, blocks, payload = stream()
+    check_events(FrameDecoder().feed(wire), blocks, payload)
+
+
+def test_round_trip_byte_by_byte() -> None:
+    wire, blocks, payload = stream()
+    decoder, events = FrameDecoder(), []
+    for i in range(len(wire)):
+        events += decoder.feed(wire[i : i + 1])
+    check_events(events, blocks, payload)
+
+
+def test_payload_reported_by_io_layer() -> None:
+    wire, blocks, _ = stream()
+    head = encode_data_head("r", blocks, last=False)
+    decoder = FrameDecoder()
+    assert decoder.next_read_size() == 16
+    events = decoder.feed(head)
+    assert isinstance(events[0], DataHeader)
+    assert decoder.in_payload
+    assert decoder.payload_left == 7
+    assert decoder.payload_consumed(5) == []
+    assert decoder.payload_consumed(2) == [PayloadEnd("r")]
+    assert not decoder.in_payload
+
+
+def header(ftype=2, meta_len=0, payload_len=0, magic=b"KV", version=1) -> bytes:
+    return HEADER.pack(magic, version, ftype, meta_len, payload_len)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        header(magic=b"XX", meta_len=4),
+        header(version=9, meta_len=4),
+        header(ftype=77, meta_len=4),
+        header(ftype=3, meta_len=12, payload_len=5),  # DONE with a payload
+        header(meta_len=1 << 30),  # oversized metadata
+        # DATA whose payload_len disagrees with its blocks
+        header(meta_len=8 + 1 + 30, payload_len=99)
+        + struct.pack("<HBBI", 1, 0, 0, 1) + b"r" + make_blocks(0, 0, 10).tobytes(),
+        # DATA whose block count runs past the metadata
+        header(meta_len=8 + 1, payload_len=0) + struct.pack("<HBBI", 1, 0, 0, 5) + b"r",
+        # lengths that wrap around u64 when summed
+        header(meta_len=8 + 1 + 60, payload_len=0)
+        + struct.pack("<HBBI", 1, 0, 0, 2) + b"r"
+        + make_blocks([0, 0], [0, 0], [2**63, 2**63]).tobytes(),
+        # empty request id, unknown flag, bad abort code
+        header(meta_len=8) + struct.pack("<HBBI", 0, 0, 0, 0),
+        header(meta_len=9) + struct.pack("<HBBI", 1, 0x80, 0, 0) + b"r",
+        header(ftype=4, meta_len=5) + struct.pack("<HBB", 1, 200, 1) + b"r",
+        header(ftype=1, meta_len=4) + struct.pack("<HH", 10, 10),
+    ],
+)
+def test_malformed_frames_raise_protocol_violation(raw: bytes) -> None:
+    decoder = FrameDecoder(max_meta=1 << 20)
+    with pytest.raises(ProtocolViolation):
+        decoder.feed(raw)
+    with pytest.raises(ProtocolViolation):  # poisoned afterwards
+        decoder.feed(b"")
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.binary(max_size=300), st.integers(1, 64))
+def test_fuzz_random_bytes(data: bytes, step: int) -> None:
+    """Arbitrary input only ever yields typed events or ProtocolViolation."""
+    decoder = FrameDecoder(max_meta=4096)
+    try:
+        for i in range(0, len(data), step):
+            decoder.feed(data[i : i + step])
+    except ProtocolViolation:
+        pass
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.integers(0, 200), st.binary(min_size=1, max_size=8))
+def test_fuzz_corrupted_valid_stream(position: int, garbage: bytes) -> None:
+    wire, _, _ = stream()
+    pos = position % len(wire)
+    corrupted = wire[:pos] + garbage + wire[pos + len(garbage) :]
+    decoder = FrameDecoder(max_meta=4096)
+    try:
+        events = decoder.feed(corrupted)
+    except ProtocolViolation:
+        return
+    for event in events:
+        assert isinstance(event, Hello | DataHeader | Done | Abort | PayloadBytes | PayloadEnd)
