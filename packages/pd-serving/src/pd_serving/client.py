@@ -22,6 +22,7 @@ class Completion:
     tpot_s: float = 0.0  # mean time per output token after the first
     latency_s: float = 0.0
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     finish_reason: str | None = None
 
 
@@ -69,6 +70,7 @@ async def complete(
                 latency_s=done - started,
                 ttft_s=done - started,
                 completion_tokens=data["usage"]["completion_tokens"],
+                prompt_tokens=data["usage"]["prompt_tokens"],
                 finish_reason=choice.get("finish_reason"),
             )
         return await _read_stream(resp, started)
@@ -89,6 +91,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
         event = json.loads(payload)
         if event.get("usage"):
             out.completion_tokens = event["usage"]["completion_tokens"]
+            out.prompt_tokens = event["usage"]["prompt_tokens"]
         for choice in event.get("choices") or []:
             ids = choice.get("token_ids") or []
             if choice.get("text") or ids:

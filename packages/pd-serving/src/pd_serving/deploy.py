@@ -51,20 +51,32 @@ class Deployment:
         dispatch: Dispatch = Dispatch.SEQUENTIAL,
         model_names: Sequence[str] = (),
     ) -> ProxyConfig:
-        def backends(role: Role) -> list[Backend]:
-            return [
-                Backend(
-                    url=s.url,
-                    rpc_address=s.rpc_address if role is Role.PREFILL else None,
-                    name=s.name,
-                )
-                for s in self.by_role(role)
-            ]
+        return proxy_config_for(self.servers, connector, dispatch, model_names)
 
-        return ProxyConfig(
-            prefill=backends(Role.PREFILL),
-            decode=backends(Role.DECODE),
-            connector=connector,
-            dispatch=dispatch,
-            model_names=list(model_names),
-        )
+
+def proxy_config_for(
+    servers: Sequence[VllmServer],
+    connector: Connector,
+    dispatch: Dispatch = Dispatch.SEQUENTIAL,
+    model_names: Sequence[str] = (),
+) -> ProxyConfig:
+    """The proxy in front of the P's and D's among ``servers`` that use ``connector``."""
+
+    def backends(role: Role) -> list[Backend]:
+        return [
+            Backend(
+                url=s.url,
+                rpc_address=s.rpc_address if role is Role.PREFILL else None,
+                name=s.name,
+            )
+            for s in servers
+            if s.role is role and s.connector is connector
+        ]
+
+    return ProxyConfig(
+        prefill=backends(Role.PREFILL),
+        decode=backends(Role.DECODE),
+        connector=connector,
+        dispatch=dispatch,
+        model_names=list(model_names),
+    )

@@ -157,12 +157,13 @@ class ManagedProcess:
         self.exited.set_result(code)
         self._fail_ready(f"exited with code {code} before it was ready")
 
-    def _fail_ready(self, why: str) -> None:
+    def _fail_ready(self, why: str, *, wait_for_output: bool = True) -> None:
         if self.ready.done():
             return
-        # Wait briefly for the output reader so the tail shows the child's last words.
-        for thread in self._threads[:1]:
-            thread.join(timeout=2.0)
+        if wait_for_output:
+            # Wait briefly for the output reader so the tail shows the child's last words.
+            for thread in self._threads[:1]:
+                thread.join(timeout=2.0)
         tail = "\n".join(self._tail)
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             self.ready.set_exception(
@@ -179,6 +180,7 @@ class ManagedProcess:
                 return self._proc.returncode if self._proc else None
             self._stopped = True
         proc = self._proc
+        self._fail_ready("was stopped", wait_for_output=False)
         _signal_group(proc.pid, signal.SIGTERM)
         try:
             code = self.exited.result(timeout=timeout)
@@ -192,7 +194,6 @@ class ManagedProcess:
         _signal_group(proc.pid, signal.SIGKILL)
         for thread in self._threads:
             thread.join(timeout=5.0)
-        self._fail_ready("was stopped")
         return code
 
 

@@ -1,0 +1,303 @@
+"""``pdserve bench``: TTFT / TPOT of 1P1D against one vLLM instance, same model, same run.
+
+Every system gets the same requests (fixed prompt length, distinct prompts so no prefix-cache
+hits, greedy, ``ignore_eos``) at a fixed concurrency, one system after the other so they never
+compete for the CPU. ``--compare`` brings up single, HybridConnector 1P1D (measured with both
+dispatch modes through two proxies on the same P/D pair) and NixlConnector 1P1D in one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from pd_serving.client import Completion, complete, exact_length_prompt, load_tokenizer
+from pd_serving.deploy import Deployment, proxy_config_for
+from pd_serving.launcher import free_port
+from pd_serving.model import cache_dir, default_model_dir, make_model
+from pd_serving.proxy import Dispatch, PdProxy, serve
+from pd_serving.servers import Connector, CpuSettings, Role, VllmServer, plan_servers
+
+
+@dataclass
+class SystemResult:
+    name: str
+    requests: int
+    concurrency: int
+    prompt_tokens: int
+    max_tokens: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    output_tokens_per_s: float
+    wall_s: float
+    # Greedy answers identical to the first system's (the single instance) for every prompt.
+    same_tokens_as_single: bool | None = None
+    ttft_p50_vs_single: float | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(
+    name: str,
+    results: list[Completion],
+    wall_s: float,
+    *,
+    concurrency: int,
+    prompt_tokens: int,
+    max_tokens: int,
+) -> SystemResult:
+    ttfts = [r.ttft_s * 1000 for r in results]
+    tpots = [r.tpot_s * 1000 for r in results]
+    out_tokens = sum(r.completion_tokens for r in results)
+    return SystemResult(
+        name=name,
+        requests=len(results),
+        concurrency=concurrency,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p99_ms=percentile(ttfts, 99),
+        tpot_p50_ms=percentile(tpots, 50),
+        tpot_p99_ms=percentile(tpots, 99),
+        output_tokens_per_s=out_tokens / wall_s if wall_s > 0 else 0.0,
+        wall_s=wall_s,
+    )
+
+
+async def run_load(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    model: str,
+    prompts: list[Any],
+    *,
+    concurrency: int,
+    max_tokens: int,
+) -> tuple[list[Completion], float]:
+    """Every prompt once, ``concurrency`` in flight, streaming; returns answers and wall time."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(prompt: Any) -> Completion:
+        async with limit:
+            return await complete(session, base_url, model, prompt, max_tokens=max_tokens)
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(p) for p in prompts))
+    return list(results), time.perf_counter() - started
+
+
+async def bench_systems(
+    systems: list[tuple[str, str]],
+    model: str,
+    prompts: list[Any],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    prompt_tokens: int,
+    warmup: int = 2,
+    console: Console | None = None,
+) -> list[SystemResult]:
+    """Measure each (name, base_url) in turn; the first one is the reference for equality."""
+    out: list[SystemResult] = []
+    reference: list[Completion] | None = None
+    async with aiohttp.ClientSession() as session:
+        for name, url in systems:
+            await run_load(
+                session,
+                url,
+                model,
+                [f"warm up {i}" for i in range(warmup)],
+                concurrency=concurrency,
+                max_tokens=4,
+            )
+            if console:
+                console.print(
+                    f"  measuring {name} ({len(prompts)} requests, {concurrency} in flight)"
+                )
+            results, wall = await run_load(
+                session, url, model, prompts, concurrency=concurrency, max_tokens=max_tokens
+            )
+            summary = summarize(
+                name,
+                results,
+                wall,
+                concurrency=concurrency,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+            )
+            if reference is None:
+                reference = results
+            else:
+                summary.same_tokens_as_single = all(
+                    a.token_ids == b.token_ids for a, b in zip(reference, results, strict=True)
+                )
+                summary.ttft_p50_vs_single = summary.ttft_p50_ms / out[0].ttft_p50_ms
+            out.append(summary)
+    return out
+
+
+def render_table(results: list[SystemResult], title: str) -> Table:
+    table = Table(title=title)
+    for col in ("system", "TTFT p50 ms", "TTFT p99 ms", "vs single", "TPOT p50 ms", "TPOT p99 ms"):
+        table.add_column(col, justify="right" if col != "system" else "left")
+    table.add_column("out tok/s", justify="right")
+    table.add_column("same tokens")
+    for r in results:
+        table.add_row(
+            r.name,
+            f"{r.ttft_p50_ms:.0f}",
+            f"{r.ttft_p99_ms:.0f}",
+            "1.00x" if r.ttft_p50_vs_single is None else f"{r.ttft_p50_vs_single:.2f}x",
+            f"{r.tpot_p50_ms:.1f}",
+            f"{r.tpot_p99_ms:.1f}",
+            f"{r.output_tokens_per_s:.0f}",
+            "-" if r.same_tokens_as_single is None else str(r.same_tokens_as_single).lower(),
+        )
+    return table
+
+
+def markdown_table(results: list[SystemResult]) -> str:
+    lines = [
+        "| system | TTFT p50 ms | TTFT p99 ms | TTFT p50 vs single | TPOT p50 ms | TPOT p99 ms "
+        "| out tok/s | same tokens as single |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ratio = "1.00x" if r.ttft_p50_vs_single is None else f"{r.ttft_p50_vs_single:.2f}x"
+        same = "-" if r.same_tokens_as_single is None else str(r.same_tokens_as_single).lower()
+        lines.append(
+            f"| {r.name} | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {ratio} | "
+            f"{r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | {r.output_tokens_per_s:.0f} | {same} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, results: list[SystemResult], meta: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"meta": meta, "results": [asdict(r) for r in results]}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+async def _bench_deployment(
+    deployment: Deployment,
+    model: Path,
+    *,
+    connectors: list[Connector],
+    args: argparse.Namespace,
+    prompts: list[Any],
+    console: Console,
+) -> list[SystemResult]:
+    """Proxies in this process for each PD pair (hybrid: both dispatch modes), then measure."""
+    proxies: list[tuple[str, PdProxy]] = []
+    for connector in connectors:
+        dispatches = [Dispatch.SEQUENTIAL]
+        if connector is Connector.HYBRID:
+            dispatches = [Dispatch.PARALLEL, Dispatch.SEQUENTIAL]
+        if args.dispatch and not args.compare:
+            dispatches = [Dispatch(args.dispatch)]
+        for dispatch in dispatches:
+            config = proxy_config_for(
+                deployment.servers, connector, dispatch, model_names=[str(model)]
+            )
+            proxies.append((f"1P1D {connector.value} ({dispatch.value})", PdProxy(config)))
+    runners = []
+    systems = [("single", deployment.by_role(Role.SINGLE)[0].url)]
+    try:
+        for name, proxy in proxies:
+            port = free_port()
+            runners.append(await serve(proxy, "127.0.0.1", port))
+            systems.append((name, f"http://127.0.0.1:{port}"))
+        return await bench_systems(
+            systems,
+            str(model),
+            prompts,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            prompt_tokens=args.prompt_tokens,
+            console=console,
+        )
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    console = Console()
+    if args.smoke:
+        args.requests, args.prompt_tokens, args.max_tokens = 4, 32, 4
+    model = args.model.resolve() if args.model else make_model(default_model_dir())
+    connectors = [Connector.HYBRID, Connector.NIXL] if args.compare else [Connector(args.connector)]
+    log_dir = args.log_dir or cache_dir() / "logs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    cpu = CpuSettings(
+        kv_cache_bytes=args.kv_cache_mib * 1024 * 1024, max_model_len=args.max_model_len
+    )
+    servers: list[VllmServer] = []
+    for connector in connectors:
+        pair = plan_servers(model, log_dir=log_dir, connector=connector, cpu=cpu)
+        for server in pair:
+            server.name = f"{connector.value}-{server.name}"
+        servers += pair
+    servers += plan_servers(
+        model, log_dir=log_dir, connector=connectors[0], prefill=0, decode=0, single=1, cpu=cpu
+    )
+    tokenizer = load_tokenizer(model)
+    prompts = [
+        exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + i)
+        for i in range(args.requests)
+    ]
+    console.print(
+        f"[bold]pdserve bench[/bold]: {len(servers)} vLLM instances "
+        f"({', '.join(c.value for c in connectors)} + single); logs in {log_dir}"
+    )
+    with Deployment(servers) as deployment:
+        with console.status("starting vLLM instances (1-3 min each, in parallel)"):
+            deployment.start(timeout=args.startup_timeout)
+        results = asyncio.run(
+            _bench_deployment(
+                deployment,
+                model,
+                connectors=connectors,
+                args=args,
+                prompts=prompts,
+                console=console,
+            )
+        )
+    title = (
+        f"TTFT/TPOT, {args.requests} requests x {args.prompt_tokens} prompt tokens -> "
+        f"{args.max_tokens} tokens, concurrency {args.concurrency}"
+    )
+    console.print(render_table(results, title))
+    console.print(markdown_table(results), markup=False, highlight=False)
+    if args.json:
+        meta = {
+            "command": "pdserve bench " + ("--compare" if args.compare else args.connector),
+            "model": "tiny Qwen2 (hybrid_connector.testing.make_tiny_model)",
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        write_json(args.json, results, meta)
+        console.print(f"wrote {args.json}")
+    same = all(r.same_tokens_as_single is not False for r in results)
+    return 0 if same else 1

@@ -1,0 +1,145 @@
+"""ManagedProcess with real child processes (small Python programs standing in for vLLM)."""
+
+from __future__ import annotations
+
+import os
+import select
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pd_serving.launcher import ChildFailed, ManagedProcess, free_port, stop_all, wait_all_ready
+
+# A server that, like vLLM, forks a helper (its "engine"), prints the ready marker and answers
+# /health. It writes the helper's pid to a file so the test can check the helper died too.
+SERVER = textwrap.dedent(
+    """
+    import http.server, subprocess, sys, signal
+    port, pid_file, ignore_term = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(pid_file, "w").write(str(helper.pid))
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    print("INFO:     Application startup complete.", flush=True)
+    server.serve_forever()
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """True once ``pid`` exited (waits on a pidfd: signal delivery is asynchronous)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], seconds)[0])
+    finally:
+        os.close(fd)
+
+
+def _server(tmp_path: Path, name: str = "srv", ignore_term: bool = False) -> ManagedProcess:
+    port = free_port()
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    return ManagedProcess(
+        name,
+        [
+            sys.executable,
+            str(script),
+            str(port),
+            str(tmp_path / f"{name}.helper"),
+            str(int(ignore_term)),
+        ],
+        log_path=tmp_path / f"{name}.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+
+
+def test_ready_then_stop_kills_the_whole_group(tmp_path: Path) -> None:
+    threads_before = set(threading.enumerate())
+    proc = _server(tmp_path)
+    proc.start()
+    proc.ready.result(timeout=30)
+    helper = int((tmp_path / "srv.helper").read_text())
+    assert _alive(helper)
+    assert proc.stop() is not None
+    assert proc.stop() == proc.exited.result()  # idempotent
+    assert _gone_within(helper, 10)
+    assert "Application startup complete." in (tmp_path / "srv.log").read_text()
+    assert set(threading.enumerate()) <= threads_before
+
+
+def test_a_child_that_dies_fails_readiness_at_once_with_its_last_words(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        "crasher",
+        [sys.executable, "-c", "import sys; print('bad model path'); sys.exit(3)"],
+        log_path=tmp_path / "crasher.log",
+    )
+    started = time.monotonic()
+    proc.start()
+    with pytest.raises(ChildFailed, match="exited with code 3") as info:
+        proc.ready.result(timeout=30)
+    assert time.monotonic() - started < 10
+    assert "bad model path" in str(info.value)
+    proc.stop()
+
+
+def test_wait_all_ready_raises_the_first_failure(tmp_path: Path) -> None:
+    good = _server(tmp_path, "good")
+    bad = ManagedProcess(
+        "bad", [sys.executable, "-c", "raise SystemExit(2)"], log_path=tmp_path / "bad.log"
+    )
+    try:
+        good.start()
+        bad.start()
+        with pytest.raises(ChildFailed, match="bad"):
+            wait_all_ready([good, bad], timeout=60)
+    finally:
+        stop_all([good, bad])
+    assert good.exited.done()
+    assert bad.exited.done()
+
+
+def test_a_child_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
+    proc = _server(tmp_path, "stubborn", ignore_term=True)
+    proc.start()
+    proc.ready.result(timeout=30)
+    helper = int((tmp_path / "stubborn.helper").read_text())
+    code = proc.stop(timeout=0.5)
+    assert code == -9
+    assert _gone_within(helper, 10)
+
+
+def test_not_ready_in_time_is_an_error(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        "sleeper",
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        log_path=tmp_path / "sleeper.log",
+    )
+    proc.start()
+    try:
+        with pytest.raises(ChildFailed, match="not ready after"):
+            wait_all_ready([proc], timeout=0.5)
+    finally:
+        proc.stop()
+    with pytest.raises(ChildFailed, match="stopped"):
+        proc.ready.result(timeout=1)

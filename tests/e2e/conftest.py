@@ -1,0 +1,93 @@
+"""One 1P1D deployment (`pdserve up` as a real child process) plus one single vLLM instance.
+
+Both are started in parallel, once per test module, on the session's tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from pd_serving.cli import READY_LINE
+from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
+from pd_serving.servers import CpuSettings, Role, VllmServer
+
+# HybridConnector is the default; PDSERVE_E2E_CONNECTOR=nixl runs the same suite on NIXL.
+CONNECTOR = os.environ.get("PDSERVE_E2E_CONNECTOR", "hybrid")
+DISPATCH = os.environ.get(
+    "PDSERVE_E2E_DISPATCH", "parallel" if CONNECTOR == "hybrid" else "sequential"
+)
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Cluster:
+    model: Path
+    proxy_url: str
+    single_url: str
+    pdserve: ManagedProcess
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("pd-logs")
+    port = free_port()
+    pdserve = ManagedProcess(
+        "pdserve",
+        [
+            sys.executable,
+            "-m",
+            "pd_serving.cli",
+            "up",
+            "--model",
+            str(tiny_model),
+            "--port",
+            str(port),
+            "--connector",
+            CONNECTOR,
+            "--dispatch",
+            DISPATCH,
+            "--log-dir",
+            str(log_dir),
+        ],
+        log_path=log_dir / "pdserve.log",
+        ready_marker=READY_LINE,
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+    single = VllmServer(
+        name="single0",
+        model=tiny_model,
+        role=Role.SINGLE,
+        connector=None,
+        log_dir=log_dir,
+        cpu=CpuSettings(),
+    )
+    processes = [pdserve, single.make_process()]
+    try:
+        for proc in processes:
+            proc.start()
+        wait_all_ready(processes, STARTUP_TIMEOUT_S)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as resp:
+            health = json.load(resp)
+        yield Cluster(
+            model=tiny_model,
+            proxy_url=f"http://127.0.0.1:{port}",
+            single_url=single.url,
+            pdserve=pdserve,
+            prefill_urls=[b["url"] for b in health["prefill"]],
+            decode_urls=[b["url"] for b in health["decode"]],
+        )
+    finally:
+        stop_all(processes)

