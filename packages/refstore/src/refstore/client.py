@@ -112,6 +112,7 @@ class Client:
         self.node = ""
         self.address = ""
         self._past_epochs: dict[str, float] = {}
+        self._owners: dict[str, SyncClient] = {}  # other nodes' masters, for remote release
         self._attach()
 
     # -- connection ---------------------------------------------------------------------------
@@ -278,11 +279,41 @@ class Client:
         return groups
 
     def release(self, refs: Ref | Iterable[Ref]) -> None:
-        """Free now (active release). Views of released objects must not be used any more."""
-        for pool, oids in self._by_pool(refs, skip_dead=True).items():
+        """Free now (active release). Views of released objects must not be used any more.
+
+        Refs of other nodes are released at their owner master (the local copy a remote get
+        made is a cache entry here and goes with its lease or under memory pressure)."""
+        local: list[Ref] = []
+        remote: dict[str, list[Ref]] = {}
+        for ref in [refs] if isinstance(refs, Ref) else refs:
+            if ref.pool == self.epoch or ref.pool in self._past_epochs:
+                local.append(ref)
+            else:
+                remote.setdefault(ref.node, []).append(ref)
+        for pool, oids in self._by_pool(local, skip_dead=True).items():
             self._with_recovery(
                 lambda p=pool, o=oids: self._call(protocol.RELEASE, protocol.OidList(p, o)),
             )
+        for node, node_refs in remote.items():
+            owner = self._owner(node)
+            for ref in node_refs:
+                try:
+                    resp = owner.call(
+                        protocol.RELEASE,
+                        protocol.OidList(ref.pool, [ref.oid]),
+                        timeout=self.timeout,
+                    )
+                except RpcError as err:
+                    raise MasterUnavailable(f"owner master {node}: {type(err).__name__}") from err
+                if resp.err is not None:
+                    raise from_info(resp.err)
+
+    def _owner(self, node: str) -> SyncClient:
+        with self._lock:
+            rpc = self._owners.get(node)
+            if rpc is None:
+                rpc = self._owners[node] = SyncClient(node)
+            return rpc
 
     def extend(self, refs: Ref | Iterable[Ref], ttl: float | None) -> None:
         """Renew the lease to ``ttl`` seconds from now; ``None`` drops it (the object becomes a
@@ -326,6 +357,9 @@ class Client:
             self._closed = True
         if self._rpc is not None:
             self._rpc.close()
+        for owner in self._owners.values():
+            owner.close()
+        self._owners.clear()
         self._copier.close()
         if self._pool is not None:
             self._pool.close()
