@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from . import heads
-from ._util import format_address, parse_address, set_nodelay
+from ._util import WriteBatcher, format_address, parse_address, set_nodelay
 from .errors import (
     CallerError,
     ConnectError,
@@ -184,10 +184,20 @@ class _ClientConnection(asyncio.Protocol):
             )
         future = self.loop.create_future()
         timer = None if timeout is None else self.loop.call_later(timeout, self._expire, call_id)
+        writer = self.writer
+        if not pending and not writer.has_pending:
+            # Nothing else in flight: latency matters more than batching, write now.
+            writer.held = True
+            writer.write(first)
+            if second is not None:
+                writer.write(second)
+            writer.held = False
+            writer.flush()
+        else:
+            writer.write(first)
+            if second is not None:
+                writer.write(second)
         pending[call_id] = (future, method, timer)
-        self.transport.write(first)
-        if second is not None:
-            self.transport.write(second)
         return call_id, future
 
     def forget(self, call_id: int) -> None:
@@ -228,6 +238,7 @@ class _ClientConnection(asyncio.Protocol):
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.writer = WriteBatcher(self.loop, self.transport)
         set_nodelay(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:

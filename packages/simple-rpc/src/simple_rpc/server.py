@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any
 
 import msgspec
 
 from . import heads
-from ._util import format_address, set_nodelay
+from ._util import WriteBatcher, format_address, set_nodelay
 from .errors import CallerError, ProtocolError
 from .method import CallContext, Method, encode_value
 from .wire import DEFAULT_MAX_FRAME_SIZE, ErrorBody, FrameDecoder, encode_frame
@@ -130,6 +130,7 @@ class _ServerConnection(asyncio.Protocol):
     def __init__(self, server: Server) -> None:
         self.server = server
         self.routes = server._routes
+        self.max_frame_size = server.max_frame_size
         self.decoder = FrameDecoder(server.max_frame_size)
         self.tasks: set[asyncio.Task] = set()
         self.peer = "?"
@@ -141,6 +142,7 @@ class _ServerConnection(asyncio.Protocol):
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.writer = WriteBatcher(self.loop, self.transport)
         set_nodelay(transport)
         peername = transport.get_extra_info("peername")
         self.peer = format_address(peername) if peername else "?"
@@ -162,6 +164,15 @@ class _ServerConnection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
+        writer = self.writer
+        writer.held = True  # answers produced while dispatching this input go out in one write
+        try:
+            self._receive(data)
+        finally:
+            writer.held = False
+            writer.flush()
+
+    def _receive(self, data: bytes) -> None:
         try:
             frames = self.decoder.feed(data)
         except ProtocolError as err:
@@ -218,7 +229,22 @@ class _ServerConnection(asyncio.Protocol):
             return
         ctx = CallContext(self.peer, method, call_id)
         if route.is_async:
-            task = self.loop.create_task(self._run(route, request, ctx))
+            # Eager start (what 3.12's eager_task_factory does): most handlers answer without
+            # ever suspending, and then no task is created or scheduled at all.
+            coro = route.handler(request, ctx)
+            try:
+                suspended_on = coro.send(None)
+            except StopIteration as done:
+                self._respond(ctx, done.value)
+                return
+            except Exception as err:
+                self._handler_failed(ctx, err)
+                return
+            except asyncio.CancelledError:
+                self._handler_failed(ctx, RuntimeError("handler cancelled itself"))
+                return
+            # It suspended: a task drives the rest of it.
+            task = self.loop.create_task(self._finish(_Resume(coro, suspended_on), ctx))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             return
@@ -229,9 +255,9 @@ class _ServerConnection(asyncio.Protocol):
             return
         self._respond(ctx, response)
 
-    async def _run(self, route: _Route, request: Any, ctx: CallContext) -> None:
+    async def _finish(self, rest: _Resume, ctx: CallContext) -> None:
         try:
-            response = await route.handler(request, ctx)
+            response = await rest
         except Exception as err:
             self._handler_failed(ctx, err)
             return
@@ -270,18 +296,53 @@ class _ServerConnection(asyncio.Protocol):
         except (TypeError, ValueError, msgspec.EncodeError) as err:
             self._handler_failed(ctx, err)
             return
-        size = len(first) + (0 if second is None else memoryview(second).nbytes) - 8
-        if size > self.server.max_frame_size:
+        size = len(first) - 8 if second is None else len(first) - 8 + memoryview(second).nbytes
+        if size > self.max_frame_size:
             self._handler_failed(
                 ctx, ValueError(f"response of {size} bytes is over max_frame_size")
             )
             return
-        self.transport.write(first)
+        self.writer.write(first)
         if second is not None:
-            self.transport.write(second)
+            self.writer.write(second)
 
     def _send_error(self, call_id: int, kind: str, message: str) -> None:
         if self.closing:
             return
         payload = encode_value(ErrorBody(kind=kind, message=message))
-        self.transport.write(encode_frame(heads.ERROR_RESP, call_id, payload))
+        self.writer.write(encode_frame(heads.ERROR_RESP, call_id, payload))
+
+
+class _Resume:
+    """Awaitable that continues a coroutine already started with `send(None)`.
+
+    `await _Resume(coro, first)` behaves like `await coro` would have from the point where
+    `coro` yielded `first` (PEP 380's `yield from`, written out): values sent or thrown in by
+    the driving Task go to `coro`, and `coro`'s return value is the result.
+    """
+
+    __slots__ = ("coro", "first")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
+        self.coro = coro
+        self.first = first
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coro, to_yield = self.coro, self.first
+        self.first = None
+        while True:
+            try:
+                sent = yield to_yield
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # e.g. CancelledError thrown in by the Task
+                try:
+                    to_yield = coro.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    to_yield = coro.send(sent)
+                except StopIteration as done:
+                    return done.value

@@ -40,6 +40,10 @@ class Frame(NamedTuple):
     payload: memoryview
 
 
+# tuple.__new__ builds a Frame without the Python-level NamedTuple constructor (hot path).
+_frame = tuple.__new__
+
+
 class ErrorBody(msgspec.Struct, frozen=True):
     """Payload of an ERROR_RESP frame."""
 
@@ -119,6 +123,11 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._error is not None:
             raise self._error
+        if self._body is None and not self._buf and len(data) >= HEADER_SIZE:
+            # Fast path for the common case: the input is exactly one whole frame.
+            head, length, call_id = HEADER.unpack_from(data, 0)
+            if length + 8 == len(data) and CALL_ID_SIZE <= length <= self.max_frame_size:
+                return [_frame(Frame, (head, call_id, memoryview(data)[HEADER_SIZE:]))]
         frames: list[Frame] = []
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
@@ -146,7 +155,7 @@ class FrameDecoder:
         body[self._filled : self._filled + take] = view[pos : pos + take]
         self._filled += take
         if self._filled == len(body):
-            frames.append(Frame(self._body_head, self._body_call_id, memoryview(body)))
+            frames.append(_frame(Frame, (self._body_head, self._body_call_id, memoryview(body))))
             self._body = None
         return pos + take
 
@@ -189,7 +198,7 @@ class FrameDecoder:
         if take == need:
             # Hand the whole buffer over (no copy) and start a fresh one.
             self._buf = bytearray()
-            frames.append(Frame(head, call_id, memoryview(buf)[HEADER_SIZE:]))
+            frames.append(_frame(Frame, (head, call_id, memoryview(buf)[HEADER_SIZE:])))
         return pos
 
     def _parse_direct(self, view: memoryview, pos: int, frames: list[Frame]) -> int:
@@ -202,7 +211,7 @@ class FrameDecoder:
             start = pos + HEADER_SIZE
             if end - start >= size:
                 pos = start + size
-                frames.append(Frame(head, call_id, view[start:pos]))
+                frames.append(_frame(Frame, (head, call_id, view[start:pos])))
             elif size >= self.preallocate_at:
                 return self._start_body((head, length, call_id), view, start, frames)
             else:

@@ -1,0 +1,481 @@
+"""simple-rpc against pyzmq (DEALER/ROUTER on zmq.asyncio, REQ/REP sync) and grpcio aio, one run.
+
+Every server runs in its own subprocess (as in a deployment), the clients in this process; every
+competitor encodes/decodes the same ~100-byte msgspec request and answer on both sides, and every
+asyncio side runs on uvloop when it is installed. Measured: round trip p50/p99 with one call at a
+time, and calls/s with 64 calls in flight on one connection/socket/channel. Rounds alternate the
+competitors; the table reports the median over rounds.
+
+    python packages/simple-rpc/benchmarks/bench_rpc.py            # full: table + results/rpc.json
+    python packages/simple-rpc/benchmarks/bench_rpc.py --smoke    # seconds; CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import simple_rpc
+from simple_rpc import CallContext, Client, Method, Server, SyncClient, new_event_loop
+
+RESULTS = Path(__file__).parent / "results" / "rpc.json"
+IN_FLIGHT = 64
+
+
+class BenchRequest(msgspec.Struct):
+    request_id: str
+    peer: str
+    block_ids: list[int]
+    layer: int
+
+
+class BenchResponse(msgspec.Struct):
+    request_id: str
+    accepted: int
+    ok: bool
+
+
+BENCH = Method(
+    "bench",
+    request_head=0x53520F01,
+    response_head=0x53528F01,
+    request_type=BenchRequest,
+    response_type=BenchResponse,
+)
+REQUEST = BenchRequest(
+    request_id="cmpl-3f6c2a7e9b1d4c58a0e2",
+    peer="10.0.0.17:41234",
+    block_ids=list(range(1000, 1032)),
+    layer=7,
+)
+_encode = msgspec.msgpack.Encoder().encode
+_decode_request = msgspec.msgpack.Decoder(BenchRequest).decode
+_decode_response = msgspec.msgpack.Decoder(BenchResponse).decode
+REQUEST_BYTES = _encode(REQUEST)
+
+
+def answer(request: BenchRequest) -> BenchResponse:
+    return BenchResponse(request_id=request.request_id, accepted=len(request.block_ids), ok=True)
+
+
+def answer_bytes(payload: bytes) -> bytes:
+    """The same work for the byte-oriented competitors: decode, answer, encode."""
+    return _encode(answer(_decode_request(payload)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers (each in its own subprocess: `bench_rpc.py --serve KIND`; prints its port, then
+# serves until terminated).
+
+
+async def serve_simple_rpc() -> None:
+    async def on_bench(request: BenchRequest, ctx: CallContext) -> BenchResponse:
+        return answer(request)
+
+    server = Server()
+    server.register(BENCH, on_bench)
+    address = await server.start("127.0.0.1", 0)
+    print(address.rsplit(":", 1)[1], flush=True)
+    await asyncio.Event().wait()
+
+
+async def serve_zmq_router() -> None:
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    while True:
+        ident, call_id, payload = await sock.recv_multipart()
+        await sock.send_multipart([ident, call_id, answer_bytes(payload)])
+
+
+def serve_zmq_rep() -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.REP)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    print(port, flush=True)
+    while True:
+        sock.send(answer_bytes(sock.recv()))
+
+
+async def serve_grpc() -> None:
+    import grpc
+
+    async def handler(payload: bytes, context: object) -> bytes:
+        return answer_bytes(payload)
+
+    server = grpc.aio.server()
+    generic = grpc.method_handlers_generic_handler(
+        "bench.Bench", {"Call": grpc.unary_unary_rpc_method_handler(handler)}
+    )
+    server.add_generic_rpc_handlers((generic,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+
+
+SERVERS: dict[str, Callable[[], object]] = {
+    "simple_rpc": serve_simple_rpc,
+    "zmq_router": serve_zmq_router,
+    "zmq_rep": serve_zmq_rep,
+    "grpc": serve_grpc,
+}
+
+
+def run_server(kind: str) -> None:
+    target = SERVERS[kind]
+    if asyncio.iscoroutinefunction(target):
+        loop = new_event_loop()
+        loop.run_until_complete(target())
+    else:
+        target()
+
+
+class ServerProcess:
+    """One benchmark server subprocess; owns it and terminates it on close()."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True
+        )
+        line = self.proc.stdout.readline()  # blocks until the server listens
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"{kind} server did not start (got {line!r})")
+        self.port = int(line)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+        self.proc.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Clients. Each returns an async "one call" function, plus its own cleanup.
+
+AsyncCall = Callable[[], Awaitable[object]]
+
+
+async def client_simple_rpc(port: int) -> tuple[AsyncCall, Callable[[], Awaitable[None]]]:
+    client = Client(f"127.0.0.1:{port}")
+    await client.connect()
+
+    async def call() -> object:
+        return await client.call(BENCH, REQUEST)
+
+    return call, client.close
+
+
+async def client_zmq_dealer(port: int) -> tuple[AsyncCall, Callable[[], Awaitable[None]]]:
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    loop = asyncio.get_running_loop()
+    pending: dict[bytes, asyncio.Future] = {}
+    counter = iter(range(1 << 62))
+
+    async def receive() -> None:
+        while True:
+            call_id, payload = await sock.recv_multipart()
+            pending.pop(call_id).set_result(_decode_response(payload))
+
+    receiver = asyncio.ensure_future(receive())
+
+    async def call() -> object:
+        call_id = next(counter).to_bytes(8, "little")
+        future = loop.create_future()
+        pending[call_id] = future
+        await sock.send_multipart([call_id, _encode(REQUEST)])
+        return await future
+
+    async def close() -> None:
+        receiver.cancel()
+        await asyncio.gather(receiver, return_exceptions=True)
+        sock.close(linger=0)
+        ctx.term()
+
+    return call, close
+
+
+async def client_grpc(port: int) -> tuple[AsyncCall, Callable[[], Awaitable[None]]]:
+    import grpc
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    await channel.channel_ready()
+    stub = channel.unary_unary("/bench.Bench/Call")
+
+    async def call() -> object:
+        return _decode_response(await stub(_encode(REQUEST)))
+
+    return call, channel.close
+
+
+async def measure_async(
+    make_client: Callable, port: int, seq_calls: int, seconds: float, concurrent: bool
+) -> dict:
+    call, close = await make_client(port)
+    try:
+        for _ in range(min(200, seq_calls)):  # warm-up (connection, caches, JIT-free paths)
+            await call()
+        latencies = []
+        clock = time.perf_counter_ns
+        for _ in range(seq_calls):
+            start = clock()
+            await call()
+            latencies.append(clock() - start)
+        result = latency_stats(latencies)
+        if concurrent:
+            result["calls_per_s"] = await throughput(call, seconds)
+        return result
+    finally:
+        await close()
+
+
+async def throughput(call: AsyncCall, seconds: float) -> float:
+    loop = asyncio.get_running_loop()
+    done = 0
+    deadline = loop.time() + seconds
+
+    async def worker() -> None:
+        nonlocal done
+        while loop.time() < deadline:
+            await call()
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
+    return done / (time.perf_counter() - start)
+
+
+def measure_sync_simple_rpc(port: int, seq_calls: int) -> dict:
+    with SyncClient(f"127.0.0.1:{port}") as client:
+        for _ in range(min(200, seq_calls)):
+            client.call(BENCH, REQUEST)
+        latencies = []
+        clock = time.perf_counter_ns
+        for _ in range(seq_calls):
+            start = clock()
+            client.call(BENCH, REQUEST)
+            latencies.append(clock() - start)
+    return latency_stats(latencies)
+
+
+def measure_zmq_req(port: int, seq_calls: int) -> dict:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.REQ)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for _ in range(min(200, seq_calls)):
+            sock.send(_encode(REQUEST))
+            _decode_response(sock.recv())
+        latencies = []
+        clock = time.perf_counter_ns
+        for _ in range(seq_calls):
+            start = clock()
+            sock.send(_encode(REQUEST))
+            _decode_response(sock.recv())
+            latencies.append(clock() - start)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    return latency_stats(latencies)
+
+
+def latency_stats(latencies_ns: list[int]) -> dict:
+    ordered = sorted(latencies_ns)
+    return {
+        "p50_us": ordered[len(ordered) // 2] / 1000,
+        "p99_us": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] / 1000,
+        "calls": len(ordered),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+
+# (row name, server kind, how the client runs)
+COMPETITORS = [
+    ("simple-rpc Client (async)", "simple_rpc", "async:simple_rpc"),
+    ("simple-rpc SyncClient (plain thread)", "simple_rpc", "sync:simple_rpc"),
+    ("pyzmq DEALER/ROUTER (zmq.asyncio)", "zmq_router", "async:zmq_dealer"),
+    ("pyzmq REQ/REP (sync)", "zmq_rep", "sync:zmq_req"),
+    ("grpcio aio unary (generic bytes)", "grpc", "async:grpc"),
+]
+ASYNC_CLIENTS = {
+    "simple_rpc": client_simple_rpc,
+    "zmq_dealer": client_zmq_dealer,
+    "grpc": client_grpc,
+}
+
+
+def available(kind: str) -> bool:
+    module = {"zmq_router": "zmq", "zmq_rep": "zmq", "grpc": "grpc"}.get(kind)
+    if module is None:
+        return True
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def run_round(servers: dict[str, ServerProcess], seq_calls: int, seconds: float) -> dict:
+    results = {}
+    for name, kind, how in COMPETITORS:
+        if kind not in servers:
+            continue
+        port = servers[kind].port
+        mode, client = how.split(":")
+        if mode == "sync":
+            if client == "simple_rpc":
+                results[name] = measure_sync_simple_rpc(port, seq_calls)
+            else:
+                results[name] = measure_zmq_req(port, seq_calls)
+        else:
+            loop = new_event_loop()
+            try:
+                results[name] = loop.run_until_complete(
+                    measure_async(ASYNC_CLIENTS[client], port, seq_calls, seconds, concurrent=True)
+                )
+            finally:
+                loop.close()
+    return results
+
+
+def median_of(rounds: list[dict]) -> dict:
+    table = {}
+    for name in rounds[0]:
+        row = {}
+        for key in rounds[0][name]:
+            row[key] = statistics.median(r[name][key] for r in rounds)
+        table[name] = row
+    return table
+
+
+def ratios(table: dict) -> dict:
+    ours = table["simple-rpc Client (async)"]
+    out = {}
+    checks = [
+        ("p50 vs pyzmq DEALER/ROUTER", "pyzmq DEALER/ROUTER (zmq.asyncio)", "p50_us", 0.3, "<="),
+        ("p50 vs pyzmq REQ/REP", "pyzmq REQ/REP (sync)", "p50_us", 0.6, "<="),
+        (
+            "calls/s vs pyzmq DEALER/ROUTER",
+            "pyzmq DEALER/ROUTER (zmq.asyncio)",
+            "calls_per_s",
+            5,
+            ">=",
+        ),
+        ("calls/s vs grpcio aio", "grpcio aio unary (generic bytes)", "calls_per_s", 15, ">="),
+    ]
+    for label, other, key, target, sense in checks:
+        if other not in table:
+            continue
+        ratio = ours[key] / table[other][key]
+        met = ratio <= target if sense == "<=" else ratio >= target
+        out[label] = {"ratio": round(ratio, 3), "target": f"{sense} {target}", "met": met}
+    return out
+
+
+def print_table(table: dict, ratio_rows: dict) -> None:
+    print(f"\n{'variant':40} {'p50 us':>8} {'p99 us':>8} {'calls/s (64 in flight)':>24}")
+    for name, row in table.items():
+        cps = f"{row['calls_per_s']:,.0f}" if "calls_per_s" in row else "-"
+        print(f"{name:40} {row['p50_us']:8.1f} {row['p99_us']:8.1f} {cps:>24}")
+    print()
+    for label, r in ratio_rows.items():
+        print(
+            f"{label:34} {r['ratio']:8.3f}  target {r['target']:6}  {'met' if r['met'] else 'MISSED'}"
+        )
+
+
+def versions() -> dict:
+    out = {
+        "python": platform.python_version(),
+        "simple_rpc": simple_rpc.__version__,
+        "msgspec": msgspec.__version__,
+    }
+    for module in ("uvloop", "zmq", "grpc"):
+        try:
+            out[module] = __import__(module).__version__
+        except ImportError:
+            out[module] = None
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
+    parser.add_argument("--serve", choices=sorted(SERVERS), help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=5000, help="sequential calls per round")
+    parser.add_argument("--seconds", type=float, default=3.0, help="64-in-flight phase per round")
+    args = parser.parse_args()
+    if args.serve:
+        run_server(args.serve)
+        return
+    if args.smoke:
+        args.rounds, args.calls, args.seconds = 1, 200, 0.2
+
+    kinds = {kind for _, kind, _ in COMPETITORS if available(kind)}
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for kind in sorted(kinds):
+            servers[kind] = ServerProcess(kind)
+        rounds = []
+        for i in range(args.rounds):
+            rounds.append(run_round(servers, args.calls, args.seconds))
+            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+    table = median_of(rounds)
+    ratio_rows = ratios(table)
+    print_table(table, ratio_rows)
+    if args.smoke:
+        return
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": "rpc round trip and throughput, ~100-byte msgspec request",
+        "request_bytes": len(REQUEST_BYTES),
+        "response_bytes": len(_encode(answer(REQUEST))),
+        "in_flight": IN_FLIGHT,
+        "rounds": args.rounds,
+        "sequential_calls_per_round": args.calls,
+        "throughput_seconds_per_round": args.seconds,
+        "event_loop": "uvloop" if versions()["uvloop"] else "asyncio",
+        "cpus": os.cpu_count(),
+        "loadavg_at_end": os.getloadavg(),
+        "versions": versions(),
+        "table": table,
+        "per_round": rounds,
+        "ratios": ratio_rows,
+        "command": "flock /tmp/bench.lock uv run --frozen python packages/simple-rpc/benchmarks/bench_rpc.py",
+        "threads_at_end": threading.active_count(),
+    }
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
