@@ -18,9 +18,8 @@ import zlib
 
 import numpy as np
 import pytest
-import torch
-
 import refstore
+import torch
 from refstore import Client, MasterThread, start_master_process
 
 

@@ -232,12 +232,12 @@ class Manifest:
     def __reduce__(self) -> tuple[Any, ...]:
         columns = (self.ref_index, self.row_start, self.length, self.sample_id)
         meta = (self.dtype.str, self.row_shape, self.key)
-        return (_rebuild, ([tuple(r) for r in self.refs], columns, meta))
+        return (_rebuild, (self.refs, columns, meta))
 
 
-def _rebuild(refs: list[tuple], columns: tuple[np.ndarray, ...], meta: tuple) -> Manifest:
+def _rebuild(refs: list[Ref], columns: tuple[np.ndarray, ...], meta: tuple) -> Manifest:
     dtype, row_shape, key = meta
-    return Manifest([Ref(*r) for r in refs], *columns, dtype=dtype, row_shape=row_shape, key=key)
+    return Manifest(refs, *columns, dtype=dtype, row_shape=row_shape, key=key)
 
 
 def _rows(value: Any, manifest: Manifest) -> np.ndarray:
