@@ -1,0 +1,60 @@
+"""Connector configuration, read from ``kv_transfer_config.kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from hybrid_connector.errors import ConfigError
+
+
+class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Every key of ``kv_connector_extra_config`` the connector understands.
+
+    ``rpc_port`` is the fixed port of the producer's (P's) transfer_kv server: the proxy must know
+    it before P answers, so an ephemeral port (0) is refused on a producer. ``data_port`` may be 0
+    (ephemeral): D's data address travels inside transfer_kv.
+    """
+
+    rpc_host: str = "127.0.0.1"
+    rpc_port: int = 0
+    # Host that peers use to reach this instance (defaults to rpc_host / data_host).
+    advertise_host: str | None = None
+    data_host: str = "127.0.0.1"
+    data_port: int = 0
+    # P: how long finished-request blocks (and early transfer_kv pulls) are held for a peer.
+    lease_s: float = 30.0
+    # D: how long a pull may take end to end (P reached, transfer_kv answered, every byte
+    # written). It covers P holding an early pull until its request finishes, so keep it above
+    # the prefill time you expect; on expiry D recomputes the prompt itself.
+    transfer_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_port", "data_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{name} must be in [0, 65535], got {port}")
+        for name in ("lease_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def rpc_address(self) -> str:
+        """The address D uses to reach this instance's transfer_kv server."""
+        return f"{self.advertise_host or self.rpc_host}:{self.rpc_port}"
+
+
+def parse_config(extra: Mapping[str, Any] | None, *, is_producer: bool) -> HybridConfig:
+    """Validate ``kv_connector_extra_config``; raise ConfigError naming the bad key."""
+    try:
+        cfg = msgspec.convert(dict(extra or {}), HybridConfig, strict=False)
+    except msgspec.ValidationError as err:
+        raise ConfigError(f"invalid kv_connector_extra_config: {err}") from err
+    if is_producer and cfg.rpc_port == 0:
+        raise ConfigError(
+            "a producer (kv_role kv_producer/kv_both) needs a fixed rpc_port in "
+            "kv_connector_extra_config: the proxy and D must know P's transfer_kv address"
+        )
+    return cfg

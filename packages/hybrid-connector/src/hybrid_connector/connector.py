@@ -1,0 +1,151 @@
+"""HybridConnector: the vLLM KV connector (``kv_connector_module_path=hybrid_connector.connector``).
+
+One class, two roles. vLLM builds one instance per role: in the scheduler (engine core process)
+and in each worker. The roles never share state except through vLLM's own channels: the
+connector metadata (scheduler -> worker, every step) and ``get_transfer_results`` (worker ->
+scheduler, every step).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from hybrid_connector.config import HybridConfig, parse_config
+from hybrid_connector.metadata import HybridConnectorMetadata
+from hybrid_connector.scheduler_side import SchedulerSide
+from hybrid_connector.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class HybridConnector(KVConnectorBase_V1):
+    """Prefill/decode KV migration over simple_rpc (control) and kvt (data)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        transfer_config = self._kv_transfer_config
+        self.is_producer = bool(transfer_config.is_kv_producer)
+        self.is_consumer = bool(transfer_config.is_kv_consumer)
+        self.config: HybridConfig = parse_config(
+            transfer_config.kv_connector_extra_config, is_producer=self.is_producer
+        )
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                self.config, is_producer=self.is_producer, is_consumer=self.is_consumer
+            )
+        else:
+            name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"
+            self._worker = WorkerSide(
+                self.config, is_producer=self.is_producer, is_consumer=self.is_consumer, name=name
+            )
+
+    # ================================================================= worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches, self.block_size)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HybridConnectorMetadata)
+        self._worker.handle_metadata(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Async loads only: a request runs after its whole KV arrived.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        # P sends finished requests from vLLM's own paged cache (pull), nothing to save here.
+        return
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving, failed = self._worker.drain()
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def transfer_counters(self) -> dict[str, int]:
+        """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""
+        assert self._worker is not None
+        return self._worker.counters()
+
+    @property
+    def metrics_registry(self) -> Any:
+        """Worker role: kvt's prometheus CollectorRegistry (expose it on a /metrics endpoint)."""
+        return None if self._worker is None else self._worker.metrics_registry
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    # ================================================================= scheduler side
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # A pull transfers the request's own blocks for every (the single) KV cache group.
+        return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

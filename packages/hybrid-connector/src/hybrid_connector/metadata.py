@@ -1,0 +1,59 @@
+"""What the scheduler-side connector tells the worker-side connector each step.
+
+The only channel from scheduler to worker (they may be different processes): plain picklable
+dataclasses, built by ``build_connector_meta`` and bound on the worker before the step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """P: request ``request_id`` finished; hold its blocks for transfer ``transfer_id``."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """D: pull transfer ``transfer_id`` from ``remote_rpc_address`` into ``block_ids``."""
+
+    request_id: str
+    transfer_id: str
+    remote_rpc_address: str
+    block_ids: list[int]
+    first_block: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ReleaseSpec:
+    """D: tell P to release transfer ``transfer_id`` without sending (nothing to pull)."""
+
+    request_id: str
+    transfer_id: str
+    remote_rpc_address: str
+    reason: str
+
+
+@dataclass
+class HybridConnectorMetadata(KVConnectorMetadata):
+    to_send: list[SendSpec] = field(default_factory=list)
+    to_recv: list[RecvSpec] = field(default_factory=list)
+    # D: requests finished (aborted) while their pull was in flight: abort the pull.
+    cancel_recv: list[str] = field(default_factory=list)
+    # P: transfer ids whose request ended without KV to offer (aborted): fail early pulls.
+    cancel_send: list[str] = field(default_factory=list)
+    to_release: list[ReleaseSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (
+            self.to_send or self.to_recv or self.cancel_recv or self.cancel_send or self.to_release
+        )

@@ -1,0 +1,90 @@
+"""transfer_kv over simple_rpc: D asks P to write a request's KV blocks into D's blocks.
+
+Heads 0x4843xxxx ("HC"); responses set bit 15 of the low half.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from simple_rpc import Method
+
+
+class SegmentSpec(msgspec.Struct, frozen=True, array_like=True):
+    """One per-block piece of a layer (see ipcblock.Segment)."""
+
+    name: str
+    offset: int
+    block_stride: int
+    nbytes: int
+
+
+class LayoutSpec(msgspec.Struct, frozen=True):
+    """A paged KV cache as the peer needs it to compute destination byte ranges.
+
+    ``layer_offsets[l]`` is relative to the base of region ``region_ids[l]`` (a kvt region id of
+    the instance that owns the cache).
+    """
+
+    layer_names: list[str]
+    layer_offsets: list[int]
+    region_ids: list[int]
+    num_blocks: int
+    block_size: int
+    segments: list[SegmentSpec]
+    kind: str = "custom"
+
+
+class TransferKvRequest(msgspec.Struct, frozen=True):
+    """D -> P: "write the KV of transfer ``transfer_id`` into these blocks of mine"."""
+
+    transfer_id: str
+    # D's own request id, for logs on P.
+    request_id: str
+    # D's kvt data-plane address ("host:port").
+    data_address: str
+    layout: LayoutSpec
+    # D's destination blocks, in order; they receive P's blocks first_block, first_block+1, ...
+    block_ids: list[int]
+    # Leading blocks D already holds (its local prefix-cache hit): P skips that many.
+    first_block: int
+    # Prompt tokens D needs in total (including the ones it already holds).
+    num_tokens: int
+
+
+class TransferKvResponse(msgspec.Struct, frozen=True):
+    """P -> D: the send was started (its completion arrives through kvt)."""
+
+    transfer_id: str
+    num_blocks: int
+    num_records: int
+    nbytes: int
+
+
+class ReleaseRequest(msgspec.Struct, frozen=True):
+    """D -> P: D will not pull transfer ``transfer_id`` (aborted, or a full local hit)."""
+
+    transfer_id: str
+    request_id: str
+    reason: str
+
+
+class ReleaseResponse(msgspec.Struct, frozen=True):
+    transfer_id: str
+    released: bool
+
+
+TRANSFER_KV: Method[TransferKvRequest, TransferKvResponse] = Method(
+    "hybrid_connector.transfer_kv",
+    request_head=0x48430001,
+    response_head=0x48438001,
+    request_type=TransferKvRequest,
+    response_type=TransferKvResponse,
+)
+
+RELEASE: Method[ReleaseRequest, ReleaseResponse] = Method(
+    "hybrid_connector.release",
+    request_head=0x48430002,
+    response_head=0x48438002,
+    request_type=ReleaseRequest,
+    response_type=ReleaseResponse,
+)

@@ -1,0 +1,676 @@
+"""Worker-side half of HybridConnector: owns the KV regions, the RPC server/clients and kvt.
+
+vLLM calls the worker hooks from its step; they only hand work to the connector's own event-loop
+thread (``LoopThread``) and drain a completion set, so no step ever waits on the network.
+
+Ownership: every piece of transfer state (held blocks, early pulls, in-flight pulls, timers) is
+owned by the loop thread. kvt completion callbacks arrive on kvt threads and are forwarded to the
+loop with ``call_soon``; the loop reports finished request ids into a lock-protected set that
+``get_transfer_results`` swaps out each step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from ipcblock import parse_blocks
+from simple_rpc import CallContext, Client, LoopThread, Server
+
+from hybrid_connector.config import HybridConfig
+from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
+from hybrid_connector.layout import check_compatible, describe_kv_caches, layout_from_spec
+from hybrid_connector.metadata import HybridConnectorMetadata, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.protocol import (
+    RELEASE,
+    TRANSFER_KV,
+    LayoutSpec,
+    ReleaseRequest,
+    ReleaseResponse,
+    TransferKvRequest,
+    TransferKvResponse,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+def _is_done(completion: Any) -> bool:
+    return bool(completion.ok)
+
+
+def _describe(completion: Any) -> str:
+    origin = completion.origin.name if completion.origin is not None else None
+    code = completion.code.name if completion.code is not None else None
+    return f"{completion.status.name} origin={origin} code={code} reason={completion.reason!r}"
+
+
+class _Results:
+    """Finished request ids reported by the loop thread, drained by vLLM's step thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sending: set[str] = set()
+        self._recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._counters: collections.Counter[str] = collections.Counter()
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def sent(self, request_id: str) -> None:
+        with self._lock:
+            self._sending.add(request_id)
+
+    def received(self, request_id: str, *, failed: bool) -> None:
+        with self._lock:
+            self._recving.add(request_id)
+            if failed:
+                self._failed.add(request_id)
+
+    def drain(self) -> tuple[set[str], set[str], set[str]]:
+        with self._lock:
+            out = (self._sending, self._recving, self._failed)
+            self._sending, self._recving, self._failed = set(), set(), set()
+        return out
+
+
+# ---------------------------------------------------------------------------------- P (producer)
+@dataclass
+class _Offer:
+    """A finished request on P whose blocks vLLM keeps for us until we report it."""
+
+    spec: SendSpec
+    timer: asyncio.TimerHandle | None = None
+    sending: bool = False
+
+
+@dataclass
+class _EarlyPull:
+    """A transfer_kv that reached P before P finished the request (parallel dispatch)."""
+
+    request: TransferKvRequest
+    peer: str
+    future: asyncio.Future[TransferKvResponse]
+    timer: asyncio.TimerHandle | None = None
+
+
+class Producer:
+    """P's transfer_kv server and the lease of every held request. Runs on the loop thread."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        engine: Any,
+        local_spec: LayoutSpec,
+        results: _Results,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._spec = local_spec
+        self._layout = layout_from_spec(local_spec)
+        self._results = results
+        self._loop = loop
+        self._offers: dict[str, _Offer] = {}
+        self._early: dict[str, _EarlyPull] = {}
+        # Transfer ids whose P request ended without KV (aborted): pulls for them fail at once.
+        # Each entry is forgotten after one lease.
+        self._cancelled: dict[str, asyncio.TimerHandle] = {}
+        self._server = Server(name="hybrid-connector")
+        self._server.register(TRANSFER_KV, self._on_transfer_kv)
+        self._server.register(RELEASE, self._on_release)
+
+    async def start(self) -> str:
+        return await self._server.start(self._config.rpc_host, self._config.rpc_port)
+
+    # -- from vLLM (via metadata) ------------------------------------------------------------
+    def offer(self, spec: SendSpec) -> None:
+        tid = spec.transfer_id
+        if tid in self._offers:
+            log.warning(
+                "request %s: transfer_id %s is already held for request %s; releasing the "
+                "new request's blocks at once",
+                spec.request_id,
+                tid,
+                self._offers[tid].spec.request_id,
+            )
+            self._results.sent(spec.request_id)
+            return
+        offer = _Offer(spec)
+        self._offers[tid] = offer
+        self._results.count("offers")
+        early = self._early.pop(tid, None)
+        if early is not None:
+            if early.timer is not None:
+                early.timer.cancel()
+            if not early.future.done():
+                try:
+                    early.future.set_result(self._start_send(offer, early.request, early.peer))
+                except Exception as err:
+                    early.future.set_exception(err)
+            return
+        offer.timer = self._loop.call_later(self._config.lease_s, self._lease_expired, tid)
+        log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
+
+    def cancel(self, transfer_id: str) -> None:
+        early = self._early.pop(transfer_id, None)
+        if early is not None:
+            if early.timer is not None:
+                early.timer.cancel()
+            if not early.future.done():
+                early.future.set_exception(
+                    TransferError(f"transfer {transfer_id}: the prefill request was aborted on P")
+                )
+            return
+        if transfer_id not in self._cancelled:
+            self._cancelled[transfer_id] = self._loop.call_later(
+                self._config.lease_s, self._cancelled.pop, transfer_id, None
+            )
+
+    # -- from D (RPC handlers) ---------------------------------------------------------------
+    async def _on_transfer_kv(self, req: TransferKvRequest, ctx: CallContext) -> TransferKvResponse:
+        tid = req.transfer_id
+        try:
+            check_compatible(self._spec, req.layout)
+        except PeerError as err:
+            log.warning(
+                "transfer_kv from %s for transfer %s (D request %s) rejected: %s",
+                ctx.peer,
+                tid,
+                req.request_id,
+                err,
+            )
+            self._release_after_failed_pull(tid)
+            raise
+        offer = self._offers.get(tid)
+        if offer is not None:
+            if offer.sending:
+                raise PeerError(f"transfer {tid} is already being sent (duplicate transfer_kv)")
+            return self._start_send(offer, req, ctx.peer)
+        if tid in self._cancelled:
+            raise TransferError(f"transfer {tid}: the prefill request was aborted on P")
+        if tid in self._early:
+            raise PeerError(f"transfer {tid}: duplicate transfer_kv while waiting for the request")
+        # P has not finished (or not even seen) the request: hold the pull within the lease.
+        self._results.count("early_pulls")
+        early = _EarlyPull(req, ctx.peer, self._loop.create_future())
+        early.timer = self._loop.call_later(self._config.lease_s, self._early_expired, tid)
+        self._early[tid] = early
+        log.debug("transfer %s: transfer_kv from %s waits for the request", tid, ctx.peer)
+        return await early.future
+
+    async def _on_release(self, req: ReleaseRequest, ctx: CallContext) -> ReleaseResponse:
+        offer = self._offers.get(req.transfer_id)
+        if offer is None or offer.sending:
+            early = self._early.pop(req.transfer_id, None)
+            if early is not None:
+                if early.timer is not None:
+                    early.timer.cancel()
+                if not early.future.done():
+                    early.future.set_exception(TransferError("released by the decode instance"))
+            return ReleaseResponse(req.transfer_id, released=False)
+        self._offers.pop(req.transfer_id)
+        if offer.timer is not None:
+            offer.timer.cancel()
+        log.debug(
+            "request %s: transfer %s released by %s (%s)",
+            offer.spec.request_id,
+            req.transfer_id,
+            ctx.peer,
+            req.reason,
+        )
+        self._results.count("released_by_peer")
+        self._results.sent(offer.spec.request_id)
+        return ReleaseResponse(req.transfer_id, released=True)
+
+    # -- internals ---------------------------------------------------------------------------
+    def _start_send(self, offer: _Offer, req: TransferKvRequest, peer: str) -> TransferKvResponse:
+        """Parse the blocks and hand them to kvt; the completion releases the offer."""
+        spec = offer.spec
+        tid = spec.transfer_id
+        try:
+            blocks = self._parse(spec, req)
+        except Exception as err:
+            log.warning(
+                "request %s: transfer %s for %s (D request %s) rejected: %s",
+                spec.request_id,
+                tid,
+                peer,
+                req.request_id,
+                err,
+            )
+            self._release_after_failed_pull(tid)
+            if isinstance(err, PeerError):
+                raise
+            raise PeerError(str(err)) from err
+        if offer.timer is not None:
+            offer.timer.cancel()
+        offer.sending = True
+        # Guard: whatever kvt does, the blocks come back after the transfer timeout.
+        offer.timer = self._loop.call_later(
+            self._config.transfer_timeout_s, self._send_timed_out, tid
+        )
+        call_soon = self._loop.call_soon_threadsafe
+
+        def on_complete(completion: Any) -> None:  # kvt thread: hand over, do nothing else
+            with contextlib.suppress(RuntimeError):  # loop closed at shutdown
+                call_soon(self._send_done, tid, completion)
+
+        nbytes = int(blocks["length"].sum()) if blocks.size else 0
+        self._engine.send(
+            tid,
+            req.data_address,
+            blocks,
+            last=True,
+            on_complete=on_complete,
+            timeout_s=self._config.transfer_timeout_s,
+        )
+        log.debug(
+            "request %s: sending transfer %s to %s (%d records, %d bytes)",
+            spec.request_id,
+            tid,
+            req.data_address,
+            blocks.size,
+            nbytes,
+        )
+        return TransferKvResponse(tid, len(req.block_ids), int(blocks.size), nbytes)
+
+    def _parse(self, spec: SendSpec, req: TransferKvRequest) -> np.ndarray:
+        block_size = self._spec.block_size
+        needed = math.ceil(req.num_tokens / block_size)
+        if req.num_tokens > spec.num_tokens:
+            raise PeerError(
+                f"D needs {req.num_tokens} prompt tokens but P computed {spec.num_tokens}"
+            )
+        if req.first_block < 0 or req.first_block + len(req.block_ids) != needed:
+            raise PeerError(
+                f"D sent {len(req.block_ids)} blocks after {req.first_block} cached ones for "
+                f"{req.num_tokens} tokens ({needed} blocks of {block_size})"
+            )
+        src_ids = spec.block_ids[req.first_block : needed]
+        dst_layout = layout_from_spec(req.layout)
+        return parse_blocks(
+            self._layout,
+            dst_layout,
+            np.asarray(src_ids, dtype=np.int64),
+            np.asarray(req.block_ids, dtype=np.int64),
+            src_region=np.asarray(self._spec.region_ids, dtype=np.int64),
+            dst_region=np.asarray(req.layout.region_ids, dtype=np.int64),
+        )
+
+    def _send_done(self, tid: str, completion: Any) -> None:
+        offer = self._offers.pop(tid, None)
+        if offer is None:
+            return  # already released by the timeout guard
+        if offer.timer is not None:
+            offer.timer.cancel()
+        self._results.count("sends_done" if _is_done(completion) else "sends_failed")
+        if not _is_done(completion):
+            log.warning(
+                "request %s: sending transfer %s failed (%s); releasing its blocks",
+                offer.spec.request_id,
+                tid,
+                _describe(completion),
+            )
+        self._results.sent(offer.spec.request_id)
+
+    def _send_timed_out(self, tid: str) -> None:
+        offer = self._offers.pop(tid, None)
+        if offer is None:
+            return
+        log.warning(
+            "request %s: transfer %s not confirmed within %.1fs; aborting and releasing blocks",
+            offer.spec.request_id,
+            tid,
+            self._config.transfer_timeout_s,
+        )
+        with contextlib.suppress(Exception):
+            self._engine.abort(tid, "send timed out on P")
+        self._results.sent(offer.spec.request_id)
+
+    def _lease_expired(self, tid: str) -> None:
+        offer = self._offers.pop(tid, None)
+        if offer is None:
+            return
+        self._results.count("leases_expired")
+        log.warning(
+            "request %s: no decode instance pulled transfer %s within the %.1fs lease; "
+            "releasing its blocks",
+            offer.spec.request_id,
+            tid,
+            self._config.lease_s,
+        )
+        self._results.sent(offer.spec.request_id)
+
+    def _early_expired(self, tid: str) -> None:
+        early = self._early.pop(tid, None)
+        if early is None:
+            return
+        self._results.count("early_pulls_expired")
+        log.warning(
+            "transfer %s: transfer_kv from %s (D request %s) expired: the request did not "
+            "finish on P within the %.1fs lease",
+            tid,
+            early.peer,
+            early.request.request_id,
+            self._config.lease_s,
+        )
+        if not early.future.done():
+            early.future.set_exception(LeaseExpired(f"transfer {tid} not available on P in time"))
+
+    def _release_after_failed_pull(self, tid: str) -> None:
+        """A pull for ``tid`` failed for good (one pull per transfer): free P's blocks now."""
+        offer = self._offers.get(tid)
+        if offer is None or offer.sending:
+            return
+        self._offers.pop(tid)
+        if offer.timer is not None:
+            offer.timer.cancel()
+        self._results.sent(offer.spec.request_id)
+
+    async def close(self) -> None:
+        await self._server.close()
+        for early in self._early.values():
+            if early.timer is not None:
+                early.timer.cancel()
+            if not early.future.done():
+                early.future.set_exception(TransferError("prefill instance shutting down"))
+        self._early.clear()
+        for offer in self._offers.values():
+            if offer.timer is not None:
+                offer.timer.cancel()
+        self._offers.clear()
+        for timer in self._cancelled.values():
+            timer.cancel()
+        self._cancelled.clear()
+
+
+# ---------------------------------------------------------------------------------- D (consumer)
+@dataclass
+class _Pull:
+    spec: RecvSpec
+    task: asyncio.Task[None] | None = None
+    errors: list[str] = field(default_factory=list)
+
+
+class Consumer:
+    """D's pulls: kvt expect, then transfer_kv to P. Runs on the loop thread."""
+
+    def __init__(
+        self,
+        config: HybridConfig,
+        engine: Any,
+        local_spec: LayoutSpec,
+        results: _Results,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._spec = local_spec
+        self._results = results
+        self._loop = loop
+        self._pulls: dict[str, _Pull] = {}
+        self._clients: dict[str, Client] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def _client(self, address: str) -> Client:
+        client = self._clients.get(address)
+        if client is None or client.closed:
+            client = Client(address)
+            self._clients[address] = client
+        return client
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def start(self, spec: RecvSpec) -> None:
+        if spec.request_id in self._pulls:
+            log.warning(
+                "request %s: pull already in flight; ignoring a second one", spec.request_id
+            )
+            return
+        pull = _Pull(spec)
+        self._pulls[spec.request_id] = pull
+        call_soon = self._loop.call_soon_threadsafe
+
+        def on_complete(completion: Any) -> None:  # kvt thread: hand over, do nothing else
+            with contextlib.suppress(RuntimeError):
+                call_soon(self._recv_done, spec.request_id, completion)
+
+        try:
+            self._engine.expect(
+                spec.transfer_id,
+                timeout_s=self._config.transfer_timeout_s,
+                on_complete=on_complete,
+            )
+        except Exception as err:
+            log.warning(
+                "request %s: cannot expect transfer %s from %s: %s; recomputing locally",
+                spec.request_id,
+                spec.transfer_id,
+                spec.remote_rpc_address,
+                err,
+            )
+            self._pulls.pop(spec.request_id)
+            self._results.received(spec.request_id, failed=True)
+            return
+        self._results.count("pulls_started")
+        pull.task = self._spawn(self._ask(pull))
+
+    async def _ask(self, pull: _Pull) -> None:
+        spec = pull.spec
+        request = TransferKvRequest(
+            transfer_id=spec.transfer_id,
+            request_id=spec.request_id,
+            data_address=self._engine.data_address,
+            layout=self._spec,
+            block_ids=spec.block_ids,
+            first_block=spec.first_block,
+            num_tokens=spec.num_tokens,
+        )
+        try:
+            await self._client(spec.remote_rpc_address).call(
+                TRANSFER_KV, request, timeout=self._config.transfer_timeout_s
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:
+            pull.errors.append(f"{type(err).__name__}: {err}")
+            # The completion (ABORTED, LOCAL) reports the failure to vLLM.
+            with contextlib.suppress(Exception):
+                self._engine.abort(spec.transfer_id, f"transfer_kv failed: {err}")
+
+    def _recv_done(self, request_id: str, completion: Any) -> None:
+        pull = self._pulls.pop(request_id, None)
+        if pull is None:
+            return
+        if pull.task is not None and not pull.task.done():
+            pull.task.cancel()
+        ok = _is_done(completion)
+        self._results.count("pulls_done" if ok else "pulls_failed")
+        if ok:
+            self._results.count("bytes_received", int(completion.nbytes))
+        if not ok:
+            spec = pull.spec
+            log.warning(
+                "request %s: pulling transfer %s from %s failed (%s%s); vLLM recomputes it",
+                request_id,
+                spec.transfer_id,
+                spec.remote_rpc_address,
+                _describe(completion),
+                f"; {'; '.join(pull.errors)}" if pull.errors else "",
+            )
+        self._results.received(request_id, failed=not ok)
+
+    def cancel(self, request_id: str) -> None:
+        pull = self._pulls.get(request_id)
+        if pull is None:
+            return  # already completed; its result is (or was) reported
+        spec = pull.spec
+        self.release(ReleaseSpec(request_id, spec.transfer_id, spec.remote_rpc_address, "aborted"))
+        with contextlib.suppress(Exception):
+            self._engine.abort(spec.transfer_id, "decode request aborted")
+
+    def release(self, spec: ReleaseSpec) -> None:
+        self._spawn(self._release(spec))
+
+    async def _release(self, spec: ReleaseSpec) -> None:
+        try:
+            await self._client(spec.remote_rpc_address).call(
+                RELEASE,
+                ReleaseRequest(spec.transfer_id, spec.request_id, spec.reason),
+                timeout=self._config.transfer_timeout_s,
+            )
+        except Exception as err:
+            log.warning(
+                "request %s: releasing transfer %s on %s failed: %s (P's lease frees it)",
+                spec.request_id,
+                spec.transfer_id,
+                spec.remote_rpc_address,
+                err,
+            )
+
+    async def close(self) -> None:
+        for pull in list(self._pulls.values()):
+            with contextlib.suppress(Exception):
+                self._engine.abort(pull.spec.transfer_id, "decode instance shutting down")
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.close()
+        self._clients.clear()
+
+
+# ---------------------------------------------------------------------------------- the worker
+class WorkerSide:
+    def __init__(
+        self, config: HybridConfig, *, is_producer: bool, is_consumer: bool, name: str
+    ) -> None:
+        self._config = config
+        self._is_producer = is_producer
+        self._is_consumer = is_consumer
+        self._name = name
+        self._results = _Results()
+        self._loop: LoopThread | None = None
+        self._engine: Any = None
+        self._producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        self._closed = False
+        self.rpc_address: str | None = None
+        self.local_spec: LayoutSpec | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        geometry = describe_kv_caches(kv_caches, block_size)
+        from kvt import TransferEngine
+
+        self._engine = TransferEngine(
+            host=self._config.data_host,
+            port=self._config.data_port,
+            name=self._name,
+            default_timeout_s=self._config.transfer_timeout_s,
+        )
+        region_ids = [self._engine.register_region((b.address, b.nbytes)) for b in geometry.buffers]
+        self.local_spec = geometry.spec(region_ids)
+        self._loop = LoopThread(name=f"hybrid-connector-{self._name}")
+        loop = self._loop.loop
+        if self._is_producer:
+            self._producer = Producer(
+                self._config, self._engine, self.local_spec, self._results, loop
+            )
+            # Startup, not a step: binding the fixed port must fail loudly here.
+            self.rpc_address = self._loop.run(self._producer.start(), timeout=30)
+        if self._is_consumer:
+            self._consumer = Consumer(
+                self._config, self._engine, self.local_spec, self._results, loop
+            )
+        log.info(
+            "hybrid-connector %s: %d layers in %d region(s), %d blocks of %d tokens; "
+            "rpc %s, data %s",
+            self._name,
+            len(geometry.layer_names),
+            len(geometry.buffers),
+            geometry.num_blocks,
+            block_size,
+            self.rpc_address,
+            self._engine.data_address,
+        )
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None
+        self._loop.call_soon(fn, *args)
+
+    def handle_metadata(self, meta: HybridConnectorMetadata) -> None:
+        """Queue this step's work on the loop thread; returns at once."""
+        if meta.is_empty():
+            return
+        if self._loop is None:
+            raise TransferError("register_kv_caches was not called before the first step")
+        producer, consumer = self._producer, self._consumer
+        for send in meta.to_send:
+            if producer is None:
+                self._results.sent(send.request_id)
+            else:
+                self._post(producer.offer, send)
+        for tid in meta.cancel_send:
+            if producer is not None:
+                self._post(producer.cancel, tid)
+        for recv in meta.to_recv:
+            if consumer is None:
+                self._results.received(recv.request_id, failed=True)
+            else:
+                self._post(consumer.start, recv)
+        for request_id in meta.cancel_recv:
+            if consumer is not None:
+                self._post(consumer.cancel, request_id)
+        for release in meta.to_release:
+            if consumer is not None:
+                self._post(consumer.release, release)
+
+    def drain(self) -> tuple[set[str], set[str], set[str]]:
+        return self._results.drain()
+
+    def counters(self) -> dict[str, int]:
+        """Event counts of this worker (offers, pulls_done, leases_expired, ...)."""
+        return self._results.counters()
+
+    @property
+    def metrics_registry(self) -> Any:
+        """kvt's prometheus CollectorRegistry for this worker's transfers (None before start)."""
+        return None if self._engine is None else self._engine.metrics_registry
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                if self._producer is not None:
+                    self._loop.run(self._producer.close(), timeout=10)
+            with contextlib.suppress(Exception):
+                if self._consumer is not None:
+                    self._loop.run(self._consumer.close(), timeout=10)
+            self._loop.close()
+        if self._engine is not None:
+            self._engine.close()
