@@ -161,6 +161,11 @@ class ServerProcess:
             raise RuntimeError(f"{kind} server did not start (got {line!r})")
         self.port = int(line)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far (all its threads)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait()
@@ -231,9 +236,9 @@ async def client_grpc(port: int) -> tuple[AsyncCall, Callable[[], Awaitable[None
 
 
 async def measure_async(
-    make_client: Callable, port: int, seq_calls: int, seconds: float, concurrent: bool
+    make_client: Callable, server: ServerProcess, seq_calls: int, seconds: float
 ) -> dict:
-    call, close = await make_client(port)
+    call, close = await make_client(server.port)
     try:
         for _ in range(min(200, seq_calls)):  # warm-up (connection, caches, JIT-free paths)
             await call()
@@ -244,14 +249,18 @@ async def measure_async(
             await call()
             latencies.append(clock() - start)
         result = latency_stats(latencies)
-        if concurrent:
-            result["calls_per_s"] = await throughput(call, seconds)
+        server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
+        calls, elapsed = await throughput(call, seconds)
+        cpu = server.cpu_seconds() - server_cpu + time.process_time() - client_cpu
+        result["calls_per_s"] = calls / elapsed
+        # Load-independent cost: CPU of both processes (all threads) per call, 64 in flight.
+        result["cpu_us_per_call"] = cpu / calls * 1e6
         return result
     finally:
         await close()
 
 
-async def throughput(call: AsyncCall, seconds: float) -> float:
+async def throughput(call: AsyncCall, seconds: float) -> tuple[int, float]:
     loop = asyncio.get_running_loop()
     done = 0
     deadline = loop.time() + seconds
@@ -264,7 +273,7 @@ async def throughput(call: AsyncCall, seconds: float) -> float:
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
-    return done / (time.perf_counter() - start)
+    return done, time.perf_counter() - start
 
 
 def measure_sync_simple_rpc(port: int, seq_calls: int) -> dict:
@@ -345,7 +354,8 @@ def run_round(servers: dict[str, ServerProcess], seq_calls: int, seconds: float)
     for name, kind, how in COMPETITORS:
         if kind not in servers:
             continue
-        port = servers[kind].port
+        server = servers[kind]
+        port = server.port
         mode, client = how.split(":")
         if mode == "sync":
             if client == "simple_rpc":
@@ -356,7 +366,7 @@ def run_round(servers: dict[str, ServerProcess], seq_calls: int, seconds: float)
             loop = new_event_loop()
             try:
                 results[name] = loop.run_until_complete(
-                    measure_async(ASYNC_CLIENTS[client], port, seq_calls, seconds, concurrent=True)
+                    measure_async(ASYNC_CLIENTS[client], server, seq_calls, seconds)
                 )
             finally:
                 loop.close()
@@ -373,40 +383,50 @@ def median_of(rounds: list[dict]) -> dict:
     return table
 
 
-def ratios(table: dict) -> dict:
-    ours = table["simple-rpc Client (async)"]
+OURS = "simple-rpc Client (async)"
+DEALER = "pyzmq DEALER/ROUTER (zmq.asyncio)"
+REQ_REP = "pyzmq REQ/REP (sync)"
+GRPC = "grpcio aio unary (generic bytes)"
+# (label, competitor, metric, target or None (reported only), sense)
+CHECKS = [
+    ("p50 vs pyzmq DEALER/ROUTER", DEALER, "p50_us", 0.3, "<="),
+    ("p50 vs pyzmq REQ/REP", REQ_REP, "p50_us", 0.6, "<="),
+    ("p50 vs grpcio aio", GRPC, "p50_us", None, "<="),
+    ("calls/s vs pyzmq DEALER/ROUTER", DEALER, "calls_per_s", 5, ">="),
+    ("calls/s vs grpcio aio", GRPC, "calls_per_s", 15, ">="),
+    ("CPU/call vs pyzmq DEALER/ROUTER", DEALER, "cpu_us_per_call", None, "<="),
+    ("CPU/call vs grpcio aio", GRPC, "cpu_us_per_call", None, "<="),
+]
+
+
+def ratios(rounds: list[dict]) -> dict:
+    """Ours / competitor within each round (same load), then the median over rounds."""
     out = {}
-    checks = [
-        ("p50 vs pyzmq DEALER/ROUTER", "pyzmq DEALER/ROUTER (zmq.asyncio)", "p50_us", 0.3, "<="),
-        ("p50 vs pyzmq REQ/REP", "pyzmq REQ/REP (sync)", "p50_us", 0.6, "<="),
-        (
-            "calls/s vs pyzmq DEALER/ROUTER",
-            "pyzmq DEALER/ROUTER (zmq.asyncio)",
-            "calls_per_s",
-            5,
-            ">=",
-        ),
-        ("calls/s vs grpcio aio", "grpcio aio unary (generic bytes)", "calls_per_s", 15, ">="),
-    ]
-    for label, other, key, target, sense in checks:
-        if other not in table:
+    for label, other, key, target, sense in CHECKS:
+        if other not in rounds[0]:
             continue
-        ratio = ours[key] / table[other][key]
-        met = ratio <= target if sense == "<=" else ratio >= target
-        out[label] = {"ratio": round(ratio, 3), "target": f"{sense} {target}", "met": met}
+        ratio = statistics.median(r[OURS][key] / r[other][key] for r in rounds)
+        row: dict = {"ratio": round(ratio, 3)}
+        if target is not None:
+            row["target"] = f"{sense} {target}"
+            row["met"] = ratio <= target if sense == "<=" else ratio >= target
+        out[label] = row
     return out
 
 
 def print_table(table: dict, ratio_rows: dict) -> None:
-    print(f"\n{'variant':40} {'p50 us':>8} {'p99 us':>8} {'calls/s (64 in flight)':>24}")
+    header = f"{'variant':38} {'p50 us':>8} {'p99 us':>8} {'calls/s @64':>12} {'CPU us/call':>12}"
+    print("\n" + header)
     for name, row in table.items():
         cps = f"{row['calls_per_s']:,.0f}" if "calls_per_s" in row else "-"
-        print(f"{name:40} {row['p50_us']:8.1f} {row['p99_us']:8.1f} {cps:>24}")
+        cpu = f"{row['cpu_us_per_call']:.1f}" if "cpu_us_per_call" in row else "-"
+        print(f"{name:38} {row['p50_us']:8.1f} {row['p99_us']:8.1f} {cps:>12} {cpu:>12}")
     print()
     for label, r in ratio_rows.items():
-        print(
-            f"{label:34} {r['ratio']:8.3f}  target {r['target']:6}  {'met' if r['met'] else 'MISSED'}"
-        )
+        verdict = ""
+        if "target" in r:
+            verdict = f"target {r['target']:6}  {'met' if r['met'] else 'MISSED'}"
+        print(f"{label:34} {r['ratio']:8.3f}  {verdict}")
 
 
 def versions() -> dict:
@@ -450,7 +470,7 @@ def main() -> None:
         for server in servers.values():
             server.close()
     table = median_of(rounds)
-    ratio_rows = ratios(table)
+    ratio_rows = ratios(rounds)
     print_table(table, ratio_rows)
     if args.smoke:
         return
@@ -470,7 +490,10 @@ def main() -> None:
         "table": table,
         "per_round": rounds,
         "ratios": ratio_rows,
-        "command": "flock /tmp/bench.lock uv run --frozen python packages/simple-rpc/benchmarks/bench_rpc.py",
+        "command": (
+            "flock /tmp/bench.lock uv run --frozen python "
+            "packages/simple-rpc/benchmarks/bench_rpc.py"
+        ),
         "threads_at_end": threading.active_count(),
     }
     RESULTS.write_text(json.dumps(report, indent=2) + "\n")

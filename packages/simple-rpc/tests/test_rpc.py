@@ -160,3 +160,35 @@ async def test_server_close_is_idempotent_and_start_twice_is_refused():
         await server.start()
     await server.close()
     await server.close()
+
+
+async def test_handler_that_suspends_then_raises_or_returns():
+    """Handlers start eagerly; one that suspends is finished by a task, errors included."""
+    late_fail = Method("late_fail", 0x53520110, 0x53528110, Ping, Ping)
+    late_ok = Method("late_ok", 0x53520111, 0x53528111, Ping, Ping)
+
+    async def on_late_fail(req: Ping, ctx) -> Ping:
+        await asyncio.sleep(0.01)
+        raise KeyError("gone")
+
+    async def on_late_ok(req: Ping, ctx) -> Ping:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        fut = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.01, fut.set_result, req.n * 2)
+        return Ping(await fut)
+
+    server = Server()
+    server.register(late_fail, on_late_fail)
+    server.register(late_ok, on_late_ok)
+    server.register(PING, lambda req, ctx: "not a Ping")  # wrong response type
+    address = await server.start()
+    try:
+        async with Client(address) as client:
+            with pytest.raises(RemoteError, match="KeyError"):
+                await client.call(late_fail, Ping(1), timeout=5.0)
+            assert (await client.call(late_ok, Ping(21), timeout=5.0)).n == 42
+            with pytest.raises(RemoteError, match="handler returned str, expected Ping"):
+                await client.call(PING, Ping(1), timeout=5.0)
+    finally:
+        await server.close()

@@ -187,12 +187,9 @@ class _ClientConnection(asyncio.Protocol):
         writer = self.writer
         if not pending and not writer.has_pending:
             # Nothing else in flight: latency matters more than batching, write now.
-            writer.held = True
-            writer.write(first)
+            self.transport.write(first)
             if second is not None:
-                writer.write(second)
-            writer.held = False
-            writer.flush()
+                self.transport.write(second)
         else:
             writer.write(first)
             if second is not None:
