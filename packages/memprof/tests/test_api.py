@@ -7,7 +7,7 @@ import threading
 import memprof
 import pytest
 from conftest import open_fds, writer_threads
-from memprof.snapshot import SnapshotFormatError
+from memprof.snapfile import SnapshotFormatError
 
 
 def test_start_twice_is_an_error(profiler):

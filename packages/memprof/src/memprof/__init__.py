@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import atexit
 import os
-import signal as _signal
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
 from . import _core
 from .native import NativeModeUnavailable
-from .snapshot import Frame, SiteDelta, SiteStat, Snapshot, SnapshotFormatError, diff
+
+TYPE_CHECKING = False  # (not typing.TYPE_CHECKING: importing typing costs ~1 MB of RSS)
+if TYPE_CHECKING:  # imported lazily: `memprof.start()` in a worker should cost little memory
+    from .snapfile import Frame, SiteDelta, SiteStat, Snapshot, SnapshotFormatError, diff
 
 __version__ = "0.1.0"
 __all__ = [
@@ -37,17 +37,34 @@ __all__ = [
 ]
 
 DEFAULT_MEAN = 512 * 1024
+SIGUSR2 = 12  # signal.SIGUSR2 on Linux, without importing the signal module
+_LAZY = {"Frame", "SiteDelta", "SiteStat", "Snapshot", "SnapshotFormatError", "diff"}
 
 
-@dataclass(frozen=True)
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from . import snapfile as _snapfile
+
+        return getattr(_snapfile, name)
+    raise AttributeError(f"module 'memprof' has no attribute {name!r}")
+
+
 class _Config:
-    mean: int
-    out_dir: str | None
-    interval: float
-    keep: int
-    signum: int
-    native: bool
-    seed: int
+    __slots__ = ("interval", "keep", "mean", "native", "out_dir", "seed", "signum")
+
+    def __init__(
+        self,
+        *,
+        mean: int,
+        out_dir: str | None,
+        interval: float,
+        keep: int,
+        signum: int,
+        native: bool,
+        seed: int,
+    ) -> None:
+        self.mean, self.out_dir, self.interval, self.keep = mean, out_dir, interval, keep
+        self.signum, self.native, self.seed = signum, native, seed
 
 
 _lock = threading.Lock()
@@ -61,7 +78,7 @@ def start(
     out_dir: str | os.PathLike[str] | None = None,
     interval: float = 60.0,
     keep: int = 5,
-    signum: int | None = _signal.SIGUSR2,
+    signum: int | None = SIGUSR2,
     native: bool | None = False,
     seed: int = 0,
 ) -> None:
@@ -83,14 +100,22 @@ def start(
         why = _core.native_available()
         if why is not None:
             raise NativeModeUnavailable(why)
-    out = str(Path(out_dir).resolve()) if out_dir is not None else None
+    out = os.path.abspath(os.fspath(out_dir)) if out_dir is not None else None
     if out is not None:
-        Path(out).mkdir(parents=True, exist_ok=True)
+        os.makedirs(out, exist_ok=True)
     with _lock:
         if _config is not None:
             raise RuntimeError("memprof is already running in this process; call stop() first")
         _core.start(mean=float(mean), seed=seed, native=bool(native), native_dump_dir=out)
-        cfg = _Config(mean, out, interval, keep, signum or 0, bool(native), seed)
+        cfg = _Config(
+            mean=mean,
+            out_dir=out,
+            interval=interval,
+            keep=keep,
+            signum=signum or 0,
+            native=bool(native),
+            seed=seed,
+        )
         try:
             if out is not None:
                 _core.writer_start(out_dir=out, interval=interval, keep=keep, signum=cfg.signum)
@@ -121,6 +146,8 @@ def is_running() -> bool:
 
 def snapshot() -> Snapshot:
     """The live samples of this process, now."""
+    from .snapfile import Snapshot
+
     return Snapshot.from_bytes(_core.snapshot_bytes())
 
 

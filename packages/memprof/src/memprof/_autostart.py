@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
-import signal
 
 
 def start_from_env() -> None:
     import memprof
 
     sig = os.environ.get("MEMPROF_SIGNAL", "SIGUSR2")
-    signum = 0 if sig in ("", "0", "none") else int(getattr(signal, sig, sig))
+    if sig in ("", "0", "none"):
+        signum = 0
+    elif sig.isdigit():
+        signum = int(sig)
+    else:
+        import signal
+
+        signum = int(getattr(signal, sig))
     memprof.start(
         mean=int(os.environ.get("MEMPROF_MEAN", memprof.DEFAULT_MEAN)),
         out_dir=os.environ.get("MEMPROF_OUT", "memprof-out"),

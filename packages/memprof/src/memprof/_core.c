@@ -417,15 +417,19 @@ static int64_t capture_stack(void) {
 }
 
 /* ------------------------------------------------------------------ sampled-pointer set
- * Counting filter: g_filter[h(p)] = number of live samples whose pointer hashes there
- * (saturating at 255: such a byte stays set). A free reads one byte; non-zero sends it to
- * the sharded open-addressing table, each shard with its own mutex. */
+ * Counting filter: one byte per 64-byte granule of address space, direct-mapped (it wraps
+ * every 64 MiB), counting the live samples whose pointer falls in it (saturating at 255: such
+ * a byte stays set). A free reads one byte; non-zero (rare) sends it to the sharded
+ * open-addressing table, each shard with its own mutex. No hashing on purpose: frees that
+ * are close in memory read the same filter cache line (one line covers 4 KiB of heap, a
+ * pymalloc pool), so the filter stays in cache; a hashed index missed cache on most frees. */
 
 #define FILTER_BITS 20
+#define GRANULE_SHIFT 6
 static _Atomic uint8_t g_filter[1u << FILTER_BITS];
 
 static inline size_t filter_index(const void *p) {
-    return (size_t)((((uintptr_t)p >> 4) * 0x9E3779B97F4A7C15ULL) >> (64 - FILTER_BITS));
+    return (size_t)(((uintptr_t)p >> GRANULE_SHIFT) & ((1u << FILTER_BITS) - 1));
 }
 
 typedef struct {

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .native import NativeModeUnavailable, native_env
-from .snapshot import Snapshot, SnapshotFormatError, diff, latest_snapshot
+from .snapfile import Snapshot, SnapshotFormatError, diff, latest_snapshot
 
 
 def _fmt_bytes(n: float) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import json
 
-from .snapshot import KIND_NAMES, Snapshot
+from .snapfile import KIND_NAMES, Snapshot
 
 
 def _tree(snap: Snapshot) -> dict:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 # lg_prof_sample:19 -> jemalloc samples on average once per 512 KiB, like our Python hooks.
 # prof_active:false until memprof.start() has installed its backtrace hook, so nothing is
@@ -27,14 +26,14 @@ class NativeModeUnavailable(RuntimeError):
     """Native mode needs a profiling-enabled jemalloc (Debian/Ubuntu: apt install libjemalloc2)."""
 
 
-def find_jemalloc() -> Path | None:
+def find_jemalloc() -> str | None:
     """MEMPROF_JEMALLOC if set, else the usual distribution paths."""
     override = os.environ.get("MEMPROF_JEMALLOC")
     if override:
-        return Path(override) if Path(override).is_file() else None
+        return override if os.path.isfile(override) else None
     for cand in _CANDIDATES:
-        if Path(cand).is_file():
-            return Path(cand)
+        if os.path.isfile(cand):
+            return cand
     return None
 
 
@@ -49,7 +48,7 @@ def native_env(
         )
     env = dict(base)
     preload = env.get("LD_PRELOAD", "")
-    env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else str(lib)
+    env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
     conf = DEFAULT_MALLOC_CONF.replace("lg_prof_sample:19", f"lg_prof_sample:{lg_sample}")
     if extra_conf:
         conf = f"{conf},{extra_conf}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gzip
 
-from .snapshot import KIND_NAMES, Frame, Snapshot
+from .snapfile import KIND_NAMES, Frame, Snapshot
 
 
 def _varint(value: int) -> bytes:
