@@ -32,6 +32,25 @@ async def read_gauges(session: aiohttp.ClientSession, base_url: str) -> dict[str
     return values
 
 
+async def prompt_tokens_by_source(
+    session: aiohttp.ClientSession, base_url: str
+) -> dict[str, float]:
+    """vLLM's ``prompt_tokens_by_source`` counter: local_compute / local_cache_hit /
+    external_kv_transfer (what a connector loaded)."""
+    async with session.get(f"{base_url}/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "vllm:prompt_tokens_by_source":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                source = sample.labels["source"]
+                out[source] = out.get(source, 0.0) + sample.value
+    return out
+
+
 async def wait_idle(
     session: aiohttp.ClientSession, base_urls: Iterable[str], within_s: float = 60.0
 ) -> dict[str, dict[str, float]]:

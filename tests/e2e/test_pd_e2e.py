@@ -18,7 +18,7 @@ from pd_serving.client import Completion, complete, exact_length_prompt, load_to
 from pd_serving.servers import CPU_BLOCK_SIZE
 
 from .conftest import Cluster
-from .helpers import descendants, read_gauges, wait_all_gone, wait_idle
+from .helpers import descendants, prompt_tokens_by_source, read_gauges, wait_all_gone, wait_idle
 
 B = CPU_BLOCK_SIZE
 # Shorter than a block, exactly one block, exactly two, and several blocks plus a partial one.
@@ -65,7 +65,18 @@ def reference(cluster: Cluster, prompts: list[tuple[int, Any]]) -> list[Completi
 async def test_greedy_tokens_equal_single_instance(
     cluster: Cluster, prompts: list[tuple[int, Any]], reference: list[Completion], stream: bool
 ) -> None:
+    async with aiohttp.ClientSession() as session:
+        before = await prompt_tokens_by_source(session, cluster.decode_urls[0])
     got = await _complete_all(cluster.proxy_url, cluster.model_name, prompts, stream=stream)
+    async with aiohttp.ClientSession() as session:
+        after = await prompt_tokens_by_source(session, cluster.decode_urls[0])
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    total = sum(n for n, _ in prompts)
+    # D must have received the prompts' KV, not recomputed them (the second run may instead hit
+    # D's own prefix cache, filled by the first).
+    assert delta["local_compute"] < total / 2, delta
+    if not stream:
+        assert delta["external_kv_transfer"] > total / 2, delta
     for (n, _), ref, out in zip(prompts, reference, got, strict=True):
         assert ref.prompt_tokens == n
         assert out.prompt_tokens == n

@@ -9,10 +9,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from fake_openai import MODEL, FakeUpstream
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, Dispatch, LeastLoaded, PdProxy, ProxyConfig, serve
 from pd_serving.servers import Connector
+from pd_serving.testing import MODEL, FakeUpstream
 
 Factory = Callable[..., Coroutine[Any, Any, tuple[str, PdProxy]]]
 

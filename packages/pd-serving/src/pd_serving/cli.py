@@ -204,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # demo and bench draw their own progress; launcher chatter would tear it.
+    quiet = args.command in {"demo", "bench"}
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     signal.signal(signal.SIGTERM, _raise_terminated)

@@ -93,6 +93,8 @@ class VllmServer:
             "kv_connector": "HybridConnector",
             "kv_connector_module_path": "hybrid_connector.connector",
             "kv_role": "kv_both",
+            # A failed or timed-out pull: D recomputes the prompt instead of failing the request.
+            "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "rpc_host": self.host,
                 "rpc_port": self.rpc_port,

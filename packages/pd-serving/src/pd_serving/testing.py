@@ -1,4 +1,4 @@
-"""A tiny OpenAI-style upstream that records what the proxy sends (the proxy is the unit here)."""
+"""A stand-in OpenAI upstream recording what a proxy sends it (for testing the proxy, not vLLM)."""
 
 from __future__ import annotations
 
