@@ -3,6 +3,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
+from multiprocessing import resource_tracker
 
 import numpy as np
 import pytest
@@ -18,9 +20,20 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def wait_until(predicate, timeout: float = 10.0) -> None:
+    """Test-only: wait for state the engine exposes no event for (e.g. "first batch landed")."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        pause.wait(0.005)
+
+
 @pytest.fixture
 def no_leaks():
     """Fails the test if kvt threads or file descriptors outlive it (engines must be closed)."""
+    # multiprocessing's spawn keeps one process-wide resource-tracker pipe open; start it first.
+    resource_tracker.ensure_running()
     assert kvt_threads() == [], f"threads left by an earlier test: {kvt_threads()}"
     before = open_fds()
     yield

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import Completions, kvt_threads
+from conftest import Completions, kvt_threads, wait_until
 from ipcblock import PagedKVLayout, make_blocks, parse_blocks, stacked_layer_offsets
 
 from kvt import (
@@ -99,8 +99,7 @@ def test_abort_from_receiver_propagates_before_and_after_data(pair) -> None:
     got_recv, got_send = Completions(), Completions()
     d.expect("b1", on_complete=got_recv)
     p.send("b1", d.data_address, blocks, last=False, on_complete=got_send)
-    while d.status("b1", "recv") is TransferStatus.PENDING:
-        threading.Event().wait(0.01)  # test-only: wait for the first batch to land
+    wait_until(lambda: d.status("b1", "recv") is not TransferStatus.PENDING)
     d.abort("b1", "decode instance gave up")
     assert got_recv.wait().origin is AbortOrigin.LOCAL
     theirs = got_send.wait()
@@ -112,8 +111,7 @@ def test_abort_from_receiver_propagates_before_and_after_data(pair) -> None:
     assert got_recv.wait().origin is AbortOrigin.LOCAL
     # The sender had not started b2; its first send() completes ABORTED(PEER) without sending.
     late = Completions()
-    while p.status("b2") is None:
-        threading.Event().wait(0.01)
+    wait_until(lambda: p.status("b2") is not None)
     p.send("b2", d.data_address, blocks, last=True, on_complete=late)
     assert late.wait().origin is AbortOrigin.PEER
     # 3) receiver aborts without the address: the sender learns when its data arrives.
@@ -254,8 +252,7 @@ def test_close_aborts_open_requests_and_tells_peer(no_leaks) -> None:
     d.expect("c", on_complete=got_recv)
     p.send("c", d.data_address, make_blocks(0, 0, 4096, src_region=rs, dst_region=rd),
            last=False, on_complete=got_send)  # fmt: skip
-    while d.status("c", "recv") is TransferStatus.PENDING:
-        threading.Event().wait(0.01)
+    wait_until(lambda: d.status("c", "recv") is not TransferStatus.PENDING)
     p.close()
     p.close()  # idempotent
     c = got_send.wait()

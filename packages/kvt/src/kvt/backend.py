@@ -44,7 +44,7 @@ class SendJob(Protocol):
     def end_frame(self, nbytes: int) -> None:
         """The frame begun last is fully handed to the kernel (or failed); memory no longer read."""
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, connect_failed: bool) -> None:
         """The job will never run (its link died before it was written)."""
 
 

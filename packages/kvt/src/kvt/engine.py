@@ -93,10 +93,9 @@ class _SendJob:
     def end_frame(self, nbytes: int) -> None:
         self.engine._end_io(self.req, nbytes, "sent")
 
-    def fail(self, reason: str) -> None:
-        self.engine._finish(
-            self.req, AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST, reason, notify_peer=False
-        )
+    def fail(self, reason: str, connect_failed: bool) -> None:
+        code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
+        self.engine._finish(self.req, AbortOrigin.TRANSPORT, code, reason, notify_peer=False)
 
 
 class _RecvSink:

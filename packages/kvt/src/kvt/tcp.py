@@ -73,6 +73,7 @@ class TcpLink:
         self._lock = threading.Lock()
         self._closed = False
         self._lost_reported = False
+        self._failure: tuple[str, bool] = ("link closed", False)  # (reason, connect_failed)
         self._threads_alive = 0
         self._threads: list[threading.Thread] = []
 
@@ -95,7 +96,7 @@ class TcpLink:
     def start(self) -> None:
         name = f"kvt-{self.backend.name}-L{self.link_id}"
         self._spawn(self._writer_main, f"{name}-w")
-        if self._sock is not None:
+        if self._connect_to is None:  # inbound: connected already; outbound: the writer starts it
             self._spawn(self._reader_main, f"{name}-r")
 
     def _spawn(self, target: Any, name: str) -> None:
@@ -117,10 +118,12 @@ class TcpLink:
         self._queue.put(frame)
 
     def submit(self, job: SendJob) -> None:
-        if self._closed:
-            self._drop_job(job)
-            return
-        self._queue.put(job)
+        # Under the lock: a job is either queued before the writer's final drain or dropped here.
+        with self._lock:
+            if not self._closed:
+                self._queue.put(job)
+                return
+        self._drop_job(job)
 
     def close(self, reason: str) -> None:
         """Stop the link now: the threads wake (socket shutdown) and exit."""
@@ -128,6 +131,7 @@ class TcpLink:
             if self._closed:
                 return
             self._closed = True
+            self._failure = (reason, False)
         self._queue.put(None)
         if self._sock is not None:
             try:
@@ -163,6 +167,8 @@ class TcpLink:
         with self._lock:
             already = self._closed
             self._closed = True
+            if not already:
+                self._failure = (reason, connect_failed)
         if not already:
             self._queue.put(None)
             if self._sock is not None:
@@ -257,7 +263,8 @@ class TcpLink:
                 self._drop_job(item)
 
     def _drop_job(self, job: SendJob) -> None:
-        job.fail(f"link to {self.peer} is closed")
+        reason, connect_failed = self._failure
+        job.fail(f"link to {self.peer} is closed: {reason}", connect_failed)
 
     # ---------------------------------------------------------------- reader
     def _reader_main(self) -> None:
