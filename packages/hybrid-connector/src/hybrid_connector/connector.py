@@ -69,7 +69,8 @@ class HybridConnector(KVConnectorBase_V1):
     # ================================================================= worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches, self.block_size)
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._worker.register_kv_caches(kv_caches, self.block_size, num_blocks)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -92,8 +92,15 @@ def _block_segments(tensor: torch.Tensor, num_blocks: int) -> tuple[tuple[Segmen
     )
 
 
-def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int) -> KvCacheGeometry:
-    """Find the buffers behind ``kv_caches`` and each layer's place in them."""
+def describe_kv_caches(
+    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int | None = None
+) -> KvCacheGeometry:
+    """Find the buffers behind ``kv_caches`` and each layer's place in them.
+
+    ``num_blocks`` (vLLM's ``kv_cache_config.num_blocks``) tells the block dimension apart; when
+    not given, a 5-d ``[2, num_blocks, ...]`` tensor is taken as K/V-first, anything else as
+    blocks-first.
+    """
     if not kv_caches:
         raise UnsupportedLayoutError("vLLM registered no KV cache tensors")
     names = tuple(kv_caches)
@@ -102,7 +109,9 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int) -> K
         raise UnsupportedLayoutError("only host-memory (CPU) KV caches are supported")
     first = tensors[0]
     # num_blocks: dim 0, unless the layer is [2, num_blocks, ...].
-    num_blocks = int(first.shape[1] if first.shape[0] == 2 and first.dim() == 5 else first.shape[0])
+    if num_blocks is None:
+        kv_first = first.dim() == 5 and first.shape[0] == 2
+        num_blocks = int(first.shape[1] if kv_first else first.shape[0])
     segments, kind = _block_segments(first, num_blocks)
     buffers: list[Buffer] = []
     by_base: dict[int, int] = {}

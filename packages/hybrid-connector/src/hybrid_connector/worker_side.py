@@ -18,7 +18,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,32 +59,38 @@ class _Results:
     """Finished request ids reported by the loop thread, drained by vLLM's step thread."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._counters: collections.Counter[str] = collections.Counter()
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
+        with self._cond:
             self._counters[name] += n
 
     def counters(self) -> dict[str, int]:
-        with self._lock:
+        with self._cond:
             return dict(self._counters)
 
     def sent(self, request_id: str) -> None:
-        with self._lock:
+        with self._cond:
             self._sending.add(request_id)
+            self._cond.notify_all()
 
     def received(self, request_id: str, *, failed: bool) -> None:
-        with self._lock:
+        with self._cond:
             self._recving.add(request_id)
             if failed:
                 self._failed.add(request_id)
+            self._cond.notify_all()
 
-    def drain(self) -> tuple[set[str], set[str], set[str]]:
-        with self._lock:
+    def drain(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
+        """Take what finished; with ``wait_s`` > 0 first wait that long for anything to finish
+        (vLLM's step never waits; tests and tools outside a step may)."""
+        with self._cond:
+            if wait_s > 0 and not (self._sending or self._recving):
+                self._cond.wait(wait_s)
             out = (self._sending, self._recving, self._failed)
             self._sending, self._recving, self._failed = set(), set(), set()
         return out
@@ -189,8 +195,10 @@ class Producer:
         try:
             check_compatible(self._spec, req.layout)
         except PeerError as err:
+            offer = self._offers.get(tid)
             log.warning(
-                "transfer_kv from %s for transfer %s (D request %s) rejected: %s",
+                "request %s: transfer_kv from %s for transfer %s (D request %s) rejected: %s",
+                offer.spec.request_id if offer is not None else "(not finished on P yet)",
                 ctx.peer,
                 tid,
                 req.request_id,
@@ -406,7 +414,6 @@ class Producer:
 class _Pull:
     spec: RecvSpec
     task: asyncio.Task[None] | None = None
-    errors: list[str] = field(default_factory=list)
 
 
 class Consumer:
@@ -494,7 +501,6 @@ class Consumer:
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            pull.errors.append(f"{type(err).__name__}: {err}")
             # The completion (ABORTED, LOCAL) reports the failure to vLLM.
             with contextlib.suppress(Exception):
                 self._engine.abort(spec.transfer_id, f"transfer_kv failed: {err}")
@@ -512,12 +518,11 @@ class Consumer:
         if not ok:
             spec = pull.spec
             log.warning(
-                "request %s: pulling transfer %s from %s failed (%s%s); vLLM recomputes it",
+                "request %s: pulling transfer %s from %s failed (%s); vLLM recomputes it",
                 request_id,
                 spec.transfer_id,
                 spec.remote_rpc_address,
                 _describe(completion),
-                f"; {'; '.join(pull.errors)}" if pull.errors else "",
             )
         self._results.received(request_id, failed=not ok)
 
@@ -581,8 +586,13 @@ class WorkerSide:
         self.rpc_address: str | None = None
         self.local_spec: LayoutSpec | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
-        geometry = describe_kv_caches(kv_caches, block_size)
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_size: int,
+        num_blocks: int | None = None,
+    ) -> None:
+        geometry = describe_kv_caches(kv_caches, block_size, num_blocks)
         from kvt import TransferEngine
 
         self._engine = TransferEngine(
@@ -648,8 +658,9 @@ class WorkerSide:
             if consumer is not None:
                 self._post(consumer.release, release)
 
-    def drain(self) -> tuple[set[str], set[str], set[str]]:
-        return self._results.drain()
+    def drain(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last drain."""
+        return self._results.drain(wait_s)
 
     def counters(self) -> dict[str, int]:
         """Event counts of this worker (offers, pulls_done, leases_expired, ...)."""

@@ -1,0 +1,261 @@
+"""The worker halves of P and D on real kvt and simple_rpc, without a vLLM engine.
+
+Two WorkerSides in one process, each owning a torch "KV cache" laid out like vLLM's CPU backend
+(layers are views of one buffer). The metadata they receive is what the scheduler half builds.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hybrid_connector.config import HybridConfig
+from hybrid_connector.metadata import HybridConnectorMetadata, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.worker_side import WorkerSide
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 16
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kv_caches(fill: float | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
+    """vLLM CPU layout: one buffer, each layer a [num_blocks, heads, block_size, 2*head_dim] view."""
+    shape = (LAYERS, NUM_BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_DIM)
+    if fill is None:
+        buf = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    else:
+        buf = torch.full(shape, fill, dtype=torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(LAYERS)}
+
+
+class Pair:
+    def __init__(self, lease_s: float = 5.0, transfer_timeout_s: float = 5.0) -> None:
+        port = _free_port()
+        self.rpc_address = f"127.0.0.1:{port}"
+        self.p_cfg = HybridConfig(rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0)
+        self.d_cfg = HybridConfig(transfer_timeout_s=transfer_timeout_s)
+        self.p_kv = _kv_caches(None)
+        self.d_kv = _kv_caches(0.0)
+        self.p = WorkerSide(self.p_cfg, is_producer=True, is_consumer=False, name="P")
+        self.d = WorkerSide(self.d_cfg, is_producer=False, is_consumer=True, name="D")
+        self.p.register_kv_caches(self.p_kv, BLOCK_SIZE)
+        self.d.register_kv_caches(self.d_kv, BLOCK_SIZE)
+
+    def offer(self, request_id: str, transfer_id: str, block_ids: list[int], num_tokens: int):
+        self.p.handle_metadata(
+            HybridConnectorMetadata(
+                to_send=[SendSpec(request_id, transfer_id, block_ids, num_tokens)]
+            )
+        )
+
+    def pull(
+        self,
+        request_id: str,
+        transfer_id: str,
+        block_ids: list[int],
+        num_tokens: int,
+        first_block: int = 0,
+        address: str | None = None,
+    ) -> None:
+        self.d.handle_metadata(
+            HybridConnectorMetadata(
+                to_recv=[
+                    RecvSpec(
+                        request_id,
+                        transfer_id,
+                        address or self.rpc_address,
+                        block_ids,
+                        first_block,
+                        num_tokens,
+                    )
+                ]
+            )
+        )
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+def _wait(side: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str], set[str]]:
+    """Collect results until something arrives (event-driven wait inside drain)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = side.drain(wait_s=max(0.0, deadline - time.monotonic()))
+        if any(out) or time.monotonic() >= deadline:
+            return out
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    threads_before = set(threading.enumerate())
+    pair = Pair()
+    yield pair
+    pair.close()
+    leaked = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
+    assert not leaked, leaked
+
+
+def _layer_blocks(kv: dict[str, torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
+    return [t[block_ids] for t in kv.values()]
+
+
+def test_pull_copies_exactly_the_requested_blocks(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    src, dst = [5, 2, 9], [1, 7, 3]
+    pair.offer("p-req", tid, src, num_tokens=3 * BLOCK_SIZE - 1)
+    pair.pull("d-req", tid, dst, num_tokens=3 * BLOCK_SIZE - 1)
+    sending, recving, failed = set(), set(), set()
+    recving, failed = _wait(pair.d)[1:]
+    assert recving == {"d-req"}
+    assert failed == set()
+    sending = _wait(pair.p)[0]
+    assert sending == {"p-req"}
+    for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
+        assert torch.equal(got, want)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+    assert all(bool((t[untouched] == 0).all()) for t in pair.d_kv.values())
+    assert pair.d.counters()["pulls_done"] == 1
+    assert pair.p.counters()["sends_done"] == 1
+
+
+def test_first_block_skips_what_decode_already_holds(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.offer("p-req", tid, [4, 5, 6], num_tokens=10)
+    # D holds P's first block already (local prefix hit): it asks only for blocks 1 and 2.
+    pair.pull("d-req", tid, [11, 12], num_tokens=10, first_block=1)
+    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    for got, want in zip(
+        _layer_blocks(pair.d_kv, [11, 12]), _layer_blocks(pair.p_kv, [5, 6]), strict=True
+    ):
+        assert torch.equal(got, want)
+    assert _wait(pair.p)[0] == {"p-req"}
+
+
+def test_pull_before_the_request_finishes_waits_for_it(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.pull("d-req", tid, [0, 1], num_tokens=8)
+    # The pull is parked on P: nothing completes until P's request finishes.
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    assert pair.p.counters().get("early_pulls") == 1
+    pair.offer("p-req", tid, [8, 9], num_tokens=8)
+    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    assert _wait(pair.p)[0] == {"p-req"}
+    for got, want in zip(
+        _layer_blocks(pair.d_kv, [0, 1]), _layer_blocks(pair.p_kv, [8, 9]), strict=True
+    ):
+        assert torch.equal(got, want)
+
+
+def test_lease_expiry_releases_blocks_nobody_pulled(caplog: pytest.LogCaptureFixture) -> None:
+    pair = Pair(lease_s=0.2)
+    try:
+        tid = str(uuid.uuid4())
+        with caplog.at_level(logging.WARNING, logger="hybrid_connector"):
+            pair.offer("p-req", tid, [1], num_tokens=3)
+            assert _wait(pair.p)[0] == {"p-req"}
+        assert pair.p.counters()["leases_expired"] == 1
+        assert any("p-req" in r.message and tid in r.message for r in caplog.records)
+        # A pull after the lease finds nothing to wait for... and fails within the next lease.
+        pair.pull("d-req", tid, [1], num_tokens=3)
+        assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+    finally:
+        pair.close()
+
+
+def test_mismatched_layout_is_rejected_and_server_survives(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A D whose cache has another head count cannot take P's blocks.
+    other = WorkerSide(HybridConfig(), is_producer=False, is_consumer=True, name="D-bad")
+    other.register_kv_caches(_kv_caches(0.0, heads=HEADS * 2), BLOCK_SIZE)
+    try:
+        bad_tid = str(uuid.uuid4())
+        pair.offer("p-bad", bad_tid, [1], num_tokens=2)
+        with caplog.at_level(logging.WARNING, logger="hybrid_connector"):
+            other.handle_metadata(
+                HybridConnectorMetadata(
+                    to_recv=[RecvSpec("d-bad", bad_tid, pair.rpc_address, [2], 0, 2)]
+                )
+            )
+            assert _wait(other)[1:] == ({"d-bad"}, {"d-bad"})
+        # P frees the blocks of a pull that failed for good and keeps serving.
+        assert _wait(pair.p)[0] == {"p-bad"}
+        assert any("p-bad" in r.message and bad_tid in r.message for r in caplog.records)
+        good_tid = str(uuid.uuid4())
+        pair.offer("p-good", good_tid, [3], num_tokens=2)
+        pair.pull("d-good", good_tid, [4], num_tokens=2)
+        assert _wait(pair.d)[1:] == ({"d-good"}, set())
+    finally:
+        other.close()
+
+
+def test_decode_asking_for_more_tokens_than_prefill_computed_fails(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.offer("p-req", tid, [1, 2], num_tokens=5)
+    pair.pull("d-req", tid, [3, 4, 5], num_tokens=9)
+    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+    assert _wait(pair.p)[0] == {"p-req"}
+
+
+def test_unreachable_prefill_fails_the_pull(pair: Pair) -> None:
+    pair.pull("d-req", str(uuid.uuid4()), [1], num_tokens=2, address=f"127.0.0.1:{_free_port()}")
+    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+    assert pair.d.counters()["pulls_failed"] == 1
+
+
+def test_prefill_abort_fails_a_waiting_pull_at_once(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.pull("d-req", tid, [1], num_tokens=2)
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    pair.p.handle_metadata(HybridConnectorMetadata(cancel_send=[tid]))
+    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+
+
+def test_release_frees_held_blocks_without_sending(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.offer("p-req", tid, [1], num_tokens=2)
+    pair.d.handle_metadata(
+        HybridConnectorMetadata(
+            to_release=[ReleaseSpec("d-req", tid, pair.rpc_address, "full local hit")]
+        )
+    )
+    assert _wait(pair.p)[0] == {"p-req"}
+    assert pair.p.counters()["released_by_peer"] == 1
+
+
+def test_decode_abort_while_pull_waits_reports_once(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.pull("d-req", tid, [1], num_tokens=2)
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    pair.d.handle_metadata(HybridConnectorMetadata(cancel_recv=["d-req"]))
+    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+    # P's parked pull was released too: a later offer is held (no pull pending for it).
+    pair.offer("p-req", tid, [1], num_tokens=2)
+    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+
+
+def test_close_is_idempotent_and_leaves_no_threads() -> None:
+    before = set(threading.enumerate())
+    pair = Pair()
+    pair.offer("p-req", str(uuid.uuid4()), [1], num_tokens=2)
+    pair.pull("d-req", str(uuid.uuid4()), [2], num_tokens=2)
+    pair.close()
+    pair.close()
+    leaked = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert not leaked, leaked
