@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _kv_caches(fill: float | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
-    """vLLM CPU layout: one buffer, each layer a [num_blocks, heads, block_size, 2*head_dim] view."""
+    """vLLM's CPU layout: one buffer; each layer a [num_blocks, heads, block_size, 2*hd] view."""
     shape = (LAYERS, NUM_BLOCKS, heads, BLOCK_SIZE, 2 * HEAD_DIM)
     if fill is None:
         buf = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
@@ -68,6 +68,7 @@ class Pair:
         transfer_id: str,
         block_ids: list[int],
         num_tokens: int,
+        *,
         first_block: int = 0,
         address: str | None = None,
     ) -> None:
