@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from ipcblock import IPCBLOCK_DTYPE, PagedKVLayout, parse_blocks, stacked_layer_offsets
 
 
@@ -43,11 +42,11 @@ def naive_parse(src: PagedKVLayout, dst: PagedKVLayout, src_ids, dst_ids, layers
     return np.array(records, dtype=IPCBLOCK_DTYPE)
 
 
-def best_of(fn, repeats: int) -> float:
+def best_of(repeats: int, fn, *args) -> float:
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        fn(*args)
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -78,8 +77,9 @@ def main() -> None:
             slow = naive_parse(layout, layout, src_ids, dst_ids, layers)
             order = np.lexsort((fast["src_offset"], fast["tag"]))
             np.testing.assert_array_equal(fast[order], slow)  # same answer before timing it
-            t_fast = best_of(lambda: parse_blocks(layout, layout, src_ids, dst_ids, layers), repeats)
-            t_slow = best_of(lambda: naive_parse(layout, layout, src_ids, dst_ids, layers), 1)
+            args = (layout, layout, src_ids, dst_ids, layers)
+            t_fast = best_of(repeats, parse_blocks, *args)
+            t_slow = best_of(1, naive_parse, *args)
             pairs = n_blocks * num_layers
             rows.append(
                 {

@@ -8,7 +8,6 @@ from multiprocessing import resource_tracker
 
 import numpy as np
 import pytest
-
 from kvt import Completion, TransferEngine
 
 
@@ -63,7 +62,10 @@ class Completions:
 @pytest.fixture
 def pair(no_leaks):
     """Two engines in this process (P sends, D receives), 4 MiB regions of 64 blocks x 64 KiB."""
-    p, d = TransferEngine(name="P", default_timeout_s=20), TransferEngine(name="D", default_timeout_s=20)
+    p, d = (
+        TransferEngine(name="P", default_timeout_s=20),
+        TransferEngine(name="D", default_timeout_s=20),
+    )
     src = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
     dst = np.zeros(4 << 20, dtype=np.uint8)
     src_region, dst_region = p.register_region(src), d.register_region(dst)

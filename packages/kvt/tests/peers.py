@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 from ipcblock import make_blocks
-
 from kvt import TransferEngine
 
 

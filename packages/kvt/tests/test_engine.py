@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from conftest import Completions, kvt_threads, wait_until
 from ipcblock import PagedKVLayout, make_blocks, parse_blocks, stacked_layer_offsets
-
 from kvt import (
     AbortCode,
     AbortOrigin,
@@ -34,7 +33,9 @@ def scattered(n, src_region, dst_region, seed=0):
 
 def assert_copied(src, dst, src_ids, dst_ids) -> None:
     for s, d in zip(src_ids, dst_ids, strict=True):
-        np.testing.assert_array_equal(dst[d * BLOCK : (d + 1) * BLOCK], src[s * BLOCK : (s + 1) * BLOCK])
+        np.testing.assert_array_equal(
+            dst[d * BLOCK : (d + 1) * BLOCK], src[s * BLOCK : (s + 1) * BLOCK]
+        )
 
 
 def test_multi_batch_per_layer_with_layer_events(pair) -> None:
@@ -72,7 +73,7 @@ def test_multi_batch_per_layer_with_layer_events(pair) -> None:
 
 
 def test_abort_from_sender_propagates(pair) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, _, rs, rd = pair
     blocks, _, _ = scattered(8, rs, rd)
     got_recv, got_send = Completions(), Completions()
     d.expect("a", on_complete=got_recv)
@@ -93,7 +94,7 @@ def test_abort_from_sender_propagates(pair) -> None:
 
 
 def test_abort_from_receiver_propagates_before_and_after_data(pair) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, dst, rs, rd = pair
     blocks, _, _ = scattered(4, rs, rd)
     # 1) receiver aborts after data started: the sender learns on the same link.
     got_recv, got_send = Completions(), Completions()
@@ -125,7 +126,7 @@ def test_abort_from_receiver_propagates_before_and_after_data(pair) -> None:
 
 
 def test_timeouts_on_both_sides(pair) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, _, rs, rd = pair
     blocks, _, _ = scattered(2, rs, rd)
     got = Completions()
     d.expect("t1", timeout_s=0.2, on_complete=got)
@@ -141,7 +142,7 @@ def test_timeouts_on_both_sides(pair) -> None:
 
 
 def test_unknown_request_id(pair, caplog) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, dst, rs, rd = pair
     blocks, _, _ = scattered(2, rs, rd)
     got = Completions()
     with caplog.at_level(logging.WARNING, logger="kvt"):
@@ -157,7 +158,7 @@ def test_unknown_request_id(pair, caplog) -> None:
 
 
 def test_caller_errors(pair) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, src, _, rs, rd = pair
     with pytest.raises(InvalidBlocksError):
         p.send("x", d.data_address, make_blocks(len(src) - 10, 0, 11, src_region=rs), last=True)
     with pytest.raises(InvalidBlocksError):
@@ -182,7 +183,7 @@ def test_caller_errors(pair) -> None:
 
 def test_exactly_once_under_races(pair) -> None:
     """abort, timeout and success race on many requests; each side completes each request once."""
-    p, d, src, dst, rs, rd = pair
+    p, d, _, _, rs, rd = pair
     n = 200
     counts: dict[tuple[str, str], int] = {}
     lock = threading.Lock()
@@ -225,7 +226,7 @@ def test_exactly_once_under_races(pair) -> None:
 
 
 def test_metrics_registry_per_engine(pair) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, _, rs, rd = pair
     blocks, _, _ = scattered(4, rs, rd)
     got = Completions()
     d.expect("m", on_complete=got)
@@ -236,9 +237,12 @@ def test_metrics_registry_per_engine(pair) -> None:
     sent = p.metrics_registry.get_sample_value("kvt_bytes_total", {"direction": "sent"})
     received = d.metrics_registry.get_sample_value("kvt_bytes_total", {"direction": "received"})
     assert sent == received == 4 * BLOCK
-    assert d.metrics_registry.get_sample_value(
-        "kvt_requests_total", {"role": "recv", "status": "done"}
-    ) == 1
+    assert (
+        d.metrics_registry.get_sample_value(
+            "kvt_requests_total", {"role": "recv", "status": "done"}
+        )
+        == 1
+    )
     text = p.metrics_text().decode()
     assert 'kvt_stage_seconds_count{stage="queue"}' in text
     assert 'kvt_stage_seconds_count{stage="notify"}' in text

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ipcblock import make_blocks
-
 from kvt.errors import ProtocolViolation
 from kvt.outcome import AbortCode
 from kvt.protocol import (
@@ -72,7 +71,7 @@ def test_round_trip_byte_by_byte() -> None:
 
 
 def test_payload_reported_by_io_layer() -> None:
-    wire, blocks, _ = stream()
+    _, blocks, _ = stream()
     head = encode_data_head("r", blocks, last=False)
     decoder = FrameDecoder()
     assert decoder.next_read_size() == 16
@@ -99,12 +98,15 @@ def header(ftype=2, meta_len=0, payload_len=0, magic=b"KV", version=1) -> bytes:
         header(meta_len=1 << 30),  # oversized metadata
         # DATA whose payload_len disagrees with its blocks
         header(meta_len=8 + 1 + 30, payload_len=99)
-        + struct.pack("<HBBI", 1, 0, 0, 1) + b"r" + make_blocks(0, 0, 10).tobytes(),
+        + struct.pack("<HBBI", 1, 0, 0, 1)
+        + b"r"
+        + make_blocks(0, 0, 10).tobytes(),
         # DATA whose block count runs past the metadata
         header(meta_len=8 + 1, payload_len=0) + struct.pack("<HBBI", 1, 0, 0, 5) + b"r",
         # lengths that wrap around u64 when summed
         header(meta_len=8 + 1 + 60, payload_len=0)
-        + struct.pack("<HBBI", 1, 0, 0, 2) + b"r"
+        + struct.pack("<HBBI", 1, 0, 0, 2)
+        + b"r"
         + make_blocks([0, 0], [0, 0], [2**63, 2**63]).tobytes(),
         # empty request id, unknown flag, bad abort code
         header(meta_len=8) + struct.pack("<HBBI", 0, 0, 0, 0),

@@ -11,7 +11,6 @@ import numpy as np
 import peers
 from conftest import Completions, wait_until
 from ipcblock import make_blocks
-
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
 from kvt.loopback import run_loopback
 from kvt.protocol import (

@@ -1,4 +1,4 @@
-"""The data-plane boundary: backends execute IpcBlocks and report back; they know no requests' meaning.
+"""The data-plane boundary: backends execute IpcBlocks and report back, knowing nothing else.
 
 The control layer hands a backend :class:`SendJob`s (records plus the source memory they name) and
 implements :class:`BackendListener` to hear about incoming data, confirmations, aborts and lost
@@ -153,7 +153,9 @@ class IovCursor:
             self._offset = 0
 
 
-def iter_windows(views: list[memoryview], max_count: int, max_bytes: int) -> Iterator[list[memoryview]]:
+def iter_windows(
+    views: list[memoryview], max_count: int, max_bytes: int
+) -> Iterator[list[memoryview]]:
     """Windows covering ``views`` exactly once (for I/O that never stops short)."""
     cursor = IovCursor(views)
     while not cursor.done:

@@ -150,7 +150,7 @@ class TransferEngine:
     # ================================================================ public API
     @property
     def data_address(self) -> str:
-        """"host:port" the peer's data plane connects to."""
+        """ "host:port" the peer's data plane connects to."""
         return self.backend.address
 
     @property
@@ -312,7 +312,7 @@ class TransferEngine:
             return tomb.status if tomb else None
 
     def close(self) -> None:
-        """Abort open requests (peers are told), stop every thread, close every socket. Idempotent."""
+        """Abort open requests (peers are told), stop all threads, close all sockets. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -548,7 +548,7 @@ class TransferEngine:
         *,
         nbytes: int | None = None,
     ) -> bool:
-        """Decide the request's one completion (DONE when origin is None). False if already decided."""
+        """Decide the one completion (DONE if origin is None); False if already decided."""
         with self._lock:
             if req.final is not None or req.pending is not None:
                 return False

@@ -8,6 +8,7 @@ permutation of destination blocks (every block scattered), verified byte for byt
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import socket
@@ -172,10 +173,8 @@ def run_loopback(
     finally:
         if plain_sock is not None:
             plain_sock.close()
-        try:
+        with contextlib.suppress(OSError):
             parent.send(("close",))
-        except OSError:
-            pass
         proc.join(30)
         if proc.is_alive():
             proc.kill()

@@ -1,4 +1,4 @@
-"""Per-engine prometheus metrics on the engine's own CollectorRegistry (many engines per process)."""
+"""Per-engine prometheus metrics on the engine's own CollectorRegistry (many per process)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ One TCP connection carries frames in both directions. Every frame starts with a 
 Metadata (little-endian):
 
     HELLO  u16 name_len | u16 addr_len | name utf-8 | data address utf-8
-    DATA   u16 rid_len | u8 flags (bit0 = last batch) | u8 0 | u32 n_blocks | rid | n_blocks x 30 B IpcBlock
+    DATA   u16 rid_len | u8 flags (bit0 = last batch) | u8 0 | u32 n_blocks | rid
+           | n_blocks x 30-byte IpcBlock
            payload = the blocks' bytes, concatenated in record order (sum of lengths == payload_len)
     DONE   u16 rid_len | u16 0 | u64 nbytes | rid          (receiver -> sender: every byte written)
     ABORT  u16 rid_len | u8 code | u8 target (1 sender side, 2 receiver side) | rid | reason utf-8
@@ -125,7 +126,7 @@ def encode_hello(name: str, data_address: str) -> bytes:
 
 
 def encode_data_head(request_id: str, blocks: np.ndarray, last: bool) -> bytes:
-    """Header + metadata of a DATA frame; the payload (the blocks' source bytes) follows on the wire."""
+    """Header + metadata of a DATA frame; the payload (the blocks' source bytes) follows it."""
     rid = _rid(request_id)
     records = np.ascontiguousarray(blocks, dtype=IPCBLOCK_DTYPE)
     payload_len = int(records["length"].sum(dtype=np.uint64)) if records.size else 0
@@ -282,7 +283,7 @@ class FrameDecoder:
             total = _checked_total(blocks)
             if total != self._payload_left:
                 raise ProtocolViolation(
-                    f"DATA {rid!r}: payload_len {self._payload_left} != sum of block lengths {total}"
+                    f"DATA {rid!r}: payload_len {self._payload_left} != block lengths {total}"
                 )
             return DataHeader(rid, bool(flags & FLAG_LAST), blocks, total)
         if ftype is FrameType.DONE:

@@ -14,6 +14,7 @@ connected. A link that fails tells the listener once, drops its queued jobs and 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -134,14 +135,12 @@ class TcpLink:
             self._failure = (reason, False)
         self._queue.put(None)
         if self._sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._report_lost(reason, connect_failed=False)
 
     def flush_and_stop_writing(self) -> None:
-        """Graceful close, step 1: the writer sends what is queued (e.g. ABORTs), then half-closes."""
+        """Graceful close, step 1: the writer sends what is queued (ABORTs), then half-closes."""
         self._queue.put(_FLUSH)
 
     def join_writer(self, timeout: float) -> None:
@@ -172,10 +171,8 @@ class TcpLink:
         if not already:
             self._queue.put(None)
             if self._sock is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
         self._report_lost(reason, connect_failed=connect_failed)
 
     # ---------------------------------------------------------------- writer
@@ -314,7 +311,9 @@ class TcpLink:
             got += n
         return True
 
-    def _receive_payload(self, sock: socket.socket, decoder: FrameDecoder, header: DataHeader) -> None:
+    def _receive_payload(
+        self, sock: socket.socket, decoder: FrameDecoder, header: DataHeader
+    ) -> None:
         listener = self.backend.listener
         sink = listener.on_data(self, header)
         remaining = header.payload_len
@@ -428,7 +427,9 @@ class TcpBackend(DataPlaneBackend):
             self._links.discard(link)
             if link._connect_to and self._outbound.get(link._connect_to) is link:
                 del self._outbound[link._connect_to]
-            self._retired = [old for old in self._retired if any(t.is_alive() for t in old._threads)]
+            self._retired = [
+                old for old in self._retired if any(t.is_alive() for t in old._threads)
+            ]
             self._retired.append(link)
 
     def close(self) -> None:
@@ -437,10 +438,8 @@ class TcpBackend(DataPlaneBackend):
                 return
             self._closed = True
             links = list(self._links)
-        try:
+        with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         if self._acceptor is not None:
             self._acceptor.join()
         self._server.close()
