@@ -77,9 +77,9 @@ def main() -> None:
             slow = naive_parse(layout, layout, src_ids, dst_ids, layers)
             order = np.lexsort((fast["src_offset"], fast["tag"]))
             np.testing.assert_array_equal(fast[order], slow)  # same answer before timing it
-            args = (layout, layout, src_ids, dst_ids, layers)
-            t_fast = best_of(repeats, parse_blocks, *args)
-            t_slow = best_of(1, naive_parse, *args)
+            inputs = (layout, layout, src_ids, dst_ids, layers)
+            t_fast = best_of(repeats, parse_blocks, *inputs)
+            t_slow = best_of(1, naive_parse, *inputs)
             pairs = n_blocks * num_layers
             rows.append(
                 {
