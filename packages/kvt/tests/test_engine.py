@@ -246,6 +246,8 @@ def test_metrics_registry_per_engine(pair) -> None:
     text = p.metrics_text().decode()
     assert 'kvt_stage_seconds_count{stage="queue"}' in text
     assert 'kvt_stage_seconds_count{stage="notify"}' in text
+    assert 'kvt_stage_seconds_count{stage="wire"}' in text
+    assert 'kvt_stage_seconds_count{stage="recv_chunk"}' in d.metrics_text().decode()
 
 
 def test_close_aborts_open_requests_and_tells_peer(no_leaks) -> None:

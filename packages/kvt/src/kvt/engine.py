@@ -80,17 +80,32 @@ class _Request:
 class _SendJob:
     """One send() batch as the backend sees it (see kvt.backend.SendJob)."""
 
-    __slots__ = ("blocks", "engine", "last", "req", "request_id", "submitted", "views")
+    __slots__ = (
+        "blocks",
+        "engine",
+        "frame_start",
+        "last",
+        "req",
+        "request_id",
+        "submitted",
+        "views",
+    )
 
     def __init__(self, engine: TransferEngine, req: _Request, blocks: np.ndarray, views, last):
         self.engine, self.req, self.blocks, self.views, self.last = engine, req, blocks, views, last
         self.request_id = req.request_id
         self.submitted = time.monotonic()
+        self.frame_start = 0.0
 
     def begin_frame(self) -> bool:
+        self.frame_start = time.monotonic()
         return self.engine._begin_io(self.req, queued_since=self.submitted)
 
     def end_frame(self, nbytes: int) -> None:
+        if nbytes:
+            self.engine.metrics.stage.labels(stage="wire").observe(
+                time.monotonic() - self.frame_start
+            )
         self.engine._end_io(self.req, nbytes, "sent")
 
     def fail(self, reason: str, connect_failed: bool) -> None:
@@ -99,15 +114,21 @@ class _SendJob:
 
 
 class _RecvSink:
-    __slots__ = ("engine", "req", "views")
+    __slots__ = ("chunk_start", "engine", "req", "views")
 
     def __init__(self, engine: TransferEngine, req: _Request, views: list[memoryview]):
         self.engine, self.req, self.views = engine, req, views
+        self.chunk_start = 0.0
 
     def begin_chunk(self) -> bool:
+        self.chunk_start = time.monotonic()
         return self.engine._begin_io(self.req, queued_since=None)
 
     def end_chunk(self, nbytes: int) -> None:
+        if nbytes:
+            self.engine.metrics.stage.labels(stage="recv_chunk").observe(
+                time.monotonic() - self.chunk_start
+            )
         self.engine._end_io(self.req, nbytes, "received")
 
 

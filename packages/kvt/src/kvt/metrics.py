@@ -27,8 +27,9 @@ class EngineMetrics:
         )  # fmt: skip
         self.stage = Histogram(
             "kvt_stage_seconds",
-            "Time per stage: queue (send() to first byte), wire (one frame on the socket), "
-            "notify (completion decided to callback run), transfer (request start to completion)",
+            "Time per stage: queue (send() to its first frame), wire (one sent frame, up to "
+            "32 MiB), recv_chunk (one received chunk, up to 8 MiB), notify (completion decided "
+            "to callback run), transfer (request start to completion)",
             ["stage"], buckets=_STAGE_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.active = Gauge(
