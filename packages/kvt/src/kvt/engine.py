@@ -28,12 +28,7 @@ from ipcblock import IPCBLOCK_DTYPE
 
 from kvt.access import LayerEvents, Region, RegionTable
 from kvt.backend import DataPlaneBackend, Link
-from kvt.errors import (
-    EngineClosedError,
-    InvalidBlocksError,
-    InvalidRegionError,
-    RequestStateError,
-)
+from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
 from kvt.metrics import EngineMetrics
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
 from kvt.protocol import (
@@ -680,4 +675,4 @@ def _check_request_id(request_id: str) -> None:
         raise RequestStateError(f"request id must be a 1..{MAX_REQUEST_ID} byte string")
 
 
-__all__ = ["InvalidRegionError", "TransferEngine"]
+__all__ = ["TransferEngine"]
