@@ -175,7 +175,12 @@ async def test_client_disconnect_mid_stream_leaves_no_blocks(
             assert all(v == 0.0 for v in gauges.values()), (url, gauges)
         async with session.get(f"{cluster.proxy_url}/metrics") as resp:
             metrics = await resp.text()
-    assert "pdserve_client_disconnects_total 1.0" in metrics
+    disconnects = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("pdserve_client_disconnects_total")
+    )
+    assert disconnects >= 1
 
 
 async def test_kv_usage_back_to_zero_after_the_run(cluster: Cluster) -> None:

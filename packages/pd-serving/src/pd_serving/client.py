@@ -87,7 +87,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
             continue
         payload = line[5:].strip()
         if payload == b"[DONE]":
-            break
+            continue  # read to the end: closing early would look like a client disconnect
         event = json.loads(payload)
         if event.get("usage"):
             out.completion_tokens = event["usage"]["completion_tokens"]

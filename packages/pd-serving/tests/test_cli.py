@@ -1,0 +1,53 @@
+"""The `pdserve` command line: make-model, argument errors, prompts of exact token lengths."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from pd_serving.bench import percentile
+from pd_serving.cli import main
+from pd_serving.client import exact_length_prompt, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    target = tmp_path_factory.mktemp("m") / "tiny"
+    assert main(["make-model", str(target)]) == 0
+    return target
+
+
+def test_make_model_writes_a_model_and_is_idempotent(model_dir: Path) -> None:
+    assert (model_dir / "config.json").is_file()
+    assert (model_dir / "tokenizer.json").is_file()
+    weights = (model_dir / "model.safetensors").read_bytes()
+    assert main(["make-model", str(model_dir)]) == 0
+    assert (model_dir / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 300, 1000])
+def test_prompts_of_exact_token_length(model_dir: Path, n: int) -> None:
+    tokenizer = load_tokenizer(model_dir)
+    text = exact_length_prompt(tokenizer, n, seed=n)
+    assert len(tokenizer.encode(text, add_special_tokens=False).ids) == n
+
+
+def test_up_with_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="not a model directory"):
+        main(["up", "--model", str(tmp_path / "nope")])
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("pdserve")
+    assert exe is not None
+    out = subprocess.run([exe, "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("make-model", "up", "demo", "bench"):
+        assert command in out
+
+
+def test_percentile() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 100) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
