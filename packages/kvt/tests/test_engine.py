@@ -324,3 +324,10 @@ def test_torch_not_imported_for_numpy_regions() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_port_in_use_leaves_nothing_behind(no_leaks) -> None:
+    with TransferEngine(name="first") as first:
+        port = int(first.data_address.rsplit(":", 1)[1])
+        with pytest.raises(OSError):
+            TransferEngine(port=port, name="second")

@@ -154,13 +154,14 @@ class TransferEngine:
             collections.OrderedDict()
         )
         self._closed = False
+        # The backend binds its listener first: if that fails, no thread has been started yet.
+        self.backend = backend or TcpBackend(host, port, name=name)
         self._notify_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._notifier = threading.Thread(
             target=self._notify_main, name=f"kvt-{name}-notify", daemon=True
         )
         self._notifier.start()
         self._timers = TimerScheduler(name=f"kvt-{name}-timers")
-        self.backend = backend or TcpBackend(host, port, name=name)
         self.backend.start(self)
 
     # ================================================================ public API
