@@ -37,6 +37,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def _adopt_vllm_logging() -> None:
+    """Let our log lines reach vLLM's log, in its format and at its level.
+
+    vLLM configures only the ``vllm`` logger; without this, INFO lines of ``hybrid_connector``
+    would be dropped in a vLLM server. An application that configured ``hybrid_connector``
+    itself (handlers present) is left alone.
+    """
+    ours = logging.getLogger("hybrid_connector")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.getEffectiveLevel())
+    ours.propagate = False
+
+
 class HybridConnector(KVConnectorBase_V1):
     """Prefill/decode KV migration over simple_rpc (control) and kvt (data)."""
 
@@ -47,6 +64,7 @@ class HybridConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _adopt_vllm_logging()
         transfer_config = self._kv_transfer_config
         self.is_producer = bool(transfer_config.is_kv_producer)
         self.is_consumer = bool(transfer_config.is_kv_consumer)
