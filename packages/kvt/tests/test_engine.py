@@ -53,7 +53,7 @@ def test_multi_batch_per_layer_with_layer_events(pair) -> None:
     # Layers finish out of order; the last batch (layer 3) is ready first but must go last.
     for layer in (3, 1, 0):
         events.mark_ready(layer)
-    assert p.status("req") is TransferStatus.PENDING or got_send.empty()
+    assert got_send.empty()  # layer 2 is still computing, so the request cannot be done
     events.mark_ready(2)
     send_done, recv_done = got_send.wait(), got_recv.wait()
     assert send_done.ok
