@@ -25,10 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     if any(total % b for b in block_sizes) or args.mib <= 0 or args.repeats <= 0:
         parser.error("the region size must be a positive multiple of every block size")
 
-    result = run_loopback(total, block_sizes, repeats=args.repeats)
-
     from rich.console import Console
     from rich.table import Table
+
+    console = Console()
+    result = run_loopback(
+        total, block_sizes, repeats=args.repeats,
+        progress=lambda msg: console.print(f"[dim]... {msg}[/dim]"),
+    )  # fmt: skip
 
     table = Table(title=f"{args.mib} MiB between two processes over loopback TCP")
     for column, justify in (("transfer", "left"), ("GB/s (best)", "right"),
@@ -45,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             m.label, f"{m.best_gbps:.2f}", f"{m.median_gbps:.2f}",
             f"{m.best_gbps / plain.best_gbps:.2f}x", "yes" if ok else "NO",
         )  # fmt: skip
-    Console().print(table)
+    console.print(table)
     return 0 if all_ok else 1
 
 

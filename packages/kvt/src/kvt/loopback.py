@@ -14,6 +14,7 @@ import queue
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +50,7 @@ def _receiver_main(conn, total: int) -> None:  # runs in the child process
     plain = socket.create_server(("127.0.0.1", 0))
     done: queue.SimpleQueue = queue.SimpleQueue()
     conn.send((engine.data_address, region, plain.getsockname()[1]))
+    expected = _source(total)  # made while the parent makes its copy
     plain_sock = None
     try:
         while True:
@@ -74,7 +76,7 @@ def _receiver_main(conn, total: int) -> None:  # runs in the child process
                 block_size, seed = args
                 n = total // block_size
                 perm_src, perm_dst = _permutations(n, seed)
-                src = _source(total).reshape(n, block_size)
+                src = expected.reshape(n, block_size)
                 ok = bool(np.array_equal(dst.reshape(n, block_size)[perm_dst], src[perm_src]))
                 conn.send(ok)
                 dst[:] = 1  # next pattern starts from a known state
@@ -114,12 +116,17 @@ class LoopbackResult:
 
 
 def run_loopback(
-    total: int = 256 << 20, block_sizes: tuple[int, ...] = (64 << 10,), repeats: int = 3
+    total: int = 256 << 20,
+    block_sizes: tuple[int, ...] = (64 << 10,),
+    repeats: int = 3,
+    progress: Callable[[str], None] | None = None,
 ) -> LoopbackResult:
     """Measure kvt (scattered blocks) and a plain contiguous socket between two processes."""
+    say = progress or (lambda _msg: None)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver_main, args=(child, total), daemon=True)
+    say("starting the receiver process")
     proc.start()
     child.close()
     engine = TransferEngine(name="P")
@@ -131,6 +138,7 @@ def run_loopback(
         src = _source(total)
         src_region = engine.register_region(src)
 
+        say(f"plain socket: {repeats} timed run(s) of {total >> 20} MiB after a warm-up")
         plain_sock = socket.create_connection(("127.0.0.1", plain_port))
         plain_times = []
         for _ in range(repeats + 1):  # first run warms up
@@ -151,6 +159,7 @@ def run_loopback(
                 perm_src * block_size, perm_dst * block_size, block_size,
                 src_region=src_region, dst_region=dst_region,
             )  # fmt: skip
+            say(f"kvt: {n} scattered blocks of {block_size >> 10} KiB, {repeats} timed run(s)")
             times = []
             for i in range(repeats + 1):
                 rid = f"bench-{block_size}-{i}"
