@@ -78,7 +78,7 @@ class Batch:
     timings: dict[str, float] = field(default_factory=dict)
 
     def reorder(self, order: np.ndarray) -> Batch:
-        """The same samples in a new order; recordings follow (by value: a copy, by ref: metadata)."""
+        """The samples in a new order; recordings follow (by value: copied, by ref: metadata)."""
         r3, offsets = self.r3, None
         if isinstance(r3, refstore.Manifest):
             r3 = r3.take(order)
@@ -231,7 +231,7 @@ class SortByLength:
 
 @ray.remote(num_cpus=0)
 class PackMicroBatches:
-    """Cuts the batch into micro-batches of at most ``max_tokens`` tokens (a longer sample alone)."""
+    """Cuts the batch into micro-batches of at most ``max_tokens`` tokens (long samples alone)."""
 
     def __init__(self, max_tokens: int) -> None:
         _start_memprof()
