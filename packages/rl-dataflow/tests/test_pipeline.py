@@ -24,7 +24,14 @@ def cluster(tmp_path_factory):
 
 def test_three_modes_train_on_identical_recordings(cluster):
     config = PipelineConfig(
-        samples=16, group_size=4, mean_len=64, layers=4, topk=4, hidden=64, micro_batch_tokens=256
+        samples=16,
+        group_size=4,
+        mean_len=64,
+        layers=4,
+        topk=4,
+        hidden=64,
+        micro_batch_tokens=256,
+        verify=True,
     )
     results = run(config, [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF], steps=2, pool_size="64M")
     assert set(results) == {"off", "value", "ref"}
@@ -34,4 +41,4 @@ def test_three_modes_train_on_identical_recordings(cluster):
     assert results["ref"]["objects_left"] == 0
     tokens = {mode: [s["tokens"] for s in r["steps"]] for mode, r in results.items()}
     assert tokens["off"] == tokens["value"] == tokens["ref"]
-    assert "by ref is" in format_table(results, config)
+    assert "by ref vs by value" in format_table(results, config)

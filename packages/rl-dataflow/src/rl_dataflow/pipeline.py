@@ -56,9 +56,10 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     layers: int = 32
     topk: int = 32
     hidden: int = 1024  # stand-in model width
-    train_passes: int = 2  # matmuls per micro-batch (sets the step's compute)
+    train_passes: int = 1  # matmuls per micro-batch (sets the step's compute)
     micro_batch_tokens: int = 16384
     seed: int = 0
+    verify: bool = False  # replay stand-in: crc32 of the recordings (tests) instead of a sum
 
     @property
     def row_bytes(self) -> int:
@@ -146,45 +147,47 @@ class Rollout:
     """Stands in for the inference engine: its recordings already sit in an output buffer, as a
     real engine's top-k indices would after a forward pass; recording them is what costs."""
 
-    def __init__(self, config: PipelineConfig, mode: str) -> None:
+    def __init__(self, config: PipelineConfig) -> None:
         self.config = config
-        self.mode = R3Mode(mode)
         self.memprof = _start_memprof()
-        self.rng = np.random.default_rng(config.seed)
-        capacity = int(config.samples * config.mean_len * 1.5)
-        self.capacity = capacity
-        if self.mode is not R3Mode.OFF:
-            buf_rng = np.random.default_rng(config.seed + 1)
-            self.engine_output = buf_rng.integers(
-                0, 1 << 16, (capacity, config.layers, config.topk), dtype=np.int32
-            )
-        self.step = 0
+        self.capacity = int(config.samples * config.mean_len * 1.5)
+        buf_rng = np.random.default_rng(config.seed + 1)
+        self.engine_output = buf_rng.integers(
+            0, 1 << 16, (self.capacity, config.layers, config.topk), dtype=np.int32
+        )
+        self.rngs: dict[str, np.random.Generator] = {}
+        self.steps: dict[str, int] = {}
 
-    def generate(self) -> Batch:
+    def generate(self, mode_name: str) -> Batch:
+        """The next batch of ``mode_name``'s sequence (every mode sees the same sequence)."""
         started = time.perf_counter()
+        mode = R3Mode(mode_name)
         cfg = self.config
+        if mode_name not in self.rngs:
+            self.rngs[mode_name] = np.random.default_rng(cfg.seed)
+            self.steps[mode_name] = 0
+        rng, step = self.rngs[mode_name], self.steps[mode_name]
+        self.steps[mode_name] += 1
         n = cfg.samples
         lengths = np.clip(
-            self.rng.normal(cfg.mean_len, cfg.mean_len / 4, n).astype(np.int64),
+            rng.normal(cfg.mean_len, cfg.mean_len / 4, n).astype(np.int64),
             16,
             int(cfg.mean_len * 1.4),
         )
-        prompt_ids = self.rng.permutation(np.repeat(np.arange(n // cfg.group_size), cfg.group_size))
-        prompt_ids = np.concatenate([prompt_ids, np.arange(n - len(prompt_ids))]) + self.step * n
-        sample_ids = np.arange(n, dtype=np.int64) + self.step * n
-        tokens = [self.rng.integers(0, 32000, int(length), dtype=np.int32) for length in lengths]
+        groups = n // cfg.group_size
+        prompt_ids = rng.permutation(np.repeat(np.arange(groups), cfg.group_size))
+        prompt_ids = np.concatenate([prompt_ids, np.arange(n - len(prompt_ids))]) + step * n
+        sample_ids = np.arange(n, dtype=np.int64) + step * n
+        tokens = [rng.integers(0, 32000, int(length), dtype=np.int32) for length in lengths]
         offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
         total = int(lengths.sum())
-        start = int(self.rng.integers(0, self.capacity - total + 1))
-        recordings = (
-            self.engine_output[start : start + total] if self.mode is not R3Mode.OFF else None
-        )
+        start = int(rng.integers(0, self.capacity - total + 1))
+        recordings = self.engine_output[start : start + total]
         r3: Any = None
-        if self.mode is R3Mode.VALUE:
+        if mode is R3Mode.VALUE:
             r3 = recordings  # returned from this actor: Ray copies it into its object store
-        elif self.mode is R3Mode.REF:
-            client = rsray.client(REFSTORE_NAME)
-            ref = client.put({"topk": recordings})
+        elif mode is R3Mode.REF:
+            ref = rsray.client(REFSTORE_NAME).put({"topk": recordings})  # the one copy
             r3 = refstore.Manifest.from_packed(
                 ref,
                 lengths,
@@ -193,7 +196,6 @@ class Rollout:
                 key="topk",
                 sample_ids=sample_ids,
             )
-        self.step += 1
         batch = Batch(
             sample_ids, prompt_ids, lengths, tokens, r3, offsets if r3 is not None else None
         )
@@ -276,6 +278,7 @@ class Trainer:
 
         started = time.perf_counter()
         materialise_s = 0.0
+        compute_s = 0.0
         r3_checksum = 0
         tokens_seen = 0
         for mb in micro_batches:
@@ -294,10 +297,15 @@ class Trainer:
             materialise_s += time.perf_counter() - t0
             if r3_rows is not None:
                 # A stand-in for replay that reads every recorded byte once.
-                r3_checksum = zlib.crc32(r3_rows, r3_checksum)
+                if self.config.verify:
+                    r3_checksum = zlib.crc32(r3_rows, r3_checksum)
+                else:
+                    r3_checksum += int(r3_rows.sum(dtype=np.int64))
+            t0 = time.perf_counter()
             hidden = self.embed[torch.from_numpy(tokens).long()]
             for _ in range(self.config.train_passes):
                 hidden = torch.tanh(hidden @ self.weight)
+            compute_s += time.perf_counter() - t0
             tokens_seen += n
         refs = {
             ref
@@ -309,25 +317,26 @@ class Trainer:
             rsray.client(REFSTORE_NAME).release(list(refs))
         timings = dict(micro_batches[0].timings) if micro_batches else {}
         timings["materialise"] = materialise_s
+        timings["compute"] = compute_s
         timings["train"] = time.perf_counter() - started
         return {"tokens": tokens_seen, "r3_checksum": r3_checksum, "timings": timings}
 
 
 class Pipeline:
-    """Owns the actors of one pipeline (one R3 mode); ``close()`` ends them."""
+    """Owns the pipeline's actors, shared by the R3 modes (the box has two cores); ``close()``
+    ends them."""
 
-    def __init__(self, config: PipelineConfig, mode: R3Mode | str) -> None:
+    def __init__(self, config: PipelineConfig) -> None:
         self.config = config
-        self.mode = R3Mode(mode)
-        self.rollout = Rollout.remote(config, self.mode.value)
+        self.rollout = Rollout.remote(config)
         self.stages = [GroupBySample.remote(), SortByLength.remote()]
         self.pack = PackMicroBatches.remote(config.micro_batch_tokens)
         self.trainer = Trainer.remote(config)
 
-    def step(self) -> dict[str, Any]:
+    def step(self, mode: R3Mode | str) -> dict[str, Any]:
         """One step end to end; the driver only passes ObjectRefs along (never the batches)."""
         started = time.perf_counter()
-        batch = self.rollout.generate.remote()
+        batch = self.rollout.generate.remote(R3Mode(mode).value)
         for stage in self.stages:
             batch = stage.run.remote(batch)
         result = ray.get(self.trainer.step.remote(self.pack.run.remote(batch)))
@@ -351,20 +360,19 @@ def run(
     that load from other processes hits all of them alike. Needs ``ray.init()`` done."""
     if R3Mode.REF in modes:
         rsray.start_masters(pool_size=pool_size, name=REFSTORE_NAME)
-    pipelines = {mode: Pipeline(config, mode) for mode in modes}
+    pipeline = Pipeline(config)
     results: dict[str, dict[str, Any]] = {m.value: {"steps": []} for m in modes}
     try:
         for i in range(warmup + steps):
-            for mode, pipe in pipelines.items():
-                outcome = pipe.step()
+            for mode in modes:
+                outcome = pipeline.step(mode)
                 if i >= warmup:
                     results[mode.value]["steps"].append(outcome)
         if R3Mode.REF in modes:
             # Every step released what it put: nothing may be left behind.
             results[R3Mode.REF.value]["objects_left"] = rsray.client(REFSTORE_NAME).stats().objects
     finally:
-        for pipe in pipelines.values():
-            pipe.close()
+        pipeline.close()
         if R3Mode.REF in modes:
             rsray.close_clients()
             rsray.stop_masters(REFSTORE_NAME)
@@ -374,5 +382,9 @@ def run(
         entry["r3_checksums"] = [s["r3_checksum"] for s in entry["steps"]]
         entry["materialise_s"] = float(
             np.median([s["timings"]["materialise"] for s in entry["steps"]])
+        )
+        # The step without the stand-in model's compute: the pipeline's data path end to end.
+        entry["data_path_s"] = float(
+            np.median([s["step_s"] - s["timings"]["compute"] for s in entry["steps"]])
         )
     return results

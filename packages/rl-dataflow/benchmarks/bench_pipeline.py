@@ -1,0 +1,70 @@
+"""Step time of the rl-dataflow pipeline with R3 off, R3 by value (Ray object store) and R3 by ref
+(refstore manifests), side by side in one run (modes interleaved step by step).
+
+    python packages/rl-dataflow/benchmarks/bench_pipeline.py          # 256 MiB of R3 per batch
+    python packages/rl-dataflow/benchmarks/bench_pipeline.py --smoke  # tiny batch, one step
+
+Reported: median step time per mode, by-ref overhead over off (target <= 7%), and by value / by
+ref for the whole step and for the data path (step minus the stand-in model's compute; target
+>= 3x). Full mode writes results/pipeline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import ray
+from rl_dataflow.cli import format_table, init_ray
+from rl_dataflow.pipeline import PipelineConfig, R3Mode, run
+
+RESULTS = Path(__file__).parent / "results" / "pipeline.json"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--train-passes", type=int, default=1)
+    args = parser.parse_args()
+    if args.smoke:
+        config = PipelineConfig(samples=8, group_size=4, mean_len=64, layers=4, topk=4, hidden=64)
+        steps, warmup, store_gib, pool = 1, 0, 0.5, "64M"
+    else:
+        config = PipelineConfig(train_passes=args.train_passes)
+        steps, warmup, store_gib, pool = args.steps, 1, 3.0, "1536M"
+    init_ray(object_store_gib=store_gib)
+    try:
+        results = run(
+            config,
+            [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF],
+            steps=steps,
+            warmup=warmup,
+            pool_size=pool,
+        )
+    finally:
+        ray.shutdown()
+    print(format_table(results, config))
+    summary = {
+        "ref_over_off": results["ref"]["step_s"] / results["off"]["step_s"],
+        "value_over_ref_step": results["value"]["step_s"] / results["ref"]["step_s"],
+        "value_over_ref_data_path": results["value"]["data_path_s"] / results["ref"]["data_path_s"],
+        "r3_mib_per_batch": config.samples * config.mean_len * config.row_bytes / 2**20,
+    }
+    print(json.dumps(summary, indent=1))
+    if not args.smoke:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        for entry in results.values():
+            for step in entry["steps"]:
+                step.pop("r3_checksum", None)
+        config_dict = {f: getattr(config, f) for f in config.__struct_fields__}
+        payload = {"config": config_dict, "summary": summary, "results": results}
+        RESULTS.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
