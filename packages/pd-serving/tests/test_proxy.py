@@ -268,6 +268,9 @@ async def test_client_disconnect_mid_stream_closes_the_decode_call(
         resp.close()
     await asyncio.wait_for(upstreams["D"].cancelled.wait(), timeout=5)
     assert proxy.config.decode[0].inflight == 0
+    # Counted as the client's doing, not as a failure of D.
+    assert proxy.metrics.client_disconnects._value.get() == 1
+    assert proxy.metrics.upstream_errors.labels("decode")._value.get() == 0
 
 
 async def test_no_prefill_means_plain_forwarding(

@@ -64,6 +64,14 @@ class ClientRequestError(Exception):
         self.error_type = error_type
 
 
+class ClientGone(Exception):
+    """The client closed its connection while its answer was being streamed."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client went away")
+        self.response = response
+
+
 class UpstreamError(Exception):
     """A P or D instance failed (connection, 5xx, or a 4xx relayed as is)."""
 
@@ -327,7 +335,12 @@ class PdProxy:
                     body=exc.body, status=exc.status, content_type="application/json"
                 )
             return _openai_error(exc.status, exc.message, "upstream_error")
-        except (asyncio.CancelledError, ConnectionResetError):
+        except ClientGone as gone:
+            self.metrics.client_disconnects.inc()
+            status = 499
+            log.info("%s from %s: client went away mid-stream; upstream calls closed", path, peer)
+            return gone.response
+        except asyncio.CancelledError:
             self.metrics.client_disconnects.inc()
             status = 499
             log.info("%s from %s: client went away; upstream calls closed", path, peer)
@@ -433,20 +446,38 @@ class PdProxy:
         self.metrics.inflight.labels(backend.name or backend.url).inc()
         resp: aiohttp.ClientResponse | None = None
         try:
-            post = asyncio.ensure_future(self._client.post(f"{backend.url}{path}", json=body))
-            try:
-                if gate is not None:
-                    await asyncio.wait({post, gate}, return_when=asyncio.FIRST_COMPLETED)
-                    if gate.done():
-                        gate.result()  # raises the prefill's error: the D call is cancelled below
-                resp = await post
-                if gate is not None:
-                    await gate
-            except BaseException:
-                post.cancel()
-                with contextlib.suppress(BaseException):
-                    (await post).close()
-                raise
+            resp = await self._post(backend, path, body, stage, gate)
+            yield resp
+        finally:
+            if resp is not None:
+                resp.close()
+            backend.inflight -= 1
+            self.metrics.inflight.labels(backend.name or backend.url).dec()
+
+    async def _post(
+        self,
+        backend: Backend,
+        path: str,
+        body: dict[str, Any],
+        stage: str,
+        gate: asyncio.Task[Any] | None,
+    ) -> aiohttp.ClientResponse:
+        post = asyncio.ensure_future(self._client.post(f"{backend.url}{path}", json=body))
+        try:
+            if gate is not None:
+                await asyncio.wait({post, gate}, return_when=asyncio.FIRST_COMPLETED)
+                if gate.done():
+                    gate.result()  # raises the prefill's error: the D call is cancelled below
+            resp = await post
+        except aiohttp.ClientError as exc:
+            self.metrics.upstream_errors.labels(stage).inc()
+            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}") from exc
+        except BaseException:
+            await _cancel_post(post)
+            raise
+        try:
+            if gate is not None:
+                await gate
             if resp.status != 200:
                 err_body = await resp.read()
                 self.metrics.upstream_errors.labels(stage).inc()
@@ -455,15 +486,14 @@ class PdProxy:
                 raise UpstreamError(
                     status, f"{stage} {backend.url} answered {resp.status}: {detail}", err_body
                 )
-            yield resp
         except aiohttp.ClientError as exc:
+            resp.close()
             self.metrics.upstream_errors.labels(stage).inc()
             raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}") from exc
-        finally:
-            if resp is not None:
-                resp.close()
-            backend.inflight -= 1
-            self.metrics.inflight.labels(backend.name or backend.url).dec()
+        except BaseException:
+            resp.close()
+            raise
+        return resp
 
     async def _relay(
         self,
@@ -472,8 +502,13 @@ class PdProxy:
         body: dict[str, Any],
         started: float,
     ) -> web.StreamResponse:
+        decode_url = str(d_resp.url.origin())
         if not body.get("stream", False):
-            data = await d_resp.read()
+            try:
+                data = await d_resp.read()
+            except aiohttp.ClientError as exc:
+                self.metrics.upstream_errors.labels("decode").inc()
+                raise UpstreamError(502, f"decode {decode_url} broke off: {exc!r}") from exc
             self.metrics.first_byte_seconds.observe(time.perf_counter() - started)
             return web.Response(body=data, status=200, content_type="application/json")
         out = web.StreamResponse(
@@ -482,13 +517,31 @@ class PdProxy:
         )
         await out.prepare(request)
         first = True
-        async for chunk in d_resp.content.iter_any():
-            if first:
-                self.metrics.first_byte_seconds.observe(time.perf_counter() - started)
-                first = False
-            await out.write(chunk)  # raises ConnectionResetError when the client went away
+        try:
+            async for chunk in d_resp.content.iter_any():
+                if first:
+                    self.metrics.first_byte_seconds.observe(time.perf_counter() - started)
+                    first = False
+                try:
+                    await out.write(chunk)
+                except ConnectionResetError as exc:  # the client went away
+                    raise ClientGone(out) from exc
+        except aiohttp.ClientError as exc:
+            # Headers are sent: the client learns of the failure from the connection closing
+            # without the stream's final "data: [DONE]".
+            self.metrics.upstream_errors.labels("decode").inc()
+            log.warning("decode %s broke off a stream: %r", decode_url, exc)
+            out.force_close()
+            return out
         await out.write_eof()
         return out
+
+
+async def _cancel_post(post: asyncio.Future[aiohttp.ClientResponse]) -> None:
+    """Cancel a POST in flight; if it had already produced a response, close it."""
+    post.cancel()
+    with contextlib.suppress(BaseException):
+        (await post).close()
 
 
 async def serve(proxy: PdProxy, host: str, port: int) -> web.AppRunner:
