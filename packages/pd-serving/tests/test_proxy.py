@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -271,6 +272,26 @@ async def test_client_disconnect_mid_stream_closes_the_decode_call(
     # Counted as the client's doing, not as a failure of D.
     assert proxy.metrics.client_disconnects._value.get() == 1
     assert proxy.metrics.upstream_errors.labels("decode")._value.get() == 0
+
+
+async def test_decode_dying_mid_stream_ends_the_stream_without_done(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    upstreams["D"].break_after = 2
+    url, proxy = await make_proxy()
+    body = {"model": MODEL, "prompt": "x", "stream": True}
+    lines = []
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{url}/v1/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        with contextlib.suppress(aiohttp.ClientPayloadError):
+            lines = [line async for line in resp.content if line.startswith(b"data:")]
+    assert len(lines) == 2
+    assert b"[DONE]" not in b"".join(lines)
+    assert proxy.metrics.upstream_errors.labels("decode")._value.get() == 1
+    assert proxy.metrics.client_disconnects._value.get() == 0
 
 
 async def test_no_prefill_means_plain_forwarding(

@@ -26,6 +26,8 @@ class FakeUpstream:
     fail_status: int | None = None
     token_delay_s: float = 0.0
     answer_delay_s: float = 0.0
+    # Drop the connection after this many streamed tokens (an instance dying mid-answer).
+    break_after: int | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -79,7 +81,11 @@ class FakeUpstream:
                 )
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
-            for tok in tokens:
+            for i, tok in enumerate(tokens):
+                if self.break_after is not None and i == self.break_after:
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
                 event = {"choices": [{"index": 0, "text": tok, "finish_reason": None}]}
