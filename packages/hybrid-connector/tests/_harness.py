@@ -55,6 +55,30 @@ def _stats(llm: Any) -> dict[str, Any]:
     }
 
 
+def _abort_while_pulling(llm: Any, prompt: list[int], kv_params: dict) -> bool:
+    """Add one request, step until it waits for remote KV, then abort it (client gone)."""
+    import uuid
+
+    from vllm import SamplingParams
+    from vllm.v1.request import RequestStatus
+
+    params = SamplingParams(
+        temperature=0.0, max_tokens=4, extra_args={"kv_transfer_params": kv_params}
+    )
+    engine = llm.llm_engine
+    request_id = engine.add_request(f"abort-{uuid.uuid4()}", {"prompt_token_ids": prompt}, params)
+    scheduler = _core(llm).scheduler
+    reached = False
+    for _ in range(100):
+        engine.step()
+        request = scheduler.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            reached = True
+            break
+    engine.abort_request([request_id], internal=True)
+    return reached
+
+
 def _instance_main(conn: Any, model: str, kv_config: dict[str, Any] | None, opts: dict) -> None:
     os.environ.update(ENV)
     import logging
@@ -106,6 +130,10 @@ def _instance_main(conn: Any, model: str, kv_config: dict[str, Any] | None, opts
                             for o in outs
                         ],
                     )
+                )
+            elif cmd == "abort_while_pulling":
+                conn.send(
+                    ("ok", _abort_while_pulling(llm, arg["prompt"], arg["kv_transfer_params"]))
                 )
             elif cmd == "stats":
                 conn.send(("ok", _stats(llm)))
@@ -176,6 +204,12 @@ class Instance:
     ) -> list[GenResult]:
         self.submit_generate(prompts, max_tokens, kv_params or [None] * len(prompts))
         return self.result(timeout)
+
+    def abort_while_pulling(self, prompt: list[int], kv_params: dict) -> bool:
+        self._conn.send(
+            ("abort_while_pulling", {"prompt": prompt, "kv_transfer_params": kv_params})
+        )
+        return self._reply(60)
 
     def stats(self, timeout: float = 30) -> dict[str, Any]:
         self._conn.send(("stats", None))

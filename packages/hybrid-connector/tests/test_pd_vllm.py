@@ -234,6 +234,31 @@ def test_lease_expiry_releases_prefill_blocks(pd: PD) -> None:
     assert _delta(pd.counters(pd.p), p_before, "leases_expired") == 1
 
 
+def test_decode_abort_while_pulling_frees_both_sides(pd: PD) -> None:
+    """D's client goes away while its pull is parked on P: D keeps the blocks until the pull is
+    aborted, then frees them; P drops the parked pull. Nothing stays held."""
+    prompt = _prompts(pd, seed=6)[2]
+    p_before, d_before = pd.counters(pd.p), pd.counters(pd.d)
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": str(uuid.uuid4()),
+        "remote_rpc_address": pd.rpc_address,
+    }
+    assert pd.d.abort_while_pulling(prompt, params)
+    pd.assert_idle(pd.d)
+    assert _delta(pd.counters(pd.d), d_before, "pulls_failed") == 1
+
+    def parked_pull_gone() -> bool:
+        after = pd.counters(pd.p)
+        return any(
+            _delta(after, p_before, key) == 1
+            for key in ("early_pulls_released", "early_pulls_expired")
+        )
+
+    _wait_for("P to drop the parked pull", parked_pull_gone, timeout=LEASE_S + 10)
+    pd.assert_idle(pd.p)
+
+
 def test_unreachable_prefill_instance_recomputes(pd: PD) -> None:
     prompts = _prompts(pd, seed=4)[:3]
     expected = pd.reference(prompts)

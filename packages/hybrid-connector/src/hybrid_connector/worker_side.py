@@ -228,6 +228,7 @@ class Producer:
         if offer is None or offer.sending:
             early = self._early.pop(req.transfer_id, None)
             if early is not None:
+                self._results.count("early_pulls_released")
                 if early.timer is not None:
                     early.timer.cancel()
                 if not early.future.done():
