@@ -429,6 +429,30 @@ def print_table(table: dict, ratio_rows: dict) -> None:
         print(f"{label:34} {r['ratio']:8.3f}  {verdict}")
 
 
+def markdown(report: dict) -> str:
+    """The README's table, rendered from a results JSON."""
+    lines = [
+        "| variant | p50 µs | p99 µs | calls/s, 64 in flight | CPU µs/call |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, row in report["table"].items():
+        cps = f"{row['calls_per_s']:,.0f}" if "calls_per_s" in row else "—"
+        cpu = f"{row['cpu_us_per_call']:.1f}" if "cpu_us_per_call" in row else "—"
+        lines.append(f"| {name} | {row['p50_us']:.1f} | {row['p99_us']:.1f} | {cps} | {cpu} |")
+    lines += ["", "| ours / theirs | ratio | target | |", "|---|---:|---|---|"]
+    for label, r in report["ratios"].items():
+        met = ("met" if r["met"] else "**missed**") if "target" in r else ""
+        lines.append(f"| {label} | {r['ratio']:.3f} | {r.get('target', '')} | {met} |")
+    load = ", ".join(f"{x:.1f}" for x in report["loadavg_at_end"])
+    lines += [
+        "",
+        f"{report['rounds']} rounds, {report['sequential_calls_per_round']} sequential calls and "
+        f"{report['throughput_seconds_per_round']:.0f} s at 64 in flight per competitor per round; "
+        f"load average at the end {load} on {report['cpus']} CPUs.",
+    ]
+    return "\n".join(lines)
+
+
 def versions() -> dict:
     out = {
         "python": platform.python_version(),
@@ -447,12 +471,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--serve", choices=sorted(SERVERS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the README table from results/rpc.json"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=5000, help="sequential calls per round")
     parser.add_argument("--seconds", type=float, default=3.0, help="64-in-flight phase per round")
     args = parser.parse_args()
     if args.serve:
         run_server(args.serve)
+        return
+    if args.markdown:
+        print(markdown(json.loads(RESULTS.read_text())))
         return
     if args.smoke:
         args.rounds, args.calls, args.seconds = 1, 200, 0.2

@@ -58,3 +58,17 @@ def test_threads_and_fds_after_sync_close():
     server_loop.close()
     assert set(threading.enumerate()) == threads
     assert fd_count() == fds
+
+
+async def test_server_close_cancels_handlers_of_dropped_connections():
+    tasks = asyncio.all_tasks()
+    server = make_server()
+    address = await server.start("127.0.0.1", 0)
+    client = Client(address)
+    pending = asyncio.ensure_future(client.call(SLOW, 60.0))
+    await asyncio.sleep(0.05)
+    await client.close()  # the handler keeps running: its connection is gone, the server owns it
+    assert isinstance((await asyncio.gather(pending, return_exceptions=True))[0], ConnectionLost)
+    assert len(asyncio.all_tasks()) == len(tasks) + 1
+    await server.close()
+    assert asyncio.all_tasks() == tasks

@@ -49,10 +49,6 @@ class WriteBatcher:
         # While held (inside data_received), the holder flushes when it is done.
         self.held = False
 
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
-
     def write(self, buf: Any) -> None:
         if not self._pending and not self.held:
             self._loop.call_soon(self.flush)

@@ -51,6 +51,7 @@ class Server:
         self._server: asyncio.AbstractServer | None = None
         self._address: str | None = None
         self._connections: set[_ServerConnection] = set()
+        self._tasks: set[asyncio.Task] = set()
         self._closed = False
 
     def register(self, method: Method, handler: Handler) -> None:
@@ -101,7 +102,8 @@ class Server:
         if self._server is not None:
             self._server.close()
         connections = list(self._connections)
-        tasks = [t for c in connections for t in c.tasks]
+        # Handlers still running, also those whose connection already dropped.
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -132,7 +134,7 @@ class _ServerConnection(asyncio.Protocol):
         self.routes = server._routes
         self.max_frame_size = server.max_frame_size
         self.decoder = FrameDecoder(server.max_frame_size)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks = server._tasks  # owned by the server, which cancels them on close()
         self.peer = "?"
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.loop = asyncio.get_running_loop()
