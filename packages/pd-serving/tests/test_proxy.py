@@ -217,6 +217,47 @@ async def test_decode_4xx_is_relayed_and_5xx_becomes_502(
     assert "decode" in body["error"]["message"]
 
 
+@pytest.mark.parametrize("dispatch", [Dispatch.SEQUENTIAL, Dispatch.PARALLEL])
+async def test_a_rejected_decode_releases_the_prefill_blocks_at_once(
+    upstreams: dict[str, FakeUpstream], dispatch: Dispatch
+) -> None:
+    """D answers 400 after P prefilled: the proxy sends the connector's release RPC to P."""
+    from hybrid_connector.protocol import RELEASE, ReleaseRequest, ReleaseResponse
+    from simple_rpc import CallContext, Server
+
+    released: asyncio.Queue[ReleaseRequest] = asyncio.Queue()
+
+    async def on_release(req: ReleaseRequest, _ctx: CallContext) -> ReleaseResponse:
+        await released.put(req)
+        return ReleaseResponse(transfer_id=req.transfer_id, released=True)
+
+    rpc = Server()
+    rpc.register(RELEASE, on_release)
+    await rpc.start("127.0.0.1", 0)
+    upstreams["D"].fail_status = 400
+    upstreams["D"].answer_delay_s = 0.2  # P has answered by then, also in parallel mode
+    proxy = PdProxy(
+        ProxyConfig(
+            prefill=[Backend(upstreams["P"].url, rpc_address=rpc.address)],
+            decode=[Backend(upstreams["D"].url)],
+            dispatch=dispatch,
+        )
+    )
+    port = free_port()
+    runner = await serve(proxy, "127.0.0.1", port)
+    try:
+        status, _ = await _post(
+            f"http://127.0.0.1:{port}", "/v1/completions", {"model": MODEL, "prompt": "x"}
+        )
+        assert status == 400
+        req = await asyncio.wait_for(released.get(), timeout=5)
+        tid = upstreams["P"].received[0]["kv_transfer_params"]["transfer_id"]
+        assert req.transfer_id == tid
+    finally:
+        await runner.cleanup()
+        await rpc.close()
+
+
 async def test_unreachable_decode_is_a_502_and_the_proxy_survives(
     make_proxy: Factory, upstreams: dict[str, FakeUpstream]
 ) -> None:

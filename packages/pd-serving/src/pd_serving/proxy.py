@@ -75,11 +75,12 @@ class ClientGone(Exception):
 class UpstreamError(Exception):
     """A P or D instance failed (connection, 5xx, or a 4xx relayed as is)."""
 
-    def __init__(self, status: int, message: str, body: bytes | None = None):
+    def __init__(self, status: int, message: str, body: bytes | None = None, stage: str = "decode"):
         super().__init__(message)
         self.status = status
         self.message = message
         self.body = body
+        self.stage = stage
 
 
 @dataclass
@@ -159,6 +160,12 @@ class _Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.releases = Counter(
+            "pdserve_prefill_releases",
+            "Release calls sent to P for transfers no D will pull (label: P still held them)",
+            ["released"],
+            registry=self.registry,
+        )
         self.inflight = Gauge(
             "pdserve_inflight",
             "Requests in flight per backend",
@@ -231,6 +238,8 @@ class PdProxy:
         self.decode = LeastLoaded(config.decode)
         self.metrics = _Metrics()
         self._session: aiohttp.ClientSession | None = None
+        self._rpc_clients: dict[str, Any] = {}  # P transfer address -> simple_rpc.Client
+        self._background: set[asyncio.Task[None]] = set()
         self.app = web.Application(client_max_size=16 * 1024 * 1024)
         self.app.router.add_post(COMPLETIONS, self._handle_generate)
         self.app.router.add_post(CHAT_COMPLETIONS, self._handle_generate)
@@ -261,6 +270,12 @@ class PdProxy:
             self.config.model_names = await self._fetch_model_names()
 
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for client in self._rpc_clients.values():
+            await client.close()
+        self._rpc_clients.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -365,19 +380,55 @@ class PdProxy:
                 **body,
                 "kv_transfer_params": self._decode_params(prefill, transfer_id, p_params),
             }
-            async with self._open(decode, path, d_body, "decode") as d_resp:
-                return await self._relay(request, d_resp, body, started)
+            try:
+                async with self._open(decode, path, d_body, "decode") as d_resp:
+                    return await self._relay(request, d_resp, body, started)
+            except UpstreamError as exc:
+                # D never pulled: tell P to free the blocks now rather than at its lease's end.
+                self._release_on_prefill(prefill, transfer_id, exc.message)
+                raise
 
         d_body = {**body, "kv_transfer_params": self._decode_params(prefill, transfer_id, None)}
         p_task = asyncio.create_task(self._prefill_call(prefill, path, p_body))
         try:
             async with self._open(decode, path, d_body, "decode", gate=p_task) as d_resp:
                 return await self._relay(request, d_resp, body, started)
+        except UpstreamError as exc:
+            # D failed. A P still prefilling is cancelled below (vLLM aborts it, freeing its
+            # blocks); a P that already answered holds blocks for a pull that will not come.
+            finished = p_task.done() and not p_task.cancelled() and p_task.exception() is None
+            if exc.stage == "decode" and finished:
+                self._release_on_prefill(prefill, transfer_id, exc.message)
+            raise
         finally:
             if not p_task.done():
                 p_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, UpstreamError):
                 await p_task
+
+    def _release_on_prefill(self, prefill: Backend, transfer_id: str, why: str) -> None:
+        """Best effort, in the background: the client's error answer does not wait for it."""
+        if self.config.connector is not Connector.HYBRID or not prefill.rpc_address:
+            return
+        task = asyncio.create_task(self._release(prefill.rpc_address, transfer_id, why))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, address: str, transfer_id: str, why: str) -> None:
+        from hybrid_connector.protocol import RELEASE, ReleaseRequest
+        from simple_rpc import Client, RpcError
+
+        client = self._rpc_clients.get(address)
+        if client is None:
+            client = self._rpc_clients[address] = Client(address, connect_timeout=2.0)
+        request = ReleaseRequest(transfer_id=transfer_id, request_id="proxy", reason=why[:200])
+        try:
+            answer = await client.call(RELEASE, request, timeout=2.0)
+        except RpcError as exc:
+            log.warning("release of transfer %s on %s failed: %r", transfer_id, address, exc)
+            return
+        self.metrics.releases.labels(str(answer.released).lower()).inc()
+        log.info("transfer %s released on %s: %s", transfer_id, address, answer.released)
 
     def _prefill_body(self, path: str, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
         p_body = dict(body)
@@ -405,7 +456,9 @@ class PdProxy:
     ) -> dict[str, Any]:
         if self.config.connector is Connector.NIXL:
             if not p_params:
-                raise UpstreamError(502, f"prefill {prefill.url} returned no kv_transfer_params")
+                raise UpstreamError(
+                    502, f"prefill {prefill.url} returned no kv_transfer_params", stage="prefill"
+                )
             return p_params
         return {
             **(p_params or {}),
@@ -424,7 +477,9 @@ class PdProxy:
                 data = await resp.json(content_type=None)
             except (aiohttp.ClientError, json.JSONDecodeError) as exc:
                 self.metrics.upstream_errors.labels("prefill").inc()
-                raise UpstreamError(502, f"prefill {prefill.url}: bad answer: {exc}") from exc
+                raise UpstreamError(
+                    502, f"prefill {prefill.url}: bad answer: {exc}", stage="prefill"
+                ) from exc
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         params = data.get("kv_transfer_params") if isinstance(data, dict) else None
         return params if isinstance(params, dict) else None
@@ -471,7 +526,7 @@ class PdProxy:
             resp = await post
         except aiohttp.ClientError as exc:
             self.metrics.upstream_errors.labels(stage).inc()
-            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}") from exc
+            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}", stage=stage) from exc
         except BaseException:
             await _cancel_post(post)
             raise
@@ -484,12 +539,15 @@ class PdProxy:
                 detail = err_body[:500].decode(errors="replace")
                 status = resp.status if 400 <= resp.status < 500 else 502
                 raise UpstreamError(
-                    status, f"{stage} {backend.url} answered {resp.status}: {detail}", err_body
+                    status,
+                    f"{stage} {backend.url} answered {resp.status}: {detail}",
+                    err_body,
+                    stage=stage,
                 )
         except aiohttp.ClientError as exc:
             resp.close()
             self.metrics.upstream_errors.labels(stage).inc()
-            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}") from exc
+            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}", stage=stage) from exc
         except BaseException:
             resp.close()
             raise
