@@ -266,3 +266,29 @@ def test_close_is_idempotent_and_leaves_no_threads() -> None:
     pair.close()
     leaked = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert not leaked, leaked
+
+
+def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
+    import urllib.request
+
+    before = set(threading.enumerate())
+    port = _free_port()
+    side = WorkerSide(
+        HybridConfig(metrics_port=port), is_producer=False, is_consumer=True, name="M"
+    )
+    side.register_kv_caches(_kv_caches(0.0), BLOCK_SIZE)
+    try:
+        side.handle_metadata(
+            HybridConnectorMetadata(
+                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [1], 0, 2)]
+            )
+        )
+        assert _wait(side)[1:] == ({"d-req"}, {"d-req"})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        assert 'hybrid_connector_events_total{connector="M",event="pulls_failed"} 1.0' in text
+        assert "kvt_" in text
+    finally:
+        side.close()
+    leaked = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert not leaked, leaked

@@ -30,11 +30,14 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # written). It covers P holding an early pull until its request finishes, so keep it above
     # the prefill time you expect; on expiry D recomputes the prompt itself.
     transfer_timeout_s: float = 60.0
+    # Serve kvt's and the connector's Prometheus metrics on this port (worker process); None: off.
+    # In a vLLM server the worker is often its own process, so vLLM's /metrics cannot show them.
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rpc_port", "data_port"):
+        for name in ("rpc_port", "data_port", "metrics_port"):
             port = getattr(self, name)
-            if not 0 <= port <= 65535:
+            if port is not None and not 0 <= port <= 65535:
                 raise ConfigError(f"{name} must be in [0, 65535], got {port}")
         for name in ("lease_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:

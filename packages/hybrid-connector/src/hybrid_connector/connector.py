@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from hybrid_connector.config import HybridConfig, parse_config
+from hybrid_connector.errors import ConfigError
 from hybrid_connector.metadata import HybridConnectorMetadata
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.worker_side import WorkerSide
@@ -71,6 +72,13 @@ class HybridConnector(KVConnectorBase_V1):
         self.config: HybridConfig = parse_config(
             transfer_config.kv_connector_extra_config, is_producer=self.is_producer
         )
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
+            # One worker owns the whole KV cache and the fixed rpc_port; shards would need one
+            # server (and a TP-aware block mapping) per rank.
+            raise ConfigError(
+                "HybridConnector supports tensor_parallel_size = pipeline_parallel_size = 1"
+            )
         self.block_size = int(vllm_config.cache_config.block_size)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

@@ -96,6 +96,26 @@ class _Results:
         return out
 
 
+class _CountersCollector:
+    """Exports the worker's event counters as ``hybrid_connector_events_total{event=...}``."""
+
+    def __init__(self, results: _Results, name: str) -> None:
+        self._results = results
+        self._name = name
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(
+            "hybrid_connector_events",
+            "HybridConnector worker events (offers, sends, leases, pulls, bytes received)",
+            labels=["connector", "event"],
+        )
+        for event, value in sorted(self._results.counters().items()):
+            family.add_metric([self._name, event], value)
+        yield family
+
+
 # ---------------------------------------------------------------------------------- P (producer)
 @dataclass
 class _Offer:
@@ -584,6 +604,8 @@ class WorkerSide:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._closed = False
+        self._metrics_server: Any = None
+        self._metrics_thread: threading.Thread | None = None
         self.rpc_address: str | None = None
         self.local_spec: LayoutSpec | None = None
 
@@ -615,6 +637,14 @@ class WorkerSide:
         if self._is_consumer:
             self._consumer = Consumer(
                 self._config, self._engine, self.local_spec, self._results, loop
+            )
+        registry = self._engine.metrics_registry
+        registry.register(_CountersCollector(self._results, self._name))
+        if self._config.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            self._metrics_server, self._metrics_thread = start_http_server(
+                self._config.metrics_port, addr=self._config.rpc_host, registry=registry
             )
         log.info(
             "hybrid-connector %s: %d layers in %d region(s), %d blocks of %d tokens; "
@@ -684,5 +714,10 @@ class WorkerSide:
                 if self._consumer is not None:
                     self._loop.run(self._consumer.close(), timeout=10)
             self._loop.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            assert self._metrics_thread is not None
+            self._metrics_thread.join()
         if self._engine is not None:
             self._engine.close()
