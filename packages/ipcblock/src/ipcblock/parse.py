@@ -15,7 +15,7 @@ from ipcblock.errors import (
     RegionIdError,
 )
 from ipcblock.layouts import PagedKVLayout
-from ipcblock.record import IPCBLOCK_DTYPE, merge_runs
+from ipcblock.record import IPCBLOCK_DTYPE
 
 RegionSpec = int | Sequence[int] | np.ndarray
 
@@ -38,7 +38,8 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
     (each layer registered on its own, typical on GPU). Each record's ``tag`` is its layer index.
 
     Output order: by layer (in the order given), and inside a layer by source offset, so that runs
-    which are contiguous on both sides become neighbours and ``merge`` fuses them into one record.
+    which are contiguous on both sides become neighbours and ``merge`` fuses them into one record
+    (records never straddle layers).
     Raises a subclass of :class:`ipcblock.IpcBlockError` on any inconsistent input.
     """
     if src_layout.signature != dst_layout.signature:
@@ -64,38 +65,32 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
 
     s_off, s_stride, nbytes = src_layout.segment_arrays()
     d_off, d_stride, _ = dst_layout.segment_arrays()
-    n_segments = nbytes.size
-    # Shape (layers, segments * blocks): one row per layer, segment-major inside the row.
-    src_offset = (
-        src_layout.layer_offsets[layer_idx][:, None, None]
-        + s_off[None, :, None]
-        + src_ids[None, None, :] * s_stride[None, :, None]
-    ).reshape(n_layers, n_segments * n_blocks)
-    dst_offset = (
-        dst_layout.layer_offsets[layer_idx][:, None, None]
-        + d_off[None, :, None]
-        + dst_ids[None, None, :] * d_stride[None, :, None]
-    ).reshape(n_layers, n_segments * n_blocks)
-    length = np.broadcast_to(np.repeat(nbytes, n_blocks), src_offset.shape)
+    # One layer's records, relative to the layer bases, segment-major: shape (segments * blocks,).
+    # Every layer has the same records shifted by its (source, destination) base offsets, and a
+    # shift changes neither the order nor which neighbours continue each other. So sorting and
+    # merging happen once, on one layer, and the layers are stamped out by broadcasting.
+    rel_src = (s_off[:, None] + src_ids[None, :] * s_stride[:, None]).ravel()
+    rel_dst = (d_off[:, None] + dst_ids[None, :] * d_stride[:, None]).ravel()
+    length = np.repeat(nbytes, n_blocks)
+    if rel_src.size > 1 and not (rel_src[1:] > rel_src[:-1]).all():
+        order = np.argsort(rel_src, kind="stable")  # runs contiguous in source become neighbours
+        rel_src, rel_dst, length = rel_src[order], rel_dst[order], length[order]
+    if merge and rel_src.size > 1:
+        continues = (rel_src[1:] == rel_src[:-1] + length[:-1]) & (
+            rel_dst[1:] == rel_dst[:-1] + length[:-1]
+        )
+        starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+        rel_src, rel_dst, length = rel_src[starts], rel_dst[starts], np.add.reduceat(length, starts)
 
-    # Sort each layer's row by source offset (skipped when already ascending, the common case for
-    # one-segment layouts and sorted block lists); the permutation is the same for every layer
-    # because layer offsets only shift a row.
-    first_row = src_offset[0]
-    if first_row.size > 1 and not (first_row[1:] > first_row[:-1]).all():
-        order = np.argsort(first_row, kind="stable")
-        src_offset = src_offset[:, order]
-        dst_offset = dst_offset[:, order]
-
-    out = np.empty(n_layers * n_segments * n_blocks, dtype=IPCBLOCK_DTYPE)
-    out["src_offset"] = src_offset.ravel()
-    out["dst_offset"] = dst_offset.ravel()
-    out["length"] = length.ravel()
-    per_row = n_segments * n_blocks
-    out["src_region"] = np.repeat(src_regions, per_row)
-    out["dst_region"] = np.repeat(dst_regions, per_row)
-    out["tag"] = np.repeat(layer_idx, per_row)
-    return merge_runs(out) if merge else out
+    per_layer = rel_src.size
+    out = np.empty(n_layers * per_layer, dtype=IPCBLOCK_DTYPE)
+    out["src_offset"] = (src_layout.layer_offsets[layer_idx][:, None] + rel_src[None, :]).ravel()
+    out["dst_offset"] = (dst_layout.layer_offsets[layer_idx][:, None] + rel_dst[None, :]).ravel()
+    out["length"] = np.tile(length, n_layers)
+    out["src_region"] = np.repeat(src_regions, per_layer)
+    out["dst_region"] = np.repeat(dst_regions, per_layer)
+    out["tag"] = np.repeat(layer_idx, per_layer)
+    return out
 
 
 def _block_ids(ids: Sequence[int] | np.ndarray, layout: PagedKVLayout, side: str) -> np.ndarray:
