@@ -154,3 +154,12 @@ def test_abort_frame_with_unknown_target_request_is_harmless(no_leaks) -> None:
         d.expect("ghost", on_complete=got)
         assert got.wait().origin is AbortOrigin.PEER
         assert_engine_still_serves(d, region)
+
+
+def test_demo_console_script_small(no_leaks, capsys) -> None:
+    from kvt.demo import main
+
+    assert main(["--mib", "4", "--block-kib", "64", "16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "vs plain" in out
+    assert "NO" not in out
