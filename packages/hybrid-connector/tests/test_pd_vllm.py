@@ -19,7 +19,7 @@ import pytest
 from _harness import Instance
 from hybrid_connector.testing import make_tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 LEASE_S = 3.0
 MAX_TOKENS = 8

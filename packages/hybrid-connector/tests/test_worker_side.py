@@ -292,3 +292,16 @@ def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
         side.close()
     leaked = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
     assert not leaked, leaked
+
+
+def test_decode_gone_while_pull_parked_does_not_strand_blocks() -> None:
+    pair = Pair(lease_s=0.5)
+    try:
+        tid = str(uuid.uuid4())
+        pair.pull("d-req", tid, [1], num_tokens=2)
+        assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+        pair.d.close()  # D's connection to P goes away with the pull still parked
+        pair.offer("p-req", tid, [1], num_tokens=2)
+        assert _wait(pair.p)[0] == {"p-req"}  # by the lease at the latest, never stranded
+    finally:
+        pair.close()

@@ -182,15 +182,15 @@ class Producer:
         self._offers[tid] = offer
         self._results.count("offers")
         early = self._early.pop(tid, None)
-        if early is not None:
-            if early.timer is not None:
-                early.timer.cancel()
-            if not early.future.done():
-                try:
-                    early.future.set_result(self._start_send(offer, early.request, early.peer))
-                except Exception as err:
-                    early.future.set_exception(err)
+        if early is not None and early.timer is not None:
+            early.timer.cancel()
+        if early is not None and not early.future.done():
+            try:
+                early.future.set_result(self._start_send(offer, early.request, early.peer))
+            except Exception as err:
+                early.future.set_exception(err)
             return
+        # No pull yet (or its caller went away): hold the blocks for one lease.
         offer.timer = self._loop.call_later(self._config.lease_s, self._lease_expired, tid)
         log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
 
@@ -241,7 +241,14 @@ class Producer:
         early.timer = self._loop.call_later(self._config.lease_s, self._early_expired, tid)
         self._early[tid] = early
         log.debug("transfer %s: transfer_kv from %s waits for the request", tid, ctx.peer)
-        return await early.future
+        try:
+            return await early.future
+        finally:
+            # Cancelled (D's connection went away): forget the parked pull at once.
+            if self._early.get(tid) is early:
+                del self._early[tid]
+                if early.timer is not None:
+                    early.timer.cancel()
 
     async def _on_release(self, req: ReleaseRequest, ctx: CallContext) -> ReleaseResponse:
         offer = self._offers.get(req.transfer_id)
@@ -301,15 +308,29 @@ class Producer:
             with contextlib.suppress(RuntimeError):  # loop closed at shutdown
                 call_soon(self._send_done, tid, completion)
 
-        nbytes = int(blocks["length"].sum()) if blocks.size else 0
-        self._engine.send(
-            tid,
-            req.data_address,
-            blocks,
-            last=True,
-            on_complete=on_complete,
-            timeout_s=self._config.transfer_timeout_s,
-        )
+        nbytes = int(blocks["length"].sum())
+        try:
+            self._engine.send(
+                tid,
+                req.data_address,
+                blocks,
+                last=True,
+                on_complete=on_complete,
+                timeout_s=self._config.transfer_timeout_s,
+            )
+        except Exception as err:  # kvt refused the send (closed, bad blocks, reused id)
+            log.warning(
+                "request %s: kvt refused to send transfer %s to %s: %s; releasing its blocks",
+                spec.request_id,
+                tid,
+                req.data_address,
+                err,
+            )
+            if self._offers.get(tid) is offer:
+                del self._offers[tid]
+                offer.timer.cancel()
+                self._results.sent(spec.request_id)
+            raise TransferError(f"transfer {tid}: send refused on P: {err}") from err
         log.debug(
             "request %s: sending transfer %s to %s (%d records, %d bytes)",
             spec.request_id,
@@ -323,6 +344,8 @@ class Producer:
     def _parse(self, spec: SendSpec, req: TransferKvRequest) -> np.ndarray:
         block_size = self._spec.block_size
         needed = math.ceil(req.num_tokens / block_size)
+        if not req.block_ids:
+            raise PeerError("transfer_kv names no destination block")
         if req.num_tokens > spec.num_tokens:
             raise PeerError(
                 f"D needs {req.num_tokens} prompt tokens but P computed {spec.num_tokens}"
