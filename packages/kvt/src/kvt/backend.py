@@ -10,12 +10,29 @@ promise that no byte is read or written after a request's completion was deliver
 from __future__ import annotations
 
 import abc
+import threading
 from collections.abc import Iterator
 from typing import Protocol
 
 import numpy as np
 
 from kvt.protocol import Abort, DataHeader, Done, Hello
+
+_io_thread = threading.local()
+
+
+def mark_io_thread() -> None:
+    """Called first by every kvt-owned I/O or timer thread (see :func:`in_io_thread`)."""
+    _io_thread.active = True
+
+
+def in_io_thread() -> bool:
+    """True on kvt's own I/O and timer threads: completion callbacks may run right there.
+
+    On any other thread (the caller's, inside abort() or send()) they go to the notifier thread, so
+    a callback never runs re-entrantly on a thread that may hold the caller's locks.
+    """
+    return getattr(_io_thread, "active", False)
 
 
 class Link(Protocol):

@@ -138,46 +138,62 @@ def run_loopback(
         src = _source(total)
         src_region = engine.register_region(src)
 
-        say(f"plain socket: {repeats} timed run(s) of {total >> 20} MiB after a warm-up")
         plain_sock = socket.create_connection(("127.0.0.1", plain_port))
-        plain_times = []
-        for _ in range(repeats + 1):  # first run warms up
+
+        def plain_run() -> float:
             parent.send(("plain",))
             parent.recv()
             start = time.perf_counter()
             plain_sock.sendall(memoryview(src))
             if plain_sock.recv(1) != b"k":
                 raise ConnectionError("plain receiver went away")
-            plain_times.append(time.perf_counter() - start)
-        plain = Measurement("plain socket, 1 contiguous buffer", total, 1, plain_times[1:], total)
+            return time.perf_counter() - start
 
-        results, verified = [], {}
+        def kvt_run(rid: str, blocks: np.ndarray) -> float:
+            done: queue.SimpleQueue = queue.SimpleQueue()
+            parent.send(("expect", rid))
+            parent.recv()
+            start = time.perf_counter()
+            engine.send(rid, data_address, blocks, last=True, on_complete=done.put)
+            completion = done.get()
+            elapsed = time.perf_counter() - start
+            parent.send(("completion",))
+            recv_status, _ = parent.recv()
+            if not completion.ok or recv_status != "done":
+                raise RuntimeError(f"transfer failed: {completion} / receiver {recv_status}")
+            return elapsed
+
+        patterns = {}
         for block_size in block_sizes:
             n = total // block_size
             perm_src, perm_dst = _permutations(n, seed=block_size)
-            blocks = make_blocks(
+            patterns[block_size] = make_blocks(
                 perm_src * block_size, perm_dst * block_size, block_size,
                 src_region=src_region, dst_region=dst_region,
             )  # fmt: skip
-            say(f"kvt: {n} scattered blocks of {block_size >> 10} KiB, {repeats} timed run(s)")
-            times = []
-            for i in range(repeats + 1):
-                rid = f"bench-{block_size}-{i}"
-                done: queue.SimpleQueue = queue.SimpleQueue()
-                parent.send(("expect", rid))
-                parent.recv()
-                start = time.perf_counter()
-                engine.send(rid, data_address, blocks, last=True, on_complete=done.put)
-                completion = done.get()
-                times.append(time.perf_counter() - start)
-                parent.send(("completion",))
-                recv_status, _ = parent.recv()
-                if not completion.ok or recv_status != "done":
-                    raise RuntimeError(f"transfer failed: {completion} / receiver {recv_status}")
-            parent.send(("verify", block_size, block_size))
-            verified[block_size] = parent.recv()
-            label = f"kvt, {n} x {block_size >> 10} KiB scattered"
-            results.append(Measurement(label, block_size, n, times[1:], total))
+
+        # Rounds interleave every variant (plain, then kvt per block size), so load from other
+        # processes hits all of them alike; round 0 warms up. The last round is verified.
+        plain_times: list[float] = []
+        kvt_times: dict[int, list[float]] = {b: [] for b in block_sizes}
+        verified: dict[int, bool] = {}
+        for round_no in range(repeats + 1):
+            say("warm-up round" if round_no == 0 else f"round {round_no}/{repeats}")
+            t = plain_run()
+            if round_no:
+                plain_times.append(t)
+            for block_size, blocks in patterns.items():
+                t = kvt_run(f"bench-{block_size}-{round_no}", blocks)
+                if round_no:
+                    kvt_times[block_size].append(t)
+                if round_no == repeats:
+                    parent.send(("verify", block_size, block_size))
+                    verified[block_size] = parent.recv()
+        plain = Measurement("plain socket, 1 contiguous buffer", total, 1, plain_times, total)
+        results = [
+            Measurement(f"kvt, {total // b} x {b >> 10} KiB scattered", b, total // b, ts, total)
+            for b, ts in kvt_times.items()
+        ]
         return LoopbackResult(total, plain, results, verified)
     finally:
         if plain_sock is not None:

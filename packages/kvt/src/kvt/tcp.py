@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, SendJob
+from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, SendJob, mark_io_thread
 from kvt.errors import ProtocolViolation
 from kvt.protocol import (
     Abort,
@@ -71,6 +71,12 @@ class TcpLink:
         self._peer_label = connect_to or self._sock_peer(sock)
         self.peer_name: str | None = None
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Whoever writes to the socket holds _write_lock: the writer thread for every queued item,
+        # or send_control's fast path (see there). _leftover is a control frame's unsent tail,
+        # which the writer sends before anything else.
+        self._write_lock = threading.Lock()
+        self._leftover = b""
+        self._hello_sent = False
         self._lock = threading.Lock()
         self._closed = False
         self._lost_reported = False
@@ -116,6 +122,26 @@ class TcpLink:
 
     # ---------------------------------------------------------------- queueing
     def send_control(self, frame: bytes) -> None:
+        """Queue a small frame, or write it at once if the socket is idle (saves a thread hop).
+
+        The fast path never blocks: it only takes an uncontended lock and does one non-blocking
+        send; whatever the kernel does not take goes to the writer. It may overtake DATA frames
+        queued earlier, which is harmless: DONE travels on links that carry no DATA from us, and
+        an ABORT that overtakes its request's data only makes the peer discard that data.
+        """
+        if self._hello_sent and not self._closed and self._write_lock.acquire(blocking=False):
+            try:
+                if not self._leftover and self._sock is not None:
+                    try:
+                        sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                    except OSError:  # would block, or the link is failing: the writer handles it
+                        sent = 0
+                    if sent == len(frame):
+                        return
+                    self._leftover = frame[sent:]
+                    frame = b""  # the writer sends the leftover first; this wakes it up
+            finally:
+                self._write_lock.release()
         self._queue.put(frame)
 
     def submit(self, job: SendJob) -> None:
@@ -177,19 +203,27 @@ class TcpLink:
 
     # ---------------------------------------------------------------- writer
     def _writer_main(self) -> None:
+        mark_io_thread()
         try:
             if self._sock is None and not self._connect():
                 return
             hello = encode_hello(self.backend.name, self.backend.address)
-            self._sock.sendall(hello)  # type: ignore[union-attr]
+            with self._write_lock:
+                self._sock.sendall(hello)  # type: ignore[union-attr]
+                self._hello_sent = True
             while (item := self._queue.get()) is not None:
-                if isinstance(item, bytes):
-                    self._sock.sendall(item)  # type: ignore[union-attr]
-                elif item is _FLUSH:
-                    self._sock.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
-                    break
-                else:
-                    self._send_job(item)
+                with self._write_lock:
+                    if self._leftover:
+                        self._sock.sendall(self._leftover)  # type: ignore[union-attr]
+                        self._leftover = b""
+                    if isinstance(item, bytes):
+                        if item:
+                            self._sock.sendall(item)  # type: ignore[union-attr]
+                    elif item is _FLUSH:
+                        self._sock.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
+                        break
+                    else:
+                        self._send_job(item)
         except OSError as exc:
             if not self._closed:
                 log.warning("kvt link to %s failed while sending: %s", self.peer, exc)
@@ -265,6 +299,7 @@ class TcpLink:
 
     # ---------------------------------------------------------------- reader
     def _reader_main(self) -> None:
+        mark_io_thread()
         sock = self._sock
         assert sock is not None
         decoder = FrameDecoder(max_meta=self.backend.max_meta)

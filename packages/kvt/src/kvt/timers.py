@@ -47,6 +47,9 @@ class TimerScheduler:
         return handle
 
     def _run(self) -> None:
+        from kvt.backend import mark_io_thread
+
+        mark_io_thread()
         while True:
             with self._cond:
                 while not self._closed:
