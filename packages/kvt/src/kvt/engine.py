@@ -168,7 +168,7 @@ class TransferEngine:
     # ================================================================ public API
     @property
     def data_address(self) -> str:
-        """ "host:port" the peer's data plane connects to."""
+        """The "host:port" that peers connect their data plane to."""
         return self.backend.address
 
     @property
