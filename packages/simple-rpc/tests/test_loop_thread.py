@@ -67,3 +67,19 @@ def test_sync_client_errors_and_shared_loop(served):
     assert not server_loop.closed
     with pytest.raises(CallerError):
         client.call(PING, Ping(1))
+
+
+def test_borrowed_loop_closing_first_fails_pending_calls():
+    server_loop = LoopThread(name="srv")
+    server = make_server()
+    address = server_loop.run(server.start("127.0.0.1", 0))
+    client_loop = LoopThread(name="borrowed")
+    client = SyncClient(address, loop=client_loop)
+    assert client.call(PING, Ping(1), timeout=5.0).n == 2  # connected: the Task-free path
+    pending = client.call_future(SLOW, 30.0)
+    client_loop.close()  # its close hook closes the client: the pending call fails, no hang
+    with pytest.raises(ConnectionLost):
+        pending.result(5)
+    client.close()
+    server_loop.run(server.close())
+    server_loop.close()

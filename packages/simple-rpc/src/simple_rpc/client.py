@@ -101,6 +101,19 @@ class Client:
             conn.forget(call_id)
             raise
 
+    def start_call_nowait(
+        self, method: Method[Any, Resp], request: Any, timeout: float | None = None
+    ) -> asyncio.Future[Resp] | None:
+        """Issue the call now and return its future, or None when not connected (then use
+        `call()`). For callers that bridge threads without creating a Task per call."""
+        if self._closed:
+            raise CallerError(f"client for {self.address} is closed")
+        conn = self._conn
+        if conn is None or conn.write_paused:
+            return None
+        method.check_request(request)
+        return conn.start_call(method, request, timeout)[1]
+
     async def _ensure_connected(self, timeout: float | None) -> _ClientConnection:  # noqa: ASYNC109 (contract API)
         if self.connect_timeout is not None:
             timeout = (

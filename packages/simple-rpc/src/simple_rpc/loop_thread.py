@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
+import logging
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from .client import Client
-from .errors import CallerError
+from .errors import CallerError, ConnectionLost
 from .method import Method
 from .wire import DEFAULT_MAX_FRAME_SIZE
 
 T = TypeVar("T")
+logger = logging.getLogger("simple_rpc.loop_thread")
 
 
 def new_event_loop(use_uvloop: bool | None = None) -> asyncio.AbstractEventLoop:
@@ -42,6 +45,8 @@ class LoopThread:
         self._loop = new_event_loop(use_uvloop)
         self._close_lock = threading.Lock()
         self._closed = False
+        # Coroutine functions run on the loop when it closes, before what is left is cancelled.
+        self._close_hooks: list[Callable[[], Awaitable[None]]] = []
         started = threading.Event()
         # daemon: a forgotten LoopThread must not keep the interpreter alive at exit.
         self._thread = threading.Thread(target=self._main, args=(started,), name=name, daemon=True)
@@ -56,6 +61,13 @@ class LoopThread:
             loop.run_forever()
         finally:
             try:
+                with self._close_lock:
+                    hooks, self._close_hooks = self._close_hooks, []
+                for hook in hooks:
+                    try:
+                        loop.run_until_complete(hook())
+                    except Exception:
+                        logger.exception("%s: close hook %r failed", self.name, hook)
                 # Whatever is still scheduled is cancelled and allowed to unwind.
                 tasks = asyncio.all_tasks(loop)
                 for task in tasks:
@@ -106,11 +118,25 @@ class LoopThread:
             future.cancel()
             raise
 
+    def add_close_hook(self, hook: Callable[[], Awaitable[None]]) -> None:
+        """Run `await hook()` on the loop when it closes (e.g. to close a client living on it)."""
+        with self._close_lock:
+            if self._closed:
+                raise CallerError(f"LoopThread {self.name} is closed")
+            self._close_hooks.append(hook)
+
+    def remove_close_hook(self, hook: Callable[[], Awaitable[None]]) -> None:
+        with self._close_lock, contextlib.suppress(ValueError):
+            self._close_hooks.remove(hook)
+
     def call_soon(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run a plain callback on the loop thread, from any thread."""
         if self._closed:
             raise CallerError(f"LoopThread {self.name} is closed")
-        self._loop.call_soon_threadsafe(callback, *args)
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError as err:  # closed between the check and the call
+            raise CallerError(f"LoopThread {self.name} is closed") from err
 
     def close(self) -> None:
         """Cancel remaining tasks, stop the loop, join the thread. Idempotent."""
@@ -154,6 +180,9 @@ class SyncClient:
         self._loop = LoopThread(name=f"simple-rpc-client {self.address}") if loop is None else loop
         self._close_lock = threading.Lock()
         self._closed = False
+        if not self._owns_loop:
+            # A borrowed loop may close first: then close the client there, so no call hangs.
+            self._loop.add_close_hook(self._client.close)
 
     @property
     def loop(self) -> LoopThread:
@@ -166,7 +195,29 @@ class SyncClient:
         if self._closed:
             raise CallerError(f"SyncClient for {self.address} is closed")
         method.check_request(request)
-        return self._loop.submit(self._client.call(method, request, timeout))
+        result: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._loop.call_soon(self._start_call, result, method, request, timeout)
+        return result
+
+    def _start_call(
+        self,
+        result: concurrent.futures.Future,
+        method: Method,
+        request: Any,
+        timeout: float | None,
+    ) -> None:
+        """On the loop thread: issue the call without a Task when the connection is up."""
+        if not result.set_running_or_notify_cancel():
+            return  # cancelled by the caller before it started
+        settle = functools.partial(_settle, result)
+        try:
+            future = self._client.start_call_nowait(method, request, timeout)
+        except BaseException as err:
+            result.set_exception(err)
+            return
+        if future is None:  # not connected (or write-paused): the coroutine path handles it
+            future = asyncio.ensure_future(self._client.call(method, request, timeout))
+        future.add_done_callback(settle)
 
     def call(self, method: Method[Any, T], request: Any, timeout: float | None = None) -> T:
         """Call and block for the answer. Errors as in `Client.call`."""
@@ -186,9 +237,24 @@ class SyncClient:
             self._loop.run(self._client.close())
         if self._owns_loop:
             self._loop.close()
+        else:
+            self._loop.remove_close_hook(self._client.close)
 
     def __enter__(self) -> SyncClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _settle(result: concurrent.futures.Future, future: asyncio.Future) -> None:
+    """Copy an asyncio future's outcome to the caller's concurrent future."""
+    if future.cancelled():
+        # Only when the loop shuts down under a pending call.
+        result.set_exception(ConnectionLost("the call was cancelled: its event loop is closing"))
+        return
+    error = future.exception()
+    if error is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(future.result())
