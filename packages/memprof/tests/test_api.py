@@ -75,7 +75,7 @@ def test_start_with_threads_already_running(profiler):
 def test_writer_signal_and_cleanup(tmp_path, profiler):
     fds = open_fds()
     assert writer_threads() == 0
-    profiler.start(out_dir=tmp_path, interval=3600, keep=2)
+    profiler.start(out_dir=tmp_path, interval=3600, keep=2, mean=16 * 1024)
     assert writer_threads() == 1
     keep = [bytearray(100_000) for _ in range(100)]
     os.kill(os.getpid(), signal.SIGUSR2)

@@ -129,7 +129,8 @@ def test_export_pprof(tmp_path):
 def test_kill_minus_9_leaves_a_readable_snapshot(tmp_path):
     env = dict(os.environ)
     cmd = [sys.executable, "-m", "memprof.cli", "run", "--out", str(tmp_path), "--interval",
-           "0.002", "--keep", "3", "--", sys.executable, str(WORKLOADS / "kill9.py")]  # fmt: skip
+           "0.002", "--keep", "3", "--mean", "16384", "--",
+           sys.executable, str(WORKLOADS / "kill9.py")]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "ready"

@@ -598,25 +598,39 @@ static PyMemAllocatorEx g_prev[D_COUNT];
 static PyMemAllocatorEx g_ours[D_COUNT];
 static size_t g_small_limit[D_COUNT]; /* native mode: count only what pymalloc serves itself */
 
+/* The common case -- a request pymalloc serves itself (<= 512 B) or any raw request, and no
+ * sample due -- is a countdown decrement and a tail call into the previous allocator. The
+ * small path needs no "busy" check: pymalloc does not re-enter the hooks for such sizes, and
+ * our own allocations (tls.internal) are refused by sample_slow. */
+#define HOOK_ALLOC(D, NESTS, CALL)                                                                    \
+    if (NESTS && LIKELY(size <= PYMALLOC_SMALL_MAX)) {                                                \
+        if (LIKELY((tls.countdown -= (int64_t)size) >= 0)) return CALL;                               \
+        void *p = CALL;                                                                               \
+        if (p) sample_slow(p, size);                                                                  \
+        return p;                                                                                     \
+    }                                                                                                 \
+    if (UNLIKELY(tls.busy) || size > g_small_limit[D]) return CALL;                                   \
+    if (!NESTS) {                                                                                     \
+        if (LIKELY((tls.countdown -= (int64_t)size) >= 0)) return CALL;                               \
+        void *p = CALL;                                                                               \
+        if (p) sample_slow(p, size);                                                                  \
+        return p;                                                                                     \
+    }                                                                                                 \
+    tls.busy = 1; /* pymalloc forwards this one to the raw domain: count it once, here */            \
+    void *p = CALL;                                                                                   \
+    tls.busy = 0;                                                                                     \
+    account(p, size);                                                                                 \
+    return p;
+
 #define DEFINE_HOOKS(NAME, D, NESTS)                                                                   \
     static void *NAME##_malloc(void *ctx, size_t size) {                                              \
         (void)ctx;                                                                                    \
-        if (tls.busy) return g_prev[D].malloc(g_prev[D].ctx, size);                                   \
-        if (NESTS) tls.busy = 1;                                                                      \
-        void *p = g_prev[D].malloc(g_prev[D].ctx, size);                                              \
-        if (NESTS) tls.busy = 0;                                                                      \
-        if (size <= g_small_limit[D]) account(p, size);                                               \
-        return p;                                                                                     \
+        HOOK_ALLOC(D, NESTS, g_prev[D].malloc(g_prev[D].ctx, size))                                   \
     }                                                                                                 \
     static void *NAME##_calloc(void *ctx, size_t nelem, size_t elsize) {                              \
         (void)ctx;                                                                                    \
-        if (tls.busy) return g_prev[D].calloc(g_prev[D].ctx, nelem, elsize);                          \
-        if (NESTS) tls.busy = 1;                                                                      \
-        void *p = g_prev[D].calloc(g_prev[D].ctx, nelem, elsize);                                     \
-        if (NESTS) tls.busy = 0;                                                                      \
         size_t size = nelem * elsize;                                                                 \
-        if (size <= g_small_limit[D]) account(p, size);                                               \
-        return p;                                                                                     \
+        HOOK_ALLOC(D, NESTS, g_prev[D].calloc(g_prev[D].ctx, nelem, elsize))                          \
     }                                                                                                 \
     static void *NAME##_realloc(void *ctx, void *old, size_t size) {                                  \
         (void)ctx;                                                                                    \
@@ -741,7 +755,13 @@ static int native_collect(const char *dump_path, double *objs, double *bytes, ui
         }
     }
     fclose(f);
-    unlink(dump_path);
+    if (getenv("MEMPROF_KEEP_JEMALLOC_DUMP")) { /* debugging aid: keep the last raw dump */
+        char kept[4200];
+        snprintf(kept, sizeof(kept), "%s.last", dump_path);
+        rename(dump_path, kept);
+    } else {
+        unlink(dump_path);
+    }
     return 0;
 }
 
