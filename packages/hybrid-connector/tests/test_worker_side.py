@@ -305,3 +305,19 @@ def test_decode_gone_while_pull_parked_does_not_strand_blocks() -> None:
         assert _wait(pair.p)[0] == {"p-req"}  # by the lease at the latest, never stranded
     finally:
         pair.close()
+
+
+def test_proxy_release_fails_a_parked_pull_and_frees_a_late_request(pair: Pair) -> None:
+    import asyncio
+
+    from hybrid_connector.control import release_transfer
+
+    tid = str(uuid.uuid4())
+    pair.pull("d-req", tid, [1], num_tokens=2)
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    released = asyncio.run(release_transfer(pair.rpc_address, tid, reason="prefill failed"))
+    assert released is False  # nothing was held yet
+    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})  # D recomputes at once
+    pair.offer("p-req", tid, [1], num_tokens=2)  # the request finishes on P after all
+    assert _wait(pair.p)[0] == {"p-req"}  # released at once, not held for the lease
+    assert pair.p.counters()["released_by_peer"] == 1

@@ -178,6 +178,11 @@ class Producer:
             )
             self._results.sent(spec.request_id)
             return
+        if tid in self._cancelled:
+            # Released (by D or the proxy) before the request finished here: nobody will pull.
+            self._results.count("released_by_peer")
+            self._results.sent(spec.request_id)
+            return
         offer = _Offer(spec)
         self._offers[tid] = offer
         self._results.count("offers")
@@ -194,16 +199,20 @@ class Producer:
         offer.timer = self._loop.call_later(self._config.lease_s, self._lease_expired, tid)
         log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
 
-    def cancel(self, transfer_id: str) -> None:
+    def cancel(
+        self, transfer_id: str, reason: str = "the prefill request was aborted on P"
+    ) -> None:
+        """No KV will be offered for ``transfer_id``: fail its parked pull, refuse later ones."""
         early = self._early.pop(transfer_id, None)
         if early is not None:
             if early.timer is not None:
                 early.timer.cancel()
             if not early.future.done():
-                early.future.set_exception(
-                    TransferError(f"transfer {transfer_id}: the prefill request was aborted on P")
-                )
+                early.future.set_exception(TransferError(f"transfer {transfer_id}: {reason}"))
             return
+        self._remember_cancelled(transfer_id)
+
+    def _remember_cancelled(self, transfer_id: str) -> None:
         if transfer_id not in self._cancelled:
             self._cancelled[transfer_id] = self._loop.call_later(
                 self._config.lease_s, self._cancelled.pop, transfer_id, None
@@ -232,7 +241,7 @@ class Producer:
                 raise PeerError(f"transfer {tid} is already being sent (duplicate transfer_kv)")
             return self._start_send(offer, req, ctx.peer)
         if tid in self._cancelled:
-            raise TransferError(f"transfer {tid}: the prefill request was aborted on P")
+            raise TransferError(f"transfer {tid}: cancelled on P (aborted or released)")
         if tid in self._early:
             raise PeerError(f"transfer {tid}: duplicate transfer_kv while waiting for the request")
         # P has not finished (or not even seen) the request: hold the pull within the lease.
@@ -251,6 +260,7 @@ class Producer:
                     early.timer.cancel()
 
     async def _on_release(self, req: ReleaseRequest, ctx: CallContext) -> ReleaseResponse:
+        """D (nothing to pull, or aborted) or the proxy (P's request failed): free it now."""
         offer = self._offers.get(req.transfer_id)
         if offer is None or offer.sending:
             early = self._early.pop(req.transfer_id, None)
@@ -259,7 +269,12 @@ class Producer:
                 if early.timer is not None:
                     early.timer.cancel()
                 if not early.future.done():
-                    early.future.set_exception(TransferError("released by the decode instance"))
+                    early.future.set_exception(
+                        TransferError(f"released by {ctx.peer}: {req.reason}")
+                    )
+            if offer is None:
+                # The request may still finish here: release its blocks as soon as it does.
+                self._remember_cancelled(req.transfer_id)
             return ReleaseResponse(req.transfer_id, released=False)
         self._offers.pop(req.transfer_id)
         if offer.timer is not None:
