@@ -46,7 +46,7 @@ def test_fail_delay_and_drop_then_recover(client):
 
 
 def test_master_reads_plan_from_environment(no_leaks, monkeypatch):
-    monkeypatch.setenv(faults.ENV_VAR, "seal:fail#1")
+    monkeypatch.setenv(faults.ENV_VAR, "alloc:fail#1")
     with MasterThread("envfaults", "4M"), Client("envfaults") as c:
         with pytest.raises(refstore.InjectedFault):
             c.put(b"x")
@@ -159,3 +159,11 @@ def test_payloads_never_corrupted_under_faults_and_eviction(no_leaks):
 def test_fd_env_var_documented():
     assert faults.ENV_VAR == "REFSTORE_FAULTS"
     assert os.environ.get(faults.ENV_VAR) is None
+
+
+def test_get_overtaking_a_delayed_seal_waits_for_it(master):
+    with Client("test") as writer, Client("test") as reader:
+        faults.inject(writer, "seal:delay=0.3#1")
+        ref = writer.put(np.arange(50))  # returns before the (delayed) seal is applied
+        np.testing.assert_array_equal(reader.get(ref), np.arange(50))
+        assert writer.stats().puts == 1

@@ -222,8 +222,20 @@ class Client:
             with contextlib.suppress(Exception):
                 self._call(protocol.RELEASE, protocol.OidList(self.epoch, [resp.oid]))
             raise
-        self._call(protocol.SEAL, protocol.Seal(resp.oid))
+        # Sealed without waiting for the answer: the master handles this connection's frames in
+        # order, and a get from elsewhere that overtakes the seal waits for it at the master.
+        pending = self._rpc.call_future(protocol.SEAL, protocol.Seal(resp.oid), self.timeout)
+        pending.add_done_callback(self._seal_done)
         return Ref(self.epoch, resp.oid, nbytes, self.node)
+
+    def _seal_done(self, future: Any) -> None:
+        """Runs on the RPC loop thread: log a failed seal (the put's caller has returned)."""
+        if future.cancelled():
+            return
+        err = future.exception()
+        resp_err = None if err is not None else getattr(future.result(), "err", None)
+        if err is not None or resp_err is not None:
+            log.warning("refstore seal failed on %s: %s", self.address, err or resp_err)
 
     # -- get ----------------------------------------------------------------------------------
     def get(

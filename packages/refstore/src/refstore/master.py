@@ -32,7 +32,7 @@ from . import discovery, protocol
 from .errors import CallerError, RefstoreError, to_info
 from .faults import FaultPlan
 from .pool import SharedPool, shmem_hugepages_mode
-from .state import MasterState
+from .state import WRITE_TIMEOUT_S, MasterState
 
 log = logging.getLogger("refstore.master")
 
@@ -68,6 +68,7 @@ class Master:
         self.server = Server(name=f"refstore-master-{name}")
         self._advertise = advertise
         self._timer: asyncio.TimerHandle | None = None
+        self._seal_waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._timer_deadline: float | None = None
         self._lock = discovery.MasterLock(name)
         self._closed = False
@@ -231,16 +232,48 @@ class Master:
 
     async def _seal(self, req: protocol.Seal, ctx: CallContext) -> protocol.Ack:
         self.state.seal(req.oid)
+        for waiter in self._seal_waiters.pop(req.oid, ()):
+            if not waiter.done():
+                waiter.set_result(None)
         return protocol.Ack()
 
+    async def _until_sealed(self, epoch: str, oid: int) -> None:
+        """Clients seal without waiting for the answer (it saves a round trip per put), so a ref
+        may reach another client before its seal reaches the master: such a get waits for the
+        seal (an event), or for the object to go (then ``state.get`` says why)."""
+        obj = self.state.lookup(epoch, oid)
+        if obj.sealed:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._seal_waiters.setdefault(oid, []).append(waiter)
+
+        def on_gone(reason: str, since: float) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        self.state.add_gone_listener(epoch, oid, on_gone)
+        try:
+            await asyncio.wait_for(waiter, WRITE_TIMEOUT_S)
+        except TimeoutError:
+            raise CallerError(f"object {oid} is still being written (not sealed)") from None
+        finally:
+            self.state.remove_gone_listener(oid, on_gone)
+            waiters = self._seal_waiters.get(oid)
+            if waiters and waiter in waiters:
+                waiters.remove(waiter)
+                if not waiters:
+                    del self._seal_waiters[oid]
+
     async def _get(self, req: protocol.Get, ctx: CallContext) -> protocol.GetResp:
+        obj = self.state.objects.get(req.oid)
+        if obj is None or not obj.sealed:
+            await self._until_sealed(req.epoch, req.oid)
         obj = self.state.get(req.epoch, req.oid)
         return protocol.GetResp(offset=obj.offset, nbytes=obj.nbytes, layout=obj.layout)
 
     async def _describe(self, req: protocol.Describe, ctx: CallContext) -> protocol.GetResp:
+        await self._until_sealed(req.epoch, req.oid)
         obj = self.state.lookup(req.epoch, req.oid)
-        if not obj.sealed:
-            raise CallerError(f"object {req.oid} is still being written (not sealed)")
         return protocol.GetResp(offset=obj.offset, nbytes=obj.nbytes, layout=obj.layout)
 
     async def _release(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
