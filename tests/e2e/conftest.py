@@ -5,9 +5,11 @@ Both are started in parallel, once per test module, on the session's tiny model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
+import threading
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,7 +18,8 @@ from pathlib import Path
 import pytest
 from pd_serving.cli import READY_LINE
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
-from pd_serving.servers import CpuSettings, Role, VllmServer
+from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
+from pd_serving.servers import Connector, CpuSettings, Role, VllmServer
 
 # HybridConnector is the default; PDSERVE_E2E_CONNECTOR=nixl runs the same suite on NIXL.
 CONNECTOR = os.environ.get("PDSERVE_E2E_CONNECTOR", "hybrid")
@@ -38,6 +41,35 @@ class Cluster:
     @property
     def model_name(self) -> str:
         return str(self.model)
+
+
+@pytest.fixture(scope="module")
+def sequential_proxy_url(cluster: Cluster) -> Iterator[str]:
+    """A second proxy, in this process, in front of the same P and D with sequential dispatch."""
+    backends = [Backend(url) for url in cluster.decode_urls]
+    with urllib.request.urlopen(f"{cluster.proxy_url}/health") as resp:
+        health = json.load(resp)
+    prefill = [Backend(b["url"], rpc_address=b["rpc_address"]) for b in health["prefill"]]
+    proxy = PdProxy(
+        ProxyConfig(
+            prefill=prefill,
+            decode=backends,
+            connector=Connector(CONNECTOR),
+            dispatch=Dispatch.SEQUENTIAL,
+        )
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="sequential-proxy", daemon=True)
+    thread.start()
+    port = free_port()
+    runner = asyncio.run_coroutine_threadsafe(serve(proxy, "127.0.0.1", port), loop).result(30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
 
 
 @pytest.fixture(scope="module")

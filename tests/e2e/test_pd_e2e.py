@@ -61,28 +61,61 @@ def reference(cluster: Cluster, prompts: list[tuple[int, Any]]) -> list[Completi
     return asyncio.run(_complete_all(cluster.single_url, cluster.model_name, prompts, stream=False))
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-async def test_greedy_tokens_equal_single_instance(
-    cluster: Cluster, prompts: list[tuple[int, Any]], reference: list[Completion], stream: bool
-) -> None:
+async def _check_equal_and_transferred(
+    cluster: Cluster,
+    proxy_url: str,
+    prompts: list[tuple[int, Any]],
+    reference: list[Completion],
+    *,
+    stream: bool,
+) -> dict[str, float]:
     async with aiohttp.ClientSession() as session:
         before = await prompt_tokens_by_source(session, cluster.decode_urls[0])
-    got = await _complete_all(cluster.proxy_url, cluster.model_name, prompts, stream=stream)
+    got = await _complete_all(proxy_url, cluster.model_name, prompts, stream=stream)
     async with aiohttp.ClientSession() as session:
         after = await prompt_tokens_by_source(session, cluster.decode_urls[0])
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    total = sum(n for n, _ in prompts)
-    # D must have received the prompts' KV, not recomputed them (the second run may instead hit
-    # D's own prefix cache, filled by the first).
-    assert delta["local_compute"] < total / 2, delta
-    if not stream:
-        assert delta["external_kv_transfer"] > total / 2, delta
     for (n, _), ref, out in zip(prompts, reference, got, strict=True):
         assert ref.prompt_tokens == n
         assert out.prompt_tokens == n
         assert len(ref.token_ids) == MAX_TOKENS
         assert out.token_ids == ref.token_ids, f"prompt of {n} tokens"
         assert out.text == ref.text, f"prompt of {n} tokens"
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    # D must not have recomputed the prompts (later runs may hit D's own prefix cache instead).
+    assert delta["local_compute"] < sum(n for n, _ in prompts) / 2, delta
+    return delta
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_greedy_tokens_equal_single_instance(
+    cluster: Cluster, prompts: list[tuple[int, Any]], reference: list[Completion], stream: bool
+) -> None:
+    """Through `pdserve up` (parallel dispatch with the HybridConnector)."""
+    delta = await _check_equal_and_transferred(
+        cluster, cluster.proxy_url, prompts, reference, stream=stream
+    )
+    if not stream:  # the first run: every prompt's KV came through the connector
+        assert delta["external_kv_transfer"] > sum(n for n, _ in prompts) / 2, delta
+
+
+async def test_greedy_tokens_equal_single_instance_sequential_dispatch(
+    cluster: Cluster,
+    sequential_proxy_url: str,
+    prompts: list[tuple[int, Any]],
+    reference: list[Completion],
+) -> None:
+    # New prompts (other seeds) so D's prefix cache cannot stand in for the transfer.
+    tokenizer = load_tokenizer(cluster.model)
+    fresh = [
+        (n, exact_length_prompt(tokenizer, n, seed=100 + i)) for i, (n, _) in enumerate(prompts)
+    ]
+    fresh_reference = await _complete_all(
+        cluster.single_url, cluster.model_name, fresh, stream=False
+    )
+    delta = await _check_equal_and_transferred(
+        cluster, sequential_proxy_url, fresh, fresh_reference, stream=True
+    )
+    assert delta["external_kv_transfer"] > sum(n for n, _ in fresh) / 2, delta
 
 
 async def test_chat_equals_single_instance(cluster: Cluster) -> None:
