@@ -8,7 +8,7 @@ import struct
 
 import msgspec
 import pytest
-from conftest import PING, Ping, make_server
+from conftest import PING, RAW, Ping, make_server
 from simple_rpc import Client, ErrorBody, FrameDecoder, ProtocolError, encode_frame, heads
 
 
@@ -127,3 +127,30 @@ async def test_malformed_answer_from_a_server_fails_the_client_calls(caplog):
         assert (await client.call(PING, Ping(2), timeout=5.0)).n == 20
     srv.close()
     await srv.wait_closed()
+
+
+async def test_peer_that_stops_reading_is_paused_not_buffered(server):
+    """Back-pressure: a peer that never reads its answers gets its requests paused; the server's
+    buffer stays bounded, and once the peer reads, every answer arrives (nothing accepted lost)."""
+    host, port = server.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = bytes(range(256)) * 256  # 64 KiB
+    count = 400  # 25 MiB: more than the kernel buffers on both sides can absorb
+
+    async def send_all() -> None:
+        for call_id in range(count):
+            writer.write(encode_frame(RAW.request_head, call_id, payload))
+            await writer.drain()
+
+    sender = asyncio.ensure_future(send_all())
+    done, _ = await asyncio.wait([sender], timeout=1.0)
+    assert not done, "the server kept reading although its answers were not read"
+    (conn,) = [c for c in server._connections]
+    # Bounded by the answers to one read (asyncio reads up to 256 KiB at a time), not by count.
+    assert conn.transport.get_write_buffer_size() < 8 * len(payload)
+    frames = await read_frames(reader, count)
+    await sender
+    assert [f.call_id for f in frames] == list(range(count))
+    assert all(f.head == RAW.response_head and f.payload == payload[::-1] for f in frames)
+    writer.close()
+    await writer.wait_closed()
