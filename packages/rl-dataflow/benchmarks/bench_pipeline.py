@@ -2,7 +2,7 @@
 (refstore manifests), side by side in one run (modes interleaved step by step).
 
     python packages/rl-dataflow/benchmarks/bench_pipeline.py          # 256 MiB of R3 per batch
-    python packages/rl-dataflow/benchmarks/bench_pipeline.py --smoke  # tiny batch, one step
+    python packages/rl-dataflow/benchmarks/bench_pipeline.py --smoke  # tiny, in-process, no Ray
 
 Reported: median step time per mode, by-ref overhead over off (target <= 7%), and by value / by
 ref for the whole step and for the data path (step minus the stand-in model's compute; target
@@ -29,23 +29,23 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--train-passes", type=int, default=1)
     args = parser.parse_args()
+    modes = [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF]
     if args.smoke:
         config = PipelineConfig(samples=8, group_size=4, mean_len=64, layers=4, topk=4, hidden=64)
         steps, warmup, store_gib, pool = 1, 0, 0.5, "64M"
     else:
         config = PipelineConfig(train_passes=args.train_passes)
         steps, warmup, store_gib, pool = args.steps, 1, 3.0, "1536M"
-    init_ray(object_store_gib=store_gib)
-    try:
-        results = run(
-            config,
-            [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF],
-            steps=steps,
-            warmup=warmup,
-            pool_size=pool,
-        )
-    finally:
-        ray.shutdown()
+    if args.smoke:
+        # No Ray: Ray's start-up alone takes 15-60 s on this box. The stages run in-process,
+        # which exercises every stage's code path (ref mode through a real refstore master).
+        results = run(config, modes, steps=steps, warmup=warmup, pool_size=pool, local=True)
+    else:
+        init_ray(object_store_gib=store_gib)
+        try:
+            results = run(config, modes, steps=steps, warmup=warmup, pool_size=pool)
+        finally:
+            ray.shutdown()
     print(format_table(results, config))
     summary = {
         "ref_over_off": results["ref"]["step_s"] / results["off"]["step_s"],

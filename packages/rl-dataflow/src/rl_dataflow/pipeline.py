@@ -142,7 +142,6 @@ def _start_memprof() -> bool:
         return False
 
 
-@ray.remote(num_cpus=0)
 class Rollout:
     """Stands in for the inference engine: its recordings already sit in an output buffer, as a
     real engine's top-k indices would after a forward pass; recording them is what costs."""
@@ -203,7 +202,6 @@ class Rollout:
         return batch
 
 
-@ray.remote(num_cpus=0)
 class GroupBySample:
     """Brings each prompt's responses together (e.g. for group-relative advantages)."""
 
@@ -217,7 +215,6 @@ class GroupBySample:
         return out
 
 
-@ray.remote(num_cpus=0)
 class SortByLength:
     """Longest first, so micro-batches are packed tightly."""
 
@@ -231,7 +228,6 @@ class SortByLength:
         return out
 
 
-@ray.remote(num_cpus=0)
 class PackMicroBatches:
     """Cuts the batch into micro-batches of at most ``max_tokens`` tokens (long samples alone)."""
 
@@ -256,7 +252,6 @@ class PackMicroBatches:
         return out
 
 
-@ray.remote(num_cpus=0)
 class Trainer:
     """Materialises each micro-batch into its final layout and runs a stand-in training step."""
 
@@ -322,16 +317,23 @@ class Trainer:
         return {"tokens": tokens_seen, "r3_checksum": r3_checksum, "timings": timings}
 
 
+RolloutActor = ray.remote(num_cpus=0)(Rollout)
+GroupBySampleActor = ray.remote(num_cpus=0)(GroupBySample)
+SortByLengthActor = ray.remote(num_cpus=0)(SortByLength)
+PackMicroBatchesActor = ray.remote(num_cpus=0)(PackMicroBatches)
+TrainerActor = ray.remote(num_cpus=0)(Trainer)
+
+
 class Pipeline:
     """Owns the pipeline's actors, shared by the R3 modes (the box has two cores); ``close()``
     ends them."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
-        self.rollout = Rollout.remote(config)
-        self.stages = [GroupBySample.remote(), SortByLength.remote()]
-        self.pack = PackMicroBatches.remote(config.micro_batch_tokens)
-        self.trainer = Trainer.remote(config)
+        self.rollout = RolloutActor.remote(config)
+        self.stages = [GroupBySampleActor.remote(), SortByLengthActor.remote()]
+        self.pack = PackMicroBatchesActor.remote(config.micro_batch_tokens)
+        self.trainer = TrainerActor.remote(config)
 
     def step(self, mode: R3Mode | str) -> dict[str, Any]:
         """One step end to end; the driver only passes ObjectRefs along (never the batches)."""
@@ -348,6 +350,29 @@ class Pipeline:
             ray.kill(actor)
 
 
+class LocalPipeline:
+    """The same stages called in this process, without Ray (smoke runs: exercises every stage's
+    code; "by value" then passes arrays by Python reference, so it measures nothing)."""
+
+    def __init__(self, config: PipelineConfig) -> None:
+        self.rollout = Rollout(config)
+        self.stages = [GroupBySample(), SortByLength()]
+        self.pack = PackMicroBatches(config.micro_batch_tokens)
+        self.trainer = Trainer(config)
+
+    def step(self, mode: R3Mode | str) -> dict[str, Any]:
+        started = time.perf_counter()
+        batch = self.rollout.generate(R3Mode(mode).value)
+        for stage in self.stages:
+            batch = stage.run(batch)
+        result = self.trainer.step(self.pack.run(batch))
+        result["step_s"] = time.perf_counter() - started
+        return result
+
+    def close(self) -> None:
+        pass
+
+
 def run(
     config: PipelineConfig,
     modes: list[R3Mode],
@@ -355,12 +380,18 @@ def run(
     steps: int = 3,
     warmup: int = 1,
     pool_size: str = "2G",
+    local: bool = False,
 ) -> dict[str, dict[str, Any]]:
     """Run ``steps`` measured steps per mode (after ``warmup``), modes interleaved step by step so
-    that load from other processes hits all of them alike. Needs ``ray.init()`` done."""
+    that load from other processes hits all of them alike. Needs ``ray.init()`` done, unless
+    ``local`` (no Ray: stages called in this process, refstore master on a thread)."""
+    master = None
     if R3Mode.REF in modes:
-        rsray.start_masters(pool_size=pool_size, name=REFSTORE_NAME)
-    pipeline = Pipeline(config)
+        if local:
+            master = refstore.MasterThread(REFSTORE_NAME, pool_size)
+        else:
+            rsray.start_masters(pool_size=pool_size, name=REFSTORE_NAME)
+    pipeline = LocalPipeline(config) if local else Pipeline(config)
     results: dict[str, dict[str, Any]] = {m.value: {"steps": []} for m in modes}
     try:
         for i in range(warmup + steps):
@@ -375,7 +406,10 @@ def run(
         pipeline.close()
         if R3Mode.REF in modes:
             rsray.close_clients()
-            rsray.stop_masters(REFSTORE_NAME)
+            if master is not None:
+                master.close()
+            else:
+                rsray.stop_masters(REFSTORE_NAME)
     for entry in results.values():
         times = [s["step_s"] for s in entry["steps"]]
         entry["step_s"] = float(np.median(times))
