@@ -145,7 +145,7 @@ async def test_peer_that_stops_reading_is_paused_not_buffered(server):
     sender = asyncio.ensure_future(send_all())
     done, _ = await asyncio.wait([sender], timeout=1.0)
     assert not done, "the server kept reading although its answers were not read"
-    (conn,) = [c for c in server._connections]
+    (conn,) = server._connections
     # Bounded by the answers to one read (asyncio reads up to 256 KiB at a time), not by count.
     assert conn.transport.get_write_buffer_size() < 8 * len(payload)
     frames = await read_frames(reader, count)
