@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Sequence
 
@@ -42,7 +43,8 @@ class Deployment:
     def by_role(self, role: Role) -> list[VllmServer]:
         return [s for s in self.servers if s.role is role]
 
-    def exited_futures(self) -> list:
+    def exited_futures(self) -> list[concurrent.futures.Future[int]]:
+        """One per child, resolved with its exit code when it exits."""
         return [proc.exited for proc in self._processes]
 
     def proxy_config(

@@ -36,8 +36,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from hybrid_connector.protocol import RELEASE, ReleaseRequest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from simple_rpc import Client, RpcError
 
 from pd_serving.servers import Connector
 
@@ -238,7 +240,7 @@ class PdProxy:
         self.decode = LeastLoaded(config.decode)
         self.metrics = _Metrics()
         self._session: aiohttp.ClientSession | None = None
-        self._rpc_clients: dict[str, Any] = {}  # P transfer address -> simple_rpc.Client
+        self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
         self._background: set[asyncio.Task[None]] = set()
         self.app = web.Application(client_max_size=16 * 1024 * 1024)
         self.app.router.add_post(COMPLETIONS, self._handle_generate)
@@ -415,9 +417,6 @@ class PdProxy:
         task.add_done_callback(self._background.discard)
 
     async def _release(self, address: str, transfer_id: str, why: str) -> None:
-        from hybrid_connector.protocol import RELEASE, ReleaseRequest
-        from simple_rpc import Client, RpcError
-
         client = self._rpc_clients.get(address)
         if client is None:
             client = self._rpc_clients[address] = Client(address, connect_timeout=2.0)
