@@ -32,6 +32,7 @@ from . import discovery, protocol
 from .errors import CallerError, RefstoreError, to_info
 from .faults import FaultPlan
 from .pool import SharedPool, shmem_hugepages_mode
+from .remote import RemotePuller
 from .state import WRITE_TIMEOUT_S, MasterState
 
 log = logging.getLogger("refstore.master")
@@ -73,7 +74,7 @@ class Master:
         self._lock = discovery.MasterLock(name)
         self._closed = False
         self.closed_event = asyncio.Event()
-        self.remote: Any = None  # remote.RemotePuller, created in start()
+        self.remote: RemotePuller | None = None  # created in start()
         self.info: discovery.MasterInfo | None = None
         for method, handler in (
             (protocol.HELLO, self._hello),
@@ -121,32 +122,30 @@ class Master:
                 shmem_hugepages_mode(),
             )
             plan = FaultPlan(faults) if faults is not None else FaultPlan.from_env()
-            self = cls(name, pool, uuid.uuid4().hex[:16], plan, advertise)
-            self._lock = lock
-            await self.server.start(host, port)
+            master = cls(name, pool, uuid.uuid4().hex[:16], plan, advertise)
+            master._lock = lock
+            await master.server.start(host, port)
         except BaseException:
             lock.release()
             with contextlib.suppress(NameError):
                 pool.close()
             raise
-        from .remote import RemotePuller
-
-        self.remote = RemotePuller(self, mode=remote, host=host)
-        node = advertise or self.server.address
-        self.info = discovery.MasterInfo(
+        master.remote = RemotePuller(master, mode=remote, host=host)
+        node = advertise or master.server.address
+        master.info = discovery.MasterInfo(
             name=name,
-            address=self.server.address,
+            address=master.server.address,
             node=node,
             pid=os.getpid(),
             pool_fd=pool.fd,
             pool_size=pool.size,
-            epoch=self.epoch,
+            epoch=master.epoch,
             started_at=time.time(),
             past_epochs=discovery.past_epochs_for_new_master(name),
         )
-        discovery.write_info(self.info)
-        log.info("refstore master %s epoch %s serving at %s", name, self.epoch, node)
-        return self
+        discovery.write_info(master.info)
+        log.info("refstore master %s epoch %s serving at %s", name, master.epoch, node)
+        return master
 
     @property
     def address(self) -> str:
