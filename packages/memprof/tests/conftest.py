@@ -1,12 +1,23 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import memprof
 import pytest
+
+
+@pytest.fixture
+def tmp_path():
+    """A private directory: on this shared machine other users' pytest runs prune the shared
+    basetemp (it keeps three), which deleted snapshot directories under running tests."""
+    path = Path(tempfile.mkdtemp(prefix="memprof-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

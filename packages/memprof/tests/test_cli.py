@@ -15,10 +15,12 @@ from conftest import WORKLOADS, run_cli
 from memprof.native import find_jemalloc
 
 
-def _run_workload(tmp_path: Path, script: str, *extra: str) -> list[str]:
+def _run_workload(
+    tmp_path: Path, script: str, *extra: str, env: dict[str, str] | None = None
+) -> list[str]:
     out = run_cli(
         "run", "--out", str(tmp_path), "--interval", "3600", "--mean", "65536", *extra,
-        "--", sys.executable, str(WORKLOADS / script),
+        "--", sys.executable, str(WORKLOADS / script), env=env,
     )  # fmt: skip
     return out.split()
 
@@ -150,13 +152,17 @@ def test_kill_minus_9_leaves_a_readable_snapshot(tmp_path):
 @pytest.mark.skipif(find_jemalloc() is None, reason="libjemalloc2 not installed (apt install "
                     "libjemalloc2, or MEMPROF_JEMALLOC=/path/libjemalloc.so.2)")  # fmt: skip
 def test_native_mode_attributes_malloc_to_python_stack(tmp_path):
+    env = dict(os.environ, MEMPROF_KEEP_JEMALLOC_DUMP="1")  # for the failure message
     (path,) = _run_workload(tmp_path, "native_alloc.py", "--native",
-                            "--malloc-conf", "lg_prof_sample:16")  # fmt: skip
+                            "--malloc-conf", "lg_prof_sample:16", env=env)  # fmt: skip
     snap = memprof.Snapshot.load(path)
     assert snap.native
-    native = {s.site.function: s.est_bytes for s in snap.sites(kind="native")}
+    native: dict[str, float] = {}
+    for s in snap.sites(kind="native"):
+        native[s.site.function] = native.get(s.site.function, 0.0) + s.est_bytes
     truth = 200 * 256 * 1024
-    assert 0.9 * truth < native.get("native_blocks", 0) < 1.1 * truth
+    dumps = "\n".join(p.read_text()[:3000] for p in tmp_path.glob(".jemalloc-*.last"))
+    assert 0.9 * truth < native.get("native_blocks", 0) < 1.1 * truth, (native, dumps)
     top = run_cli("top", path)
     assert "native_blocks" in top.splitlines()[2]
 
