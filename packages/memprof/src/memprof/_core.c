@@ -662,6 +662,7 @@ typedef void (*prof_backtrace_hook_t)(void **, unsigned *, unsigned);
 static mallctl_fn g_mallctl;
 static prof_backtrace_hook_t g_prev_bt_hook;
 static uint64_t g_native_mean;
+static char g_dump_path[4096]; /* prefix of jemalloc dump files (a counter is appended) */
 
 static void native_bt_hook(void **vec, unsigned *len, unsigned max_len) {
     /* Called by jemalloc for each allocation it samples (with its reentrancy guard up, so
@@ -756,8 +757,8 @@ static int native_collect(const char *dump_path, double *objs, double *bytes, ui
     }
     fclose(f);
     if (getenv("MEMPROF_KEEP_JEMALLOC_DUMP")) { /* debugging aid: keep the last raw dump */
-        char kept[4200];
-        snprintf(kept, sizeof(kept), "%s.last", dump_path);
+        char kept[4400];
+        snprintf(kept, sizeof(kept), "%s.last", g_dump_path);
         rename(dump_path, kept);
     } else {
         unlink(dump_path);
@@ -775,8 +776,6 @@ static int native_collect(const char *dump_path, double *objs, double *bytes, ui
  *   "MPROFEND" u64 total_length_including_trailer
  */
 
-static char g_dump_path[4096];
-
 static int encode_snapshot(buf_t *b) {
     int rc = -1;
     /* jemalloc's dump runs outside our intern lock (it takes a few ms); stacks only grow, so
@@ -789,9 +788,13 @@ static int encode_snapshot(buf_t *b) {
         pthread_mutex_lock(&g_intern_lock);
         ns0 = g_nstacks;
         pthread_mutex_unlock(&g_intern_lock);
+        /* one dump file per call: the writer and snapshot() may dump at the same time */
+        static atomic_uint dump_seq;
+        char path[4300];
+        snprintf(path, sizeof(path), "%s.%u", g_dump_path, atomic_fetch_add(&dump_seq, 1));
         nobj = calloc(ns0 ? ns0 : 1, sizeof(double));
         nbytes = calloc(ns0 ? ns0 : 1, sizeof(double));
-        if (nobj && nbytes && native_collect(g_dump_path, nobj, nbytes, ns0, nother) == 0) have_native = 1;
+        if (nobj && nbytes && native_collect(path, nobj, nbytes, ns0, nother) == 0) have_native = 1;
     }
     pthread_mutex_lock(&g_intern_lock);
     uint32_t ns = g_nstacks;
