@@ -79,12 +79,15 @@ def answer_bytes(payload: bytes) -> bytes:
 # serves until terminated).
 
 
-async def serve_simple_rpc() -> None:
+async def serve_simple_rpc(inline: bool = False) -> None:
     async def on_bench(request: BenchRequest, ctx: CallContext) -> BenchResponse:
         return answer(request)
 
+    def on_bench_inline(request: BenchRequest, ctx: CallContext) -> BenchResponse:
+        return answer(request)
+
     server = Server()
-    server.register(BENCH, on_bench)
+    server.register(BENCH, on_bench_inline if inline else on_bench)
     address = await server.start("127.0.0.1", 0)
     print(address.rsplit(":", 1)[1], flush=True)
     await asyncio.Event().wait()
@@ -130,8 +133,13 @@ async def serve_grpc() -> None:
     await server.wait_for_termination()
 
 
+async def serve_simple_rpc_inline() -> None:
+    await serve_simple_rpc(inline=True)
+
+
 SERVERS: dict[str, Callable[[], object]] = {
     "simple_rpc": serve_simple_rpc,
+    "simple_rpc_inline": serve_simple_rpc_inline,
     "zmq_router": serve_zmq_router,
     "zmq_rep": serve_zmq_rep,
     "grpc": serve_grpc,
@@ -326,6 +334,7 @@ def latency_stats(latencies_ns: list[int]) -> dict:
 # (row name, server kind, how the client runs)
 COMPETITORS = [
     ("simple-rpc Client (async)", "simple_rpc", "async:simple_rpc"),
+    ("simple-rpc Client, plain-def handler", "simple_rpc_inline", "async:simple_rpc"),
     ("simple-rpc SyncClient (plain thread)", "simple_rpc", "sync:simple_rpc"),
     ("pyzmq DEALER/ROUTER (zmq.asyncio)", "zmq_router", "async:zmq_dealer"),
     ("pyzmq REQ/REP (sync)", "zmq_rep", "sync:zmq_req"),
@@ -383,7 +392,11 @@ def median_of(rounds: list[dict]) -> dict:
     return table
 
 
-OURS = "simple-rpc Client (async)"
+# Ours, by server handler style: `async def` (a Task per call) and plain `def` (inline).
+OURS = {
+    "async handler": "simple-rpc Client (async)",
+    "plain handler": "simple-rpc Client, plain-def handler",
+}
 DEALER = "pyzmq DEALER/ROUTER (zmq.asyncio)"
 REQ_REP = "pyzmq REQ/REP (sync)"
 GRPC = "grpcio aio unary (generic bytes)"
@@ -402,15 +415,16 @@ CHECKS = [
 def ratios(rounds: list[dict]) -> dict:
     """Ours / competitor within each round (same load), then the median over rounds."""
     out = {}
-    for label, other, key, target, sense in CHECKS:
-        if other not in rounds[0]:
-            continue
-        ratio = statistics.median(r[OURS][key] / r[other][key] for r in rounds)
-        row: dict = {"ratio": round(ratio, 3)}
-        if target is not None:
-            row["target"] = f"{sense} {target}"
-            row["met"] = ratio <= target if sense == "<=" else ratio >= target
-        out[label] = row
+    for style, ours in OURS.items():
+        for label, other, key, target, sense in CHECKS:
+            if other not in rounds[0]:
+                continue
+            ratio = statistics.median(r[ours][key] / r[other][key] for r in rounds)
+            row: dict = {"ratio": round(ratio, 3)}
+            if target is not None:
+                row["target"] = f"{sense} {target}"
+                row["met"] = ratio <= target if sense == "<=" else ratio >= target
+            out[f"{label} ({style})"] = row
     return out
 
 
@@ -426,7 +440,7 @@ def print_table(table: dict, ratio_rows: dict) -> None:
         verdict = ""
         if "target" in r:
             verdict = f"target {r['target']:6}  {'met' if r['met'] else 'MISSED'}"
-        print(f"{label:34} {r['ratio']:8.3f}  {verdict}")
+        print(f"{label:50} {r['ratio']:8.3f}  {verdict}")
 
 
 def markdown(report: dict) -> str:

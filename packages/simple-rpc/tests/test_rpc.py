@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 
 import pytest
 from conftest import FAIL, PING, RAW, SLOW, UNKNOWN, Other, Ping, make_server
@@ -190,5 +191,55 @@ async def test_handler_that_suspends_then_raises_or_returns():
             assert (await client.call(late_ok, Ping(21), timeout=5.0)).n == 42
             with pytest.raises(RemoteError, match="handler returned str, expected Ping"):
                 await client.call(PING, Ping(1), timeout=5.0)
+    finally:
+        await server.close()
+
+
+async def test_async_handlers_run_in_their_own_task(server):
+    """current_task() and asyncio.timeout() work in handlers, also before their first await,
+    and a handler may itself call another server through a lazily connecting Client."""
+    nested = Method("nested", 0x53520120, 0x53528120, Ping, Ping)
+    seen_tasks = []
+
+    async def on_nested(req: Ping, ctx) -> Ping:
+        seen_tasks.append(asyncio.current_task())
+        async with asyncio.timeout(5.0), Client(server.address) as inner:
+            return await inner.call(PING, Ping(req.n))
+
+    outer = Server()
+    outer.register(nested, on_nested)
+    address = await outer.start()
+    try:
+        async with Client(address) as client:
+            results = await asyncio.gather(*(client.call(nested, Ping(i)) for i in range(3)))
+        assert [r.n for r in results] == [1, 2, 3]
+        assert all(t is not None for t in seen_tasks)
+        assert len(set(seen_tasks)) == 3
+    finally:
+        await outer.close()
+
+
+async def test_plain_handler_may_return_a_coroutine():
+    maybe = Method("maybe", 0x53520130, 0x53528130, Ping, Ping)
+
+    async def later(n: int) -> Ping:
+        assert asyncio.current_task() is not None
+        await asyncio.sleep(0.01)
+        if n < 0:
+            raise ValueError("negative")
+        return Ping(n * 10)
+
+    def on_maybe(req: Ping, ctx) -> Ping | Coroutine:
+        return Ping(req.n) if req.n < 10 else later(req.n if req.n != 99 else -1)
+
+    server = Server()
+    server.register(maybe, on_maybe)
+    address = await server.start()
+    try:
+        async with Client(address) as client:
+            assert (await client.call(maybe, Ping(3))).n == 3
+            assert (await client.call(maybe, Ping(12))).n == 120
+            with pytest.raises(RemoteError, match="negative"):
+                await client.call(maybe, Ping(99))
     finally:
         await server.close()

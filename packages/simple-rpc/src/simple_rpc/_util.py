@@ -54,6 +54,13 @@ class WriteBatcher:
             self._loop.call_soon(self.flush)
         self._pending.append(buf)
 
+    def write_now(self, buf: Any) -> None:
+        """Write at once unless earlier frames are waiting (order is kept either way)."""
+        if self._pending or self.held:
+            self.write(buf)
+        elif not self._transport.is_closing():
+            self._transport.write(buf)
+
     def flush(self) -> None:
         if self._pending:
             pending = self._pending

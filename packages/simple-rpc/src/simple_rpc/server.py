@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Generator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -19,6 +19,10 @@ from .wire import DEFAULT_MAX_FRAME_SIZE, ErrorBody, FrameDecoder, encode_frame
 logger = logging.getLogger("simple_rpc.server")
 
 Handler = Callable[[Any, CallContext], Awaitable[Any]] | Callable[[Any, CallContext], Any]
+
+
+async def _await(awaitable: Awaitable[Any], ctx: CallContext) -> Any:
+    return await awaitable
 
 
 class _Route:
@@ -35,7 +39,9 @@ class Server:
 
     Handlers are `async def handler(request, ctx) -> response` (each call runs as its own task,
     so a slow handler does not hold up other calls on the same connection), or plain functions
-    with the same signature, which run inline on the loop and must not block.
+    with the same signature, which run inline on the loop (no Task: the fastest path) and must
+    not block; a plain handler that cannot answer at once may return a coroutine instead, which
+    then runs as a Task.
     A handler that raises answers the call with an error response (RemoteError at the caller);
     the server and the connection go on. An unknown head gets an error response too. A malformed
     frame closes only the connection it came on, with a WARNING naming the peer and the reason.
@@ -140,6 +146,7 @@ class _ServerConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[None] = self.loop.create_future()
         self.closing = False
+        self.running = 0  # async handlers of this connection still running
 
     # -- asyncio callbacks ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -231,22 +238,10 @@ class _ServerConnection(asyncio.Protocol):
             return
         ctx = CallContext(self.peer, method, call_id)
         if route.is_async:
-            # Eager start (what 3.12's eager_task_factory does): most handlers answer without
-            # ever suspending, and then no task is created or scheduled at all.
-            coro = route.handler(request, ctx)
-            try:
-                suspended_on = coro.send(None)
-            except StopIteration as done:
-                self._respond(ctx, done.value)
-                return
-            except Exception as err:
-                self._handler_failed(ctx, err)
-                return
-            except asyncio.CancelledError:
-                self._handler_failed(ctx, RuntimeError("handler cancelled itself"))
-                return
-            # It suspended: a task drives the rest of it.
-            task = self.loop.create_task(self._finish(_Resume(coro, suspended_on), ctx))
+            # A Task per call: the handler gets full asyncio semantics (current_task(),
+            # asyncio.timeout(), cancellation on close). Plain `def` handlers skip this cost.
+            self.running += 1
+            task = self.loop.create_task(self._run(route.handler, request, ctx))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             return
@@ -255,15 +250,27 @@ class _ServerConnection(asyncio.Protocol):
         except Exception as err:
             self._handler_failed(ctx, err)
             return
+        if hasattr(response, "__await__"):
+            # A plain handler that could not answer at once returned a coroutine: run it as
+            # a Task, exactly like an async handler's body.
+            self.running += 1
+            task = self.loop.create_task(self._run(_await, response, ctx))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+            return
         self._respond(ctx, response)
 
-    async def _finish(self, rest: _Resume, ctx: CallContext) -> None:
+    async def _run(self, handler: Handler, request: Any, ctx: CallContext) -> None:
         try:
-            response = await rest
+            response = await handler(request, ctx)
         except Exception as err:
             self._handler_failed(ctx, err)
             return
-        self._respond(ctx, response)
+        finally:
+            self.running -= 1
+        # The only call in flight on this connection: write at once rather than one callback
+        # later (sequential callers wait for exactly this); otherwise batch with the others.
+        self._respond(ctx, response, alone=self.running == 0)
 
     def _handler_failed(self, ctx: CallContext, err: Exception) -> None:
         logger.warning(
@@ -278,7 +285,7 @@ class _ServerConnection(asyncio.Protocol):
         )
         self._send_error(ctx.call_id, "handler_error", f"{type(err).__name__}: {err}")
 
-    def _respond(self, ctx: CallContext, response: Any) -> None:
+    def _respond(self, ctx: CallContext, response: Any, alone: bool = False) -> None:
         if self.closing:
             return
         method = ctx.method
@@ -304,6 +311,9 @@ class _ServerConnection(asyncio.Protocol):
                 ctx, ValueError(f"response of {size} bytes is over max_frame_size")
             )
             return
+        if alone and second is None:
+            self.writer.write_now(first)
+            return
         self.writer.write(first)
         if second is not None:
             self.writer.write(second)
@@ -313,38 +323,3 @@ class _ServerConnection(asyncio.Protocol):
             return
         payload = encode_value(ErrorBody(kind=kind, message=message))
         self.writer.write(encode_frame(heads.ERROR_RESP, call_id, payload))
-
-
-class _Resume:
-    """Awaitable that continues a coroutine already started with `send(None)`.
-
-    `await _Resume(coro, first)` behaves like `await coro` would have from the point where
-    `coro` yielded `first` (PEP 380's `yield from`, written out): values sent or thrown in by
-    the driving Task go to `coro`, and `coro`'s return value is the result.
-    """
-
-    __slots__ = ("coro", "first")
-
-    def __init__(self, coro: Coroutine[Any, Any, Any], first: Any) -> None:
-        self.coro = coro
-        self.first = first
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        coro, to_yield = self.coro, self.first
-        self.first = None
-        while True:
-            try:
-                sent = yield to_yield
-            except GeneratorExit:
-                coro.close()
-                raise
-            except BaseException as exc:  # e.g. CancelledError thrown in by the Task
-                try:
-                    to_yield = coro.throw(exc)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    to_yield = coro.send(sent)
-                except StopIteration as done:
-                    return done.value
