@@ -197,7 +197,7 @@ def test_decode_with_local_prefix_hit_pulls_only_the_rest(pd: PD) -> None:
 
 
 def test_parallel_dispatch_transfer_kv_before_prefill(pd: PD) -> None:
-    """The proxy sends to D first; D's transfer_kv waits on P until P's request finishes."""
+    """The proxy sends to D first; D's transfer_kv waits on P until P's prefill runs."""
     prompts = _prompts(pd, seed=2)[1:3]
     expected = pd.reference(prompts)
     p_before, d_before = pd.counters(pd.p), pd.counters(pd.d)
@@ -218,6 +218,9 @@ def test_parallel_dispatch_transfer_kv_before_prefill(pd: PD) -> None:
     d_out = pd.d.result()
     assert [o.token_ids for o in d_out] == expected
     assert _delta(pd.counters(pd.d), d_before, "pulls_done") == len(prompts)
+    # The pulls were parked when P's prefill ran: rapid transfer_kv sent each layer as the
+    # forward pass wrote it.
+    assert _delta(pd.counters(pd.p), p_before, "rapid_sends") == len(prompts)
     pd.assert_idle(pd.p)
     pd.assert_idle(pd.d)
 

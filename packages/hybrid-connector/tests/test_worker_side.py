@@ -16,7 +16,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.metadata import HybridConnectorMetadata, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.metadata import (
+    HybridConnectorMetadata,
+    PrefillSpec,
+    RecvSpec,
+    ReleaseSpec,
+    SendSpec,
+)
 from hybrid_connector.worker_side import WorkerSide
 
 BLOCK_SIZE = 4
@@ -321,3 +327,59 @@ def test_proxy_release_fails_a_parked_pull_and_frees_a_late_request(pair: Pair) 
     pair.offer("p-req", tid, [1], num_tokens=2)  # the request finishes on P after all
     assert _wait(pair.p)[0] == {"p-req"}  # released at once, not held for the lease
     assert pair.p.counters()["released_by_peer"] == 1
+
+
+def test_rapid_transfer_sends_layers_as_written_and_frees_after_finish(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    src, dst = [3, 4], [9, 10]
+    pair.pull("d-req", tid, dst, num_tokens=6)
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    # P's scheduler: this step completes the prompt (the pull is parked already).
+    pair.p.handle_metadata(
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, src, 6)])
+    )
+    names = list(pair.p_kv)
+    pair.p.layer_saved(names[0])
+    pair.p.layer_saved(names[1])
+    # One layer is still being computed: the pull cannot be complete yet.
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    pair.p.step_done()  # end of the forward pass
+    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
+        assert torch.equal(got, want)
+    assert pair.p.counters()["rapid_sends"] == 1
+    # vLLM still runs the request on P: its blocks are not reported before it finished.
+    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
+    pair.offer("p-req", tid, src, num_tokens=6)
+    assert _wait(pair.p)[0] == {"p-req"}
+
+
+def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.pull("d-req", tid, [1], num_tokens=3)
+    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    pair.p.handle_metadata(
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [2], 3)])
+    )
+    # The request is aborted on P while its layers are still pending: blocks stay with us...
+    pair.p.handle_metadata(
+        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [2], 0, aborted=True)])
+    )
+    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
+    pair.p.step_done()
+    # ...until the send is over.
+    assert _wait(pair.p)[0] == {"p-req"}
+    assert _wait(pair.d)[1] == {"d-req"}
+
+
+def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
+    tid = str(uuid.uuid4())
+    pair.p.handle_metadata(
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [2], 3)])
+    )
+    pair.p.step_done()
+    pair.offer("p-req", tid, [2], num_tokens=3)
+    pair.pull("d-req", tid, [5], num_tokens=3)
+    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    assert _wait(pair.p)[0] == {"p-req"}
+    assert "rapid_sends" not in pair.p.counters()

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -84,7 +84,10 @@ class HybridConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                self.config, is_producer=self.is_producer, is_consumer=self.is_consumer
+                self.config,
+                is_producer=self.is_producer,
+                is_consumer=self.is_consumer,
+                block_size=self.block_size,
             )
         else:
             name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"
@@ -98,11 +101,17 @@ class HybridConnector(KVConnectorBase_V1):
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self._worker.register_kv_caches(kv_caches, self.block_size, num_blocks)
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the forward pass (start_load_kv usually runs after it): rapid transfer_kv must
+        # know this step's finishing prefills before save_kv_layer is called.
         assert self._worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, HybridConnectorMetadata)
-        self._worker.handle_metadata(meta)
+        assert isinstance(connector_metadata, HybridConnectorMetadata)
+        self._worker.handle_metadata(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Pulls were already handed to the loop thread in bind_connector_metadata.
+        return
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Async loads only: a request runs after its whole KV arrived.
@@ -115,11 +124,13 @@ class HybridConnector(KVConnectorBase_V1):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        # P sends finished requests from vLLM's own paged cache (pull), nothing to save here.
-        return
+        # Rapid transfer_kv: this layer's KV is written; a parked pull may send it now.
+        assert self._worker is not None
+        self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return
+        assert self._worker is not None
+        self._worker.step_done()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
@@ -161,7 +172,12 @@ class HybridConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self._scheduler is not None
+        self._scheduler.bind_kv_cache_manager(kv_cache_manager)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None

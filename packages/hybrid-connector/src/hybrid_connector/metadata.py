@@ -19,6 +19,20 @@ class SendSpec:
     transfer_id: str
     block_ids: list[int]
     num_tokens: int
+    # The request ended without usable KV (aborted); only sent for requests announced in
+    # ``prefill_done`` (a rapid send may be reading their blocks), which vLLM must keep until then.
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """P: this step completes the prompt of ``request_id`` (rapid transfer_kv): a pull parked for
+    ``transfer_id`` may send each layer as soon as the forward pass has written it."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -52,8 +66,14 @@ class HybridConnectorMetadata(KVConnectorMetadata):
     # P: transfer ids whose request ended without KV to offer (aborted): fail early pulls.
     cancel_send: list[str] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
+    prefill_done: list[PrefillSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (
-            self.to_send or self.to_recv or self.cancel_recv or self.cancel_send or self.to_release
+            self.to_send
+            or self.to_recv
+            or self.cancel_recv
+            or self.cancel_send
+            or self.to_release
+            or self.prefill_done
         )

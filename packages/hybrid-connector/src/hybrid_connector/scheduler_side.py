@@ -12,10 +12,17 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.metadata import HybridConnectorMetadata, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.metadata import (
+    HybridConnectorMetadata,
+    PrefillSpec,
+    RecvSpec,
+    ReleaseSpec,
+    SendSpec,
+)
 
 if TYPE_CHECKING:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -40,12 +47,37 @@ def _pull_params(request: Request) -> tuple[str, str] | None:
     return transfer_id, address
 
 
+def _wants_remote_decode(request: Request) -> bool:
+    params = request.kv_transfer_params
+    return bool(params and params.get("do_remote_decode"))
+
+
+def _transfer_id(request: Request) -> str:
+    """The proxy's transfer id, or one made up (and stored) when the proxy gave none."""
+    params = request.kv_transfer_params
+    assert params is not None
+    transfer_id = params.get("transfer_id")
+    if not isinstance(transfer_id, str) or not transfer_id:
+        transfer_id = str(uuid.uuid4())  # D must then use the id P returns
+        params["transfer_id"] = transfer_id
+    return transfer_id
+
+
 class SchedulerSide:
-    def __init__(self, config: HybridConfig, *, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(
+        self, config: HybridConfig, *, is_producer: bool, is_consumer: bool, block_size: int
+    ) -> None:
         self._config = config
         self._is_producer = is_producer
         self._is_consumer = is_consumer
+        self._block_size = block_size
         self._meta = HybridConnectorMetadata()
+        self._kv_cache_manager: KVCacheManager | None = None
+        # P: do_remote_decode requests still prefilling (announced once their last chunk runs).
+        self._prefilling: dict[str, Request] = {}
+        # P: requests announced in prefill_done: a rapid send may read their blocks, so vLLM
+        # keeps them (delay_free) whatever way they finish.
+        self._announced: set[str] = set()
         # D: requests whose pull is in flight (between update_state_after_alloc and the worker
         # reporting them in finished_recving).
         self._recv_in_flight: set[str] = set()
@@ -81,9 +113,16 @@ class SchedulerSide:
             return 0, False
         return count, True
 
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        if self._is_producer and _wants_remote_decode(request):
+            _transfer_id(request)
+            self._prefilling[request.request_id] = request
+            return
         pull = _pull_params(request)
         if pull is None:
             return
@@ -127,6 +166,9 @@ class SchedulerSide:
         request_id = request.request_id
         params = request.kv_transfer_params
         self._warned.discard(request_id)
+        self._prefilling.pop(request_id, None)
+        announced = request_id in self._announced
+        self._announced.discard(request_id)
         if request_id in self._recv_in_flight:
             # D request finished (aborted) while P may still be writing into its blocks: keep
             # them until the worker has aborted the pull and reports it in finished_recving.
@@ -144,15 +186,19 @@ class SchedulerSide:
             return False, None
         if not self._is_producer or not params or not params.get("do_remote_decode"):
             return False, None
-        transfer_id = params.get("transfer_id")
-        if not isinstance(transfer_id, str) or not transfer_id:
-            transfer_id = str(uuid.uuid4())  # no proxy-chosen id: D must use the returned one
+        transfer_id = _transfer_id(request)
         finished_normally = request.status in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
         if not finished_normally or not block_ids:
             # Aborted (or nothing computed): no KV to offer; fail any early pull at once.
+            if announced:
+                # A rapid send may be reading these blocks: the worker frees them after it.
+                self._meta.to_send.append(
+                    SendSpec(request_id, transfer_id, list(block_ids), 0, aborted=True)
+                )
+                return True, None
             self._meta.cancel_send.append(transfer_id)
             return False, None
         num_tokens = request.num_computed_tokens
@@ -168,6 +214,27 @@ class SchedulerSide:
             "lease_s": self._config.lease_s,
         }
 
-    def build_connector_meta(self) -> HybridConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridConnectorMetadata:
+        if self._prefilling:
+            self._announce_prefills(scheduler_output)
         meta, self._meta = self._meta, HybridConnectorMetadata()
         return meta
+
+    def _announce_prefills(self, scheduler_output: SchedulerOutput) -> None:
+        """Rapid transfer_kv: name the P requests whose prompt this step completes."""
+        if self._kv_cache_manager is None:
+            return
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id in [r for r in self._prefilling if r in scheduled]:
+            request = self._prefilling[request_id]
+            # build_connector_meta runs before the scheduler advances num_computed_tokens.
+            if request.num_computed_tokens + scheduled[request_id] < request.num_prompt_tokens:
+                continue  # an earlier chunk of a chunked prefill
+            del self._prefilling[request_id]
+            num_tokens = request.num_prompt_tokens
+            (all_ids,) = self._kv_cache_manager.get_block_ids(request_id)
+            num_blocks = -(-num_tokens // self._block_size)
+            self._meta.prefill_done.append(
+                PrefillSpec(request_id, _transfer_id(request), all_ids[:num_blocks], num_tokens)
+            )
+            self._announced.add(request_id)

@@ -28,7 +28,13 @@ from simple_rpc import CallContext, Client, LoopThread, Server
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
 from hybrid_connector.layout import check_compatible, describe_kv_caches, layout_from_spec
-from hybrid_connector.metadata import HybridConnectorMetadata, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.metadata import (
+    HybridConnectorMetadata,
+    PrefillSpec,
+    RecvSpec,
+    ReleaseSpec,
+    SendSpec,
+)
 from hybrid_connector.protocol import (
     RELEASE,
     TRANSFER_KV,
@@ -85,6 +91,21 @@ class _Results:
                 self._failed.add(request_id)
             self._cond.notify_all()
 
+    def layer_saved(self, layer_name: str) -> None:
+        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
+        events = self._step_events
+        if events is not None:
+            index = self._layer_index.get(layer_name)
+            if index is not None:
+                events.mark_ready(index)
+
+    def step_done(self) -> None:
+        """End of the step's forward pass (wait_for_save): every layer is written."""
+        events, self._step_events = self._step_events, None
+        if events is not None:
+            for index in range(len(self._layer_index)):
+                events.mark_ready(index)
+
     def drain(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
         """Take what finished; with ``wait_s`` > 0 first wait that long for anything to finish
         (vLLM's step never waits; tests and tools outside a step may)."""
@@ -119,11 +140,18 @@ class _CountersCollector:
 # ---------------------------------------------------------------------------------- P (producer)
 @dataclass
 class _Offer:
-    """A finished request on P whose blocks vLLM keeps for us until we report it."""
+    """Blocks of one P request that vLLM keeps for us until we report the request.
+
+    A plain offer starts when the request finished. A rapid offer starts earlier, in the step that
+    completes the prompt, when a pull is already parked (rapid transfer_kv); it is reported only
+    once the request has finished too (``finished``), since vLLM owns a running request's blocks.
+    """
 
     spec: SendSpec
     timer: asyncio.TimerHandle | None = None
     sending: bool = False
+    finished: bool = True
+    over: bool = False  # rapid: the send completed (or failed) before the request finished
 
 
 @dataclass
@@ -155,8 +183,9 @@ class Producer:
         self._loop = loop
         self._offers: dict[str, _Offer] = {}
         self._early: dict[str, _EarlyPull] = {}
-        # Transfer ids whose P request ended without KV (aborted): pulls for them fail at once.
-        # Each entry is forgotten after one lease.
+        # Transfer ids that will never be offered (request aborted on P, or released by D or the
+        # proxy): pulls for them fail at once, a late offer is released at once. Each entry is
+        # forgotten after one lease.
         self._cancelled: dict[str, asyncio.TimerHandle] = {}
         self._server = Server(name="hybrid-connector")
         self._server.register(TRANSFER_KV, self._on_transfer_kv)
@@ -167,14 +196,26 @@ class Producer:
 
     # -- from vLLM (via metadata) ------------------------------------------------------------
     def offer(self, spec: SendSpec) -> None:
+        """The request finished on P (request_finished returned delay_free=True)."""
         tid = spec.transfer_id
-        if tid in self._offers:
+        current = self._offers.get(tid)
+        if current is not None and not current.finished:
+            # The rapid send started during the prefill; its blocks go back once it is over.
+            current.finished = True
+            if current.over:
+                self._release(tid, current)
+            return
+        if spec.aborted:
+            self.cancel(tid)
+            self._results.sent(spec.request_id)
+            return
+        if current is not None:
             log.warning(
                 "request %s: transfer_id %s is already held for request %s; releasing the "
                 "new request's blocks at once",
                 spec.request_id,
                 tid,
-                self._offers[tid].spec.request_id,
+                current.spec.request_id,
             )
             self._results.sent(spec.request_id)
             return
@@ -186,29 +227,35 @@ class Producer:
         offer = _Offer(spec)
         self._offers[tid] = offer
         self._results.count("offers")
-        early = self._early.pop(tid, None)
-        if early is not None and early.timer is not None:
-            early.timer.cancel()
-        if early is not None and not early.future.done():
-            try:
-                early.future.set_result(self._start_send(offer, early.request, early.peer))
-            except Exception as err:
-                early.future.set_exception(err)
+        early = self._take_early(tid)
+        if early is not None:
+            self._answer(early, offer)
             return
         # No pull yet (or its caller went away): hold the blocks for one lease.
         offer.timer = self._loop.call_later(self._config.lease_s, self._lease_expired, tid)
         log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
 
-    def cancel(
-        self, transfer_id: str, reason: str = "the prefill request was aborted on P"
-    ) -> None:
+    def prefill_done(self, spec: PrefillSpec, events: Any) -> None:
+        """Rapid transfer_kv: this step's forward pass completes the prompt of ``spec``; if a pull
+        is parked for it, send every layer the moment the forward pass has written it."""
+        tid = spec.transfer_id
+        if tid in self._offers:
+            return
+        early = self._take_early(tid)
+        if early is None:
+            return  # no pull yet: the plain path serves it once the request finished
+        offer = _Offer(
+            SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens), finished=False
+        )
+        self._offers[tid] = offer
+        self._results.count("rapid_sends")
+        self._answer(early, offer, events)
+
+    def cancel(self, transfer_id: str, reason: str = "prefill request aborted on P") -> None:
         """No KV will be offered for ``transfer_id``: fail its parked pull, refuse later ones."""
-        early = self._early.pop(transfer_id, None)
+        early = self._take_early(transfer_id)
         if early is not None:
-            if early.timer is not None:
-                early.timer.cancel()
-            if not early.future.done():
-                early.future.set_exception(TransferError(f"transfer {transfer_id}: {reason}"))
+            early.future.set_exception(TransferError(f"transfer {transfer_id}: {reason}"))
             return
         self._remember_cancelled(transfer_id)
 
@@ -237,7 +284,7 @@ class Producer:
             raise
         offer = self._offers.get(tid)
         if offer is not None:
-            if offer.sending:
+            if offer.sending or offer.over:
                 raise PeerError(f"transfer {tid} is already being sent (duplicate transfer_kv)")
             return self._start_send(offer, req, ctx.peer)
         if tid in self._cancelled:
@@ -255,44 +302,70 @@ class Producer:
         finally:
             # Cancelled (D's connection went away): forget the parked pull at once.
             if self._early.get(tid) is early:
-                del self._early[tid]
-                if early.timer is not None:
-                    early.timer.cancel()
+                self._take_early(tid)
 
     async def _on_release(self, req: ReleaseRequest, ctx: CallContext) -> ReleaseResponse:
         """D (nothing to pull, or aborted) or the proxy (P's request failed): free it now."""
-        offer = self._offers.get(req.transfer_id)
-        if offer is None or offer.sending:
-            early = self._early.pop(req.transfer_id, None)
+        tid = req.transfer_id
+        offer = self._offers.get(tid)
+        if offer is None or offer.sending or not offer.finished:
+            early = self._take_early(tid)
             if early is not None:
                 self._results.count("early_pulls_released")
-                if early.timer is not None:
-                    early.timer.cancel()
-                if not early.future.done():
-                    early.future.set_exception(
-                        TransferError(f"released by {ctx.peer}: {req.reason}")
-                    )
+                early.future.set_exception(TransferError(f"released by {ctx.peer}: {req.reason}"))
             if offer is None:
                 # The request may still finish here: release its blocks as soon as it does.
-                self._remember_cancelled(req.transfer_id)
-            return ReleaseResponse(req.transfer_id, released=False)
-        self._offers.pop(req.transfer_id)
-        if offer.timer is not None:
-            offer.timer.cancel()
+                self._remember_cancelled(tid)
+            return ReleaseResponse(tid, released=False)
         log.debug(
             "request %s: transfer %s released by %s (%s)",
             offer.spec.request_id,
-            req.transfer_id,
+            tid,
             ctx.peer,
             req.reason,
         )
         self._results.count("released_by_peer")
-        self._results.sent(offer.spec.request_id)
-        return ReleaseResponse(req.transfer_id, released=True)
+        self._release(tid, offer)
+        return ReleaseResponse(tid, released=True)
 
     # -- internals ---------------------------------------------------------------------------
-    def _start_send(self, offer: _Offer, req: TransferKvRequest, peer: str) -> TransferKvResponse:
-        """Parse the blocks and hand them to kvt; the completion releases the offer."""
+    def _take_early(self, tid: str) -> _EarlyPull | None:
+        """Remove the pull parked for ``tid``; None if there is none still waiting."""
+        early = self._early.pop(tid, None)
+        if early is None:
+            return None
+        if early.timer is not None:
+            early.timer.cancel()
+        return None if early.future.done() else early
+
+    def _answer(self, early: _EarlyPull, offer: _Offer, events: Any = None) -> None:
+        try:
+            early.future.set_result(self._start_send(offer, early.request, early.peer, events))
+        except Exception as err:
+            early.future.set_exception(err)
+
+    def _release(self, tid: str, offer: _Offer) -> None:
+        """The transfer is over, or will never happen: give the blocks back to vLLM, exactly
+        once, and only once the request has finished on P."""
+        if offer.timer is not None:
+            offer.timer.cancel()
+            offer.timer = None
+        offer.sending = False
+        offer.over = True
+        if not offer.finished:
+            return  # rapid: offer() reports it when the request finishes
+        if self._offers.get(tid) is offer:
+            del self._offers[tid]
+            self._results.sent(offer.spec.request_id)
+
+    def _start_send(
+        self, offer: _Offer, req: TransferKvRequest, peer: str, events: Any = None
+    ) -> TransferKvResponse:
+        """Parse the blocks and hand them to kvt; the completion releases the offer.
+
+        With ``events`` (rapid transfer_kv) each layer is its own batch that kvt holds until the
+        forward pass marks that layer written.
+        """
         spec = offer.spec
         tid = spec.transfer_id
         try:
@@ -306,7 +379,7 @@ class Producer:
                 req.request_id,
                 err,
             )
-            self._release_after_failed_pull(tid)
+            self._release(tid, offer)
             if isinstance(err, PeerError):
                 raise
             raise PeerError(str(err)) from err
@@ -323,16 +396,26 @@ class Producer:
             with contextlib.suppress(RuntimeError):  # loop closed at shutdown
                 call_soon(self._send_done, tid, completion)
 
+        if events is None:
+            batches = [(blocks, None)]
+        else:
+            layers = blocks["tag"]
+            batches = [
+                (blocks[layers == layer], (events, layer))
+                for layer in range(len(self._spec.layer_offsets))
+            ]
         nbytes = int(blocks["length"].sum())
         try:
-            self._engine.send(
-                tid,
-                req.data_address,
-                blocks,
-                last=True,
-                on_complete=on_complete,
-                timeout_s=self._config.transfer_timeout_s,
-            )
+            for index, (batch, after) in enumerate(batches):
+                self._engine.send(
+                    tid,
+                    req.data_address,
+                    batch,
+                    last=index == len(batches) - 1,
+                    on_complete=on_complete if index == 0 else None,
+                    timeout_s=self._config.transfer_timeout_s,
+                    after=after,
+                )
         except Exception as err:  # kvt refused the send (closed, bad blocks, reused id)
             log.warning(
                 "request %s: kvt refused to send transfer %s to %s: %s; releasing its blocks",
@@ -341,18 +424,18 @@ class Producer:
                 req.data_address,
                 err,
             )
-            if self._offers.get(tid) is offer:
-                del self._offers[tid]
-                offer.timer.cancel()
-                self._results.sent(spec.request_id)
+            with contextlib.suppress(Exception):
+                self._engine.abort(tid, f"send refused on P: {err}")
+            self._release(tid, offer)
             raise TransferError(f"transfer {tid}: send refused on P: {err}") from err
         log.debug(
-            "request %s: sending transfer %s to %s (%d records, %d bytes)",
+            "request %s: sending transfer %s to %s (%d records, %d bytes%s)",
             spec.request_id,
             tid,
             req.data_address,
             blocks.size,
             nbytes,
+            ", layer by layer as computed" if events is not None else "",
         )
         return TransferKvResponse(tid, len(req.block_ids), int(blocks.size), nbytes)
 
@@ -382,11 +465,9 @@ class Producer:
         )
 
     def _send_done(self, tid: str, completion: Any) -> None:
-        offer = self._offers.pop(tid, None)
-        if offer is None:
-            return  # already released by the timeout guard
-        if offer.timer is not None:
-            offer.timer.cancel()
+        offer = self._offers.get(tid)
+        if offer is None or not offer.sending:
+            return  # already released (timeout guard, refusal)
         self._results.count("sends_done" if _is_done(completion) else "sends_failed")
         if not _is_done(completion):
             log.warning(
@@ -395,11 +476,11 @@ class Producer:
                 tid,
                 _describe(completion),
             )
-        self._results.sent(offer.spec.request_id)
+        self._release(tid, offer)
 
     def _send_timed_out(self, tid: str) -> None:
-        offer = self._offers.pop(tid, None)
-        if offer is None:
+        offer = self._offers.get(tid)
+        if offer is None or not offer.sending:
             return
         log.warning(
             "request %s: transfer %s not confirmed within %.1fs; aborting and releasing blocks",
@@ -407,14 +488,16 @@ class Producer:
             tid,
             self._config.transfer_timeout_s,
         )
+        offer.timer = None
         with contextlib.suppress(Exception):
             self._engine.abort(tid, "send timed out on P")
-        self._results.sent(offer.spec.request_id)
+        self._release(tid, offer)
 
     def _lease_expired(self, tid: str) -> None:
-        offer = self._offers.pop(tid, None)
-        if offer is None:
+        offer = self._offers.get(tid)
+        if offer is None or offer.sending:
             return
+        offer.timer = None
         self._results.count("leases_expired")
         log.warning(
             "request %s: no decode instance pulled transfer %s within the %.1fs lease; "
@@ -423,12 +506,14 @@ class Producer:
             tid,
             self._config.lease_s,
         )
-        self._results.sent(offer.spec.request_id)
+        self._release(tid, offer)
 
     def _early_expired(self, tid: str) -> None:
-        early = self._early.pop(tid, None)
+        early = self._early.get(tid)
         if early is None:
             return
+        early.timer = None
+        self._take_early(tid)
         self._results.count("early_pulls_expired")
         log.warning(
             "transfer %s: transfer_kv from %s (D request %s) expired: the request did not "
@@ -444,21 +529,15 @@ class Producer:
     def _release_after_failed_pull(self, tid: str) -> None:
         """A pull for ``tid`` failed for good (one pull per transfer): free P's blocks now."""
         offer = self._offers.get(tid)
-        if offer is None or offer.sending:
-            return
-        self._offers.pop(tid)
-        if offer.timer is not None:
-            offer.timer.cancel()
-        self._results.sent(offer.spec.request_id)
+        if offer is not None and not offer.sending:
+            self._release(tid, offer)
 
     async def close(self) -> None:
         await self._server.close()
-        for early in self._early.values():
-            if early.timer is not None:
-                early.timer.cancel()
-            if not early.future.done():
+        for tid in list(self._early):
+            early = self._take_early(tid)
+            if early is not None:
                 early.future.set_exception(TransferError("prefill instance shutting down"))
-        self._early.clear()
         for offer in self._offers.values():
             if offer.timer is not None:
                 offer.timer.cancel()
@@ -642,6 +721,10 @@ class WorkerSide:
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._closed = False
+        self._layer_index: dict[str, int] = {}
+        # Rapid transfer_kv: readiness of this step's layers, only while a step completes the
+        # prompt of some do_remote_decode request.
+        self._step_events: Any = None
         self._metrics_server: Any = None
         self._metrics_thread: threading.Thread | None = None
         self.rpc_address: str | None = None
@@ -662,6 +745,7 @@ class WorkerSide:
             name=self._name,
             default_timeout_s=self._config.transfer_timeout_s,
         )
+        self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
         region_ids = [self._engine.register_region((b.address, b.nbytes)) for b in geometry.buffers]
         self.local_spec = geometry.spec(region_ids)
         self._loop = LoopThread(name=f"hybrid-connector-{self._name}")
@@ -707,6 +791,15 @@ class WorkerSide:
         if self._loop is None:
             raise TransferError("register_kv_caches was not called before the first step")
         producer, consumer = self._producer, self._consumer
+        if meta.prefill_done and producer is not None:
+            from kvt import CpuLayerEvents
+
+            # Called before the forward pass (bind_connector_metadata): save_kv_layer marks
+            # each layer ready as the pass writes it, wait_for_save marks the rest.
+            events = CpuLayerEvents(len(self._layer_index))
+            self._step_events = events
+            for spec in meta.prefill_done:
+                self._post(producer.prefill_done, spec, events)
         for send in meta.to_send:
             if producer is None:
                 self._results.sent(send.request_id)
@@ -726,6 +819,21 @@ class WorkerSide:
         for release in meta.to_release:
             if consumer is not None:
                 self._post(consumer.release, release)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
+        events = self._step_events
+        if events is not None:
+            index = self._layer_index.get(layer_name)
+            if index is not None:
+                events.mark_ready(index)
+
+    def step_done(self) -> None:
+        """End of the step's forward pass (wait_for_save): every layer is written."""
+        events, self._step_events = self._step_events, None
+        if events is not None:
+            for index in range(len(self._layer_index)):
+                events.mark_ready(index)
 
     def drain(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last drain."""
