@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -159,8 +160,9 @@ async def bench_systems(
 
 def render_table(results: list[SystemResult], title: str) -> Table:
     table = Table(title=title)
-    for col in ("system", "TTFT p50 ms", "TTFT p99 ms", "vs single", "TPOT p50 ms", "TPOT p99 ms"):
-        table.add_column(col, justify="right" if col != "system" else "left")
+    table.add_column("system", no_wrap=True)
+    for col in ("TTFT p50 ms", "TTFT p99 ms", "vs single", "TPOT p50 ms", "TPOT p99 ms"):
+        table.add_column(col, justify="right")
     table.add_column("out tok/s", justify="right")
     table.add_column("same tokens")
     for r in results:
@@ -243,7 +245,7 @@ async def _bench_deployment(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     if args.smoke:
         args.requests, args.prompt_tokens, args.max_tokens = 4, 32, 4
     model = args.model.resolve() if args.model else make_model(default_model_dir())

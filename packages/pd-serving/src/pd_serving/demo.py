@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import sys
 import time
 from pathlib import Path
 
@@ -122,7 +123,7 @@ async def _serve_and_run(
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=100)
     connector = Connector(args.connector)
     dispatch = Dispatch(
         args.dispatch
