@@ -47,6 +47,8 @@ class SystemResult:
     # Greedy answers identical to the first system's (the single instance) for every prompt.
     same_tokens_as_single: bool | None = None
     ttft_p50_vs_single: float | None = None
+    # PD only: mean round trip of the proxy's call to P (from the proxy's own histogram).
+    prefill_call_mean_ms: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -136,9 +138,11 @@ async def bench_systems(
                 console.print(
                     f"  measuring {name} ({len(prompts)} requests, {concurrency} in flight)"
                 )
+            p_before = await _prefill_histogram(session, url)
             results, wall = await run_load(
                 session, url, model, prompts, concurrency=concurrency, max_tokens=max_tokens
             )
+            p_after = await _prefill_histogram(session, url)
             summary = summarize(
                 name,
                 results,
@@ -147,6 +151,10 @@ async def bench_systems(
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,
             )
+            if p_before and p_after and p_after[1] > p_before[1]:
+                summary.prefill_call_mean_ms = (
+                    1000 * (p_after[0] - p_before[0]) / (p_after[1] - p_before[1])
+                )
             if reference is None:
                 reference = results
             else:
@@ -158,12 +166,31 @@ async def bench_systems(
     return out
 
 
+async def _prefill_histogram(
+    session: aiohttp.ClientSession, url: str
+) -> tuple[float, float] | None:
+    """(sum, count) of the proxy's ``pdserve_prefill_seconds``; None when ``url`` is no proxy."""
+    async with session.get(f"{url}/metrics") as resp:
+        if resp.status != 200:
+            return None
+        text = await resp.text()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(("pdserve_prefill_seconds_sum ", "pdserve_prefill_seconds_count ")):
+            name, value = line.split()
+            values[name] = float(value)
+    if len(values) != 2:
+        return None
+    return values["pdserve_prefill_seconds_sum"], values["pdserve_prefill_seconds_count"]
+
+
 def render_table(results: list[SystemResult], title: str) -> Table:
     table = Table(title=title)
     table.add_column("system", no_wrap=True)
     for col in ("TTFT p50 ms", "TTFT p99 ms", "vs single", "TPOT p50 ms", "TPOT p99 ms"):
         table.add_column(col, justify="right")
     table.add_column("out tok/s", justify="right")
+    table.add_column("P call ms", justify="right")
     table.add_column("same tokens")
     for r in results:
         table.add_row(
@@ -174,6 +201,7 @@ def render_table(results: list[SystemResult], title: str) -> Table:
             f"{r.tpot_p50_ms:.1f}",
             f"{r.tpot_p99_ms:.1f}",
             f"{r.output_tokens_per_s:.0f}",
+            "-" if r.prefill_call_mean_ms is None else f"{r.prefill_call_mean_ms:.0f}",
             "-" if r.same_tokens_as_single is None else str(r.same_tokens_as_single).lower(),
         )
     return table
@@ -182,15 +210,17 @@ def render_table(results: list[SystemResult], title: str) -> Table:
 def markdown_table(results: list[SystemResult]) -> str:
     lines = [
         "| system | TTFT p50 ms | TTFT p99 ms | TTFT p50 vs single | TPOT p50 ms | TPOT p99 ms "
-        "| out tok/s | same tokens as single |",
-        "|---|---|---|---|---|---|---|---|",
+        "| out tok/s | P call mean ms | same tokens as single |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ratio = "1.00x" if r.ttft_p50_vs_single is None else f"{r.ttft_p50_vs_single:.2f}x"
         same = "-" if r.same_tokens_as_single is None else str(r.same_tokens_as_single).lower()
+        p_call = "-" if r.prefill_call_mean_ms is None else f"{r.prefill_call_mean_ms:.0f}"
         lines.append(
             f"| {r.name} | {r.ttft_p50_ms:.0f} | {r.ttft_p99_ms:.0f} | {ratio} | "
-            f"{r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | {r.output_tokens_per_s:.0f} | {same} |"
+            f"{r.tpot_p50_ms:.1f} | {r.tpot_p99_ms:.1f} | {r.output_tokens_per_s:.0f} | "
+            f"{p_call} | {same} |"
         )
     return "\n".join(lines)
 
