@@ -121,7 +121,8 @@ class SchedulerSide:
     ) -> None:
         if self._is_producer and _wants_remote_decode(request):
             _transfer_id(request)
-            self._prefilling[request.request_id] = request
+            if request.request_id not in self._announced:  # not again after a preemption
+                self._prefilling[request.request_id] = request
             return
         pull = _pull_params(request)
         if pull is None:
