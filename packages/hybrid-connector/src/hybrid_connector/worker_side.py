@@ -74,6 +74,12 @@ class _Results:
     def count(self, name: str, n: int = 1) -> None:
         with self._cond:
             self._counters[name] += n
+            self._cond.notify_all()
+
+    def wait_count(self, name: str, at_least: int, timeout_s: float) -> bool:
+        """Block until counter ``name`` reaches ``at_least`` (tools and tests, never a step)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._counters[name] >= at_least, timeout_s)
 
     def counters(self) -> dict[str, int]:
         with self._cond:
@@ -838,6 +844,10 @@ class WorkerSide:
     def drain(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last drain."""
         return self._results.drain(wait_s)
+
+    def wait_count(self, name: str, at_least: int, timeout_s: float = 30.0) -> bool:
+        """Block until event counter ``name`` reaches ``at_least``; False on timeout."""
+        return self._results.wait_count(name, at_least, timeout_s)
 
     def counters(self) -> dict[str, int]:
         """Event counts of this worker (offers, pulls_done, leases_expired, ...)."""
