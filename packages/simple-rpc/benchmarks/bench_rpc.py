@@ -466,7 +466,7 @@ def markdown(report: dict) -> str:
     ]
     for label, r in report["ratios"].items():
         met = ("met" if r["met"] else "**missed**") if "target" in r else ""
-        spread = f"{r['min']:.2f} – {r['max']:.2f}"
+        spread = f"{r['min']:.2f} to {r['max']:.2f}"
         target = r.get("target", "").replace("<=", "≤").replace(">=", "≥")
         lines.append(f"| {label} | {r['ratio']:.3f} | {spread} | {target} | {met} |")
     load = ", ".join(f"{x:.1f}" for x in report["loadavg_at_end"])
