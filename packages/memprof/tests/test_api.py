@@ -138,3 +138,18 @@ def test_fork_child_keeps_profiling(tmp_path, profiler):
     assert list(tmp_path.glob(f"memprof-{pid}-*.mprof"))
     keep = [bytearray(10_000) for _ in range(500)]  # the parent samples on as before
     assert memprof.snapshot().total_bytes > 0.5 * 10_000 * len(keep)
+
+
+def test_write_failure_is_reported(tmp_path, profiler, caplog):
+    out = tmp_path / "snaps"
+    profiler.start(out_dir=out, interval=3600)
+    assert memprof.flush(30)
+    out.rename(tmp_path / "moved")  # the directory vanishes under the writer
+    with caplog.at_level("WARNING", logger="memprof"):
+        assert not memprof.flush(30)
+    info = memprof.writer_info()
+    assert info["errors"] >= 1
+    assert "No such file" in info["last_error"]
+    assert "snapshot write" in caplog.text
+    out.mkdir()  # the next write succeeds again
+    assert memprof.flush(30)

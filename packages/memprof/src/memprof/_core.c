@@ -24,6 +24,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <poll.h>
 #include <pthread.h>
@@ -915,6 +916,8 @@ static double g_interval = 60.0;
 static int g_keep = 5;
 static uint64_t g_seq;
 static uint64_t g_written;
+static uint64_t g_write_errors;
+static int g_last_errno;
 static double g_last_write_s;
 static char g_last_path[4096];
 static int g_signum;
@@ -954,6 +957,15 @@ static void writer_write_one(void) {
         pthread_mutex_lock(&g_writer_lock);
         g_written++;
         memcpy(g_last_path, path, sizeof(path));
+        pthread_cond_broadcast(&g_written_cond);
+        pthread_mutex_unlock(&g_writer_lock);
+    } else {
+        /* disk full, directory removed...: counted and reported by writer_info(); the next
+         * interval tries again */
+        int err = errno ? errno : EIO;
+        pthread_mutex_lock(&g_writer_lock);
+        g_write_errors++;
+        g_last_errno = err;
         pthread_cond_broadcast(&g_written_cond);
         pthread_mutex_unlock(&g_writer_lock);
     }
@@ -1193,9 +1205,9 @@ static PyObject *py_writer_request(PyObject *self, PyObject *unused) {
 
 /* wait_written(n, timeout): block (GIL released) until the writer has written n snapshots */
 static PyObject *py_wait_written(PyObject *self, PyObject *args) {
-    unsigned long long target;
+    unsigned long long target, errors_seen = ULLONG_MAX;
     double timeout;
-    if (!PyArg_ParseTuple(args, "Kd", &target, &timeout)) return NULL;
+    if (!PyArg_ParseTuple(args, "Kd|K", &target, &timeout, &errors_seen)) return NULL;
     int ok;
     Py_BEGIN_ALLOW_THREADS struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
@@ -1203,7 +1215,8 @@ static PyObject *py_wait_written(PyObject *self, PyObject *args) {
     dl.tv_sec = (time_t)end;
     dl.tv_nsec = (long)((end - (double)dl.tv_sec) * 1e9);
     pthread_mutex_lock(&g_writer_lock);
-    while (g_written < target && g_writer_running) {
+    /* stop early when a write failed after the caller looked (errors_seen) */
+    while (g_written < target && g_writer_running && (errors_seen == ULLONG_MAX || g_write_errors <= errors_seen)) {
         if (pthread_cond_timedwait(&g_written_cond, &g_writer_lock, &dl) == ETIMEDOUT) break;
     }
     ok = g_written >= target;
@@ -1228,9 +1241,10 @@ static PyObject *py_writer_stop(PyObject *self, PyObject *unused) {
 
 static PyObject *py_writer_info(PyObject *self, PyObject *unused) {
     pthread_mutex_lock(&g_writer_lock);
-    PyObject *r = Py_BuildValue("{s:i,s:K,s:s,s:d}", "running", g_writer_running, "written",
+    PyObject *r = Py_BuildValue("{s:i,s:K,s:s,s:d,s:K,s:s}", "running", g_writer_running, "written",
                                 (unsigned long long)g_written, "last_path", g_last_path, "last_write_s",
-                                g_last_write_s);
+                                g_last_write_s, "errors", (unsigned long long)g_write_errors, "last_error",
+                                g_last_errno ? strerror(g_last_errno) : "");
     pthread_mutex_unlock(&g_writer_lock);
     return r;
 }
@@ -1258,7 +1272,7 @@ static PyMethodDef core_methods[] = {
     {"writer_request", py_writer_request, METH_NOARGS, "ask the writer for a snapshot now"},
     {"writer_stop", py_writer_stop, METH_NOARGS, "write a final snapshot and join the writer thread"},
     {"writer_info", py_writer_info, METH_NOARGS, "writer state"},
-    {"wait_written", py_wait_written, METH_VARARGS, "wait_written(n, timeout) -> True once n snapshots are written"},
+    {"wait_written", py_wait_written, METH_VARARGS, "wait_written(n, timeout, errors_seen=None) -> True once n snapshots are written"},
     {"stats", py_stats, METH_NOARGS, "profiler counters"},
     {"native_available", py_native_available, METH_NOARGS, "None if native mode can start, else the reason"},
     {NULL, NULL, 0, NULL}};
