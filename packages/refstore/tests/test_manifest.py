@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import refstore
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from refstore import Manifest, materialize
 
 LAYERS, K = 3, 2
@@ -87,3 +89,33 @@ def test_errors_are_caller_errors(client):
     client.release(ref)
     with pytest.raises(refstore.ObjectReleased):
         materialize(m, client=client)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_any_reorganisation_materializes_like_numpy(client, lengths, data):
+    """Random permutations, slices, token ranges and concatenations, checked against the same
+    operations done on the rows themselves with numpy."""
+    rows = np.arange(sum(lengths) * 2, dtype=np.int64).reshape(-1, 2)
+    ref = client.put(rows)
+    m = Manifest.from_packed(ref, lengths, dtype=np.int64, row_shape=(2,))
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(int)
+    samples = [rows[s : s + n] for s, n in zip(starts, lengths, strict=True)]
+    order = data.draw(st.permutations(range(len(lengths))))
+    m, samples = m.take(order), [samples[i] for i in order]
+    lo = data.draw(st.integers(0, len(lengths)))
+    hi = data.draw(st.integers(lo, len(lengths)))
+    m, samples = m[lo:hi], samples[lo:hi]
+    a = data.draw(st.integers(0, 5))
+    b = data.draw(st.integers(a, 10))
+    m, samples = m.token_slice(a, b), [s[a:b] for s in samples]
+    if data.draw(st.booleans()):
+        m, samples = m + m, samples + samples
+    expected = np.concatenate(samples) if samples else np.empty((0, 2), np.int64)
+    np.testing.assert_array_equal(materialize(m, client=client), expected)
+    client.release(ref)
