@@ -600,39 +600,43 @@ static PyMemAllocatorEx g_ours[D_COUNT];
 static size_t g_small_limit[D_COUNT]; /* native mode: count only what pymalloc serves itself */
 
 /* The common case -- a request pymalloc serves itself (<= 512 B) or any raw request, and no
- * sample due -- is a countdown decrement and a tail call into the previous allocator. The
- * small path needs no "busy" check: pymalloc does not re-enter the hooks for such sizes, and
- * our own allocations (tls.internal) are refused by sample_slow. */
-#define HOOK_ALLOC(D, NESTS, CALL)                                                                    \
-    if (NESTS && LIKELY(size <= PYMALLOC_SMALL_MAX)) {                                                \
-        if (LIKELY((tls.countdown -= (int64_t)size) >= 0)) return CALL;                               \
-        void *p = CALL;                                                                               \
+ * sample due -- is a countdown decrement and a tail call into the previous allocator; the
+ * rest lives in out-of-line functions so that the fast path needs no stack frame. The small
+ * path needs no "busy" check: pymalloc does not re-enter the hooks for such sizes, and our own
+ * allocations (tls.internal) are refused by sample_slow. */
+#define DEFINE_ALLOC(NAME, D, NESTS, SUFFIX, PARAMS, ARGS, SIZE_EXPR)                                  \
+    static __attribute__((noinline)) void *NAME##_##SUFFIX##_sampled PARAMS {                         \
+        size_t size = SIZE_EXPR;                                                                      \
+        void *p = g_prev[D].SUFFIX ARGS;                                                              \
         if (p) sample_slow(p, size);                                                                  \
         return p;                                                                                     \
     }                                                                                                 \
-    if (UNLIKELY(tls.busy) || size > g_small_limit[D]) return CALL;                                   \
-    if (!NESTS) {                                                                                     \
-        if (LIKELY((tls.countdown -= (int64_t)size) >= 0)) return CALL;                               \
-        void *p = CALL;                                                                               \
-        if (p) sample_slow(p, size);                                                                  \
+    static __attribute__((noinline)) void *NAME##_##SUFFIX##_other PARAMS {                           \
+        size_t size = SIZE_EXPR;                                                                      \
+        if (tls.busy || size > g_small_limit[D]) return g_prev[D].SUFFIX ARGS;                        \
+        if (!NESTS) {                                                                                 \
+            if ((tls.countdown -= (int64_t)size) >= 0) return g_prev[D].SUFFIX ARGS;                  \
+            return NAME##_##SUFFIX##_sampled ARGS;                                                    \
+        }                                                                                             \
+        tls.busy = 1; /* pymalloc forwards this one to the raw domain: count it once, here */        \
+        void *p = g_prev[D].SUFFIX ARGS;                                                              \
+        tls.busy = 0;                                                                                 \
+        account(p, size);                                                                             \
         return p;                                                                                     \
     }                                                                                                 \
-    tls.busy = 1; /* pymalloc forwards this one to the raw domain: count it once, here */            \
-    void *p = CALL;                                                                                   \
-    tls.busy = 0;                                                                                     \
-    account(p, size);                                                                                 \
-    return p;
+    static void *NAME##_##SUFFIX PARAMS {                                                             \
+        size_t size = SIZE_EXPR;                                                                      \
+        if (NESTS && LIKELY(size <= PYMALLOC_SMALL_MAX)) {                                            \
+            if (LIKELY((tls.countdown -= (int64_t)size) >= 0)) return g_prev[D].SUFFIX ARGS;          \
+            return NAME##_##SUFFIX##_sampled ARGS;                                                    \
+        }                                                                                             \
+        return NAME##_##SUFFIX##_other ARGS;                                                          \
+    }
 
 #define DEFINE_HOOKS(NAME, D, NESTS)                                                                   \
-    static void *NAME##_malloc(void *ctx, size_t size) {                                              \
-        (void)ctx;                                                                                    \
-        HOOK_ALLOC(D, NESTS, g_prev[D].malloc(g_prev[D].ctx, size))                                   \
-    }                                                                                                 \
-    static void *NAME##_calloc(void *ctx, size_t nelem, size_t elsize) {                              \
-        (void)ctx;                                                                                    \
-        size_t size = nelem * elsize;                                                                 \
-        HOOK_ALLOC(D, NESTS, g_prev[D].calloc(g_prev[D].ctx, nelem, elsize))                          \
-    }                                                                                                 \
+    DEFINE_ALLOC(NAME, D, NESTS, malloc, (void *ctx, size_t n), (g_prev[D].ctx, n), n)                \
+    DEFINE_ALLOC(NAME, D, NESTS, calloc, (void *ctx, size_t nelem, size_t elsize),                    \
+                 (g_prev[D].ctx, nelem, elsize), nelem * elsize)                                      \
     static void *NAME##_realloc(void *ctx, void *old, size_t size) {                                  \
         (void)ctx;                                                                                    \
         if (tls.busy) return g_prev[D].realloc(g_prev[D].ctx, old, size);                             \
