@@ -728,6 +728,7 @@ class WorkerSide:
         self._consumer: Consumer | None = None
         self._closed = False
         self._layer_index: dict[str, int] = {}
+        self._kv_caches: dict[str, torch.Tensor] = {}
         # Rapid transfer_kv: readiness of this step's layers, only while a step completes the
         # prompt of some do_remote_decode request.
         self._step_events: Any = None
@@ -743,6 +744,8 @@ class WorkerSide:
         num_blocks: int | None = None,
     ) -> None:
         geometry = describe_kv_caches(kv_caches, block_size, num_blocks)
+        # kvt reads and writes these buffers by address: keep them alive while registered.
+        self._kv_caches = dict(kv_caches)
         from kvt import TransferEngine
 
         self._engine = TransferEngine(
@@ -877,3 +880,4 @@ class WorkerSide:
             self._metrics_thread.join()
         if self._engine is not None:
             self._engine.close()
+        self._kv_caches = {}
