@@ -153,3 +153,21 @@ def test_write_failure_is_reported(tmp_path, profiler, caplog):
     assert "snapshot write" in caplog.text
     out.mkdir()  # the next write succeeds again
     assert memprof.flush(30)
+
+
+def test_stop_and_restart_under_tracemalloc(profiler):
+    import tracemalloc
+
+    profiler.start(mean=16 * 1024)
+    tracemalloc.start()  # hooks on top of ours
+    try:
+        memprof.stop()  # cannot unhook: parks its hooks as pass-throughs
+        memprof.start(mean=16 * 1024)  # reuses them instead of hooking on top of tracemalloc
+        keep = [bytearray(20_000) for _ in range(500)]
+        est = sum(
+            s.est_bytes for s in memprof.snapshot().sites() if s.site.function.startswith("test_")
+        )
+        assert 0.7 * 20_000 * len(keep) < est < 1.3 * 20_000 * len(keep)
+        assert tracemalloc.get_traced_memory()[0] >= 20_000 * len(keep)
+    finally:
+        tracemalloc.stop()

@@ -598,6 +598,7 @@ enum { D_RAW, D_MEM, D_OBJ, D_COUNT };
 static PyMemAllocatorEx g_prev[D_COUNT];
 static PyMemAllocatorEx g_ours[D_COUNT];
 static size_t g_small_limit[D_COUNT]; /* native mode: count only what pymalloc serves itself */
+static int g_parked[D_COUNT];          /* stop() could not unhook: still in the chain, g_prev valid */
 
 /* The common case -- a request pymalloc serves itself (<= 512 B) or any raw request, and no
  * sample due -- is a countdown decrement and a tail call into the previous allocator; the
@@ -1099,9 +1100,13 @@ static PyObject *py_start(PyObject *self, PyObject *args, PyObject *kw) {
     g_ours[D_RAW] = (PyMemAllocatorEx){NULL, raw_malloc, raw_calloc, raw_realloc, raw_free};
     g_ours[D_MEM] = (PyMemAllocatorEx){NULL, mem_malloc, mem_calloc, mem_realloc, mem_free};
     g_ours[D_OBJ] = (PyMemAllocatorEx){NULL, obj_malloc, obj_calloc, obj_realloc, obj_free};
-    for (int d = 0; d < D_COUNT; d++) PyMem_GetAllocator(k_domains[d], &g_prev[d]);
+    for (int d = 0; d < D_COUNT; d++)
+        if (!g_parked[d]) PyMem_GetAllocator(k_domains[d], &g_prev[d]);
+    /* g_prev and g_small_limit must be visible before any thread can enter a hook */
+    atomic_thread_fence(memory_order_seq_cst);
     atomic_store(&g_sampling, 1);
-    for (int d = 0; d < D_COUNT; d++) PyMem_SetAllocator(k_domains[d], &g_ours[d]);
+    for (int d = 0; d < D_COUNT; d++)
+        if (!g_parked[d]) PyMem_SetAllocator(k_domains[d], &g_ours[d]);
     g_installed = 1;
     Py_RETURN_NONE;
 }
@@ -1113,8 +1118,13 @@ static PyObject *py_stop(PyObject *self, PyObject *unused) {
         PyMemAllocatorEx cur;
         PyMem_GetAllocator(k_domains[d], &cur);
         /* someone hooked on top of us (e.g. tracemalloc): leave the chain intact, we just stop
-         * sampling (our hooks stay as pass-throughs) */
-        if (cur.malloc == g_ours[d].malloc) PyMem_SetAllocator(k_domains[d], &g_prev[d]);
+         * sampling (our hooks stay as pass-throughs, and start() reuses them) */
+        if (cur.malloc == g_ours[d].malloc) {
+            PyMem_SetAllocator(k_domains[d], &g_prev[d]);
+            g_parked[d] = 0;
+        } else {
+            g_parked[d] = 1;
+        }
     }
     if (g_native) native_uninstall();
     g_native = 0;
