@@ -19,12 +19,19 @@ def cluster(tmp_path_factory):
     mp.setenv("REFSTORE_DIR", directory)
     # Under `uv run`, Ray would package the whole working tree for its workers: not needed here.
     mp.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"REFSTORE_DIR": directory}},
-    )
+    kwargs = {
+        "num_cpus": 2,
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "runtime_env": {"env_vars": {"REFSTORE_DIR": directory}},
+    }
+    try:
+        ray.init(**kwargs)
+    except Exception as err:  # Ray allows its raylet a fixed 30 s: not always enough here
+        if "timed out during startup" not in str(err):
+            raise
+        ray.shutdown()
+        ray.init(**kwargs)
     try:
         rsray.start_masters(pool_size="64M", name="ray-test")
         yield directory

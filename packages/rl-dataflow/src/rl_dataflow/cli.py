@@ -17,13 +17,22 @@ def init_ray(object_store_gib: float = 3.0) -> None:
     os.environ.setdefault("REFSTORE_DIR", tempfile.mkdtemp(prefix="rl-dataflow-"))
     # Under `uv run`, Ray would package the working tree for its workers: not needed here.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=int(object_store_gib * (1 << 30)),
-        runtime_env={"env_vars": {"REFSTORE_DIR": os.environ["REFSTORE_DIR"]}},
-    )
+    kwargs = {
+        "num_cpus": 2,
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "object_store_memory": int(object_store_gib * (1 << 30)),
+        "runtime_env": {"env_vars": {"REFSTORE_DIR": os.environ["REFSTORE_DIR"]}},
+    }
+    try:
+        ray.init(**kwargs)
+    except Exception as err:
+        # Ray gives its raylet a fixed 30 s to register; on a box loaded by other jobs that is
+        # sometimes not enough. One more try, after cleaning up the half-started node.
+        if "timed out during startup" not in str(err):
+            raise
+        ray.shutdown()
+        ray.init(**kwargs)
 
 
 def format_table(results: dict, config: PipelineConfig) -> str:
