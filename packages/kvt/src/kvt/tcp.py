@@ -229,8 +229,10 @@ class TcpLink:
                 log.warning("kvt link to %s failed while sending: %s", self.peer, exc)
             self._fail(f"send failed: {exc}")
         finally:
-            self._drain_queue()
-            self._thread_exit()
+            try:
+                self._drain_queue()
+            finally:
+                self._thread_exit()
 
     def _connect(self) -> bool:
         assert self._connect_to is not None
@@ -290,7 +292,7 @@ class TcpLink:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None and not isinstance(item, bytes):
+            if item is not None and item is not _FLUSH and not isinstance(item, bytes):
                 self._drop_job(item)
 
     def _drop_job(self, job: SendJob) -> None:
