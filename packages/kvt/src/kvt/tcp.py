@@ -333,8 +333,10 @@ class TcpLink:
             log.exception("kvt reader for %s crashed", self.peer)
             reason = f"reader crashed: {exc!r}"
         finally:
-            self._fail(reason if not self._closed else "closed")
-            self._thread_exit()
+            try:
+                self._fail(reason if not self._closed else "closed")
+            finally:
+                self._thread_exit()
 
     @staticmethod
     def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
