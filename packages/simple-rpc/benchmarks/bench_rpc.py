@@ -473,7 +473,7 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"{report['rounds']} rounds, {report['sequential_calls_per_round']} sequential calls and "
-        f"{report['throughput_seconds_per_round']:.0f} s at 64 in flight per competitor per round; "
+        f"{report['throughput_seconds_per_round']:.1f} s at 64 in flight per competitor per round; "
         f"load average at the end {load} on {report['cpus']} CPUs.",
     ]
     return "\n".join(lines)
