@@ -1,9 +1,11 @@
 """``pdserve bench``: TTFT / TPOT of 1P1D against one vLLM instance, same model, same run.
 
 Every system gets the same requests (fixed prompt length, distinct prompts so no prefix-cache
-hits, greedy, ``ignore_eos``) at a fixed concurrency, one system after the other so they never
-compete for the CPU. ``--compare`` brings up single, HybridConnector 1P1D (measured with both
-dispatch modes through two proxies on the same P/D pair) and NixlConnector 1P1D in one run.
+hits, greedy, ``ignore_eos``) at a fixed concurrency; the systems take turns in rounds (a quarter
+of the prompts each), one at a time so they never compete for the CPU, and a burst of load from
+elsewhere falls on all of them. ``--compare`` brings up single, HybridConnector 1P1D (measured
+with both dispatch modes through two proxies on the same P/D pair) and NixlConnector 1P1D in one
+run.
 """
 
 from __future__ import annotations
@@ -118,14 +120,22 @@ async def bench_systems(
     concurrency: int,
     max_tokens: int,
     prompt_tokens: int,
+    rounds: int = 4,
     warmup: int = 2,
     console: Console | None = None,
 ) -> list[SystemResult]:
-    """Measure each (name, base_url) in turn; the first one is the reference for equality."""
-    out: list[SystemResult] = []
-    reference: list[Completion] | None = None
+    """Measure each (name, base_url); the first one is the reference for equality.
+
+    The prompts are split into ``rounds`` slices and the systems take turns slice by slice, so a
+    burst of load from elsewhere on the machine hits every system rather than one.
+    """
+    answers: dict[str, list[Completion | None]] = {
+        name: [None] * len(prompts) for name, _ in systems
+    }
+    walls = dict.fromkeys(answers, 0.0)
+    p_calls: dict[str, list[float]] = {name: [0.0, 0.0] for name in answers}
     async with aiohttp.ClientSession() as session:
-        for name, url in systems:
+        for _name, url in systems:
             await run_load(
                 session,
                 url,
@@ -134,35 +144,48 @@ async def bench_systems(
                 concurrency=concurrency,
                 max_tokens=4,
             )
-            if console:
-                console.print(
-                    f"  measuring {name} ({len(prompts)} requests, {concurrency} in flight)"
+        for r in range(rounds):
+            indexes = list(range(r, len(prompts), rounds))
+            for name, url in systems:
+                if console:
+                    console.print(f"  round {r + 1}/{rounds}: {name} ({len(indexes)} requests)")
+                p_before = await _prefill_histogram(session, url)
+                results, wall = await run_load(
+                    session,
+                    url,
+                    model,
+                    [prompts[i] for i in indexes],
+                    concurrency=concurrency,
+                    max_tokens=max_tokens,
                 )
-            p_before = await _prefill_histogram(session, url)
-            results, wall = await run_load(
-                session, url, model, prompts, concurrency=concurrency, max_tokens=max_tokens
+                p_after = await _prefill_histogram(session, url)
+                if p_before and p_after:
+                    p_calls[name][0] += p_after[0] - p_before[0]
+                    p_calls[name][1] += p_after[1] - p_before[1]
+                walls[name] += wall
+                for i, result in zip(indexes, results, strict=True):
+                    answers[name][i] = result
+    out: list[SystemResult] = []
+    reference = [a for a in answers[systems[0][0]] if a is not None]
+    for name, _ in systems:
+        results = [a for a in answers[name] if a is not None]
+        summary = summarize(
+            name,
+            results,
+            walls[name],
+            concurrency=concurrency,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+        )
+        total, count = p_calls[name]
+        if count:
+            summary.prefill_call_mean_ms = 1000 * total / count
+        if out:
+            summary.same_tokens_as_single = all(
+                a.token_ids == b.token_ids for a, b in zip(reference, results, strict=True)
             )
-            p_after = await _prefill_histogram(session, url)
-            summary = summarize(
-                name,
-                results,
-                wall,
-                concurrency=concurrency,
-                prompt_tokens=prompt_tokens,
-                max_tokens=max_tokens,
-            )
-            if p_before and p_after and p_after[1] > p_before[1]:
-                summary.prefill_call_mean_ms = (
-                    1000 * (p_after[0] - p_before[0]) / (p_after[1] - p_before[1])
-                )
-            if reference is None:
-                reference = results
-            else:
-                summary.same_tokens_as_single = all(
-                    a.token_ids == b.token_ids for a, b in zip(reference, results, strict=True)
-                )
-                summary.ttft_p50_vs_single = summary.ttft_p50_ms / out[0].ttft_p50_ms
-            out.append(summary)
+            summary.ttft_p50_vs_single = summary.ttft_p50_ms / out[0].ttft_p50_ms
+        out.append(summary)
     return out
 
 
