@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 from pd_serving.bench import percentile
-from pd_serving.cli import main
+from pd_serving.cli import READY_LINE, main
 from pd_serving.client import exact_length_prompt, load_tokenizer
+from pd_serving.launcher import ManagedProcess, free_port
+from pd_serving.testing import MODEL, FakeUpstream
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +58,48 @@ def test_percentile() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([1.0, 2.0], 100) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> None:
+    """`pdserve proxy` as a real process: answers through P and D, stops on SIGTERM."""
+    p, d = FakeUpstream("P", kv_params={}), FakeUpstream("D")
+    await p.start()
+    await d.start()
+    port = free_port()
+    proc = ManagedProcess(
+        "proxy",
+        [
+            sys.executable,
+            "-m",
+            "pd_serving.cli",
+            "proxy",
+            "--port",
+            str(port),
+            "--prefill",
+            f"{p.url}@127.0.0.1:1",
+            "--decode",
+            d.url,
+        ],
+        log_path=tmp_path / "proxy.log",
+        ready_marker=READY_LINE,
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+    try:
+        proc.start()
+        await asyncio.wrap_future(proc.ready)
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "x"}
+            ) as resp,
+        ):
+            assert resp.status == 200
+        assert len(p.received) == 1
+        assert d.received[0]["kv_transfer_params"]["remote_rpc_address"] == "127.0.0.1:1"
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGTERM)
+        assert await asyncio.wait_for(asyncio.wrap_future(proc.exited), timeout=30) == 0
+    finally:
+        proc.stop()
+        await p.close()
+        await d.close()

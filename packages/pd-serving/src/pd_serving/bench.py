@@ -25,11 +25,12 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
+from pd_serving.cli import READY_LINE
 from pd_serving.client import Completion, complete, exact_length_prompt, load_tokenizer
 from pd_serving.deploy import Deployment, proxy_config_for
-from pd_serving.launcher import free_port
+from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
 from pd_serving.model import cache_dir, default_model_dir, make_model
-from pd_serving.proxy import Dispatch, PdProxy, serve
+from pd_serving.proxy import Dispatch
 from pd_serving.servers import Connector, CpuSettings, Role, VllmServer, plan_servers
 
 
@@ -254,47 +255,57 @@ def write_json(path: Path, results: list[SystemResult], meta: dict[str, Any]) ->
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-async def _bench_deployment(
+def _proxy_processes(
     deployment: Deployment,
     model: Path,
     *,
     connectors: list[Connector],
     args: argparse.Namespace,
-    prompts: list[Any],
-    console: Console,
-) -> list[SystemResult]:
-    """Proxies in this process for each PD pair (hybrid: both dispatch modes), then measure."""
-    proxies: list[tuple[str, PdProxy]] = []
+    log_dir: Path,
+) -> list[tuple[str, ManagedProcess, str]]:
+    """One `pdserve proxy` process per PD pair and dispatch mode (hybrid: both modes).
+
+    Separate processes, as in a deployment: a proxy sharing the measuring client's event loop
+    would delay both and blur TTFT/TPOT.
+    """
+    out = []
     for connector in connectors:
         dispatches = [Dispatch.SEQUENTIAL]
         if connector is Connector.HYBRID:
             dispatches = [Dispatch.PARALLEL, Dispatch.SEQUENTIAL]
         if args.dispatch and not args.compare:
             dispatches = [Dispatch(args.dispatch)]
+        config = proxy_config_for(deployment.servers, connector)
         for dispatch in dispatches:
-            config = proxy_config_for(
-                deployment.servers, connector, dispatch, model_names=[str(model)]
-            )
-            proxies.append((f"1P1D {connector.value} ({dispatch.value})", PdProxy(config)))
-    runners = []
-    systems = [("single", deployment.by_role(Role.SINGLE)[0].url)]
-    try:
-        for name, proxy in proxies:
             port = free_port()
-            runners.append(await serve(proxy, "127.0.0.1", port))
-            systems.append((name, f"http://127.0.0.1:{port}"))
-        return await bench_systems(
-            systems,
-            str(model),
-            prompts,
-            concurrency=args.concurrency,
-            max_tokens=args.max_tokens,
-            prompt_tokens=args.prompt_tokens,
-            console=console,
-        )
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+            argv = [
+                sys.executable,
+                "-m",
+                "pd_serving.cli",
+                "proxy",
+                "--port",
+                str(port),
+                "--connector",
+                connector.value,
+                "--dispatch",
+                dispatch.value,
+                "--model-name",
+                str(model),
+            ]
+            for b in config.prefill:
+                argv += ["--prefill", f"{b.url}@{b.rpc_address}" if b.rpc_address else b.url]
+            for b in config.decode:
+                argv += ["--decode", b.url]
+            name = f"1P1D {connector.value} ({dispatch.value})"
+            proc = ManagedProcess(
+                f"proxy-{connector.value}-{dispatch.value}",
+                argv,
+                log_path=log_dir / f"proxy-{connector.value}-{dispatch.value}.log",
+                ready_marker=READY_LINE,
+                health_url=f"http://127.0.0.1:{port}/health",
+            )
+            out.append((name, proc, f"http://127.0.0.1:{port}"))
+    return out
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -328,16 +339,28 @@ def run_bench(args: argparse.Namespace) -> int:
     with Deployment(servers) as deployment:
         with console.status("starting vLLM instances (1-3 min each, in parallel)"):
             deployment.start(timeout=args.startup_timeout)
-        results = asyncio.run(
-            _bench_deployment(
-                deployment,
-                model,
-                connectors=connectors,
-                args=args,
-                prompts=prompts,
-                console=console,
-            )
+        proxies = _proxy_processes(
+            deployment, model, connectors=connectors, args=args, log_dir=log_dir
         )
+        try:
+            for _, proc, _ in proxies:
+                proc.start()
+            wait_all_ready([proc for _, proc, _ in proxies], timeout=120)
+            systems = [("single", deployment.by_role(Role.SINGLE)[0].url)]
+            systems += [(name, url) for name, _, url in proxies]
+            results = asyncio.run(
+                bench_systems(
+                    systems,
+                    str(model),
+                    prompts,
+                    concurrency=args.concurrency,
+                    max_tokens=args.max_tokens,
+                    prompt_tokens=args.prompt_tokens,
+                    console=console,
+                )
+            )
+        finally:
+            stop_all([proc for _, proc, _ in proxies])
     title = (
         f"TTFT/TPOT, {args.requests} requests x {args.prompt_tokens} prompt tokens -> "
         f"{args.max_tokens} tokens, concurrency {args.concurrency}"

@@ -110,7 +110,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
 
 
-async def _run_proxy(proxy, host: str, port: int, deployment) -> int:
+async def _run_proxy(proxy, host: str, port: int, deployment=None) -> int:
     from pd_serving.proxy import serve
 
     loop = asyncio.get_running_loop()
@@ -124,7 +124,7 @@ async def _run_proxy(proxy, host: str, port: int, deployment) -> int:
         with contextlib.suppress(RuntimeError):  # the loop may be closed by then
             loop.call_soon_threadsafe(child_exited.set)
 
-    for fut in deployment.exited_futures():
+    for fut in deployment.exited_futures() if deployment is not None else []:
         fut.add_done_callback(on_child_exit)
     runner = await serve(proxy, host, port)
     print(f"{READY_LINE} http://{host}:{port}", flush=True)
@@ -149,6 +149,28 @@ async def _run_proxy(proxy, host: str, port: int, deployment) -> int:
         await runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    """Only the proxy, in front of vLLM instances started elsewhere."""
+    from pd_serving.proxy import Backend, PdProxy, ProxyConfig
+
+    def prefill_backend(spec: str) -> Backend:
+        url, _, rpc = spec.partition("@")
+        return Backend(url=url.rstrip("/"), rpc_address=rpc or None, name=url)
+
+    config = ProxyConfig(
+        prefill=[prefill_backend(spec) for spec in args.prefill],
+        decode=[Backend(url=url.rstrip("/"), name=url) for url in args.decode],
+        connector=Connector(args.connector),
+        dispatch=_dispatch(args),
+        model_names=list(args.model_name),
+    )
+    if config.connector is Connector.HYBRID and any(not b.rpc_address for b in config.prefill):
+        raise SystemExit(
+            "pdserve: with --connector hybrid, give each --prefill as URL@RPC_HOST:PORT"
+        )
+    return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, None))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -182,6 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL[@RPC]")
+    p.add_argument("--decode", action="append", required=True, metavar="URL")
+    p.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
+    p.add_argument("--dispatch", choices=["sequential", "parallel"], default=None)
+    p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")
     _add_instance_options(p)
