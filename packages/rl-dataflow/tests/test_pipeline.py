@@ -39,6 +39,8 @@ def test_three_modes_train_on_identical_recordings(cluster):
     assert results["value"]["r3_checksums"] == results["ref"]["r3_checksums"]
     assert all(results["ref"]["r3_checksums"])
     assert results["ref"]["objects_left"] == 0
+    # The always-on memory profiler runs in the actors (memprof is a dependency; it works here).
+    assert all(step["memprof"] for r in results.values() for step in r["steps"])
     tokens = {mode: [s["tokens"] for s in r["steps"]] for mode, r in results.items()}
     assert tokens["off"] == tokens["value"] == tokens["ref"]
     assert "by ref vs by value" in format_table(results, config)

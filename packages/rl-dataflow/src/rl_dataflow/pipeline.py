@@ -314,7 +314,12 @@ class Trainer:
         timings["materialise"] = materialise_s
         timings["compute"] = compute_s
         timings["train"] = time.perf_counter() - started
-        return {"tokens": tokens_seen, "r3_checksum": r3_checksum, "timings": timings}
+        return {
+            "tokens": tokens_seen,
+            "r3_checksum": r3_checksum,
+            "timings": timings,
+            "memprof": self.memprof,
+        }
 
 
 RolloutActor = ray.remote(num_cpus=0)(Rollout)
