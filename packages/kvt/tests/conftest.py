@@ -72,3 +72,8 @@ def pair(no_leaks):
     yield p, d, src, dst, src_region, dst_region
     p.close()
     d.close()
+
+
+def pytest_configure(config) -> None:
+    # A crash inside a kvt thread must fail the test, not just print a warning.
+    config.addinivalue_line("filterwarnings", "error::pytest.PytestUnhandledThreadExceptionWarning")
