@@ -40,9 +40,10 @@ def test_remote_get_between_two_masters(no_leaks, mode):
         assert a.master.state.counters["remote_fetches"] == 1
         ca.get(ref)  # the local copy is reused, not pulled again
         assert a.master.state.counters["remote_fetches"] == 1
-        ca.release(ref)  # released at its owner
+        ca.release(ref)  # released at its owner, and the local copy with it
         with pytest.raises(refstore.ObjectReleased):
             cb.get(ref)
+        assert ca.stats().objects == 0
 
 
 def test_remote_get_of_a_gone_object_says_why(no_leaks):

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,7 +43,8 @@ log = logging.getLogger("refstore.client")
 
 DEFAULT_TTL_S = float(os.environ.get("REFSTORE_TTL", "300"))
 DEFAULT_TIMEOUT_S = 30.0
-PARALLEL_COPY_MIN = 32 << 20  # below this a second thread costs more than it saves
+PARALLEL_COPY_MIN = 32 << 20
+MAX_REMEMBERED_COPIES = 100_000  # below this a second thread costs more than it saves
 
 
 class _Copier:
@@ -113,6 +115,8 @@ class Client:
         self.address = ""
         self._past_epochs: dict[str, float] = {}
         self._owners: dict[str, SyncClient] = {}  # other nodes' masters, for remote release
+        # remote (pool, oid) -> (local pool, oid) of the copy a remote get made here
+        self._local_copies: OrderedDict[tuple[str, int], tuple[str, int]] = OrderedDict()
         self._attach()
 
     # -- connection ---------------------------------------------------------------------------
@@ -266,6 +270,10 @@ class Client:
                 protocol.Fetch(ref.pool, ref.oid, ref.nbytes, ref.node, fetch_ttl),
                 timeout=max(self.timeout, 120.0),
             )
+            with self._lock:
+                self._local_copies[(ref.pool, ref.oid)] = (resp.epoch, resp.oid)
+                while len(self._local_copies) > MAX_REMEMBERED_COPIES:
+                    self._local_copies.popitem(last=False)
             return resp.offset, resp.layout
 
         offset, layout = self._with_recovery(resolve)
@@ -293,8 +301,8 @@ class Client:
     def release(self, refs: Ref | Iterable[Ref]) -> None:
         """Free now (active release). Views of released objects must not be used any more.
 
-        Refs of other nodes are released at their owner master (the local copy a remote get
-        made is a cache entry here and goes with its lease or under memory pressure)."""
+        Refs of other nodes are released at their owner master, together with the local copy a
+        remote get made here (other clients' copies go with their lease)."""
         local: list[Ref] = []
         remote: dict[str, list[Ref]] = {}
         for ref in [refs] if isinstance(refs, Ref) else refs:
@@ -302,6 +310,10 @@ class Client:
                 local.append(ref)
             else:
                 remote.setdefault(ref.node, []).append(ref)
+                with self._lock:
+                    copy = self._local_copies.pop((ref.pool, ref.oid), None)
+                if copy is not None:
+                    local.append(Ref(copy[0], copy[1], ref.nbytes, self.node))
         for pool, oids in self._by_pool(local, skip_dead=True).items():
             self._with_recovery(
                 lambda p=pool, o=oids: self._call(protocol.RELEASE, protocol.OidList(p, o)),
