@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
 
     table = Table(title=f"{args.mib} MiB between two processes over loopback TCP")
-    for column, justify in (("transfer", "left"), ("GB/s (best)", "right"),
-                            ("GB/s (median)", "right"), ("vs plain", "right"),
-                            ("byte-exact", "center")):  # fmt: skip
+    for column, justify in (("transfer", "left"), ("best GB/s", "right"),
+                            ("median GB/s", "right"), ("vs plain", "right"),
+                            ("exact", "center")):  # fmt: skip
         table.add_column(column, justify=justify)
     plain = result.plain
     table.add_row(plain.label, f"{plain.best_gbps:.2f}", f"{plain.median_gbps:.2f}", "1.00x", "")

@@ -189,7 +189,7 @@ def run_loopback(
                 if round_no == repeats:
                     parent.send(("verify", block_size, block_size))
                     verified[block_size] = parent.recv()
-        plain = Measurement("plain socket, 1 contiguous buffer", total, 1, plain_times, total)
+        plain = Measurement("plain socket, contiguous", total, 1, plain_times, total)
         results = [
             Measurement(f"kvt, {total // b} x {b >> 10} KiB scattered", b, total // b, ts, total)
             for b, ts in kvt_times.items()
