@@ -76,3 +76,14 @@ def test_realloc_moves_the_sample(profiler):
     est = sum(s.est_bytes for s in snap.sites(kind="python") if s.site.function.startswith("test_"))
     truth = sum(sys.getsizeof(x) for x in blobs)
     assert 0.8 * truth < est < 1.3 * truth
+
+
+def test_freed_small_objects_leave_the_snapshot(profiler):
+    # small objects: sampled ones come from the raw domain and their frees reach the raw hook
+    profiler.start(mean=MEAN, seed=9)
+    keep: list = []
+    small_strings(keep, 100_000)
+    before = _estimates(memprof.snapshot()).get("small_strings", 0.0)
+    assert 0.9 * _truth(keep) < before < 1.1 * _truth(keep)
+    keep.clear()
+    assert _estimates(memprof.snapshot()).get("small_strings", 0.0) == 0.0

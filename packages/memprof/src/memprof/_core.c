@@ -599,16 +599,21 @@ static PyMemAllocatorEx g_prev[D_COUNT];
 static PyMemAllocatorEx g_ours[D_COUNT];
 static size_t g_small_limit[D_COUNT]; /* native mode: count only what pymalloc serves itself */
 static int g_parked[D_COUNT];          /* stop() could not unhook: still in the chain, g_prev valid */
+/* Plain pymalloc below us: object/mem frees are not hooked at all. A sampled small block is
+ * then taken from the raw domain instead of pymalloc; pymalloc's free sees a pointer outside
+ * its arenas and hands it to PyMem_RawFree -- our raw hook -- so every free of a sampled block
+ * still reaches us, and the far more common free of an unsampled small block costs nothing. */
+static int g_free_unhooked;
 
 /* The common case -- a request pymalloc serves itself (<= 512 B) or any raw request, and no
  * sample due -- is a countdown decrement and a tail call into the previous allocator; the
  * rest lives in out-of-line functions so that the fast path needs no stack frame. The small
  * path needs no "busy" check: pymalloc does not re-enter the hooks for such sizes, and our own
  * allocations (tls.internal) are refused by sample_slow. */
-#define DEFINE_ALLOC(NAME, D, NESTS, SUFFIX, PARAMS, ARGS, SIZE_EXPR)                                  \
+#define DEFINE_ALLOC(NAME, D, NESTS, SUFFIX, PARAMS, ARGS, RAW_ARGS, SIZE_EXPR)                        \
     static __attribute__((noinline)) void *NAME##_##SUFFIX##_sampled PARAMS {                         \
         size_t size = SIZE_EXPR;                                                                      \
-        void *p = g_prev[D].SUFFIX ARGS;                                                              \
+        void *p = (NESTS && g_free_unhooked) ? g_prev[D_RAW].SUFFIX RAW_ARGS : g_prev[D].SUFFIX ARGS;  \
         if (p) sample_slow(p, size);                                                                  \
         return p;                                                                                     \
     }                                                                                                 \
@@ -635,9 +640,9 @@ static int g_parked[D_COUNT];          /* stop() could not unhook: still in the 
     }
 
 #define DEFINE_HOOKS(NAME, D, NESTS)                                                                   \
-    DEFINE_ALLOC(NAME, D, NESTS, malloc, (void *ctx, size_t n), (g_prev[D].ctx, n), n)                \
+    DEFINE_ALLOC(NAME, D, NESTS, malloc, (void *ctx, size_t n), (g_prev[D].ctx, n), (g_prev[D_RAW].ctx, n), n) \
     DEFINE_ALLOC(NAME, D, NESTS, calloc, (void *ctx, size_t nelem, size_t elsize),                    \
-                 (g_prev[D].ctx, nelem, elsize), nelem * elsize)                                      \
+                 (g_prev[D].ctx, nelem, elsize), (g_prev[D_RAW].ctx, nelem, elsize), nelem * elsize)  \
     static void *NAME##_realloc(void *ctx, void *old, size_t size) {                                  \
         (void)ctx;                                                                                    \
         if (tls.busy) return g_prev[D].realloc(g_prev[D].ctx, old, size);                             \
@@ -1100,8 +1105,19 @@ static PyObject *py_start(PyObject *self, PyObject *args, PyObject *kw) {
     g_ours[D_RAW] = (PyMemAllocatorEx){NULL, raw_malloc, raw_calloc, raw_realloc, raw_free};
     g_ours[D_MEM] = (PyMemAllocatorEx){NULL, mem_malloc, mem_calloc, mem_realloc, mem_free};
     g_ours[D_OBJ] = (PyMemAllocatorEx){NULL, obj_malloc, obj_calloc, obj_realloc, obj_free};
+    int any_parked = g_parked[D_RAW] || g_parked[D_MEM] || g_parked[D_OBJ];
+    if (!any_parked) {
+        const char *name = _PyMem_GetCurrentAllocatorName();
+        g_free_unhooked = name && strcmp(name, "pymalloc") == 0 && !getenv("MEMPROF_HOOK_ALL_FREES");
+    }
     for (int d = 0; d < D_COUNT; d++)
         if (!g_parked[d]) PyMem_GetAllocator(k_domains[d], &g_prev[d]);
+    if (g_free_unhooked) {
+        for (int d = D_MEM; d <= D_OBJ; d++) {
+            g_ours[d].ctx = g_prev[d].ctx; /* our hooks ignore ctx; pymalloc's free gets its own */
+            g_ours[d].free = g_prev[d].free;
+        }
+    }
     /* g_prev and g_small_limit must be visible before any thread can enter a hook */
     atomic_thread_fence(memory_order_seq_cst);
     atomic_store(&g_sampling, 1);
@@ -1264,9 +1280,9 @@ static PyObject *py_writer_info(PyObject *self, PyObject *unused) {
 }
 
 static PyObject *py_stats(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{s:i,s:i,s:d,s:K,s:I,s:I}", "active", g_installed, "native", g_native, "mean", g_mean,
+    return Py_BuildValue("{s:i,s:i,s:d,s:K,s:I,s:I,s:i}", "active", g_installed, "native", g_native, "mean", g_mean,
                          "live_samples", (unsigned long long)atomic_load(&g_live_samples), "stacks", g_nstacks,
-                         "frames", g_nframes);
+                         "frames", g_nframes, "small_frees_hooked", !g_free_unhooked);
 }
 
 static PyObject *py_native_available(PyObject *self, PyObject *unused) {
