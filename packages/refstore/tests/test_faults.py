@@ -59,6 +59,7 @@ import numpy as np
 from refstore import Client
 c = Client("test")
 refs = [c.put(np.full(4 << 20, i, np.uint8), ttl=float(sys.argv[1])) for i in range(3)]
+c.flush()  # every put sealed at the master
 sys.stdout.buffer.write(pickle.dumps(refs))
 sys.stdout.flush()
 os._exit(0)  # dies holding its leases: no release, no close

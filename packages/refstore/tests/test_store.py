@@ -197,3 +197,15 @@ def test_close_is_idempotent_and_views_survive_close(master):
     with pytest.raises(refstore.CallerError, match="closed"):
         c.get(ref)
     del view
+
+
+def test_put_then_close_leaves_a_readable_object(master):
+    """put returns before its seal is acknowledged; close() (and flush()) wait for it."""
+    writer = Client("test")
+    refs = [writer.put(np.full(1000, i)) for i in range(20)]
+    assert writer.flush(timeout=10)
+    refs.append(writer.put(b"last"))
+    writer.close()
+    with Client("test") as reader:
+        assert bytes(reader.get(refs[-1])) == b"last"
+        assert reader.stats().puts == 21

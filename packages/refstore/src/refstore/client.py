@@ -14,6 +14,7 @@ if a new master (new epoch) is running it re-attaches to the new pool, gives ref
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -116,6 +117,7 @@ class Client:
         self._past_epochs: dict[str, float] = {}
         self._owners: dict[str, SyncClient] = {}  # other nodes' masters, for remote release
         # remote (pool, oid) -> (local pool, oid) of the copy a remote get made here
+        self._pending_seals: set[concurrent.futures.Future] = set()
         self._local_copies: OrderedDict[tuple[str, int], tuple[str, int]] = OrderedDict()
         self._attach()
 
@@ -229,11 +231,15 @@ class Client:
         # Sealed without waiting for the answer: the master handles this connection's frames in
         # order, and a get from elsewhere that overtakes the seal waits for it at the master.
         pending = self._rpc.call_future(protocol.SEAL, protocol.Seal(resp.oid), self.timeout)
+        with self._lock:
+            self._pending_seals.add(pending)
         pending.add_done_callback(self._seal_done)
         return Ref(self.epoch, resp.oid, nbytes, self.node)
 
     def _seal_done(self, future: Any) -> None:
         """Runs on the RPC loop thread: log a failed seal (the put's caller has returned)."""
+        with self._lock:
+            self._pending_seals.discard(future)
         if future.cancelled():
             return
         err = future.exception()
@@ -374,7 +380,21 @@ class Client:
             return
         self._call(protocol.SET_FAULTS, protocol.SetFaults(spec))
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every put of this client is sealed at the master (puts return before their
+        seal is acknowledged). True if all are; ``close()`` flushes first."""
+        with self._lock:
+            pending = list(self._pending_seals)
+        if not pending:
+            return True
+        _done, not_done = concurrent.futures.wait(pending, timeout=timeout or self.timeout)
+        return not not_done
+
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+        self.flush()
         with self._lock:
             if self._closed:
                 return
