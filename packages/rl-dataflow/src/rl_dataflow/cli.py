@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
+import shutil
 import sys
 import tempfile
 
@@ -14,7 +16,10 @@ from .pipeline import PipelineConfig, R3Mode, run
 def init_ray(object_store_gib: float = 3.0) -> None:
     import ray
 
-    os.environ.setdefault("REFSTORE_DIR", tempfile.mkdtemp(prefix="rl-dataflow-"))
+    if "REFSTORE_DIR" not in os.environ:
+        # A discovery directory of our own for this run's masters, removed at exit.
+        os.environ["REFSTORE_DIR"] = tempfile.mkdtemp(prefix="rl-dataflow-")
+        atexit.register(shutil.rmtree, os.environ["REFSTORE_DIR"], True)
     # Under `uv run`, Ray would package the working tree for its workers: not needed here.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
     kwargs = {
