@@ -1,12 +1,14 @@
 """Step time of the rl-dataflow pipeline with R3 off, R3 by value (Ray object store) and R3 by ref
-(refstore manifests), side by side in one run (modes interleaved step by step).
+(refstore manifests), side by side in one run (modes interleaved step by step), with the rollout's
+recordings as torch tensors (what an inference engine hands out) and as numpy arrays (Ray's
+cheapest by-value case).
 
     python packages/rl-dataflow/benchmarks/bench_pipeline.py          # 256 MiB of R3 per batch
     python packages/rl-dataflow/benchmarks/bench_pipeline.py --smoke  # tiny, in-process, no Ray
 
-Reported: median step time per mode, by-ref overhead over off (target <= 7%), and by value / by
-ref for the whole step and for the data path (step minus the stand-in model's compute; target
->= 3x). Full mode writes results/pipeline.json.
+Reported, per format: median step time per mode, by-ref overhead over off (target <= 7%), and
+by value / by ref for the whole step and for the data path (step minus the stand-in model's
+compute; target >= 3x). Full mode writes results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import ray
 from rl_dataflow.cli import format_table, init_ray
-from rl_dataflow.pipeline import PipelineConfig, R3Mode, run
+from rl_dataflow.pipeline import PipelineConfig, R3Format, R3Mode, run_formats
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 
@@ -28,8 +30,15 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--train-passes", type=int, default=1)
+    parser.add_argument(
+        "--r3-format",
+        choices=["both", *(f.value for f in R3Format)],
+        default="both",
+        help="the rollout's recordings: torch tensors, numpy arrays, or both side by side",
+    )
     args = parser.parse_args()
     modes = [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF]
+    formats = list(R3Format) if args.r3_format == "both" else [R3Format(args.r3_format)]
     if args.smoke:
         config = PipelineConfig(samples=8, group_size=4, mean_len=64, layers=4, topk=4, hidden=64)
         steps, warmup, store_gib, pool = 1, 0, 0.5, "64M"
@@ -39,26 +48,41 @@ def main() -> int:
     if args.smoke:
         # No Ray: Ray's start-up alone takes 15-60 s on this box. The stages run in-process,
         # which exercises every stage's code path (ref mode through a real refstore master).
-        results = run(config, modes, steps=steps, warmup=warmup, pool_size=pool, local=True)
+        results = run_formats(
+            config, modes, formats, steps=steps, warmup=warmup, pool_size=pool, local=True
+        )
     else:
         init_ray(object_store_gib=store_gib)
         try:
-            results = run(config, modes, steps=steps, warmup=warmup, pool_size=pool)
+            results = run_formats(
+                config, modes, formats, steps=steps, warmup=warmup, pool_size=pool
+            )
         finally:
             ray.shutdown()
-    print(format_table(results, config))
-    summary = {
-        "ref_over_off": results["ref"]["step_s"] / results["off"]["step_s"],
-        "value_over_ref_step": results["value"]["step_s"] / results["ref"]["step_s"],
-        "value_over_ref_data_path": results["value"]["data_path_s"] / results["ref"]["data_path_s"],
-        "r3_mib_per_batch": config.samples * config.mean_len * config.row_bytes / 2**20,
+    summary: dict = {
+        "r3_mib_per_batch": config.samples * config.mean_len * config.row_bytes / 2**20
     }
+    for fmt, by_mode in results.items():
+        print(format_table(by_mode, config, fmt))
+        ref, value, off = by_mode["ref"], by_mode["value"], by_mode["off"]
+        summary[fmt] = {
+            "ref_over_off": ref["step_s"] / off["step_s"],
+            "value_over_ref_step": value["step_s"] / ref["step_s"],
+            "value_over_ref_data_path": value["data_path_s"] / ref["data_path_s"],
+            # The issue's targets: by ref <= 7% over off, and >= 3x faster than by value.
+            "ref_within_7pct_of_off": ref["step_s"] / off["step_s"] <= 1.07,
+            "ref_3x_faster_than_value_step": value["step_s"] / ref["step_s"] >= 3.0,
+        }
+        # Every format's by value and by ref trained on the same bytes.
+        assert value["r3_checksums"] == ref["r3_checksums"], fmt
+        assert ref.get("objects_left", 0) == 0, fmt
     print(json.dumps(summary, indent=1))
     if not args.smoke:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        for entry in results.values():
-            for step in entry["steps"]:
-                step.pop("r3_checksum", None)
+        for by_mode in results.values():
+            for entry in by_mode.values():
+                for step in entry["steps"]:
+                    step.pop("r3_checksum", None)
         config_dict = {f: getattr(config, f) for f in config.__struct_fields__}
         payload = {"config": config_dict, "summary": summary, "results": results}
         RESULTS.write_text(json.dumps(payload, indent=1))

@@ -43,3 +43,25 @@ def test_reorder_and_split_agree(client):
         np.testing.assert_array_equal(v.sample_ids, r.sample_ids)
         np.testing.assert_array_equal(v.r3, refstore.materialize(r.r3, client=client))
         assert [len(t) for t in v.tokens] == list(v.lengths)
+
+
+def test_torch_by_value_reorders_like_numpy(client):
+    torch = pytest.importorskip("torch")
+    by_value, _ = _batches(client)
+    as_torch = Batch(
+        by_value.sample_ids,
+        by_value.prompt_ids,
+        by_value.lengths,
+        by_value.tokens,
+        torch.from_numpy(by_value.r3),
+        by_value.r3_offsets,
+    )
+    order = np.argsort(by_value.prompt_ids, kind="stable")
+    numpy_parts = by_value.reorder(order).split([(0, 3), (3, 5)])
+    torch_parts = as_torch.reorder(order).split([(0, 3), (3, 5)])
+    for n, t in zip(numpy_parts, torch_parts, strict=True):
+        assert isinstance(t.r3, torch.Tensor)
+        # Each micro-batch owns just its rows: pickling it carries no more than that.
+        assert t.r3.untyped_storage().nbytes() == t.r3.numel() * t.r3.element_size()
+        np.testing.assert_array_equal(n.r3, t.r3.numpy())
+        np.testing.assert_array_equal(n.r3_offsets, t.r3_offsets)

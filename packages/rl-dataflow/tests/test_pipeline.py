@@ -7,7 +7,12 @@ import pytest
 
 ray = pytest.importorskip("ray")
 from rl_dataflow.cli import format_table, init_ray  # noqa: E402
-from rl_dataflow.pipeline import PipelineConfig, R3Mode, run  # noqa: E402
+from rl_dataflow.pipeline import (  # noqa: E402
+    PipelineConfig,
+    R3Format,
+    R3Mode,
+    run_formats,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +38,24 @@ def test_three_modes_train_on_identical_recordings(cluster):
         micro_batch_tokens=256,
         verify=True,
     )
-    results = run(config, [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF], steps=2, pool_size="64M")
-    assert set(results) == {"off", "value", "ref"}
-    assert results["off"]["r3_checksums"] == [0, 0]
-    assert results["value"]["r3_checksums"] == results["ref"]["r3_checksums"]
-    assert all(results["ref"]["r3_checksums"])
-    assert results["ref"]["objects_left"] == 0
-    # The always-on memory profiler runs in the actors (memprof is a dependency; it works here).
-    assert all(step["memprof"] for r in results.values() for step in r["steps"])
-    tokens = {mode: [s["tokens"] for s in r["steps"]] for mode, r in results.items()}
-    assert tokens["off"] == tokens["value"] == tokens["ref"]
-    assert "by ref vs by value" in format_table(results, config)
+    by_format = run_formats(
+        config, [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF], list(R3Format), steps=2, pool_size="64M"
+    )
+    assert set(by_format) == {"torch", "numpy"}
+    # R3 off records nothing: one run, shared by both formats.
+    assert by_format["torch"]["off"] is by_format["numpy"]["off"]
+    # Torch and numpy recordings are the same bytes: every checksum agrees across formats.
+    assert by_format["torch"]["ref"]["r3_checksums"] == by_format["numpy"]["ref"]["r3_checksums"]
+    for fmt, results in by_format.items():
+        assert set(results) == {"off", "value", "ref"}
+        assert results["off"]["r3_checksums"] == [0, 0]
+        assert results["value"]["r3_checksums"] == results["ref"]["r3_checksums"]
+        assert all(results["ref"]["r3_checksums"])
+        assert results["ref"]["objects_left"] == 0
+        # The always-on memory profiler runs in the actors (memprof is a dependency; it works).
+        assert all(step["memprof"] for r in results.values() for step in r["steps"])
+        tokens = {mode: [s["tokens"] for s in r["steps"]] for mode, r in results.items()}
+        assert tokens["off"] == tokens["value"] == tokens["ref"]
+        table = format_table(results, config, fmt)
+        assert "by ref vs by value" in table
+        assert f"as {fmt}" in table

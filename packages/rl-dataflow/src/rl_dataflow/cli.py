@@ -10,7 +10,7 @@ import shutil
 import sys
 import tempfile
 
-from .pipeline import PipelineConfig, R3Mode, run
+from .pipeline import PipelineConfig, R3Format, R3Mode, run
 
 
 def init_ray(object_store_gib: float = 3.0) -> None:
@@ -40,11 +40,13 @@ def init_ray(object_store_gib: float = 3.0) -> None:
         ray.init(**kwargs)
 
 
-def format_table(results: dict, config: PipelineConfig) -> str:
+def format_table(results: dict, config: PipelineConfig, r3_format: str | None = None) -> str:
+    """``results``: one format's ``{mode: results}`` (``r3_format``, default the config's)."""
     r3_mib = config.samples * config.mean_len * config.row_bytes / 2**20
     lines = [
         f"R3 recordings per batch: ~{r3_mib:.0f} MiB ({config.samples} samples x ~{config.mean_len}"
-        f" tokens x [{config.layers} layers, top-{config.topk}] int32)",
+        f" tokens x [{config.layers} layers, top-{config.topk}] int32, as"
+        f" {r3_format or config.r3_format})",
         f"{'R3':8} {'step s':>8} {'vs off':>8} {'data path s':>12} {'materialise s':>14}",
     ]
     off = results.get("off", {}).get("step_s")
@@ -75,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--topk", type=int, default=32)
     demo.add_argument("--train-passes", type=int, default=1)
     demo.add_argument("--modes", default="off,value,ref")
+    demo.add_argument(
+        "--r3-format",
+        choices=[f.value for f in R3Format],
+        default=R3Format.TORCH.value,
+        help="the rollout's recordings: torch tensors (as an inference engine's) or numpy arrays",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     config = PipelineConfig(
@@ -83,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         layers=args.layers,
         topk=args.topk,
         train_passes=args.train_passes,
+        r3_format=args.r3_format,
     )
     modes = [R3Mode(m) for m in args.modes.split(",")]
     import ray

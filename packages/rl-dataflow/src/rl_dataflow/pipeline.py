@@ -9,11 +9,14 @@ One step::
                                                      Trainer: materialise -> stand-in step (matmul)
 
 ``Batch`` always carries the token ids by value (small). The R3 recordings (top-k indices, int32
-``[tokens, layers, k]``; hundreds of MiB per batch) travel in one of three ways (``R3Mode``):
+``[tokens, layers, k]``; hundreds of MiB per batch) come out of the rollout as torch tensors (as
+an inference engine's would) or numpy arrays (``R3Format``), and travel in one of three ways
+(``R3Mode``):
 
 - ``off``: not recorded at all (the baseline step time);
-- ``value``: as numpy arrays through Ray's object store; every stage that reorganises samples
-  rebuilds the arrays (a copy) and returns them (another copy into the store);
+- ``value``: as they are (torch tensors or numpy arrays) through Ray's object store; every stage
+  that reorganises samples rebuilds them (a copy) and returns them (another trip through the
+  store; Ray pickles torch tensors, while numpy arrays get its zero-copy path);
 - ``ref``: the rollout puts the recordings into refstore once; the stages reorganise a
   ``refstore.Manifest`` (a few bytes per sample); the trainer gathers them from shared memory
   straight into its final layout (``refstore.materialize``, one copy per byte), then releases them.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import sys
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -49,6 +53,14 @@ class R3Mode(enum.StrEnum):
     REF = "ref"
 
 
+class R3Format(enum.StrEnum):
+    """What the rollout's recordings are: torch tensors (what an inference engine hands out) or
+    numpy arrays (the conservative case: Ray's by-value path is cheapest for numpy)."""
+
+    TORCH = "torch"
+    NUMPY = "numpy"
+
+
 class PipelineConfig(msgspec.Struct, frozen=True):
     samples: int = 64  # responses per step
     group_size: int = 8  # responses per prompt (GRPO-style groups)
@@ -60,6 +72,7 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     micro_batch_tokens: int = 16384
     seed: int = 0
     verify: bool = False  # replay stand-in: crc32 of the recordings (tests) instead of a sum
+    r3_format: str = R3Format.TORCH.value  # the rollout's recordings: "torch" or "numpy"
 
     @property
     def row_bytes(self) -> int:
@@ -83,10 +96,10 @@ class Batch:
         r3, offsets = self.r3, None
         if isinstance(r3, refstore.Manifest):
             r3 = r3.take(order)
-        elif isinstance(r3, np.ndarray):
+        elif r3 is not None:  # by value: a numpy array or a torch tensor
             assert self.r3_offsets is not None
             pieces = [r3[self.r3_offsets[i] : self.r3_offsets[i] + self.lengths[i]] for i in order]
-            r3 = np.concatenate(pieces) if pieces else r3[:0]
+            r3 = _concatenate(pieces) if pieces else r3[:0]
             offsets = np.concatenate(([0], np.cumsum(self.lengths[order])[:-1]))
         return Batch(
             self.sample_ids[order],
@@ -104,12 +117,13 @@ class Batch:
             index = np.arange(begin, end)
             if isinstance(self.r3, refstore.Manifest):
                 r3, offsets = self.r3[begin:end], None
-            elif isinstance(self.r3, np.ndarray):
+            elif self.r3 is not None:  # by value: a numpy array or a torch tensor
                 assert self.r3_offsets is not None
                 lo = self.r3_offsets[begin]
                 hi = self.r3_offsets[end - 1] + self.lengths[end - 1]
-                # A copy: a view would keep the whole batch's array alive in every micro-batch.
-                r3 = self.r3[lo:hi].copy()
+                # A copy: a view would keep the whole batch's array alive in every micro-batch
+                # (and a pickled torch view would carry the whole batch's storage along).
+                r3 = _copy(self.r3[lo:hi])
                 offsets = self.r3_offsets[begin:end] - lo
             else:
                 r3, offsets = None, None
@@ -125,6 +139,23 @@ class Batch:
                 )
             )
         return out
+
+
+def _is_torch_tensor(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def _concatenate(pieces: list[Any]) -> Any:
+    if _is_torch_tensor(pieces[0]):
+        import torch
+
+        return torch.cat(pieces)
+    return np.concatenate(pieces)
+
+
+def _copy(rows: Any) -> Any:
+    return rows.clone() if _is_torch_tensor(rows) else rows.copy()
 
 
 def _start_memprof() -> bool:
@@ -157,16 +188,19 @@ class Rollout:
         self.rngs: dict[str, np.random.Generator] = {}
         self.steps: dict[str, int] = {}
 
-    def generate(self, mode_name: str) -> Batch:
-        """The next batch of ``mode_name``'s sequence (every mode sees the same sequence)."""
+    def generate(self, mode_name: str, format_name: str | None = None) -> Batch:
+        """The next batch of ``mode_name``'s sequence, recordings as ``format_name`` (default: the
+        config's); every mode and format sees the same sequence of samples and recordings."""
         started = time.perf_counter()
         mode = R3Mode(mode_name)
         cfg = self.config
-        if mode_name not in self.rngs:
-            self.rngs[mode_name] = np.random.default_rng(cfg.seed)
-            self.steps[mode_name] = 0
-        rng, step = self.rngs[mode_name], self.steps[mode_name]
-        self.steps[mode_name] += 1
+        r3_format = R3Format(format_name or cfg.r3_format)
+        sequence = f"{mode.value}/{r3_format.value}"
+        if sequence not in self.rngs:
+            self.rngs[sequence] = np.random.default_rng(cfg.seed)
+            self.steps[sequence] = 0
+        rng, step = self.rngs[sequence], self.steps[sequence]
+        self.steps[sequence] += 1
         n = cfg.samples
         lengths = np.clip(
             rng.normal(cfg.mean_len, cfg.mean_len / 4, n).astype(np.int64),
@@ -181,10 +215,18 @@ class Rollout:
         offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
         total = int(lengths.sum())
         start = int(rng.integers(0, self.capacity - total + 1))
-        recordings = self.engine_output[start : start + total]
+        recordings: Any = self.engine_output[start : start + total]
+        if r3_format is R3Format.TORCH and mode is not R3Mode.OFF:
+            import torch
+
+            # A tensor over exactly this batch's rows (its storage is just these rows, so pickling
+            # it carries no more than the batch), as an engine's output tensor would be.
+            recordings = torch.from_numpy(recordings)
         r3: Any = None
         if mode is R3Mode.VALUE:
-            r3 = recordings  # returned from this actor: Ray copies it into its object store
+            # Returned from this actor as it is: Ray copies it into its object store (numpy) or
+            # pickles it there (torch).
+            r3 = recordings
         elif mode is R3Mode.REF:
             ref = rsray.client(REFSTORE_NAME).put({"topk": recordings})  # the one copy
             r3 = refstore.Manifest.from_packed(
@@ -289,6 +331,10 @@ class Trainer:
                 out = self.r3_out[:n] if n <= len(self.r3_out) else np.empty_like(mb.r3)
                 np.copyto(out, mb.r3)
                 r3_rows = out
+            elif mb.r3 is not None:  # a torch tensor, by value
+                out = self.r3_out[:n] if n <= len(self.r3_out) else np.empty(mb.r3.shape, np.int32)
+                torch.from_numpy(out).copy_(mb.r3)
+                r3_rows = out
             materialise_s += time.perf_counter() - t0
             if r3_rows is not None:
                 # A stand-in for replay that reads every recorded byte once.
@@ -340,10 +386,11 @@ class Pipeline:
         self.pack = PackMicroBatchesActor.remote(config.micro_batch_tokens)
         self.trainer = TrainerActor.remote(config)
 
-    def step(self, mode: R3Mode | str) -> dict[str, Any]:
+    def step(self, mode: R3Mode | str, r3_format: R3Format | str | None = None) -> dict[str, Any]:
         """One step end to end; the driver only passes ObjectRefs along (never the batches)."""
         started = time.perf_counter()
-        batch = self.rollout.generate.remote(R3Mode(mode).value)
+        fmt = R3Format(r3_format).value if r3_format else None
+        batch = self.rollout.generate.remote(R3Mode(mode).value, fmt)
         for stage in self.stages:
             batch = stage.run.remote(batch)
         result = ray.get(self.trainer.step.remote(self.pack.run.remote(batch)))
@@ -365,9 +412,10 @@ class LocalPipeline:
         self.pack = PackMicroBatches(config.micro_batch_tokens)
         self.trainer = Trainer(config)
 
-    def step(self, mode: R3Mode | str) -> dict[str, Any]:
+    def step(self, mode: R3Mode | str, r3_format: R3Format | str | None = None) -> dict[str, Any]:
         started = time.perf_counter()
-        batch = self.rollout.generate(R3Mode(mode).value)
+        fmt = R3Format(r3_format).value if r3_format else None
+        batch = self.rollout.generate(R3Mode(mode).value, fmt)
         for stage in self.stages:
             batch = stage.run(batch)
         result = self.trainer.step(self.pack.run(batch))
@@ -387,9 +435,38 @@ def run(
     pool_size: str = "2G",
     local: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Run ``steps`` measured steps per mode (after ``warmup``), modes interleaved step by step so
-    that load from other processes hits all of them alike. Needs ``ray.init()`` done, unless
-    ``local`` (no Ray: stages called in this process, refstore master on a thread)."""
+    """Run ``steps`` measured steps per mode (after ``warmup``), recordings in
+    ``config.r3_format``, modes interleaved step by step so that load from other processes hits
+    all of them alike. Returns ``{mode: results}``. Needs ``ray.init()`` done, unless ``local``
+    (no Ray: stages called in this process, refstore master on a thread)."""
+    fmt = R3Format(config.r3_format)
+    return run_formats(
+        config, modes, [fmt], steps=steps, warmup=warmup, pool_size=pool_size, local=local
+    )[fmt.value]
+
+
+def run_formats(
+    config: PipelineConfig,
+    modes: list[R3Mode],
+    formats: list[R3Format],
+    *,
+    steps: int = 3,
+    warmup: int = 1,
+    pool_size: str = "2G",
+    local: bool = False,
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """Like ``run``, for several recording formats in one run: every (mode, format) interleaved
+    step by step. R3 off records nothing, so it runs once and its results are shared by every
+    format. Returns ``{format: {mode: results}}``."""
+    modes = [R3Mode(m) for m in modes]
+    formats = [R3Format(f) for f in formats]
+    # (label, mode, format): "off" once, the recording modes once per format.
+    runs: list[tuple[str, R3Mode, R3Format | None]] = []
+    for mode in modes:
+        if mode is R3Mode.OFF:
+            runs.append((mode.value, mode, None))
+        else:
+            runs.extend((f"{mode.value}/{fmt.value}", mode, fmt) for fmt in formats)
     master = None
     if R3Mode.REF in modes:
         if local:
@@ -397,16 +474,19 @@ def run(
         else:
             rsray.start_masters(pool_size=pool_size, name=REFSTORE_NAME)
     pipeline = LocalPipeline(config) if local else Pipeline(config)
-    results: dict[str, dict[str, Any]] = {m.value: {"steps": []} for m in modes}
+    by_label: dict[str, dict[str, Any]] = {label: {"steps": []} for label, _, _ in runs}
     try:
         for i in range(warmup + steps):
-            for mode in modes:
-                outcome = pipeline.step(mode)
+            for label, mode, fmt in runs:
+                outcome = pipeline.step(mode, fmt)
                 if i >= warmup:
-                    results[mode.value]["steps"].append(outcome)
+                    by_label[label]["steps"].append(outcome)
         if R3Mode.REF in modes:
             # Every step released what it put: nothing may be left behind.
-            results[R3Mode.REF.value]["objects_left"] = rsray.client(REFSTORE_NAME).stats().objects
+            objects_left = rsray.client(REFSTORE_NAME).stats().objects
+            for label, mode, _ in runs:
+                if mode is R3Mode.REF:
+                    by_label[label]["objects_left"] = objects_left
     finally:
         pipeline.close()
         if R3Mode.REF in modes:
@@ -415,7 +495,7 @@ def run(
                 master.close()
             else:
                 rsray.stop_masters(REFSTORE_NAME)
-    for entry in results.values():
+    for entry in by_label.values():
         times = [s["step_s"] for s in entry["steps"]]
         entry["step_s"] = float(np.median(times))
         entry["r3_checksums"] = [s["r3_checksum"] for s in entry["steps"]]
@@ -426,4 +506,11 @@ def run(
         entry["data_path_s"] = float(
             np.median([s["step_s"] - s["timings"]["compute"] for s in entry["steps"]])
         )
-    return results
+    return {
+        fmt.value: {
+            mode.value: by_label[label]
+            for label, mode, run_fmt in runs
+            if run_fmt is None or run_fmt is fmt
+        }
+        for fmt in formats
+    }
