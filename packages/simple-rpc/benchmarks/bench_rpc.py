@@ -1,10 +1,11 @@
 """simple-rpc against pyzmq (DEALER/ROUTER on zmq.asyncio, REQ/REP sync) and grpcio aio, one run.
 
-Every server runs in its own subprocess (as in a deployment), the clients in this process; every
-competitor encodes/decodes the same ~100-byte msgspec request and answer on both sides, and every
-asyncio side runs on uvloop when it is installed. Measured: round trip p50/p99 with one call at a
-time, and calls/s with 64 calls in flight on one connection/socket/channel. Rounds alternate the
-competitors; the table reports the median over rounds.
+Each measurement runs one server subprocess and one fresh client subprocess, alone: nothing of
+another competitor (grpc's and zmq's background threads, say) lives in either process or beside
+them. Every competitor encodes/decodes the same ~100-byte msgspec request and answer on both sides,
+and every asyncio side runs on uvloop when it is installed. Measured: round trip p50/p99 with one
+call at a time, and calls/s with 64 calls in flight on one connection/socket/channel. Rounds
+alternate the competitors; the table reports the median over rounds.
 
     python packages/simple-rpc/benchmarks/bench_rpc.py            # full: table + results/rpc.json
     python packages/simple-rpc/benchmarks/bench_rpc.py --smoke    # seconds; CI
@@ -155,6 +156,12 @@ def run_server(kind: str) -> None:
         target()
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ServerProcess:
     """One benchmark server subprocess; owns it and terminates it on close()."""
 
@@ -170,9 +177,7 @@ class ServerProcess:
         self.port = int(line)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far (all its threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         self.proc.terminate()
@@ -358,27 +363,46 @@ def available(kind: str) -> bool:
     return True
 
 
-def run_round(servers: dict[str, ServerProcess], seq_calls: int, seconds: float) -> dict:
+class MeasuredServer:
+    """The server as seen from a client subprocess: its port and its CPU clock."""
+
+    def __init__(self, port: int, pid: int) -> None:
+        self.port = port
+        self.pid = pid
+
+    def cpu_seconds(self) -> float:
+        return process_cpu_seconds(self.pid)
+
+
+def measure_in_this_process(how: str, port: int, pid: int, seq_calls: int, seconds: float) -> dict:
+    mode, client = how.split(":")
+    if mode == "sync":
+        if client == "simple_rpc":
+            return measure_sync_simple_rpc(port, seq_calls)
+        return measure_zmq_req(port, seq_calls)
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(
+            measure_async(ASYNC_CLIENTS[client], MeasuredServer(port, pid), seq_calls, seconds)
+        )
+    finally:
+        loop.close()
+
+
+def run_round(kinds: set[str], seq_calls: int, seconds: float) -> dict:
     results = {}
     for name, kind, how in COMPETITORS:
-        if kind not in servers:
+        if kind not in kinds:
             continue
-        server = servers[kind]
-        port = server.port
-        mode, client = how.split(":")
-        if mode == "sync":
-            if client == "simple_rpc":
-                results[name] = measure_sync_simple_rpc(port, seq_calls)
-            else:
-                results[name] = measure_zmq_req(port, seq_calls)
-        else:
-            loop = new_event_loop()
-            try:
-                results[name] = loop.run_until_complete(
-                    measure_async(ASYNC_CLIENTS[client], server, seq_calls, seconds)
-                )
-            finally:
-                loop.close()
+        server = ServerProcess(kind)
+        try:
+            command = [sys.executable, __file__, "--measure", how, "--port", str(server.port)]
+            command += ["--server-pid", str(server.proc.pid), "--calls", str(seq_calls)]
+            command += ["--seconds", str(seconds)]
+            out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+            results[name] = json.loads(out.strip().splitlines()[-1])
+        finally:
+            server.close()
     return results
 
 
@@ -497,6 +521,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a few seconds, for CI")
     parser.add_argument("--serve", choices=sorted(SERVERS), help=argparse.SUPPRESS)
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # client subprocess: "mode:client"
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--markdown", action="store_true", help="print the README table from results/rpc.json"
     )
@@ -509,6 +536,12 @@ def main() -> None:
     if args.serve:
         run_server(args.serve)
         return
+    if args.measure:
+        result = measure_in_this_process(
+            args.measure, args.port, args.server_pid, args.calls, args.seconds
+        )
+        print(json.dumps(result))
+        return
     if args.markdown:
         print(markdown(json.loads(RESULTS.read_text())))
         return
@@ -516,17 +549,10 @@ def main() -> None:
         args.rounds, args.calls, args.seconds = 1, 200, 0.2
 
     kinds = {kind for _, kind, _ in COMPETITORS if available(kind)}
-    servers: dict[str, ServerProcess] = {}
-    try:
-        for kind in sorted(kinds):
-            servers[kind] = ServerProcess(kind)
-        rounds = []
-        for i in range(args.rounds):
-            rounds.append(run_round(servers, args.calls, args.seconds))
-            print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    finally:
-        for server in servers.values():
-            server.close()
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(run_round(kinds, args.calls, args.seconds))
+        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     table = median_of(rounds)
     ratio_rows = ratios(rounds)
     print_table(table, ratio_rows)
