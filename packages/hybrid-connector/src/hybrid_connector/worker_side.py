@@ -97,21 +97,6 @@ class _Results:
                 self._failed.add(request_id)
             self._cond.notify_all()
 
-    def layer_saved(self, layer_name: str) -> None:
-        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
-        events = self._step_events
-        if events is not None:
-            index = self._layer_index.get(layer_name)
-            if index is not None:
-                events.mark_ready(index)
-
-    def step_done(self) -> None:
-        """End of the step's forward pass (wait_for_save): every layer is written."""
-        events, self._step_events = self._step_events, None
-        if events is not None:
-            for index in range(len(self._layer_index)):
-                events.mark_ready(index)
-
     def drain(self, wait_s: float = 0.0) -> tuple[set[str], set[str], set[str]]:
         """Take what finished; with ``wait_s`` > 0 first wait that long for anything to finish
         (vLLM's step never waits; tests and tools outside a step may)."""
@@ -789,9 +774,14 @@ class WorkerSide:
             self._engine.data_address,
         )
 
-    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._loop is not None
-        self._loop.call_soon(fn, *args)
+    @staticmethod
+    def _run_batch(batch: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
+        """Loop thread: one step's work, in order; one failing item does not skip the rest."""
+        for fn, args in batch:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("hybrid-connector: %s failed", getattr(fn, "__qualname__", fn))
 
     def handle_metadata(self, meta: HybridConnectorMetadata) -> None:
         """Queue this step's work on the loop thread; returns at once."""
@@ -800,6 +790,9 @@ class WorkerSide:
         if self._loop is None:
             raise TransferError("register_kv_caches was not called before the first step")
         producer, consumer = self._producer, self._consumer
+        # One hand-over (one wake-up of the loop thread) per step, however many items.
+        batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
+        post = batch.append
         if meta.prefill_done and producer is not None:
             from kvt import CpuLayerEvents
 
@@ -808,26 +801,28 @@ class WorkerSide:
             events = CpuLayerEvents(len(self._layer_index))
             self._step_events = events
             for spec in meta.prefill_done:
-                self._post(producer.prefill_done, spec, events)
+                post((producer.prefill_done, (spec, events)))
         for send in meta.to_send:
             if producer is None:
                 self._results.sent(send.request_id)
             else:
-                self._post(producer.offer, send)
+                post((producer.offer, (send,)))
         for tid in meta.cancel_send:
             if producer is not None:
-                self._post(producer.cancel, tid)
+                post((producer.cancel, (tid,)))
         for recv in meta.to_recv:
             if consumer is None:
                 self._results.received(recv.request_id, failed=True)
             else:
-                self._post(consumer.start, recv)
+                post((consumer.start, (recv,)))
         for request_id in meta.cancel_recv:
             if consumer is not None:
-                self._post(consumer.cancel, request_id)
+                post((consumer.cancel, (request_id,)))
         for release in meta.to_release:
             if consumer is not None:
-                self._post(consumer.release, release)
+                post((consumer.release, (release,)))
+        if batch:
+            self._loop.call_soon(self._run_batch, batch)
 
     def layer_saved(self, layer_name: str) -> None:
         """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
