@@ -162,13 +162,20 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def pin_prefix(cpus: set[int] | None) -> list[str]:
+    """`taskset` prefix that runs a command on ``cpus`` (nothing when None)."""
+    return [] if cpus is None else ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
+
+
 class ServerProcess:
     """One benchmark server subprocess; owns it and terminates it on close()."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, cpus: set[int] | None = None) -> None:
         self.kind = kind
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", kind], stdout=subprocess.PIPE, text=True
+            [*pin_prefix(cpus), sys.executable, __file__, "--serve", kind],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         line = self.proc.stdout.readline()  # blocks until the server listens
         if not line.strip().isdigit():
@@ -262,6 +269,8 @@ async def measure_async(
             await call()
             latencies.append(clock() - start)
         result = latency_stats(latencies)
+        if seconds <= 0:
+            return result
         server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
         calls, elapsed = await throughput(call, seconds)
         cpu = server.cpu_seconds() - server_cpu + time.process_time() - client_cpu
@@ -389,20 +398,36 @@ def measure_in_this_process(how: str, port: int, pid: int, seq_calls: int, secon
         loop.close()
 
 
+def measure_once(
+    how: str, kind: str, seq_calls: int, seconds: float, cpus: set[int] | None
+) -> dict:
+    server = ServerProcess(kind, cpus)
+    try:
+        command = [*pin_prefix(cpus), sys.executable, __file__, "--measure", how]
+        command += ["--port", str(server.port)]
+        command += ["--server-pid", str(server.proc.pid), "--calls", str(seq_calls)]
+        command += ["--seconds", str(seconds)]
+        out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        server.close()
+
+
 def run_round(kinds: set[str], seq_calls: int, seconds: float) -> dict:
+    """Each competitor twice: server and client on one core (sequential latency only: the
+    software's own cost), then wherever the kernel puts them (latency and throughput). On this
+    2-vCPU VM, waking an idle vCPU costs about 40 µs, so with the machine idle the default
+    placement's round trip is mostly two such wake-ups, whatever the RPC does."""
     results = {}
+    one_core = {min(os.sched_getaffinity(0))}
     for name, kind, how in COMPETITORS:
         if kind not in kinds:
             continue
-        server = ServerProcess(kind)
-        try:
-            command = [sys.executable, __file__, "--measure", how, "--port", str(server.port)]
-            command += ["--server-pid", str(server.proc.pid), "--calls", str(seq_calls)]
-            command += ["--seconds", str(seconds)]
-            out = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
-            results[name] = json.loads(out.strip().splitlines()[-1])
-        finally:
-            server.close()
+        pinned = measure_once(how, kind, seq_calls, 0.0, one_core)
+        row = measure_once(how, kind, seq_calls, seconds, None)
+        row["p50_us_one_core"] = pinned["p50_us"]
+        row["p99_us_one_core"] = pinned["p99_us"]
+        results[name] = row
     return results
 
 
@@ -426,6 +451,9 @@ REQ_REP = "pyzmq REQ/REP (sync)"
 GRPC = "grpcio aio unary (generic bytes)"
 # (label, competitor, metric, target or None (reported only), sense)
 CHECKS = [
+    ("p50 one core vs pyzmq DEALER/ROUTER", DEALER, "p50_us_one_core", 0.3, "<="),
+    ("p50 one core vs pyzmq REQ/REP", REQ_REP, "p50_us_one_core", 0.6, "<="),
+    ("p50 one core vs grpcio aio", GRPC, "p50_us_one_core", None, "<="),
     ("p50 vs pyzmq DEALER/ROUTER", DEALER, "p50_us", 0.3, "<="),
     ("p50 vs pyzmq REQ/REP", REQ_REP, "p50_us", 0.6, "<="),
     ("p50 vs grpcio aio", GRPC, "p50_us", None, "<="),
@@ -458,12 +486,18 @@ def ratios(rounds: list[dict]) -> dict:
 
 
 def print_table(table: dict, ratio_rows: dict) -> None:
-    header = f"{'variant':38} {'p50 us':>8} {'p99 us':>8} {'calls/s @64':>12} {'CPU us/call':>12}"
+    header = (
+        f"{'variant':38} {'p50 1core':>9} {'p99 1core':>9} {'p50 us':>8} {'p99 us':>8}"
+        f" {'calls/s @64':>12} {'CPU us/call':>12}"
+    )
     print("\n" + header)
     for name, row in table.items():
         cps = f"{row['calls_per_s']:,.0f}" if "calls_per_s" in row else "-"
         cpu = f"{row['cpu_us_per_call']:.1f}" if "cpu_us_per_call" in row else "-"
-        print(f"{name:38} {row['p50_us']:8.1f} {row['p99_us']:8.1f} {cps:>12} {cpu:>12}")
+        print(
+            f"{name:38} {row['p50_us_one_core']:9.1f} {row['p99_us_one_core']:9.1f}"
+            f" {row['p50_us']:8.1f} {row['p99_us']:8.1f} {cps:>12} {cpu:>12}"
+        )
     print()
     for label, r in ratio_rows.items():
         verdict = ""
@@ -476,13 +510,17 @@ def print_table(table: dict, ratio_rows: dict) -> None:
 def markdown(report: dict) -> str:
     """The README's table, rendered from a results JSON."""
     lines = [
-        "| variant | p50 µs | p99 µs | calls/s, 64 in flight | CPU µs/call |",
-        "|---|---:|---:|---:|---:|",
+        "| variant | p50 µs, one core | p99 µs, one core | p50 µs | p99 µs"
+        " | calls/s, 64 in flight | CPU µs/call |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in report["table"].items():
         cps = f"{row['calls_per_s']:,.0f}" if "calls_per_s" in row else "—"
         cpu = f"{row['cpu_us_per_call']:.1f}" if "cpu_us_per_call" in row else "—"
-        lines.append(f"| {name} | {row['p50_us']:.1f} | {row['p99_us']:.1f} | {cps} | {cpu} |")
+        lines.append(
+            f"| {name} | {row['p50_us_one_core']:.1f} | {row['p99_us_one_core']:.1f}"
+            f" | {row['p50_us']:.1f} | {row['p99_us']:.1f} | {cps} | {cpu} |"
+        )
     lines += [
         "",
         "| ours / theirs | median | rounds' range | target | |",
