@@ -329,13 +329,11 @@ class Master:
         asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self.close()))
         return protocol.Ack()
 
-    # simple_rpc starts handlers eagerly, outside any task, and asyncio.timeout (used by the RPC
-    # client these two call) needs one: run them as tasks.
     async def _fetch(self, req: protocol.Fetch, ctx: CallContext) -> protocol.FetchResp:
-        return await asyncio.ensure_future(self.remote.fetch(req))
+        return await self.remote.fetch(req)
 
     async def _send_to(self, req: protocol.SendTo, ctx: CallContext) -> protocol.SendToResp:
-        return await asyncio.ensure_future(self.remote.send_to(req, ctx.peer))
+        return await self.remote.send_to(req, ctx.peer)
 
     async def _read_range(self, req: protocol.ReadRange, ctx: CallContext) -> bytes:
         obj = self.state.get(req.epoch, req.oid)
