@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from rich.table import Table
 
 from pd_serving.client import Completion, complete, exact_length_prompt, load_tokenizer
 from pd_serving.deploy import Deployment
-from pd_serving.launcher import ChildFailed, free_port
+from pd_serving.launcher import ManagedProcess, free_port, wait_all_ready
 from pd_serving.model import cache_dir, default_model_dir, make_model
 from pd_serving.proxy import Dispatch, PdProxy, serve
 from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
@@ -45,21 +44,12 @@ def _wait_ready_with_progress(deployment: Deployment, console: Console, timeout:
         for proc in processes:
             assert proc is not None
             proc.start()
-        pending = {proc.ready: proc for proc in processes if proc is not None}
-        deadline = time.monotonic() + timeout
-        while pending:
-            done, _ = concurrent.futures.wait(
-                pending,
-                timeout=max(0.0, deadline - time.monotonic()),
-                return_when=concurrent.futures.FIRST_COMPLETED,
-            )
-            if not done:
-                raise ChildFailed(f"not ready after {timeout:.0f} s")
-            for fut in done:
-                proc = pending.pop(fut)
-                fut.result()
-                progress.advance(task)
-                progress.console.print(f"  [green]ready[/green] {proc.name} (log {proc.log_path})")
+
+        def ready(proc: ManagedProcess) -> None:
+            progress.advance(task)
+            progress.console.print(f"  [green]ready[/green] {proc.name} (log {proc.log_path})")
+
+        wait_all_ready([p for p in processes if p is not None], timeout, on_ready=ready)
 
 
 def _ms(seconds: float) -> str:

@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -210,8 +210,14 @@ def start_all(processes: Iterable[ManagedProcess]) -> list[ManagedProcess]:
     return started
 
 
-def wait_all_ready(processes: Sequence[ManagedProcess], timeout: float) -> None:
-    """Block until every child is ready; the first failure (or the timeout) raises at once."""
+def wait_all_ready(
+    processes: Sequence[ManagedProcess],
+    timeout: float,
+    on_ready: Callable[[ManagedProcess], None] | None = None,
+) -> None:
+    """Block until every child is ready; the first failure (or the timeout) raises at once.
+
+    ``on_ready`` is called (on this thread) for each child as it becomes ready."""
     pending = {proc.ready: proc for proc in processes}
     deadline = time.monotonic() + timeout
     while pending:
@@ -227,6 +233,8 @@ def wait_all_ready(processes: Sequence[ManagedProcess], timeout: float) -> None:
             proc = pending.pop(fut)
             fut.result()  # raises ChildFailed
             log.debug("%s is ready", proc.name)
+            if on_ready is not None:
+                on_ready(proc)
 
 
 def stop_all(processes: Iterable[ManagedProcess], timeout: float = 20.0) -> None:
