@@ -39,16 +39,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from hybrid_connector.testing import OFFLINE_VLLM_ENV
+
 RESULTS = Path(__file__).parent / "results" / "prefill_overhead.json"
 
-ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "HF_HUB_OFFLINE": "1",
-}
+ENV = OFFLINE_VLLM_ENV
 
 
 def _free_port() -> int:

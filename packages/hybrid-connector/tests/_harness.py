@@ -14,14 +14,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-ENV = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "HF_HUB_OFFLINE": "1",
-}
+from hybrid_connector.testing import OFFLINE_VLLM_ENV
+
+ENV = OFFLINE_VLLM_ENV
 
 _STEP_PACING_S = 0.002
 

@@ -35,6 +35,16 @@ TINY_MODEL_SPEC: dict[str, int | float | str] = {
 }
 
 # Bump when the recipe changes, so an old directory is rebuilt instead of silently reused.
+# Environment for a fast, quiet, offline vLLM in one process on a small CPU (tests, benchmarks).
+OFFLINE_VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+}
+
 _RECIPE_VERSION = 2
 _SEED = 1234
 _MARKER = "tiny_model_complete.json"
