@@ -141,12 +141,17 @@ def test_payloads_never_corrupted_under_faults_and_eviction(no_leaks):
                         live.append((c.put(data, ttl=None), zlib.crc32(data)))
                     for ref, crc in live[-8:]:
                         try:
+                            # A lease while reading: a view is only valid while its object lives,
+                            # and the other thread's puts evict cache entries at any moment.
+                            c.extend(ref, 30)
                             got = c.get(ref)
                         except (refstore.ObjectEvicted, refstore.InjectedFault):
                             continue
                         checked[seed] += 1
                         if zlib.crc32(got) != crc:
                             errors.append(f"corrupted {ref}")
+                        del got
+                        c.extend(ref, None)  # a cache entry again
 
         threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
         for t in threads:
@@ -155,6 +160,55 @@ def test_payloads_never_corrupted_under_faults_and_eviction(no_leaks):
             t.join()
         assert not errors
         assert min(checked) > 100
+
+
+def test_fast_paths_never_corrupt_under_churn(no_leaks):
+    """As above without faults, so puts take reserved blocks and gets read headers without the
+    master, while eviction recycles blocks under them."""
+    with MasterThread("churnfast", "8M"):
+        errors: list[str] = []
+        counters: list[dict[str, int]] = []
+        dead_refs: list[list[refstore.Ref]] = []
+
+        def worker(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            with Client("churnfast", reserve_budget=1 << 20) as c:
+                live: list[tuple[refstore.Ref, int]] = []
+                dead: list[refstore.Ref] = []
+                for _ in range(300):
+                    size = int(rng.choice([60_000, 100_000, 200_000, 300_000]))
+                    data = rng.integers(0, 255, size, dtype=np.uint8)
+                    with contextlib.suppress(refstore.PoolFull):
+                        live.append((c.put(data, ttl=None), zlib.crc32(data)))
+                    for ref, crc in live[-6:]:
+                        try:
+                            c.extend(ref, 30)
+                            got = c.get(ref)
+                        except refstore.ObjectEvicted:
+                            dead.append(ref)
+                            continue
+                        if zlib.crc32(got) != crc:
+                            errors.append(f"corrupted {ref}")
+                        del got
+                        c.extend(ref, None)
+                    # Refs of evicted objects (their blocks reused since) must be refused, never
+                    # read as whatever lives there now.
+                    for ref in dead[-4:]:
+                        with contextlib.suppress(refstore.ObjectEvicted):
+                            c.get(ref)
+                            errors.append(f"evicted {ref} still readable")
+                    live = live[-60:]
+                counters.append(dict(c.counters))
+                dead_refs.append(dead)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert all(c["fast_puts"] > 100 and c["fast_gets"] > 500 for c in counters), counters
+        assert sum(len(d) for d in dead_refs) > 50  # eviction did recycle blocks
 
 
 def test_fd_env_var_documented():

@@ -133,12 +133,16 @@ def test_eviction_is_lru_of_unleased_and_spares_pins_and_leases(client):
     leased = client.put(np.full(16 * mib, 1, np.uint8))  # leased: never evicted
     pinned = client.put(np.full(8 * mib, 2, np.uint8), ttl=None, pin=True)
     cache = [client.put(np.full(8 * mib, 10 + i, np.uint8), ttl=None) for i in range(4)]
-    client.get(cache[0])  # touch: cache[1] is now the least recently used
+    # A read through the header (no master involved): eviction still sees it, so cache[1] is now
+    # the least recently used.
+    client.get(cache[0])
+    assert client.counters["fast_gets"] == 1
     assert client.stats().evictable == 5
-    # Layout: leased 0-16, pinned 16-24, cache 24-56, free 56-64 MiB. Needs 8 MiB more than is
-    # free: plain LRU would evict cache[1], cache[2], cache[3] until blocks coalesce; refstore
-    # evicts only cache[3], which together with the free tail makes room.
-    client.put(np.zeros(16 * mib, np.uint8))
+    # Layout: leased 0-16, pinned 16-24, cache 24-56, free 56-64 MiB (less the control page and
+    # the headers). Needs 8 MiB more than is free: plain LRU would evict cache[1], cache[2],
+    # cache[3] until blocks coalesce; refstore evicts only cache[3], which together with the free
+    # tail makes room.
+    client.put(np.zeros(16 * mib - (64 << 10), np.uint8))
     assert client.stats().evictions == 1
     with pytest.raises(refstore.ObjectEvicted, match="evicted since"):
         client.get(cache[3])
@@ -209,3 +213,56 @@ def test_put_then_close_leaves_a_readable_object(master):
     with Client("test") as reader:
         assert bytes(reader.get(refs[-1])) == b"last"
         assert reader.stats().puts == 21
+
+
+def test_reads_that_skip_the_master_still_count_for_eviction(client):
+    """A get answered from the header never reaches the master; eviction must still spare it."""
+    mib = 1 << 20
+    cache = [client.put(np.full(15 * mib, i, np.uint8), ttl=None) for i in range(4)]
+    assert client.get(cache[0])[0] == 0  # the oldest entry, read without the master
+    assert client.counters["fast_gets"] == 1
+    client.put(np.zeros(8 * mib, np.uint8))  # any one entry makes room
+    with pytest.raises(refstore.ObjectEvicted):
+        client.get(cache[1])
+    assert client.get(cache[0])[0] == 0
+
+
+def test_repeated_sizes_put_without_a_round_trip(client):
+    """From the third put of a size class on, puts take a reserved block (no alloc round trip);
+    unused reservations go back to the pool at close."""
+    data = [np.full(100_000 + i, i % 251, np.uint8) for i in range(10)]
+    refs = []
+    for d in data:
+        refs.append(client.put(d))
+        client.flush()  # the reservation asked for by this put has landed
+    assert client.counters["fast_puts"] == 8
+    for ref, d in zip(refs, data, strict=True):
+        np.testing.assert_array_equal(client.get(ref), d)
+    client.flush()
+    stats = client.stats()
+    assert stats.reserves >= 8
+    assert 1 <= stats.reserved <= 2  # blocks for the next puts
+    assert stats.objects == 10  # reserved blocks are counted apart
+    client.release(refs)
+    client.close()
+    with Client("test") as other:
+        stats = other.stats()
+        assert stats.objects == stats.reserved == stats.used == 0
+
+
+def test_header_fast_path_defers_to_the_master_for_the_reason(client):
+    ref = client.put(np.arange(10))
+    client.release(ref)
+    with pytest.raises(refstore.ObjectReleased, match="released since"):
+        client.get(ref)
+    assert client.counters["fast_gets"] == 0
+    # A forged ref pointing at a live object's header, with another oid: not taken for it.
+    live = client.put(np.arange(10))
+    forged = refstore.Ref(live.pool, live.oid + 1000, live.nbytes, live.node, live.at)
+    with pytest.raises(refstore.UnknownObject):
+        client.get(forged)
+    # A ref pointing into the middle of a payload is not taken for an object either.
+    payload = client.put(np.zeros(1 << 16, np.uint8))
+    stray = refstore.Ref(payload.pool, payload.oid, payload.nbytes, payload.node, payload.at + 64)
+    np.testing.assert_array_equal(client.get(stray), 0)  # the master path answers
+    assert client.counters["fast_gets"] == 0

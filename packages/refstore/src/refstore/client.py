@@ -1,8 +1,22 @@
 """The client: put / get / release / extend / pin / stats against the node-local master.
 
-A put is two small RPCs (alloc, seal) around one copy of the payload straight into the mapped pool;
-a get is one RPC (resolve the ref to an offset) and a zero-copy view, whatever the size. A ref owned
-by another node's master is fetched into the local pool by the local master (``remote.py``) first.
+Fast paths (no round trip to the master, see ``header.py``):
+
+- **get** of a local ref checks the object's header in shared memory (magic, state, oid, tag) and
+  builds zero-copy views from the layout stored there: about 5 µs whatever the size. Anything the
+  header cannot vouch for (freed, expired, evicted, not sealed yet, another epoch) goes to the
+  master, which answers with the typed reason or waits for the seal.
+- **put** of a size this client has put before takes a block it **reserved** ahead of time (up
+  to two per size class, classes 1/8 of a power of two apart, at most ``reserve_budget`` bytes in
+  all), copies the payload and writes the header, then commits the block without waiting for the
+  answer, and asks for the next reservation in the background. Other sizes take an ``alloc``
+  round trip first. Both seal asynchronously: a get that overtakes the seal waits for it.
+
+While the master has a fault plan (``faults.py``) the pool's control page tells clients to send
+every operation to the master, so that injected faults apply to all of them.
+
+A ref owned by another node's master is fetched into the local pool by the local master
+(``remote.py``) first.
 
 Threads: the client owns a ``SyncClient`` (its loop thread) and, lazily, one copy thread for large
 puts; ``close()`` stops both and unmaps the pool once no view is left. The client is thread-safe.
@@ -16,13 +30,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -30,7 +45,7 @@ from typing import Any
 import numpy as np
 from simple_rpc import RpcError, SyncClient
 
-from . import codec, discovery, protocol
+from . import codec, discovery, header, protocol
 from .errors import (
     CallerError,
     MasterRestarted,
@@ -45,7 +60,12 @@ log = logging.getLogger("refstore.client")
 DEFAULT_TTL_S = float(os.environ.get("REFSTORE_TTL", "300"))
 DEFAULT_TIMEOUT_S = 30.0
 PARALLEL_COPY_MIN = 32 << 20
-MAX_REMEMBERED_COPIES = 100_000  # below this a second thread costs more than it saves
+MAX_REMEMBERED_COPIES = 100_000
+RESERVE_MAX_BLOCK = 16 << 20  # above this a put's round trip is small next to its copy
+RESERVE_BUDGET_MAX = 64 << 20
+RESERVE_DEPTH = 2  # blocks per class in stock or on their way: back-to-back puts find one ready
+# A reservation older than this is not used: the master frees unused ones after WRITE_TIMEOUT_S.
+RESERVATION_MAX_AGE_S = 30.0
 
 
 class _Copier:
@@ -65,12 +85,14 @@ class _Copier:
             return self._pool
 
     def copy_numpy(self, target: np.ndarray, source: np.ndarray) -> None:
-        if (
-            self.threads < 2
-            or source.nbytes < PARALLEL_COPY_MIN
-            or not source.flags.c_contiguous
-            or source.ndim == 0
-        ):
+        contiguous = source.flags.c_contiguous and target.flags.c_contiguous and source.ndim > 0
+        if contiguous and source.nbytes < PARALLEL_COPY_MIN and source.dtype == target.dtype:
+            # memcpy holding the GIL: numpy releases it around the copy, and on a busy process (a
+            # Ray actor's own threads) getting it back costs more than a sub-millisecond copy.
+            dst = memoryview(target.reshape(-1).view(np.uint8))
+            dst[:] = memoryview(source.reshape(-1).view(np.uint8))
+            return
+        if self.threads < 2 or source.nbytes < PARALLEL_COPY_MIN or not contiguous:
             np.copyto(target, source, casting="no")
             return
         flat_dst = target.reshape(-1).view(np.uint8)
@@ -90,6 +112,69 @@ class _Copier:
                 self._pool = None
 
 
+def size_class(nbytes: int) -> int:
+    """Round up to one of 8 classes per power of two (at most 12.5% of a block unused)."""
+    if nbytes <= 4096:
+        return max(256, -(-nbytes // 256) * 256)
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+class _Reservations:
+    """Blocks taken ahead of time for the next put of each size class this client has put twice.
+
+    All methods run under the client's lock; reserved blocks arrive with the answers to seals,
+    on the RPC loop thread.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.stock: dict[int, deque[tuple[int, int, float]]] = {}  # class -> (oid, at, taken)
+        self.in_flight: dict[int, int] = {}  # class -> outstanding RESERVE calls
+        self.seen: OrderedDict[int, int] = OrderedDict()  # class -> puts, most recent last
+        self.bytes = 0  # in stock + in flight
+
+    def take(self, block: int, now: float) -> tuple[int, int] | None:
+        stock = self.stock.get(block)
+        while stock:
+            oid, at, taken = stock.popleft()
+            self.bytes -= block
+            if now - taken < RESERVATION_MAX_AGE_S:
+                return oid, at
+        return None
+
+    def wanted(self, block: int) -> bool:
+        """Count a put of this class; True if a reservation should be asked for now."""
+        self.seen[block] = self.seen.get(block, 0) + 1
+        self.seen.move_to_end(block)
+        while len(self.seen) > 64:
+            self.seen.popitem(last=False)
+        if block > RESERVE_MAX_BLOCK or self.seen[block] < 2:
+            return False
+        if len(self.stock.get(block, ())) + self.in_flight.get(block, 0) >= RESERVE_DEPTH:
+            return False
+        if self.bytes + block > self.budget:
+            return False
+        self.in_flight[block] = self.in_flight.get(block, 0) + 1
+        self.bytes += block
+        return True
+
+    def arrived(self, block: int, oid: int | None, at: int, now: float) -> None:
+        self.in_flight[block] -= 1
+        if oid is None:
+            self.bytes -= block
+            return
+        self.stock.setdefault(block, deque()).append((oid, at, now))
+
+    def drain(self) -> list[int]:
+        """Forget every block in stock; returns their oids (to release)."""
+        oids = [oid for stock in self.stock.values() for oid, _, _ in stock]
+        for block, stock in self.stock.items():
+            self.bytes -= block * len(stock)
+        self.stock.clear()
+        return oids
+
+
 class Client:
     """Connect with ``refstore.connect()`` (finds or starts the local master) or directly."""
 
@@ -100,12 +185,15 @@ class Client:
         address: str | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         default_ttl: float | None = DEFAULT_TTL_S,
+        reserve_budget: int | None = None,
     ) -> None:
         self.name = name
+        self._reserve_budget = reserve_budget
         self.timeout = timeout
         self.default_ttl = default_ttl
         self._fixed_address = address
         self._lock = threading.RLock()
+        self._reservation_landed = threading.Condition(self._lock)
         self._copier = _Copier()
         self._rpc: SyncClient | None = None
         self._pool: SharedPool | None = None
@@ -119,6 +207,9 @@ class Client:
         # remote (pool, oid) -> (local pool, oid) of the copy a remote get made here
         self._pending_seals: set[concurrent.futures.Future] = set()
         self._local_copies: OrderedDict[tuple[str, int], tuple[str, int]] = OrderedDict()
+        self._reservations = _Reservations(0)
+        self._tag_key = 0
+        self.counters = dict.fromkeys(("puts", "gets", "fast_puts", "fast_gets"), 0)
         self._attach()
 
     # -- connection ---------------------------------------------------------------------------
@@ -157,8 +248,16 @@ class Client:
                 "refstore master %s restarted: epoch %s -> %s", self.name, self.epoch, hello.epoch
             )
         old_rpc, old_pool = self._rpc, self._pool
-        self._rpc, self._pool = rpc, pool
-        self.epoch, self.node, self.address = hello.epoch, hello.node, address
+        with self._lock:
+            self._rpc, self._pool = rpc, pool
+            self.epoch, self.node, self.address = hello.epoch, hello.node, address
+            self._tag_key = header.epoch_key(hello.epoch)
+            # Reservations of the old master's pool went with it.
+            self._reservations.drain()
+            budget = min(RESERVE_BUDGET_MAX, hello.pool_size // 32)
+            self._reservations = _Reservations(
+                budget if self._reserve_budget is None else self._reserve_budget
+            )
         if old_rpc is not None:
             old_rpc.close()
         if old_pool is not None:
@@ -217,35 +316,91 @@ class Client:
     def _put(
         self, layout: protocol.Layout, sources: list[Any], nbytes: int, ttl_s: Any, pin: bool
     ) -> Ref:
-        resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin))
-        pool = self._pool
+        layout_bytes = header.encode_layout(layout)
+        hlen = header.header_len(layout_bytes)
+        rpc, pool, epoch, key = self._rpc, self._pool, self.epoch, self._tag_key
+        assert rpc is not None
         assert pool is not None
+        block = size_class(hlen + nbytes)
+        reserved = None
+        ask = 0
+        if rpc.connected and not header.control_flags(pool.view) & header.FLAG_MASTER_PATH:
+            with self._lock:
+                reserved = self._reservations.take(block, time.monotonic())
+                ask = block if self._reservations.wanted(block) else 0
         try:
-            for item, source in zip(layout.items, sources, strict=True):
-                start = resp.offset + item.offset
-                codec.copy_into(pool.view[start : start + item.nbytes], source, item, self._copier)
+            if reserved is not None:
+                oid, at = reserved
+            else:
+                resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
+                oid, at = resp.oid, resp.offset
+            try:
+                for item, source in zip(layout.items, sources, strict=True):
+                    start = at + hlen + item.offset
+                    codec.copy_into(
+                        pool.view[start : start + item.nbytes], source, item, self._copier
+                    )
+                header.write(
+                    pool.view,
+                    at,
+                    oid=oid,
+                    key=key,
+                    layout_bytes=layout_bytes,
+                    hlen=hlen,
+                    nbytes=nbytes,
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
+                raise
+            # Sealed without waiting for the answer: the master handles this connection's frames
+            # in order, and a get from elsewhere that overtakes the seal waits for it there. The
+            # seal also asks for the block of a later put: one message, one wake-up of the loop
+            # thread per put, and none before the copy.
+            if reserved is not None:
+                message = protocol.Commit(oid, nbytes, hlen, layout, ttl_s, pin, ask)
+                pending = rpc.call_future(protocol.COMMIT, message, self.timeout)
+            else:
+                pending = rpc.call_future(protocol.SEAL, protocol.Seal(oid, ask), self.timeout)
         except BaseException:
-            with contextlib.suppress(Exception):
-                self._call(protocol.RELEASE, protocol.OidList(self.epoch, [resp.oid]))
+            if ask:
+                with self._lock:
+                    self._reservations.arrived(ask, None, 0, 0.0)
             raise
-        # Sealed without waiting for the answer: the master handles this connection's frames in
-        # order, and a get from elsewhere that overtakes the seal waits for it at the master.
-        pending = self._rpc.call_future(protocol.SEAL, protocol.Seal(resp.oid), self.timeout)
         with self._lock:
             self._pending_seals.add(pending)
-        pending.add_done_callback(self._seal_done)
-        return Ref(self.epoch, resp.oid, nbytes, self.node)
+            self.counters["puts"] += 1
+            self.counters["fast_puts"] += reserved is not None
+        pending.add_done_callback(functools.partial(self._sealed, ask, epoch, rpc))
+        return Ref(epoch, oid, nbytes, self.node, at)
 
-    def _seal_done(self, future: Any) -> None:
-        """Runs on the RPC loop thread: log a failed seal (the put's caller has returned)."""
+    def _sealed(self, block: int, epoch: str, rpc: SyncClient, future: Any) -> None:
+        """On the RPC loop thread (no blocking calls): log a failed seal (the put's caller has
+        returned) and stock the block reserved with it."""
         with self._lock:
             self._pending_seals.discard(future)
+        resp = err = None
         if future.cancelled():
+            err = "cancelled"
+        elif future.exception() is not None:
+            err = future.exception()
+        else:
+            resp = future.result()
+            err = resp.err
+        if err is not None:
+            log.warning("refstore seal failed on %s: %s", self.address, err)
+        if not block:
             return
-        err = future.exception()
-        resp_err = None if err is not None else getattr(future.result(), "err", None)
-        if err is not None or resp_err is not None:
-            log.warning("refstore seal failed on %s: %s", self.address, err or resp_err)
+        oid = resp.oid if resp is not None and err is None and resp.oid else None
+        with self._lock:
+            current = self.epoch == epoch and not self._closed
+            at = resp.offset if oid is not None else 0
+            self._reservations.arrived(block, oid if current else None, at, time.monotonic())
+            self._reservation_landed.notify_all()
+        if oid is not None and not current:
+            # Reserved in a pool this client has left or closed: give it back.
+            with contextlib.suppress(Exception):
+                rpc.call_future(protocol.RELEASE, protocol.OidList(epoch, [oid]), self.timeout)
 
     # -- get ----------------------------------------------------------------------------------
     def get(
@@ -265,6 +420,21 @@ class Client:
         if not isinstance(ref, Ref):
             raise CallerError(f"expected a refstore.Ref, got {type(ref).__name__}")
 
+        pool, rpc = self._pool, self._rpc
+        # Not connected: the master may be gone (its pool stays mapped here, readable but no
+        # longer kept); the master path finds out and says so.
+        if ref.pool == self.epoch and ref.at >= 0 and pool is not None and rpc.connected:
+            view = pool.view
+            if not header.control_flags(view) & header.FLAG_MASTER_PATH:
+                found = header.read_sealed(view, ref.at, ref.oid, self._tag_key)
+                if found is not None:
+                    header.touch(view, ref.at, time.monotonic_ns())
+                    with self._lock:
+                        self.counters["gets"] += 1
+                        self.counters["fast_gets"] += 1
+                    base = view if writable else pool.readonly_view
+                    return codec.decode(base, found[0], found[1], as_, writable)
+
         def resolve() -> tuple[int, protocol.Layout]:
             if ref.pool == self.epoch:
                 resp = self._call(protocol.GET, protocol.Get(ref.pool, ref.oid))
@@ -283,6 +453,8 @@ class Client:
             return resp.offset, resp.layout
 
         offset, layout = self._with_recovery(resolve)
+        with self._lock:
+            self.counters["gets"] += 1
         pool = self._pool
         assert pool is not None
         base = pool.view if writable else pool.readonly_view
@@ -391,6 +563,7 @@ class Client:
         return not not_done
 
     def close(self) -> None:
+        """Flush pending seals, give unused reservations back, close the connection."""
         with self._lock:
             if self._closed:
                 return
@@ -398,7 +571,17 @@ class Client:
         with self._lock:
             if self._closed:
                 return
+            # A seal's future is done before its callback has stocked the block it reserved.
+            self._reservation_landed.wait_for(
+                lambda: not any(self._reservations.in_flight.values()), self.timeout
+            )
             self._closed = True
+            unused = self._reservations.drain()
+        if unused and self._rpc is not None:
+            with contextlib.suppress(RpcError):
+                self._rpc.call(
+                    protocol.RELEASE, protocol.OidList(self.epoch, unused), timeout=self.timeout
+                )
         if self._rpc is not None:
             self._rpc.close()
         for owner in self._owners.values():

@@ -28,8 +28,8 @@ from typing import Any
 
 from simple_rpc import CallContext, LoopThread, Method, Server
 
-from . import discovery, protocol
-from .errors import CallerError, RefstoreError, to_info
+from . import discovery, header, protocol
+from .errors import CallerError, PoolFull, RefstoreError, to_info
 from .faults import FaultPlan
 from .pool import SharedPool, shmem_hugepages_mode
 from .remote import RemotePuller
@@ -65,7 +65,14 @@ class Master:
         self.pool = pool
         self.epoch = epoch
         self.faults = faults
-        self.state = MasterState(pool.size, epoch)
+        self.state = MasterState(
+            pool.size,
+            epoch,
+            reserved_prefix=header.CONTROL_BYTES,
+            on_free=self._mark_freed,
+            last_read_ns=self._last_read_ns,
+        )
+        self._publish_flags()
         self.server = Server(name=f"refstore-master-{name}")
         self._advertise = advertise
         self._timer: asyncio.TimerHandle | None = None
@@ -79,6 +86,7 @@ class Master:
         for method, handler in (
             (protocol.HELLO, self._hello),
             (protocol.ALLOC, self._alloc),
+            (protocol.COMMIT, self._commit),
             (protocol.SEAL, self._seal),
             (protocol.GET, self._get),
             (protocol.DESCRIBE, self._describe),
@@ -170,6 +178,16 @@ class Master:
         log.info("refstore master %s epoch %s closed", self.name, self.epoch)
 
     # -- plumbing -----------------------------------------------------------------------------
+    def _mark_freed(self, obj: Any) -> None:
+        header.mark_freed(self.pool.view, obj.offset)
+
+    def _last_read_ns(self, obj: Any) -> int:
+        return header.last_access(self.pool.view, obj.offset) if obj.header else 0
+
+    def _publish_flags(self) -> None:
+        """While faults are planned, clients send every operation here so that they apply."""
+        header.write_control(self.pool.view, header.FLAG_MASTER_PATH if self.faults else 0)
+
     def _wrap(
         self, method: Method, handler: Callable[[Any, CallContext], Awaitable[Any]]
     ) -> Callable[[Any, CallContext], Awaitable[Any]]:
@@ -226,15 +244,40 @@ class Master:
         )
 
     async def _alloc(self, req: protocol.Alloc, ctx: CallContext) -> protocol.AllocResp:
-        obj = self.state.alloc(req.nbytes, req.layout, req.ttl_s, req.pin)
+        obj = self.state.alloc(req.nbytes, req.layout, req.ttl_s, req.pin, req.header)
         return protocol.AllocResp(oid=obj.oid, offset=obj.offset)
 
-    async def _seal(self, req: protocol.Seal, ctx: CallContext) -> protocol.Ack:
+    async def _commit(self, req: protocol.Commit, ctx: CallContext) -> protocol.AllocResp:
+        self.state.commit(
+            req.oid,
+            nbytes=req.nbytes,
+            header=req.header,
+            layout=req.layout,
+            ttl_s=req.ttl_s,
+            pin=req.pin,
+        )
+        self._wake_seal_waiters(req.oid)
+        return self._reserve(req.reserve)
+
+    async def _seal(self, req: protocol.Seal, ctx: CallContext) -> protocol.AllocResp:
         self.state.seal(req.oid)
-        for waiter in self._seal_waiters.pop(req.oid, ()):
+        self._wake_seal_waiters(req.oid)
+        return self._reserve(req.reserve)
+
+    def _reserve(self, nbytes: int) -> protocol.AllocResp:
+        """The block a client asked for with its seal, for its next put (none if no room)."""
+        if nbytes <= 0:
+            return protocol.AllocResp()
+        try:
+            obj = self.state.reserve(nbytes)
+        except PoolFull:
+            return protocol.AllocResp()
+        return protocol.AllocResp(oid=obj.oid, offset=obj.offset)
+
+    def _wake_seal_waiters(self, oid: int) -> None:
+        for waiter in self._seal_waiters.pop(oid, ()):
             if not waiter.done():
                 waiter.set_result(None)
-        return protocol.Ack()
 
     async def _until_sealed(self, epoch: str, oid: int) -> None:
         """Clients seal without waiting for the answer (it saves a round trip per put), so a ref
@@ -268,12 +311,12 @@ class Master:
         if obj is None or not obj.sealed:
             await self._until_sealed(req.epoch, req.oid)
         obj = self.state.get(req.epoch, req.oid)
-        return protocol.GetResp(offset=obj.offset, nbytes=obj.nbytes, layout=obj.layout)
+        return protocol.GetResp(offset=obj.payload, nbytes=obj.nbytes, layout=obj.layout)
 
     async def _describe(self, req: protocol.Describe, ctx: CallContext) -> protocol.GetResp:
         await self._until_sealed(req.epoch, req.oid)
         obj = self.state.lookup(req.epoch, req.oid)
-        return protocol.GetResp(offset=obj.offset, nbytes=obj.nbytes, layout=obj.layout)
+        return protocol.GetResp(offset=obj.payload, nbytes=obj.nbytes, layout=obj.layout)
 
     async def _release(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
         self.state.release(req.epoch, req.oids)
@@ -321,6 +364,7 @@ class Master:
             self.faults.set("*:kill#1")
             await self.faults.apply("kill", ctx.peer)
         self.faults.set(req.spec)
+        self._publish_flags()
         return protocol.Ack()
 
     async def _shutdown(self, req: protocol.Shutdown, ctx: CallContext) -> protocol.Ack:
@@ -339,7 +383,7 @@ class Master:
         obj = self.state.get(req.epoch, req.oid)
         if req.offset < 0 or req.length < 0 or req.offset + req.length > obj.nbytes:
             raise CallerError(f"range {req.offset}+{req.length} outside object of {obj.nbytes}")
-        start = obj.offset + req.offset
+        start = obj.payload + req.offset
         # A copy: the answer may sit in the transport's buffer after the object is freed.
         return bytes(self.pool.view[start : start + req.length])
 

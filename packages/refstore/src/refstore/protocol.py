@@ -58,10 +58,23 @@ class HelloResp(msgspec.Struct, frozen=True):
 
 
 class Alloc(msgspec.Struct, frozen=True):
-    nbytes: int
+    nbytes: int  # payload bytes
     layout: Layout
     ttl_s: float | None  # None: no lease, the object is a cache entry (evictable)
     pin: bool = False
+    header: int = 0  # bytes the client writes before the payload (``header.py``)
+
+
+class Commit(msgspec.Struct, frozen=True):
+    """Turn a reserved block into a sealed object: its size, layout and lease are known now."""
+
+    oid: int
+    nbytes: int
+    header: int
+    layout: Layout
+    ttl_s: float | None
+    pin: bool = False
+    reserve: int = 0  # as in Seal
 
 
 class AllocResp(msgspec.Struct, frozen=True):
@@ -72,6 +85,9 @@ class AllocResp(msgspec.Struct, frozen=True):
 
 class Seal(msgspec.Struct, frozen=True):
     oid: int
+    # > 0: also reserve a block of this many bytes for the client's next put; the answer
+    # (an AllocResp) names it, or has oid 0 when the pool has no room to spare.
+    reserve: int = 0
 
 
 class Get(msgspec.Struct, frozen=True):
@@ -118,12 +134,14 @@ class Stats(msgspec.Struct, frozen=True):
     leased: int = 0
     pinned: int = 0
     evictable: int = 0
+    reserved: int = 0  # blocks clients took ahead of time for their next puts
     puts: int = 0
     gets: int = 0
     evictions: int = 0
     expirations: int = 0
     releases: int = 0
     remote_fetches: int = 0
+    reserves: int = 0
     err: ErrorInfo | None = None
 
     @property
@@ -207,7 +225,7 @@ def _method(name: str, n: int, req: object, resp: object) -> Method:
 
 HELLO = _method("refstore.hello", 1, Hello, HelloResp)
 ALLOC = _method("refstore.alloc", 2, Alloc, AllocResp)
-SEAL = _method("refstore.seal", 3, Seal, Ack)
+SEAL = _method("refstore.seal", 3, Seal, AllocResp)
 GET = _method("refstore.get", 4, Get, GetResp)
 RELEASE = _method("refstore.release", 5, OidList, Ack)
 EXTEND = _method("refstore.extend", 6, Extend, Ack)
@@ -220,3 +238,4 @@ FETCH = _method("refstore.fetch", 12, Fetch, FetchResp)
 SEND_TO = _method("refstore.send_to", 13, SendTo, SendToResp)
 READ_RANGE = _method("refstore.read_range", 14, ReadRange, bytes)
 DESCRIBE = _method("refstore.describe", 15, Describe, GetResp)
+COMMIT = _method("refstore.commit", 16, Commit, AllocResp)

@@ -105,7 +105,7 @@ class RemotePuller:
             if obj is not None and obj.sealed and obj.free_when_idle is None:
                 state.extend(state.epoch, [local_oid], req.ttl_s)
                 state.get(state.epoch, local_oid)
-                return protocol.FetchResp(state.epoch, local_oid, obj.offset, obj.layout)
+                return protocol.FetchResp(state.epoch, local_oid, obj.payload, obj.layout)
             del self._fetched[key]
         pending = self._inflight.get(key)
         if pending is not None:
@@ -136,7 +136,7 @@ class RemotePuller:
         state.seal(obj.oid)
         state.counters["remote_fetches"] += 1
         self._fetched[(req.epoch, req.oid)] = obj.oid
-        return protocol.FetchResp(state.epoch, obj.oid, obj.offset, obj.layout)
+        return protocol.FetchResp(state.epoch, obj.oid, obj.payload, obj.layout)
 
     async def _pull_rpc(self, req: protocol.Fetch, dst_offset: int, nbytes: int) -> None:
         view = self.master.pool.view
@@ -197,7 +197,7 @@ class RemotePuller:
         blocks = np.zeros(len(starts), dtype=IPCBLOCK_DTYPE)
         blocks["src_region"] = self._region
         blocks["dst_region"] = req.dst_region
-        blocks["src_offset"] = obj.offset + starts
+        blocks["src_offset"] = obj.payload + starts
         blocks["dst_offset"] = req.dst_offset + starts
         blocks["length"] = np.minimum(KVT_BLOCK, obj.nbytes - starts.astype(np.int64))
         loop = asyncio.get_running_loop()

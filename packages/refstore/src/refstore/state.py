@@ -21,6 +21,13 @@ Object lifecycle::
   that free + evictable bytes could cover the request at all, so a hopeless request fails with
   PoolFull without destroying the cache. Leased and in-flight (being sent to a peer) objects are
   never evicted.
+- Gets that a client answers from the object's header in shared memory (``header.py``) never
+  reach the master; they stamp the header with their time instead, and eviction gives an object
+  read since the master last saw it a **second chance** (moved to the young end, as CLOCK does),
+  so the order stays least recently *read* even though most reads bypass the master.
+- **Reservations**: a client takes blocks ahead of time for its next puts (``reserve``) and turns
+  one into an object with ``commit`` (size, layout, lease, pin, sealed at once). A reserved block
+  holds the write deadline, so the blocks of a client that died come back after it.
 - A freed object leaves a **tombstone** (reason + wall-clock time) so a later get raises a typed
   error saying which and since when. Tombstones are bounded (oldest dropped first).
 
@@ -59,26 +66,43 @@ class StoredObject:
         "busy",
         "deadline",
         "free_when_idle",
+        "header",
         "layout",
         "leased",
         "nbytes",
         "offset",
         "oid",
         "pinned",
+        "reserved",
         "sealed",
+        "touched_ns",
     )
 
-    def __init__(self, oid: int, offset: int, nbytes: int, layout: Layout) -> None:
+    def __init__(
+        self, oid: int, offset: int, nbytes: int, layout: Layout | None, header: int = 0
+    ) -> None:
         self.oid = oid
-        self.offset = offset
-        self.nbytes = nbytes
-        self.layout = layout
+        self.offset = offset  # the block's start: the header, then the payload
+        self.header = header
+        self.nbytes = nbytes  # payload bytes
+        self.layout = layout  # None while reserved
+        self.reserved = False
+        self.touched_ns = 0  # when the master last saw it used (CLOCK_MONOTONIC ns)
         self.sealed = False
         self.deadline: float | None = None  # monotonic; None = no lease
         self.pinned = False
         self.leased = True  # False: a cache entry, its write deadline is dropped at seal
         self.busy = 0  # in-flight sends to peers; freeing waits for them
         self.free_when_idle: type[ObjectGone] | None = None
+
+    @property
+    def payload(self) -> int:
+        """Pool offset of the first payload byte."""
+        return self.offset + self.header
+
+
+def _never_read(obj: StoredObject) -> int:
+    return 0
 
 
 class MasterState:
@@ -90,9 +114,18 @@ class MasterState:
         granule: int = 256,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        reserved_prefix: int = 0,
+        on_free: Callable[[StoredObject], None] | None = None,
+        last_read_ns: Callable[[StoredObject], int] = _never_read,
     ) -> None:
         self.epoch = epoch
         self.allocator = TlsfAllocator(capacity, granule)
+        self._prefix = reserved_prefix
+        if reserved_prefix:
+            # The pool's control page (``header.py``): never handed out, not counted in stats.
+            assert self.allocator.malloc(reserved_prefix) == 0
+        self._on_free = on_free  # marks the header freed before the block can be reused
+        self._last_read_ns = last_read_ns
         self._clock = clock
         self._wall = wall_clock
         self._next_oid = 1
@@ -104,7 +137,8 @@ class MasterState:
         self.tombstones: OrderedDict[int, tuple[type[ObjectGone], float]] = OrderedDict()
         self._gone_listeners: dict[int, list[Callable[[str, float], None]]] = {}
         self.counters = dict.fromkeys(
-            ("puts", "gets", "evictions", "expirations", "releases", "remote_fetches"), 0
+            ("puts", "gets", "evictions", "expirations", "releases", "remote_fetches", "reserves"),
+            0,
         )
 
     # -- helpers ------------------------------------------------------------------------------
@@ -141,6 +175,7 @@ class MasterState:
         now_evictable = self._is_evictable(obj)
         if now_evictable:
             (self._lru_pinned if obj.pinned else self._lru)[obj.oid] = None
+            obj.touched_ns = time.monotonic_ns()
         self._evictable_bytes += (now_evictable - was_evictable) * self.allocator.block_size(
             obj.offset
         )
@@ -157,6 +192,8 @@ class MasterState:
         self._lru.pop(obj.oid, None)
         self._lru_pinned.pop(obj.oid, None)
         del self.objects[obj.oid]
+        if self._on_free is not None and (obj.header or obj.reserved):
+            self._on_free(obj)
         self.allocator.free(obj.offset)
         since = self._wall()
         self.tombstones[obj.oid] = (reason, since)
@@ -166,24 +203,76 @@ class MasterState:
             listener(reason.reason, since)
 
     # -- operations ---------------------------------------------------------------------------
-    def alloc(self, nbytes: int, layout: Layout, ttl_s: float | None, pin: bool) -> StoredObject:
-        if nbytes < 0:
-            raise CallerError(f"negative size {nbytes}")
+    def alloc(
+        self, nbytes: int, layout: Layout, ttl_s: float | None, pin: bool, header: int = 0
+    ) -> StoredObject:
+        if nbytes < 0 or header < 0:
+            raise CallerError(f"negative size {nbytes} (header {header})")
         if ttl_s is not None and ttl_s <= 0:
             raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
-        if nbytes > self.allocator.capacity:
-            raise PoolFull(f"{nbytes} bytes requested, the pool holds {self.allocator.capacity}")
-        offset = self.allocator.malloc(nbytes)
-        if offset is None:
-            offset = self._evict_for(nbytes)
-        obj = StoredObject(self._next_oid, offset, nbytes, layout)
-        self._next_oid += 1
-        self.objects[obj.oid] = obj
+        obj = self._new_object(header + nbytes, layout, header)
+        obj.nbytes = nbytes
         obj.pinned = pin
         obj.leased = ttl_s is not None
         now = self._clock()
         # The writer holds a deadline even without a lease, so a writer that dies is reclaimed.
         self._set_deadline(obj, now + (ttl_s if ttl_s is not None else WRITE_TIMEOUT_S))
+        return obj
+
+    def _new_object(self, block_bytes: int, layout: Layout | None, header: int) -> StoredObject:
+        if block_bytes > self.allocator.capacity:
+            raise PoolFull(
+                f"{block_bytes} bytes requested, the pool holds {self.allocator.capacity}"
+            )
+        offset = self.allocator.malloc(block_bytes)
+        if offset is None:
+            offset = self._evict_for(block_bytes)
+        obj = StoredObject(self._next_oid, offset, block_bytes, layout, header)
+        self._next_oid += 1
+        self.objects[obj.oid] = obj
+        return obj
+
+    def reserve(self, block_bytes: int) -> StoredObject:
+        """A block for a put the client has not made yet; ``commit`` turns it into an object."""
+        if block_bytes <= 0:
+            raise CallerError(f"reserve needs a positive size, got {block_bytes}")
+        obj = self._new_object(block_bytes, None, 0)
+        obj.reserved = True
+        self._set_deadline(obj, self._clock() + WRITE_TIMEOUT_S)
+        self.counters["reserves"] += 1
+        return obj
+
+    def commit(
+        self,
+        oid: int,
+        *,
+        nbytes: int,
+        header: int,
+        layout: Layout,
+        ttl_s: float | None,
+        pin: bool,
+    ) -> StoredObject:
+        """A reserved block now holds a complete object (header and payload written): seal it."""
+        obj = self.objects.get(oid)
+        if obj is None:
+            self.lookup(self.epoch, oid)  # raises the typed reason
+            raise AssertionError("unreachable")
+        if not obj.reserved:
+            raise CallerError(f"object {oid} is not a reserved block")
+        if ttl_s is not None and ttl_s <= 0:
+            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        if nbytes < 0 or header < 0 or header + nbytes > self.allocator.block_size(obj.offset):
+            raise CallerError(
+                f"commit of {header}+{nbytes} bytes into a block of "
+                f"{self.allocator.block_size(obj.offset)}"
+            )
+        obj.reserved = False
+        obj.nbytes, obj.header, obj.layout = nbytes, header, layout
+        obj.pinned = pin
+        obj.leased = ttl_s is not None
+        if obj.leased:
+            self._set_deadline(obj, self._clock() + ttl_s)
+        self.seal(oid)
         return obj
 
     def _evict_for(self, nbytes: int) -> int:
@@ -195,10 +284,13 @@ class MasterState:
                 f"evictable of {stats.capacity}; the rest is leased or being written"
             )
         for lru in (self._lru, self._lru_pinned):
+            self._second_chance(lru)
             # Better than plain LRU: among the least recently used few, one object whose block
             # (with its free neighbours) already fits the request is evicted alone.
             for oid in itertools.islice(lru, EVICTION_WINDOW):
                 obj = self.objects[oid]
+                if self._last_read_ns(obj) > obj.touched_ns:
+                    continue  # read lately: its chance comes with the head of the list
                 if self.allocator.span_if_freed(obj.offset) >= need:
                     self._free(obj, ObjectEvicted)
                     self.counters["evictions"] += 1
@@ -206,6 +298,7 @@ class MasterState:
                     assert offset is not None
                     return offset
             while lru:
+                self._second_chance(lru)
                 oid = next(iter(lru))
                 self._free(self.objects[oid], ObjectEvicted)
                 self.counters["evictions"] += 1
@@ -218,6 +311,18 @@ class MasterState:
             f"{stats.largest_free} of {stats.free} free (fragmented by leased objects)"
         )
 
+    def _second_chance(self, lru: OrderedDict[int, None]) -> None:
+        """Move objects read (through their header) since the master last saw them to the young
+        end, until the oldest one was not; each object gets one chance per read."""
+        for _ in range(len(lru)):
+            oid = next(iter(lru))
+            obj = self.objects[oid]
+            read_ns = self._last_read_ns(obj)
+            if read_ns <= obj.touched_ns:
+                return
+            obj.touched_ns = read_ns
+            lru.move_to_end(oid)
+
     def seal(self, oid: int) -> None:
         obj = self.objects.get(oid)
         if obj is None:
@@ -225,6 +330,8 @@ class MasterState:
             raise AssertionError("unreachable")
         if obj.sealed:
             raise CallerError(f"object {oid} is already sealed")
+        if obj.reserved:
+            raise CallerError(f"object {oid} is a reserved block: commit it, not seal")
         was_evictable = self._is_evictable(obj)
         obj.sealed = True
         self._update_lists(obj, was_evictable)
@@ -238,8 +345,10 @@ class MasterState:
             raise CallerError(f"object {oid} is still being written (not sealed)")
         if oid in self._lru:
             self._lru.move_to_end(oid)
+            obj.touched_ns = time.monotonic_ns()
         elif oid in self._lru_pinned:
             self._lru_pinned.move_to_end(oid)
+            obj.touched_ns = time.monotonic_ns()
         self.counters["gets"] += 1
         return obj
 
@@ -325,17 +434,19 @@ class MasterState:
 
     def stats(self) -> Stats:
         alloc = self.allocator.stats()
-        leased = sum(1 for o in self.objects.values() if o.deadline is not None)
+        reserved = sum(1 for o in self.objects.values() if o.reserved)
+        leased = sum(1 for o in self.objects.values() if o.deadline is not None and not o.reserved)
         return Stats(
             epoch=self.epoch,
-            capacity=alloc.capacity,
-            used=alloc.used,
+            capacity=alloc.capacity - self._prefix,
+            used=alloc.used - self._prefix,
             free=alloc.free,
             largest_free=alloc.largest_free,
             free_blocks=alloc.free_blocks,
-            objects=len(self.objects),
+            objects=len(self.objects) - reserved,  # reserved blocks are not objects yet
             leased=leased,
             pinned=sum(1 for o in self.objects.values() if o.pinned),
             evictable=len(self._lru) + len(self._lru_pinned),
+            reserved=reserved,
             **self.counters,
         )

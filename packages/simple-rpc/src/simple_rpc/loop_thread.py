@@ -188,6 +188,12 @@ class SyncClient:
     def loop(self) -> LoopThread:
         return self._loop
 
+    @property
+    def connected(self) -> bool:
+        """True while the connection is up (False before the first call and once the peer has
+        closed it or it broke; the next call reconnects). A plain read, safe from any thread."""
+        return self._client.connected
+
     def call_future(
         self, method: Method[Any, T], request: Any, timeout: float | None = None
     ) -> concurrent.futures.Future[T]:
