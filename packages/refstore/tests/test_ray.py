@@ -17,8 +17,11 @@ def cluster(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("refstore-ray"))
     mp = pytest.MonkeyPatch()
     mp.setenv("REFSTORE_DIR", directory)
-    # Under `uv run`, Ray would package the whole working tree for its workers: not needed here.
+    # Under `uv run`, Ray would start its workers with `uv run` in a packaged copy of the working
+    # tree: not needed here, and they never come up under `uv run --no-sync`. Ray read the
+    # variable when it was imported, so the constant is set as well.
     mp.setenv("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    mp.setattr(ray._private.ray_constants, "RAY_ENABLE_UV_RUN_RUNTIME_ENV", False)
     kwargs = {
         "num_cpus": 2,
         "include_dashboard": False,

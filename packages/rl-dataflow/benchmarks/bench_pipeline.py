@@ -4,6 +4,7 @@ recordings as torch tensors (what an inference engine hands out) and as numpy ar
 cheapest by-value case).
 
     python packages/rl-dataflow/benchmarks/bench_pipeline.py          # 256 MiB of R3 per batch
+    python packages/rl-dataflow/benchmarks/bench_pipeline.py --hidden 1024  # one model width
     python packages/rl-dataflow/benchmarks/bench_pipeline.py --smoke  # tiny, in-process, no Ray
 
 Reported, per format: median step time per mode, by-ref overhead over off (target <= 7%), and
@@ -18,6 +19,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import ray
 from rl_dataflow.cli import format_table, init_ray
 from rl_dataflow.pipeline import PipelineConfig, R3Format, R3Mode, run_formats
@@ -36,33 +38,69 @@ def main() -> int:
         default="both",
         help="the rollout's recordings: torch tensors, numpy arrays, or both side by side",
     )
+    parser.add_argument(
+        "--hidden",
+        default="1024,768",
+        help="stand-in model widths to run, comma-separated (the step's compute grows as hidden^2)",
+    )
     args = parser.parse_args()
     modes = [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF]
     formats = list(R3Format) if args.r3_format == "both" else [R3Format(args.r3_format)]
     if args.smoke:
-        config = PipelineConfig(samples=8, group_size=4, mean_len=64, layers=4, topk=4, hidden=64)
+        configs = [
+            PipelineConfig(samples=8, group_size=4, mean_len=64, layers=4, topk=4, hidden=64)
+        ]
         steps, warmup, store_gib, pool = 1, 0, 0.5, "64M"
     else:
-        config = PipelineConfig(train_passes=args.train_passes)
+        configs = [
+            PipelineConfig(train_passes=args.train_passes, hidden=int(h))
+            for h in args.hidden.split(",")
+        ]
         steps, warmup, store_gib, pool = args.steps, 1, 3.0, "1536M"
+    runs = []
     if args.smoke:
         # No Ray: Ray's start-up alone takes 15-60 s on this box. The stages run in-process,
         # which exercises every stage's code path (ref mode through a real refstore master).
-        results = run_formats(
-            config, modes, formats, steps=steps, warmup=warmup, pool_size=pool, local=True
-        )
+        runs = [
+            run_formats(
+                configs[0], modes, formats, steps=steps, warmup=warmup, pool_size=pool, local=True
+            )
+        ]
     else:
         init_ray(object_store_gib=store_gib)
         try:
-            results = run_formats(
-                config, modes, formats, steps=steps, warmup=warmup, pool_size=pool
-            )
+            for config in configs:
+                runs.append(
+                    run_formats(config, modes, formats, steps=steps, warmup=warmup, pool_size=pool)
+                )
         finally:
             ray.shutdown()
+    report = []
+    for config, results in zip(configs, runs, strict=True):
+        summary = summarise(config, results)
+        print(json.dumps(summary, indent=1))
+        for by_mode in results.values():
+            for entry in by_mode.values():
+                for step in entry["steps"]:
+                    step.pop("r3_checksum", None)
+        config_dict = {f: getattr(config, f) for f in config.__struct_fields__}
+        report.append({"config": config_dict, "summary": summary, "results": results})
+    if not args.smoke:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps({"runs": report}, indent=1))
+        print(f"wrote {RESULTS}")
+    return 0
+
+
+def summarise(config: PipelineConfig, results: dict) -> dict:
+    off_any = next(iter(results.values()))["off"]
     summary: dict = {
-        "r3_mib_per_batch": config.samples * config.mean_len * config.row_bytes / 2**20
+        "hidden": config.hidden,
+        "r3_mib_per_batch": config.samples * config.mean_len * config.row_bytes / 2**20,
+        "compute_s": float(np.median([s["timings"]["compute"] for s in off_any["steps"]])),
     }
     for fmt, by_mode in results.items():
+        print(f"stand-in model hidden={config.hidden}")
         print(format_table(by_mode, config, fmt))
         ref, value, off = by_mode["ref"], by_mode["value"], by_mode["off"]
         summary[fmt] = {
@@ -76,18 +114,7 @@ def main() -> int:
         # Every format's by value and by ref trained on the same bytes.
         assert value["r3_checksums"] == ref["r3_checksums"], fmt
         assert ref.get("objects_left", 0) == 0, fmt
-    print(json.dumps(summary, indent=1))
-    if not args.smoke:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        for by_mode in results.values():
-            for entry in by_mode.values():
-                for step in entry["steps"]:
-                    step.pop("r3_checksum", None)
-        config_dict = {f: getattr(config, f) for f in config.__struct_fields__}
-        payload = {"config": config_dict, "summary": summary, "results": results}
-        RESULTS.write_text(json.dumps(payload, indent=1))
-        print(f"wrote {RESULTS}")
-    return 0
+    return summary
 
 
 if __name__ == "__main__":

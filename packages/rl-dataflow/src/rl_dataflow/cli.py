@@ -20,8 +20,14 @@ def init_ray(object_store_gib: float = 3.0) -> None:
         # A discovery directory of our own for this run's masters, removed at exit.
         os.environ["REFSTORE_DIR"] = tempfile.mkdtemp(prefix="rl-dataflow-")
         atexit.register(shutil.rmtree, os.environ["REFSTORE_DIR"], True)
-    # Under `uv run`, Ray would package the working tree for its workers: not needed here.
+    # Under `uv run`, Ray would start its workers with `uv run` in a packaged copy of the working
+    # tree (slow, and they never come up when that copy is a uv workspace member). The variable is
+    # read once when ray is imported, which pipeline.py has done by now: set the constant too.
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    if os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] == "0":
+        from ray._private import ray_constants
+
+        ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     kwargs = {
         "num_cpus": 2,
         "include_dashboard": False,
