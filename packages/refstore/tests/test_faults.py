@@ -124,6 +124,15 @@ def test_autostart_starts_one_master_and_stop_ends_it(no_leaks):
         Client("auto")
 
 
+def _in_threads(worker, count: int) -> None:
+    """Run ``worker(i)`` for i in range(count) on as many threads, and wait for all of them."""
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_payloads_never_corrupted_under_faults_and_eviction(no_leaks):
     """Two writer threads churn cache entries through a small pool (constant eviction) while the
     master delays and fails operations at random; every successful get must match its checksum."""
@@ -153,11 +162,7 @@ def test_payloads_never_corrupted_under_faults_and_eviction(no_leaks):
                         del got
                         c.extend(ref, None)  # a cache entry again
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _in_threads(worker, 2)
         assert not errors
         assert min(checked) > 100
 
@@ -201,11 +206,7 @@ def test_fast_paths_never_corrupt_under_churn(no_leaks):
                 counters.append(dict(c.counters))
                 dead_refs.append(dead)
 
-        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _in_threads(worker, 2)
         assert not errors
         assert all(c["fast_puts"] > 100 and c["fast_gets"] > 500 for c in counters), counters
         assert sum(len(d) for d in dead_refs) > 50  # eviction did recycle blocks
