@@ -192,8 +192,11 @@ class Client:
         self.timeout = timeout
         self.default_ttl = default_ttl
         self._fixed_address = address
-        self._lock = threading.RLock()
-        self._reservation_landed = threading.Condition(self._lock)
+        self._lock = threading.RLock()  # (re)connecting; may be held across blocking calls
+        # Bookkeeping (pending seals, reservations, counters, copies): never held across a
+        # blocking call, because the RPC loop thread takes it in its callbacks.
+        self._book = threading.Lock()
+        self._reservation_landed = threading.Condition(self._book)
         self._copier = _Copier()
         self._rpc: SyncClient | None = None
         self._pool: SharedPool | None = None
@@ -248,7 +251,7 @@ class Client:
                 "refstore master %s restarted: epoch %s -> %s", self.name, self.epoch, hello.epoch
             )
         old_rpc, old_pool = self._rpc, self._pool
-        with self._lock:
+        with self._book:
             self._rpc, self._pool = rpc, pool
             self.epoch, self.node, self.address = hello.epoch, hello.node, address
             self._tag_key = header.epoch_key(hello.epoch)
@@ -325,7 +328,7 @@ class Client:
         reserved = None
         ask = 0
         if rpc.connected and not header.control_flags(pool.view) & header.FLAG_MASTER_PATH:
-            with self._lock:
+            with self._book:
                 reserved = self._reservations.take(block, time.monotonic())
                 ask = block if self._reservations.wanted(block) else 0
         try:
@@ -364,10 +367,10 @@ class Client:
                 pending = rpc.call_future(protocol.SEAL, protocol.Seal(oid, ask), self.timeout)
         except BaseException:
             if ask:
-                with self._lock:
+                with self._book:
                     self._reservations.arrived(ask, None, 0, 0.0)
             raise
-        with self._lock:
+        with self._book:
             self._pending_seals.add(pending)
             self.counters["puts"] += 1
             self.counters["fast_puts"] += reserved is not None
@@ -377,7 +380,7 @@ class Client:
     def _sealed(self, block: int, epoch: str, rpc: SyncClient, future: Any) -> None:
         """On the RPC loop thread (no blocking calls): log a failed seal (the put's caller has
         returned) and stock the block reserved with it."""
-        with self._lock:
+        with self._book:
             self._pending_seals.discard(future)
         resp = err = None
         if future.cancelled():
@@ -392,7 +395,7 @@ class Client:
         if not block:
             return
         oid = resp.oid if resp is not None and err is None and resp.oid else None
-        with self._lock:
+        with self._book:
             current = self.epoch == epoch and not self._closed
             at = resp.offset if oid is not None else 0
             self._reservations.arrived(block, oid if current else None, at, time.monotonic())
@@ -429,7 +432,7 @@ class Client:
                 found = header.read_sealed(view, ref.at, ref.oid, self._tag_key)
                 if found is not None:
                     header.touch(view, ref.at, time.monotonic_ns())
-                    with self._lock:
+                    with self._book:
                         self.counters["gets"] += 1
                         self.counters["fast_gets"] += 1
                     base = view if writable else pool.readonly_view
@@ -446,14 +449,14 @@ class Client:
                 protocol.Fetch(ref.pool, ref.oid, ref.nbytes, ref.node, fetch_ttl),
                 timeout=max(self.timeout, 120.0),
             )
-            with self._lock:
+            with self._book:
                 self._local_copies[(ref.pool, ref.oid)] = (resp.epoch, resp.oid)
                 while len(self._local_copies) > MAX_REMEMBERED_COPIES:
                     self._local_copies.popitem(last=False)
             return resp.offset, resp.layout
 
         offset, layout = self._with_recovery(resolve)
-        with self._lock:
+        with self._book:
             self.counters["gets"] += 1
         pool = self._pool
         assert pool is not None
@@ -488,7 +491,7 @@ class Client:
                 local.append(ref)
             else:
                 remote.setdefault(ref.node, []).append(ref)
-                with self._lock:
+                with self._book:
                     copy = self._local_copies.pop((ref.pool, ref.oid), None)
                 if copy is not None:
                     local.append(Ref(copy[0], copy[1], ref.nbytes, self.node))
@@ -555,7 +558,7 @@ class Client:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every put of this client is sealed at the master (puts return before their
         seal is acknowledged). True if all are; ``close()`` flushes first."""
-        with self._lock:
+        with self._book:
             pending = list(self._pending_seals)
         if not pending:
             return True
@@ -564,11 +567,11 @@ class Client:
 
     def close(self) -> None:
         """Flush pending seals, give unused reservations back, close the connection."""
-        with self._lock:
+        with self._book:
             if self._closed:
                 return
         self.flush()
-        with self._lock:
+        with self._book:
             if self._closed:
                 return
             # A seal's future is done before its callback has stocked the block it reserved.
