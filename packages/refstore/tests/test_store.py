@@ -266,3 +266,14 @@ def test_header_fast_path_defers_to_the_master_for_the_reason(client):
     stray = refstore.Ref(payload.pool, payload.oid, payload.nbytes, payload.node, payload.at + 64)
     np.testing.assert_array_equal(client.get(stray), 0)  # the master path answers
     assert client.counters["fast_gets"] == 0
+
+
+def test_pool_descriptor_comes_over_a_unix_socket_else_through_proc(master, refstore_dir):
+    with Client("test") as c:
+        assert c._pool.attached_via == "scm_rights"  # works across PID namespaces
+        ref = c.put(np.arange(10))
+    (socket_file,) = refstore_dir.glob("test.*.sock")
+    socket_file.unlink()  # e.g. a container that shares the discovery file but not the socket
+    with Client("test") as c:
+        assert c._pool.attached_via == "proc"
+        np.testing.assert_array_equal(c.get(ref), np.arange(10))

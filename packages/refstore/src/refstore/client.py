@@ -236,7 +236,7 @@ class Client:
                 protocol.Hello(f"{self.name} pid {os.getpid()}"),
                 timeout=self.timeout,
             )
-            pool = SharedPool.attach(hello.pid, hello.pool_fd, hello.pool_size)
+            pool = SharedPool.attach(hello.pid, hello.pool_fd, hello.pool_size, hello.fd_socket)
         except RpcError as err:
             rpc.close()
             raise MasterUnavailable(

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ from simple_rpc import CallContext, LoopThread, Method, Server
 from . import discovery, header, protocol
 from .errors import CallerError, PoolFull, RefstoreError, to_info
 from .faults import FaultPlan
-from .pool import SharedPool, shmem_hugepages_mode
+from .pool import SharedPool, listen_fd_socket, send_fd, shmem_hugepages_mode
 from .remote import RemotePuller
 from .state import WRITE_TIMEOUT_S, MasterState
 
@@ -82,6 +83,9 @@ class Master:
         self._closed = False
         self.closed_event = asyncio.Event()
         self.remote: RemotePuller | None = None  # created in start()
+        self._fd_socket: socket.socket | None = None
+        self._fd_socket_path = ""
+        self._fd_task: asyncio.Task[None] | None = None
         self.info: discovery.MasterInfo | None = None
         for method, handler in (
             (protocol.HELLO, self._hello),
@@ -139,6 +143,7 @@ class Master:
                 pool.close()
             raise
         master.remote = RemotePuller(master, mode=remote, host=host)
+        master._start_fd_socket()
         node = advertise or master.server.address
         master.info = discovery.MasterInfo(
             name=name,
@@ -163,10 +168,44 @@ class Master:
     def node(self) -> str:
         return self._advertise or self.server.address
 
+    def _start_fd_socket(self) -> None:
+        """Hand the pool descriptor to local clients over a UNIX socket next to the discovery
+        file; sockets of earlier masters of this name (crashed ones) are removed first."""
+        for stale in discovery.directory().glob(f"{self.name}.*.sock"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        path = str(discovery.directory() / f"{self.name}.{self.epoch}.sock")
+        try:
+            self._fd_socket = listen_fd_socket(path)
+        except OSError as err:
+            log.warning("no pool descriptor socket at %s (%s): clients use /proc", path, err)
+            return
+        self._fd_socket_path = path
+        self._fd_task = asyncio.get_running_loop().create_task(self._serve_pool_fd())
+
+    async def _serve_pool_fd(self) -> None:
+        assert self._fd_socket is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._fd_socket)
+            with conn:
+                try:
+                    send_fd(conn, self.pool.fd)
+                except OSError as err:
+                    log.warning("pool descriptor not sent: %s", err)
+
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._fd_task is not None:
+            self._fd_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._fd_task
+        if self._fd_socket is not None:
+            self._fd_socket.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._fd_socket_path)
         if self._timer is not None:
             self._timer.cancel()
         await self.server.close()
@@ -241,6 +280,7 @@ class Master:
             pool_fd=self.pool.fd,
             pool_size=self.pool.size,
             node=self.node,
+            fd_socket=self._fd_socket_path,
         )
 
     async def _alloc(self, req: protocol.Alloc, ctx: CallContext) -> protocol.AllocResp:

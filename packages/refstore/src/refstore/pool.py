@@ -3,9 +3,10 @@
 Why memfd and not a named ``/dev/shm`` file: a memfd has no name, so a master killed with SIGKILL
 leaves nothing behind (the memory returns to the kernel when the last mapping goes away), and a
 client that still maps the old pool keeps valid memory instead of a SIGBUS. Clients open the
-master's descriptor through ``/proc/<master pid>/fd/<fd>`` (same user, same PID namespace: true for
-every process of one node here, Ray workers included); passing it with SCM_RIGHTS over a UNIX socket
-would lift the PID-namespace restriction and is the way to go for containers.
+master's descriptor from the master itself, over a UNIX socket next to the discovery file
+(SCM_RIGHTS: works across PID namespaces, e.g. containers sharing ``$REFSTORE_DIR``; the socket is
+mode 0600, the same "same user" rule as ``/proc``), and fall back to ``/proc/<master pid>/fd/<fd>``
+(same user, same PID namespace) when the socket cannot be reached.
 
 Page faults: shmem mappings get 4 KiB pages (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``
 is ``never`` on these machines, so MADV_HUGEPAGE on a memfd is ignored; with ``advise`` or
@@ -19,10 +20,15 @@ runs at the speed of private memory (measured 5.3 GiB/s, one thread).
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
+import socket
+
+log = logging.getLogger("refstore.pool")
 
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+FD_GREETING = b"RSfd"
 THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
 
 
@@ -49,6 +55,7 @@ class SharedPool:
         self.mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mmap)
         self.readonly_view = self.view.toreadonly()
+        self.attached_via = "owner"  # or "scm_rights" / "proc" for a client's mapping
         self._closed = False
 
     @classmethod
@@ -76,15 +83,24 @@ class SharedPool:
                 self.mmap[offset] = 0
 
     @classmethod
-    def attach(cls, pid: int, fd: int, size: int) -> SharedPool:
-        """Map the pool a master process owns (by opening its descriptor through /proc)."""
-        local_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    def attach(cls, pid: int, fd: int, size: int, fd_socket: str = "") -> SharedPool:
+        """Map the pool a master process owns: its descriptor comes over ``fd_socket`` (SCM_RIGHTS)
+        or, failing that, through /proc."""
+        local_fd, via = -1, "proc"
+        if fd_socket:
+            try:
+                local_fd, via = receive_fd(fd_socket), "scm_rights"
+            except OSError as err:
+                log.debug("pool descriptor over %s failed (%s); using /proc", fd_socket, err)
+        if local_fd < 0:
+            local_fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
         try:
             pool = cls(local_fd, size, owns_fd=False, populate=True)
         finally:
             # The mapping holds the memory; the descriptor is not needed any more.
             os.close(local_fd)
         pool.fd = -1
+        pool.attached_via = via
         return pool
 
     def close(self) -> None:
@@ -101,3 +117,51 @@ class SharedPool:
             with contextlib.suppress(OSError):
                 os.close(self.fd)
             self._owns_fd = False
+
+
+def _short_path(path: str) -> tuple[int, str]:
+    """(directory fd, a path through it): AF_UNIX paths are limited to 107 bytes and pytest's or
+    a user's ``$REFSTORE_DIR`` can be longer. The caller closes the fd."""
+    directory, name = os.path.split(os.path.abspath(path))
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    return dir_fd, f"/proc/self/fd/{dir_fd}/{name}"
+
+
+def listen_fd_socket(path: str) -> socket.socket:
+    """A non-blocking listening UNIX socket at ``path`` (mode 0600) for ``serve_fd`` clients."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    dir_fd, short = _short_path(path)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(short)
+        sock.bind(short)
+        os.chmod(short, 0o600)
+        sock.listen(64)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    finally:
+        os.close(dir_fd)
+    return sock
+
+
+def send_fd(conn: socket.socket, fd: int) -> None:
+    socket.send_fds(conn, [FD_GREETING], [fd])
+
+
+def receive_fd(path: str, timeout: float = 5.0) -> int:
+    """The descriptor a master hands out on its fd socket (raises OSError on any failure)."""
+    dir_fd, short = _short_path(path)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as sock:
+            sock.settimeout(timeout)
+            sock.connect(short)
+            message, fds, _flags, _addr = socket.recv_fds(sock, len(FD_GREETING), 1)
+    finally:
+        os.close(dir_fd)
+    if message != FD_GREETING or len(fds) != 1:
+        for received in fds:
+            os.close(received)
+        raise OSError(f"unexpected answer on {path}: {message!r} with {len(fds)} descriptors")
+    return fds[0]

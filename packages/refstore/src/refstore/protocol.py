@@ -54,6 +54,7 @@ class HelloResp(msgspec.Struct, frozen=True):
     pool_fd: int
     pool_size: int
     node: str  # the address other nodes use to reach this master
+    fd_socket: str = ""  # UNIX socket that hands out the pool descriptor (SCM_RIGHTS)
     err: ErrorInfo | None = None
 
 
