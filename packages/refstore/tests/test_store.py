@@ -22,6 +22,10 @@ def test_numpy_roundtrip_is_zero_copy_and_read_only(client):
     w[0, 0] = 42.0  # writes go to the shared object: every view sees them (zero copy)
     assert v1[0, 0] == 42.0
     assert v2[0, 0] == 42.0
+    raw = client.get(client.put(b"abc"))
+    assert raw.readonly
+    assert bytes(raw) == b"abc"
+    assert client.get(ref, as_="numpy").flags.writeable is False
 
 
 def test_non_contiguous_and_odd_dtypes(client):

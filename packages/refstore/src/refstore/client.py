@@ -435,8 +435,7 @@ class Client:
                     with self._book:
                         self.counters["gets"] += 1
                         self.counters["fast_gets"] += 1
-                    base = view if writable else pool.readonly_view
-                    return codec.decode(base, found[0], found[1], as_, writable)
+                    return codec.decode(view, found[0], found[1], as_, writable)
 
         def resolve() -> tuple[int, protocol.Layout]:
             if ref.pool == self.epoch:
@@ -460,8 +459,7 @@ class Client:
             self.counters["gets"] += 1
         pool = self._pool
         assert pool is not None
-        base = pool.view if writable else pool.readonly_view
-        return codec.decode(base, offset, layout, as_, writable)
+        return codec.decode(pool.view, offset, layout, as_, writable)
 
     # -- lifetime -----------------------------------------------------------------------------
     def _by_pool(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -121,49 +120,48 @@ def copy_into(dst: memoryview, source: Any, item: Item, copier: Any) -> None:
     copier.copy_numpy(target, source)
 
 
-def _torch_view(buf: memoryview, item: Item, writable: bool) -> Any:
+def _torch_view(buf: memoryview, item: Item) -> Any:
+    """A tensor over ``buf`` (always a writable buffer: torch has no read-only tensors, and a
+    read-only buffer would only add a warning, whose suppression costs more than the view)."""
     import torch
 
     dtype = getattr(torch, item.dtype)
     if item.nbytes == 0:
         return torch.empty(item.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        # torch has no read-only tensors and warns about non-writable buffers; the caller asked
-        # for a read-only view and gets one backed by shared memory (documented on get()).
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).view(item.shape)
+    return torch.frombuffer(buf, dtype=dtype).view(item.shape)
 
 
 def view_item(base: memoryview, offset: int, item: Item, as_: str | None, writable: bool) -> Any:
+    """A view of one item; ``base`` is the writable pool view, read-only-ness is applied here
+    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be)."""
     buf = base[offset + item.offset : offset + item.offset + item.nbytes]
     kind = item.kind
     if as_ == "torch" and kind != KIND_TORCH:
+        if kind == KIND_BYTES:
+            return _torch_view(buf, Item(item.key, KIND_TORCH, "uint8", item.shape, 0, item.nbytes))
         import torch
 
-        if kind == KIND_BYTES:
-            return _torch_view(
-                buf, Item(item.key, KIND_TORCH, "uint8", item.shape, 0, item.nbytes), writable
-            )
         dtype = torch.from_numpy(np.empty(0, dtype=np.dtype(item.dtype))).dtype
         name = str(dtype).removeprefix("torch.")
-        return _torch_view(
-            buf, Item(item.key, KIND_TORCH, name, item.shape, 0, item.nbytes), writable
-        )
-    if as_ == "numpy" and kind == KIND_TORCH:
+        return _torch_view(buf, Item(item.key, KIND_TORCH, name, item.shape, 0, item.nbytes))
+    if kind == KIND_TORCH:
+        tensor = _torch_view(buf, item)
+        if as_ != "numpy":
+            return tensor
         import torch
 
-        tensor = _torch_view(buf, item, writable)
         if tensor.dtype == torch.bfloat16:
             raise CallerError(f"item {item.key!r}: bfloat16 has no numpy dtype; get it as torch")
         array = tensor.numpy()
         if not writable:
             array.flags.writeable = False
         return array
-    if kind == KIND_TORCH:
-        return _torch_view(buf, item, writable)
     if kind == KIND_BYTES and as_ is None:
-        return buf
-    return np.frombuffer(buf, dtype=str_to_dtype(item.dtype)).reshape(item.shape)
+        return buf if writable else buf.toreadonly()
+    array = np.frombuffer(buf, dtype=str_to_dtype(item.dtype)).reshape(item.shape)
+    if not writable:
+        array.flags.writeable = False
+    return array
 
 
 def decode(base: memoryview, offset: int, layout: Layout, as_: str | None, writable: bool) -> Any:
