@@ -321,7 +321,9 @@ class Client:
     ) -> Ref:
         layout_bytes = header.encode_layout(layout)
         hlen = header.header_len(layout_bytes)
-        rpc, pool, epoch, key = self._rpc, self._pool, self.epoch, self._tag_key
+        with self._book:  # one consistent connection, even if another thread reconnects
+            rpc, pool, epoch, key = self._rpc, self._pool, self.epoch, self._tag_key
+            reservations = self._reservations
         assert rpc is not None
         assert pool is not None
         block = size_class(hlen + nbytes)
@@ -329,8 +331,8 @@ class Client:
         ask = 0
         if rpc.connected and not header.control_flags(pool.view) & header.FLAG_MASTER_PATH:
             with self._book:
-                reserved = self._reservations.take(block, time.monotonic())
-                ask = block if self._reservations.wanted(block) else 0
+                reserved = reservations.take(block, time.monotonic())
+                ask = block if reservations.wanted(block) else 0
         try:
             if reserved is not None:
                 oid, at = reserved
@@ -368,16 +370,18 @@ class Client:
         except BaseException:
             if ask:
                 with self._book:
-                    self._reservations.arrived(ask, None, 0, 0.0)
+                    reservations.arrived(ask, None, 0, 0.0)
             raise
         with self._book:
             self._pending_seals.add(pending)
             self.counters["puts"] += 1
             self.counters["fast_puts"] += reserved is not None
-        pending.add_done_callback(functools.partial(self._sealed, ask, epoch, rpc))
+        pending.add_done_callback(functools.partial(self._sealed, ask, reservations, epoch, rpc))
         return Ref(epoch, oid, nbytes, self.node, at)
 
-    def _sealed(self, block: int, epoch: str, rpc: SyncClient, future: Any) -> None:
+    def _sealed(
+        self, block: int, reservations: _Reservations, epoch: str, rpc: SyncClient, future: Any
+    ) -> None:
         """On the RPC loop thread (no blocking calls): log a failed seal (the put's caller has
         returned) and stock the block reserved with it."""
         with self._book:
@@ -398,7 +402,8 @@ class Client:
         with self._book:
             current = self.epoch == epoch and not self._closed
             at = resp.offset if oid is not None else 0
-            self._reservations.arrived(block, oid if current else None, at, time.monotonic())
+            # Into the stock it was asked for: a reconnect in between replaced (and drained) it.
+            reservations.arrived(block, oid if current else None, at, time.monotonic())
             self._reservation_landed.notify_all()
         if oid is not None and not current:
             # Reserved in a pool this client has left or closed: give it back.
