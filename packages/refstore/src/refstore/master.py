@@ -187,7 +187,12 @@ class Master:
         assert self._fd_socket is not None
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._fd_socket)
+            try:
+                conn, _ = await loop.sock_accept(self._fd_socket)
+            except OSError as err:  # e.g. out of descriptors: clients fall back to /proc
+                log.warning("pool descriptor socket: %s", err)
+                await asyncio.sleep(1.0)
+                continue
             with conn:
                 try:
                     send_fd(conn, self.pool.fd)

@@ -54,7 +54,6 @@ class SharedPool:
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         self.mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mmap)
-        self.readonly_view = self.view.toreadonly()
         self.attached_via = "owner"  # or "scm_rights" / "proc" for a client's mapping
         self._closed = False
 
@@ -108,7 +107,6 @@ class SharedPool:
             return
         self._closed = True
         with contextlib.suppress(BufferError):
-            self.readonly_view.release()
             self.view.release()
         # Views handed out by get() may still export the buffer; then the GC unmaps it later.
         with contextlib.suppress(BufferError):
@@ -128,7 +126,7 @@ def _short_path(path: str) -> tuple[int, str]:
 
 
 def listen_fd_socket(path: str) -> socket.socket:
-    """A non-blocking listening UNIX socket at ``path`` (mode 0600) for ``serve_fd`` clients."""
+    """A non-blocking listening UNIX socket at ``path`` (mode 0600) for ``receive_fd`` clients."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     dir_fd, short = _short_path(path)
     try:

@@ -123,7 +123,9 @@ class MasterState:
         self._prefix = reserved_prefix
         if reserved_prefix:
             # The pool's control page (``header.py``): never handed out, not counted in stats.
-            assert self.allocator.malloc(reserved_prefix) == 0
+            control = self.allocator.malloc(reserved_prefix)
+            if control != 0:
+                raise AssertionError(f"the control page landed at {control}, not 0")
         self._on_free = on_free  # marks the header freed before the block can be reused
         self._last_read_ns = last_read_ns
         self._clock = clock
