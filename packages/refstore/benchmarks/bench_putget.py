@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import refstore
@@ -126,20 +127,19 @@ def actor_case(ray, actors, kind: str, nbytes: int, reps: int) -> dict[str, floa
     out: dict[str, list[float]] = {
         k: [] for k in ("rs_put", "rs_get", "rs_e2e", "ray_put", "ray_get", "ray_e2e")
     }
-    for _ in range(reps):
+
+    def one_round(prefix: str, put: Any, get: Any) -> None:
+        """The producer puts, the consumer gets what it was handed; both time their own call."""
         start = time.perf_counter()
-        ref, t_put = ray.get(producer.put_refstore.remote())
-        t_get = ray.get(consumer.get_refstore.remote(ref))
-        out["rs_e2e"].append(time.perf_counter() - start)
-        out["rs_put"].append(t_put)
-        out["rs_get"].append(t_get)
-        start = time.perf_counter()
-        orefs, t_put = ray.get(producer.put_ray.remote())
-        t_get = ray.get(consumer.get_ray.remote(orefs))
-        out["ray_e2e"].append(time.perf_counter() - start)
-        out["ray_put"].append(t_put)
-        out["ray_get"].append(t_get)
-        del orefs
+        handle, t_put = ray.get(put.remote())
+        t_get = ray.get(get.remote(handle))
+        out[f"{prefix}_e2e"].append(time.perf_counter() - start)
+        out[f"{prefix}_put"].append(t_put)
+        out[f"{prefix}_get"].append(t_get)
+
+    for _ in range(reps):  # interleaved, so both see the same machine
+        one_round("rs", producer.put_refstore, consumer.get_refstore)
+        one_round("ray", producer.put_ray, consumer.get_ray)
     ray.get(producer.make.remote("numpy", 0))
     return {k: statistics.median(v) for k, v in out.items()}
 
