@@ -60,6 +60,44 @@ def test_torch_view_shares_memory(client):
     assert torch.equal(client.get(ref), torch.ones(8))
 
 
+def test_torch_tensors_with_view_bits_are_stored_as_their_values(client):
+    """Contiguous tensors are copied by one memcpy; tensors whose bytes are not their values
+    (conjugate or negative bit set), non-contiguous ones and ones that need grad still land as
+    their values."""
+    z = torch.complex(torch.arange(6.0), torch.ones(6))
+    conj = z.conj()
+    negated_imag = conj.imag  # a real tensor with the negative bit set
+    assert conj.is_conj()
+    assert negated_imag.is_neg()
+    strided = torch.arange(40.0).reshape(5, 8)[:, ::3]
+    grad = torch.ones(3, requires_grad=True)
+    for t in (conj, negated_imag, strided, grad):
+        got = client.get(client.put(t))
+        assert torch.equal(got, t.detach().resolve_conj().resolve_neg())
+    assert torch.equal(client.get(client.put(negated_imag)), -torch.ones(6))
+
+
+def test_same_shape_puts_reuse_one_layout_and_stay_distinct(client):
+    """The layout of a (type, dtype, shape) is encoded once; every put still gets its bytes."""
+    tensors = [torch.full((4, 256), float(i)) for i in range(5)]
+    refs = [client.put(t) for t in tensors]
+    assert len(client._layouts) == 1
+    for ref, t in zip(refs, tensors, strict=True):
+        assert torch.equal(client.get(ref), t)
+    client.put(np.zeros((4, 256), np.float32))  # same shape, another type: its own layout
+    client.put(torch.zeros((4, 256), dtype=torch.float64))
+    assert len(client._layouts) == 3
+
+
+def test_torch_views_keep_the_pool_mapped_after_close(master):
+    c = Client("test")
+    ref = c.put(torch.arange(16.0))
+    view = c.get(ref)
+    c.close()
+    assert torch.equal(view, torch.arange(16.0))  # the mapping lives while views do
+    del view
+
+
 def test_bytes_and_batches(client):
     payload = {"tokens": np.arange(10, dtype=np.int32), "meta": b"abc", 3: torch.ones(2, 2)}
     ref = client.put(payload)

@@ -75,6 +75,7 @@ class _Copier:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.threads = max(1, min(2, os.cpu_count() or 1))
+        self.parallel_min = PARALLEL_COPY_MIN  # smaller copies run on the caller's thread alone
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -198,6 +199,7 @@ class Client:
         self._book = threading.Lock()
         self._reservation_landed = threading.Condition(self._book)
         self._copier = _Copier()
+        self._layouts: dict[Any, Any] = {}  # (type, dtype, shape) -> layout (codec.encode_cached)
         self._rpc: SyncClient | None = None
         self._pool: SharedPool | None = None
         self._old_pools: list[SharedPool] = []
@@ -313,24 +315,22 @@ class Client:
         evictable under memory pressure). ``pin``: soft pin (evicted only when nothing else can be).
         """
         ttl_s = self.default_ttl if ttl == "default" else ttl
-        layout, sources, nbytes = codec.encode(obj)
-        return self._with_recovery(lambda: self._put(layout, sources, nbytes, ttl_s, pin))
+        encoded, sources = codec.encode_cached(obj, self._layouts)
+        return self._with_recovery(lambda: self._put(encoded, sources, ttl_s, pin))
 
-    def _put(
-        self, layout: protocol.Layout, sources: list[Any], nbytes: int, ttl_s: Any, pin: bool
-    ) -> Ref:
-        layout_bytes = header.encode_layout(layout)
-        hlen = header.header_len(layout_bytes)
+    def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
+        layout, nbytes, writer = encoded.layout, encoded.nbytes, encoded.header
+        hlen = writer.hlen
+        block = encoded.block or size_class(hlen + nbytes)
+        encoded.block = block
+        reserved = None
+        ask = 0
         with self._book:  # one consistent connection, even if another thread reconnects
             rpc, pool, epoch, key = self._rpc, self._pool, self.epoch, self._tag_key
             reservations = self._reservations
-        assert rpc is not None
-        assert pool is not None
-        block = size_class(hlen + nbytes)
-        reserved = None
-        ask = 0
-        if rpc.connected and not header.control_flags(pool.view) & header.FLAG_MASTER_PATH:
-            with self._book:
+            assert rpc is not None
+            assert pool is not None
+            if rpc.connected and not header.control_flags(pool.view) & header.FLAG_MASTER_PATH:
                 reserved = reservations.take(block, time.monotonic())
                 ask = block if reservations.wanted(block) else 0
         try:
@@ -340,20 +340,17 @@ class Client:
                 resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
                 oid, at = resp.oid, resp.offset
             try:
+                view = pool.view
                 for item, source in zip(layout.items, sources, strict=True):
                     start = at + hlen + item.offset
                     codec.copy_into(
-                        pool.view[start : start + item.nbytes], source, item, self._copier
+                        view[start : start + item.nbytes],
+                        source,
+                        item,
+                        self._copier,
+                        pool.address + start,
                     )
-                header.write(
-                    pool.view,
-                    at,
-                    oid=oid,
-                    key=key,
-                    layout_bytes=layout_bytes,
-                    hlen=hlen,
-                    nbytes=nbytes,
-                )
+                writer.write(view, at, oid, key, nbytes)
             except BaseException:
                 with contextlib.suppress(Exception):
                     self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
@@ -440,7 +437,9 @@ class Client:
                     with self._book:
                         self.counters["gets"] += 1
                         self.counters["fast_gets"] += 1
-                    return codec.decode(view, found[0], found[1], as_, writable)
+                    return codec.decode(
+                        view, found[0], found[1], as_, writable, storage=pool.torch_storage
+                    )
 
         def resolve() -> tuple[int, protocol.Layout]:
             if ref.pool == self.epoch:
@@ -464,7 +463,7 @@ class Client:
             self.counters["gets"] += 1
         pool = self._pool
         assert pool is not None
-        return codec.decode(pool.view, offset, layout, as_, writable)
+        return codec.decode(pool.view, offset, layout, as_, writable, storage=pool.torch_storage)
 
     # -- lifetime -----------------------------------------------------------------------------
     def _by_pool(

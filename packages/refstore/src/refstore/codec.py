@@ -11,13 +11,15 @@ torch is imported only when a tensor is put or asked for.
 from __future__ import annotations
 
 import ast
+import ctypes
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from .errors import CallerError
+from .header import Writer, encode_layout
 from .protocol import (
     CONTAINER_DICT,
     CONTAINER_LIST,
@@ -31,6 +33,15 @@ from .protocol import (
 )
 
 ALIGN = 64
+LAYOUT_CACHE_MAX = 1024
+
+# libc's memcpy through PyDLL: called holding the GIL (ctypes.memmove would release and re-take it,
+# which on a busy process costs more than a sub-millisecond copy) and without building numpy or
+# memoryview wrappers around a tensor, which costs tens of microseconds in a process whose caches a
+# Ray task dispatch has just flushed.
+_memcpy = ctypes.PyDLL(None).memcpy
+_memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memcpy.restype = ctypes.c_void_p
 
 
 def dtype_to_str(dtype: np.dtype) -> str:
@@ -98,15 +109,60 @@ def encode(obj: Any) -> tuple[Layout, list[Any], int]:
     return Layout(container, items), sources, total
 
 
-def copy_into(dst: memoryview, source: Any, item: Item, copier: Any) -> None:
-    """The one copy of a put: from the caller's object into the pool."""
+class Encoded:
+    """What a put needs to know about an object besides its bytes: layout, size, header."""
+
+    __slots__ = ("block", "header", "layout", "nbytes")
+
+    def __init__(self, layout: Layout, nbytes: int) -> None:
+        self.layout = layout
+        self.nbytes = nbytes
+        self.header = Writer(encode_layout(layout))
+        self.block = 0  # the client's size class for header + payload, filled in on first use
+
+
+def encode_cached(obj: Any, cache: dict[Any, Encoded]) -> tuple[Encoded, list[Any]]:
+    """``encode`` plus the object's header, remembered per (type, dtype, shape) of a single array
+    or tensor: puts of the same shape (the usual case in a pipeline) skip building the layout."""
+    cls = type(obj)
+    torch = sys.modules.get("torch")
+    if cls is np.ndarray or (torch is not None and cls is torch.Tensor and obj.is_cpu):
+        key = (cls, obj.dtype, obj.shape)
+        hit = cache.get(key)
+        if hit is None:
+            layout, _, nbytes = encode(obj)
+            hit = Encoded(layout, nbytes)
+            if len(cache) >= LAYOUT_CACHE_MAX:
+                cache.clear()
+            cache[key] = hit
+        return hit, [obj]
+    layout, sources, nbytes = encode(obj)
+    return Encoded(layout, nbytes), sources
+
+
+def copy_into(
+    dst: memoryview, source: Any, item: Item, copier: Any, dst_address: int | None = None
+) -> None:
+    """The one copy of a put: from the caller's object into the pool. ``dst_address`` is where
+    ``dst`` starts in this process (lets a contiguous tensor be copied by one memcpy)."""
     if item.nbytes == 0:
         return
     if item.kind == KIND_TORCH:
         import torch
 
+        plain = source.is_contiguous() and not source.is_conj() and not source.is_neg()
+        if (
+            plain
+            and dst_address is not None
+            and len(dst) == item.nbytes
+            and item.nbytes < copier.parallel_min
+        ):
+            # ``dst`` (a slice of the pool's view) stays referenced across the call: the pool
+            # cannot be unmapped under it.
+            _memcpy(dst_address, source.data_ptr(), item.nbytes)
+            return
         tensor = source.detach()
-        if tensor.is_contiguous():
+        if plain:
             # Bytes through numpy: torch's copy_ runs on its OpenMP pool, whose spinning barriers
             # cost milliseconds per call on a loaded 2-core box; numpy plus one helper thread
             # copies at memory speed without that.
@@ -120,21 +176,39 @@ def copy_into(dst: memoryview, source: Any, item: Item, copier: Any) -> None:
     copier.copy_numpy(target, source)
 
 
-def _torch_view(buf: memoryview, item: Item) -> Any:
+def _torch_view(
+    buf: memoryview, item: Item, storage: Callable[[], Any] | None = None, start: int = 0
+) -> Any:
     """A tensor over ``buf`` (always a writable buffer: torch has no read-only tensors, and a
-    read-only buffer would only add a warning, whose suppression costs more than the view)."""
+    read-only buffer would only add a warning, whose suppression costs more than the view).
+
+    ``storage``: returns a torch storage over the whole pool (``buf`` starts at byte ``start`` of
+    it); the tensor is then set on it directly, which costs a fraction of ``torch.frombuffer``."""
     import torch
 
     dtype = getattr(torch, item.dtype)
     if item.nbytes == 0:
         return torch.empty(item.shape, dtype=dtype)
+    pool_storage = storage() if storage is not None else None
+    if pool_storage is not None and start % dtype.itemsize == 0:
+        return torch.empty(0, dtype=dtype).set_(pool_storage, start // dtype.itemsize, item.shape)
     return torch.frombuffer(buf, dtype=dtype).view(item.shape)
 
 
-def view_item(base: memoryview, offset: int, item: Item, as_: str | None, writable: bool) -> Any:
+def view_item(
+    base: memoryview,
+    offset: int,
+    item: Item,
+    as_: str | None,
+    writable: bool,
+    *,
+    storage: Callable[[], Any] | None = None,
+) -> Any:
     """A view of one item; ``base`` is the writable pool view, read-only-ness is applied here
-    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be)."""
-    buf = base[offset + item.offset : offset + item.offset + item.nbytes]
+    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be). ``storage``:
+    returns a torch storage over all of ``base``, if the caller keeps one."""
+    start = offset + item.offset
+    buf = base[start : start + item.nbytes]
     kind = item.kind
     if as_ == "torch" and kind != KIND_TORCH:
         if kind == KIND_BYTES:
@@ -145,7 +219,7 @@ def view_item(base: memoryview, offset: int, item: Item, as_: str | None, writab
         name = str(dtype).removeprefix("torch.")
         return _torch_view(buf, Item(item.key, KIND_TORCH, name, item.shape, 0, item.nbytes))
     if kind == KIND_TORCH:
-        tensor = _torch_view(buf, item)
+        tensor = _torch_view(buf, item, storage, start)
         if as_ != "numpy":
             return tensor
         import torch
@@ -164,8 +238,17 @@ def view_item(base: memoryview, offset: int, item: Item, as_: str | None, writab
     return array
 
 
-def decode(base: memoryview, offset: int, layout: Layout, as_: str | None, writable: bool) -> Any:
-    values = [view_item(base, offset, item, as_, writable) for item in layout.items]
+def decode(
+    base: memoryview,
+    offset: int,
+    layout: Layout,
+    as_: str | None,
+    writable: bool,
+    *,
+    storage: Callable[[], Any] | None = None,
+) -> Any:
+    items = layout.items
+    values = [view_item(base, offset, item, as_, writable, storage=storage) for item in items]
     if layout.container == CONTAINER_SINGLE:
         return values[0]
     if layout.container == CONTAINER_DICT:

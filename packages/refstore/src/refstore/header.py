@@ -6,14 +6,15 @@ Two structures live in shared memory next to the payloads:
   flags word. ``FLAG_MASTER_PATH`` is set while a fault plan is active, and makes every client
   take the master path for every operation, so that injected faults apply to all of them.
 - an **object header** at the start of every object's block, written by the client that puts it,
-  before its payload::
+  after its payload::
 
       magic "RSo1" | state u32 | oid u64 | tag u64 | header_len u32 | layout_len u32
       | nbytes u64 | last_access_ns u64 | (pad to 64) | layout (msgpack) | (pad to 64) | payload
 
-  ``state`` goes WRITING -> SEALED (client, after the payload is in place) -> FREED (master, before
-  the block returns to the allocator). ``tag`` mixes the oid with the pool's epoch, so a stale
-  header or payload bytes that happen to sit where a ref points are not taken for the object.
+  ``state`` is SEALED once the client has written the payload and then the header, and FREED
+  (master) before the block returns to the allocator; WRITING marks nothing valid either.
+  ``tag`` mixes the oid with the pool's epoch, so a stale header or payload bytes that happen
+  to sit where a ref points are not taken for the object.
   ``last_access_ns`` (CLOCK_MONOTONIC, the same clock in every process) is written by gets that
   never reach the master; eviction reads it to give recently read objects a second chance.
 
@@ -21,10 +22,11 @@ A get checks the header (magic, state, oid, tag) and builds its views from the l
 header: about 5 µs, no round trip. Anything else (freed, unknown, still being written, another
 epoch) falls back to the master, which says why with a typed error or waits for the seal.
 
-Ordering: the header is written with state WRITING, then the layout, then state SEALED (x86 keeps
-stores in program order; a reader holding a ref got it after ``put`` returned, so it never races
-the writer). A reader that validated a header and then sees the object freed is the same case as
-any view outliving its object: views are valid while the object lives.
+Ordering: the header (state SEALED) and the layout are written by one ``pack_into`` after the
+payload is in place. No reader can race that write: a reader needs the object's ref (its oid and
+tag), and it gets the ref only after ``put`` returned. A reader that validated a header and then
+sees the object freed is the same case as any view outliving its object: views are valid while
+the object lives.
 """
 
 from __future__ import annotations
@@ -77,15 +79,43 @@ def encode_layout(layout: Layout) -> bytes:
     return _encode_layout(layout)
 
 
+class Writer:
+    """Writes the sealed headers of objects with one layout: one ``pack_into`` per put."""
+
+    __slots__ = ("hlen", "layout_bytes", "layout_len", "packer")
+
+    def __init__(self, layout_bytes: bytes) -> None:
+        self.layout_bytes = layout_bytes
+        self.layout_len = len(layout_bytes)
+        self.hlen = header_len(layout_bytes)
+        pad = HEADER_FIXED - HEADER.size
+        self.packer = struct.Struct(f"{HEADER.format}{pad}x{self.layout_len}s")
+
+    def write(self, view: memoryview, at: int, oid: int, key: int, nbytes: int) -> None:
+        """Write a complete, sealed header at ``at`` (after the payload is in place)."""
+        self.packer.pack_into(
+            view,
+            at,
+            MAGIC,
+            STATE_SEALED,
+            oid,
+            tag(oid, key),
+            self.hlen,
+            self.layout_len,
+            nbytes,
+            0,
+            self.layout_bytes,
+        )
+
+
 def write(
     view: memoryview, at: int, *, oid: int, key: int, layout_bytes: bytes, hlen: int, nbytes: int
 ) -> None:
     """Write a complete, sealed header at ``at`` (after the payload is in place)."""
-    HEADER.pack_into(
-        view, at, MAGIC, STATE_WRITING, oid, tag(oid, key), hlen, len(layout_bytes), nbytes, 0
-    )
-    view[at + HEADER_FIXED : at + HEADER_FIXED + len(layout_bytes)] = layout_bytes
-    _U32.pack_into(view, at + STATE_OFFSET, STATE_SEALED)
+    writer = Writer(layout_bytes)
+    if writer.hlen != hlen:
+        raise ValueError(f"header length {hlen} does not fit a layout of {len(layout_bytes)} B")
+    writer.write(view, at, oid, key, nbytes)
 
 
 def read_sealed(view: memoryview, at: int, oid: int, key: int) -> tuple[int, Layout] | None:

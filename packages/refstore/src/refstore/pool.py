@@ -20,10 +20,12 @@ runs at the speed of private memory (measured 5.3 GiB/s, one thread).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
 import socket
+from typing import Any
 
 log = logging.getLogger("refstore.pool")
 
@@ -54,8 +56,27 @@ class SharedPool:
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         self.mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mmap)
+        anchor = ctypes.c_char.from_buffer(self.mmap)  # an export: dropped at once
+        self.address = ctypes.addressof(anchor)  # where the pool starts in this process
+        del anchor
         self.attached_via = "owner"  # or "scm_rights" / "proc" for a client's mapping
+        self._torch_storage: Any = None
         self._closed = False
+
+    def torch_storage(self) -> Any:
+        """A torch storage over the whole pool (made on first use): tensors set on it cost a
+        fraction of ``torch.frombuffer`` per get. Tensors made from it keep the mapping alive
+        after ``close()``, as every view does."""
+        storage = self._torch_storage
+        if storage is None and not self._closed:
+            import torch
+
+            # Over a slice: torch keeps a reference to the buffer object but no buffer export,
+            # and a slice (unlike ``view`` itself, which close() releases) holds the mapping's
+            # export for as long as it lives, so close() cannot unmap it under a tensor.
+            storage = torch.frombuffer(self.view[:], dtype=torch.uint8).untyped_storage()
+            self._torch_storage = storage
+        return storage
 
     @classmethod
     def create(cls, size: int, name: str = "refstore-pool") -> SharedPool:
@@ -106,6 +127,7 @@ class SharedPool:
         if self._closed:
             return
         self._closed = True
+        self._torch_storage = None  # freed now unless a tensor still uses it
         with contextlib.suppress(BufferError):
             self.view.release()
         # Views handed out by get() may still export the buffer; then the GC unmaps it later.
