@@ -208,8 +208,18 @@ def view_item(
     (numpy arrays and memoryviews are marked read-only; torch tensors cannot be). ``storage``:
     returns a torch storage over all of ``base``, if the caller keeps one."""
     start = offset + item.offset
-    buf = base[start : start + item.nbytes]
     kind = item.kind
+    if kind == KIND_TORCH and as_ is None and storage is not None and item.nbytes:
+        # The common case, kept short: a get's cost in a process with cold caches (a Ray actor
+        # after a task dispatch) grows with every Python-level step.
+        pool_storage = storage()  # imports torch; None once the pool is closed
+        torch = sys.modules["torch"]
+        dtype = getattr(torch, item.dtype)
+        if pool_storage is not None and start % dtype.itemsize == 0:
+            return torch.empty(0, dtype=dtype).set_(
+                pool_storage, start // dtype.itemsize, item.shape
+            )
+    buf = base[start : start + item.nbytes]
     if as_ == "torch" and kind != KIND_TORCH:
         if kind == KIND_BYTES:
             return _torch_view(buf, Item(item.key, KIND_TORCH, "uint8", item.shape, 0, item.nbytes))
@@ -248,9 +258,9 @@ def decode(
     storage: Callable[[], Any] | None = None,
 ) -> Any:
     items = layout.items
-    values = [view_item(base, offset, item, as_, writable, storage=storage) for item in items]
     if layout.container == CONTAINER_SINGLE:
-        return values[0]
+        return view_item(base, offset, items[0], as_, writable, storage=storage)
+    values = [view_item(base, offset, item, as_, writable, storage=storage) for item in items]
     if layout.container == CONTAINER_DICT:
         return {item.key: value for item, value in zip(layout.items, values, strict=True)}
     if layout.container == CONTAINER_TUPLE:
