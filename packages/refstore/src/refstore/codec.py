@@ -176,23 +176,29 @@ def copy_into(
     copier.copy_numpy(target, source)
 
 
-def _torch_view(
-    buf: memoryview, item: Item, storage: Callable[[], Any] | None = None, start: int = 0
-) -> Any:
+def _torch_view(buf: memoryview, item: Item) -> Any:
     """A tensor over ``buf`` (always a writable buffer: torch has no read-only tensors, and a
-    read-only buffer would only add a warning, whose suppression costs more than the view).
-
-    ``storage``: returns a torch storage over the whole pool (``buf`` starts at byte ``start`` of
-    it); the tensor is then set on it directly, which costs a fraction of ``torch.frombuffer``."""
+    read-only buffer would only add a warning, whose suppression costs more than the view)."""
     import torch
 
     dtype = getattr(torch, item.dtype)
     if item.nbytes == 0:
         return torch.empty(item.shape, dtype=dtype)
-    pool_storage = storage() if storage is not None else None
-    if pool_storage is not None and start % dtype.itemsize == 0:
-        return torch.empty(0, dtype=dtype).set_(pool_storage, start // dtype.itemsize, item.shape)
     return torch.frombuffer(buf, dtype=dtype).view(item.shape)
+
+
+def _tensor_on_storage(storage: Callable[[], Any] | None, start: int, item: Item) -> Any:
+    """A tensor of ``item`` set on the storage over the whole pool (``item`` at byte ``start``),
+    or None where that cannot be. A fraction of ``torch.frombuffer``'s cost, which matters in a
+    process with cold caches (a Ray actor after a task dispatch), where every step is slow."""
+    if storage is None or not item.nbytes:
+        return None
+    pool_storage = storage()  # imports torch; None once the pool is closed
+    torch = sys.modules["torch"]
+    dtype = getattr(torch, item.dtype)
+    if pool_storage is None or start % dtype.itemsize:
+        return None
+    return torch.empty(0, dtype=dtype).set_(pool_storage, start // dtype.itemsize, item.shape)
 
 
 def view_item(
@@ -209,16 +215,10 @@ def view_item(
     returns a torch storage over all of ``base``, if the caller keeps one."""
     start = offset + item.offset
     kind = item.kind
-    if kind == KIND_TORCH and as_ is None and storage is not None and item.nbytes:
-        # The common case, kept short: a get's cost in a process with cold caches (a Ray actor
-        # after a task dispatch) grows with every Python-level step.
-        pool_storage = storage()  # imports torch; None once the pool is closed
-        torch = sys.modules["torch"]
-        dtype = getattr(torch, item.dtype)
-        if pool_storage is not None and start % dtype.itemsize == 0:
-            return torch.empty(0, dtype=dtype).set_(
-                pool_storage, start // dtype.itemsize, item.shape
-            )
+    if kind == KIND_TORCH:
+        tensor = _tensor_on_storage(storage, start, item)
+        if tensor is not None and as_ != "numpy":
+            return tensor
     buf = base[start : start + item.nbytes]
     if as_ == "torch" and kind != KIND_TORCH:
         if kind == KIND_BYTES:
@@ -229,7 +229,8 @@ def view_item(
         name = str(dtype).removeprefix("torch.")
         return _torch_view(buf, Item(item.key, KIND_TORCH, name, item.shape, 0, item.nbytes))
     if kind == KIND_TORCH:
-        tensor = _torch_view(buf, item, storage, start)
+        if tensor is None:
+            tensor = _torch_view(buf, item)
         if as_ != "numpy":
             return tensor
         import torch

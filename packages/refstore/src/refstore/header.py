@@ -12,7 +12,7 @@ Two structures live in shared memory next to the payloads:
       | nbytes u64 | last_access_ns u64 | (pad to 64) | layout (msgpack) | (pad to 64) | payload
 
   ``state`` is SEALED once the client has written the payload and then the header, and FREED
-  (master) before the block returns to the allocator; WRITING marks nothing valid either.
+  (master) before the block returns to the allocator.
   ``tag`` mixes the oid with the pool's epoch, so a stale header or payload bytes that happen
   to sit where a ref points are not taken for the object.
   ``last_access_ns`` (CLOCK_MONOTONIC, the same clock in every process) is written by gets that
@@ -46,7 +46,6 @@ HEADER = struct.Struct("<4sIQQIIQQ")
 MAGIC = b"RSo1"
 HEADER_FIXED = 64
 ALIGN = 64
-STATE_WRITING = 0
 STATE_SEALED = 1
 STATE_FREED = 2
 STATE_OFFSET = 4
@@ -106,16 +105,6 @@ class Writer:
             0,
             self.layout_bytes,
         )
-
-
-def write(
-    view: memoryview, at: int, *, oid: int, key: int, layout_bytes: bytes, hlen: int, nbytes: int
-) -> None:
-    """Write a complete, sealed header at ``at`` (after the payload is in place)."""
-    writer = Writer(layout_bytes)
-    if writer.hlen != hlen:
-        raise ValueError(f"header length {hlen} does not fit a layout of {len(layout_bytes)} B")
-    writer.write(view, at, oid, key, nbytes)
 
 
 def read_sealed(view: memoryview, at: int, oid: int, key: int) -> tuple[int, Layout] | None:
