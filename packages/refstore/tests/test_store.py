@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import refstore
 import torch
-from refstore import Client, MasterThread
+from refstore import Client, MasterThread, start_master_process
 
 
 def test_numpy_roundtrip_is_zero_copy_and_read_only(client):
@@ -319,3 +319,29 @@ def test_pool_descriptor_comes_over_a_unix_socket_else_through_proc(master, refs
     with Client("test") as c:
         assert c._pool.attached_via == "proc"
         np.testing.assert_array_equal(c.get(ref), np.arange(10))
+
+
+def test_close_after_shutdown_master_has_nothing_to_give_back(no_leaks):
+    """Reserved blocks go with the master's pool: close() must not try to release them to a
+    master that is going away (the call would fail and log a lost connection)."""
+    proc = start_master_process("short", "16M")
+    try:
+        client = Client("short")
+        for i in range(4):
+            client.put(np.full(1000, i))
+            client.flush()
+        assert client.stats().reserved >= 1
+        client.shutdown_master("test done")
+        sent = []
+        rpc_call = client._rpc.call
+        client._rpc.call = lambda method, *args, **kwargs: (
+            sent.append(method.name),
+            rpc_call(method, *args, **kwargs),
+        )[1]
+        client.close()
+        assert sent == []
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

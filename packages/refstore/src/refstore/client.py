@@ -548,6 +548,9 @@ class Client:
 
     def shutdown_master(self, reason: str = "requested by client") -> None:
         self._call(protocol.SHUTDOWN, protocol.Shutdown(reason))
+        with self._book:
+            # They go with the master's pool: close() has nothing to give back.
+            self._reservations.drain()
 
     def _set_faults(self, spec: str) -> None:
         if spec == "kill!":
