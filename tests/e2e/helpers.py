@@ -72,6 +72,38 @@ async def wait_idle(
         delay = min(delay * 2, 2.0)
 
 
+async def metric_sum(session: aiohttp.ClientSession, base_url: str, sample_name: str) -> float:
+    """The sum over labels of one metric sample (e.g. ``pdserve_inflight``) at ``base_url``."""
+    async with session.get(f"{base_url}/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == sample_name
+    )
+
+
+async def wait_metric_at_least(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    sample_name: str,
+    value: float,
+    within_s: float = 60.0,
+) -> bool:
+    """Wait until ``metric_sum`` reaches ``value`` (re-read with backoff, as in ``wait_idle``);
+    False if it did not within ``within_s``."""
+    deadline = time.monotonic() + within_s
+    delay = 0.01
+    while await metric_sum(session, base_url, sample_name) < value:
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    return True
+
+
 def descendants(pid: int) -> set[int]:
     """Every live descendant of ``pid`` (children of children...), from /proc."""
     found: set[int] = set()
