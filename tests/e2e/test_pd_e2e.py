@@ -187,18 +187,23 @@ async def test_bad_requests_get_4xx_and_the_proxy_keeps_serving(cluster: Cluster
         assert ok.completion_tokens == 2
 
 
-async def test_client_disconnect_mid_stream_leaves_no_blocks(
-    cluster: Cluster, prompts: list[tuple[int, Any]]
-) -> None:
-    long_prompt = prompts[-1][1]
-    body = {
+def _longest_stream(cluster: Cluster, prompts: list[tuple[int, Any]]) -> dict[str, Any]:
+    """A streamed request of the longest prompt that fills the context: the longest answer."""
+    n, prompt = prompts[-1]
+    return {
         "model": cluster.model_name,
-        "prompt": long_prompt,
-        "max_tokens": 2048 - 1 - prompts[-1][0],
+        "prompt": prompt,
+        "max_tokens": 2048 - 1 - n,
         "ignore_eos": True,
         "temperature": 0.0,
         "stream": True,
     }
+
+
+async def test_client_disconnect_mid_stream_leaves_no_blocks(
+    cluster: Cluster, prompts: list[tuple[int, Any]]
+) -> None:
+    body = _longest_stream(cluster, prompts)
     async with aiohttp.ClientSession() as session:
         # D decodes as fast as it can whatever the client reads, and the proxy forwards into
         # kernel buffers. On this 2-CPU box D's API server process is sometimes starved while
@@ -241,17 +246,7 @@ async def test_client_gone_while_upstream_leaves_no_blocks(
     or its blocks. Unlike the mid-stream case above, this does not depend on how fast D's first
     streamed line gets out (on this 2-CPU box D's API server is sometimes starved until the whole
     answer is generated)."""
-    long_prompt = prompts[-1][1]
-    body = json.dumps(
-        {
-            "model": cluster.model_name,
-            "prompt": long_prompt,
-            "max_tokens": 2048 - 1 - prompts[-1][0],
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-        }
-    ).encode()
+    body = json.dumps(_longest_stream(cluster, prompts)).encode()
     host, port = cluster.proxy_url.removeprefix("http://").split(":")
     disconnects = "pdserve_client_disconnects_total"
     async with aiohttp.ClientSession() as session:
