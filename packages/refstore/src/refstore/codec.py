@@ -194,9 +194,11 @@ def _tensor_on_storage(storage: Callable[[], Any] | None, start: int, item: Item
     if storage is None or not item.nbytes:
         return None
     pool_storage = storage()  # imports torch; None once the pool is closed
+    if pool_storage is None:
+        return None
     torch = sys.modules["torch"]
     dtype = getattr(torch, item.dtype)
-    if pool_storage is None or start % dtype.itemsize:
+    if start % dtype.itemsize:
         return None
     return torch.empty(0, dtype=dtype).set_(pool_storage, start // dtype.itemsize, item.shape)
 
