@@ -46,6 +46,7 @@ import numpy as np
 from simple_rpc import RpcError, SyncClient
 
 from . import codec, discovery, header, protocol
+from .codec import PARALLEL_COPY_MIN
 from .errors import (
     CallerError,
     MasterRestarted,
@@ -59,7 +60,6 @@ log = logging.getLogger("refstore.client")
 
 DEFAULT_TTL_S = float(os.environ.get("REFSTORE_TTL", "300"))
 DEFAULT_TIMEOUT_S = 30.0
-PARALLEL_COPY_MIN = 32 << 20
 MAX_REMEMBERED_COPIES = 100_000
 RESERVE_MAX_BLOCK = 16 << 20  # above this a put's round trip is small next to its copy
 RESERVE_BUDGET_MAX = 64 << 20
@@ -75,7 +75,6 @@ class _Copier:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self.threads = max(1, min(2, os.cpu_count() or 1))
-        self.parallel_min = PARALLEL_COPY_MIN  # smaller copies run on the caller's thread alone
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -111,14 +110,6 @@ class _Copier:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
-
-
-def size_class(nbytes: int) -> int:
-    """Round up to one of 8 classes per power of two (at most 12.5% of a block unused)."""
-    if nbytes <= 4096:
-        return max(256, -(-nbytes // 256) * 256)
-    step = 1 << (nbytes.bit_length() - 4)
-    return -(-nbytes // step) * step
 
 
 class _Reservations:
@@ -320,9 +311,7 @@ class Client:
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
         layout, nbytes, writer = encoded.layout, encoded.nbytes, encoded.header
-        hlen = writer.hlen
-        block = encoded.block or size_class(hlen + nbytes)
-        encoded.block = block
+        hlen, block = writer.hlen, encoded.block
         reserved = None
         ask = 0
         with self._book:  # one consistent connection, even if another thread reconnects

@@ -34,6 +34,7 @@ from .protocol import (
 
 ALIGN = 64
 LAYOUT_CACHE_MAX = 1024
+PARALLEL_COPY_MIN = 32 << 20  # smaller copies run on the caller's thread alone
 
 # libc's memcpy through PyDLL: called holding the GIL (ctypes.memmove would release and re-take it,
 # which on a busy process costs more than a sub-millisecond copy) and without building numpy or
@@ -109,6 +110,15 @@ def encode(obj: Any) -> tuple[Layout, list[Any], int]:
     return Layout(container, items), sources, total
 
 
+def size_class(nbytes: int) -> int:
+    """Round up to one of 8 classes per power of two (at most 12.5% of a block unused): the
+    sizes clients reserve blocks in."""
+    if nbytes <= 4096:
+        return max(256, -(-nbytes // 256) * 256)
+    step = 1 << (nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
 class Encoded:
     """What a put needs to know about an object besides its bytes: layout, size, header."""
 
@@ -118,7 +128,7 @@ class Encoded:
         self.layout = layout
         self.nbytes = nbytes
         self.header = Writer(encode_layout(layout))
-        self.block = 0  # the client's size class for header + payload, filled in on first use
+        self.block = size_class(self.header.hlen + nbytes)  # header + payload, rounded up
 
 
 def encode_cached(obj: Any, cache: dict[Any, Encoded]) -> tuple[Encoded, list[Any]]:
@@ -155,7 +165,7 @@ def copy_into(
             plain
             and dst_address is not None
             and len(dst) == item.nbytes
-            and item.nbytes < copier.parallel_min
+            and item.nbytes < PARALLEL_COPY_MIN
         ):
             # ``dst`` (a slice of the pool's view) stays referenced across the call: the pool
             # cannot be unmapped under it.
