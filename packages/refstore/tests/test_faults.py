@@ -83,6 +83,36 @@ def test_dead_client_memory_reclaimed_after_ttl(client):
         client.get(refs[0])
 
 
+DYING_FAST_CLIENT = """
+import os, pickle, sys
+import numpy as np
+from refstore import Client
+c = Client("test")
+refs = [c.put(np.full(1 << 16, i, np.uint8), ttl=1.0) for i in range(16)]
+sys.stdout.buffer.write(pickle.dumps((refs, c.counters["fast_puts"])))
+sys.stdout.flush()
+os._exit(0)  # dies holding leases on objects in reserved blocks, and unused reservations
+"""
+
+
+def test_dead_client_reserved_blocks_come_back_after_its_disconnect(client, monkeypatch):
+    """Its puts into reserved blocks never told the master anything: the master adopts them when
+    the client's connection ends (their leases then run), and frees the blocks it never used."""
+    monkeypatch.setattr(refstore.state, "DISCONNECT_GRACE_S", 0.5)
+    out = subprocess.run(
+        [sys.executable, "-c", DYING_FAST_CLIENT], capture_output=True, check=True, timeout=60
+    ).stdout
+    refs, fast_puts = pickle.loads(out)
+    assert fast_puts >= 8
+    for ref in refs:
+        reason, _since = client.wait_gone(ref, timeout=30)
+        assert reason == "lease expired"
+    time.sleep(1.0)  # past the disconnect grace of the blocks it reserved and never used
+    stats = client.stats()
+    assert stats.expirations == len(refs)
+    assert stats.reserved == stats.used == 0
+
+
 def test_killed_master_restart_gives_clear_error_and_clients_recover(no_leaks):
     proc = start_master_process("crashy", "16M")
     try:

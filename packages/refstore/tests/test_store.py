@@ -282,9 +282,9 @@ def test_repeated_sizes_put_without_a_round_trip(client):
         np.testing.assert_array_equal(client.get(ref), d)
     client.flush()
     stats = client.stats()
-    assert stats.reserves >= 8
-    assert 1 <= stats.reserved <= 2  # blocks for the next puts
-    assert stats.objects == 10  # reserved blocks are counted apart
+    assert stats.reserves >= 9
+    assert 1 <= stats.reserved <= refstore.client.RESERVE_DEPTH  # blocks for the next puts
+    assert stats.objects == stats.puts == 10  # reserved blocks are counted apart
     client.release(refs)
     client.close()
     with Client("test") as other:
@@ -345,3 +345,81 @@ def test_close_after_shutdown_master_has_nothing_to_give_back(no_leaks):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _calls_sent(client: Client) -> list[str]:
+    """Names of the calls the client sends from now on."""
+    sent: list[str] = []
+    call_future = client._rpc.call_future
+    client._rpc.call_future = lambda method, *args, **kwargs: (
+        sent.append(method.name),
+        call_future(method, *args, **kwargs),
+    )[1]
+    return sent
+
+
+def _warm_reservations(client: Client, obj) -> None:
+    """Puts of the size class of ``obj`` until the client keeps a full stock of its blocks."""
+    for _ in range(6):
+        client.release(client.put(obj))
+        client.flush()
+
+
+def test_a_put_into_a_reserved_block_sends_nothing_its_header_commits_it(client):
+    data = np.arange(20_000, dtype=np.int64)
+    _warm_reservations(client, data)
+    sent = _calls_sent(client)
+    refs = [client.put(data + i, ttl=60.0) for i in range(refstore.client.RESERVE_LOW)]
+    # No seal, no commit: the header is the commit record. One call refills the stock.
+    assert sent == ["refstore.reserve"]
+    assert client.counters["fast_puts"] == 4 + len(refs)
+    with Client("test") as other:  # another client, through the master (no header fast path)
+        ref = refs[1]
+        master_path = refstore.Ref(ref.pool, ref.oid, ref.nbytes, ref.node, -1)
+        np.testing.assert_array_equal(other.get(master_path), data + 1)
+        stats = other.stats()
+        assert stats.objects == stats.leased == len(refs)
+        assert stats.puts == 6 + len(refs)
+
+
+def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(client):
+    data = np.zeros(50_000, np.uint8)
+    _warm_reservations(client, data)
+    before = time.time()
+    ref = client.put(data, ttl=0.2)
+    assert client.counters["fast_puts"] == 5
+    time.sleep(0.5)
+    with pytest.raises(refstore.ObjectExpired) as info:
+        client.get(ref)  # the header says the lease ran out: the master decides
+    assert before + 0.1 < info.value.since < before + 0.45  # when it ran out, not now
+    assert client.counters["fast_gets"] == 0
+    assert client.stats().expirations == 1
+
+
+def test_extend_moves_the_lease_the_header_fast_path_checks(client):
+    data = np.ones(50_000, np.uint8)
+    _warm_reservations(client, data)
+    ref = client.put(data, ttl=0.2)
+    client.extend(ref, 60.0)
+    time.sleep(0.4)
+    np.testing.assert_array_equal(client.get(ref), data)
+    assert client.counters["fast_gets"] == 1  # the master wrote the new deadline to the header
+    client.extend(ref, None)  # no lease: a cache entry
+    np.testing.assert_array_equal(client.get(ref), data)
+    assert client.counters["fast_gets"] == 2
+    assert client.stats().evictable == 1
+
+
+def test_eviction_sees_cache_entries_put_into_reserved_blocks(client):
+    """The master has not seen these puts when the pool fills up: eviction settles them first."""
+    entries = [client.put(np.full(200_000, i % 251, np.uint8), ttl=None) for i in range(250)]
+    assert client.counters["fast_puts"] >= 200
+    big = client.put(np.zeros(40 << 20, np.uint8))  # room only if cache entries are evicted
+    np.testing.assert_array_equal(client.get(big)[:4], 0)
+    evicted = 0
+    for i, ref in enumerate(entries):
+        try:
+            assert client.get(ref)[0] == i % 251
+        except refstore.ObjectEvicted:
+            evicted += 1
+    assert evicted >= 100

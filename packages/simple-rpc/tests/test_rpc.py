@@ -243,3 +243,30 @@ async def test_plain_handler_may_return_a_coroutine():
                 await client.call(maybe, Ping(99))
     finally:
         await server.close()
+
+
+async def test_on_disconnect_names_each_peer_once_and_a_raising_hook_is_logged(caplog):
+    gone: list[str] = []
+    disconnected = asyncio.Event()
+
+    def on_disconnect(peer: str) -> None:
+        gone.append(peer)
+        disconnected.set()
+        raise RuntimeError("hook trouble")
+
+    server = make_server(on_disconnect=on_disconnect)
+    await server.start("127.0.0.1", 0)
+    try:
+        client = Client(server.address)
+        peer = (await client.call(PING, Ping(0))).note  # the server's name for this client
+        assert gone == []
+        await client.close()
+        await asyncio.wait_for(disconnected.wait(), 5.0)
+        assert gone == [peer]
+        other = Client(server.address)
+        assert (await other.call(PING, Ping(1))).n == 2  # the server lives on
+        await other.close()
+    finally:
+        await server.close()
+    assert "on_disconnect" in caplog.text
+    assert "hook trouble" in caplog.text

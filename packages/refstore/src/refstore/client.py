@@ -63,7 +63,8 @@ DEFAULT_TIMEOUT_S = 30.0
 MAX_REMEMBERED_COPIES = 100_000
 RESERVE_MAX_BLOCK = 16 << 20  # above this a put's round trip is small next to its copy
 RESERVE_BUDGET_MAX = 64 << 20
-RESERVE_DEPTH = 2  # blocks per class in stock or on their way: back-to-back puts find one ready
+RESERVE_DEPTH = 8  # blocks per class in stock or on their way: back-to-back puts find one ready
+RESERVE_LOW = RESERVE_DEPTH // 2  # refill a class when no more than this many are left
 # A reservation older than this is not used: the master frees unused ones after WRITE_TIMEOUT_S.
 RESERVATION_MAX_AGE_S = 30.0
 
@@ -113,50 +114,56 @@ class _Copier:
 
 
 class _Reservations:
-    """Blocks taken ahead of time for the next put of each size class this client has put twice.
+    """Blocks taken ahead of time for the next puts of each size class this client has put twice.
 
-    All methods run under the client's lock; reserved blocks arrive with the answers to seals,
-    on the RPC loop thread.
+    Stock is refilled in batches (one ``reserve`` call per several puts) that grow with how often
+    the class is put, up to ``RESERVE_DEPTH`` blocks per class and ``budget`` bytes in all. All
+    methods run under the client's lock; reserved blocks arrive on the RPC loop thread.
     """
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
         self.stock: dict[int, deque[tuple[int, int, float]]] = {}  # class -> (oid, at, taken)
-        self.in_flight: dict[int, int] = {}  # class -> outstanding RESERVE calls
+        self.in_flight: dict[int, int] = {}  # class -> blocks asked for, not arrived
         self.seen: OrderedDict[int, int] = OrderedDict()  # class -> puts, most recent last
         self.bytes = 0  # in stock + in flight
 
-    def take(self, block: int, now: float) -> tuple[int, int] | None:
+    def next(self, block: int, now: float) -> tuple[tuple[int, int] | None, int]:
+        """For a put of this class: (a reserved (oid, offset) or None, how many blocks to ask
+        for now). The usual case, a class well in stock, is decided first and alone."""
         stock = self.stock.get(block)
         while stock:
             oid, at, taken = stock.popleft()
             self.bytes -= block
             if now - taken < RESERVATION_MAX_AGE_S:
-                return oid, at
-        return None
+                if len(stock) + self.in_flight.get(block, 0) > RESERVE_LOW:
+                    return (oid, at), 0
+                return (oid, at), self._wanted(block)
+        return None, self._wanted(block)
 
-    def wanted(self, block: int) -> bool:
-        """Count a put of this class; True if a reservation should be asked for now."""
-        self.seen[block] = self.seen.get(block, 0) + 1
+    def _wanted(self, block: int) -> int:
+        """Count a put of this class that found its stock low; how many blocks to ask for."""
+        seen = self.seen[block] = self.seen.get(block, 0) + 1
         self.seen.move_to_end(block)
         while len(self.seen) > 64:
             self.seen.popitem(last=False)
-        if block > RESERVE_MAX_BLOCK or self.seen[block] < 2:
-            return False
-        if len(self.stock.get(block, ())) + self.in_flight.get(block, 0) >= RESERVE_DEPTH:
-            return False
-        if self.bytes + block > self.budget:
-            return False
-        self.in_flight[block] = self.in_flight.get(block, 0) + 1
-        self.bytes += block
-        return True
+        if block > RESERVE_MAX_BLOCK or seen < 2:
+            return 0
+        have = len(self.stock.get(block, ())) + self.in_flight.get(block, 0)
+        if have > RESERVE_LOW:
+            return 0
+        # Grows with how often the class is put (counted while its stock runs low).
+        count = min(RESERVE_DEPTH - have, seen, (self.budget - self.bytes) // block)
+        if count <= 0:
+            return 0
+        self.in_flight[block] = self.in_flight.get(block, 0) + count
+        self.bytes += count * block
+        return count
 
-    def arrived(self, block: int, oid: int | None, at: int, now: float) -> None:
-        self.in_flight[block] -= 1
-        if oid is None:
-            self.bytes -= block
-            return
-        self.stock.setdefault(block, deque()).append((oid, at, now))
+    def arrived(self, block: int, asked: int, blocks: list[tuple[int, int]], now: float) -> None:
+        self.in_flight[block] -= asked
+        self.bytes -= (asked - len(blocks)) * block
+        self.stock.setdefault(block, deque()).extend((oid, at, now) for oid, at in blocks)
 
     def drain(self) -> list[int]:
         """Forget every block in stock; returns their oids (to release)."""
@@ -201,7 +208,7 @@ class Client:
         self._past_epochs: dict[str, float] = {}
         self._owners: dict[str, SyncClient] = {}  # other nodes' masters, for remote release
         # remote (pool, oid) -> (local pool, oid) of the copy a remote get made here
-        self._pending_seals: set[concurrent.futures.Future] = set()
+        self._pending_calls: set[concurrent.futures.Future] = set()  # seals, reservations
         self._local_copies: OrderedDict[tuple[str, int], tuple[str, int]] = OrderedDict()
         self._reservations = _Reservations(0)
         self._tag_key = 0
@@ -248,6 +255,7 @@ class Client:
             self._rpc, self._pool = rpc, pool
             self.epoch, self.node, self.address = hello.epoch, hello.node, address
             self._tag_key = header.epoch_key(hello.epoch)
+            self._headers = header.Reader(self._tag_key)
             # Reservations of the old master's pool went with it.
             self._reservations.drain()
             budget = min(RESERVE_BUDGET_MAX, hello.pool_size // 32)
@@ -319,82 +327,94 @@ class Client:
             reservations = self._reservations
             assert rpc is not None
             assert pool is not None
-            if rpc.connected and not header.control_flags(pool.view) & header.FLAG_MASTER_PATH:
-                reserved = reservations.take(block, time.monotonic())
-                ask = block if reservations.wanted(block) else 0
-        try:
-            if reserved is not None:
-                oid, at = reserved
-            else:
-                resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
-                oid, at = resp.oid, resp.offset
+            if rpc.connected and not header.master_path(pool.view):
+                reserved, ask = reservations.next(block, time.monotonic())
+        if ask:
+            # Before the copy, so the blocks are on their way while it runs.
             try:
-                view = pool.view
-                for item, source in zip(layout.items, sources, strict=True):
-                    start = at + hlen + item.offset
-                    codec.copy_into(
-                        view[start : start + item.nbytes],
-                        source,
-                        item,
-                        self._copier,
-                        pool.address + start,
-                    )
-                writer.write(view, at, oid, key, nbytes)
+                pending = rpc.call_future(protocol.RESERVE, protocol.Reserve(block, ask))
             except BaseException:
-                with contextlib.suppress(Exception):
-                    self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
-                raise
-            # Sealed without waiting for the answer: the master handles this connection's frames
-            # in order, and a get from elsewhere that overtakes the seal waits for it there. The
-            # seal also asks for the block of a later put: one message, one wake-up of the loop
-            # thread per put, and none before the copy.
-            if reserved is not None:
-                message = protocol.Commit(oid, nbytes, hlen, layout, ttl_s, pin, ask)
-                pending = rpc.call_future(protocol.COMMIT, message, self.timeout)
-            else:
-                pending = rpc.call_future(protocol.SEAL, protocol.Seal(oid, ask), self.timeout)
-        except BaseException:
-            if ask:
                 with self._book:
-                    reservations.arrived(ask, None, 0, 0.0)
+                    reservations.arrived(block, ask, [], 0.0)
+                raise
+            self._track(pending)
+            pending.add_done_callback(
+                functools.partial(self._reserved, (block, ask, reservations, epoch, rpc))
+            )
+        if reserved is not None:
+            oid, at = reserved
+        else:
+            resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
+            oid, at = resp.oid, resp.offset
+        try:
+            view = pool.view
+            for item, source in zip(layout.items, sources, strict=True):
+                codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
+            deadline_ns = 0 if ttl_s is None else time.monotonic_ns() + int(ttl_s * 1e9)
+            writer.write(
+                view,
+                at,
+                oid,
+                key,
+                nbytes,
+                lease_deadline_ns=deadline_ns,
+                flags=header.OBJECT_PINNED * pin,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
             raise
+        if reserved is None:
+            # Sealed without waiting for the answer: the master handles this connection's frames
+            # in order, and a get from elsewhere that overtakes the seal waits for it there.
+            sealing = rpc.call_future(protocol.SEAL, protocol.Seal(oid), self.timeout)
+            self._track(sealing)
+            sealing.add_done_callback(self._sealed)
+        # A put into a reserved block sends nothing: its header is the commit record, which
+        # the master reads when the object first matters to it (``state.py``, settle).
         with self._book:
-            self._pending_seals.add(pending)
             self.counters["puts"] += 1
             self.counters["fast_puts"] += reserved is not None
-        pending.add_done_callback(functools.partial(self._sealed, ask, reservations, epoch, rpc))
         return Ref(epoch, oid, nbytes, self.node, at)
 
-    def _sealed(
-        self, block: int, reservations: _Reservations, epoch: str, rpc: SyncClient, future: Any
-    ) -> None:
-        """On the RPC loop thread (no blocking calls): log a failed seal (the put's caller has
-        returned) and stock the block reserved with it."""
+    def _track(self, pending: concurrent.futures.Future) -> None:
+        """Remember a call that a put started and did not wait for (``flush`` waits for them)."""
         with self._book:
-            self._pending_seals.discard(future)
-        resp = err = None
-        if future.cancelled():
-            err = "cancelled"
-        elif future.exception() is not None:
-            err = future.exception()
-        else:
-            resp = future.result()
-            err = resp.err
+            self._pending_calls.add(pending)
+        pending.add_done_callback(self._untrack)
+
+    def _untrack(self, pending: concurrent.futures.Future) -> None:
+        with self._book:
+            self._pending_calls.discard(pending)
+
+    def _sealed(self, future: concurrent.futures.Future) -> None:
+        """On the RPC loop thread: log a failed seal (the put's caller has returned)."""
+        err = _failure(future)
         if err is not None:
             log.warning("refstore seal failed on %s: %s", self.address, err)
-        if not block:
-            return
-        oid = resp.oid if resp is not None and err is None and resp.oid else None
+
+    def _reserved(
+        self,
+        asked_for: tuple[int, int, _Reservations, str, SyncClient],
+        future: concurrent.futures.Future,
+    ) -> None:
+        """On the RPC loop thread (no blocking calls): stock the blocks reserved for later puts.
+        ``asked_for``: (block, count, the stock, pool epoch, connection) at the time of asking."""
+        block, asked, reservations, epoch, rpc = asked_for
+        err = _failure(future)
+        blocks = future.result().blocks if err is None else []
+        if err is not None:
+            log.warning("refstore reserve failed on %s: %s", self.address, err)
         with self._book:
             current = self.epoch == epoch and not self._closed
-            at = resp.offset if oid is not None else 0
-            # Into the stock it was asked for: a reconnect in between replaced (and drained) it.
-            reservations.arrived(block, oid if current else None, at, time.monotonic())
+            # Into the stock they were asked for: a reconnect in between replaced (and drained) it.
+            reservations.arrived(block, asked, blocks if current else [], time.monotonic())
             self._reservation_landed.notify_all()
-        if oid is not None and not current:
-            # Reserved in a pool this client has left or closed: give it back.
+        if blocks and not current:
+            # Reserved in a pool this client has left or closed: give them back.
+            oids = [oid for oid, _ in blocks]
             with contextlib.suppress(Exception):
-                rpc.call_future(protocol.RELEASE, protocol.OidList(epoch, [oid]), self.timeout)
+                rpc.call_future(protocol.RELEASE, protocol.OidList(epoch, oids), self.timeout)
 
     # -- get ----------------------------------------------------------------------------------
     def get(
@@ -419,16 +439,22 @@ class Client:
         # longer kept); the master path finds out and says so.
         if ref.pool == self.epoch and ref.at >= 0 and pool is not None and rpc.connected:
             view = pool.view
-            if not header.control_flags(view) & header.FLAG_MASTER_PATH:
-                found = header.read_sealed(view, ref.at, ref.oid, self._tag_key)
+            if not header.master_path(view):
+                now_ns = time.monotonic_ns()
+                found = self._headers.sealed(view, ref.at, ref.oid, now_ns)
                 if found is not None:
-                    header.touch(view, ref.at, time.monotonic_ns())
+                    header.touch(view, ref.at, now_ns)
                     with self._book:
                         self.counters["gets"] += 1
                         self.counters["fast_gets"] += 1
-                    return codec.decode(
-                        view, found[0], found[1], as_, writable, storage=pool.torch_storage
-                    )
+                    payload, layout, plan = found
+                    if plan is not None and as_ != "numpy":
+                        flat = pool.torch_flat(plan.dtype)  # None once the pool is closed
+                        start = payload + plan.offset
+                        if flat is not None and not start % flat[1]:
+                            return flat[0].as_strided(plan.shape, plan.strides, start // flat[1])
+                    flat_of = pool.torch_flat
+                    return codec.decode(view, payload, layout, as_, writable, flat_of=flat_of)
 
         def resolve() -> tuple[int, protocol.Layout]:
             if ref.pool == self.epoch:
@@ -452,7 +478,7 @@ class Client:
             self.counters["gets"] += 1
         pool = self._pool
         assert pool is not None
-        return codec.decode(pool.view, offset, layout, as_, writable, storage=pool.torch_storage)
+        return codec.decode(pool.view, offset, layout, as_, writable, flat_of=pool.torch_flat)
 
     # -- lifetime -----------------------------------------------------------------------------
     def _by_pool(
@@ -550,10 +576,11 @@ class Client:
         self._call(protocol.SET_FAULTS, protocol.SetFaults(spec))
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every put of this client is sealed at the master (puts return before their
-        seal is acknowledged). True if all are; ``close()`` flushes first."""
+        """Wait for the calls puts started without waiting: seals of puts that allocated (they
+        return before the master acknowledges the seal) and reservations for later puts. True if
+        all are done; ``close()`` flushes first."""
         with self._book:
-            pending = list(self._pending_seals)
+            pending = list(self._pending_calls)
         if not pending:
             return True
         _done, not_done = concurrent.futures.wait(pending, timeout=timeout or self.timeout)
@@ -568,7 +595,7 @@ class Client:
         with self._book:
             if self._closed:
                 return
-            # A seal's future is done before its callback has stocked the block it reserved.
+            # A reserve call's future is done before its callback has stocked the blocks.
             self._reservation_landed.wait_for(
                 lambda: not any(self._reservations.in_flight.values()), self.timeout
             )
@@ -658,3 +685,12 @@ def connect(
                 start_master_process(name, pool_size, detach=True)
                 log.info("started refstore master %s", name)
     return Client(name, **kwargs)
+
+
+def _failure(future: concurrent.futures.Future) -> Any:
+    """What went wrong with a call the caller did not wait for (None: it succeeded)."""
+    if future.cancelled():
+        return "cancelled"
+    if future.exception() is not None:
+        return future.exception()
+    return future.result().err

@@ -11,15 +11,15 @@ torch is imported only when a tensor is put or asked for.
 from __future__ import annotations
 
 import ast
-import ctypes
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from . import _fastpath
 from .errors import CallerError
-from .header import Writer, encode_layout
+from .header import Writer, contiguous_strides, encode_layout
 from .protocol import (
     CONTAINER_DICT,
     CONTAINER_LIST,
@@ -35,14 +35,6 @@ from .protocol import (
 ALIGN = 64
 LAYOUT_CACHE_MAX = 1024
 PARALLEL_COPY_MIN = 32 << 20  # smaller copies run on the caller's thread alone
-
-# libc's memcpy through PyDLL: called holding the GIL (ctypes.memmove would release and re-take it,
-# which on a busy process costs more than a sub-millisecond copy) and without building numpy or
-# memoryview wrappers around a tensor, which costs tens of microseconds in a process whose caches a
-# Ray task dispatch has just flushed.
-_memcpy = ctypes.PyDLL(None).memcpy
-_memcpy.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-_memcpy.restype = ctypes.c_void_p
 
 
 def dtype_to_str(dtype: np.dtype) -> str:
@@ -150,29 +142,26 @@ def encode_cached(obj: Any, cache: dict[Any, Encoded]) -> tuple[Encoded, list[An
     return Encoded(layout, nbytes), sources
 
 
-def copy_into(
-    dst: memoryview, source: Any, item: Item, copier: Any, dst_address: int | None = None
-) -> None:
-    """The one copy of a put: from the caller's object into the pool. ``dst_address`` is where
-    ``dst`` starts in this process (lets a contiguous tensor be copied by one memcpy)."""
+def copy_into(view: memoryview, start: int, source: Any, item: Item, copier: Any) -> None:
+    """The one copy of a put: from the caller's object into ``view`` (the pool) at ``start``."""
     if item.nbytes == 0:
         return
     if item.kind == KIND_TORCH:
+        if (
+            item.nbytes < PARALLEL_COPY_MIN
+            and source.is_contiguous()
+            and not source.is_conj()
+            and not source.is_neg()
+        ):
+            # One native call (non-temporal stores for large payloads), holding the GIL: on a
+            # busy process (a Ray actor's own threads) getting it back costs more than the copy.
+            _fastpath.copy_in(view, start, source.data_ptr(), item.nbytes)
+            return
         import torch
 
-        plain = source.is_contiguous() and not source.is_conj() and not source.is_neg()
-        if (
-            plain
-            and dst_address is not None
-            and len(dst) == item.nbytes
-            and item.nbytes < PARALLEL_COPY_MIN
-        ):
-            # ``dst`` (a slice of the pool's view) stays referenced across the call: the pool
-            # cannot be unmapped under it.
-            _memcpy(dst_address, source.data_ptr(), item.nbytes)
-            return
+        dst = view[start : start + item.nbytes]
         tensor = source.detach()
-        if plain:
+        if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
             # Bytes through numpy: torch's copy_ runs on its OpenMP pool, whose spinning barriers
             # cost milliseconds per call on a loaded 2-core box; numpy plus one helper thread
             # copies at memory speed without that.
@@ -182,6 +171,7 @@ def copy_into(
         target = torch.frombuffer(dst, dtype=getattr(torch, item.dtype), count=source.numel())
         copier.copy_torch(target.view(source.shape), tensor)
         return
+    dst = view[start : start + item.nbytes]
     target = np.frombuffer(dst, dtype=source.dtype, count=source.size).reshape(source.shape)
     copier.copy_numpy(target, source)
 
@@ -197,20 +187,22 @@ def _torch_view(buf: memoryview, item: Item) -> Any:
     return torch.frombuffer(buf, dtype=dtype).view(item.shape)
 
 
-def _tensor_on_storage(storage: Callable[[], Any] | None, start: int, item: Item) -> Any:
-    """A tensor of ``item`` set on the storage over the whole pool (``item`` at byte ``start``),
-    or None where that cannot be. A fraction of ``torch.frombuffer``'s cost, which matters in a
-    process with cold caches (a Ray actor after a task dispatch), where every step is slow."""
-    if storage is None or not item.nbytes:
+def _tensor_on_pool(
+    flat_of: Callable[[str], tuple[Any, int] | None] | None, start: int, item: Item
+) -> Any:
+    """A tensor of ``item`` (at byte ``start`` of the pool) as a view of the pool's flat tensor
+    of its dtype, or None where that cannot be. One ``as_strided``: a fraction of
+    ``torch.frombuffer``'s cost, which matters in a process with cold caches (a Ray actor after
+    a task dispatch), where every step is slow."""
+    if flat_of is None or not item.nbytes:
         return None
-    pool_storage = storage()  # imports torch; None once the pool is closed
-    if pool_storage is None:
+    found = flat_of(item.dtype)  # imports torch; None once the pool is closed
+    if found is None:
         return None
-    torch = sys.modules["torch"]
-    dtype = getattr(torch, item.dtype)
-    if start % dtype.itemsize:
+    flat, itemsize = found
+    if start % itemsize:
         return None
-    return torch.empty(0, dtype=dtype).set_(pool_storage, start // dtype.itemsize, item.shape)
+    return flat.as_strided(item.shape, contiguous_strides(item.shape), start // itemsize)
 
 
 def view_item(
@@ -220,15 +212,15 @@ def view_item(
     as_: str | None,
     writable: bool,
     *,
-    storage: Callable[[], Any] | None = None,
+    flat_of: Callable[[str], tuple[Any, int] | None] | None = None,
 ) -> Any:
     """A view of one item; ``base`` is the writable pool view, read-only-ness is applied here
-    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be). ``storage``:
-    returns a torch storage over all of ``base``, if the caller keeps one."""
+    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be). ``flat_of``:
+    a dtype name -> (1-D tensor over all of ``base``, item size), if the caller keeps them."""
     start = offset + item.offset
     kind = item.kind
     if kind == KIND_TORCH:
-        tensor = _tensor_on_storage(storage, start, item)
+        tensor = _tensor_on_pool(flat_of, start, item)
         if tensor is not None and as_ != "numpy":
             return tensor
     buf = base[start : start + item.nbytes]
@@ -268,12 +260,12 @@ def decode(
     as_: str | None,
     writable: bool,
     *,
-    storage: Callable[[], Any] | None = None,
+    flat_of: Callable[[str], tuple[Any, int] | None] | None = None,
 ) -> Any:
     items = layout.items
     if layout.container == CONTAINER_SINGLE:
-        return view_item(base, offset, items[0], as_, writable, storage=storage)
-    values = [view_item(base, offset, item, as_, writable, storage=storage) for item in items]
+        return view_item(base, offset, items[0], as_, writable, flat_of=flat_of)
+    values = [view_item(base, offset, item, as_, writable, flat_of=flat_of) for item in items]
     if layout.container == CONTAINER_DICT:
         return {item.key: value for item, value in zip(layout.items, values, strict=True)}
     if layout.container == CONTAINER_TUPLE:

@@ -9,7 +9,8 @@ Two structures live in shared memory next to the payloads:
   after its payload::
 
       magic "RSo1" | state u32 | oid u64 | tag u64 | header_len u32 | layout_len u32
-      | nbytes u64 | last_access_ns u64 | (pad to 64) | layout (msgpack) | (pad to 64) | payload
+      | nbytes u64 | last_access_ns u64 | lease_deadline_ns u64 | flags u32 | (pad to 64)
+      | layout (msgpack) | (pad to 64) | payload
 
   ``state`` is SEALED once the client has written the payload and then the header, and FREED
   (master) before the block returns to the allocator.
@@ -17,42 +18,60 @@ Two structures live in shared memory next to the payloads:
   to sit where a ref points are not taken for the object.
   ``last_access_ns`` (CLOCK_MONOTONIC, the same clock in every process) is written by gets that
   never reach the master; eviction reads it to give recently read objects a second chance.
+  ``lease_deadline_ns`` (CLOCK_MONOTONIC; 0: no lease) is written by the client at put and by the
+  master when the lease changes: a get past it asks the master instead of trusting the header.
+  ``flags`` holds ``OBJECT_PINNED`` (the put's soft pin).
+
+The header is also the **commit record** of a put into a reserved block: such a put sends the
+master nothing. The master reads the header (``read_committed``) the first time the object
+matters to it (a lookup, its write deadline, eviction, stats, the client's disconnect), and adopts
+it with the size, layout, lease and pin found there.
 
 A get checks the header (magic, state, oid, tag) and builds its views from the layout in the
 header: about 5 µs, no round trip. Anything else (freed, unknown, still being written, another
 epoch) falls back to the master, which says why with a typed error or waits for the seal.
 
-Ordering: the header (state SEALED) and the layout are written by one ``pack_into`` after the
-payload is in place. No reader can race that write: a reader needs the object's ref (its oid and
-tag), and it gets the ref only after ``put`` returned. A reader that validated a header and then
-sees the object freed is the same case as any view outliving its object: views are valid while
-the object lives.
+Ordering: the header and the layout are written after the payload is in place, then the state
+word SEALED by a store of its own with release ordering; readers load the state first, with
+acquire ordering (``_fastpath.c``). A client
+cannot race that write (it needs the object's ref, which exists only after ``put`` returned); the
+master can, when it settles reserved blocks, and then sees either no SEALED or a whole header.
+A reader that validated a header and then sees the object freed is the same case as any view
+outliving its object: views are valid while the object lives.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
+from typing import NamedTuple
 
 import msgspec
 
-from .protocol import Layout
+from . import _fastpath
+from .protocol import CONTAINER_SINGLE, KIND_TORCH, Layout
 
 CONTROL_BYTES = 4096
 CONTROL = struct.Struct("<4sI")
 CONTROL_MAGIC = b"RSp1"
 FLAG_MASTER_PATH = 1
 
-HEADER = struct.Struct("<4sIQQIIQQ")
+HEADER = struct.Struct("<4sIQQIIQQQI")
 MAGIC = b"RSo1"
 HEADER_FIXED = 64
 ALIGN = 64
+STATE_WRITING = 0
 STATE_SEALED = 1
 STATE_FREED = 2
 STATE_OFFSET = 4
 LAST_ACCESS_OFFSET = 40
+LEASE_OFFSET = 48
+OBJECT_PINNED = 1
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+LAYOUT_CACHE_MAX = 1024
 
 _encode_layout = msgspec.msgpack.Encoder().encode
 _decode_layout = msgspec.msgpack.Decoder(Layout).decode
@@ -67,7 +86,7 @@ def epoch_key(epoch: str) -> int:
 
 
 def tag(oid: int, key: int) -> int:
-    return ((oid * 0x9E3779B97F4A7C15) ^ key) & _MASK64
+    return ((oid * _GOLDEN) ^ key) & _MASK64
 
 
 def header_len(layout_bytes: bytes) -> int:
@@ -79,46 +98,69 @@ def encode_layout(layout: Layout) -> bytes:
 
 
 class Writer:
-    """Writes the sealed headers of objects with one layout: one ``pack_into`` per put."""
+    """Writes the sealed headers of objects with one layout: one native call per put, which
+    copies the header template, fills in the object's fields and stores SEALED last."""
 
-    __slots__ = ("hlen", "layout_bytes", "layout_len", "packer")
+    __slots__ = ("hlen", "layout_bytes", "layout_len", "template")
 
     def __init__(self, layout_bytes: bytes) -> None:
         self.layout_bytes = layout_bytes
         self.layout_len = len(layout_bytes)
         self.hlen = header_len(layout_bytes)
         pad = HEADER_FIXED - HEADER.size
-        self.packer = struct.Struct(f"{HEADER.format}{pad}x{self.layout_len}s")
+        packer = struct.Struct(f"{HEADER.format}{pad}x{self.layout_len}s")
+        self.template = packer.pack(
+            MAGIC, STATE_WRITING, 0, 0, self.hlen, self.layout_len, 0, 0, 0, 0, layout_bytes
+        )
 
-    def write(self, view: memoryview, at: int, oid: int, key: int, nbytes: int) -> None:
+    def write(
+        self,
+        view: memoryview,
+        at: int,
+        oid: int,
+        key: int,
+        nbytes: int,
+        *,
+        lease_deadline_ns: int = 0,
+        flags: int = 0,
+    ) -> None:
         """Write a complete, sealed header at ``at`` (after the payload is in place)."""
-        self.packer.pack_into(
-            view,
-            at,
-            MAGIC,
-            STATE_SEALED,
-            oid,
-            tag(oid, key),
-            self.hlen,
-            self.layout_len,
-            nbytes,
-            0,
-            self.layout_bytes,
+        _fastpath.seal(
+            view, at, self.template, oid, tag(oid, key), nbytes, lease_deadline_ns, flags
         )
 
 
-def read_sealed(view: memoryview, at: int, oid: int, key: int) -> tuple[int, Layout] | None:
-    """(payload offset, layout) if a sealed header of object ``oid`` sits at ``at``, else None."""
-    if at < CONTROL_BYTES or at + HEADER_FIXED > len(view):
+class Committed(NamedTuple):
+    """What a sealed header says about its object."""
+
+    header_len: int
+    nbytes: int
+    layout: Layout
+    lease_deadline_ns: int  # 0: no lease
+    flags: int
+
+
+def read_committed(
+    view: memoryview, at: int, oid: int, key: int, limit: int | None = None
+) -> Committed | None:
+    """The sealed header of object ``oid`` at ``at``, or None if there is none (not written yet,
+    freed, another object's, or not a header at all). ``limit``: the object must end before it
+    (the master passes the end of the block)."""
+    end = len(view) if limit is None else min(limit, len(view))
+    if at < CONTROL_BYTES or at + HEADER_FIXED > end:
         return None
-    magic, state, found_oid, found_tag, hlen, llen, nbytes, _ = HEADER.unpack_from(view, at)
+    if _U32.unpack_from(view, at + STATE_OFFSET)[0] != STATE_SEALED:
+        return None  # read first: once SEALED, the rest of the header is complete
+    magic, state, found_oid, found_tag, hlen, llen, nbytes, _, deadline, flags = HEADER.unpack_from(
+        view, at
+    )
     if (
         magic != MAGIC
         or state != STATE_SEALED
         or found_oid != oid
         or found_tag != tag(oid, key)
         or hlen < HEADER_FIXED + llen
-        or at + hlen + nbytes > len(view)
+        or at + hlen + nbytes > end
     ):
         return None
     try:
@@ -128,7 +170,76 @@ def read_sealed(view: memoryview, at: int, oid: int, key: int) -> tuple[int, Lay
     for item in layout.items:
         if item.offset < 0 or item.nbytes < 0 or item.offset + item.nbytes > nbytes:
             return None
-    return at + hlen, layout
+    return Committed(hlen, nbytes, layout, deadline, flags)
+
+
+class Reader:
+    """Reads sealed headers for a client's gets, with the layouts it has decoded remembered by
+    their bytes: a get of a known layout decodes nothing. A get runs where caches are cold (a Ray
+    task just dispatched), where every step it saves counts."""
+
+    __slots__ = ("key", "layouts")
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+        # layout bytes -> (layout, payload bytes it needs, the plan of a lone tensor or None)
+        self.layouts: dict[bytes, tuple[Layout, int, TensorPlan | None]] = {}
+
+    def sealed(
+        self, view: memoryview, at: int, oid: int, now_ns: int
+    ) -> tuple[int, Layout, TensorPlan | None] | None:
+        """(payload offset, layout, plan if the object is one non-empty torch tensor) if a
+        sealed header of object ``oid`` whose lease has not passed at ``now_ns`` sits at ``at``,
+        else None (then the master decides)."""
+        found = _fastpath.read_sealed(view, at, oid, self.key, now_ns)
+        if found is None:
+            return None
+        hlen, nbytes, raw = found
+        known = self.layouts.get(raw)
+        if known is None:
+            try:
+                layout = _decode_layout(raw)
+            except msgspec.DecodeError:
+                return None
+            if any(item.offset < 0 or item.nbytes < 0 for item in layout.items):
+                return None
+            needs = max((item.offset + item.nbytes for item in layout.items), default=0)
+            if len(self.layouts) >= LAYOUT_CACHE_MAX:
+                self.layouts.clear()
+            known = self.layouts[raw] = (layout, needs, _tensor_plan(layout))
+        if known[1] > nbytes:
+            return None
+        return at + hlen, known[0], known[2]
+
+
+class TensorPlan(NamedTuple):
+    """How to view an object that is one torch tensor: ``as_strided`` of the pool's flat tensor
+    of ``dtype`` (``pool.torch_flat``) at payload + ``offset``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+def _tensor_plan(layout: Layout) -> TensorPlan | None:
+    if layout.container != CONTAINER_SINGLE or len(layout.items) != 1:
+        return None
+    item = layout.items[0]
+    if item.kind != KIND_TORCH or not item.nbytes:
+        return None
+    return TensorPlan(item.dtype, item.shape, contiguous_strides(item.shape), item.offset)
+
+
+@functools.lru_cache(maxsize=1024)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a C-contiguous array of ``shape``."""
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def touch(view: memoryview, at: int, now_ns: int) -> None:
@@ -139,6 +250,10 @@ def last_access(view: memoryview, at: int) -> int:
     return _U64.unpack_from(view, at + LAST_ACCESS_OFFSET)[0]
 
 
+def set_lease(view: memoryview, at: int, deadline_ns: int) -> None:
+    _U64.pack_into(view, at + LEASE_OFFSET, deadline_ns)
+
+
 def mark_freed(view: memoryview, at: int) -> None:
     _U32.pack_into(view, at + STATE_OFFSET, STATE_FREED)
 
@@ -147,7 +262,7 @@ def write_control(view: memoryview, flags: int) -> None:
     CONTROL.pack_into(view, 0, CONTROL_MAGIC, flags)
 
 
-def control_flags(view: memoryview) -> int:
-    magic, flags = CONTROL.unpack_from(view, 0)
-    # A pool without a control page (never the case for a master of this version): master path.
-    return flags if magic == CONTROL_MAGIC else FLAG_MASTER_PATH
+def master_path(view: memoryview) -> bool:
+    """Whether clients must send every operation to the master now (a fault plan is active).
+    One byte read: it runs on every put and get."""
+    return bool(view[4] & FLAG_MASTER_PATH)

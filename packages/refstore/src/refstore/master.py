@@ -34,12 +34,14 @@ from .errors import CallerError, PoolFull, RefstoreError, to_info
 from .faults import FaultPlan
 from .pool import SharedPool, listen_fd_socket, send_fd, shmem_hugepages_mode
 from .remote import RemotePuller
-from .state import WRITE_TIMEOUT_S, MasterState
+from .state import WRITE_TIMEOUT_S, HeaderCommit, MasterState
 
 log = logging.getLogger("refstore.master")
 
 DEFAULT_POOL_SIZE = 1 << 30
 MAX_WAIT_GONE_S = 3600.0
+MAX_RESERVE_BLOCK = 64 << 20
+MAX_RESERVE_COUNT = 64
 
 
 def parse_size(text: str | int) -> int:
@@ -66,15 +68,18 @@ class Master:
         self.pool = pool
         self.epoch = epoch
         self.faults = faults
+        self._tag_key = header.epoch_key(epoch)
         self.state = MasterState(
             pool.size,
             epoch,
             reserved_prefix=header.CONTROL_BYTES,
             on_free=self._mark_freed,
             last_read_ns=self._last_read_ns,
+            read_commit=self._read_commit,
+            on_lease=self._write_lease,
         )
         self._publish_flags()
-        self.server = Server(name=f"refstore-master-{name}")
+        self.server = Server(name=f"refstore-master-{name}", on_disconnect=self._disconnected)
         self._advertise = advertise
         self._timer: asyncio.TimerHandle | None = None
         self._seal_waiters: dict[int, list[asyncio.Future[None]]] = {}
@@ -90,7 +95,7 @@ class Master:
         for method, handler in (
             (protocol.HELLO, self._hello),
             (protocol.ALLOC, self._alloc),
-            (protocol.COMMIT, self._commit),
+            (protocol.RESERVE, self._reserve),
             (protocol.SEAL, self._seal),
             (protocol.GET, self._get),
             (protocol.DESCRIBE, self._describe),
@@ -228,6 +233,32 @@ class Master:
     def _last_read_ns(self, obj: Any) -> int:
         return header.last_access(self.pool.view, obj.offset) if obj.header else 0
 
+    def _read_commit(self, obj: Any, end: int) -> HeaderCommit | None:
+        found = header.read_committed(self.pool.view, obj.offset, obj.oid, self._tag_key, end)
+        if found is None:
+            return None
+        deadline_ns = found.lease_deadline_ns
+        return HeaderCommit(
+            header=found.header_len,
+            nbytes=found.nbytes,
+            layout=found.layout,
+            deadline=deadline_ns / 1e9 if deadline_ns else None,
+            pinned=bool(found.flags & header.OBJECT_PINNED),
+        )
+
+    def _write_lease(self, obj: Any) -> None:
+        """Keep the header's lease deadline (what clients' header gets check) the master's."""
+        if obj.header:
+            deadline = obj.deadline if obj.leased and obj.deadline is not None else None
+            deadline_ns = 0 if deadline is None else int(deadline * 1e9)
+            header.set_lease(self.pool.view, obj.offset, deadline_ns)
+
+    def _disconnected(self, peer: str) -> None:
+        if self._closed:
+            return
+        self.state.owner_gone(peer)
+        self._reschedule_expiry()
+
     def _publish_flags(self) -> None:
         """While faults are planned, clients send every operation here so that they apply."""
         header.write_control(self.pool.view, header.FLAG_MASTER_PATH if self.faults else 0)
@@ -292,32 +323,27 @@ class Master:
         obj = self.state.alloc(req.nbytes, req.layout, req.ttl_s, req.pin, req.header)
         return protocol.AllocResp(oid=obj.oid, offset=obj.offset)
 
-    async def _commit(self, req: protocol.Commit, ctx: CallContext) -> protocol.AllocResp:
-        self.state.commit(
-            req.oid,
-            nbytes=req.nbytes,
-            header=req.header,
-            layout=req.layout,
-            ttl_s=req.ttl_s,
-            pin=req.pin,
-        )
-        self._wake_seal_waiters(req.oid)
-        return self._reserve(req.reserve)
-
-    async def _seal(self, req: protocol.Seal, ctx: CallContext) -> protocol.AllocResp:
+    async def _seal(self, req: protocol.Seal, ctx: CallContext) -> protocol.Ack:
         self.state.seal(req.oid)
         self._wake_seal_waiters(req.oid)
-        return self._reserve(req.reserve)
+        return protocol.Ack()
 
-    def _reserve(self, nbytes: int) -> protocol.AllocResp:
-        """The block a client asked for with its seal, for its next put (none if no room)."""
-        if nbytes <= 0:
-            return protocol.AllocResp()
-        try:
-            obj = self.state.reserve(nbytes)
-        except PoolFull:
-            return protocol.AllocResp()
-        return protocol.AllocResp(oid=obj.oid, offset=obj.offset)
+    async def _reserve(self, req: protocol.Reserve, ctx: CallContext) -> protocol.Reserved:
+        """Blocks for a client's next puts of one size class: as many as fit, up to the count
+        (none when the pool has no room to spare: the client then allocates per put)."""
+        if not 0 < req.block <= MAX_RESERVE_BLOCK or not 0 < req.count <= MAX_RESERVE_COUNT:
+            raise CallerError(
+                f"reserve of {req.count} blocks of {req.block} bytes: at most "
+                f"{MAX_RESERVE_COUNT} blocks of at most {MAX_RESERVE_BLOCK} bytes"
+            )
+        blocks = []
+        for _ in range(req.count):
+            try:
+                obj = self.state.reserve(req.block, ctx.peer)
+            except PoolFull:
+                break
+            blocks.append((obj.oid, obj.offset))
+        return protocol.Reserved(blocks)
 
     def _wake_seal_waiters(self, oid: int) -> None:
         for waiter in self._seal_waiters.pop(oid, ()):

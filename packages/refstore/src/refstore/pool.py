@@ -20,11 +20,11 @@ runs at the speed of private memory (measured 5.3 GiB/s, one thread).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import mmap
 import os
 import socket
+import sys
 from typing import Any
 
 log = logging.getLogger("refstore.pool")
@@ -56,11 +56,9 @@ class SharedPool:
         flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
         self.mmap = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         self.view = memoryview(self.mmap)
-        anchor = ctypes.c_char.from_buffer(self.mmap)  # an export: dropped at once
-        self.address = ctypes.addressof(anchor)  # where the pool starts in this process
-        del anchor
         self.attached_via = "owner"  # or "scm_rights" / "proc" for a client's mapping
         self._torch_storage: Any = None
+        self._torch_flat: dict[str, tuple[Any, int]] = {}
         self._closed = False
 
     def torch_storage(self) -> Any:
@@ -77,6 +75,23 @@ class SharedPool:
             storage = torch.frombuffer(self.view[:], dtype=torch.uint8).untyped_storage()
             self._torch_storage = storage
         return storage
+
+    def torch_flat(self, dtype_name: str) -> tuple[Any, int] | None:
+        """A 1-D tensor of torch dtype ``dtype_name`` over the whole pool and its item size (made
+        on first use), or None once the pool is closed or for a name that is no torch dtype. A
+        get's tensor is one ``as_strided`` of it: the cheapest way torch has to make a view."""
+        flat = self._torch_flat.get(dtype_name)
+        if flat is None:
+            storage = self.torch_storage()  # imports torch
+            if storage is None:
+                return None
+            torch = sys.modules["torch"]
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                return None
+            tensor = torch.empty(0, dtype=dtype).set_(storage, 0, (self.size // dtype.itemsize,))
+            flat = self._torch_flat[dtype_name] = (tensor, dtype.itemsize)
+        return flat
 
     @classmethod
     def create(cls, size: int, name: str = "refstore-pool") -> SharedPool:
@@ -128,6 +143,7 @@ class SharedPool:
             return
         self._closed = True
         self._torch_storage = None  # freed now unless a tensor still uses it
+        self._torch_flat.clear()
         with contextlib.suppress(BufferError):
             self.view.release()
         # Views handed out by get() may still export the buffer; then the GC unmaps it later.

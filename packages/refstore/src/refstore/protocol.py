@@ -66,18 +66,6 @@ class Alloc(msgspec.Struct, frozen=True):
     header: int = 0  # bytes the client writes before the payload (``header.py``)
 
 
-class Commit(msgspec.Struct, frozen=True):
-    """Turn a reserved block into a sealed object: its size, layout and lease are known now."""
-
-    oid: int
-    nbytes: int
-    header: int
-    layout: Layout
-    ttl_s: float | None
-    pin: bool = False
-    reserve: int = 0  # as in Seal
-
-
 class AllocResp(msgspec.Struct, frozen=True):
     oid: int = 0
     offset: int = 0
@@ -85,10 +73,22 @@ class AllocResp(msgspec.Struct, frozen=True):
 
 
 class Seal(msgspec.Struct, frozen=True):
+    """The object of an ``alloc`` is written (puts into reserved blocks send nothing: their
+    header is their commit record, see ``header.py``)."""
+
     oid: int
-    # > 0: also reserve a block of this many bytes for the client's next put; the answer
-    # (an AllocResp) names it, or has oid 0 when the pool has no room to spare.
-    reserve: int = 0
+
+
+class Reserve(msgspec.Struct, frozen=True):
+    """Blocks of ``block`` bytes for the client's next puts of that size class."""
+
+    block: int
+    count: int
+
+
+class Reserved(msgspec.Struct, frozen=True):
+    blocks: list[tuple[int, int]] = []  # (oid, offset); fewer than asked when the pool is tight
+    err: ErrorInfo | None = None
 
 
 class Get(msgspec.Struct, frozen=True):
@@ -226,7 +226,7 @@ def _method(name: str, n: int, req: object, resp: object) -> Method:
 
 HELLO = _method("refstore.hello", 1, Hello, HelloResp)
 ALLOC = _method("refstore.alloc", 2, Alloc, AllocResp)
-SEAL = _method("refstore.seal", 3, Seal, AllocResp)
+SEAL = _method("refstore.seal", 3, Seal, Ack)
 GET = _method("refstore.get", 4, Get, GetResp)
 RELEASE = _method("refstore.release", 5, OidList, Ack)
 EXTEND = _method("refstore.extend", 6, Extend, Ack)
@@ -239,4 +239,5 @@ FETCH = _method("refstore.fetch", 12, Fetch, FetchResp)
 SEND_TO = _method("refstore.send_to", 13, SendTo, SendToResp)
 READ_RANGE = _method("refstore.read_range", 14, ReadRange, bytes)
 DESCRIBE = _method("refstore.describe", 15, Describe, GetResp)
-COMMIT = _method("refstore.commit", 16, Commit, AllocResp)
+# 16 was ``commit`` (a put into a reserved block), replaced by the header as commit record.
+RESERVE = _method("refstore.reserve", 17, Reserve, Reserved)

@@ -2,10 +2,11 @@
 
 Object lifecycle::
 
-    alloc -> WRITING --seal--> SEALED --release------------------> freed (tombstone "released")
-               |                  |--lease deadline passes-------> freed (tombstone "lease expired")
-               |                  |--(no lease) memory pressure--> freed (tombstone "evicted")
-               '--write deadline passes (writer died) -----------> freed (tombstone "lease expired")
+    alloc ---> WRITING --seal---> SEALED --release-------------> freed (tombstone "released")
+                 |                 ^  |--lease deadline passes--> freed (tombstone "lease expired")
+    reserve -> RESERVED --settle---'  |--(no lease) memory pressure> freed (tombstone "evicted")
+                 |
+                 '--write deadline passes (writer died) -------> freed (tombstone "lease expired")
 
 - A **lease** (``ttl_s`` at put, renewable with ``extend``) keeps the object readable and never
   evicted until its deadline; when it passes, the object is freed at once, so memory held by a
@@ -25,9 +26,15 @@ Object lifecycle::
   reach the master; they stamp the header with their time instead, and eviction gives an object
   read since the master last saw it a **second chance** (moved to the young end, as CLOCK does),
   so the order stays least recently *read* even though most reads bypass the master.
-- **Reservations**: a client takes blocks ahead of time for its next puts (``reserve``) and turns
-  one into an object with ``commit`` (size, layout, lease, pin, sealed at once). A reserved block
-  holds the write deadline, so the blocks of a client that died come back after it.
+- **Reservations**: a client takes blocks ahead of time for its next puts (``reserve``). A put
+  into a reserved block sends the master nothing: the object's header in shared memory is its
+  commit record (size, layout, lease deadline, pin). The master **settles** a reserved block, i.e.
+  reads its header and adopts the object found there, whenever the block matters to it: a lookup
+  of its oid, its write deadline, eviction, stats, and the disconnect of the client that reserved
+  it. A lease that ran out before the master looked frees the object at once, with the time it
+  ran out as the tombstone's. A reserved block that holds no object by its write deadline (a
+  client that died, or never needed it) is freed then; after its client disconnects, within
+  ``DISCONNECT_GRACE_S``.
 - A freed object leaves a **tombstone** (reason + wall-clock time) so a later get raises a typed
   error saying which and since when. Tombstones are bounded (oldest dropped first).
 
@@ -41,6 +48,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import NamedTuple
 
 from .allocator import TlsfAllocator
 from .errors import (
@@ -56,6 +64,9 @@ from .protocol import Layout, Stats
 
 # An unsealed object whose writer never seals it is reclaimed after this long even without a lease.
 WRITE_TIMEOUT_S = 120.0
+# A block reserved by a client that disconnected is freed this long after, unless a put wrote it
+# (a put of the client may still be copying into it: the grace outlasts any such copy).
+DISCONNECT_GRACE_S = 10.0
 MAX_TOMBSTONES = 200_000
 # How many of the least recently used objects are checked for one that alone makes room.
 EVICTION_WINDOW = 64
@@ -72,6 +83,7 @@ class StoredObject:
         "nbytes",
         "offset",
         "oid",
+        "owner",
         "pinned",
         "reserved",
         "sealed",
@@ -87,6 +99,7 @@ class StoredObject:
         self.nbytes = nbytes  # payload bytes
         self.layout = layout  # None while reserved
         self.reserved = False
+        self.owner = ""  # the peer a reserved block was handed to
         self.touched_ns = 0  # when the master last saw it used (CLOCK_MONOTONIC ns)
         self.sealed = False
         self.deadline: float | None = None  # monotonic; None = no lease
@@ -101,8 +114,22 @@ class StoredObject:
         return self.offset + self.header
 
 
+class HeaderCommit(NamedTuple):
+    """A put's commit record, as read from the header of a reserved block."""
+
+    header: int
+    nbytes: int
+    layout: Layout
+    deadline: float | None  # on the state's clock; None: no lease
+    pinned: bool
+
+
 def _never_read(obj: StoredObject) -> int:
     return 0
+
+
+def _nothing_written(obj: StoredObject, end: int) -> HeaderCommit | None:
+    return None
 
 
 class MasterState:
@@ -117,6 +144,8 @@ class MasterState:
         reserved_prefix: int = 0,
         on_free: Callable[[StoredObject], None] | None = None,
         last_read_ns: Callable[[StoredObject], int] = _never_read,
+        read_commit: Callable[[StoredObject, int], HeaderCommit | None] = _nothing_written,
+        on_lease: Callable[[StoredObject], None] | None = None,
     ) -> None:
         self.epoch = epoch
         self.allocator = TlsfAllocator(capacity, granule)
@@ -128,6 +157,9 @@ class MasterState:
                 raise AssertionError(f"the control page landed at {control}, not 0")
         self._on_free = on_free  # marks the header freed before the block can be reused
         self._last_read_ns = last_read_ns
+        self._read_commit = read_commit  # (block, its end) -> the header's commit record or None
+        self._on_lease = on_lease  # writes a sealed object's new lease deadline to its header
+        self.reserved: dict[int, StoredObject] = {}  # blocks handed out, not settled yet
         self._clock = clock
         self._wall = wall_clock
         self._next_oid = 1
@@ -151,6 +183,13 @@ class MasterState:
     def lookup(self, epoch: str, oid: int) -> StoredObject:
         self._check_epoch(epoch)
         obj = self.objects.get(oid)
+        if obj is not None and obj.reserved:
+            self.settle(obj)
+            if obj.reserved:
+                raise UnknownObject(
+                    f"object {oid} of pool {epoch} is a block reserved for a put not made yet"
+                )
+            obj = self.objects.get(oid)  # None if its lease had run out
         if obj is not None and obj.free_when_idle is None:
             return obj
         tomb = self.tombstones.get(oid)
@@ -167,6 +206,8 @@ class MasterState:
         if deadline is not None:
             heapq.heappush(self._deadlines, (deadline, obj.oid))
         self._update_lists(obj, was_evictable)
+        if obj.sealed and self._on_lease is not None:
+            self._on_lease(obj)
 
     def _is_evictable(self, obj: StoredObject) -> bool:
         return obj.sealed and obj.deadline is None and obj.free_when_idle is None
@@ -182,7 +223,9 @@ class MasterState:
             obj.offset
         )
 
-    def _free(self, obj: StoredObject, reason: type[ObjectGone]) -> None:
+    def _free(
+        self, obj: StoredObject, reason: type[ObjectGone], since: float | None = None
+    ) -> None:
         if obj.busy:
             # A peer is still reading it: free once the send completes (see ``end_send``).
             was_evictable = self._is_evictable(obj)
@@ -194,10 +237,12 @@ class MasterState:
         self._lru.pop(obj.oid, None)
         self._lru_pinned.pop(obj.oid, None)
         del self.objects[obj.oid]
+        self.reserved.pop(obj.oid, None)
         if self._on_free is not None and (obj.header or obj.reserved):
             self._on_free(obj)
         self.allocator.free(obj.offset)
-        since = self._wall()
+        if since is None:
+            since = self._wall()
         self.tombstones[obj.oid] = (reason, since)
         while len(self.tombstones) > MAX_TOMBSTONES:
             self.tombstones.popitem(last=False)
@@ -234,50 +279,63 @@ class MasterState:
         self.objects[obj.oid] = obj
         return obj
 
-    def reserve(self, block_bytes: int) -> StoredObject:
-        """A block for a put the client has not made yet; ``commit`` turns it into an object."""
+    def reserve(self, block_bytes: int, owner: str = "") -> StoredObject:
+        """A block for a put the client has not made yet; the put's header commits it (settle)."""
         if block_bytes <= 0:
             raise CallerError(f"reserve needs a positive size, got {block_bytes}")
         obj = self._new_object(block_bytes, None, 0)
         obj.reserved = True
+        obj.owner = owner
+        self.reserved[obj.oid] = obj
         self._set_deadline(obj, self._clock() + WRITE_TIMEOUT_S)
         self.counters["reserves"] += 1
         return obj
 
-    def commit(
-        self,
-        oid: int,
-        *,
-        nbytes: int,
-        header: int,
-        layout: Layout,
-        ttl_s: float | None,
-        pin: bool,
-    ) -> StoredObject:
-        """A reserved block now holds a complete object (header and payload written): seal it."""
-        obj = self.objects.get(oid)
-        if obj is None:
-            self.lookup(self.epoch, oid)  # raises the typed reason
-            raise AssertionError("unreachable")
+    def settle(self, obj: StoredObject) -> None:
+        """If a put has committed the reserved block ``obj`` (its header says so), adopt the
+        object: size, layout, lease and pin as written there. Otherwise it stays reserved."""
         if not obj.reserved:
-            raise CallerError(f"object {oid} is not a reserved block")
-        if ttl_s is not None and ttl_s <= 0:
-            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
-        if nbytes < 0 or header < 0 or header + nbytes > self.allocator.block_size(obj.offset):
-            raise CallerError(
-                f"commit of {header}+{nbytes} bytes into a block of "
-                f"{self.allocator.block_size(obj.offset)}"
-            )
+            return
+        found = self._read_commit(obj, obj.offset + self.allocator.block_size(obj.offset))
+        if found is None:
+            return
+        del self.reserved[obj.oid]
         obj.reserved = False
-        obj.nbytes, obj.header, obj.layout = nbytes, header, layout
-        obj.pinned = pin
-        obj.leased = ttl_s is not None
-        if obj.leased:
-            self._set_deadline(obj, self._clock() + ttl_s)
-        self.seal(oid)
-        return obj
+        obj.owner = ""
+        obj.header, obj.nbytes, obj.layout = found.header, found.nbytes, found.layout
+        obj.pinned = found.pinned
+        obj.leased = found.deadline is not None
+        obj.sealed = True  # still not evictable: it holds the reservation's deadline
+        self.counters["puts"] += 1
+        now = self._clock()
+        if found.deadline is not None and found.deadline <= now:
+            # The lease ran out before the master looked: gone since it ran out.
+            obj.deadline = None
+            self._free(obj, ObjectExpired, since=self._wall() - (now - found.deadline))
+            self.counters["expirations"] += 1
+            return
+        self._set_deadline(obj, found.deadline)
+
+    def settle_all(self) -> None:
+        for obj in list(self.reserved.values()):
+            self.settle(obj)
+
+    def owner_gone(self, owner: str) -> None:
+        """The client ``owner`` disconnected: adopt what its puts wrote into reserved blocks
+        (their leases then run as written), free the rest after ``DISCONNECT_GRACE_S``."""
+        grace = self._clock() + DISCONNECT_GRACE_S
+        for obj in [o for o in self.reserved.values() if o.owner == owner]:
+            self.settle(obj)
+            if obj.reserved and (obj.deadline is None or obj.deadline > grace):
+                self._set_deadline(obj, grace)
 
     def _evict_for(self, nbytes: int) -> int:
+        # Puts into reserved blocks the master has not seen yet may have made objects evictable
+        # (no lease) or freeable (lease run out).
+        self.settle_all()
+        offset = self.allocator.malloc(nbytes)
+        if offset is not None:
+            return offset
         need = self.allocator.round_up(nbytes)
         stats = self.allocator.stats()
         if stats.free + self._evictable_bytes < need:
@@ -333,7 +391,7 @@ class MasterState:
         if obj.sealed:
             raise CallerError(f"object {oid} is already sealed")
         if obj.reserved:
-            raise CallerError(f"object {oid} is a reserved block: commit it, not seal")
+            raise CallerError(f"object {oid} is a reserved block: its header commits it")
         was_evictable = self._is_evictable(obj)
         obj.sealed = True
         self._update_lists(obj, was_evictable)
@@ -359,6 +417,9 @@ class MasterState:
         self._check_epoch(epoch)
         for oid in oids:
             obj = self.objects.get(oid)
+            if obj is not None and obj.reserved:
+                self.settle(obj)  # counted as a put, if one was made into it
+                obj = self.objects.get(oid)
             if obj is not None and obj.free_when_idle is None:
                 self._free(obj, ObjectReleased)
                 self.counters["releases"] += 1
@@ -427,16 +488,23 @@ class MasterState:
                 return expired
             _, oid = heapq.heappop(self._deadlines)
             obj = self.objects[oid]
+            if obj.reserved:
+                self.settle(obj)  # a put wrote it: its own lease applies from now on
+                if not obj.reserved:
+                    expired += oid not in self.objects
+                    continue
             was_evictable = self._is_evictable(obj)
             obj.deadline = None
             self._update_lists(obj, was_evictable)
+            # A reserved block no put wrote is no object: not counted as an expiration.
+            self.counters["expirations"] += not obj.reserved
             self._free(obj, ObjectExpired)
-            self.counters["expirations"] += 1
             expired += 1
 
     def stats(self) -> Stats:
+        self.settle_all()
         alloc = self.allocator.stats()
-        reserved = sum(1 for o in self.objects.values() if o.reserved)
+        reserved = len(self.reserved)
         leased = sum(1 for o in self.objects.values() if o.deadline is not None and not o.reserved)
         return Stats(
             epoch=self.epoch,

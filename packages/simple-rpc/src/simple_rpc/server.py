@@ -45,14 +45,23 @@ class Server:
     A handler that raises answers the call with an error response (RemoteError at the caller);
     the server and the connection go on. An unknown head gets an error response too. A malformed
     frame closes only the connection it came on, with a WARNING naming the peer and the reason.
+
+    ``on_disconnect(peer)`` runs on the loop when a connection ends, for whatever reason (the
+    peer is ``CallContext.peer`` of its calls): for state a server keeps per client. It must not
+    block; what it raises is logged.
     """
 
     def __init__(
-        self, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE, name: str = "simple-rpc"
+        self,
+        *,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        name: str = "simple-rpc",
+        on_disconnect: Callable[[str], None] | None = None,
     ) -> None:
         FrameDecoder(max_frame_size)  # validates the argument
         self.max_frame_size = max_frame_size
         self.name = name
+        self.on_disconnect = on_disconnect
         self._routes: dict[int, _Route] = {}
         self._server: asyncio.AbstractServer | None = None
         self._address: str | None = None
@@ -162,6 +171,12 @@ class _ServerConnection(asyncio.Protocol):
         self.server._connections.discard(self)
         if not self.closed.done():
             self.closed.set_result(None)
+        hook = self.server.on_disconnect
+        if hook is not None:
+            try:
+                hook(self.peer)
+            except Exception:
+                logger.exception("%s: on_disconnect(%s) raised", self.server.name, self.peer)
         # Running handlers finish (their side effects may matter); their answers are dropped.
 
     def pause_writing(self) -> None:

@@ -1,0 +1,262 @@
+/* The byte work of a local put and get, in one call each: copying a payload into the pool,
+ * writing and reading the object header (layout in header.py). Python does the rest.
+ *
+ * Why C: a put and a get run where caches are cold (a Ray actor right after a task dispatch), and
+ * there every interpreted step costs microseconds. Each function here replaces several of them.
+ *
+ * Every function takes the pool's memoryview, never a raw address: holding a buffer export for
+ * the call keeps the mapping from being unmapped under it (SharedPool.close() cannot release a
+ * view that is exported), and all offsets are checked against the view's length.
+ *
+ * The header, little-endian (header.py has the same layout for Python's struct):
+ *   0 magic "RSo1" | 4 state u32 | 8 oid u64 | 16 tag u64 | 24 header_len u32 | 28 layout_len u32
+ *   | 32 nbytes u64 | 40 last_access_ns u64 | 48 lease_deadline_ns u64 | 56 flags u32 | 64 layout
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_STREAMING 1
+#endif
+
+#define HEADER_FIXED 64
+#define CONTROL_BYTES 4096
+#define STATE_WRITING 0u
+#define STATE_SEALED 1u
+#define GOLDEN 0x9E3779B97F4A7C15ull
+/* Below this a copy's destination is likely to be read soon (or fits in cache anyway). */
+#define STREAM_MIN (256 * 1024)
+
+static const char MAGIC[4] = {'R', 'S', 'o', '1'};
+
+static int have_avx2 = 0;
+
+#ifdef HAVE_STREAMING
+/* Non-temporal stores: the destination's cache lines are not read first (no read-for-ownership)
+ * and the copy does not evict the caller's working set. The pool's payloads are written once and
+ * read later, by other processes: the case these stores are for. */
+__attribute__((target("avx2"))) static void copy_streaming(char *dst, const char *src, size_t n)
+{
+    size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head;
+    src += head;
+    n -= head;
+    size_t blocks = n / 128;
+    for (size_t i = 0; i < blocks; i++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)src);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + 64));
+        __m256i d = _mm256_loadu_si256((const __m256i *)(src + 96));
+        _mm256_stream_si256((__m256i *)dst, a);
+        _mm256_stream_si256((__m256i *)(dst + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + 96), d);
+        src += 128;
+        dst += 128;
+    }
+    /* Streamed stores are weakly ordered: make them visible before the header that seals them. */
+    _mm_sfence();
+    memcpy(dst, src, n - blocks * 128);
+}
+#endif
+
+static int get_u64(PyObject *obj, uint64_t *out)
+{
+    unsigned long long value = PyLong_AsUnsignedLongLong(obj);
+    if (value == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (uint64_t)value;
+    return 0;
+}
+
+static int get_offset(PyObject *obj, Py_ssize_t *out)
+{
+    Py_ssize_t value = PyLong_AsSsize_t(obj);
+    if (value == -1 && PyErr_Occurred())
+        return -1;
+    if (value < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative offset or size");
+        return -1;
+    }
+    *out = value;
+    return 0;
+}
+
+static inline void store_u32(char *at, uint32_t value) { memcpy(at, &value, 4); }
+static inline void store_u64(char *at, uint64_t value) { memcpy(at, &value, 8); }
+static inline uint32_t load_u32(const char *at)
+{
+    uint32_t value;
+    memcpy(&value, at, 4);
+    return value;
+}
+static inline uint64_t load_u64(const char *at)
+{
+    uint64_t value;
+    memcpy(&value, at, 8);
+    return value;
+}
+
+PyDoc_STRVAR(copy_in_doc,
+             "copy_in(view, offset, source_address, nbytes)\n\n"
+             "Copy nbytes from source_address (a contiguous CPU buffer the caller keeps alive) to "
+             "view[offset:offset + nbytes]; large copies use non-temporal stores.");
+
+static PyObject *copy_in(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "copy_in(view, offset, source_address, nbytes)");
+        return NULL;
+    }
+    Py_ssize_t offset, nbytes;
+    uint64_t source;
+    if (get_offset(args[1], &offset) < 0 || get_u64(args[2], &source) < 0 ||
+        get_offset(args[3], &nbytes) < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (offset > view.len || nbytes > view.len - offset) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "copy of %zd bytes at %zd is outside the pool (%zd bytes)",
+                     nbytes, offset, view.len);
+        return NULL;
+    }
+    char *dst = (char *)view.buf + offset;
+    const char *src = (const char *)(uintptr_t)source;
+#ifdef HAVE_STREAMING
+    if (have_avx2 && nbytes >= STREAM_MIN)
+        copy_streaming(dst, src, (size_t)nbytes);
+    else
+#endif
+        memcpy(dst, src, (size_t)nbytes);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(seal_doc,
+             "seal(view, at, template, oid, tag, nbytes, lease_deadline_ns, flags)\n\n"
+             "Write the header template (magic, lengths, layout) at view[at:], fill in the "
+             "object's fields, then store state SEALED last, with release ordering.");
+
+static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "seal(view, at, template, oid, tag, nbytes, lease_deadline_ns, flags)");
+        return NULL;
+    }
+    Py_ssize_t at;
+    uint64_t oid, tag, nbytes, deadline, flags;
+    if (get_offset(args[1], &at) < 0 || get_u64(args[3], &oid) < 0 ||
+        get_u64(args[4], &tag) < 0 || get_u64(args[5], &nbytes) < 0 ||
+        get_u64(args[6], &deadline) < 0 || get_u64(args[7], &flags) < 0)
+        return NULL;
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) < HEADER_FIXED) {
+        PyErr_SetString(PyExc_TypeError, "template must be bytes of at least 64");
+        return NULL;
+    }
+    if ((at & 7) != 0) {
+        PyErr_Format(PyExc_ValueError, "header at %zd is not 8-byte aligned", at);
+        return NULL;
+    }
+    Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (at > view.len || size > view.len - at) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "header at %zd is outside the pool", at);
+        return NULL;
+    }
+    char *header = (char *)view.buf + at;
+    memcpy(header, PyBytes_AS_STRING(args[2]), (size_t)size);
+    store_u32(header + 4, STATE_WRITING);
+    store_u64(header + 8, oid);
+    store_u64(header + 16, tag);
+    store_u64(header + 32, nbytes);
+    store_u64(header + 40, 0);
+    store_u64(header + 48, deadline);
+    store_u32(header + 56, (uint32_t)flags);
+    __atomic_store_n((uint32_t *)(header + 4), STATE_SEALED, __ATOMIC_RELEASE);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(read_sealed_doc,
+             "read_sealed(view, at, oid, key, now_ns) -> (header_len, nbytes, layout bytes) | None"
+             "\n\nThe header of object oid at view[at:] if it is sealed, its tag matches the pool "
+             "key, its lease has not passed at now_ns and the object lies inside the view.");
+
+static PyObject *read_sealed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "read_sealed(view, at, oid, key, now_ns)");
+        return NULL;
+    }
+    Py_ssize_t at;
+    uint64_t oid, key, now;
+    if (get_offset(args[1], &at) < 0 || get_u64(args[2], &oid) < 0 ||
+        get_u64(args[3], &key) < 0 || get_u64(args[4], &now) < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *result;
+    if (at < CONTROL_BYTES || at > view.len - HEADER_FIXED || (at & 7) != 0)
+        goto done;
+    const char *header = (const char *)view.buf + at;
+    /* State first, with acquire ordering: once SEALED, the rest of the header is complete. */
+    if (__atomic_load_n((const uint32_t *)(header + 4), __ATOMIC_ACQUIRE) != STATE_SEALED)
+        goto done;
+    uint64_t deadline = load_u64(header + 48);
+    uint64_t hlen = load_u32(header + 24), llen = load_u32(header + 28);
+    uint64_t nbytes = load_u64(header + 32);
+    if (memcmp(header, MAGIC, 4) != 0 || load_u64(header + 8) != oid ||
+        load_u64(header + 16) != ((oid * GOLDEN) ^ key) || (deadline && now > deadline) ||
+        hlen < HEADER_FIXED + llen || hlen > (uint64_t)(view.len - at) ||
+        nbytes > (uint64_t)(view.len - at) - hlen)
+        goto done;
+    result = Py_BuildValue("(KKy#)", (unsigned long long)hlen, (unsigned long long)nbytes,
+                           header + HEADER_FIXED, (Py_ssize_t)llen);
+    PyBuffer_Release(&view);
+    return result;
+done:
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_in", (PyCFunction)(void (*)(void))copy_in, METH_FASTCALL, copy_in_doc},
+    {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, seal_doc},
+    {"read_sealed", (PyCFunction)(void (*)(void))read_sealed, METH_FASTCALL, read_sealed_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "refstore._fastpath",
+    "The byte work of a local put and get (header copy, header write and check).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fastpath(void)
+{
+#ifdef HAVE_STREAMING
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2") != 0;
+#endif
+    PyObject *module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddIntConstant(module, "STREAM_MIN", STREAM_MIN) < 0 ||
+        PyModule_AddIntConstant(module, "streaming", have_avx2) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
