@@ -113,6 +113,33 @@ def test_dead_client_reserved_blocks_come_back_after_its_disconnect(client, monk
     assert stats.reserved == stats.used == 0
 
 
+async def _drop_connection(rpc_client) -> None:
+    conn = rpc_client._conn
+    conn.abort("dropped by the test")
+    await conn.closed
+
+
+def test_blocks_reserved_on_a_lost_connection_are_never_written(client, monkeypatch):
+    """The master frees a disconnected client's unused blocks after a grace period; a client
+    whose connection dropped and came back (same process, same master) must not use them."""
+    monkeypatch.setattr(refstore.state, "DISCONNECT_GRACE_S", 0.2)
+    data = np.arange(30_000, dtype=np.int32)
+    for _ in range(6):  # a full stock of this size class, reserved on the first connection
+        client.release(client.put(data))
+        client.flush()
+    client._rpc.loop.run(_drop_connection(client._rpc._client))
+    first = client.put(data)  # not connected: allocates, and reconnects
+    assert client._rpc.connections_opened == 2
+    time.sleep(0.6)  # the master has freed the blocks of the first connection by now
+    refs = [first] + [client.put(data + i) for i in range(1, 12)]
+    assert client.counters["fast_puts"] >= 4 + 6  # fast again, with blocks of the new connection
+    with Client("test") as other:
+        for i, ref in enumerate(refs):
+            through_master = refstore.Ref(ref.pool, ref.oid, ref.nbytes, ref.node, -1)
+            np.testing.assert_array_equal(other.get(through_master), data + i)
+        assert other.stats().objects == len(refs)
+
+
 def test_killed_master_restart_gives_clear_error_and_clients_recover(no_leaks):
     proc = start_master_process("crashy", "16M")
     try:

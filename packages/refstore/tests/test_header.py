@@ -53,7 +53,12 @@ def test_a_header_get_past_the_lease_defers_to_the_master():
     assert reader.sealed(view, AT, 7, now_ns=1_001) is None
     header.set_lease(view, AT, 0)  # no lease: a cache entry, never past
     assert reader.sealed(view, AT, 7, now_ns=1 << 62) is not None
+    assert header.last_access(view, AT) == 1 << 62  # eviction's second chance sees the read
     assert reader.sealed(view, AT, 8, now_ns=0) is None  # another object's header
+    header.write_control(view, header.FLAG_MASTER_PATH)  # a fault plan: gets go to the master
+    assert reader.sealed(view, AT, 7, now_ns=0) is None
+    header.write_control(view, 0)
+    assert reader.sealed(view, AT, 7, now_ns=0) is not None
 
 
 def test_a_lone_tensor_gets_a_view_plan_and_a_bad_layout_is_no_object():

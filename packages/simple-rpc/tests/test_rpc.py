@@ -117,8 +117,10 @@ async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
     address = await server.start("127.0.0.1", 0)
     port = int(address.rsplit(":", 1)[1])
     client = Client(address)
+    assert client.connections_opened == 0
     pending = [asyncio.ensure_future(client.call(SLOW, 30.0)) for _ in range(10)]
     assert (await client.call(PING, Ping(0))).n == 1
+    assert client.connections_opened == 1
     await server.close()
     results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5.0)
     assert all(isinstance(r, ConnectionLost) for r in results), results
@@ -129,6 +131,7 @@ async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
     await server2.start("127.0.0.1", port)
     try:
         assert (await client.call(PING, Ping(1), timeout=5.0)).n == 2  # reconnected lazily
+        assert client.connections_opened == 2
     finally:
         await client.close()
         await server2.close()

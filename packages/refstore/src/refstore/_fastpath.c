@@ -27,6 +27,7 @@
 #define STATE_WRITING 0u
 #define STATE_SEALED 1u
 #define GOLDEN 0x9E3779B97F4A7C15ull
+#define FLAG_MASTER_PATH 1u
 /* Below this a copy's destination is likely to be read soon (or fits in cache anyway). */
 #define STREAM_MIN (256 * 1024)
 
@@ -141,21 +142,22 @@ static PyObject *copy_in(PyObject *module, PyObject *const *args, Py_ssize_t nar
 }
 
 PyDoc_STRVAR(seal_doc,
-             "seal(view, at, template, oid, tag, nbytes, lease_deadline_ns, flags)\n\n"
+             "seal(view, at, template, oid, key, nbytes, lease_deadline_ns, flags)\n\n"
              "Write the header template (magic, lengths, layout) at view[at:], fill in the "
-             "object's fields, then store state SEALED last, with release ordering.");
+             "object's fields (its tag mixes oid and the pool key), then store state SEALED last, "
+             "with release ordering.");
 
 static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 8) {
         PyErr_SetString(PyExc_TypeError,
-                        "seal(view, at, template, oid, tag, nbytes, lease_deadline_ns, flags)");
+                        "seal(view, at, template, oid, key, nbytes, lease_deadline_ns, flags)");
         return NULL;
     }
     Py_ssize_t at;
-    uint64_t oid, tag, nbytes, deadline, flags;
+    uint64_t oid, key, nbytes, deadline, flags;
     if (get_offset(args[1], &at) < 0 || get_u64(args[3], &oid) < 0 ||
-        get_u64(args[4], &tag) < 0 || get_u64(args[5], &nbytes) < 0 ||
+        get_u64(args[4], &key) < 0 || get_u64(args[5], &nbytes) < 0 ||
         get_u64(args[6], &deadline) < 0 || get_u64(args[7], &flags) < 0)
         return NULL;
     if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) < HEADER_FIXED) {
@@ -179,7 +181,7 @@ static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     memcpy(header, PyBytes_AS_STRING(args[2]), (size_t)size);
     store_u32(header + 4, STATE_WRITING);
     store_u64(header + 8, oid);
-    store_u64(header + 16, tag);
+    store_u64(header + 16, (oid * GOLDEN) ^ key);
     store_u64(header + 32, nbytes);
     store_u64(header + 40, 0);
     store_u64(header + 48, deadline);
@@ -191,8 +193,10 @@ static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(read_sealed_doc,
              "read_sealed(view, at, oid, key, now_ns) -> (header_len, nbytes, layout bytes) | None"
-             "\n\nThe header of object oid at view[at:] if it is sealed, its tag matches the pool "
-             "key, its lease has not passed at now_ns and the object lies inside the view.");
+             "\n\nThe header of object oid at view[at:] if the pool's control page lets clients "
+             "read headers, it is sealed, its tag matches the pool key, its lease has not passed "
+             "at now_ns and the object lies inside the view; its last access is then set to "
+             "now_ns (eviction's second chance).");
 
 static PyObject *read_sealed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -206,12 +210,15 @@ static PyObject *read_sealed(PyObject *module, PyObject *const *args, Py_ssize_t
         get_u64(args[3], &key) < 0 || get_u64(args[4], &now) < 0)
         return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
         return NULL;
     PyObject *result;
     if (at < CONTROL_BYTES || at > view.len - HEADER_FIXED || (at & 7) != 0)
         goto done;
-    const char *header = (const char *)view.buf + at;
+    /* The control page's flags (header.py): a fault plan sends every operation to the master. */
+    if (load_u32((const char *)view.buf + 4) & FLAG_MASTER_PATH)
+        goto done;
+    char *header = (char *)view.buf + at;
     /* State first, with acquire ordering: once SEALED, the rest of the header is complete. */
     if (__atomic_load_n((const uint32_t *)(header + 4), __ATOMIC_ACQUIRE) != STATE_SEALED)
         goto done;
@@ -223,6 +230,7 @@ static PyObject *read_sealed(PyObject *module, PyObject *const *args, Py_ssize_t
         hlen < HEADER_FIXED + llen || hlen > (uint64_t)(view.len - at) ||
         nbytes > (uint64_t)(view.len - at) - hlen)
         goto done;
+    store_u64(header + 40, now);
     result = Py_BuildValue("(KKy#)", (unsigned long long)hlen, (unsigned long long)nbytes,
                            header + HEADER_FIXED, (Py_ssize_t)llen);
     PyBuffer_Release(&view);

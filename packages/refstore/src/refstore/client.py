@@ -2,15 +2,17 @@
 
 Fast paths (no round trip to the master, see ``header.py``):
 
-- **get** of a local ref checks the object's header in shared memory (magic, state, oid, tag) and
-  builds zero-copy views from the layout stored there: about 5 µs whatever the size. Anything the
-  header cannot vouch for (freed, expired, evicted, not sealed yet, another epoch) goes to the
-  master, which answers with the typed reason or waits for the seal.
+- **get** of a local ref checks the object's header in shared memory (magic, state, oid, tag,
+  lease deadline) and builds zero-copy views from the layout stored there: a few µs whatever the
+  size. Anything the header cannot vouch for (freed, expired, evicted, not sealed yet, another
+  epoch) goes to the master, which answers with the typed reason or waits for the seal.
 - **put** of a size this client has put before takes a block it **reserved** ahead of time (up
-  to two per size class, classes 1/8 of a power of two apart, at most ``reserve_budget`` bytes in
-  all), copies the payload and writes the header, then commits the block without waiting for the
-  answer, and asks for the next reservation in the background. Other sizes take an ``alloc``
-  round trip first. Both seal asynchronously: a get that overtakes the seal waits for it.
+  to ``RESERVE_DEPTH`` per size class, classes 1/8 of a power of two apart, at most
+  ``reserve_budget`` bytes in all), copies the payload and writes the header, and sends nothing:
+  the header is the commit record, which the master reads when the object first matters to it
+  (``state.py``). One ``reserve`` call in the background refills a class's stock every few puts.
+  Other sizes take an ``alloc`` round trip first and a ``seal`` sent without waiting for the
+  answer: a get from elsewhere that overtakes the seal waits for it at the master.
 
 While the master has a fault plan (``faults.py``) the pool's control page tells clients to send
 every operation to the master, so that injected faults apply to all of them.
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 from simple_rpc import RpcError, SyncClient
 
-from . import codec, discovery, header, protocol
+from . import _fastpath, codec, discovery, header, protocol
 from .codec import PARALLEL_COPY_MIN
 from .errors import (
     CallerError,
@@ -53,6 +55,7 @@ from .errors import (
     MasterUnavailable,
     from_info,
 )
+from .header import OBJECT_PINNED
 from .pool import SharedPool
 from .ref import Ref
 
@@ -123,19 +126,23 @@ class _Reservations:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.stock: dict[int, deque[tuple[int, int, float]]] = {}  # class -> (oid, at, taken)
+        # class -> (oid, at, when it arrived, the connection it was reserved on)
+        self.stock: dict[int, deque[tuple[int, int, float, int]]] = {}
         self.in_flight: dict[int, int] = {}  # class -> blocks asked for, not arrived
         self.seen: OrderedDict[int, int] = OrderedDict()  # class -> puts, most recent last
         self.bytes = 0  # in stock + in flight
 
-    def next(self, block: int, now: float) -> tuple[tuple[int, int] | None, int]:
+    def next(self, block: int, now: float, connection: int) -> tuple[tuple[int, int] | None, int]:
         """For a put of this class: (a reserved (oid, offset) or None, how many blocks to ask
-        for now). The usual case, a class well in stock, is decided first and alone."""
+        for now). The usual case, a class well in stock, is decided first and alone.
+
+        Blocks reserved on an earlier connection are dropped, not used: the master frees a
+        disconnected client's unused blocks (``state.DISCONNECT_GRACE_S``)."""
         stock = self.stock.get(block)
         while stock:
-            oid, at, taken = stock.popleft()
+            oid, at, taken, reserved_on = stock.popleft()
             self.bytes -= block
-            if now - taken < RESERVATION_MAX_AGE_S:
+            if now - taken < RESERVATION_MAX_AGE_S and reserved_on == connection:
                 if len(stock) + self.in_flight.get(block, 0) > RESERVE_LOW:
                     return (oid, at), 0
                 return (oid, at), self._wanted(block)
@@ -160,14 +167,17 @@ class _Reservations:
         self.bytes += count * block
         return count
 
-    def arrived(self, block: int, asked: int, blocks: list[tuple[int, int]], now: float) -> None:
+    def arrived(
+        self, block: int, asked: int, blocks: list[tuple[int, int]], now: float, connection: int
+    ) -> None:
         self.in_flight[block] -= asked
         self.bytes -= (asked - len(blocks)) * block
-        self.stock.setdefault(block, deque()).extend((oid, at, now) for oid, at in blocks)
+        stock = self.stock.setdefault(block, deque())
+        stock.extend((oid, at, now, connection) for oid, at in blocks)
 
     def drain(self) -> list[int]:
         """Forget every block in stock; returns their oids (to release)."""
-        oids = [oid for stock in self.stock.values() for oid, _, _ in stock]
+        oids = [entry[0] for stock in self.stock.values() for entry in stock]
         for block, stock in self.stock.items():
             self.bytes -= block * len(stock)
         self.stock.clear()
@@ -315,7 +325,12 @@ class Client:
         """
         ttl_s = self.default_ttl if ttl == "default" else ttl
         encoded, sources = codec.encode_cached(obj, self._layouts)
-        return self._with_recovery(lambda: self._put(encoded, sources, ttl_s, pin))
+        try:
+            return self._put(encoded, sources, ttl_s, pin)
+        except MasterUnavailable:  # as in ``_with_recovery``, without a closure per put
+            if self._fixed_address is not None or not self.reconnect():
+                raise
+        return self._put(encoded, sources, ttl_s, pin)
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
         layout, nbytes, writer = encoded.layout, encoded.nbytes, encoded.header
@@ -327,15 +342,19 @@ class Client:
             reservations = self._reservations
             assert rpc is not None
             assert pool is not None
-            if rpc.connected and not header.master_path(pool.view):
-                reserved, ask = reservations.next(block, time.monotonic())
+            # Not while a fault plan sends every operation to the master (the control page).
+            if rpc.connected and not pool.view[4] & header.FLAG_MASTER_PATH:
+                now, connection = time.monotonic(), rpc.connections_opened
+                reserved, ask = reservations.next(block, now, connection)
+            self.counters["puts"] += 1
+            self.counters["fast_puts"] += reserved is not None
         if ask:
             # Before the copy, so the blocks are on their way while it runs.
             try:
                 pending = rpc.call_future(protocol.RESERVE, protocol.Reserve(block, ask))
             except BaseException:
                 with self._book:
-                    reservations.arrived(block, ask, [], 0.0)
+                    reservations.arrived(block, ask, [], 0.0, 0)
                 raise
             self._track(pending)
             pending.add_done_callback(
@@ -344,21 +363,20 @@ class Client:
         if reserved is not None:
             oid, at = reserved
         else:
-            resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
+            try:
+                resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
+            except BaseException:
+                with self._book:
+                    self.counters["puts"] -= 1  # counted above, not made
+                raise
             oid, at = resp.oid, resp.offset
         try:
             view = pool.view
             for item, source in zip(layout.items, sources, strict=True):
                 codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
             deadline_ns = 0 if ttl_s is None else time.monotonic_ns() + int(ttl_s * 1e9)
-            writer.write(
-                view,
-                at,
-                oid,
-                key,
-                nbytes,
-                lease_deadline_ns=deadline_ns,
-                flags=header.OBJECT_PINNED * pin,
+            _fastpath.seal(
+                view, at, writer.template, oid, key, nbytes, deadline_ns, OBJECT_PINNED * pin
             )
         except BaseException:
             with contextlib.suppress(Exception):
@@ -372,9 +390,6 @@ class Client:
             sealing.add_done_callback(self._sealed)
         # A put into a reserved block sends nothing: its header is the commit record, which
         # the master reads when the object first matters to it (``state.py``, settle).
-        with self._book:
-            self.counters["puts"] += 1
-            self.counters["fast_puts"] += reserved is not None
         return Ref(epoch, oid, nbytes, self.node, at)
 
     def _track(self, pending: concurrent.futures.Future) -> None:
@@ -408,7 +423,11 @@ class Client:
         with self._book:
             current = self.epoch == epoch and not self._closed
             # Into the stock they were asked for: a reconnect in between replaced (and drained) it.
-            reservations.arrived(block, asked, blocks if current else [], time.monotonic())
+            # The answer came on the connection open now: this callback runs on the loop
+            # thread as the answer is delivered, before any reconnect.
+            connection = rpc.connections_opened
+            stocked = blocks if current else []
+            reservations.arrived(block, asked, stocked, time.monotonic(), connection)
             self._reservation_landed.notify_all()
         if blocks and not current:
             # Reserved in a pool this client has left or closed: give them back.
@@ -439,22 +458,18 @@ class Client:
         # longer kept); the master path finds out and says so.
         if ref.pool == self.epoch and ref.at >= 0 and pool is not None and rpc.connected:
             view = pool.view
-            if not header.master_path(view):
-                now_ns = time.monotonic_ns()
-                found = self._headers.sealed(view, ref.at, ref.oid, now_ns)
-                if found is not None:
-                    header.touch(view, ref.at, now_ns)
-                    with self._book:
-                        self.counters["gets"] += 1
-                        self.counters["fast_gets"] += 1
-                    payload, layout, plan = found
-                    if plan is not None and as_ != "numpy":
-                        flat = pool.torch_flat(plan.dtype)  # None once the pool is closed
-                        start = payload + plan.offset
-                        if flat is not None and not start % flat[1]:
-                            return flat[0].as_strided(plan.shape, plan.strides, start // flat[1])
-                    flat_of = pool.torch_flat
-                    return codec.decode(view, payload, layout, as_, writable, flat_of=flat_of)
+            found = self._headers.sealed(view, ref.at, ref.oid, time.monotonic_ns())
+            if found is not None:
+                with self._book:
+                    self.counters["gets"] += 1
+                    self.counters["fast_gets"] += 1
+                payload, layout, plan = found
+                if plan is not None and as_ != "numpy":
+                    flat = pool.torch_flat(plan.dtype)  # None once the pool is closed
+                    start = payload + plan.offset
+                    if flat is not None and not start % flat[1]:
+                        return flat[0].as_strided(plan.shape, plan.strides, start // flat[1])
+                return codec.decode(view, payload, layout, as_, writable, flat_of=pool.torch_flat)
 
         def resolve() -> tuple[int, protocol.Layout]:
             if ref.pool == self.epoch:

@@ -2,8 +2,8 @@
 
 A plan is a ``;``-separated list of rules ``OP:ACTION[=VALUE][@PROBABILITY][#COUNT]``:
 
-- ``OP``: an operation name (``hello alloc seal get release extend pin stats wait_gone fetch
-  send_to read_range describe``) or ``*`` for all of them;
+- ``OP``: an operation name (``hello alloc seal reserve get release extend pin stats wait_gone
+  fetch send_to read_range describe``) or ``*`` for all of them;
 - ``ACTION``: ``delay=SECONDS`` (answer late), ``drop`` (never answer: the caller times out),
   ``fail`` (answer with ``InjectedFault``), ``kill`` (the master process dies with SIGKILL, as in a
   crash: no cleanup, its discovery file stays behind);

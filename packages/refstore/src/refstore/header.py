@@ -125,9 +125,7 @@ class Writer:
         flags: int = 0,
     ) -> None:
         """Write a complete, sealed header at ``at`` (after the payload is in place)."""
-        _fastpath.seal(
-            view, at, self.template, oid, tag(oid, key), nbytes, lease_deadline_ns, flags
-        )
+        _fastpath.seal(view, at, self.template, oid, key, nbytes, lease_deadline_ns, flags)
 
 
 class Committed(NamedTuple):
@@ -189,8 +187,9 @@ class Reader:
         self, view: memoryview, at: int, oid: int, now_ns: int
     ) -> tuple[int, Layout, TensorPlan | None] | None:
         """(payload offset, layout, plan if the object is one non-empty torch tensor) if a
-        sealed header of object ``oid`` whose lease has not passed at ``now_ns`` sits at ``at``,
-        else None (then the master decides)."""
+        sealed header of object ``oid`` whose lease has not passed at ``now_ns`` sits at ``at``
+        and no fault plan sends gets to the master, else None (then the master decides). A
+        header found is stamped with ``now_ns`` as its last access."""
         found = _fastpath.read_sealed(view, at, oid, self.key, now_ns)
         if found is None:
             return None
@@ -242,10 +241,6 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def touch(view: memoryview, at: int, now_ns: int) -> None:
-    _U64.pack_into(view, at + LAST_ACCESS_OFFSET, now_ns)
-
-
 def last_access(view: memoryview, at: int) -> int:
     return _U64.unpack_from(view, at + LAST_ACCESS_OFFSET)[0]
 
@@ -260,9 +255,3 @@ def mark_freed(view: memoryview, at: int) -> None:
 
 def write_control(view: memoryview, flags: int) -> None:
     CONTROL.pack_into(view, 0, CONTROL_MAGIC, flags)
-
-
-def master_path(view: memoryview) -> bool:
-    """Whether clients must send every operation to the master now (a fault plan is active).
-    One byte read: it runs on every put and get."""
-    return bool(view[4] & FLAG_MASTER_PATH)

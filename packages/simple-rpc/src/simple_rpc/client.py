@@ -54,10 +54,17 @@ class Client:
         self._conn: _ClientConnection | None = None
         self._connect_lock: asyncio.Lock | None = None
         self._closed = False
+        self._connections_opened = 0
 
     @property
     def connected(self) -> bool:
         return self._conn is not None
+
+    @property
+    def connections_opened(self) -> int:
+        """How many connections this client has opened: it changes when the connection is
+        replaced, e.g. for state the server keeps per connection (``Server(on_disconnect=)``)."""
+        return self._connections_opened
 
     @property
     def closed(self) -> bool:
@@ -140,6 +147,7 @@ class Client:
             conn.abort("client closed while connecting")
             raise CallerError(f"client for {self.address} is closed")
         self._conn = conn
+        self._connections_opened += 1
         return conn
 
     async def close(self) -> None:

@@ -194,6 +194,12 @@ class SyncClient:
         closed it or it broke; the next call reconnects). A plain read, safe from any thread."""
         return self._client.connected
 
+    @property
+    def connections_opened(self) -> int:
+        """How many connections have been opened so far (see ``Client.connections_opened``).
+        A plain read, safe from any thread."""
+        return self._client.connections_opened
+
     def call_future(
         self, method: Method[Any, T], request: Any, timeout: float | None = None
     ) -> concurrent.futures.Future[T]:
