@@ -83,10 +83,12 @@ def test_copy_in_copies_every_byte_at_any_alignment(nbytes, misalign):
     """Large copies take the non-temporal path: head, 128-byte blocks and tail all land."""
     pool = bytearray(2 * _fastpath.STREAM_MIN + 4096)
     source = np.random.default_rng(nbytes).integers(0, 256, nbytes + misalign, dtype=np.uint8)
-    address = source.ctypes.data + misalign
-    _fastpath.copy_in(memoryview(pool), 4096 + misalign, address, nbytes)
+    assert _fastpath.copy_in(memoryview(pool), 4096 + misalign, source[misalign:])
     copied = pool[4096 + misalign : 4096 + misalign + nbytes]
     assert copied == source[misalign:].tobytes()
+    again = bytearray(len(pool))
+    _fastpath.copy_from(memoryview(again), 4096 + misalign, source.ctypes.data + misalign, nbytes)
+    assert again == pool
     assert not any(pool[: 4096 + misalign])  # nothing written before the destination
     assert not any(pool[4096 + misalign + nbytes :])  # nor after it
 
@@ -95,15 +97,23 @@ def test_native_calls_refuse_what_lies_outside_the_pool():
     view = memoryview(bytearray(8192))
     source = np.zeros(16, np.uint8)
     with pytest.raises(ValueError, match="outside the pool"):
-        _fastpath.copy_in(view, 8190, source.ctypes.data, 16)
+        _fastpath.copy_in(view, 8190, source)
     with pytest.raises(ValueError, match="negative"):
-        _fastpath.copy_in(view, -1, source.ctypes.data, 1)
+        _fastpath.copy_in(view, -1, source)
+    # Not C-contiguous, or no buffer at all: nothing copied, the caller takes the long way.
+    assert not _fastpath.copy_in(view, 4096, np.zeros((4, 4), np.uint8)[:, ::2])
+    assert not _fastpath.copy_in(view, 4096, torch.zeros(16, dtype=torch.uint8))
+    assert not any(view)
     with pytest.raises(ValueError, match="outside the pool"):
         _fastpath.seal(view, 8192 - 32, b"x" * 64, 1, 2, 3, 0, 0)
     with pytest.raises(ValueError, match="aligned"):
         _fastpath.seal(view, 4100, b"x" * 64, 1, 2, 3, 0, 0)
     with pytest.raises(BufferError, match=r"not writable"):
-        _fastpath.copy_in(memoryview(bytes(8192)), 0, source.ctypes.data, 1)
+        _fastpath.copy_in(memoryview(bytes(8192)), 0, source)
+    with pytest.raises(ValueError, match="outside the pool"):
+        _fastpath.copy_from(view, 8190, source.ctypes.data, 16)
+    with pytest.raises(ValueError, match="negative"):
+        _fastpath.copy_from(view, 4096, source.ctypes.data, -1)
     # Reads of headers that cannot be there are no object, never an error.
     for at in (0, 4100, 8192 - 8, 1 << 40):
         assert _fastpath.read_sealed(view, at, 1, 2, 0) is None

@@ -67,6 +67,17 @@ __attribute__((target("avx2"))) static void copy_streaming(char *dst, const char
 }
 #endif
 
+static void copy_bytes(char *dst, const char *src, size_t n)
+{
+#ifdef HAVE_STREAMING
+    if (have_avx2 && n >= STREAM_MIN) {
+        copy_streaming(dst, src, n);
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 static int get_u64(PyObject *obj, uint64_t *out)
 {
     unsigned long long value = PyLong_AsUnsignedLongLong(obj);
@@ -105,14 +116,53 @@ static inline uint64_t load_u64(const char *at)
 }
 
 PyDoc_STRVAR(copy_in_doc,
-             "copy_in(view, offset, source_address, nbytes)\n\n"
-             "Copy nbytes from source_address (a contiguous CPU buffer the caller keeps alive) to "
-             "view[offset:offset + nbytes]; large copies use non-temporal stores.");
+             "copy_in(view, offset, source) -> bool\n\n"
+             "Copy the bytes of source, a C-contiguous buffer (a numpy array), to "
+             "view[offset:]; large copies use non-temporal stores. False, with nothing copied, "
+             "if source exports no C-contiguous buffer.");
 
 static PyObject *copy_in(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_in(view, offset, source)");
+        return NULL;
+    }
+    Py_ssize_t offset;
+    if (get_offset(args[1], &offset) < 0)
+        return NULL;
+    Py_buffer source;
+    if (PyObject_GetBuffer(args[2], &source, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&source);
+        return NULL;
+    }
+    Py_ssize_t nbytes = source.len;
+    if (offset > view.len || nbytes > view.len - offset) {
+        PyBuffer_Release(&view);
+        PyBuffer_Release(&source);
+        PyErr_Format(PyExc_ValueError, "copy of %zd bytes at %zd is outside the pool (%zd bytes)",
+                     nbytes, offset, view.len);
+        return NULL;
+    }
+    copy_bytes((char *)view.buf + offset, (const char *)source.buf, (size_t)nbytes);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&source);
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(copy_from_doc,
+             "copy_from(view, offset, source_address, nbytes)\n\n"
+             "Copy nbytes from source_address (a contiguous CPU buffer the caller keeps alive, "
+             "e.g. a tensor's data_ptr()) to view[offset:]; large copies use non-temporal stores.");
+
+static PyObject *copy_from(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
     if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "copy_in(view, offset, source_address, nbytes)");
+        PyErr_SetString(PyExc_TypeError, "copy_from(view, offset, source_address, nbytes)");
         return NULL;
     }
     Py_ssize_t offset, nbytes;
@@ -129,14 +179,7 @@ static PyObject *copy_in(PyObject *module, PyObject *const *args, Py_ssize_t nar
                      nbytes, offset, view.len);
         return NULL;
     }
-    char *dst = (char *)view.buf + offset;
-    const char *src = (const char *)(uintptr_t)source;
-#ifdef HAVE_STREAMING
-    if (have_avx2 && nbytes >= STREAM_MIN)
-        copy_streaming(dst, src, (size_t)nbytes);
-    else
-#endif
-        memcpy(dst, src, (size_t)nbytes);
+    copy_bytes((char *)view.buf + offset, (const char *)(uintptr_t)source, (size_t)nbytes);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
@@ -242,6 +285,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"copy_in", (PyCFunction)(void (*)(void))copy_in, METH_FASTCALL, copy_in_doc},
+    {"copy_from", (PyCFunction)(void (*)(void))copy_from, METH_FASTCALL, copy_from_doc},
     {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, seal_doc},
     {"read_sealed", (PyCFunction)(void (*)(void))read_sealed, METH_FASTCALL, read_sealed_doc},
     {NULL, NULL, 0, NULL},

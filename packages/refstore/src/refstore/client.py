@@ -90,12 +90,6 @@ class _Copier:
 
     def copy_numpy(self, target: np.ndarray, source: np.ndarray) -> None:
         contiguous = source.flags.c_contiguous and target.flags.c_contiguous and source.ndim > 0
-        if contiguous and source.nbytes < PARALLEL_COPY_MIN and source.dtype == target.dtype:
-            # memcpy holding the GIL: numpy releases it around the copy, and on a busy process (a
-            # Ray actor's own threads) getting it back costs more than a sub-millisecond copy.
-            dst = memoryview(target.reshape(-1).view(np.uint8))
-            dst[:] = memoryview(source.reshape(-1).view(np.uint8))
-            return
         if self.threads < 2 or source.nbytes < PARALLEL_COPY_MIN or not contiguous:
             np.copyto(target, source, casting="no")
             return

@@ -143,37 +143,40 @@ def encode_cached(obj: Any, cache: dict[Any, Encoded]) -> tuple[Encoded, list[An
 
 
 def copy_into(view: memoryview, start: int, source: Any, item: Item, copier: Any) -> None:
-    """The one copy of a put: from the caller's object into ``view`` (the pool) at ``start``."""
+    """The one copy of a put: from ``source`` (a numpy array or a torch tensor) into ``view``
+    (the pool) at ``start``. A contiguous payload under ``PARALLEL_COPY_MIN`` is one native call
+    (non-temporal stores for large ones) holding the GIL: on a busy process (a Ray actor's own
+    threads) getting the GIL back costs more than a sub-millisecond copy."""
     if item.nbytes == 0:
         return
-    if item.kind == KIND_TORCH:
-        if (
-            item.nbytes < PARALLEL_COPY_MIN
-            and source.is_contiguous()
-            and not source.is_conj()
-            and not source.is_neg()
-        ):
-            # One native call (non-temporal stores for large payloads), holding the GIL: on a
-            # busy process (a Ray actor's own threads) getting it back costs more than the copy.
-            _fastpath.copy_in(view, start, source.data_ptr(), item.nbytes)
-            return
-        import torch
-
+    if item.kind != KIND_TORCH:
+        if item.nbytes < PARALLEL_COPY_MIN and _fastpath.copy_in(view, start, source):
+            return  # False: not C-contiguous
         dst = view[start : start + item.nbytes]
-        tensor = source.detach()
-        if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
-            # Bytes through numpy: torch's copy_ runs on its OpenMP pool, whose spinning barriers
-            # cost milliseconds per call on a loaded 2-core box; numpy plus one helper thread
-            # copies at memory speed without that.
-            src_bytes = tensor.reshape(-1).view(torch.uint8).numpy()
-            copier.copy_numpy(np.frombuffer(dst, dtype=np.uint8), src_bytes)
-            return
-        target = torch.frombuffer(dst, dtype=getattr(torch, item.dtype), count=source.numel())
-        copier.copy_torch(target.view(source.shape), tensor)
+        target = np.frombuffer(dst, dtype=source.dtype, count=source.size).reshape(source.shape)
+        copier.copy_numpy(target, source)
         return
+    if (
+        item.nbytes < PARALLEL_COPY_MIN
+        and source.is_contiguous()
+        and not source.is_conj()
+        and not source.is_neg()
+    ):
+        _fastpath.copy_from(view, start, source.data_ptr(), item.nbytes)
+        return
+    import torch
+
     dst = view[start : start + item.nbytes]
-    target = np.frombuffer(dst, dtype=source.dtype, count=source.size).reshape(source.shape)
-    copier.copy_numpy(target, source)
+    tensor = source.detach()
+    if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
+        # Bytes through numpy: torch's copy_ runs on its OpenMP pool, whose spinning barriers cost
+        # milliseconds per call on a loaded 2-core box; numpy plus one helper thread copies at
+        # memory speed without that.
+        src_bytes = tensor.reshape(-1).view(torch.uint8).numpy()
+        copier.copy_numpy(np.frombuffer(dst, dtype=np.uint8), src_bytes)
+        return
+    target = torch.frombuffer(dst, dtype=getattr(torch, item.dtype), count=source.numel())
+    copier.copy_torch(target.view(source.shape), tensor)
 
 
 def _torch_view(buf: memoryview, item: Item) -> Any:
