@@ -68,7 +68,7 @@ def test_a_lone_tensor_gets_a_view_plan_and_a_bad_layout_is_no_object():
     encoded.header.write(view, AT, 9, KEY, encoded.nbytes)
     reader = header.Reader(KEY)
     _, _, plan = reader.sealed(view, AT, 9, now_ns=0)
-    assert plan == header.TensorPlan("bfloat16", (3, 5), (5, 1), 0)
+    assert plan == header.TensorPlan("bfloat16", (3, 5), (5, 1), 0, (4, 16))
     # A header whose layout claims more payload than the object holds is not taken.
     short = memoryview(bytearray(1 << 16))
     encoded.header.write(short, AT, 9, KEY, encoded.nbytes - 2)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 
@@ -38,14 +39,31 @@ def test_non_contiguous_and_odd_dtypes(client):
     assert client.get(client.put(empty)).shape == (0, 4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+TORCH_DTYPES = [getattr(torch, name) for name in refstore.header.DLPACK_TYPES] + [
+    torch.float8_e4m3fn,  # no DLPack code here: the as_strided way
+    torch.complex32,
+]
+
+
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_torch_roundtrip(client, dtype):
-    t = (torch.arange(24) % 3).to(dtype).reshape(2, 3, 4)
+    t = (torch.arange(24) % 3).to(torch.float32).to(dtype).reshape(2, 3, 4)
     ref = client.put(t)
     got = client.get(ref)
     assert isinstance(got, torch.Tensor)
     assert got.dtype == dtype
-    assert torch.equal(got, t)
+    assert got.shape == t.shape
+    assert got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), t.view(torch.uint8))  # bit for bit
+    assert client.counters["fast_gets"] == 1
+    scratch = client.put(t)
+    first, second = client.get(scratch, writable=True), client.get(scratch)
+    first.view(torch.uint8).view(-1)[0] ^= 1  # zero-copy: a write shows in every view
+    assert torch.equal(second.view(torch.uint8), first.view(torch.uint8))
+    assert not torch.equal(second.view(torch.uint8), t.view(torch.uint8))
+    if dtype not in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        return
     # The same object as numpy (zero-copy) where numpy has the dtype.
     if dtype != torch.bfloat16:
         np.testing.assert_array_equal(client.get(ref, as_="numpy"), t.numpy())
@@ -89,12 +107,15 @@ def test_same_shape_puts_reuse_one_layout_and_stay_distinct(client):
     assert len(client._layouts) == 3
 
 
-def test_torch_views_keep_the_pool_mapped_after_close(master):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=str)
+def test_torch_views_keep_the_pool_mapped_after_close(master, dtype):
+    """float32 views are DLPack tensors, float8 ones as_strided views: both hold the mapping."""
     c = Client("test")
-    ref = c.put(torch.arange(16.0))
+    ref = c.put(torch.arange(16.0).to(dtype))
     view = c.get(ref)
     c.close()
-    assert torch.equal(view, torch.arange(16.0))  # the mapping lives while views do
+    gc.collect()
+    assert torch.equal(view.float(), torch.arange(16.0))  # the mapping lives while views do
     del view
 
 

@@ -283,7 +283,137 @@ done:
     Py_RETURN_NONE;
 }
 
+/* DLPack (dlpack.h, the unversioned ABI every framework reads): how a get hands torch a tensor
+ * over pool memory without going through torch's view machinery. */
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} DLDevice;
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides;
+    uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+#define DL_CPU 1
+#define MAX_DIMS 64
+
+typedef struct {
+    DLManagedTensor managed;
+    int64_t shape[MAX_DIMS];
+} Export;
+
+/* Called by the consumer when its tensor dies, from any thread, with or without the GIL. */
+static void export_deleter(DLManagedTensor *managed)
+{
+    if (!Py_IsInitialized())
+        return; /* the interpreter is gone: nothing left to keep alive */
+    PyGILState_STATE gil = PyGILState_Ensure();
+    Py_XDECREF((PyObject *)managed->manager_ctx);
+    PyMem_RawFree(managed);
+    PyGILState_Release(gil);
+}
+
+static void capsule_destructor(PyObject *capsule)
+{
+    /* A consumer renames the capsule once it owns the tensor; otherwise it is ours to free. */
+    if (!PyCapsule_IsValid(capsule, "dltensor"))
+        return;
+    DLManagedTensor *managed = (DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor");
+    if (managed != NULL)
+        managed->deleter(managed);
+}
+
+PyDoc_STRVAR(tensor_capsule_doc,
+             "tensor_capsule(keeper, offset, shape, code, bits) -> DLPack capsule\n\n"
+             "A C-contiguous tensor of shape and DLPack dtype (code, bits) at keeper[offset:], "
+             "for torch.utils.dlpack.from_dlpack. keeper (a memoryview over the pool) is held "
+             "until the tensor dies, which keeps the pool mapped.");
+
+static PyObject *tensor_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "tensor_capsule(keeper, offset, shape, code, bits)");
+        return NULL;
+    }
+    Py_ssize_t offset;
+    uint64_t code, bits;
+    if (get_offset(args[1], &offset) < 0 || get_u64(args[3], &code) < 0 ||
+        get_u64(args[4], &bits) < 0)
+        return NULL;
+    if (!PyTuple_Check(args[2]) || PyTuple_GET_SIZE(args[2]) > MAX_DIMS) {
+        PyErr_SetString(PyExc_TypeError, "shape must be a tuple of at most 64 sizes");
+        return NULL;
+    }
+    if (code > 255 || bits == 0 || bits > 255 || bits % 8 != 0) {
+        PyErr_SetString(PyExc_ValueError, "bad DLPack dtype");
+        return NULL;
+    }
+    Export *export = PyMem_RawMalloc(sizeof(Export));
+    if (export == NULL)
+        return PyErr_NoMemory();
+    Py_ssize_t ndim = PyTuple_GET_SIZE(args[2]);
+    uint64_t nbytes = bits / 8;
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[2], i));
+        if (size < 0) {
+            PyMem_RawFree(export);
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "negative size in shape");
+            return NULL;
+        }
+        export->shape[i] = size;
+        nbytes *= (uint64_t)size;
+    }
+    Py_buffer pool;
+    if (PyObject_GetBuffer(args[0], &pool, PyBUF_WRITABLE) < 0) {
+        PyMem_RawFree(export);
+        return NULL;
+    }
+    if (offset > pool.len || nbytes > (uint64_t)(pool.len - offset)) {
+        PyBuffer_Release(&pool);
+        PyMem_RawFree(export);
+        PyErr_Format(PyExc_ValueError, "tensor at %zd is outside the pool", offset);
+        return NULL;
+    }
+    DLTensor *tensor = &export->managed.dl_tensor;
+    tensor->data = (char *)pool.buf + offset;
+    PyBuffer_Release(&pool); /* the keeper's own export holds the mapping */
+    tensor->device.device_type = DL_CPU;
+    tensor->device.device_id = 0;
+    tensor->ndim = (int32_t)ndim;
+    tensor->dtype.code = (uint8_t)code;
+    tensor->dtype.bits = (uint8_t)bits;
+    tensor->dtype.lanes = 1;
+    tensor->shape = export->shape;
+    tensor->strides = NULL; /* compact, row-major */
+    tensor->byte_offset = 0;
+    Py_INCREF(args[0]);
+    export->managed.manager_ctx = args[0];
+    export->managed.deleter = export_deleter;
+    PyObject *capsule = PyCapsule_New(&export->managed, "dltensor", capsule_destructor);
+    if (capsule == NULL)
+        export_deleter(&export->managed);
+    return capsule;
+}
+
 static PyMethodDef methods[] = {
+    {"tensor_capsule", (PyCFunction)(void (*)(void))tensor_capsule, METH_FASTCALL,
+     tensor_capsule_doc},
     {"copy_in", (PyCFunction)(void (*)(void))copy_in, METH_FASTCALL, copy_in_doc},
     {"copy_from", (PyCFunction)(void (*)(void))copy_from, METH_FASTCALL, copy_from_doc},
     {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, seal_doc},

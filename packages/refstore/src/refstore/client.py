@@ -459,10 +459,9 @@ class Client:
                     self.counters["fast_gets"] += 1
                 payload, layout, plan = found
                 if plan is not None and as_ != "numpy":
-                    flat = pool.torch_flat(plan.dtype)  # None once the pool is closed
-                    start = payload + plan.offset
-                    if flat is not None and not start % flat[1]:
-                        return flat[0].as_strided(plan.shape, plan.strides, start // flat[1])
+                    tensor = _lone_tensor(pool, payload + plan.offset, plan)
+                    if tensor is not None:
+                        return tensor
                 return codec.decode(view, payload, layout, as_, writable, flat_of=pool.torch_flat)
 
         def resolve() -> tuple[int, protocol.Layout]:
@@ -694,6 +693,30 @@ def connect(
                 start_master_process(name, pool_size, detach=True)
                 log.info("started refstore master %s", name)
     return Client(name, **kwargs)
+
+
+def _lone_tensor(pool: SharedPool, start: int, plan: header.TensorPlan) -> Any:
+    """The tensor of an object that is one torch tensor at pool offset ``start``, made the
+    cheapest way torch has: a DLPack capsule over the pool (one C call each side), else one
+    ``as_strided`` of the pool's flat tensor of its dtype. None once the pool is closed."""
+    if plan.dlpack is not None:
+        keeper = pool.keeper()
+        if keeper is not None:
+            global _from_dlpack
+            if _from_dlpack is None:
+                from torch.utils.dlpack import from_dlpack as _from_dlpack
+            capsule = _fastpath.tensor_capsule(keeper, start, plan.shape, *plan.dlpack)
+            try:
+                return _from_dlpack(capsule)
+            except (RuntimeError, TypeError, BufferError):
+                pass  # a torch without this DLPack type: the long way below
+    flat = pool.torch_flat(plan.dtype)
+    if flat is None or start % flat[1]:
+        return None
+    return flat[0].as_strided(plan.shape, plan.strides, start // flat[1])
+
+
+_from_dlpack: Any = None
 
 
 def _failure(future: concurrent.futures.Future) -> Any:

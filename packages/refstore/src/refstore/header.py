@@ -212,13 +212,36 @@ class Reader:
 
 
 class TensorPlan(NamedTuple):
-    """How to view an object that is one torch tensor: ``as_strided`` of the pool's flat tensor
-    of ``dtype`` (``pool.torch_flat``) at payload + ``offset``."""
+    """How to view an object that is one torch tensor at payload + ``offset``: handed to torch as
+    a DLPack capsule of type ``dlpack`` (code, bits), or, for dtypes DLPack has no code for, as
+    ``as_strided`` of the pool's flat tensor of ``dtype`` (``pool.torch_flat``)."""
 
     dtype: str
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     offset: int
+    dlpack: tuple[int, int] | None
+
+
+# torch dtype name -> DLPack (type code, bits): kDLInt 0, kDLUInt 1, kDLFloat 2, kDLBfloat 4,
+# kDLComplex 5, kDLBool 6.
+DLPACK_TYPES = {
+    "float32": (2, 32),
+    "float64": (2, 64),
+    "float16": (2, 16),
+    "bfloat16": (4, 16),
+    "int8": (0, 8),
+    "int16": (0, 16),
+    "int32": (0, 32),
+    "int64": (0, 64),
+    "uint8": (1, 8),
+    "uint16": (1, 16),
+    "uint32": (1, 32),
+    "uint64": (1, 64),
+    "bool": (6, 8),
+    "complex64": (5, 64),
+    "complex128": (5, 128),
+}
 
 
 def _tensor_plan(layout: Layout) -> TensorPlan | None:
@@ -227,7 +250,13 @@ def _tensor_plan(layout: Layout) -> TensorPlan | None:
     item = layout.items[0]
     if item.kind != KIND_TORCH or not item.nbytes:
         return None
-    return TensorPlan(item.dtype, item.shape, contiguous_strides(item.shape), item.offset)
+    return TensorPlan(
+        item.dtype,
+        item.shape,
+        contiguous_strides(item.shape),
+        item.offset,
+        DLPACK_TYPES.get(item.dtype),
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -59,6 +59,7 @@ class SharedPool:
         self.attached_via = "owner"  # or "scm_rights" / "proc" for a client's mapping
         self._torch_storage: Any = None
         self._torch_flat: dict[str, tuple[Any, int]] = {}
+        self._keeper: memoryview | None = None
         self._closed = False
 
     def torch_storage(self) -> Any:
@@ -75,6 +76,16 @@ class SharedPool:
             storage = torch.frombuffer(self.view[:], dtype=torch.uint8).untyped_storage()
             self._torch_storage = storage
         return storage
+
+    def keeper(self) -> memoryview | None:
+        """A memoryview over the whole pool for tensors handed out as DLPack capsules to hold
+        (made on first use; None once the pool is closed): as a slice of ``view`` it holds the
+        mapping's export, so the pool stays mapped while such a tensor lives, after ``close()``
+        too."""
+        keeper = self._keeper
+        if keeper is None and not self._closed:
+            keeper = self._keeper = self.view[:]
+        return keeper
 
     def torch_flat(self, dtype_name: str) -> tuple[Any, int] | None:
         """A 1-D tensor of torch dtype ``dtype_name`` over the whole pool and its item size (made
@@ -144,6 +155,7 @@ class SharedPool:
         self._closed = True
         self._torch_storage = None  # freed now unless a tensor still uses it
         self._torch_flat.clear()
+        self._keeper = None  # tensors that hold it keep the mapping until they die
         with contextlib.suppress(BufferError):
             self.view.release()
         # Views handed out by get() may still export the buffer; then the GC unmaps it later.
