@@ -45,6 +45,24 @@ TORCH_DTYPES = [getattr(torch, name) for name in refstore.header.DLPACK_TYPES] +
 ]
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_layouts_of_tensors_are_remembered_per_torch_dtype(client):
+    """Same-shape puts reuse one remembered layout per dtype. DLPack does not tell every torch
+    dtype apart (int2 and int8 are both 8-bit ints there), so the dtype itself must key it."""
+    dtypes = sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str)
+    refs = {}
+    for dtype in dtypes:
+        try:
+            tensor = torch.zeros(4, dtype=dtype)
+        except (RuntimeError, TypeError):  # dtypes torch cannot even make zeros of
+            continue
+        refs[dtype] = client.put(tensor)
+    assert torch.int2 in refs
+    assert torch.int8 in refs
+    for dtype, ref in refs.items():
+        assert client.get(ref).dtype == dtype
+
+
 @pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_torch_roundtrip(client, dtype):
