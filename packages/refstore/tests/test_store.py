@@ -46,6 +46,7 @@ TORCH_DTYPES = [getattr(torch, name) for name in refstore.header.DLPACK_TYPES] +
 
 
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
 def test_layouts_of_tensors_are_remembered_per_torch_dtype(client):
     """Same-shape puts reuse one remembered layout per dtype. DLPack does not tell every torch
     dtype apart (int2 and int8 are both 8-bit ints there), so the dtype itself must key it."""
