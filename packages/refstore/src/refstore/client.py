@@ -345,7 +345,8 @@ class Client:
         if ask:
             # Before the copy, so the blocks are on their way while it runs.
             try:
-                pending = rpc.call_future(protocol.RESERVE, protocol.Reserve(block, ask))
+                request = protocol.Reserve(block, ask)
+                pending = rpc.call_future(protocol.RESERVE, request, self.timeout)
             except BaseException:
                 with self._book:
                     reservations.arrived(block, ask, [], 0.0, 0)
@@ -373,6 +374,9 @@ class Client:
                 view, at, writer.template, oid, key, nbytes, deadline_ns, OBJECT_PINNED * pin
             )
         except BaseException:
+            with self._book:
+                self.counters["puts"] -= 1  # counted above, not made
+                self.counters["fast_puts"] -= reserved is not None
             with contextlib.suppress(Exception):
                 self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
             raise
