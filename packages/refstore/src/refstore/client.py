@@ -370,6 +370,7 @@ class Client:
             for item, source in zip(layout.items, sources, strict=True):
                 codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
             deadline_ns = 0 if ttl_s is None else time.monotonic_ns() + int(ttl_s * 1e9)
+            # ``writer.write`` without its Python frame: a put runs where every step costs.
             _fastpath.seal(
                 view, at, writer.template, oid, key, nbytes, deadline_ns, OBJECT_PINNED * pin
             )

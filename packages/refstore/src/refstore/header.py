@@ -143,7 +143,8 @@ def read_committed(
 ) -> Committed | None:
     """The sealed header of object ``oid`` at ``at``, or None if there is none (not written yet,
     freed, another object's, or not a header at all). ``limit``: the object must end before it
-    (the master passes the end of the block)."""
+    (the master passes the end of the block). The master's reader; clients' gets check the same
+    things in one native call (``_fastpath.read_sealed``, which also rejects a passed lease)."""
     end = len(view) if limit is None else min(limit, len(view))
     if at < CONTROL_BYTES or at + HEADER_FIXED > end:
         return None
