@@ -427,11 +427,12 @@ def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(client):
     _warm_reservations(client, data)
     before = time.time()
     ref = client.put(data, ttl=0.2)
+    after = time.time()
     assert client.counters["fast_puts"] == 5
-    time.sleep(0.5)
+    time.sleep(0.6)
     with pytest.raises(refstore.ObjectExpired) as info:
         client.get(ref)  # the header says the lease ran out: the master decides
-    assert before + 0.1 < info.value.since < before + 0.45  # when it ran out, not now
+    assert before + 0.15 < info.value.since < after + 0.25  # when it ran out, not now
     assert client.counters["fast_gets"] == 0
     assert client.stats().expirations == 1
 
@@ -439,9 +440,9 @@ def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(client):
 def test_extend_moves_the_lease_the_header_fast_path_checks(client):
     data = np.ones(50_000, np.uint8)
     _warm_reservations(client, data)
-    ref = client.put(data, ttl=0.2)
+    ref = client.put(data, ttl=1.0)
     client.extend(ref, 60.0)
-    time.sleep(0.4)
+    time.sleep(1.2)
     np.testing.assert_array_equal(client.get(ref), data)
     assert client.counters["fast_gets"] == 1  # the master wrote the new deadline to the header
     client.extend(ref, None)  # no lease: a cache entry
