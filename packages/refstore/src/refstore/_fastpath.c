@@ -121,6 +121,25 @@ PyDoc_STRVAR(copy_in_doc,
              "view[offset:]; large copies use non-temporal stores. False, with nothing copied, "
              "if source exports no C-contiguous buffer.");
 
+/* Copy nbytes from src into the pool's view at offset: the one place both copies check bounds.
+ * 0, or -1 with an exception set. */
+static int copy_into_view(PyObject *view_obj, Py_ssize_t offset, const char *src,
+                          Py_ssize_t nbytes)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(view_obj, &view, PyBUF_WRITABLE) < 0)
+        return -1;
+    if (offset > view.len || nbytes > view.len - offset) {
+        PyErr_Format(PyExc_ValueError, "copy of %zd bytes at %zd is outside the pool (%zd bytes)",
+                     nbytes, offset, view.len);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    copy_bytes((char *)view.buf + offset, src, (size_t)nbytes);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
 static PyObject *copy_in(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
@@ -135,22 +154,10 @@ static PyObject *copy_in(PyObject *module, PyObject *const *args, Py_ssize_t nar
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&source);
-        return NULL;
-    }
-    Py_ssize_t nbytes = source.len;
-    if (offset > view.len || nbytes > view.len - offset) {
-        PyBuffer_Release(&view);
-        PyBuffer_Release(&source);
-        PyErr_Format(PyExc_ValueError, "copy of %zd bytes at %zd is outside the pool (%zd bytes)",
-                     nbytes, offset, view.len);
-        return NULL;
-    }
-    copy_bytes((char *)view.buf + offset, (const char *)source.buf, (size_t)nbytes);
-    PyBuffer_Release(&view);
+    int failed = copy_into_view(args[0], offset, (const char *)source.buf, source.len);
     PyBuffer_Release(&source);
+    if (failed)
+        return NULL;
     Py_RETURN_TRUE;
 }
 
@@ -170,17 +177,8 @@ static PyObject *copy_from(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (get_offset(args[1], &offset) < 0 || get_u64(args[2], &source) < 0 ||
         get_offset(args[3], &nbytes) < 0)
         return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+    if (copy_into_view(args[0], offset, (const char *)(uintptr_t)source, nbytes) < 0)
         return NULL;
-    if (offset > view.len || nbytes > view.len - offset) {
-        PyBuffer_Release(&view);
-        PyErr_Format(PyExc_ValueError, "copy of %zd bytes at %zd is outside the pool (%zd bytes)",
-                     nbytes, offset, view.len);
-        return NULL;
-    }
-    copy_bytes((char *)view.buf + offset, (const char *)(uintptr_t)source, (size_t)nbytes);
-    PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
 

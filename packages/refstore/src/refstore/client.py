@@ -300,15 +300,15 @@ class Client:
         if since is not None:
             raise MasterRestarted(f"object {ref.oid} of pool {ref.pool} (now {self.epoch})", since)
 
-    def _with_recovery(self, fn: Any) -> Any:
-        """Run ``fn``; if the master is gone and a new one runs, re-attach and run ``fn`` again
-        (a put then lands in the new pool; a get of an old ref raises MasterRestarted)."""
+    def _with_recovery(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)``; if the master is gone and a new one runs, re-attach and run it
+        again (a put then lands in the new pool; a get of an old ref raises MasterRestarted)."""
         try:
-            return fn()
+            return fn(*args)
         except MasterUnavailable:
             if self._fixed_address is not None or not self.reconnect():
                 raise
-        return fn()
+        return fn(*args)
 
     # -- put ----------------------------------------------------------------------------------
     def put(self, obj: Any, *, ttl: float | str | None = "default", pin: bool = False) -> Ref:
@@ -319,12 +319,7 @@ class Client:
         """
         ttl_s = self.default_ttl if ttl == "default" else ttl
         encoded, sources = codec.encode_cached(obj, self._layouts)
-        try:
-            return self._put(encoded, sources, ttl_s, pin)
-        except MasterUnavailable:  # as in ``_with_recovery``, without a closure per put
-            if self._fixed_address is not None or not self.reconnect():
-                raise
-        return self._put(encoded, sources, ttl_s, pin)
+        return self._with_recovery(self._put, encoded, sources, ttl_s, pin)
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
         layout, nbytes, writer = encoded.layout, encoded.nbytes, encoded.header
@@ -463,11 +458,11 @@ class Client:
                     self.counters["gets"] += 1
                     self.counters["fast_gets"] += 1
                 payload, layout, plan = found
-                if plan is not None and as_ != "numpy":
-                    tensor = _lone_tensor(pool, payload + plan.offset, plan)
+                if plan is not None and as_ != "numpy":  # one tensor: no layout to walk
+                    tensor = codec.tensor_on_pool(pool, payload + plan.offset, plan)
                     if tensor is not None:
                         return tensor
-                return codec.decode(view, payload, layout, as_, writable, flat_of=pool.torch_flat)
+                return codec.decode(view, payload, layout, as_, writable, pool=pool)
 
         def resolve() -> tuple[int, protocol.Layout]:
             if ref.pool == self.epoch:
@@ -491,7 +486,7 @@ class Client:
             self.counters["gets"] += 1
         pool = self._pool
         assert pool is not None
-        return codec.decode(pool.view, offset, layout, as_, writable, flat_of=pool.torch_flat)
+        return codec.decode(pool.view, offset, layout, as_, writable, pool=pool)
 
     # -- lifetime -----------------------------------------------------------------------------
     def _by_pool(
@@ -698,30 +693,6 @@ def connect(
                 start_master_process(name, pool_size, detach=True)
                 log.info("started refstore master %s", name)
     return Client(name, **kwargs)
-
-
-def _lone_tensor(pool: SharedPool, start: int, plan: header.TensorPlan) -> Any:
-    """The tensor of an object that is one torch tensor at pool offset ``start``, made the
-    cheapest way torch has: a DLPack capsule over the pool (one C call each side), else one
-    ``as_strided`` of the pool's flat tensor of its dtype. None once the pool is closed."""
-    if plan.dlpack is not None:
-        keeper = pool.keeper()
-        if keeper is not None:
-            global _from_dlpack
-            if _from_dlpack is None:
-                from torch.utils.dlpack import from_dlpack as _from_dlpack
-            capsule = _fastpath.tensor_capsule(keeper, start, plan.shape, *plan.dlpack)
-            try:
-                return _from_dlpack(capsule)
-            except (RuntimeError, TypeError, BufferError):
-                pass  # a torch without this DLPack type: the long way below
-    flat = pool.torch_flat(plan.dtype)
-    if flat is None or start % flat[1]:
-        return None
-    return flat[0].as_strided(plan.shape, plan.strides, start // flat[1])
-
-
-_from_dlpack: Any = None
 
 
 def _failure(future: concurrent.futures.Future) -> Any:

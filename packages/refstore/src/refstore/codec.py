@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from . import _fastpath
 from .errors import CallerError
-from .header import Writer, contiguous_strides, encode_layout
+from .header import TensorPlan, Writer, encode_layout, tensor_plan
 from .protocol import (
     CONTAINER_DICT,
     CONTAINER_LIST,
@@ -190,22 +190,32 @@ def _torch_view(buf: memoryview, item: Item) -> Any:
     return torch.frombuffer(buf, dtype=dtype).view(item.shape)
 
 
-def _tensor_on_pool(
-    flat_of: Callable[[str], tuple[Any, int] | None] | None, start: int, item: Item
-) -> Any:
-    """A tensor of ``item`` (at byte ``start`` of the pool) as a view of the pool's flat tensor
-    of its dtype, or None where that cannot be. One ``as_strided``: a fraction of
-    ``torch.frombuffer``'s cost, which matters in a process with cold caches (a Ray actor after
-    a task dispatch), where every step is slow."""
-    if flat_of is None or not item.nbytes:
+def tensor_on_pool(pool: Any, start: int, plan: TensorPlan) -> Any:
+    """The C-contiguous tensor ``plan`` describes, at byte ``start`` of ``pool`` (a
+    ``SharedPool``), made the cheapest way torch has, which matters in a process with cold caches
+    (a Ray actor after a task dispatch): a DLPack capsule over the pool (one C call each side),
+    else one ``as_strided`` of the pool's flat tensor of its dtype. Both hold a slice of the
+    pool's view, so the mapping outlives ``close()`` while the tensor lives. None once the pool is
+    closed."""
+    dtype, shape, strides, _, dlpack = plan
+    if dlpack is not None:
+        keeper = pool.keeper()
+        if keeper is not None:
+            global _from_dlpack
+            if _from_dlpack is None:
+                from torch.utils.dlpack import from_dlpack as _from_dlpack
+            capsule = _fastpath.tensor_capsule(keeper, start, shape, *dlpack)
+            try:
+                return _from_dlpack(capsule)
+            except (RuntimeError, TypeError, BufferError):
+                pass  # a torch without this DLPack type: the long way below
+    flat = pool.torch_flat(dtype)  # imports torch; None once the pool is closed
+    if flat is None or start % flat[1]:
         return None
-    found = flat_of(item.dtype)  # imports torch; None once the pool is closed
-    if found is None:
-        return None
-    flat, itemsize = found
-    if start % itemsize:
-        return None
-    return flat.as_strided(item.shape, contiguous_strides(item.shape), start // itemsize)
+    return flat[0].as_strided(shape, strides, start // flat[1])
+
+
+_from_dlpack: Any = None
 
 
 def view_item(
@@ -215,15 +225,17 @@ def view_item(
     as_: str | None,
     writable: bool,
     *,
-    flat_of: Callable[[str], tuple[Any, int] | None] | None = None,
+    pool: Any = None,
 ) -> Any:
     """A view of one item; ``base`` is the writable pool view, read-only-ness is applied here
-    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be). ``flat_of``:
-    a dtype name -> (1-D tensor over all of ``base``, item size), if the caller keeps them."""
+    (numpy arrays and memoryviews are marked read-only; torch tensors cannot be). ``pool``: the
+    ``SharedPool`` of ``base``, whose torch views are cheaper than ``torch.frombuffer``."""
     start = offset + item.offset
     kind = item.kind
     if kind == KIND_TORCH:
-        tensor = _tensor_on_pool(flat_of, start, item)
+        tensor = None
+        if pool is not None and item.nbytes:
+            tensor = tensor_on_pool(pool, start, tensor_plan(item))
         if tensor is not None and as_ != "numpy":
             return tensor
     buf = base[start : start + item.nbytes]
@@ -263,12 +275,12 @@ def decode(
     as_: str | None,
     writable: bool,
     *,
-    flat_of: Callable[[str], tuple[Any, int] | None] | None = None,
+    pool: Any = None,
 ) -> Any:
     items = layout.items
     if layout.container == CONTAINER_SINGLE:
-        return view_item(base, offset, items[0], as_, writable, flat_of=flat_of)
-    values = [view_item(base, offset, item, as_, writable, flat_of=flat_of) for item in items]
+        return view_item(base, offset, items[0], as_, writable, pool=pool)
+    values = [view_item(base, offset, item, as_, writable, pool=pool) for item in items]
     if layout.container == CONTAINER_DICT:
         return {item.key: value for item, value in zip(layout.items, values, strict=True)}
     if layout.container == CONTAINER_TUPLE:

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import msgspec
 
 from . import _fastpath
-from .protocol import CONTAINER_SINGLE, KIND_TORCH, Layout
+from .protocol import CONTAINER_SINGLE, KIND_TORCH, Item, Layout
 
 CONTROL_BYTES = 4096
 CONTROL = struct.Struct("<4sI")
@@ -251,12 +251,14 @@ def _tensor_plan(layout: Layout) -> TensorPlan | None:
     item = layout.items[0]
     if item.kind != KIND_TORCH or not item.nbytes:
         return None
+    return tensor_plan(item)
+
+
+def tensor_plan(item: Item) -> TensorPlan:
+    """How to make the tensor of a torch ``item``."""
+    shape = item.shape
     return TensorPlan(
-        item.dtype,
-        item.shape,
-        contiguous_strides(item.shape),
-        item.offset,
-        DLPACK_TYPES.get(item.dtype),
+        item.dtype, shape, contiguous_strides(shape), item.offset, DLPACK_TYPES.get(item.dtype)
     )
 
 

@@ -67,13 +67,14 @@ class SharedPool:
         fraction of ``torch.frombuffer`` per get. Tensors made from it keep the mapping alive
         after ``close()``, as every view does."""
         storage = self._torch_storage
-        if storage is None and not self._closed:
+        keeper = self.keeper() if storage is None else None
+        if keeper is not None:
             import torch
 
-            # Over a slice: torch keeps a reference to the buffer object but no buffer export,
-            # and a slice (unlike ``view`` itself, which close() releases) holds the mapping's
-            # export for as long as it lives, so close() cannot unmap it under a tensor.
-            storage = torch.frombuffer(self.view[:], dtype=torch.uint8).untyped_storage()
+            # Over the keeper: torch keeps a reference to the buffer object but no buffer export,
+            # and the keeper (a slice, unlike ``view`` itself, which close() releases) holds the
+            # mapping's export for as long as it lives, so close() cannot unmap it under a tensor.
+            storage = torch.frombuffer(keeper, dtype=torch.uint8).untyped_storage()
             self._torch_storage = storage
         return storage
 
