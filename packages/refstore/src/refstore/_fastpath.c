@@ -182,6 +182,42 @@ static PyObject *copy_from(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* The template of a header (seal, put_sealed): bytes of at least the fixed header, to be written
+ * 8-byte aligned, within header_len when one is given (>= 0). 0, or -1 with an exception set. */
+static int check_template(PyObject *template, Py_ssize_t at, Py_ssize_t header_len)
+{
+    if (!PyBytes_Check(template) || PyBytes_GET_SIZE(template) < HEADER_FIXED) {
+        PyErr_SetString(PyExc_TypeError, "template must be bytes of at least 64");
+        return -1;
+    }
+    if (header_len >= 0 && PyBytes_GET_SIZE(template) > header_len) {
+        PyErr_Format(PyExc_ValueError, "template of %zd bytes is longer than the header (%zd)",
+                     PyBytes_GET_SIZE(template), header_len);
+        return -1;
+    }
+    if ((at & 7) != 0) {
+        PyErr_Format(PyExc_ValueError, "header at %zd is not 8-byte aligned", at);
+        return -1;
+    }
+    return 0;
+}
+
+/* The template (magic, lengths, layout), then the object's fields, then SEALED last with release
+ * ordering: a reader that sees SEALED (acquire) sees the whole header and the payload before it. */
+static void write_header(char *header, PyObject *template, uint64_t oid, uint64_t key,
+                         uint64_t nbytes, uint64_t deadline, uint64_t flags)
+{
+    memcpy(header, PyBytes_AS_STRING(template), (size_t)PyBytes_GET_SIZE(template));
+    store_u32(header + 4, STATE_WRITING);
+    store_u64(header + 8, oid);
+    store_u64(header + 16, (oid * GOLDEN) ^ key);
+    store_u64(header + 32, nbytes);
+    store_u64(header + 40, 0);
+    store_u64(header + 48, deadline);
+    store_u32(header + 56, (uint32_t)flags);
+    __atomic_store_n((uint32_t *)(header + 4), STATE_SEALED, __ATOMIC_RELEASE);
+}
+
 PyDoc_STRVAR(seal_doc,
              "seal(view, at, template, oid, key, nbytes, lease_deadline_ns, flags)\n\n"
              "Write the header template (magic, lengths, layout) at view[at:], fill in the "
@@ -201,14 +237,8 @@ static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         get_u64(args[4], &key) < 0 || get_u64(args[5], &nbytes) < 0 ||
         get_u64(args[6], &deadline) < 0 || get_u64(args[7], &flags) < 0)
         return NULL;
-    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) < HEADER_FIXED) {
-        PyErr_SetString(PyExc_TypeError, "template must be bytes of at least 64");
+    if (check_template(args[2], at, -1) < 0)
         return NULL;
-    }
-    if ((at & 7) != 0) {
-        PyErr_Format(PyExc_ValueError, "header at %zd is not 8-byte aligned", at);
-        return NULL;
-    }
     Py_ssize_t size = PyBytes_GET_SIZE(args[2]);
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
@@ -218,18 +248,74 @@ static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_ValueError, "header at %zd is outside the pool", at);
         return NULL;
     }
-    char *header = (char *)view.buf + at;
-    memcpy(header, PyBytes_AS_STRING(args[2]), (size_t)size);
-    store_u32(header + 4, STATE_WRITING);
-    store_u64(header + 8, oid);
-    store_u64(header + 16, (oid * GOLDEN) ^ key);
-    store_u64(header + 32, nbytes);
-    store_u64(header + 40, 0);
-    store_u64(header + 48, deadline);
-    store_u32(header + 56, (uint32_t)flags);
-    __atomic_store_n((uint32_t *)(header + 4), STATE_SEALED, __ATOMIC_RELEASE);
+    write_header((char *)view.buf + at, args[2], oid, key, nbytes, deadline, flags);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(put_sealed_doc,
+             "put_sealed(view, at, header_len, source, nbytes, template, oid, key, "
+             "lease_deadline_ns, flags) -> bool\n\n"
+             "A whole put into view[at:] in one call: the payload (nbytes from source, a "
+             "C-contiguous buffer such as a numpy array, or the address of a contiguous CPU buffer "
+             "the caller keeps alive, e.g. a tensor's data_ptr()) at at + header_len, then the "
+             "header, as seal() writes it. False, with nothing written, if source exports no "
+             "C-contiguous buffer.");
+
+static PyObject *put_sealed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "put_sealed(view, at, header_len, source, nbytes, template, oid, key, "
+                        "lease_deadline_ns, flags)");
+        return NULL;
+    }
+    Py_ssize_t at, hlen, nbytes;
+    uint64_t oid, key, deadline, flags;
+    if (get_offset(args[1], &at) < 0 || get_offset(args[2], &hlen) < 0 ||
+        get_offset(args[4], &nbytes) < 0 || get_u64(args[6], &oid) < 0 ||
+        get_u64(args[7], &key) < 0 || get_u64(args[8], &deadline) < 0 ||
+        get_u64(args[9], &flags) < 0)
+        return NULL;
+    if (check_template(args[5], at, hlen) < 0)
+        return NULL;
+    Py_buffer source = {0};
+    const char *from;
+    if (PyLong_Check(args[3])) {
+        uint64_t address;
+        if (get_u64(args[3], &address) < 0)
+            return NULL;
+        from = (const char *)(uintptr_t)address;
+    }
+    else {
+        if (PyObject_GetBuffer(args[3], &source, PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        if (source.len != nbytes) {
+            PyErr_Format(PyExc_ValueError, "source has %zd bytes, not %zd", source.len, nbytes);
+            PyBuffer_Release(&source);
+            return NULL;
+        }
+        from = (const char *)source.buf;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&source);
+        return NULL;
+    }
+    if (at > view.len || hlen > view.len - at || nbytes > view.len - at - hlen) {
+        PyErr_Format(PyExc_ValueError, "object of %zd bytes at %zd is outside the pool (%zd bytes)",
+                     hlen + nbytes, at, view.len);
+        PyBuffer_Release(&view);
+        PyBuffer_Release(&source);
+        return NULL;
+    }
+    copy_bytes((char *)view.buf + at + hlen, from, (size_t)nbytes);
+    PyBuffer_Release(&source);
+    write_header((char *)view.buf + at, args[5], oid, key, (uint64_t)nbytes, deadline, flags);
+    PyBuffer_Release(&view);
+    Py_RETURN_TRUE;
 }
 
 PyDoc_STRVAR(read_sealed_doc,
@@ -415,6 +501,7 @@ static PyMethodDef methods[] = {
     {"copy_in", (PyCFunction)(void (*)(void))copy_in, METH_FASTCALL, copy_in_doc},
     {"copy_from", (PyCFunction)(void (*)(void))copy_from, METH_FASTCALL, copy_from_doc},
     {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, seal_doc},
+    {"put_sealed", (PyCFunction)(void (*)(void))put_sealed, METH_FASTCALL, put_sealed_doc},
     {"read_sealed", (PyCFunction)(void (*)(void))read_sealed, METH_FASTCALL, read_sealed_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -57,6 +57,7 @@ from .errors import (
 )
 from .header import OBJECT_PINNED
 from .pool import SharedPool
+from .protocol import KIND_TORCH
 from .ref import Ref
 
 log = logging.getLogger("refstore.client")
@@ -69,7 +70,7 @@ RESERVE_BUDGET_MAX = 64 << 20
 RESERVE_DEPTH = 8  # blocks per class in stock or on their way: back-to-back puts find one ready
 RESERVE_LOW = RESERVE_DEPTH // 2  # refill a class when no more than this many are left
 # A reservation older than this is not used: the master frees unused ones after WRITE_TIMEOUT_S.
-RESERVATION_MAX_AGE_S = 30.0
+RESERVATION_MAX_AGE_NS = 30_000_000_000
 
 
 class _Copier:
@@ -120,13 +121,13 @@ class _Reservations:
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        # class -> (oid, at, when it arrived, the connection it was reserved on)
-        self.stock: dict[int, deque[tuple[int, int, float, int]]] = {}
+        # class -> (oid, at, when it arrived (monotonic ns), the connection it was reserved on)
+        self.stock: dict[int, deque[tuple[int, int, int, int]]] = {}
         self.in_flight: dict[int, int] = {}  # class -> blocks asked for, not arrived
         self.seen: OrderedDict[int, int] = OrderedDict()  # class -> puts, most recent last
         self.bytes = 0  # in stock + in flight
 
-    def next(self, block: int, now: float, connection: int) -> tuple[tuple[int, int] | None, int]:
+    def next(self, block: int, now_ns: int, connection: int) -> tuple[tuple[int, int] | None, int]:
         """For a put of this class: (a reserved (oid, offset) or None, how many blocks to ask
         for now). The usual case, a class well in stock, is decided first and alone.
 
@@ -136,7 +137,7 @@ class _Reservations:
         while stock:
             oid, at, taken, reserved_on = stock.popleft()
             self.bytes -= block
-            if now - taken < RESERVATION_MAX_AGE_S and reserved_on == connection:
+            if now_ns - taken < RESERVATION_MAX_AGE_NS and reserved_on == connection:
                 if len(stock) + self.in_flight.get(block, 0) > RESERVE_LOW:
                     return (oid, at), 0
                 return (oid, at), self._wanted(block)
@@ -162,12 +163,12 @@ class _Reservations:
         return count
 
     def arrived(
-        self, block: int, asked: int, blocks: list[tuple[int, int]], now: float, connection: int
+        self, block: int, asked: int, blocks: list[tuple[int, int]], now_ns: int, connection: int
     ) -> None:
         self.in_flight[block] -= asked
         self.bytes -= (asked - len(blocks)) * block
         stock = self.stock.setdefault(block, deque())
-        stock.extend((oid, at, now, connection) for oid, at in blocks)
+        stock.extend((oid, at, now_ns, connection) for oid, at in blocks)
 
     def drain(self) -> list[int]:
         """Forget every block in stock; returns their oids (to release)."""
@@ -322,10 +323,11 @@ class Client:
         return self._with_recovery(self._put, encoded, sources, ttl_s, pin)
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
-        layout, nbytes, writer = encoded.layout, encoded.nbytes, encoded.header
-        hlen, block = writer.hlen, encoded.block
+        layout, nbytes, template = encoded.layout, encoded.nbytes, encoded.header.template
+        hlen, block = encoded.header.hlen, encoded.block
         reserved = None
         ask = 0
+        now_ns = time.monotonic_ns()
         with self._book:  # one consistent connection, even if another thread reconnects
             rpc, pool, epoch, key = self._rpc, self._pool, self.epoch, self._tag_key
             reservations = self._reservations
@@ -333,8 +335,7 @@ class Client:
             assert pool is not None
             # Not while a fault plan sends every operation to the master (the control page).
             if rpc.connected and not pool.view[4] & header.FLAG_MASTER_PATH:
-                now, connection = time.monotonic(), rpc.connections_opened
-                reserved, ask = reservations.next(block, now, connection)
+                reserved, ask = reservations.next(block, now_ns, rpc.connections_opened)
             self.counters["puts"] += 1
             self.counters["fast_puts"] += reserved is not None
         if ask:
@@ -344,7 +345,7 @@ class Client:
                 pending = rpc.call_future(protocol.RESERVE, request, self.timeout)
             except BaseException:
                 with self._book:
-                    reservations.arrived(block, ask, [], 0.0, 0)
+                    reservations.arrived(block, ask, [], 0, 0)
                 raise
             self._track(pending)
             pending.add_done_callback(
@@ -362,13 +363,42 @@ class Client:
             oid, at = resp.oid, resp.offset
         try:
             view = pool.view
-            for item, source in zip(layout.items, sources, strict=True):
-                codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
-            deadline_ns = 0 if ttl_s is None else time.monotonic_ns() + int(ttl_s * 1e9)
-            # ``writer.write`` without its Python frame: a put runs where every step costs.
-            _fastpath.seal(
-                view, at, writer.template, oid, key, nbytes, deadline_ns, OBJECT_PINNED * pin
-            )
+            deadline_ns = 0 if ttl_s is None else now_ns + int(ttl_s * 1e9)
+            flags = OBJECT_PINNED * pin
+            # A lone item goes in with one native call, payload and header (a put runs where
+            # caches are cold and every step costs); anything else item by item, then the header.
+            direct = encoded.direct
+            if direct is None:
+                sealed = False
+            elif direct == KIND_TORCH:
+                source = sources[0]
+                # Its memory is the payload unless strided or a lazy negation or conjugate view
+                # (torch has conjugate views of complex tensors only).
+                sealed = (
+                    source.is_contiguous()
+                    and not source.is_neg()
+                    and not (encoded.complex and source.is_conj())
+                    and _fastpath.put_sealed(
+                        view,
+                        at,
+                        hlen,
+                        source.data_ptr(),
+                        nbytes,
+                        template,
+                        oid,
+                        key,
+                        deadline_ns,
+                        flags,
+                    )
+                )
+            else:  # a numpy array or bytes: False if not C-contiguous
+                sealed = _fastpath.put_sealed(
+                    view, at, hlen, sources[0], nbytes, template, oid, key, deadline_ns, flags
+                )
+            if not sealed:
+                for item, source in zip(layout.items, sources, strict=True):
+                    codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
+                _fastpath.seal(view, at, template, oid, key, nbytes, deadline_ns, flags)
         except BaseException:
             with self._book:
                 self.counters["puts"] -= 1  # counted above, not made
@@ -421,7 +451,7 @@ class Client:
             # thread as the answer is delivered, before any reconnect.
             connection = rpc.connections_opened
             stocked = blocks if current else []
-            reservations.arrived(block, asked, stocked, time.monotonic(), connection)
+            reservations.arrived(block, asked, stocked, time.monotonic_ns(), connection)
             self._reservation_landed.notify_all()
         if blocks and not current:
             # Reserved in a pool this client has left or closed: give them back.

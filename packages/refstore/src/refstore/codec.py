@@ -114,13 +114,19 @@ def size_class(nbytes: int) -> int:
 class Encoded:
     """What a put needs to know about an object besides its bytes: layout, size, header."""
 
-    __slots__ = ("block", "header", "layout", "nbytes")
+    __slots__ = ("block", "complex", "direct", "header", "layout", "nbytes")
 
     def __init__(self, layout: Layout, nbytes: int) -> None:
         self.layout = layout
         self.nbytes = nbytes
         self.header = Writer(encode_layout(layout))
         self.block = size_class(self.header.hlen + nbytes)  # header + payload, rounded up
+        # The kind of a lone item that one native call puts, payload and header
+        # (``_fastpath.put_sealed``), or None: several items, none, or one copied in parallel.
+        items = layout.items
+        lone = len(items) == 1 and 0 < items[0].nbytes < PARALLEL_COPY_MIN
+        self.direct = items[0].kind if lone else None
+        self.complex = lone and items[0].dtype.startswith("complex")
 
 
 def encode_cached(obj: Any, cache: dict[Any, Encoded]) -> tuple[Encoded, list[Any]]:
@@ -203,7 +209,10 @@ def tensor_on_pool(pool: Any, start: int, plan: TensorPlan) -> Any:
         if keeper is not None:
             global _from_dlpack
             if _from_dlpack is None:
-                from torch.utils.dlpack import from_dlpack as _from_dlpack
+                import torch.utils.dlpack
+
+                # What torch.utils.dlpack.from_dlpack does with a capsule, without its Python.
+                _from_dlpack = getattr(torch._C, "_from_dlpack", torch.utils.dlpack.from_dlpack)
             capsule = _fastpath.tensor_capsule(keeper, start, shape, *dlpack)
             try:
                 return _from_dlpack(capsule)
