@@ -119,3 +119,32 @@ def test_native_calls_refuse_what_lies_outside_the_pool():
         assert _fastpath.read_sealed(view, at, 1, 2, 0) is None
     with pytest.raises(ValueError, match="negative"):
         _fastpath.read_sealed(view, -8, 1, 2, 0)
+
+
+def test_put_sealed_writes_payload_then_header_or_nothing():
+    """A lone item's put in one native call: the payload, from a buffer or an address, then the
+    header. What it cannot do (a strided source, a fault plan's master path) it leaves unwritten."""
+    encoded, _ = codec.encode_cached(np.zeros(1000, np.float32), {})
+    source = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    args = (encoded.nbytes, encoded.template, 7, KEY, 55, header.OBJECT_PINNED)
+    hlen = encoded.hlen
+    for payload in (source, source.ctypes.data):
+        view = memoryview(bytearray(1 << 16))
+        assert _fastpath.put_sealed(view, AT, hlen, payload, *args) is True
+        assert bytes(view[AT + hlen : AT + hlen + encoded.nbytes]) == source.tobytes()
+        found = header.read_committed(view, AT, 7, KEY)
+        assert found == header.Committed(hlen, encoded.nbytes, encoded.layout, 55, 1)
+    view = memoryview(bytearray(1 << 16))
+    strided = np.zeros(2000, np.float32)[::2]
+    assert _fastpath.put_sealed(view, AT, hlen, strided, *args) is False
+    header.write_control(view, header.FLAG_MASTER_PATH)
+    assert _fastpath.put_sealed(view, AT, hlen, source, *args) is None
+    header.write_control(view, 0)
+    assert not any(view[AT:])  # neither wrote a byte
+    with pytest.raises(ValueError, match="not 4000"):
+        _fastpath.put_sealed(view, AT, hlen, source[:-1], *args)
+    with pytest.raises(ValueError, match="outside the pool"):
+        _fastpath.put_sealed(view, len(view) - hlen, hlen, source, *args)
+    with pytest.raises(ValueError, match="longer than the header"):
+        _fastpath.put_sealed(view, AT, 64, source, *args)
+    assert not any(view[AT:])

@@ -309,6 +309,27 @@ def test_reads_that_skip_the_master_still_count_for_eviction(client):
     assert client.get(cache[0])[0] == 0
 
 
+def test_a_fault_plan_sends_puts_to_the_master_and_their_blocks_wait_in_stock(client):
+    """While a fault plan is set (the control page says so), a put with a reserved block in stock
+    leaves it unwritten and goes through the master, where the plan applies; the block is the
+    next fast put's once the plan is cleared."""
+    for i in range(6):
+        client.put(np.full(50_000, i, np.uint8))
+        client.flush()
+    fast = client.counters["fast_puts"]
+    assert fast >= 4
+    refstore.faults.inject(client, "alloc:fail#1")
+    with pytest.raises(refstore.InjectedFault):
+        client.put(np.full(50_000, 6, np.uint8))
+    during = client.put(np.full(50_000, 7, np.uint8))
+    assert client.counters["fast_puts"] == fast  # both asked the master
+    refstore.faults.clear(client)
+    after = client.put(np.full(50_000, 8, np.uint8))
+    assert client.counters["fast_puts"] == fast + 1
+    assert client.get(during)[0] == 7
+    assert client.get(after)[0] == 8
+
+
 def test_repeated_sizes_put_without_a_round_trip(client):
     """From the third put of a size class on, puts take a reserved block (no alloc round trip);
     unused reservations go back to the pool at close."""

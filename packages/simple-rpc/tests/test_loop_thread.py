@@ -51,6 +51,8 @@ def test_sync_client_from_many_threads(served):
         assert results == [[k * 1000 + i + 1 for i in range(50)] for k in range(8)]
         fut = client.call_future(PING, Ping(1), timeout=5.0)
         assert fut.result(5).n == 2
+        assert client.connected
+        assert client.connection == client.connections_opened == 1
         with pytest.raises(CallerError):
             client.call(PING, "nope")
 

@@ -118,13 +118,16 @@ async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
     port = int(address.rsplit(":", 1)[1])
     client = Client(address)
     assert client.connections_opened == 0
+    assert client.connection == 0
     pending = [asyncio.ensure_future(client.call(SLOW, 30.0)) for _ in range(10)]
     assert (await client.call(PING, Ping(0))).n == 1
     assert client.connections_opened == 1
+    assert client.connection == 1
     await server.close()
     results = await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 5.0)
     assert all(isinstance(r, ConnectionLost) for r in results), results
     assert not client.connected
+    assert client.connection == 0  # down: no connection in use
     with pytest.raises(ConnectError):  # nothing listens any more
         await client.call(PING, Ping(1), timeout=5.0)
     server2 = make_server()
@@ -132,9 +135,11 @@ async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
     try:
         assert (await client.call(PING, Ping(1), timeout=5.0)).n == 2  # reconnected lazily
         assert client.connections_opened == 2
+        assert client.connection == 2
     finally:
         await client.close()
         await server2.close()
+    assert client.connection == 0
 
 
 async def test_cancelled_call_leaves_client_usable(server):

@@ -255,12 +255,13 @@ static PyObject *seal(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 PyDoc_STRVAR(put_sealed_doc,
              "put_sealed(view, at, header_len, source, nbytes, template, oid, key, "
-             "lease_deadline_ns, flags) -> bool\n\n"
+             "lease_deadline_ns, flags) -> bool | None\n\n"
              "A whole put into view[at:] in one call: the payload (nbytes from source, a "
              "C-contiguous buffer such as a numpy array, or the address of a contiguous CPU buffer "
              "the caller keeps alive, e.g. a tensor's data_ptr()) at at + header_len, then the "
              "header, as seal() writes it. False, with nothing written, if source exports no "
-             "C-contiguous buffer.");
+             "C-contiguous buffer; None, with nothing written, while the pool's control page "
+             "sends every operation to the master (a fault plan).");
 
 static PyObject *put_sealed(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -303,6 +304,12 @@ static PyObject *put_sealed(PyObject *module, PyObject *const *args, Py_ssize_t 
     if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0) {
         PyBuffer_Release(&source);
         return NULL;
+    }
+    /* The control page's flags (header.py): a fault plan sends every operation to the master. */
+    if (view.len < CONTROL_BYTES || (load_u32((const char *)view.buf + 4) & FLAG_MASTER_PATH)) {
+        PyBuffer_Release(&view);
+        PyBuffer_Release(&source);
+        Py_RETURN_NONE;
     }
     if (at > view.len || hlen > view.len - at || nbytes > view.len - at - hlen) {
         PyErr_Format(PyExc_ValueError, "object of %zd bytes at %zd is outside the pool (%zd bytes)",

@@ -127,21 +127,30 @@ class _Reservations:
         self.seen: OrderedDict[int, int] = OrderedDict()  # class -> puts, most recent last
         self.bytes = 0  # in stock + in flight
 
-    def next(self, block: int, now_ns: int, connection: int) -> tuple[tuple[int, int] | None, int]:
-        """For a put of this class: (a reserved (oid, offset) or None, how many blocks to ask
-        for now). The usual case, a class well in stock, is decided first and alone.
+    def next(
+        self, block: int, now_ns: int, connection: int
+    ) -> tuple[tuple[int, int, int, int] | None, int]:
+        """For a put of this class: (a reserved block or None, how many blocks to ask for now);
+        a block is (oid, offset, when it arrived, its connection). The usual case, a class well
+        in stock, is decided first and alone.
 
         Blocks reserved on an earlier connection are dropped, not used: the master frees a
         disconnected client's unused blocks (``state.DISCONNECT_GRACE_S``)."""
         stock = self.stock.get(block)
         while stock:
-            oid, at, taken, reserved_on = stock.popleft()
+            entry = stock.popleft()
+            _, _, taken, reserved_on = entry
             self.bytes -= block
             if now_ns - taken < RESERVATION_MAX_AGE_NS and reserved_on == connection:
                 if len(stock) + self.in_flight.get(block, 0) > RESERVE_LOW:
-                    return (oid, at), 0
-                return (oid, at), self._wanted(block)
+                    return entry, 0
+                return entry, self._wanted(block)
         return None, self._wanted(block)
+
+    def put_back(self, block: int, entry: tuple[int, int, int, int]) -> None:
+        """Return an unused block that ``next`` handed out, to be handed out first again."""
+        self.stock.setdefault(block, deque()).appendleft(entry)
+        self.bytes += block
 
     def _wanted(self, block: int) -> int:
         """Count a put of this class that found its stock low; how many blocks to ask for."""
@@ -307,9 +316,14 @@ class Client:
         try:
             return fn(*args)
         except MasterUnavailable:
-            if self._fixed_address is not None or not self.reconnect():
+            if not self._recovered():
                 raise
         return fn(*args)
+
+    def _recovered(self) -> bool:
+        """After MasterUnavailable: True if a new master took over and this client re-attached
+        to it (the failed call may run again), False if the error stands."""
+        return self._fixed_address is None and self.reconnect()
 
     # -- put ----------------------------------------------------------------------------------
     def put(self, obj: Any, *, ttl: float | str | None = "default", pin: bool = False) -> Ref:
@@ -320,11 +334,16 @@ class Client:
         """
         ttl_s = self.default_ttl if ttl == "default" else ttl
         encoded, sources = codec.encode_cached(obj, self._layouts)
-        return self._with_recovery(self._put, encoded, sources, ttl_s, pin)
+        # ``_with_recovery(self._put, ...)`` without its frame: a put runs where every step costs.
+        try:
+            return self._put(encoded, sources, ttl_s, pin)
+        except MasterUnavailable:
+            if not self._recovered():
+                raise
+        return self._put(encoded, sources, ttl_s, pin)
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
-        layout, nbytes, template = encoded.layout, encoded.nbytes, encoded.header.template
-        hlen, block = encoded.header.hlen, encoded.block
+        layout, nbytes, hlen, block = encoded.layout, encoded.nbytes, encoded.hlen, encoded.block
         reserved = None
         ask = 0
         now_ns = time.monotonic_ns()
@@ -333,9 +352,9 @@ class Client:
             reservations = self._reservations
             assert rpc is not None
             assert pool is not None
-            # Not while a fault plan sends every operation to the master (the control page).
-            if rpc.connected and not pool.view[4] & header.FLAG_MASTER_PATH:
-                reserved, ask = reservations.next(block, now_ns, rpc.connections_opened)
+            connection = rpc.connection  # 0 while down: the master may be gone, so ask it
+            if connection:
+                reserved, ask = reservations.next(block, now_ns, connection)
             self.counters["puts"] += 1
             self.counters["fast_puts"] += reserved is not None
         if ask:
@@ -351,9 +370,33 @@ class Client:
             pending.add_done_callback(
                 functools.partial(self._reserved, (block, ask, reservations, epoch, rpc))
             )
+        view = pool.view
+        deadline_ns = 0 if ttl_s is None else now_ns + int(ttl_s * 1e9)
+        flags = OBJECT_PINNED * pin
+        sealed: bool | None = False
         if reserved is not None:
-            oid, at = reserved
-        else:
+            oid, at = reserved[0], reserved[1]
+            try:
+                sealed = self._put_direct(
+                    encoded,
+                    sources,
+                    view=view,
+                    at=at,
+                    oid=oid,
+                    deadline_ns=deadline_ns,
+                    flags=flags,
+                )
+            except BaseException:
+                self._put_failed(epoch, oid, fast=True)
+                raise
+            if sealed is None or (not sealed and view[4] & header.FLAG_MASTER_PATH):
+                # A fault plan sends every operation to the master (the control page): the
+                # block goes back to the stock, unwritten, and the master allocates instead.
+                with self._book:
+                    self.counters["fast_puts"] -= 1
+                    reservations.put_back(block, reserved)
+                reserved = None
+        if reserved is None:
             try:
                 resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
             except BaseException:
@@ -362,49 +405,22 @@ class Client:
                 raise
             oid, at = resp.oid, resp.offset
         try:
-            view = pool.view
-            deadline_ns = 0 if ttl_s is None else now_ns + int(ttl_s * 1e9)
-            flags = OBJECT_PINNED * pin
-            # A lone item goes in with one native call, payload and header (a put runs where
-            # caches are cold and every step costs); anything else item by item, then the header.
-            direct = encoded.direct
-            if direct is None:
-                sealed = False
-            elif direct == KIND_TORCH:
-                source = sources[0]
-                # Its memory is the payload unless strided or a lazy negation or conjugate view
-                # (torch has conjugate views of complex tensors only).
-                sealed = (
-                    source.is_contiguous()
-                    and not source.is_neg()
-                    and not (encoded.complex and source.is_conj())
-                    and _fastpath.put_sealed(
-                        view,
-                        at,
-                        hlen,
-                        source.data_ptr(),
-                        nbytes,
-                        template,
-                        oid,
-                        key,
-                        deadline_ns,
-                        flags,
-                    )
-                )
-            else:  # a numpy array or bytes: False if not C-contiguous
-                sealed = _fastpath.put_sealed(
-                    view, at, hlen, sources[0], nbytes, template, oid, key, deadline_ns, flags
+            if reserved is None:
+                sealed = self._put_direct(
+                    encoded,
+                    sources,
+                    view=view,
+                    at=at,
+                    oid=oid,
+                    deadline_ns=deadline_ns,
+                    flags=flags,
                 )
             if not sealed:
                 for item, source in zip(layout.items, sources, strict=True):
                     codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
-                _fastpath.seal(view, at, template, oid, key, nbytes, deadline_ns, flags)
+                _fastpath.seal(view, at, encoded.template, oid, key, nbytes, deadline_ns, flags)
         except BaseException:
-            with self._book:
-                self.counters["puts"] -= 1  # counted above, not made
-                self.counters["fast_puts"] -= reserved is not None
-            with contextlib.suppress(Exception):
-                self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
+            self._put_failed(epoch, oid, fast=reserved is not None)
             raise
         if reserved is None:
             # Sealed without waiting for the answer: the master handles this connection's frames
@@ -415,6 +431,56 @@ class Client:
         # A put into a reserved block sends nothing: its header is the commit record, which
         # the master reads when the object first matters to it (``state.py``, settle).
         return Ref(epoch, oid, nbytes, self.node, at)
+
+    def _put_direct(
+        self,
+        encoded: codec.Encoded,
+        sources: list[Any],
+        *,
+        view: memoryview,
+        at: int,
+        oid: int,
+        deadline_ns: int,
+        flags: int,
+    ) -> bool | None:
+        """A lone item's whole put, payload and header, in one native call (a put runs where
+        caches are cold and every step costs). False, with nothing written, for anything else
+        (several items, a strided source): those go item by item. None, with nothing written,
+        while a fault plan sends every operation to the master (the control page)."""
+        direct = encoded.direct
+        if direct is None:
+            return False
+        source = sources[0]
+        if direct == KIND_TORCH:
+            # Its memory is the payload unless strided or a lazy negation or conjugate view
+            # (torch has conjugate views of complex tensors only).
+            if (
+                not source.is_contiguous()
+                or source.is_neg()
+                or (encoded.complex and source.is_conj())
+            ):
+                return False
+            source = source.data_ptr()
+        return _fastpath.put_sealed(
+            view,
+            at,
+            encoded.hlen,
+            source,
+            encoded.nbytes,
+            encoded.template,
+            oid,
+            self._tag_key,
+            deadline_ns,
+            flags,
+        )
+
+    def _put_failed(self, epoch: str, oid: int, *, fast: bool) -> None:
+        """Undo the counting of a put that raised, and free its block."""
+        with self._book:
+            self.counters["puts"] -= 1  # counted above, not made
+            self.counters["fast_puts"] -= fast
+        with contextlib.suppress(Exception):
+            self._call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
 
     def _track(self, pending: concurrent.futures.Future) -> None:
         """Remember a call that a put started and did not wait for (``flush`` waits for them)."""
@@ -480,7 +546,7 @@ class Client:
         pool, rpc = self._pool, self._rpc
         # Not connected: the master may be gone (its pool stays mapped here, readable but no
         # longer kept); the master path finds out and says so.
-        if ref.pool == self.epoch and ref.at >= 0 and pool is not None and rpc.connected:
+        if ref.pool == self.epoch and ref.at >= 0 and pool is not None and rpc.connection:
             view = pool.view
             found = self._headers.sealed(view, ref.at, ref.oid, time.monotonic_ns())
             if found is not None:

@@ -55,6 +55,10 @@ class Client:
         self._connect_lock: asyncio.Lock | None = None
         self._closed = False
         self._connections_opened = 0
+        # The number of the connection up now (1 for the first, then 2, ...), 0 while none is:
+        # a plain attribute, so that one read tells whether the connection of some earlier
+        # moment is still the one in use (kept together with ``_conn``).
+        self.connection = 0
 
     @property
     def connected(self) -> bool:
@@ -148,6 +152,7 @@ class Client:
             raise CallerError(f"client for {self.address} is closed")
         self._conn = conn
         self._connections_opened += 1
+        self.connection = self._connections_opened
         return conn
 
     async def close(self) -> None:
@@ -157,6 +162,7 @@ class Client:
         self._closed = True
         conn = self._conn
         self._conn = None
+        self.connection = 0
         if conn is not None:
             conn.abort("client closed")
             await conn.closed
@@ -238,6 +244,7 @@ class _ClientConnection(asyncio.Protocol):
         """Stop new calls from using this connection (the next call opens a new one)."""
         if self.client._conn is self:
             self.client._conn = None
+            self.client.connection = 0
 
     def abort(self, reason: str) -> None:
         self.lost_reason = reason

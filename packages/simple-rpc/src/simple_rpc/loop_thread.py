@@ -200,6 +200,13 @@ class SyncClient:
         A plain read, safe from any thread."""
         return self._client.connections_opened
 
+    @property
+    def connection(self) -> int:
+        """The number of the connection up now (``connections_opened`` when it was opened), 0
+        while none is: ``connected`` and which connection in one plain read, safe from any
+        thread."""
+        return self._client.connection
+
     def call_future(
         self, method: Method[Any, T], request: Any, timeout: float | None = None
     ) -> concurrent.futures.Future[T]:
