@@ -126,8 +126,8 @@ def test_put_sealed_writes_payload_then_header_or_nothing():
     header. What it cannot do (a strided source, a fault plan's master path) it leaves unwritten."""
     encoded, _ = codec.encode_cached(np.zeros(1000, np.float32), {})
     source = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    args = (encoded.nbytes, encoded.template, 7, KEY, 55, header.OBJECT_PINNED)
-    hlen = encoded.hlen
+    args = (encoded.nbytes, encoded.header.template, 7, KEY, 55, header.OBJECT_PINNED)
+    hlen = encoded.header.hlen
     for payload in (source, source.ctypes.data):
         view = memoryview(bytearray(1 << 16))
         assert _fastpath.put_sealed(view, AT, hlen, payload, *args) is True

@@ -343,7 +343,9 @@ class Client:
         return self._put(encoded, sources, ttl_s, pin)
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
-        layout, nbytes, hlen, block = encoded.layout, encoded.nbytes, encoded.hlen, encoded.block
+        layout, nbytes, block = encoded.layout, encoded.nbytes, encoded.block
+        writer = encoded.header
+        hlen = writer.hlen
         reserved = None
         ask = 0
         now_ns = time.monotonic_ns()
@@ -418,7 +420,7 @@ class Client:
             if not sealed:
                 for item, source in zip(layout.items, sources, strict=True):
                     codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
-                _fastpath.seal(view, at, encoded.template, oid, key, nbytes, deadline_ns, flags)
+                _fastpath.seal(view, at, writer.template, oid, key, nbytes, deadline_ns, flags)
         except BaseException:
             self._put_failed(epoch, oid, fast=reserved is not None)
             raise
@@ -464,10 +466,10 @@ class Client:
         return _fastpath.put_sealed(
             view,
             at,
-            encoded.hlen,
+            encoded.header.hlen,
             source,
             encoded.nbytes,
-            encoded.template,
+            encoded.header.template,
             oid,
             self._tag_key,
             deadline_ns,

@@ -114,13 +114,12 @@ def size_class(nbytes: int) -> int:
 class Encoded:
     """What a put needs to know about an object besides its bytes: layout, size, header."""
 
-    __slots__ = ("block", "complex", "direct", "header", "hlen", "layout", "nbytes", "template")
+    __slots__ = ("block", "complex", "direct", "header", "layout", "nbytes")
 
     def __init__(self, layout: Layout, nbytes: int) -> None:
         self.layout = layout
         self.nbytes = nbytes
         self.header = Writer(encode_layout(layout))
-        self.hlen, self.template = self.header.hlen, self.header.template
         self.block = size_class(self.header.hlen + nbytes)  # header + payload, rounded up
         # The kind of a lone item that one native call puts, payload and header
         # (``_fastpath.put_sealed``), or None: several items, none, or one copied in parallel.
