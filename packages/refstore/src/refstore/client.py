@@ -385,6 +385,7 @@ class Client:
                     view=view,
                     at=at,
                     oid=oid,
+                    key=key,
                     deadline_ns=deadline_ns,
                     flags=flags,
                 )
@@ -414,6 +415,7 @@ class Client:
                     view=view,
                     at=at,
                     oid=oid,
+                    key=key,
                     deadline_ns=deadline_ns,
                     flags=flags,
                 )
@@ -442,6 +444,7 @@ class Client:
         view: memoryview,
         at: int,
         oid: int,
+        key: int,
         deadline_ns: int,
         flags: int,
     ) -> bool | None:
@@ -471,7 +474,7 @@ class Client:
             encoded.nbytes,
             encoded.header.template,
             oid,
-            self._tag_key,
+            key,  # the pool's taken with its connection: a reconnect may have changed ours
             deadline_ns,
             flags,
         )
