@@ -344,8 +344,6 @@ class Client:
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
         layout, nbytes, block = encoded.layout, encoded.nbytes, encoded.block
-        writer = encoded.header
-        hlen = writer.hlen
         reserved = None
         ask = 0
         now_ns = time.monotonic_ns()
@@ -375,11 +373,20 @@ class Client:
         view = pool.view
         deadline_ns = 0 if ttl_s is None else now_ns + int(ttl_s * 1e9)
         flags = OBJECT_PINNED * pin
-        sealed: bool | None = False
-        if reserved is not None:
-            oid, at = reserved[0], reserved[1]
+        while True:  # twice at most: a reserved block refused, then one from the master
+            if reserved is not None:
+                oid, at = reserved[0], reserved[1]
+            else:
+                try:
+                    request = protocol.Alloc(nbytes, layout, ttl_s, pin, encoded.header.hlen)
+                    resp = self._call(protocol.ALLOC, request)
+                except BaseException:
+                    with self._book:
+                        self.counters["puts"] -= 1  # counted above, not made
+                    raise
+                oid, at = resp.oid, resp.offset
             try:
-                sealed = self._put_direct(
+                written = self._write(
                     encoded,
                     sources,
                     view=view,
@@ -388,44 +395,19 @@ class Client:
                     key=key,
                     deadline_ns=deadline_ns,
                     flags=flags,
+                    reserved=reserved is not None,
                 )
             except BaseException:
-                self._put_failed(epoch, oid, fast=True)
+                self._put_failed(epoch, oid, fast=reserved is not None)
                 raise
-            if sealed is None or (not sealed and view[4] & header.FLAG_MASTER_PATH):
-                # A fault plan sends every operation to the master (the control page): the
-                # block goes back to the stock, unwritten, and the master allocates instead.
-                with self._book:
-                    self.counters["fast_puts"] -= 1
-                    reservations.put_back(block, reserved)
-                reserved = None
-        if reserved is None:
-            try:
-                resp = self._call(protocol.ALLOC, protocol.Alloc(nbytes, layout, ttl_s, pin, hlen))
-            except BaseException:
-                with self._book:
-                    self.counters["puts"] -= 1  # counted above, not made
-                raise
-            oid, at = resp.oid, resp.offset
-        try:
-            if reserved is None:
-                sealed = self._put_direct(
-                    encoded,
-                    sources,
-                    view=view,
-                    at=at,
-                    oid=oid,
-                    key=key,
-                    deadline_ns=deadline_ns,
-                    flags=flags,
-                )
-            if not sealed:
-                for item, source in zip(layout.items, sources, strict=True):
-                    codec.copy_into(view, at + hlen + item.offset, source, item, self._copier)
-                _fastpath.seal(view, at, writer.template, oid, key, nbytes, deadline_ns, flags)
-        except BaseException:
-            self._put_failed(epoch, oid, fast=reserved is not None)
-            raise
+            if written:
+                break
+            # A fault plan sends every operation to the master (the control page): the block
+            # goes back to the stock, unwritten, and the master allocates instead.
+            with self._book:
+                self.counters["fast_puts"] -= 1
+                reservations.put_back(block, reserved)
+            reserved = None
         if reserved is None:
             # Sealed without waiting for the answer: the master handles this connection's frames
             # in order, and a get from elsewhere that overtakes the seal waits for it there.
@@ -436,7 +418,7 @@ class Client:
         # the master reads when the object first matters to it (``state.py``, settle).
         return Ref(epoch, oid, nbytes, self.node, at)
 
-    def _put_direct(
+    def _write(
         self,
         encoded: codec.Encoded,
         sources: list[Any],
@@ -447,37 +429,51 @@ class Client:
         key: int,
         deadline_ns: int,
         flags: int,
-    ) -> bool | None:
-        """A lone item's whole put, payload and header, in one native call (a put runs where
-        caches are cold and every step costs). False, with nothing written, for anything else
-        (several items, a strided source): those go item by item. None, with nothing written,
-        while a fault plan sends every operation to the master (the control page)."""
+        reserved: bool,
+    ) -> bool:
+        """The payload, then the header that seals it, into the block at ``at``: a lone item's
+        in one native call (a put runs where caches are cold and every step costs), anything
+        else (several items, a strided source) item by item. False, with nothing written, for a
+        ``reserved`` block while a fault plan sends every operation to the master (the control
+        page). ``key``: the tag key of the pool taken with the put's connection (a reconnect
+        may have changed the client's since)."""
+        writer = encoded.header
+        sealed: bool | None = False
         direct = encoded.direct
-        if direct is None:
+        if direct is not None:
+            source = sources[0]
+            if direct == KIND_TORCH:
+                # Its memory is the payload unless strided or a lazy negation or conjugate view
+                # (torch has conjugate views of complex tensors only).
+                if (
+                    not source.is_contiguous()
+                    or source.is_neg()
+                    or (encoded.complex and source.is_conj())
+                ):
+                    source = None
+                else:
+                    source = source.data_ptr()
+            if source is not None:
+                sealed = _fastpath.put_sealed(
+                    view,
+                    at,
+                    writer.hlen,
+                    source,
+                    encoded.nbytes,
+                    writer.template,
+                    oid,
+                    key,
+                    deadline_ns,
+                    flags,
+                )
+        if sealed:
+            return True
+        if reserved and (sealed is None or view[4] & header.FLAG_MASTER_PATH):
             return False
-        source = sources[0]
-        if direct == KIND_TORCH:
-            # Its memory is the payload unless strided or a lazy negation or conjugate view
-            # (torch has conjugate views of complex tensors only).
-            if (
-                not source.is_contiguous()
-                or source.is_neg()
-                or (encoded.complex and source.is_conj())
-            ):
-                return False
-            source = source.data_ptr()
-        return _fastpath.put_sealed(
-            view,
-            at,
-            encoded.header.hlen,
-            source,
-            encoded.nbytes,
-            encoded.header.template,
-            oid,
-            key,  # the pool's taken with its connection: a reconnect may have changed ours
-            deadline_ns,
-            flags,
-        )
+        for item, source in zip(encoded.layout.items, sources, strict=True):
+            codec.copy_into(view, at + writer.hlen + item.offset, source, item, self._copier)
+        _fastpath.seal(view, at, writer.template, oid, key, encoded.nbytes, deadline_ns, flags)
+        return True
 
     def _put_failed(self, epoch: str, oid: int, *, fast: bool) -> None:
         """Undo the counting of a put that raised, and free its block."""
