@@ -10,6 +10,6 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The deterministic tiny Qwen2 (random weights, local tokenizer), made once for all tests."""
-    from hybrid_connector.testing import make_tiny_model
+    from hybrid_connector.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")

@@ -39,7 +39,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hybrid_connector.testing import OFFLINE_VLLM_ENV
+from hybrid_connector.tiny_model import OFFLINE_VLLM_ENV
 
 RESULTS = Path(__file__).parent / "results" / "prefill_overhead.json"
 
@@ -199,7 +199,7 @@ def main() -> None:
     if args.smoke:
         args.requests, args.rounds, args.prompt_tokens = 4, 1, 64
 
-    from hybrid_connector.testing import make_tiny_model
+    from hybrid_connector.tiny_model import make_tiny_model
 
     model = args.model or str(
         make_tiny_model(Path(tempfile.gettempdir()) / "hybrid-connector-tiny-model")

@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_connector.testing import OFFLINE_VLLM_ENV
+from hybrid_connector.tiny_model import OFFLINE_VLLM_ENV
 
 ENV = OFFLINE_VLLM_ENV
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from _harness import Instance
-from hybrid_connector.testing import make_tiny_model
+from hybrid_connector.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 

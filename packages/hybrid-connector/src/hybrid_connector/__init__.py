@@ -7,7 +7,7 @@ Modules (importing this package pulls in nothing heavy):
 * ``hybrid_connector.config.HybridConfig``: the ``kv_connector_extra_config`` keys;
 * ``hybrid_connector.control.release_transfer``: for a proxy, release a transfer on P;
 * ``hybrid_connector.protocol``: the transfer_kv / release RPC methods and messages;
-* ``hybrid_connector.testing.make_tiny_model``: the deterministic tiny model used in tests.
+* ``hybrid_connector.tiny_model.make_tiny_model``: the deterministic tiny model (tests, make-model).
 """
 
 __version__ = "0.1.0"

@@ -370,7 +370,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         meta = {
             "command": "pdserve bench " + ("--compare" if args.compare else args.connector),
-            "model": "tiny Qwen2 (hybrid_connector.testing.make_tiny_model)",
+            "model": "tiny Qwen2 (hybrid_connector.tiny_model.make_tiny_model)",
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -18,6 +18,6 @@ def default_model_dir() -> Path:
 def make_model(path: str | os.PathLike[str]) -> Path:
     """The deterministic tiny Qwen2 (random weights, local tokenizer); reused when already there."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from hybrid_connector.testing import make_tiny_model
+    from hybrid_connector.tiny_model import make_tiny_model
 
     return make_tiny_model(path)

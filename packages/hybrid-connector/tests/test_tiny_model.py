@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from hybrid_connector.testing import TINY_MODEL_SPEC, make_tiny_model
+from hybrid_connector.tiny_model import TINY_MODEL_SPEC, make_tiny_model
 
 
 def _digest(path: Path) -> dict[str, str]:

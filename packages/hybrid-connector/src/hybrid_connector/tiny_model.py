@@ -1,4 +1,4 @@
-"""Test helpers: a deterministic tiny random-weight Qwen2 model with a locally trained tokenizer.
+"""The deterministic tiny random-weight Qwen2 and its local tokenizer (tests, `pdserve make-model`).
 
 `make_tiny_model(path)` builds everything offline (no hub access): a byte-level BPE tokenizer
 trained on a fixed built-in corpus and a 2-layer Qwen2 with seeded random weights, saved as
