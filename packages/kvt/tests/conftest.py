@@ -10,6 +10,12 @@ import numpy as np
 import pytest
 from kvt import Completion, TransferEngine
 
+# The data planes the engine suite runs on; each fixture below that builds engines runs once per
+# backend. "unreachable": an address no engine of that backend listens on.
+BACKENDS = {
+    "tcp": {"new": lambda name: None, "unreachable": "127.0.0.1:1"},
+}
+
 
 def kvt_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("kvt-")]
@@ -59,13 +65,27 @@ class Completions:
         return self.q.empty()
 
 
+class EngineFactory:
+    """Builds engines on one backend; ``unreachable`` is an address of that backend nobody holds."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self.unreachable = BACKENDS[backend]["unreachable"]
+
+    def __call__(self, name: str, **kwargs) -> TransferEngine:
+        return TransferEngine(name=name, backend=BACKENDS[self.backend]["new"](name), **kwargs)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def make_engine(request, no_leaks) -> EngineFactory:
+    """The engine suite's engines, once per data-plane backend (tests close what they build)."""
+    return EngineFactory(request.param)
+
+
 @pytest.fixture
-def pair(no_leaks):
+def pair(make_engine):
     """Two engines in this process (P sends, D receives), 4 MiB regions of 64 blocks x 64 KiB."""
-    p, d = (
-        TransferEngine(name="P", default_timeout_s=20),
-        TransferEngine(name="D", default_timeout_s=20),
-    )
+    p, d = make_engine("P", default_timeout_s=20), make_engine("D", default_timeout_s=20)
     src = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
     dst = np.zeros(4 << 20, dtype=np.uint8)
     src_region, dst_region = p.register_region(src), d.register_region(dst)

@@ -1,9 +1,14 @@
-"""Two real engines in one process over loopback TCP: semantics of the control layer."""
+"""Two real engines in one process: semantics of the control layer, on every backend.
+
+The fixtures ``pair`` and ``make_engine`` (conftest.py) run each test once per data plane (TCP over
+loopback, and in-memory), so the control layer is held to one contract whatever carries its bytes.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,8 +255,8 @@ def test_metrics_registry_per_engine(pair) -> None:
     assert 'kvt_stage_seconds_count{stage="recv_chunk"}' in d.metrics_text().decode()
 
 
-def test_close_aborts_open_requests_and_tells_peer(no_leaks) -> None:
-    p, d = TransferEngine(name="P"), TransferEngine(name="D")
+def test_close_aborts_open_requests_and_tells_peer(make_engine) -> None:
+    p, d = make_engine("P"), make_engine("D")
     src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
     rs, rd = p.register_region(src), d.register_region(dst)
     got_recv, got_send = Completions(), Completions()
@@ -272,17 +277,18 @@ def test_close_aborts_open_requests_and_tells_peer(no_leaks) -> None:
     assert kvt_threads() == []
 
 
-def test_connect_failure_aborts_transport(no_leaks) -> None:
-    with TransferEngine(name="P") as p:
+def test_connect_failure_aborts_transport(make_engine) -> None:
+    with make_engine("P") as p:
         rs = p.register_region(np.ones(4096, np.uint8))
         got = Completions()
-        p.send("z", "127.0.0.1:1", make_blocks(0, 0, 16, src_region=rs), last=True, on_complete=got)
+        blocks = make_blocks(0, 0, 16, src_region=rs)
+        p.send("z", make_engine.unreachable, blocks, last=True, on_complete=got)
         c = got.wait()
         assert (c.origin, c.code) == (AbortOrigin.TRANSPORT, AbortCode.CONNECT_FAILED)
 
 
-def test_region_kinds(no_leaks) -> None:
-    with TransferEngine(name="R") as e:
+def test_region_kinds(make_engine) -> None:
+    with make_engine("R") as e:
         arr = np.zeros((8, 8), np.float32)
         region = e.regions.get(e.register_region(arr))
         assert region.nbytes == 256
@@ -331,3 +337,22 @@ def test_port_in_use_leaves_nothing_behind(no_leaks) -> None:
         port = int(first.data_address.rsplit(":", 1)[1])
         with pytest.raises(OSError):
             TransferEngine(port=port, name="second")
+
+
+def test_control_layer_imports_no_backend() -> None:
+    """The engine is given its data plane: no control-layer module imports one (DESIGN.md)."""
+    import ast
+
+    import kvt
+
+    backends = {"kvt.tcp", "kvt.protocol", "kvt.memory"}
+    package = Path(kvt.__file__).parent
+    for module in ("engine.py", "control.py", "timers.py", "access.py", "backend.py"):
+        tree = ast.parse((package / module).read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                imported.add(node.module)
+        assert not imported & backends, f"{module} imports {imported & backends}"

@@ -7,7 +7,7 @@ See README.md for the walk-through, the frame format and the benchmark.
 
 from kvt.access import CpuLayerEvents, CudaLayerEvents, LayerEvents, RegionTable
 from kvt.backend import DataPlaneBackend
-from kvt.engine import TransferEngine
+from kvt.engine import Engine
 from kvt.errors import (
     CallerError,
     EngineClosedError,
@@ -24,6 +24,29 @@ from kvt.tcp import TcpBackend
 
 __version__ = "0.1.0"
 
+
+class TransferEngine(Engine):
+    """The engine (:class:`kvt.engine.Engine`) on a TCP data plane unless given another backend.
+
+    ``host``/``port``: where the default TCP backend listens (port 0: any free port); ignored when
+    ``backend`` is given. The engine owns the backend either way and closes it in :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        name: str = "kvt",
+        *,
+        default_timeout_s: float = 60.0,
+        backend: DataPlaneBackend | None = None,
+    ) -> None:
+        # The TCP backend binds its listener first: if that fails, no thread has been started yet.
+        if backend is None:
+            backend = TcpBackend(host, port, name=name)
+        super().__init__(backend, name=name, default_timeout_s=default_timeout_s)
+
+
 __all__ = [
     "AbortCode",
     "AbortOrigin",
@@ -32,6 +55,7 @@ __all__ = [
     "CpuLayerEvents",
     "CudaLayerEvents",
     "DataPlaneBackend",
+    "Engine",
     "EngineClosedError",
     "InvalidBlocksError",
     "InvalidRegionError",

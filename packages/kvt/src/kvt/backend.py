@@ -1,50 +1,53 @@
-"""The data-plane boundary: backends execute IpcBlocks and report back, knowing nothing else.
+"""The data-plane boundary: backends move the bytes IpcBlocks name and report back, nothing else.
 
-The control layer hands a backend :class:`SendJob`s (records plus the source memory they name) and
-implements :class:`BackendListener` to hear about incoming data, confirmations, aborts and lost
-links. A backend never decides whether a request lives or dies: it asks (``begin_*``) before it
-touches a request's memory and reports (``end_*``) when it has stopped, which lets the control layer
-promise that no byte is read or written after a request's completion was delivered.
+The interface speaks the data plane's own neutral terms:
+* what to write where: a :class:`SendJob` (records plus the source memory each names) goes out on a
+  :class:`Link`; on the other side the control layer answers an arriving :class:`Batch` with a
+  :class:`RecvSink` (the destination memory of each record) or refuses it;
+* what arrived: :meth:`BackendListener.on_batch` and, for the control layer's own messages (DONE,
+  ABORT, defined in :mod:`kvt.control`, carried here unread), :meth:`BackendListener.on_control`;
+* a link lost: :meth:`BackendListener.on_link_lost`.
+
+A backend never decides whether a request lives or dies: it asks (``begin_*``) before it touches a
+request's memory and reports (``end_*``) when it has stopped, which lets the control layer promise
+that no byte is read or written after a request's completion was delivered. Frames, handshakes and
+sockets are the backend's own business (see :mod:`kvt.tcp`); the control layer is given a backend
+and never imports one.
 """
 
 from __future__ import annotations
 
 import abc
-import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from kvt.protocol import Abort, DataHeader, Done, Hello
-
-_io_thread = threading.local()
+from kvt.control import ControlMessage
 
 
-def mark_io_thread() -> None:
-    """Called first by every kvt-owned I/O or timer thread (see :func:`in_io_thread`)."""
-    _io_thread.active = True
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What arrived: one batch (or a part of one) of a request, before any of its bytes."""
 
-
-def in_io_thread() -> bool:
-    """True on kvt's own I/O and timer threads: completion callbacks may run right there.
-
-    On any other thread (the caller's, inside abort() or send()) they go to the notifier thread, so
-    a callback never runs re-entrantly on a thread that may hold the caller's locks.
-    """
-    return getattr(_io_thread, "active", False)
+    request_id: str
+    blocks: np.ndarray  # IPCBLOCK_DTYPE, read-only; record i's bytes go to (dst_region, dst_offset)
+    last: bool  # the request's last batch: once its bytes are written the request is complete
 
 
 class Link(Protocol):
     """One connection to a peer engine (both directions)."""
 
     @property
-    def peer(self) -> str: ...
+    def peer(self) -> str:
+        """The peer, for logs and completions (e.g. "D(127.0.0.1:5000)")."""
 
-    def send_control(self, frame: bytes) -> None:
-        """Queue a small control frame (DONE, ABORT); never blocks on the network."""
+    def send_control(self, message: ControlMessage) -> None:
+        """Carry a control message to the peer, after what was queued before; never blocks."""
 
-    def close(self, reason: str) -> None: ...
+    def close(self, reason: str) -> None:
+        """Drop the connection now; the listener hears ``on_link_lost``."""
 
 
 class SendJob(Protocol):
@@ -59,43 +62,47 @@ class SendJob(Protocol):
         """True: go ahead and read the source memory for one frame. False: drop the rest."""
 
     def end_frame(self, nbytes: int) -> None:
-        """The frame begun last is fully handed to the kernel (or failed); memory no longer read."""
+        """The frame begun last is fully handed over (or failed); memory no longer read."""
 
     def fail(self, reason: str, connect_failed: bool) -> None:
         """The job will never run (its link died before it was written)."""
 
 
 class RecvSink(Protocol):
-    """Where the payload of one accepted DATA frame goes."""
+    """Where the bytes of one accepted :class:`Batch` go."""
 
     views: list[memoryview]  # destination bytes of each record, in record order
 
     def begin_chunk(self) -> bool:
-        """True: write the next chunk into ``views``. False: discard the rest of the frame."""
+        """True: write the next chunk into ``views``. False: discard the rest of the batch."""
 
     def end_chunk(self, nbytes: int) -> None: ...
+
+    def end_batch(self) -> None:
+        """Every byte of the batch has arrived (written, or discarded after a False above)."""
 
 
 class BackendListener(Protocol):
     """Implemented by the control layer; called on backend threads."""
 
-    def on_hello(self, link: Link, hello: Hello) -> None: ...
+    def io_thread_started(self) -> None:
+        """Called first on every backend thread that will call this listener."""
 
-    def on_data(self, link: Link, header: DataHeader) -> RecvSink | None:
-        """Validate an incoming batch. None: the backend discards its payload."""
+    def on_batch(self, link: Link, batch: Batch) -> RecvSink | None:
+        """Validate an arriving batch. None: the backend discards its bytes."""
 
-    def on_data_end(self, link: Link, header: DataHeader, sink: RecvSink | None) -> None: ...
-
-    def on_done(self, link: Link, done: Done) -> None: ...
-
-    def on_abort(self, link: Link, abort: Abort) -> None: ...
+    def on_control(self, link: Link, message: ControlMessage) -> None:
+        """The peer engine's control layer sent ``message``."""
 
     def on_link_lost(self, link: Link, reason: str, connect_failed: bool) -> None:
         """The link is dead; every job still queued on it was dropped."""
 
 
 class DataPlaneBackend(abc.ABC):
-    """Moves bytes named by IpcBlocks between registered regions of two engines."""
+    """Moves bytes named by IpcBlocks between registered regions of two engines.
+
+    The engine it is given to owns it: the engine starts it and closes it.
+    """
 
     @property
     @abc.abstractmethod
@@ -107,7 +114,10 @@ class DataPlaneBackend(abc.ABC):
 
     @abc.abstractmethod
     def link_to(self, peer_address: str) -> Link:
-        """The (shared, lazily connected) link to a peer engine's data address."""
+        """The (shared, lazily connected) link to a peer engine's data address; never blocks.
+
+        Raises OSError or ValueError if the address cannot be reached at all.
+        """
 
     @abc.abstractmethod
     def submit(self, link: Link, job: SendJob) -> None:
@@ -115,7 +125,8 @@ class DataPlaneBackend(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Stop every thread and close every socket; idempotent."""
+        """Deliver the control messages already queued (bounded), then stop every thread and
+        release every connection; idempotent."""
 
 
 class IovCursor:

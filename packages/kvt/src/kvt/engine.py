@@ -1,4 +1,4 @@
-"""Control layer: the TransferEngine, per-request state machines, timeouts, notifications.
+"""Control layer: the Engine, per-request state machines, timeouts, notifications.
 
 State machine (one per request and side)::
 
@@ -11,6 +11,11 @@ the request's memory at that moment (``io_active``), delivery waits until it sto
 free or reuse the blocks as soon as their callback runs. Callbacks run on a kvt thread, never
 under a lock: right on the I/O or timer thread that completed the request, or on the notifier
 thread when the completion was decided on a caller's thread (abort(), close(), a late send()).
+
+The engine is given its data plane (a :class:`~kvt.backend.DataPlaneBackend`) and talks to it
+only through the neutral interface of :mod:`kvt.backend`: it hands over send jobs, answers
+arriving batches with the memory to write, and sends its peer the control messages of
+:mod:`kvt.control`. ``kvt.TransferEngine`` is this engine with a TCP backend by default.
 """
 
 from __future__ import annotations
@@ -25,24 +30,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from ipcblock import IPCBLOCK_DTYPE
 
-from kvt.access import LayerEvents, Region, RegionTable
-from kvt.backend import DataPlaneBackend, Link, in_io_thread
-from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
-from kvt.metrics import EngineMetrics
-from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
-from kvt.protocol import (
+from kvt.access import LayerEvents, RegionTable
+from kvt.backend import Batch, DataPlaneBackend, Link
+from kvt.control import (
     MAX_REQUEST_ID,
     Abort,
     AbortTarget,
-    DataHeader,
+    ControlMessage,
     Done,
-    Hello,
-    encode_abort,
-    encode_done,
+    in_io_thread,
+    mark_io_thread,
 )
-from kvt.tcp import TcpBackend
+from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
+from kvt.metrics import EngineMetrics
+from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
 from kvt.timers import TimerHandle, TimerScheduler
 
 log = logging.getLogger(__name__)
@@ -61,7 +63,7 @@ class _Request:
     status: TransferStatus = TransferStatus.PENDING
     link: Link | None = None
     peer: str | None = None
-    peer_address: str | None = None  # receiver: where to send an abort before any data arrived
+    peer_address: str | None = None  # where to send an abort while no link is bound yet
     nbytes: int = 0
     last_submitted: bool = False
     batches_waiting: int = 0  # sender: batches waiting for their layer event
@@ -87,7 +89,7 @@ class _SendJob:
         "views",
     )
 
-    def __init__(self, engine: TransferEngine, req: _Request, blocks: np.ndarray, views, last):
+    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, views, last):
         self.engine, self.req, self.blocks, self.views, self.last = engine, req, blocks, views, last
         self.request_id = req.request_id
         self.submitted = time.monotonic()
@@ -110,10 +112,12 @@ class _SendJob:
 
 
 class _RecvSink:
-    __slots__ = ("chunk_start", "engine", "req", "views")
+    """Where one accepted batch goes, as the backend sees it (see kvt.backend.RecvSink)."""
 
-    def __init__(self, engine: TransferEngine, req: _Request, views: list[memoryview]):
-        self.engine, self.req, self.views = engine, req, views
+    __slots__ = ("chunk_start", "engine", "last", "link", "req", "views")
+
+    def __init__(self, engine: Engine, req: _Request, link: Link, views: list[memoryview], last):
+        self.engine, self.req, self.link, self.views, self.last = engine, req, link, views, last
         self.chunk_start = 0.0
 
     def begin_chunk(self) -> bool:
@@ -127,22 +131,25 @@ class _RecvSink:
             )
         self.engine._end_io(self.req, nbytes, "received")
 
+    def end_batch(self) -> None:
+        if self.last:
+            self.engine._last_batch_written(self.req, self.link)
 
-class TransferEngine:
-    """One engine per process side: regions, a data-plane listener, requests, metrics.
 
+class Engine:
+    """One engine per process side: regions, its data-plane backend, requests, metrics.
+
+    ``backend`` is the data plane this engine drives; the engine owns it (starts and closes it).
     See the package README for the API walk-through; all public methods are thread-safe and
     never block on the network.
     """
 
     def __init__(
         self,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        name: str = "kvt",
+        backend: DataPlaneBackend,
         *,
+        name: str = "kvt",
         default_timeout_s: float = 60.0,
-        backend: DataPlaneBackend | None = None,
     ) -> None:
         self.name = name
         self.default_timeout_s = default_timeout_s
@@ -155,8 +162,7 @@ class TransferEngine:
             collections.OrderedDict()
         )
         self._closed = False
-        # The backend binds its listener first: if that fails, no thread has been started yet.
-        self.backend = backend or TcpBackend(host, port, name=name)
+        self.backend = backend
         self._notify_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._notifier = threading.Thread(
             target=self._notify_main, name=f"kvt-{name}-notify", daemon=True
@@ -247,7 +253,7 @@ class TransferEngine:
         """
         self._check_open()
         _check_request_id(request_id)
-        views = self._source_views(blocks)
+        views = self.regions.views(blocks, "src")
         new = False
         aborted: Completion | None = None
         with self._lock:
@@ -259,7 +265,10 @@ class TransferEngine:
                 if tomb is not None:
                     aborted = tomb  # aborted before its first batch (abort(), or by the peer)
                 else:
-                    req = _Request(request_id, SEND, time.monotonic(), peer=peer_data_address)
+                    req = _Request(
+                        request_id, SEND, time.monotonic(), peer=peer_data_address,
+                        peer_address=peer_data_address,
+                    )  # fmt: skip
                     self._send[request_id] = req
                     self.metrics.active.labels(role=SEND).inc()
                     new = True
@@ -346,24 +355,13 @@ class TransferEngine:
         self._notifier.join()
         self.regions.clear()
 
-    def __enter__(self) -> TransferEngine:
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ================================================================ sender internals
-    def _source_views(self, blocks: np.ndarray) -> list[memoryview]:
-        if not isinstance(blocks, np.ndarray) or blocks.dtype != IPCBLOCK_DTYPE:
-            raise InvalidBlocksError("blocks must be a numpy array of ipcblock.IPCBLOCK_DTYPE")
-        regions, error = self._validate(blocks, "src_region", "src_offset", need_writable=False)
-        if error is not None:
-            raise InvalidBlocksError(error)
-        src = blocks["src_region"].tolist()
-        off = blocks["src_offset"].tolist()
-        end = (blocks["src_offset"] + blocks["length"]).tolist()
-        return [regions[r].view[o:e] for r, o, e in zip(src, off, end, strict=True)]
-
     def _layer_ready(self, link: Link, job: _SendJob) -> None:
         req = job.req
         with self._lock:
@@ -385,43 +383,12 @@ class TransferEngine:
                     return
         self.backend.submit(link, job)
 
-    # ================================================================ validation
-    def _validate(
-        self, blocks: np.ndarray, region_key: str, offset_key: str, *, need_writable: bool
-    ) -> tuple[dict[int, Region], str | None]:
-        """Every block inside a registered region (vectorised): (regions by id, error or None)."""
-        regions: dict[int, Region] = {}
-        if blocks.size == 0:
-            return regions, None
-        region_ids = blocks[region_key]
-        offsets = blocks[offset_key]
-        lengths = blocks["length"]
-        for rid in np.unique(region_ids).tolist():
-            region = self.regions.get(rid)
-            if region is None:
-                return regions, f"unknown region {rid}"
-            if need_writable and not region.writable:
-                return regions, f"region {rid} is read-only"
-            mask = region_ids == rid
-            size = np.uint64(region.nbytes)
-            length, offset = lengths[mask], offsets[mask]
-            # offset + length <= size, written so that no u64 sum can wrap around
-            bad = (length > size) | (offset > size - np.minimum(length, size))
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
-                return regions, (
-                    f"block [{int(offset[i])}, +{int(length[i])}) outside region {rid} "
-                    f"of {region.nbytes} bytes"
-                )
-            regions[rid] = region
-        return regions, None
-
     # ================================================================ backend listener
-    def on_hello(self, link: Link, hello: Hello) -> None:
-        log.debug("kvt %s: link from %s (%s)", self.name, hello.name, hello.data_address)
+    def io_thread_started(self) -> None:
+        mark_io_thread()
 
-    def on_data(self, link: Link, header: DataHeader) -> _RecvSink | None:
-        rid = header.request_id
+    def on_batch(self, link: Link, batch: Batch) -> _RecvSink | None:
+        rid = batch.request_id
         with self._lock:
             req = self._recv.get(rid)
             finished = None if req is None else (req.final or req.pending)
@@ -444,7 +411,7 @@ class TransferEngine:
                 replied_key = (RECV + "-replied", rid)
                 if replied_key not in self._tombstones:
                     self._remember(replied_key, finished)
-                    reply = encode_abort(
+                    reply = Abort(
                         rid, finished.code or AbortCode.CALLER_ABORT, AbortTarget.SENDER,
                         finished.reason,
                     )  # fmt: skip
@@ -453,38 +420,35 @@ class TransferEngine:
                 link.send_control(reply)
             return None
         assert req is not None
-        regions, error = self._validate(
-            header.blocks, "dst_region", "dst_offset", need_writable=True
-        )
-        if error is not None:
-            reason = f"bad block from peer: {error}"
+        try:
+            views = self.regions.views(batch.blocks, "dst")
+        except InvalidBlocksError as exc:
+            reason = f"bad block from peer: {exc}"
             log.warning("kvt %s: request %r from peer %s: %s", self.name, rid, link.peer, reason)
             with self._lock:
                 req.link = link
             self._finish(req, AbortOrigin.PEER, AbortCode.BAD_BLOCK, reason, notify_peer=True)
             return None
-        blocks = header.blocks
-        dst = blocks["dst_region"].tolist()
-        off = blocks["dst_offset"].tolist()
-        end = (blocks["dst_offset"] + blocks["length"]).tolist()
-        views = [regions[r].view[o:e] for r, o, e in zip(dst, off, end, strict=True)]
         with self._lock:
             if req.link is None:
                 req.link, req.peer = link, link.peer
-        return _RecvSink(self, req, views)
+        return _RecvSink(self, req, link, views, batch.last)
 
-    def on_data_end(self, link: Link, header: DataHeader, sink: _RecvSink | None) -> None:
-        if sink is None or not header.last:
-            return
-        req = sink.req
+    def _last_batch_written(self, req: _Request, link: Link) -> None:
         with self._lock:
             if req.final is not None or req.pending is not None:
                 return
             nbytes = req.nbytes
         if self._finish(req, None, None, "", notify_peer=False):
-            link.send_control(encode_done(req.request_id, nbytes))
+            link.send_control(Done(req.request_id, nbytes))
 
-    def on_done(self, link: Link, done: Done) -> None:
+    def on_control(self, link: Link, message: ControlMessage) -> None:
+        if isinstance(message, Done):
+            self._on_done(link, message)
+        else:
+            self._on_abort(link, message)
+
+    def _on_done(self, link: Link, done: Done) -> None:
         with self._lock:
             req = self._send.get(done.request_id)
         if req is None:
@@ -497,7 +461,7 @@ class TransferEngine:
             return
         self._finish(req, None, None, "", notify_peer=False, nbytes=done.nbytes)
 
-    def on_abort(self, link: Link, abort: Abort) -> None:
+    def _on_abort(self, link: Link, abort: Abort) -> None:
         role = SEND if abort.target is AbortTarget.SENDER else RECV
         table = self._send if role == SEND else self._recv
         reason = f"peer {link.peer} aborted ({abort.code.name}): {abort.reason}"
@@ -589,15 +553,11 @@ class TransferEngine:
                     req.request_id, origin.name, code.name if code else "-", reason)  # fmt: skip
         if notify_peer:
             target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
-            frame = encode_abort(req.request_id, code or AbortCode.CALLER_ABORT, target, reason)
+            message = Abort(req.request_id, code or AbortCode.CALLER_ABORT, target, reason)
             if link is not None:
-                link.send_control(frame)
-            elif req.role == RECV and req.peer_address and not self._closed:
-                try:
-                    self.backend.link_to(req.peer_address).send_control(frame)
-                except (OSError, ValueError) as exc:
-                    log.info("kvt %s: could not tell %s about the abort: %s",
-                             self.name, req.peer_address, exc)  # fmt: skip
+                link.send_control(message)
+            elif req.peer_address:
+                self._send_without_link(req.peer_address, message)
         if origin is AbortOrigin.TIMEOUT and io_busy and req.link is not None:
             # The backend is inside a frame of this request past its deadline: the link is stalled
             # or far too slow. Closing it wakes the I/O thread, which then delivers the completion.
@@ -605,6 +565,16 @@ class TransferEngine:
         if deliver:
             self._deliver(req, completion)
         return True
+
+    def _send_without_link(self, peer_address: str, message: ControlMessage) -> None:
+        """A control message for a peer no link of the request is bound to yet (best effort)."""
+        if self._closed:
+            return
+        try:
+            self.backend.link_to(peer_address).send_control(message)
+        except (OSError, ValueError) as exc:
+            log.info("kvt %s: could not tell %s about %r: %s", self.name, peer_address,
+                     message.request_id, exc)  # fmt: skip
 
     def _retire(self, req: _Request, completion: Completion) -> None:
         """Under the lock: the request leaves the active table and is remembered."""
@@ -684,4 +654,4 @@ def _check_request_id(request_id: str) -> None:
         raise RequestStateError(f"request id must be a 1..{MAX_REQUEST_ID} byte string")
 
 
-__all__ = ["TransferEngine"]
+__all__ = ["Engine"]

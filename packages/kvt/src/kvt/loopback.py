@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 from ipcblock import make_blocks
 
-from kvt.engine import TransferEngine
+from kvt import TransferEngine
 
 _FILL_SEED = 1234
 

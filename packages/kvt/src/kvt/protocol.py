@@ -18,6 +18,8 @@ Metadata (little-endian):
     DONE   u16 rid_len | u16 0 | u64 nbytes | rid          (receiver -> sender: every byte written)
     ABORT  u16 rid_len | u8 code | u8 target (1 sender side, 2 receiver side) | rid | reason utf-8
 
+DONE and ABORT carry the control layer's messages (:mod:`kvt.control`); HELLO and DATA are TCP's.
+
 The decoder never sees payload bytes in the fast path: after a DATA header it enters the PAYLOAD
 state, the I/O layer reads the payload straight into destination memory and reports how much it
 consumed (:meth:`FrameDecoder.payload_consumed`). For fuzzing and for draining, payload bytes can
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from ipcblock import IPCBLOCK_DTYPE, IPCBLOCK_SIZE, blocks_from_bytes
 
+from kvt.control import MAX_REQUEST_ID, Abort, AbortTarget, ControlMessage, Done
 from kvt.errors import ProtocolViolation
 from kvt.outcome import AbortCode
 
@@ -45,7 +48,6 @@ DONE_META = struct.Struct("<HHQ")  # rid_len, reserved, nbytes
 ABORT_META = struct.Struct("<HBB")  # rid_len, code, target
 HELLO_META = struct.Struct("<HH")  # name_len, addr_len
 FLAG_LAST = 0x01
-MAX_REQUEST_ID = 1024
 DEFAULT_MAX_META = 8 * 1024 * 1024  # 8 MiB of metadata = ~280k records per frame
 assert HEADER_SIZE == 16
 
@@ -57,12 +59,8 @@ class FrameType(enum.IntEnum):
     ABORT = 4
 
 
-class AbortTarget(enum.IntEnum):
-    SENDER = 1  # abort the request on the side that sends data
-    RECEIVER = 2  # abort the request on the side that receives data
-
-
 # ------------------------------------------------------------------ events
+# DONE and ABORT frames decode to the control layer's own messages (kvt.control.Done / Abort).
 @dataclass(frozen=True, slots=True)
 class Hello:
     name: str
@@ -75,20 +73,6 @@ class DataHeader:
     last: bool
     blocks: np.ndarray  # IPCBLOCK_DTYPE, read-only view of the metadata
     payload_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    request_id: str
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    request_id: str
-    code: AbortCode
-    target: AbortTarget
-    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +131,13 @@ def encode_abort(request_id: str, code: AbortCode, target: AbortTarget, reason: 
     rid = _rid(request_id)
     text = reason.encode(errors="replace")[:4096]
     return _frame(FrameType.ABORT, ABORT_META.pack(len(rid), int(code), int(target)) + rid + text)
+
+
+def encode_control(message: ControlMessage) -> bytes:
+    """The DONE or ABORT frame that carries a control-layer message."""
+    if isinstance(message, Done):
+        return encode_done(message.request_id, message.nbytes)
+    return encode_abort(message.request_id, message.code, message.target, message.reason)
 
 
 # ------------------------------------------------------------------ decoder

@@ -2,11 +2,13 @@
 
 Per link (one TCP connection to a peer engine, used in both directions):
 * a writer thread owns every write: DATA frames go out with ``socket.sendmsg`` straight from the
-  registered source memory (up to IOV_MAX buffers per call, partial sends resumed); small control
-  frames (DONE, ABORT) are queued by any thread and written between DATA frames;
+  registered source memory (up to IOV_MAX buffers per call, partial sends resumed); the control
+  layer's messages (DONE, ABORT) are encoded as small frames, queued by any thread and written
+  between DATA frames;
 * a reader thread owns every read: headers and metadata go through the sans-I/O
-  :class:`~kvt.protocol.FrameDecoder`; a DATA payload is read with ``recvmsg_into`` straight into
-  the destination region's memory (memoryview slices, no intermediate buffer).
+  :class:`~kvt.protocol.FrameDecoder`; a DATA frame is reported as a neutral
+  :class:`~kvt.backend.Batch` and its payload read with ``recvmsg_into`` straight into the
+  destination region's memory (memoryview slices, no intermediate buffer).
 
 An outbound link's writer connects first (so ``link_to`` never blocks); its reader starts once
 connected. A link that fails tells the listener once, drops its queued jobs and closes its socket.
@@ -23,14 +25,14 @@ import socket
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, SendJob, mark_io_thread
+from kvt.backend import BackendListener, Batch, DataPlaneBackend, IovCursor, SendJob
+from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
 from kvt.protocol import (
-    Abort,
     DataHeader,
-    Done,
     FrameDecoder,
     Hello,
+    encode_control,
     encode_data_head,
     encode_hello,
 )
@@ -121,14 +123,15 @@ class TcpLink:
             self._sock.close()
 
     # ---------------------------------------------------------------- queueing
-    def send_control(self, frame: bytes) -> None:
-        """Queue a small frame, or write it at once if the socket is idle (saves a thread hop).
+    def send_control(self, message: ControlMessage) -> None:
+        """Queue a control frame, or write it at once if the socket is idle (saves a thread hop).
 
         The fast path never blocks: it only takes an uncontended lock and does one non-blocking
         send; whatever the kernel does not take goes to the writer. It may overtake DATA frames
         queued earlier, which is harmless: DONE travels on links that carry no DATA from us, and
         an ABORT that overtakes its request's data only makes the peer discard that data.
         """
+        frame = encode_control(message)
         if self._hello_sent and not self._closed and self._write_lock.acquire(blocking=False):
             try:
                 if not self._leftover and self._sock is not None:
@@ -203,7 +206,7 @@ class TcpLink:
 
     # ---------------------------------------------------------------- writer
     def _writer_main(self) -> None:
-        mark_io_thread()
+        self.backend.listener.io_thread_started()  # type: ignore[union-attr]
         try:
             if self._sock is None and not self._connect():
                 return
@@ -301,11 +304,12 @@ class TcpLink:
 
     # ---------------------------------------------------------------- reader
     def _reader_main(self) -> None:
-        mark_io_thread()
+        listener = self.backend.listener
+        assert listener is not None
+        listener.io_thread_started()
         sock = self._sock
         assert sock is not None
         decoder = FrameDecoder(max_meta=self.backend.max_meta)
-        listener = self.backend.listener
         reason = "connection closed by peer"
         try:
             while True:
@@ -316,14 +320,12 @@ class TcpLink:
                 for event in decoder.feed(buf):
                     if isinstance(event, DataHeader):
                         self._receive_payload(sock, decoder, event)
+                    elif isinstance(event, Done | Abort):
+                        listener.on_control(self, event)
                     elif isinstance(event, Hello):
                         self.peer_name = event.name
                         self._peer_label = event.data_address or self._peer_label
-                        listener.on_hello(self, event)
-                    elif isinstance(event, Done):
-                        listener.on_done(self, event)
-                    elif isinstance(event, Abort):
-                        listener.on_abort(self, event)
+                        log.debug("kvt %s: link from %s", self.backend.name, self.peer)
         except ProtocolViolation as exc:
             reason = f"protocol violation: {exc}"
             log.warning("kvt closing link from %s: %s", self.peer, reason)
@@ -354,7 +356,8 @@ class TcpLink:
         self, sock: socket.socket, decoder: FrameDecoder, header: DataHeader
     ) -> None:
         listener = self.backend.listener
-        sink = listener.on_data(self, header)
+        assert listener is not None
+        sink = listener.on_batch(self, Batch(header.request_id, header.blocks, header.last))
         remaining = header.payload_len
         if sink is not None and remaining:
             cursor = IovCursor(sink.views)
@@ -377,7 +380,8 @@ class TcpLink:
                 raise OSError("connection closed in the middle of a frame")
             remaining -= n
             decoder.payload_consumed(n)
-        listener.on_data_end(self, header, sink)
+        if sink is not None:
+            sink.end_batch()
 
     @staticmethod
     def _recvmsg_exact(sock: socket.socket, window: list[memoryview], want: int) -> int:

@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvt.control import mark_io_thread
+
 log = logging.getLogger(__name__)
 
 
@@ -47,9 +49,7 @@ class TimerScheduler:
         return handle
 
     def _run(self) -> None:
-        from kvt.backend import mark_io_thread
-
-        mark_io_thread()
+        mark_io_thread()  # a kvt thread: completions decided here run their callbacks here
         while True:
             with self._cond:
                 while not self._closed:
