@@ -9,11 +9,13 @@ from multiprocessing import resource_tracker
 import numpy as np
 import pytest
 from kvt import Completion, TransferEngine
+from kvt.memory import InMemoryBackend
 
 # The data planes the engine suite runs on; each fixture below that builds engines runs once per
 # backend. "unreachable": an address no engine of that backend listens on.
 BACKENDS = {
     "tcp": {"new": lambda name: None, "unreachable": "127.0.0.1:1"},
+    "memory": {"new": lambda name: InMemoryBackend(name=name), "unreachable": "memory:nobody"},
 }
 
 

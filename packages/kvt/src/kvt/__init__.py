@@ -19,6 +19,7 @@ from kvt.errors import (
     RequestStateError,
     TransportError,
 )
+from kvt.memory import InMemoryBackend
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
 from kvt.tcp import TcpBackend
 
@@ -57,6 +58,7 @@ __all__ = [
     "DataPlaneBackend",
     "Engine",
     "EngineClosedError",
+    "InMemoryBackend",
     "InvalidBlocksError",
     "InvalidRegionError",
     "KvtError",

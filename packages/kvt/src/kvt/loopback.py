@@ -1,5 +1,8 @@
 """Two-process loopback transfer: kvt vs a plain contiguous socket, measured in the same run.
 
+Not a backend: "loopback" is the TCP loopback interface this harness measures kvt's TCP data plane
+over (the in-memory data plane, for engines in one process, is :mod:`kvt.memory`).
+
 Shared by ``kvt-demo`` and ``benchmarks/bench_tcp.py``. The parent process is the sender (P);
 a spawned child is the receiver (D). The pattern is a KV-like region: ``total`` bytes cut into
 blocks of ``block_size``, sent from a random permutation of source blocks to a random
