@@ -98,6 +98,33 @@ def test_abort_from_sender_propagates(pair) -> None:
     assert late.wait().origin is AbortOrigin.LOCAL
 
 
+def test_abort_before_the_first_send_reaches_the_receiver(pair) -> None:
+    """abort() before send(): that first send tells the receiver, which must not wait out its
+    own timeout (20 s here) and report TIMEOUT instead of ABORTED(PEER)."""
+    p, d, _, _, rs, rd = pair
+    blocks, _, _ = scattered(4, rs, rd)
+    got_recv, got_send = Completions(), Completions()
+    d.expect("early", on_complete=got_recv)
+    p.abort("early", "router gave up")
+    p.send("early", d.data_address, blocks, last=True, on_complete=got_send)
+    mine = got_send.wait()
+    assert (mine.status, mine.origin) == (TransferStatus.ABORTED, AbortOrigin.LOCAL)
+    # A later request on the same link is the barrier (no clock involved): the link carries the
+    # abort before the probe's data, so once the probe is done, D has handled the abort.
+    probe, probe_blocks = Completions(), scattered(1, rs, rd, seed=1)[0]
+    d.expect("probe", on_complete=probe)
+    p.send("probe", d.data_address, probe_blocks, last=True, on_complete=probe)
+    assert probe.wait().ok
+    assert probe.wait().ok
+    assert not got_recv.empty(), "the receiver never heard of the abort"
+    theirs = got_recv.wait()
+    assert (theirs.status, theirs.origin, theirs.code) == (
+        TransferStatus.ABORTED, AbortOrigin.PEER, AbortCode.CALLER_ABORT,
+    )  # fmt: skip
+    assert "router gave up" in theirs.reason
+    assert theirs.nbytes == 0
+
+
 def test_abort_from_receiver_propagates_before_and_after_data(pair) -> None:
     p, d, _, dst, rs, rd = pair
     blocks, _, _ = scattered(4, rs, rd)

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 CompletionCallback = Callable[[Completion], None]
 SEND, RECV = "send", "recv"
+UNTOLD = "send-untold"  # tombstone key: aborted before its first send(), receiver not told yet
 _TOMBSTONES = 65536  # finished request ids remembered (late frames, abort-before-start)
 
 
@@ -256,6 +257,7 @@ class Engine:
         views = self.regions.views(blocks, "src")
         new = False
         aborted: Completion | None = None
+        tell_receiver = False
         with self._lock:
             req = self._send.get(request_id)
             if req is None:
@@ -264,6 +266,8 @@ class Engine:
                     raise RequestStateError(f"request {request_id!r} already completed")
                 if tomb is not None:
                     aborted = tomb  # aborted before its first batch (abort(), or by the peer)
+                    # abort() came before the peer was known: now it is, and it waits for data.
+                    tell_receiver = self._tombstones.pop((UNTOLD, request_id), None) is not None
                 else:
                     req = _Request(
                         request_id, SEND, time.monotonic(), peer=peer_data_address,
@@ -287,6 +291,10 @@ class Engine:
                     if after is not None:
                         req.batches_waiting += 1
         if aborted is not None:  # already finished: nothing to send, tell this caller too
+            if tell_receiver:
+                code = aborted.code or AbortCode.CALLER_ABORT
+                message = Abort(request_id, code, AbortTarget.RECEIVER, aborted.reason)
+                self._send_without_link(peer_data_address, message)
             if on_complete is not None:
                 self._notify([on_complete], aborted, time.monotonic())
             return
@@ -311,7 +319,8 @@ class Engine:
         """Abort on this side (either role); the peer's side completes ABORTED(PEER). Idempotent.
 
         An id this engine has not seen yet is remembered as aborted, so a later send()/expect()
-        completes ABORTED at once.
+        completes ABORTED at once; that first send() still tells its receiver (ABORT), so the
+        receiver does not hold its blocks until its own timeout.
         """
         with self._lock:
             reqs = [r for r in (self._send.get(request_id), self._recv.get(request_id)) if r]
@@ -319,13 +328,13 @@ class Engine:
                 for role in (SEND, RECV):
                     key = (role, request_id)
                     if key not in self._tombstones:
-                        self._remember(
-                            key,
-                            Completion(
-                                request_id, role, TransferStatus.ABORTED, AbortOrigin.LOCAL,
-                                AbortCode.CALLER_ABORT, reason,
-                            ),
+                        completion = Completion(
+                            request_id, role, TransferStatus.ABORTED, AbortOrigin.LOCAL,
+                            AbortCode.CALLER_ABORT, reason,
                         )  # fmt: skip
+                        self._remember(key, completion)
+                        if role == SEND:
+                            self._remember((UNTOLD, request_id), completion)
         for req in reqs:
             self._finish(req, AbortOrigin.LOCAL, AbortCode.CALLER_ABORT, reason, notify_peer=True)
 
