@@ -6,9 +6,11 @@ import logging
 import multiprocessing as mp
 import socket
 import struct
+import sys
 
 import numpy as np
 import peers
+import pytest
 from conftest import Completions, wait_until
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
@@ -157,9 +159,19 @@ def test_abort_frame_with_unknown_target_request_is_harmless(no_leaks) -> None:
 
 
 def test_demo_console_script_small(no_leaks, capsys) -> None:
+    pytest.importorskip("rich", reason="kvt-demo's table needs the demo extra")
     from kvt.demo import main
 
     assert main(["--mib", "4", "--block-kib", "64", "16", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "vs plain" in out
     assert "NO" not in out
+
+
+def test_demo_without_rich_says_what_to_install(monkeypatch, capsys) -> None:
+    from kvt.demo import main
+
+    monkeypatch.setitem(sys.modules, "rich", None)  # makes "import rich..." raise ImportError
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    assert main(["--mib", "4"]) == 2
+    assert "pip install 'kvt[demo]'" in capsys.readouterr().err

@@ -17,7 +17,6 @@ from kvt.errors import (
     PeerError,
     ProtocolViolation,
     RequestStateError,
-    TransportError,
 )
 from kvt.memory import InMemoryBackend
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
@@ -70,6 +69,5 @@ __all__ = [
     "TcpBackend",
     "TransferEngine",
     "TransferStatus",
-    "TransportError",
     "__version__",
 ]

@@ -1,4 +1,7 @@
-"""``kvt-demo``: two processes move a scattered KV-like region; kvt next to a plain socket."""
+"""``kvt-demo``: two processes move a scattered KV-like region; kvt next to a plain socket.
+
+Needs the ``demo`` extra (``rich``, for the table); without it the command says so and exits 2.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(total % b for b in block_sizes) or args.mib <= 0 or args.repeats <= 0:
         parser.error("the region size must be a positive multiple of every block size")
 
-    from rich.console import Console
-    from rich.table import Table
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print("kvt-demo needs rich for its table: pip install 'kvt[demo]'", file=sys.stderr)
+        return 2
 
     console = Console()
     result = run_loopback(

@@ -1,4 +1,4 @@
-"""Errors typed by who is at fault: the local caller, the remote peer, or the transport.
+"""Errors raised by kvt, typed by who is at fault: the local caller or the remote peer.
 
 KvtError
 ├── CallerError            bad argument from the local caller (also a ValueError)
@@ -6,9 +6,11 @@ KvtError
 │   ├── InvalidBlocksError     blocks outside registered source regions, wrong dtype
 │   ├── RequestStateError      e.g. send() after the last batch, expect() twice
 │   └── EngineClosedError      the engine is closed
-├── PeerError              the remote peer misbehaved
-│   └── ProtocolViolation      malformed frame (the connection is closed)
-└── TransportError         connect failed, connection lost
+└── PeerError              the remote peer misbehaved
+    └── ProtocolViolation      malformed frame (the connection is closed)
+
+A failing transport (connect refused, connection lost) raises nothing: the requests on it complete
+ABORTED with origin TRANSPORT (see kvt.outcome).
 """
 
 from __future__ import annotations
@@ -44,7 +46,3 @@ class PeerError(KvtError):
 
 class ProtocolViolation(PeerError):
     """The bytes from the peer do not form valid kvt frames. Fatal for that connection only."""
-
-
-class TransportError(KvtError):
-    """The network failed (connect refused, connection reset, peer gone)."""
