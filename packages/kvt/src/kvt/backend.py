@@ -18,9 +18,10 @@ and never imports one.
 from __future__ import annotations
 
 import abc
+import queue
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -179,6 +180,15 @@ class IovCursor:
         while self._index < len(self._views) and self._views[self._index].nbytes == self._offset:
             self._index += 1
             self._offset = 0
+
+
+def drain(pending: queue.SimpleQueue[Any]) -> Iterator[Any]:
+    """What is left in a link's queue once its thread stops (the jobs in it are to be failed)."""
+    while True:
+        try:
+            yield pending.get_nowait()
+        except queue.Empty:
+            return
 
 
 def iter_windows(

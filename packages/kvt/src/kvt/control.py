@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from dataclasses import dataclass
+
+import msgspec
 
 from kvt.outcome import AbortCode
 
@@ -27,16 +28,14 @@ class AbortTarget(enum.IntEnum):
     RECEIVER = 2  # abort the request on the side that receives data
 
 
-@dataclass(frozen=True, slots=True)
-class Done:
+class Done(msgspec.Struct, frozen=True):
     """Receiver to sender: every byte of ``request_id`` is written (``nbytes`` in all)."""
 
     request_id: str
     nbytes: int
 
 
-@dataclass(frozen=True, slots=True)
-class Abort:
+class Abort(msgspec.Struct, frozen=True):
     """Give up ``request_id`` on the ``target`` side, for ``code`` (``reason`` for the logs)."""
 
     request_id: str

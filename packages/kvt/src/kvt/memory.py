@@ -28,7 +28,7 @@ import queue
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, Batch, DataPlaneBackend, SendJob
+from kvt.backend import BackendListener, Batch, DataPlaneBackend, SendJob, drain
 from kvt.control import ControlMessage
 
 log = logging.getLogger(__name__)
@@ -161,11 +161,7 @@ class _Connection:
             sink.end_batch()
 
     def _drain(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        for item in drain(self._queue):
             if item is not None and item[1] == _JOB:
                 self._drop(item[2])
 

@@ -25,7 +25,7 @@ import socket
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, Batch, DataPlaneBackend, IovCursor, SendJob
+from kvt.backend import BackendListener, Batch, DataPlaneBackend, IovCursor, SendJob, drain
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
 from kvt.protocol import (
@@ -290,11 +290,7 @@ class TcpLink:
             cursor.advance(sock.sendmsg(window))
 
     def _drain_queue(self) -> None:
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
+        for item in drain(self._queue):
             if item is not None and item is not _FLUSH and not isinstance(item, bytes):
                 self._drop_job(item)
 
