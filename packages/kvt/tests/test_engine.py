@@ -304,6 +304,24 @@ def test_close_aborts_open_requests_and_tells_peer(make_engine) -> None:
     assert kvt_threads() == []
 
 
+def test_lost_link_aborts_the_requests_on_it_on_both_sides(pair) -> None:
+    p, d, _, _, rs, rd = pair
+    blocks, _, _ = scattered(2, rs, rd)
+    got_recv, got_send = Completions(), Completions()
+    d.expect("cut", on_complete=got_recv)
+    p.send("cut", d.data_address, blocks, last=False, on_complete=got_send)
+    wait_until(lambda: d.status("cut", "recv") is not TransferStatus.PENDING)
+    p.backend.link_to(d.data_address).close("cable cut")
+    for c in (got_send.wait(), got_recv.wait()):
+        assert (c.origin, c.code) == (AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST)
+    # The next request gets a fresh link.
+    got = Completions()
+    d.expect("after", on_complete=got)
+    p.send("after", d.data_address, blocks, last=True, on_complete=got)
+    assert got.wait().ok
+    assert got.wait().ok
+
+
 def test_connect_failure_aborts_transport(make_engine) -> None:
     with make_engine("P") as p:
         rs = p.register_region(np.ones(4096, np.uint8))

@@ -129,6 +129,9 @@ class _Connection:
         try:
             while (item := self._queue.get()) is not None:
                 origin, kind, what = item
+                if self.closed:  # closed by another thread: carry nothing more
+                    self._queue.put(item)  # for the drain below (a job there is failed)
+                    break
                 if kind == _JOB:
                     self._carry(origin.other, what)
                 elif kind == _CONTROL:
