@@ -36,6 +36,15 @@ def scattered(n, src_region, dst_region, seed=0):
                        dst_region=dst_region), src_ids, dst_ids  # fmt: skip
 
 
+def started(p, d, request_id, blocks) -> tuple[Completions, Completions]:
+    """A request whose first (not last) batch landed on D: (sender's, receiver's) completions."""
+    got_send, got_recv = Completions(), Completions()
+    d.expect(request_id, on_complete=got_recv)
+    p.send(request_id, d.data_address, blocks, last=False, on_complete=got_send)
+    wait_until(lambda: d.status(request_id, "recv") is not TransferStatus.PENDING)
+    return got_send, got_recv
+
+
 def assert_copied(src, dst, src_ids, dst_ids) -> None:
     for s, d in zip(src_ids, dst_ids, strict=True):
         np.testing.assert_array_equal(
@@ -129,10 +138,7 @@ def test_abort_from_receiver_propagates_before_and_after_data(pair) -> None:
     p, d, _, dst, rs, rd = pair
     blocks, _, _ = scattered(4, rs, rd)
     # 1) receiver aborts after data started: the sender learns on the same link.
-    got_recv, got_send = Completions(), Completions()
-    d.expect("b1", on_complete=got_recv)
-    p.send("b1", d.data_address, blocks, last=False, on_complete=got_send)
-    wait_until(lambda: d.status("b1", "recv") is not TransferStatus.PENDING)
+    got_send, got_recv = started(p, d, "b1", blocks)
     d.abort("b1", "decode instance gave up")
     assert got_recv.wait().origin is AbortOrigin.LOCAL
     theirs = got_send.wait()
@@ -286,11 +292,7 @@ def test_close_aborts_open_requests_and_tells_peer(make_engine) -> None:
     p, d = make_engine("P"), make_engine("D")
     src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
     rs, rd = p.register_region(src), d.register_region(dst)
-    got_recv, got_send = Completions(), Completions()
-    d.expect("c", on_complete=got_recv)
-    p.send("c", d.data_address, make_blocks(0, 0, 4096, src_region=rs, dst_region=rd),
-           last=False, on_complete=got_send)  # fmt: skip
-    wait_until(lambda: d.status("c", "recv") is not TransferStatus.PENDING)
+    got_send, got_recv = started(p, d, "c", make_blocks(0, 0, 4096, src_region=rs, dst_region=rd))
     p.close()
     p.close()  # idempotent
     c = got_send.wait()
@@ -307,10 +309,7 @@ def test_close_aborts_open_requests_and_tells_peer(make_engine) -> None:
 def test_lost_link_aborts_the_requests_on_it_on_both_sides(pair) -> None:
     p, d, _, _, rs, rd = pair
     blocks, _, _ = scattered(2, rs, rd)
-    got_recv, got_send = Completions(), Completions()
-    d.expect("cut", on_complete=got_recv)
-    p.send("cut", d.data_address, blocks, last=False, on_complete=got_send)
-    wait_until(lambda: d.status("cut", "recv") is not TransferStatus.PENDING)
+    got_send, got_recv = started(p, d, "cut", blocks)
     p.backend.link_to(d.data_address).close("cable cut")
     for c in (got_send.wait(), got_recv.wait()):
         assert (c.origin, c.code) == (AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST)
