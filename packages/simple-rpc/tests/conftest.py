@@ -1,10 +1,51 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import msgspec
 import pytest
 from simple_rpc import CallContext, Method, Server
+from simple_rpc.server import _ServerConnection
+
+# How long a test waits for something that should happen at once before it fails (a hang fails
+# fast instead of at the suite's timeout).
+WAIT_S = 10.0
+
+
+async def until(condition: Callable[[], bool], changed: asyncio.Event) -> None:
+    """The one wait of these tests: until `condition()` holds, re-checked each time `changed`
+    is set (no polling, no sleep); fails after WAIT_S. For a plain event: until(ev.is_set, ev)."""
+    async with asyncio.timeout(WAIT_S):
+        while not condition():
+            changed.clear()
+            await changed.wait()
+
+
+async def assert_closed_by_server(reader: asyncio.StreamReader) -> None:
+    try:
+        rest = await asyncio.wait_for(reader.read(), WAIT_S)
+    except ConnectionResetError:  # closed with unread data: RST instead of FIN
+        return
+    assert rest == b""
+
+
+class Gate:
+    """The handler of HOLD: counts the calls that arrived and answers them once released."""
+
+    def __init__(self) -> None:
+        self.arrived = 0
+        self.changed = asyncio.Event()
+        self.released = asyncio.Event()
+
+    async def handler(self, value: float, ctx: CallContext) -> float:
+        self.arrived += 1
+        self.changed.set()
+        await self.released.wait()
+        return value
+
+    async def wait_arrived(self, count: int) -> None:
+        await until(lambda: self.arrived >= count, self.changed)
 
 
 class Ping(msgspec.Struct):
@@ -30,6 +71,14 @@ SLOW = Method(
     "slow",
     request_head=0x53520103,
     response_head=0x53528103,
+    request_type=float,
+    response_type=float,
+)
+# Answered only when the server's Gate is released (make_server(gate=...)).
+HOLD = Method(
+    "hold",
+    request_head=0x53520105,
+    response_head=0x53528105,
     request_type=float,
     response_type=float,
 )
@@ -64,12 +113,14 @@ async def on_fail(req: Ping, ctx: CallContext) -> Ping:
     raise ValueError(f"no thanks {req.n}")
 
 
-def make_server(**kwargs) -> Server:
+def make_server(gate: Gate | None = None, **kwargs) -> Server:
     server = Server(**kwargs)
     server.register(PING, on_ping)
     server.register(RAW, on_raw)
     server.register(SLOW, on_slow)
     server.register(FAIL, on_fail)
+    if gate is not None:
+        server.register(HOLD, gate.handler)
     return server
 
 
@@ -81,8 +132,28 @@ def pytest_asyncio_loop_factories(config, item):
 
 
 @pytest.fixture
-async def server():
-    srv = make_server()
+def gate() -> Gate:
+    return Gate()
+
+
+@pytest.fixture
+async def server(gate):
+    srv = make_server(gate)
     await srv.start("127.0.0.1", 0)
     yield srv
+    gate.released.set()
     await srv.close()
+
+
+@pytest.fixture
+def received(monkeypatch) -> asyncio.Event:
+    """Set each time any server connection has handled a read (its data_received returned)."""
+    event = asyncio.Event()
+    data_received = _ServerConnection.data_received
+
+    def patched(conn: _ServerConnection, data: bytes) -> None:
+        data_received(conn, data)
+        event.set()
+
+    monkeypatch.setattr(_ServerConnection, "data_received", patched)
+    return event

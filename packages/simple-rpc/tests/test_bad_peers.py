@@ -8,25 +8,18 @@ import struct
 
 import msgspec
 import pytest
-from conftest import PING, RAW, Ping, make_server
-from simple_rpc import Client, ErrorBody, FrameDecoder, ProtocolError, encode_frame, heads
+from conftest import PING, RAW, WAIT_S, Ping, assert_closed_by_server, make_server, until
+from simple_rpc import ERROR_RESP, Client, ErrorBody, FrameDecoder, ProtocolError, encode_frame
+from simple_rpc.server import _ServerConnection
 
 
 async def read_frames(reader: asyncio.StreamReader, count: int):
     decoder, frames = FrameDecoder(), []
     while len(frames) < count:
-        data = await asyncio.wait_for(reader.read(65536), 5.0)
+        data = await asyncio.wait_for(reader.read(65536), WAIT_S)
         assert data, "server closed the connection"
         frames += decoder.feed(data)
     return frames
-
-
-async def assert_closed_by_server(reader: asyncio.StreamReader) -> None:
-    try:
-        rest = await asyncio.wait_for(reader.read(), 5.0)
-    except ConnectionResetError:  # aborted with unread data: RST instead of FIN
-        return
-    assert rest == b""
 
 
 async def test_bad_clients_do_not_disturb_a_good_one(caplog):
@@ -67,7 +60,7 @@ async def test_bad_clients_do_not_disturb_a_good_one(caplog):
         (answer,) = await read_frames(r3, 1)
         assert (answer.head, answer.call_id) == (PING.response_head, 77)
         milestone = (answered + 200, asyncio.Event())  # the good client goes on while #3 hangs
-        await asyncio.wait_for(milestone[1].wait(), 10.0)
+        await until(milestone[1].is_set, milestone[1])
         assert not w3.is_closing()
         assert server.connection_count == 2  # the good client and the hanging one
     finally:
@@ -83,6 +76,34 @@ async def test_bad_clients_do_not_disturb_a_good_one(caplog):
     assert any(peers[1] in m and "over max_frame_size 1048576" in m for m in warnings), warnings
 
 
+async def test_frames_before_garbage_in_the_same_read_are_answered_then_closed(server, caplog):
+    """Valid requests that arrive in one read just before garbage are still dispatched and their
+    answers (an async and a plain handler's) go out before the server closes the connection."""
+    caplog.set_level(logging.WARNING, logger="simple_rpc")
+    host, port = server.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    ping = encode_frame(PING.request_head, 1, msgspec.msgpack.encode(Ping(1)))
+    raw = encode_frame(RAW.request_head, 2, b"abc")
+    writer.write(ping + raw + b"\xde\xad\xbe\xef\x00\x00\x00\x01garbage")
+    frames = await read_frames_until_closed(reader)
+    assert sorted((f.head, f.call_id) for f in frames) == [
+        (PING.response_head, 1),
+        (RAW.response_head, 2),
+    ]
+    assert bytes(next(f for f in frames if f.call_id == 2).payload) == b"cba"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    peer = format_peer(writer)
+    assert any(peer in m and "shorter than its 4-byte call id" in m for m in warnings), warnings
+    writer.close()
+
+
+async def read_frames_until_closed(reader: asyncio.StreamReader):
+    decoder, frames = FrameDecoder(), []
+    while data := await asyncio.wait_for(reader.read(65536), WAIT_S):
+        frames += decoder.feed(data)
+    return frames
+
+
 def format_peer(writer: asyncio.StreamWriter) -> str:
     host, port = writer.get_extra_info("sockname")[:2]
     return f"{host}:{port}"
@@ -94,7 +115,7 @@ async def test_unknown_head_on_the_wire_keeps_the_connection(server):
     writer.write(encode_frame(0x12345678, 5, b"whatever"))
     writer.write(encode_frame(PING.request_head, 6, msgspec.msgpack.encode(Ping(9))))
     error, answer = await read_frames(reader, 2)
-    assert (error.head, error.call_id) == (heads.ERROR_RESP, 5)
+    assert (error.head, error.call_id) == (ERROR_RESP, 5)
     body = msgspec.msgpack.decode(error.payload, type=ErrorBody)
     assert body.kind == "unknown_head"
     assert (answer.head, answer.call_id) == (PING.response_head, 6)
@@ -129,9 +150,17 @@ async def test_malformed_answer_from_a_server_fails_the_client_calls(caplog):
     await srv.wait_closed()
 
 
-async def test_peer_that_stops_reading_is_paused_not_buffered(server):
+async def test_peer_that_stops_reading_is_paused_not_buffered(server, monkeypatch):
     """Back-pressure: a peer that never reads its answers gets its requests paused; the server's
     buffer stays bounded, and once the peer reads, every answer arrives (nothing accepted lost)."""
+    paused = asyncio.Event()
+    pause_writing = _ServerConnection.pause_writing
+
+    def pause_and_tell(conn: _ServerConnection) -> None:
+        pause_writing(conn)
+        paused.set()
+
+    monkeypatch.setattr(_ServerConnection, "pause_writing", pause_and_tell)
     host, port = server.address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     payload = bytes(range(256)) * 256  # 64 KiB
@@ -143,9 +172,10 @@ async def test_peer_that_stops_reading_is_paused_not_buffered(server):
             await writer.drain()
 
     sender = asyncio.ensure_future(send_all())
-    done, _ = await asyncio.wait([sender], timeout=1.0)
-    assert not done, "the server kept reading although its answers were not read"
+    await until(paused.is_set, paused)
     (conn,) = server._connections
+    assert not conn.transport.is_reading()
+    assert not sender.done(), "the server read everything although its answers were not read"
     # Bounded by the answers to one read (asyncio reads up to 256 KiB at a time), not by count.
     assert conn.transport.get_write_buffer_size() < 8 * len(payload)
     frames = await read_frames(reader, count)

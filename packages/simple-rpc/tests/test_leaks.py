@@ -8,7 +8,7 @@ import gc
 import os
 import threading
 
-from conftest import PING, SLOW, Ping, make_server
+from conftest import HOLD, PING, Gate, Ping, make_server
 from simple_rpc import Client, ConnectionLost, LoopThread, SyncClient
 
 
@@ -25,14 +25,15 @@ async def test_async_server_and_clients_leave_no_fds_or_tasks():
     await warm.close()
     fds = fd_count()
     tasks = asyncio.all_tasks()
-    server = make_server()
+    gate = Gate()  # never released
+    server = make_server(gate)
     address = await server.start("127.0.0.1", 0)
     clients = [Client(address) for _ in range(5)]
     for client in clients:
         assert (await client.call(PING, Ping(1))).n == 2
     # Handlers still running when the server closes are cancelled; their callers see the drop.
-    hanging = [asyncio.ensure_future(c.call(SLOW, 60.0)) for c in clients]
-    await asyncio.sleep(0.05)
+    hanging = [asyncio.ensure_future(c.call(HOLD, 60.0)) for c in clients]
+    await gate.wait_arrived(len(clients))
     await server.close()
     results = await asyncio.gather(*hanging, return_exceptions=True)
     assert all(isinstance(r, ConnectionLost) for r in results)
@@ -62,11 +63,12 @@ def test_threads_and_fds_after_sync_close():
 
 async def test_server_close_cancels_handlers_of_dropped_connections():
     tasks = asyncio.all_tasks()
-    server = make_server()
+    gate = Gate()  # never released
+    server = make_server(gate)
     address = await server.start("127.0.0.1", 0)
     client = Client(address)
-    pending = asyncio.ensure_future(client.call(SLOW, 60.0))
-    await asyncio.sleep(0.05)
+    pending = asyncio.ensure_future(client.call(HOLD, 60.0))
+    await gate.wait_arrived(1)
     await client.close()  # the handler keeps running: its connection is gone, the server owns it
     assert isinstance((await asyncio.gather(pending, return_exceptions=True))[0], ConnectionLost)
     assert len(asyncio.all_tasks()) == len(tasks) + 1

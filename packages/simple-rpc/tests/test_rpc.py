@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Coroutine
 
 import pytest
-from conftest import FAIL, PING, RAW, SLOW, UNKNOWN, Other, Ping, make_server
+from conftest import FAIL, HOLD, PING, RAW, SLOW, UNKNOWN, Other, Ping, make_server, until
 from simple_rpc import (
     CallerError,
     Client,
@@ -34,15 +35,17 @@ async def test_raw_bytes_method_small_and_large(server):
         assert resp == big[::-1]
 
 
-async def test_concurrent_calls_share_one_connection(server):
+async def test_concurrent_calls_share_one_connection(server, gate):
     async with Client(server.address) as client:
         results = await asyncio.gather(*(client.call(PING, Ping(i)) for i in range(500)))
         assert [r.n for r in results] == list(range(1, 501))
-        # Out-of-order completion: the short sleep overtakes the long one on the same connection.
-        slow = asyncio.ensure_future(client.call(SLOW, 1.0))
+        # Out-of-order completion: a quick call overtakes a held one on the same connection.
+        held = asyncio.ensure_future(client.call(HOLD, 1.0))
+        await gate.wait_arrived(1)
         assert await client.call(SLOW, 0.0) == 0.0
-        assert not slow.done()
-        assert await slow == 1.0
+        assert not held.done()
+        gate.released.set()
+        assert await held == 1.0
         assert server.connection_count == 1
 
 
@@ -101,15 +104,20 @@ async def test_request_over_max_frame_size_is_a_caller_error(server):
         assert await client.call(RAW, b"x" * 100) == b"x" * 100
 
 
-async def test_per_call_timeout_and_late_answer_is_dropped(server):
+async def test_per_call_timeout_and_late_answer_is_dropped(server, gate, caplog):
+    caplog.set_level(logging.DEBUG, logger="simple_rpc.client")
     async with Client(server.address) as client:
         with pytest.raises(RpcTimeout):
-            await client.call(SLOW, 0.5, timeout=0.05)
+            await client.call(HOLD, 0.5, timeout=0.05)
         with pytest.raises(TimeoutError):  # RpcTimeout is a builtin TimeoutError too
-            await client.call(SLOW, 0.5, timeout=0.05)
+            await client.call(HOLD, 0.5, timeout=0.05)
+        await gate.wait_arrived(2)
+        gate.released.set()  # the two late answers go out before the next call's answer
         # The connection is still good, and the late answers do not confuse later calls.
-        assert await client.call(SLOW, 0.6, timeout=5.0) == 0.6
+        assert await client.call(HOLD, 0.6, timeout=5.0) == 0.6
         assert (await client.call(PING, Ping(5))).n == 6
+    dropped = [r for r in caplog.records if "no such pending call" in r.getMessage()]
+    assert len(dropped) == 2
 
 
 async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
@@ -142,20 +150,22 @@ async def test_connection_drop_fails_all_pending_at_once_then_reconnects():
     assert client.connection == 0
 
 
-async def test_cancelled_call_leaves_client_usable(server):
+async def test_cancelled_call_leaves_client_usable(server, gate):
     async with Client(server.address) as client:
-        task = asyncio.ensure_future(client.call(SLOW, 0.3))
-        await asyncio.sleep(0.05)
+        task = asyncio.ensure_future(client.call(HOLD, 0.3))
+        await gate.wait_arrived(1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert (await client.call(PING, Ping(1))).n == 2
+        gate.released.set()  # the cancelled call's answer arrives and is dropped
+        assert (await client.call(HOLD, 0.4)) == 0.4
 
 
-async def test_close_fails_pending_calls(server):
+async def test_close_fails_pending_calls(server, gate):
     client = Client(server.address)
-    pending = asyncio.ensure_future(client.call(SLOW, 30.0))
-    await asyncio.sleep(0.05)
+    pending = asyncio.ensure_future(client.call(HOLD, 30.0))
+    await gate.wait_arrived(1)
     await client.close()
     with pytest.raises(ConnectionLost):
         await pending
@@ -269,7 +279,7 @@ async def test_on_disconnect_names_each_peer_once_and_a_raising_hook_is_logged(c
         peer = (await client.call(PING, Ping(0))).note  # the server's name for this client
         assert gone == []
         await client.close()
-        await asyncio.wait_for(disconnected.wait(), 5.0)
+        await until(disconnected.is_set, disconnected)
         assert gone == [peer]
         other = Client(server.address)
         assert (await other.call(PING, Ping(1))).n == 2  # the server lives on

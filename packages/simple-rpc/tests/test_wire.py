@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 from simple_rpc import HEADER_SIZE, CallerError, FrameDecoder, ProtocolError, encode_frame
 
@@ -68,3 +70,22 @@ def test_max_frame_size_is_inclusive_and_validated():
         FrameDecoder(max_frame_size=63).feed(encode_frame(1, 1, payload))
     with pytest.raises(CallerError):
         FrameDecoder(max_frame_size=3)
+
+
+def test_memory_follows_arrived_bytes_not_the_declared_length():
+    """Headers declaring 48 MiB each, then 1 KiB of body and silence: the decoders hold what
+    arrived (their accounting and the allocator agree), not what was declared."""
+    declared, arrived, count = 48 << 20, 1024, 8
+    start = encode_frame(1, 1, bytes(declared))[: HEADER_SIZE + arrived]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        decoders = [FrameDecoder() for _ in range(count)]
+        for decoder in decoders:
+            for piece in (start[:100], start[100:]):  # header and body in separate reads
+                assert decoder.feed(bytes(piece)) == []
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert sum(d.buffered for d in decoders) == count * len(start)
+    assert held < 4 * count * len(start) + 64 * 1024, held

@@ -8,9 +8,9 @@
 See README.md for the wire format and the design.
 """
 
-from . import heads
 from .client import Client
 from .errors import (
+    BufferLimitExceeded,
     CallerError,
     ConnectError,
     ConnectionLost,
@@ -24,13 +24,25 @@ from .errors import (
 from .loop_thread import LoopThread, SyncClient, new_event_loop
 from .method import CallContext, Method
 from .server import Server
-from .wire import DEFAULT_MAX_FRAME_SIZE, HEADER_SIZE, ErrorBody, Frame, FrameDecoder, encode_frame
+from .wire import (
+    DEFAULT_MAX_FRAME_SIZE,
+    ERROR_RESP,
+    HEADER_SIZE,
+    BufferBudget,
+    ErrorBody,
+    Frame,
+    FrameDecoder,
+    encode_frame,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
+    "ERROR_RESP",
     "HEADER_SIZE",
+    "BufferBudget",
+    "BufferLimitExceeded",
     "CallContext",
     "CallerError",
     "Client",
@@ -51,6 +63,5 @@ __all__ = [
     "TransportError",
     "__version__",
     "encode_frame",
-    "heads",
     "new_event_loop",
 ]

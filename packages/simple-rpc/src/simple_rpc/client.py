@@ -9,7 +9,6 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from . import heads
 from ._util import WriteBatcher, format_address, parse_address, set_nodelay
 from .errors import (
     CallerError,
@@ -20,7 +19,7 @@ from .errors import (
     RpcTimeout,
 )
 from .method import Method
-from .wire import DEFAULT_MAX_FRAME_SIZE, MAX_CALL_ID, ErrorBody, FrameDecoder
+from .wire import DEFAULT_MAX_FRAME_SIZE, ERROR_RESP, MAX_CALL_ID, ErrorBody, FrameDecoder
 
 logger = logging.getLogger("simple_rpc.client")
 
@@ -352,7 +351,7 @@ class _ClientConnection(asyncio.Protocol):
                 future.set_exception(
                     self._bad_answer(method, call_id, f"body does not decode: {err}")
                 )
-        elif head == heads.ERROR_RESP:
+        elif head == ERROR_RESP:
             try:
                 body = _decode_error_body(payload)
             except _BODY_ERRORS as err:

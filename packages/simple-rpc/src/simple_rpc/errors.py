@@ -4,6 +4,7 @@ RpcError
 ├── CallerError          the local caller passed a bad argument or used a closed object
 ├── PeerError            the remote side misbehaved
 │   ├── ProtocolError    malformed frame / protocol violation (the connection is closed)
+│   │   └── BufferLimitExceeded  incomplete frames over the receiver's buffer budget (closed)
 │   └── RemoteError      the remote handler raised, rejected the request, or the head is unknown
 └── TransportError       the network between us failed
     ├── ConnectionLost   the connection dropped (every pending call on it fails with this)
@@ -38,6 +39,12 @@ class ProtocolError(PeerError):
         self.reason = reason
         self.peer = peer
         self.frames: list = []
+
+
+class BufferLimitExceeded(ProtocolError):
+    """The bytes of incomplete frames would take the receiver's buffer budget (shared by all of
+    a server's connections) over its limit: the receiver refuses this peer's stream and closes
+    the connection, as for a malformed frame."""
 
 
 class RemoteError(PeerError):

@@ -1,4 +1,11 @@
-"""Method descriptors: a name, a request head and a response head, and the two body types."""
+"""Method descriptors: a name, a request head and a response head, and the two body types.
+
+Each package defines its own Methods, with its own heads, in its own `protocol.py`; simple_rpc
+reserves only ERROR_RESP. Head ranges by convention, so that heads never collide across packages:
+
+    0x4B56xxxx  kvt                0x4843xxxx  hybrid-connector
+    0x5253xxxx  refstore           0x5352xxxx  simple-rpc's own (tests, benchmarks)
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from . import heads
 from .errors import CallerError
-from .wire import CALL_ID_SIZE, HEADER, HEADER_SIZE
+from .wire import CALL_ID_SIZE, ERROR_RESP, HEADER, HEADER_SIZE
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -64,10 +70,8 @@ def _identity(payload: memoryview) -> memoryview:
 def _check_head(name: str, value: int) -> None:
     if not isinstance(value, int) or not 0 <= value <= 0xFFFFFFFF:
         raise CallerError(f"{name} must be an unsigned 32-bit int, got {value!r}")
-    if value in heads.RESERVED:
-        raise CallerError(
-            f"{name} 0x{value:08x} is reserved by simple_rpc ({heads.name_of(value)})"
-        )
+    if value == ERROR_RESP:
+        raise CallerError(f"{name} 0x{value:08x} is reserved by simple_rpc (ERROR_RESP)")
 
 
 class Method(Generic[Req, Resp]):

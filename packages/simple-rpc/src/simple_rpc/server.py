@@ -10,13 +10,23 @@ from typing import Any
 
 import msgspec
 
-from . import heads
 from ._util import WriteBatcher, format_address, set_nodelay
-from .errors import CallerError, ProtocolError
+from .errors import BufferLimitExceeded, CallerError, ProtocolError
 from .method import CallContext, Method, encode_value
-from .wire import DEFAULT_MAX_FRAME_SIZE, ErrorBody, FrameDecoder, encode_frame
+from .wire import (
+    DEFAULT_MAX_FRAME_SIZE,
+    ERROR_RESP,
+    HEADER_SIZE,
+    BufferBudget,
+    ErrorBody,
+    FrameDecoder,
+    encode_frame,
+)
 
 logger = logging.getLogger("simple_rpc.server")
+
+# Bytes of incomplete frames all connections of one server may hold together.
+DEFAULT_MAX_BUFFERED = 256 * 1024 * 1024
 
 Handler = Callable[[Any, CallContext], Awaitable[Any]] | Callable[[Any, CallContext], Any]
 
@@ -44,7 +54,13 @@ class Server:
     then runs as a Task.
     A handler that raises answers the call with an error response (RemoteError at the caller);
     the server and the connection go on. An unknown head gets an error response too. A malformed
-    frame closes only the connection it came on, with a WARNING naming the peer and the reason.
+    frame closes only the connection it came on, with a WARNING naming the peer and the reason,
+    once the frames that came before it on that connection are answered.
+
+    What the server holds for incomplete frames follows the bytes that arrived (never a
+    declared length): at most one frame per connection, and all connections together at most
+    ``max_buffered`` bytes; the connection whose bytes would go over it is refused
+    (BufferLimitExceeded, logged) and closed like one that sent a malformed frame.
 
     ``on_disconnect(peer)`` runs on the loop when a connection ends, for whatever reason (the
     peer is ``CallContext.peer`` of its calls): for state a server keeps per client. It must not
@@ -55,11 +71,18 @@ class Server:
         self,
         *,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
         name: str = "simple-rpc",
         on_disconnect: Callable[[str], None] | None = None,
     ) -> None:
         FrameDecoder(max_frame_size)  # validates the argument
+        if not isinstance(max_buffered, int) or max_buffered < max_frame_size + HEADER_SIZE:
+            raise CallerError(
+                f"max_buffered must be an int >= max_frame_size + {HEADER_SIZE} (one whole "
+                f"frame), got {max_buffered!r}"
+            )
         self.max_frame_size = max_frame_size
+        self._budget = BufferBudget(max_buffered)
         self.name = name
         self.on_disconnect = on_disconnect
         self._routes: dict[int, _Route] = {}
@@ -106,6 +129,11 @@ class Server:
     def connection_count(self) -> int:
         return len(self._connections)
 
+    @property
+    def buffered(self) -> int:
+        """Bytes of incomplete frames held for all connections now (at most max_buffered)."""
+        return self._budget.used
+
     async def close(self, grace: float = 1.0) -> None:
         """Stop listening, cancel running handlers, close every connection. Idempotent.
 
@@ -148,13 +176,16 @@ class _ServerConnection(asyncio.Protocol):
         self.server = server
         self.routes = server._routes
         self.max_frame_size = server.max_frame_size
-        self.decoder = FrameDecoder(server.max_frame_size)
+        self.decoder = FrameDecoder(server.max_frame_size, budget=server._budget)
         self.tasks = server._tasks  # owned by the server, which cancels them on close()
         self.peer = "?"
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.loop = asyncio.get_running_loop()
         self.closed: asyncio.Future[None] = self.loop.create_future()
         self.closing = False
+        # After a malformed frame: nothing more is read; the connection closes once the frames
+        # decoded before it are answered.
+        self.draining = False
         self.running = 0  # async handlers of this connection still running
 
     # -- asyncio callbacks ---------------------------------------------------------------
@@ -168,6 +199,7 @@ class _ServerConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closing = True
+        self.decoder.release()  # its incomplete frame goes back to the server's budget
         self.server._connections.discard(self)
         if not self.closed.done():
             self.closed.set_result(None)
@@ -184,7 +216,7 @@ class _ServerConnection(asyncio.Protocol):
         self.transport.pause_reading()
 
     def resume_writing(self) -> None:
-        if not self.closing:
+        if not self.closing and not self.draining:
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
@@ -200,21 +232,34 @@ class _ServerConnection(asyncio.Protocol):
         try:
             frames = self.decoder.feed(data)
         except ProtocolError as err:
-            for head, call_id, payload in err.frames:
-                self._dispatch(head, call_id, payload)
+            if self.draining:  # input after pause_reading(): already reported and dispatched
+                return
             logger.warning(
-                "%s: closing connection from %s: malformed frame: %s",
+                "%s: closing connection from %s: %s: %s",
                 self.server.name,
                 self.peer,
+                "refused" if isinstance(err, BufferLimitExceeded) else "malformed frame",
                 err.reason,
             )
-            self.closing = True
-            self.transport.abort()
+            # Read nothing more; answer what came before the bad frame, then close.
+            self.draining = True
+            self.transport.pause_reading()
+            for head, call_id, payload in err.frames:
+                self._dispatch(head, call_id, payload)
+            self._close_when_answered()
             return
         for head, call_id, payload in frames:
             self._dispatch(head, call_id, payload)
 
+    def _close_when_answered(self) -> None:
+        if self.running == 0 and not self.closing:
+            self.closing = True
+            self.writer.flush()
+            self.transport.close()  # after what is buffered is written
+
     def eof_received(self) -> bool | None:
+        if self.draining:
+            return True  # stay open until the frames before the bad one are answered
         if self.decoder.buffered:
             logger.warning(
                 "%s: connection from %s ended inside a frame (%d bytes buffered)",
@@ -279,13 +324,18 @@ class _ServerConnection(asyncio.Protocol):
         try:
             response = await handler(request, ctx)
         except Exception as err:
-            self._handler_failed(ctx, err)
-            return
-        finally:
             self.running -= 1
-        # The only call in flight on this connection: write at once rather than one callback
-        # later (sequential callers wait for exactly this); otherwise batch with the others.
-        self._respond(ctx, response, alone=self.running == 0)
+            self._handler_failed(ctx, err)
+        except BaseException:  # cancelled: the server is closing
+            self.running -= 1
+            raise
+        else:
+            self.running -= 1
+            # The only call in flight on this connection: write at once rather than one
+            # callback later (sequential callers wait for exactly this); else batch.
+            self._respond(ctx, response, alone=self.running == 0)
+        if self.draining:
+            self._close_when_answered()
 
     def _handler_failed(self, ctx: CallContext, err: Exception) -> None:
         logger.warning(
@@ -337,4 +387,4 @@ class _ServerConnection(asyncio.Protocol):
         if self.closing:
             return
         payload = encode_value(ErrorBody(kind=kind, message=message))
-        self.writer.write(encode_frame(heads.ERROR_RESP, call_id, payload))
+        self.writer.write(encode_frame(ERROR_RESP, call_id, payload))
