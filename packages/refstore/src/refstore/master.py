@@ -406,7 +406,8 @@ class Master:
 
     async def _wait_gone(self, req: protocol.WaitGone, ctx: CallContext) -> protocol.GoneResp:
         """Answer when the object is freed (or at the timeout): an event, not a poll."""
-        timeout = min(max(req.timeout_s, 0.0), MAX_WAIT_GONE_S)
+        protocol.check_timeout(req.timeout_s)
+        timeout = min(req.timeout_s, MAX_WAIT_GONE_S)
         try:
             obj = self.state.lookup(req.epoch, req.oid)
         except RefstoreError as err:
@@ -445,9 +446,13 @@ class Master:
         return protocol.Ack()
 
     async def _fetch(self, req: protocol.Fetch, ctx: CallContext) -> protocol.FetchResp:
+        protocol.check_ttl(req.ttl_s)
+        protocol.check_size(req.nbytes, "nbytes")
         return await self.remote.fetch(req)
 
     async def _send_to(self, req: protocol.SendTo, ctx: CallContext) -> protocol.SendToResp:
+        protocol.check_size(req.dst_offset, "dst_offset")
+        protocol.check_size(req.dst_region, "dst_region")
         return await self.remote.send_to(req, ctx.peer)
 
     async def _read_range(self, req: protocol.ReadRange, ctx: CallContext) -> bytes:

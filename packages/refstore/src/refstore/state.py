@@ -60,7 +60,7 @@ from .errors import (
     PoolFull,
     UnknownObject,
 )
-from .protocol import Layout, Stats
+from .protocol import Layout, Stats, check_layout, check_size, check_ttl
 
 # An unsealed object whose writer never seals it is reclaimed after this long even without a lease.
 WRITE_TIMEOUT_S = 120.0
@@ -253,10 +253,10 @@ class MasterState:
     def alloc(
         self, nbytes: int, layout: Layout, ttl_s: float | None, pin: bool, header: int = 0
     ) -> StoredObject:
-        if nbytes < 0 or header < 0:
-            raise CallerError(f"negative size {nbytes} (header {header})")
-        if ttl_s is not None and ttl_s <= 0:
-            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        check_size(nbytes, "nbytes")
+        check_size(header, "header")
+        check_ttl(ttl_s)
+        check_layout(layout, nbytes)
         obj = self._new_object(header + nbytes, layout, header)
         obj.nbytes = nbytes
         obj.pinned = pin
@@ -425,8 +425,7 @@ class MasterState:
                 self.counters["releases"] += 1
 
     def extend(self, epoch: str, oids: list[int], ttl_s: float | None) -> None:
-        if ttl_s is not None and ttl_s <= 0:
-            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        check_ttl(ttl_s)
         objs = [self.lookup(epoch, oid) for oid in oids]  # all or nothing
         now = self._clock()
         for obj in objs:
