@@ -127,9 +127,9 @@ def test_blocks_reserved_on_a_lost_connection_are_never_written(client, monkeypa
     for _ in range(6):  # a full stock of this size class, reserved on the first connection
         client.release(client.put(data))
         client.flush()
-    client._rpc.loop.run(_drop_connection(client._rpc._client))
+    client._link.current.rpc.loop.run(_drop_connection(client._link.current.rpc._client))
     first = client.put(data)  # not connected: allocates, and reconnects
-    assert client._rpc.connections_opened == 2
+    assert client._link.current.rpc.connections_opened == 2
     time.sleep(0.6)  # the master has freed the blocks of the first connection by now
     refs = [first] + [client.put(data + i) for i in range(1, 12)]
     assert client.counters["fast_puts"] >= 4 + 6  # fast again, with blocks of the new connection

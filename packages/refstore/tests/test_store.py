@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import pickle
 import time
 
@@ -9,6 +10,7 @@ import pytest
 import refstore
 import torch
 from refstore import Client, MasterThread, start_master_process
+from simple_rpc import SyncClient
 
 
 def test_numpy_roundtrip_is_zero_copy_and_read_only(client):
@@ -344,7 +346,7 @@ def test_repeated_sizes_put_without_a_round_trip(client):
     client.flush()
     stats = client.stats()
     assert stats.reserves >= 9
-    assert 1 <= stats.reserved <= refstore.client.RESERVE_DEPTH  # blocks for the next puts
+    assert 1 <= stats.reserved <= refstore.reservations.RESERVE_DEPTH  # blocks for the next puts
     assert stats.objects == stats.puts == 10  # reserved blocks are counted apart
     client.release(refs)
     client.close()
@@ -373,12 +375,12 @@ def test_header_fast_path_defers_to_the_master_for_the_reason(client):
 
 def test_pool_descriptor_comes_over_a_unix_socket_else_through_proc(master, refstore_dir):
     with Client("test") as c:
-        assert c._pool.attached_via == "scm_rights"  # works across PID namespaces
+        assert c._link.current.pool.attached_via == "scm_rights"  # works across PID namespaces
         ref = c.put(np.arange(10))
     (socket_file,) = refstore_dir.glob("test.*.sock")
     socket_file.unlink()  # e.g. a container that shares the discovery file but not the socket
     with Client("test") as c:
-        assert c._pool.attached_via == "proc"
+        assert c._link.current.pool.attached_via == "proc"
         np.testing.assert_array_equal(c.get(ref), np.arange(10))
 
 
@@ -394,8 +396,8 @@ def test_close_after_shutdown_master_has_nothing_to_give_back(no_leaks):
         assert client.stats().reserved >= 1
         client.shutdown_master("test done")
         sent = []
-        rpc_call = client._rpc.call
-        client._rpc.call = lambda method, *args, **kwargs: (
+        rpc_call = client._link.current.rpc.call
+        client._link.current.rpc.call = lambda method, *args, **kwargs: (
             sent.append(method.name),
             rpc_call(method, *args, **kwargs),
         )[1]
@@ -411,8 +413,8 @@ def test_close_after_shutdown_master_has_nothing_to_give_back(no_leaks):
 def _calls_sent(client: Client) -> list[str]:
     """Names of the calls the client sends from now on."""
     sent: list[str] = []
-    call_future = client._rpc.call_future
-    client._rpc.call_future = lambda method, *args, **kwargs: (
+    call_future = client._link.current.rpc.call_future
+    client._link.current.rpc.call_future = lambda method, *args, **kwargs: (
         sent.append(method.name),
         call_future(method, *args, **kwargs),
     )[1]
@@ -430,7 +432,7 @@ def test_a_put_into_a_reserved_block_sends_nothing_its_header_commits_it(client)
     data = np.arange(20_000, dtype=np.int64)
     _warm_reservations(client, data)
     sent = _calls_sent(client)
-    refs = [client.put(data + i, ttl=60.0) for i in range(refstore.client.RESERVE_LOW)]
+    refs = [client.put(data + i, ttl=60.0) for i in range(refstore.reservations.RESERVE_LOW)]
     # No seal, no commit: the header is the commit record. One call refills the stock.
     assert sent == ["refstore.reserve"]
     assert client.counters["fast_puts"] == 4 + len(refs)
@@ -485,3 +487,53 @@ def test_eviction_sees_cache_entries_put_into_reserved_blocks(client):
         except refstore.ObjectEvicted:
             evicted += 1
     assert evicted >= 100
+
+
+BAD_TTLS = [math.nan, math.inf, -1.0, 0.0]
+
+
+@pytest.mark.parametrize("ttl", BAD_TTLS, ids=str)
+def test_a_ttl_that_is_not_a_finite_positive_number_is_a_caller_error(client, ttl):
+    ref = client.put(b"kept", ttl=30)
+    _warm_reservations(client, b"x" * 100)  # the put below would take a reserved block
+    puts = client.counters["puts"]
+    with pytest.raises(refstore.CallerError, match="ttl"):
+        client.put(b"x" * 100, ttl=ttl)
+    with pytest.raises(refstore.CallerError, match="ttl"):
+        client.put(np.zeros(3 << 20, np.uint8), ttl=ttl)  # a size that allocates
+    with pytest.raises(refstore.CallerError, match="ttl"):
+        client.extend(ref, ttl)
+    assert client.counters["puts"] == puts
+    assert bytes(client.get(ref)) == b"kept"
+    assert client.stats().objects == 1
+
+
+def test_the_master_checks_the_numbers_of_every_request(client):
+    """Past the client's own checks (another client, another version): a typed CallerError per
+    request, the master keeps serving, and no other lease is disturbed."""
+    ref = client.put(b"x", ttl=30)
+    layout = refstore.protocol.Layout(0, [refstore.protocol.Item(None, 2, "|u1", (8,), 0, 8)])
+    bad_layout = refstore.protocol.Layout(0, [refstore.protocol.Item(None, 2, "|u1", (8,), 8, 8)])
+    p = refstore.protocol
+    requests = [
+        (p.ALLOC, p.Alloc(8, layout, math.nan)),
+        (p.ALLOC, p.Alloc(8, layout, math.inf)),
+        (p.ALLOC, p.Alloc(-8, layout, 10.0)),
+        (p.ALLOC, p.Alloc(8, bad_layout, 10.0)),
+        (p.ALLOC, p.Alloc(8, layout, 10.0, header=-64)),
+        (p.EXTEND, p.Extend(ref.pool, [ref.oid], math.nan)),
+        (p.WAIT_GONE, p.WaitGone(ref.pool, ref.oid, math.nan)),
+        (p.FETCH, p.Fetch("elsewhere", 1, 8, "127.0.0.1:1", math.nan)),
+        (p.FETCH, p.Fetch("elsewhere", 1, -8, "127.0.0.1:1", 10.0)),
+        (p.SEND_TO, p.SendTo(ref.pool, ref.oid, "r", "127.0.0.1:1", 0, -1)),
+        (p.RESERVE, p.Reserve(-256, 4)),
+    ]
+    with SyncClient(client.address) as rpc:
+        for method, request in requests:
+            resp = rpc.call(method, request, timeout=5)
+            assert resp.err is not None, request
+            assert resp.err.kind == "CallerError", (request, resp.err)
+    stats = client.stats()
+    assert stats.objects == 1
+    assert stats.leased == 1
+    assert bytes(client.get(ref)) == b"x"
