@@ -6,8 +6,8 @@ Everything runs on one asyncio loop thread, which owns the state; a single timer
 earliest lease deadline (no periodic sweeps).
 
 Remote get: a client asks its local master to ``fetch`` a ref owned by another node's master; the
-local master allocates room in its own pool and pulls the payload from the owner (kvt when
-available, else simple-rpc raw reads; see ``remote.py``), then the client reads it locally.
+local master allocates room in its own pool and pulls the payload from the owner (kvt, or
+simple-rpc raw reads with ``remote="rpc"``; see ``remote.py``), then the client reads it locally.
 
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
 actor), or let the first client start one (``refstore.connect(autostart=True)``).
@@ -147,7 +147,7 @@ class Master:
             with contextlib.suppress(NameError):
                 pool.close()
             raise
-        master.remote = RemotePuller(master, mode=remote, host=host)
+        master.remote = RemotePuller(master.state, pool.view, name, mode=remote, host=host)
         master._start_fd_socket()
         node = advertise or master.server.address
         master.info = discovery.MasterInfo(
