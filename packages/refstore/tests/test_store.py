@@ -189,27 +189,33 @@ def test_release_frees_at_once_and_get_says_since_when(client):
     client.release(ref)  # idempotent
 
 
-def test_lease_expires_and_memory_is_reclaimed(client):
+def test_lease_expires_and_memory_is_reclaimed(clock, client):
     ref = client.put(np.ones(1 << 20, np.uint8), ttl=0.2)
     keep = client.put(np.ones(10, np.uint8), ttl=60)
-    gone = client.wait_gone(ref, timeout=10)
+    clock.advance(0.1)
+    assert client.wait_gone(ref, timeout=0) is None
+    clock.advance(0.2)
+    gone = client.wait_gone(ref, timeout=0)
     assert gone is not None
     assert gone[0] == "lease expired"
+    assert gone[1] == clock.wall  # the fake wall clock, when the master freed it
     with pytest.raises(refstore.ObjectExpired, match="lease expired since"):
         client.get(ref)
     stats = client.stats()
     assert stats.objects == 1
     assert stats.expirations == 1
     np.testing.assert_array_equal(client.get(keep), 1)
-    assert client.wait_gone(keep, timeout=0.05) is None
+    assert client.wait_gone(keep, timeout=0) is None
 
 
-def test_extend_keeps_object_alive(client):
+def test_extend_keeps_object_alive(clock, client):
     ref = client.put(b"x", ttl=0.2)
     client.extend(ref, 30)
-    assert client.wait_gone(ref, timeout=0.5) is None
+    clock.advance(29)
+    assert client.wait_gone(ref, timeout=0) is None
     client.extend(ref, 0.1)
-    assert client.wait_gone(ref, timeout=10)[0] == "lease expired"
+    clock.advance(0.2)
+    assert client.wait_gone(ref, timeout=0)[0] == "lease expired"
 
 
 def test_eviction_is_lru_of_unleased_and_spares_pins_and_leases(client):
@@ -445,27 +451,26 @@ def test_a_put_into_a_reserved_block_sends_nothing_its_header_commits_it(client)
         assert stats.puts == 6 + len(refs)
 
 
-def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(client):
+def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(clock, client):
     data = np.zeros(50_000, np.uint8)
     _warm_reservations(client, data)
-    before = time.time()
     ref = client.put(data, ttl=0.2)
-    after = time.time()
     assert client.counters["fast_puts"] == 5
-    time.sleep(0.6)
+    put_at = clock.wall
+    clock.advance(0.6)
     with pytest.raises(refstore.ObjectExpired) as info:
         client.get(ref)  # the header says the lease ran out: the master decides
-    assert before + 0.15 < info.value.since < after + 0.25  # when it ran out, not now
+    assert info.value.since == pytest.approx(put_at + 0.2, abs=1e-3)  # when it ran out, not now
     assert client.counters["fast_gets"] == 0
     assert client.stats().expirations == 1
 
 
-def test_extend_moves_the_lease_the_header_fast_path_checks(client):
+def test_extend_moves_the_lease_the_header_fast_path_checks(clock, client):
     data = np.ones(50_000, np.uint8)
     _warm_reservations(client, data)
     ref = client.put(data, ttl=1.0)
     client.extend(ref, 60.0)
-    time.sleep(1.2)
+    clock.advance(1.2)
     np.testing.assert_array_equal(client.get(ref), data)
     assert client.counters["fast_gets"] == 1  # the master wrote the new deadline to the header
     client.extend(ref, None)  # no lease: a cache entry

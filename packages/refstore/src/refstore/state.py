@@ -100,7 +100,7 @@ class StoredObject:
         self.layout = layout  # None while reserved
         self.reserved = False
         self.owner = ""  # the peer a reserved block was handed to
-        self.touched_ns = 0  # when the master last saw it used (CLOCK_MONOTONIC ns)
+        self.touched_ns = 0  # when the master last saw it used (the state's clock, in ns)
         self.sealed = False
         self.deadline: float | None = None  # monotonic; None = no lease
         self.pinned = False
@@ -176,6 +176,10 @@ class MasterState:
         )
 
     # -- helpers ------------------------------------------------------------------------------
+    def _now_ns(self) -> int:
+        """The clock in nanoseconds, as gets stamp headers (``header.py``, last access)."""
+        return int(self._clock() * 1e9)
+
     def _check_epoch(self, epoch: str) -> None:
         if epoch != self.epoch:
             raise UnknownObject(f"ref from pool {epoch!r}, this master serves pool {self.epoch!r}")
@@ -218,7 +222,7 @@ class MasterState:
         now_evictable = self._is_evictable(obj)
         if now_evictable:
             (self._lru_pinned if obj.pinned else self._lru)[obj.oid] = None
-            obj.touched_ns = time.monotonic_ns()
+            obj.touched_ns = self._now_ns()
         self._evictable_bytes += (now_evictable - was_evictable) * self.allocator.block_size(
             obj.offset
         )
@@ -405,10 +409,10 @@ class MasterState:
             raise CallerError(f"object {oid} is still being written (not sealed)")
         if oid in self._lru:
             self._lru.move_to_end(oid)
-            obj.touched_ns = time.monotonic_ns()
+            obj.touched_ns = self._now_ns()
         elif oid in self._lru_pinned:
             self._lru_pinned.move_to_end(oid)
-            obj.touched_ns = time.monotonic_ns()
+            obj.touched_ns = self._now_ns()
         self.counters["gets"] += 1
         return obj
 
