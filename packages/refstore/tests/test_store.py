@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import math
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -542,3 +543,38 @@ def test_the_master_checks_the_numbers_of_every_request(client):
     assert stats.objects == 1
     assert stats.leased == 1
     assert bytes(client.get(ref)) == b"x"
+
+
+def test_a_reconnect_in_progress_blocks_no_other_call(client):
+    """Attaching waits on the master (a call, mapping the pool); while it does, puts, gets and
+    stats go on through the current attachment, and a second reconnect waits for the first one's
+    outcome instead of attaching again (no lock is held across the attach)."""
+    data = np.arange(1000)
+    ref = client.put(data)
+    link = client._link
+    attach = link._attach
+    attaching, go_on = threading.Event(), threading.Event()
+    attaches = []
+
+    def slow_attach(previous):
+        attaches.append(previous.epoch)
+        attaching.set()
+        assert go_on.wait(30)
+        return attach(previous)
+
+    link._attach = slow_attach
+    outcomes: list[bool] = []
+    first = threading.Thread(target=lambda: outcomes.append(client.reconnect()))
+    first.start()
+    assert attaching.wait(30)
+    second = threading.Thread(target=lambda: outcomes.append(client.reconnect()))
+    second.start()
+    np.testing.assert_array_equal(client.get(ref), data)
+    assert bytes(client.get(client.put(b"meanwhile"))) == b"meanwhile"
+    assert client.stats().objects == 2
+    go_on.set()
+    first.join(30)
+    second.join(30)
+    assert outcomes == [False, False]  # the same master: no new epoch
+    assert len(attaches) <= 2
+    np.testing.assert_array_equal(client.get(ref), data)

@@ -176,12 +176,19 @@ class MasterLink:
             )
 
     # -- calls --------------------------------------------------------------------------------
-    def call(self, method: Any, request: Any, *, timeout: float | None = None) -> Any:
-        """A call to the local master; its typed error raised, a transport failure as
-        MasterUnavailable."""
+    def call(
+        self,
+        method: Any,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        on: Attachment | None = None,
+    ) -> Any:
+        """A call to the local master (the one of attachment ``on``, default the current one);
+        its typed error raised, a transport failure as MasterUnavailable."""
         if self.closed:
             raise CallerError("refstore client is closed")
-        current = self.current
+        current = self.current if on is None else on
         try:
             resp = current.rpc.call(method, request, timeout=timeout or self.timeout)
         except RpcError as err:

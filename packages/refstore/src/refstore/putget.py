@@ -41,7 +41,7 @@ from simple_rpc import SyncClient
 
 from . import _fastpath, codec, header, protocol
 from .codec import PARALLEL_COPY_MIN
-from .connection import MasterLink
+from .connection import Attachment, MasterLink
 from .errors import CallerError, MasterUnavailable
 from .header import OBJECT_PINNED
 from .protocol import KIND_TORCH, MAX_TTL_S, check_ttl
@@ -140,7 +140,8 @@ class PutGet:
         ask = 0
         now_ns = monotonic_ns()
         # One consistent connection, pool and stock, even if another thread reconnects.
-        rpc, pool, epoch, node, _, key, _, reservations = self._link.current
+        attached = self._link.current
+        rpc, pool, epoch, node, _, key, _, reservations = attached
         with self._book:
             connection = rpc.connection  # 0 while down: the master may be gone, so ask it
             if connection:
@@ -169,7 +170,8 @@ class PutGet:
             else:
                 try:
                     request = protocol.Alloc(nbytes, layout, ttl_s, pin, encoded.header.hlen)
-                    resp = self._link.call(protocol.ALLOC, request)
+                    # To the master of the pool it will write into.
+                    resp = self._link.call(protocol.ALLOC, request, on=attached)
                 except BaseException:
                     with self._book:
                         self.counters["puts"] -= 1  # counted above, not made
@@ -188,7 +190,7 @@ class PutGet:
                     reserved=reserved is not None,
                 )
             except BaseException:
-                self._put_failed(epoch, oid, fast=reserved is not None)
+                self._put_failed(attached, oid, fast=reserved is not None)
                 raise
             if written:
                 break
@@ -265,13 +267,13 @@ class PutGet:
         _fastpath.seal(view, at, writer.template, oid, key, encoded.nbytes, deadline_ns, flags)
         return True
 
-    def _put_failed(self, epoch: str, oid: int, *, fast: bool) -> None:
+    def _put_failed(self, attached: Attachment, oid: int, *, fast: bool) -> None:
         """Undo the counting of a put that raised, and free its block."""
         with self._book:
             self.counters["puts"] -= 1  # counted above, not made
             self.counters["fast_puts"] -= fast
         with contextlib.suppress(Exception):
-            self._link.call(protocol.RELEASE, protocol.OidList(epoch, [oid]))
+            self._link.call(protocol.RELEASE, protocol.OidList(attached.epoch, [oid]), on=attached)
 
     def _track(self, pending: concurrent.futures.Future) -> None:
         """Remember a call that a put started and did not wait for (``flush`` waits for them)."""
