@@ -259,7 +259,7 @@ class SendToResp(msgspec.Struct, frozen=True):
 
 
 class ReadRange(msgspec.Struct, frozen=True):
-    """Requester master -> owner master: raw bytes of an object (fallback without kvt)."""
+    """Requester master -> owner master: raw bytes of an object (``remote="rpc"``)."""
 
     epoch: str
     oid: int
