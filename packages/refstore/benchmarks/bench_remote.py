@@ -1,5 +1,5 @@
 """Remote get: a payload owned by another master pulled into the local pool, kvt (TCP data plane,
-zero-copy from and into the registered pools) against simple-rpc raw frames (the fallback path),
+zero-copy from and into the registered pools) against simple-rpc raw frames (``--remote rpc``),
 same run, two masters on loopback.
 
     python packages/refstore/benchmarks/bench_remote.py          # 256 MiB, results/remote.json
@@ -65,7 +65,7 @@ def main() -> int:
     for mode, seconds in results.items():
         print(f"  {mode:4} {seconds * 1e3:8.1f} ms  {nbytes / seconds / 2**30:5.2f} GiB/s")
     ratio = results["rpc"] / results["kvt"]
-    print(f"  kvt is {ratio:.2f}x faster than the simple-rpc fallback")
+    print(f"  kvt is {ratio:.2f}x faster than the simple-rpc path")
     if not args.smoke:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         payload = {"nbytes": nbytes, "seconds": results, "kvt_over_rpc": ratio}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
 import subprocess
 import sys
@@ -46,7 +45,7 @@ def test_fail_delay_and_drop_then_recover(client):
 
 
 def test_master_reads_plan_from_environment(no_leaks, monkeypatch):
-    monkeypatch.setenv(faults.ENV_VAR, "alloc:fail#1")
+    monkeypatch.setenv("REFSTORE_FAULTS", "alloc:fail#1")  # the name the README documents
     with MasterThread("envfaults", "4M"), Client("envfaults") as c:
         with pytest.raises(refstore.InjectedFault):
             c.put(b"x")
@@ -66,15 +65,17 @@ os._exit(0)  # dies holding its leases: no release, no close
 """
 
 
-def test_dead_client_memory_reclaimed_after_ttl(client):
+def test_dead_client_memory_reclaimed_after_ttl(clock, client):
     out = subprocess.run(
         [sys.executable, "-c", DYING_CLIENT, "1.0"], capture_output=True, check=True, timeout=60
     ).stdout
     refs = pickle.loads(out)
     assert client.stats().used >= 12 << 20
     np.testing.assert_array_equal(client.get(refs[2])[:10], 2)  # readable until the TTL
+    assert client.wait_gone(refs[0], timeout=0) is None
+    clock.catch_up(2.0)  # its leases ran on the real clock, in its own process
     for ref in refs:
-        reason, _since = client.wait_gone(ref, timeout=30)
+        reason, _since = client.wait_gone(ref, timeout=0)
         assert reason == "lease expired"
     stats = client.stats()
     assert stats.used == 0
@@ -95,19 +96,24 @@ os._exit(0)  # dies holding leases on objects in reserved blocks, and unused res
 """
 
 
-def test_dead_client_reserved_blocks_come_back_after_its_disconnect(client, monkeypatch):
+def test_dead_client_reserved_blocks_come_back_after_its_disconnect(clock, client, disconnects):
     """Its puts into reserved blocks never told the master anything: the master adopts them when
-    the client's connection ends (their leases then run), and frees the blocks it never used."""
-    monkeypatch.setattr(refstore.state, "DISCONNECT_GRACE_S", 0.3)
+    the client's connection ends (their leases then run), and frees the blocks it never used
+    after the disconnect grace, long before their write deadline."""
+    started = clock.now
     out = subprocess.run(
         [sys.executable, "-c", DYING_FAST_CLIENT], capture_output=True, check=True, timeout=60
     ).stdout
     refs, fast_puts = pickle.loads(out)
     assert fast_puts >= 8
+    assert disconnects.acquire(timeout=30)
+    assert client.stats().reserved >= 1  # blocks it reserved and never used
+    # Past its leases (on the real clock, in its process) and the grace, not the write deadline.
+    clock.catch_up(refstore.state.DISCONNECT_GRACE_S + 1.0)
+    assert clock.now - started < refstore.state.WRITE_TIMEOUT_S
     for ref in refs:
-        reason, _since = client.wait_gone(ref, timeout=30)
+        reason, _since = client.wait_gone(ref, timeout=0)
         assert reason == "lease expired"
-    time.sleep(1.5)  # well past the disconnect grace of the blocks it reserved and never used
     stats = client.stats()
     assert stats.expirations == len(refs)
     assert stats.reserved == stats.used == 0
@@ -119,18 +125,18 @@ async def _drop_connection(rpc_client) -> None:
     await conn.closed
 
 
-def test_blocks_reserved_on_a_lost_connection_are_never_written(client, monkeypatch):
+def test_blocks_reserved_on_a_lost_connection_are_never_written(clock, client, disconnects):
     """The master frees a disconnected client's unused blocks after a grace period; a client
     whose connection dropped and came back (same process, same master) must not use them."""
-    monkeypatch.setattr(refstore.state, "DISCONNECT_GRACE_S", 0.2)
     data = np.arange(30_000, dtype=np.int32)
     for _ in range(6):  # a full stock of this size class, reserved on the first connection
         client.release(client.put(data))
         client.flush()
-    client._rpc.loop.run(_drop_connection(client._rpc._client))
+    client._link.current.rpc.loop.run(_drop_connection(client._link.current.rpc._client))
     first = client.put(data)  # not connected: allocates, and reconnects
-    assert client._rpc.connections_opened == 2
-    time.sleep(0.6)  # the master has freed the blocks of the first connection by now
+    assert client._link.current.rpc.connections_opened == 2
+    assert disconnects.acquire(timeout=30)
+    clock.advance(refstore.state.DISCONNECT_GRACE_S + 1.0)  # frees the first connection's blocks
     refs = [first] + [client.put(data + i) for i in range(1, 12)]
     assert client.counters["fast_puts"] >= 4 + 6  # fast again, with blocks of the new connection
     with Client("test") as other:
@@ -267,11 +273,6 @@ def test_fast_paths_never_corrupt_under_churn(no_leaks):
         assert not errors
         assert all(c["fast_puts"] > 100 and c["fast_gets"] > 500 for c in counters), counters
         assert sum(len(d) for d in dead_refs) > 50  # eviction did recycle blocks
-
-
-def test_fd_env_var_documented():
-    assert faults.ENV_VAR == "REFSTORE_FAULTS"
-    assert os.environ.get(faults.ENV_VAR) is None
 
 
 def test_get_overtaking_a_delayed_seal_waits_for_it(master):

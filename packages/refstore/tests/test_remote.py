@@ -46,15 +46,18 @@ def test_remote_get_between_two_masters(no_leaks, mode):
         assert ca.stats().objects == 0
 
 
-def test_remote_get_of_a_gone_object_says_why(no_leaks):
+def test_remote_get_of_a_gone_object_says_why(no_leaks, clock):
+    on_clock = {"clock": clock.monotonic, "wall_clock": clock.time}
     with (
-        MasterThread("node-a", "8M"),
-        MasterThread("node-b", "8M"),
+        MasterThread("node-a", "8M", **on_clock) as a,
+        MasterThread("node-b", "8M", **on_clock) as b,
         Client("node-a") as ca,
         Client("node-b") as cb,
     ):
+        clock.masters += [a, b]
         ref = cb.put(b"short-lived", ttl=0.1)
-        cb.wait_gone(ref, timeout=10)
+        clock.advance(1.0)
+        assert cb.wait_gone(ref, timeout=0)[0] == "lease expired"
         with pytest.raises(refstore.ObjectExpired):
             ca.get(ref)
         assert ca.stats().used == 0  # the room reserved for the copy was given back

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import gc
+import math
 import pickle
+import threading
 import time
 
 import numpy as np
@@ -9,6 +11,7 @@ import pytest
 import refstore
 import torch
 from refstore import Client, MasterThread, start_master_process
+from simple_rpc import SyncClient
 
 
 def test_numpy_roundtrip_is_zero_copy_and_read_only(client):
@@ -187,27 +190,33 @@ def test_release_frees_at_once_and_get_says_since_when(client):
     client.release(ref)  # idempotent
 
 
-def test_lease_expires_and_memory_is_reclaimed(client):
+def test_lease_expires_and_memory_is_reclaimed(clock, client):
     ref = client.put(np.ones(1 << 20, np.uint8), ttl=0.2)
     keep = client.put(np.ones(10, np.uint8), ttl=60)
-    gone = client.wait_gone(ref, timeout=10)
+    clock.advance(0.1)
+    assert client.wait_gone(ref, timeout=0) is None
+    clock.advance(0.2)
+    gone = client.wait_gone(ref, timeout=0)
     assert gone is not None
     assert gone[0] == "lease expired"
+    assert gone[1] == clock.wall  # the fake wall clock, when the master freed it
     with pytest.raises(refstore.ObjectExpired, match="lease expired since"):
         client.get(ref)
     stats = client.stats()
     assert stats.objects == 1
     assert stats.expirations == 1
     np.testing.assert_array_equal(client.get(keep), 1)
-    assert client.wait_gone(keep, timeout=0.05) is None
+    assert client.wait_gone(keep, timeout=0) is None
 
 
-def test_extend_keeps_object_alive(client):
+def test_extend_keeps_object_alive(clock, client):
     ref = client.put(b"x", ttl=0.2)
     client.extend(ref, 30)
-    assert client.wait_gone(ref, timeout=0.5) is None
+    clock.advance(29)
+    assert client.wait_gone(ref, timeout=0) is None
     client.extend(ref, 0.1)
-    assert client.wait_gone(ref, timeout=10)[0] == "lease expired"
+    clock.advance(0.2)
+    assert client.wait_gone(ref, timeout=0)[0] == "lease expired"
 
 
 def test_eviction_is_lru_of_unleased_and_spares_pins_and_leases(client):
@@ -344,7 +353,7 @@ def test_repeated_sizes_put_without_a_round_trip(client):
     client.flush()
     stats = client.stats()
     assert stats.reserves >= 9
-    assert 1 <= stats.reserved <= refstore.client.RESERVE_DEPTH  # blocks for the next puts
+    assert 1 <= stats.reserved <= refstore.reservations.RESERVE_DEPTH  # blocks for the next puts
     assert stats.objects == stats.puts == 10  # reserved blocks are counted apart
     client.release(refs)
     client.close()
@@ -373,12 +382,12 @@ def test_header_fast_path_defers_to_the_master_for_the_reason(client):
 
 def test_pool_descriptor_comes_over_a_unix_socket_else_through_proc(master, refstore_dir):
     with Client("test") as c:
-        assert c._pool.attached_via == "scm_rights"  # works across PID namespaces
+        assert c._link.current.pool.attached_via == "scm_rights"  # works across PID namespaces
         ref = c.put(np.arange(10))
     (socket_file,) = refstore_dir.glob("test.*.sock")
     socket_file.unlink()  # e.g. a container that shares the discovery file but not the socket
     with Client("test") as c:
-        assert c._pool.attached_via == "proc"
+        assert c._link.current.pool.attached_via == "proc"
         np.testing.assert_array_equal(c.get(ref), np.arange(10))
 
 
@@ -394,8 +403,8 @@ def test_close_after_shutdown_master_has_nothing_to_give_back(no_leaks):
         assert client.stats().reserved >= 1
         client.shutdown_master("test done")
         sent = []
-        rpc_call = client._rpc.call
-        client._rpc.call = lambda method, *args, **kwargs: (
+        rpc_call = client._link.current.rpc.call
+        client._link.current.rpc.call = lambda method, *args, **kwargs: (
             sent.append(method.name),
             rpc_call(method, *args, **kwargs),
         )[1]
@@ -411,8 +420,8 @@ def test_close_after_shutdown_master_has_nothing_to_give_back(no_leaks):
 def _calls_sent(client: Client) -> list[str]:
     """Names of the calls the client sends from now on."""
     sent: list[str] = []
-    call_future = client._rpc.call_future
-    client._rpc.call_future = lambda method, *args, **kwargs: (
+    call_future = client._link.current.rpc.call_future
+    client._link.current.rpc.call_future = lambda method, *args, **kwargs: (
         sent.append(method.name),
         call_future(method, *args, **kwargs),
     )[1]
@@ -430,7 +439,7 @@ def test_a_put_into_a_reserved_block_sends_nothing_its_header_commits_it(client)
     data = np.arange(20_000, dtype=np.int64)
     _warm_reservations(client, data)
     sent = _calls_sent(client)
-    refs = [client.put(data + i, ttl=60.0) for i in range(refstore.client.RESERVE_LOW)]
+    refs = [client.put(data + i, ttl=60.0) for i in range(refstore.reservations.RESERVE_LOW)]
     # No seal, no commit: the header is the commit record. One call refills the stock.
     assert sent == ["refstore.reserve"]
     assert client.counters["fast_puts"] == 4 + len(refs)
@@ -443,27 +452,26 @@ def test_a_put_into_a_reserved_block_sends_nothing_its_header_commits_it(client)
         assert stats.puts == 6 + len(refs)
 
 
-def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(client):
+def test_a_lease_that_ran_out_before_the_master_looked_says_since_when(clock, client):
     data = np.zeros(50_000, np.uint8)
     _warm_reservations(client, data)
-    before = time.time()
     ref = client.put(data, ttl=0.2)
-    after = time.time()
     assert client.counters["fast_puts"] == 5
-    time.sleep(0.6)
+    put_at = clock.wall
+    clock.advance(0.6)
     with pytest.raises(refstore.ObjectExpired) as info:
         client.get(ref)  # the header says the lease ran out: the master decides
-    assert before + 0.15 < info.value.since < after + 0.25  # when it ran out, not now
+    assert info.value.since == pytest.approx(put_at + 0.2, abs=1e-3)  # when it ran out, not now
     assert client.counters["fast_gets"] == 0
     assert client.stats().expirations == 1
 
 
-def test_extend_moves_the_lease_the_header_fast_path_checks(client):
+def test_extend_moves_the_lease_the_header_fast_path_checks(clock, client):
     data = np.ones(50_000, np.uint8)
     _warm_reservations(client, data)
     ref = client.put(data, ttl=1.0)
     client.extend(ref, 60.0)
-    time.sleep(1.2)
+    clock.advance(1.2)
     np.testing.assert_array_equal(client.get(ref), data)
     assert client.counters["fast_gets"] == 1  # the master wrote the new deadline to the header
     client.extend(ref, None)  # no lease: a cache entry
@@ -485,3 +493,88 @@ def test_eviction_sees_cache_entries_put_into_reserved_blocks(client):
         except refstore.ObjectEvicted:
             evicted += 1
     assert evicted >= 100
+
+
+BAD_TTLS = [math.nan, math.inf, -1.0, 0.0]
+
+
+@pytest.mark.parametrize("ttl", BAD_TTLS, ids=str)
+def test_a_ttl_that_is_not_a_finite_positive_number_is_a_caller_error(client, ttl):
+    ref = client.put(b"kept", ttl=30)
+    _warm_reservations(client, b"x" * 100)  # the put below would take a reserved block
+    puts = client.counters["puts"]
+    with pytest.raises(refstore.CallerError, match="ttl"):
+        client.put(b"x" * 100, ttl=ttl)
+    with pytest.raises(refstore.CallerError, match="ttl"):
+        client.put(np.zeros(3 << 20, np.uint8), ttl=ttl)  # a size that allocates
+    with pytest.raises(refstore.CallerError, match="ttl"):
+        client.extend(ref, ttl)
+    assert client.counters["puts"] == puts
+    assert bytes(client.get(ref)) == b"kept"
+    assert client.stats().objects == 1
+
+
+def test_the_master_checks_the_numbers_of_every_request(client):
+    """Past the client's own checks (another client, another version): a typed CallerError per
+    request, the master keeps serving, and no other lease is disturbed."""
+    ref = client.put(b"x", ttl=30)
+    layout = refstore.protocol.Layout(0, [refstore.protocol.Item(None, 2, "|u1", (8,), 0, 8)])
+    bad_layout = refstore.protocol.Layout(0, [refstore.protocol.Item(None, 2, "|u1", (8,), 8, 8)])
+    p = refstore.protocol
+    requests = [
+        (p.ALLOC, p.Alloc(8, layout, math.nan)),
+        (p.ALLOC, p.Alloc(8, layout, math.inf)),
+        (p.ALLOC, p.Alloc(-8, layout, 10.0)),
+        (p.ALLOC, p.Alloc(8, bad_layout, 10.0)),
+        (p.ALLOC, p.Alloc(8, layout, 10.0, header=-64)),
+        (p.EXTEND, p.Extend(ref.pool, [ref.oid], math.nan)),
+        (p.WAIT_GONE, p.WaitGone(ref.pool, ref.oid, math.nan)),
+        (p.FETCH, p.Fetch("elsewhere", 1, 8, "127.0.0.1:1", math.nan)),
+        (p.FETCH, p.Fetch("elsewhere", 1, -8, "127.0.0.1:1", 10.0)),
+        (p.SEND_TO, p.SendTo(ref.pool, ref.oid, "r", "127.0.0.1:1", 0, -1)),
+        (p.RESERVE, p.Reserve(-256, 4)),
+    ]
+    with SyncClient(client.address) as rpc:
+        for method, request in requests:
+            resp = rpc.call(method, request, timeout=5)
+            assert resp.err is not None, request
+            assert resp.err.kind == "CallerError", (request, resp.err)
+    stats = client.stats()
+    assert stats.objects == 1
+    assert stats.leased == 1
+    assert bytes(client.get(ref)) == b"x"
+
+
+def test_a_reconnect_in_progress_blocks_no_other_call(client):
+    """Attaching waits on the master (a call, mapping the pool); while it does, puts, gets and
+    stats go on through the current attachment, and a second reconnect waits for the first one's
+    outcome instead of attaching again (no lock is held across the attach)."""
+    data = np.arange(1000)
+    ref = client.put(data)
+    link = client._link
+    attach = link._attach
+    attaching, go_on = threading.Event(), threading.Event()
+    attaches = []
+
+    def slow_attach(previous):
+        attaches.append(previous.epoch)
+        attaching.set()
+        assert go_on.wait(30)
+        return attach(previous)
+
+    link._attach = slow_attach
+    outcomes: list[bool] = []
+    first = threading.Thread(target=lambda: outcomes.append(client.reconnect()))
+    first.start()
+    assert attaching.wait(30)
+    second = threading.Thread(target=lambda: outcomes.append(client.reconnect()))
+    second.start()
+    np.testing.assert_array_equal(client.get(ref), data)
+    assert bytes(client.get(client.put(b"meanwhile"))) == b"meanwhile"
+    assert client.stats().objects == 2
+    go_on.set()
+    first.join(30)
+    second.join(30)
+    assert outcomes == [False, False]  # the same master: no new epoch
+    assert len(attaches) <= 2
+    np.testing.assert_array_equal(client.get(ref), data)

@@ -32,13 +32,31 @@ def _batches(client):
     return by_value, by_ref
 
 
-def test_reorder_and_split_agree(client):
+def _payload_reads(monkeypatch) -> list[refstore.Ref]:
+    """The refs any refstore client of this process gets from now on. Counted in the client:
+    gets answered from the object's header never reach the master's counters."""
+    reads: list[refstore.Ref] = []
+    get = refstore.Client.get
+
+    def counted(self, ref, *args, **kwargs):
+        reads.append(ref)
+        return get(self, ref, *args, **kwargs)
+
+    monkeypatch.setattr(refstore.Client, "get", counted)
+    return reads
+
+
+def test_reorder_and_split_agree(client, monkeypatch):
     by_value, by_ref = _batches(client)
-    stats_before = client.stats().gets
+    (stored,) = by_ref.r3.used_refs()
+    reads = _payload_reads(monkeypatch)
+    puts = client.stats().puts
     order = np.argsort(-by_value.lengths, kind="stable")
     value_parts = by_value.reorder(order).split([(0, 2), (2, 5)])
     ref_parts = by_ref.reorder(order).split([(0, 2), (2, 5)])
-    assert client.stats().gets == stats_before  # the ref path touched no payload
+    assert reads == []  # the ref path touched no payload: no client read it
+    assert client.stats().puts == puts  # nor stored a new one
+    assert all(part.r3.used_refs() == [stored] for part in ref_parts)  # manifests of the same rows
     for v, r in zip(value_parts, ref_parts, strict=True):
         np.testing.assert_array_equal(v.sample_ids, r.sample_ids)
         np.testing.assert_array_equal(v.r3, refstore.materialize(r.r3, client=client))

@@ -9,7 +9,7 @@
 See README.md for leases, soft pins, eviction, manifests, remote get, faults and Ray helpers.
 """
 
-from .client import Client, connect, start_master_process
+from .client import Client, connect
 from .errors import (
     CallerError,
     InjectedFault,
@@ -24,6 +24,7 @@ from .errors import (
     RefstoreError,
     UnknownObject,
 )
+from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
 from .protocol import Stats

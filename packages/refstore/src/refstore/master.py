@@ -6,8 +6,8 @@ Everything runs on one asyncio loop thread, which owns the state; a single timer
 earliest lease deadline (no periodic sweeps).
 
 Remote get: a client asks its local master to ``fetch`` a ref owned by another node's master; the
-local master allocates room in its own pool and pulls the payload from the owner (kvt when
-available, else simple-rpc raw reads; see ``remote.py``), then the client reads it locally.
+local master allocates room in its own pool and pulls the payload from the owner (kvt, or
+simple-rpc raw reads with ``remote="rpc"``; see ``remote.py``), then the client reads it locally.
 
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
 actor), or let the first client start one (``refstore.connect(autostart=True)``).
@@ -62,9 +62,18 @@ class Master:
     """Create with ``await Master.start(...)`` on the loop that will own it; ``await close()``."""
 
     def __init__(
-        self, name: str, pool: SharedPool, epoch: str, faults: FaultPlan, advertise: str | None
+        self,
+        name: str,
+        pool: SharedPool,
+        epoch: str,
+        faults: FaultPlan,
+        advertise: str | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.name = name
+        self._clock = clock
         self.pool = pool
         self.epoch = epoch
         self.faults = faults
@@ -74,6 +83,8 @@ class Master:
             epoch,
             reserved_prefix=header.CONTROL_BYTES,
             on_free=self._mark_freed,
+            clock=clock,
+            wall_clock=wall_clock,
             last_read_ns=self._last_read_ns,
             read_commit=self._read_commit,
             on_lease=self._write_lease,
@@ -123,7 +134,11 @@ class Master:
         advertise: str | None = None,
         faults: str | None = None,
         remote: str = "auto",
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> Master:
+        """``clock`` (CLOCK_MONOTONIC seconds, as clients stamp headers) and ``wall_clock`` (for
+        the times errors say) are for tests that move time themselves (``check_deadlines``)."""
         lock = discovery.MasterLock(name)
         if not lock.try_acquire():
             raise CallerError(f"a refstore master named {name!r} is already running ({lock.path})")
@@ -139,7 +154,15 @@ class Master:
                 shmem_hugepages_mode(),
             )
             plan = FaultPlan(faults) if faults is not None else FaultPlan.from_env()
-            master = cls(name, pool, uuid.uuid4().hex[:16], plan, advertise)
+            master = cls(
+                name,
+                pool,
+                uuid.uuid4().hex[:16],
+                plan,
+                advertise,
+                clock=clock,
+                wall_clock=wall_clock,
+            )
             master._lock = lock
             await master.server.start(host, port)
         except BaseException:
@@ -147,7 +170,7 @@ class Master:
             with contextlib.suppress(NameError):
                 pool.close()
             raise
-        master.remote = RemotePuller(master, mode=remote, host=host)
+        master.remote = RemotePuller(master.state, pool.view, name, mode=remote, host=host)
         master._start_fd_socket()
         node = advertise or master.server.address
         master.info = discovery.MasterInfo(
@@ -296,16 +319,22 @@ class Master:
             self._timer = None
         self._timer_deadline = deadline
         if deadline is not None:
-            delay = max(0.0, deadline - time.monotonic())
+            delay = max(0.0, deadline - self._clock())
             self._timer = asyncio.get_running_loop().call_later(delay, self._on_expiry_timer)
 
     def _on_expiry_timer(self) -> None:
         self._timer = None
         self._timer_deadline = None
+        self.check_deadlines()
+
+    def check_deadlines(self) -> int:
+        """Free what is due by the master's clock and re-arm the timer (on the loop thread; the
+        timer calls it, and so does a test that moved a fake clock). Returns how many expired."""
         expired = self.state.expire_due()
         if expired:
             log.debug("master %s: %d leases expired", self.name, expired)
         self._reschedule_expiry()
+        return expired
 
     # -- handlers -----------------------------------------------------------------------------
     async def _hello(self, req: protocol.Hello, ctx: CallContext) -> protocol.HelloResp:
@@ -406,7 +435,8 @@ class Master:
 
     async def _wait_gone(self, req: protocol.WaitGone, ctx: CallContext) -> protocol.GoneResp:
         """Answer when the object is freed (or at the timeout): an event, not a poll."""
-        timeout = min(max(req.timeout_s, 0.0), MAX_WAIT_GONE_S)
+        protocol.check_timeout(req.timeout_s)
+        timeout = min(req.timeout_s, MAX_WAIT_GONE_S)
         try:
             obj = self.state.lookup(req.epoch, req.oid)
         except RefstoreError as err:
@@ -445,9 +475,13 @@ class Master:
         return protocol.Ack()
 
     async def _fetch(self, req: protocol.Fetch, ctx: CallContext) -> protocol.FetchResp:
+        protocol.check_ttl(req.ttl_s)
+        protocol.check_size(req.nbytes, "nbytes")
         return await self.remote.fetch(req)
 
     async def _send_to(self, req: protocol.SendTo, ctx: CallContext) -> protocol.SendToResp:
+        protocol.check_size(req.dst_offset, "dst_offset")
+        protocol.check_size(req.dst_region, "dst_region")
         return await self.remote.send_to(req, ctx.peer)
 
     async def _read_range(self, req: protocol.ReadRange, ctx: CallContext) -> bytes:
@@ -487,6 +521,14 @@ class MasterThread:
     @property
     def epoch(self) -> str:
         return self.master.epoch
+
+    def check_deadlines(self) -> int:
+        """``Master.check_deadlines`` on the master's loop thread."""
+
+        async def check() -> int:
+            return self.master.check_deadlines()
+
+        return self._loop.run(check())
 
     def close(self) -> None:
         with self._close_lock:

@@ -4,6 +4,11 @@ Every method has its own pair of 4-byte heads in the refstore range 0x5253xxxx (
 response carries ``err: ErrorInfo | None`` so a typed refstore error survives the RPC (a handler
 that raises anything else reaches the caller as simple_rpc's RemoteError, i.e. a master bug).
 Payload bytes never travel in these messages: the client reads and writes the shared pool itself.
+
+msgspec checks every field's type; the ``check_*`` functions below check that the numbers are in
+range (finite, positive, inside the object, ...), and the master runs them on every request before
+it acts on one, answering ``CallerError`` otherwise (a NaN lease deadline, say, would break the
+order of the master's lease heap and never expire).
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ from __future__ import annotations
 import msgspec
 from simple_rpc import Method
 
-from .errors import ErrorInfo
+from .errors import CallerError, ErrorInfo
+
+# ~31 years: a lease deadline in nanoseconds still fits the header's u64, and is finite.
+MAX_TTL_S = 1e9
 
 
 class Item(msgspec.Struct, frozen=True, array_like=True):
@@ -38,6 +46,50 @@ CONTAINER_TUPLE = 3
 class Layout(msgspec.Struct, frozen=True, array_like=True):
     container: int
     items: list[Item]
+
+
+def check_ttl(ttl_s: float | None, what: str = "ttl_s") -> None:
+    """A lease: None, or a finite number of seconds in (0, MAX_TTL_S]."""
+    try:
+        good = ttl_s is None or 0.0 < ttl_s <= MAX_TTL_S  # NaN fails every comparison
+    except TypeError:
+        good = False
+    if not good:
+        raise CallerError(f"{what} must be None or seconds in (0, {MAX_TTL_S:g}], got {ttl_s!r}")
+
+
+def check_timeout(timeout_s: float, what: str = "timeout_s") -> None:
+    try:
+        good = 0.0 <= timeout_s <= MAX_TTL_S
+    except TypeError:
+        good = False
+    if not good:
+        raise CallerError(f"{what} must be seconds in [0, {MAX_TTL_S:g}], got {timeout_s!r}")
+
+
+def check_size(nbytes: int, what: str, limit: int | None = None) -> None:
+    if nbytes < 0 or (limit is not None and nbytes > limit):
+        bound = "" if limit is None else f" and at most {limit}"
+        raise CallerError(f"{what} must be at least 0{bound}, got {nbytes}")
+
+
+def check_layout(layout: Layout, nbytes: int) -> None:
+    """Every item of a layout lies inside the ``nbytes`` of its payload, with a known kind and a
+    shape of non-negative dimensions: the clients that get the object build views from it."""
+    if layout.container not in (CONTAINER_SINGLE, CONTAINER_LIST, CONTAINER_DICT, CONTAINER_TUPLE):
+        raise CallerError(f"unknown container kind {layout.container}")
+    if layout.container == CONTAINER_SINGLE and len(layout.items) != 1:
+        raise CallerError(f"a single object has one item, not {len(layout.items)}")
+    for item in layout.items:
+        if item.kind not in (KIND_NUMPY, KIND_TORCH, KIND_BYTES):
+            raise CallerError(f"item {item.key!r}: unknown kind {item.kind}")
+        if item.offset < 0 or item.nbytes < 0 or item.offset + item.nbytes > nbytes:
+            raise CallerError(
+                f"item {item.key!r} at {item.offset}+{item.nbytes} lies outside the payload of "
+                f"{nbytes} bytes"
+            )
+        if any(dim < 0 for dim in item.shape):
+            raise CallerError(f"item {item.key!r}: negative dimension in shape {item.shape}")
 
 
 class Ack(msgspec.Struct, frozen=True):
@@ -207,7 +259,7 @@ class SendToResp(msgspec.Struct, frozen=True):
 
 
 class ReadRange(msgspec.Struct, frozen=True):
-    """Requester master -> owner master: raw bytes of an object (fallback without kvt)."""
+    """Requester master -> owner master: raw bytes of an object (``remote="rpc"``)."""
 
     epoch: str
     oid: int

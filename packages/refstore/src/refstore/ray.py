@@ -107,16 +107,22 @@ def client(name: str = discovery.DEFAULT_NAME) -> Client:
     """This process's client of its node's master (created on first use, closed at exit)."""
     with _clients_lock:
         existing = _clients.get(name)
-        if existing is None:
-            existing = _clients[name] = Client(name)
+    if existing is not None:
         return existing
+    made = Client(name)  # connects: not under the lock
+    with _clients_lock:
+        existing = _clients.setdefault(name, made)
+    if existing is not made:  # another thread made one first
+        made.close()
+    return existing
 
 
 def close_clients() -> None:
     with _clients_lock:
-        for c in _clients.values():
-            c.close()
+        clients = list(_clients.values())
         _clients.clear()
+    for c in clients:
+        c.close()
 
 
 atexit.register(close_clients)

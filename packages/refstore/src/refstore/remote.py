@@ -1,12 +1,17 @@
 """Remote get: pull an object owned by another node's master into this node's pool.
 
 The requesting master allocates room in its own pool, then asks the owner to write the payload
-there. With kvt available (``mode="kvt"`` or ``"auto"``) both masters own a
+there. By default (``mode="kvt"``, also what ``"auto"`` means) both masters own a
 ``kvt.TransferEngine`` with their pool registered as region 0: the requester ``expect``s the
 request id, asks the owner over simple-rpc (``SEND_TO``), and the owner ``send``s IpcBlocks from its
 pool straight into the requester's pool (kvt's TCP data plane: scatter/gather from registered
-memory, ``recv_into`` the destination). Without kvt (``mode="rpc"``) the requester reads the object
-in chunks with raw simple-rpc frames (``READ_RANGE``) and copies them into its pool.
+memory, ``recv_into`` the destination). With ``mode="rpc"`` (e.g. where kvt's data port cannot be
+reached) the requester reads the object in chunks with raw simple-rpc frames (``READ_RANGE``) and
+copies them into its pool. kvt is a dependency of refstore; it is imported when a master first
+transfers (its import costs about half a second), not when refstore is.
+
+The puller works on what the master owns, handed to it: the state and the pool's memory (it does
+not know the master).
 
 The local copy is an ordinary object of the local pool (leased for the fetch's TTL, then evictable
 like any other), remembered per remote (epoch, oid) so repeated gets do not pull again.
@@ -17,16 +22,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from simple_rpc import Client as RpcClient
 from simple_rpc import RpcError
 
 from . import protocol
-from .errors import MasterUnavailable, PeerError, from_info
-
-if TYPE_CHECKING:
-    from .master import Master
+from .errors import CallerError, MasterUnavailable, PeerError, from_info
+from .state import MasterState
 
 log = logging.getLogger("refstore.remote")
 
@@ -34,23 +37,28 @@ CHUNK = 8 << 20  # raw-read chunk; larger chunks only add latency before the fir
 RAW_PARALLEL = 2
 KVT_BLOCK = 64 << 20  # bytes per IpcBlock when sending a contiguous object
 TRANSFER_TIMEOUT_S = 120.0
-
-
-def _kvt_available() -> bool:
-    try:
-        import kvt
-
-        return hasattr(kvt, "TransferEngine")
-    except ImportError:
-        return False
+MODES = ("auto", "kvt", "rpc")
 
 
 class RemotePuller:
-    def __init__(self, master: Master, *, mode: str = "auto", host: str = "127.0.0.1") -> None:
-        if mode not in ("auto", "kvt", "rpc"):
+    """Remote gets of one master: ``state`` is its bookkeeping, ``pool`` its pool's memory
+    (both owned by the master and used on its loop thread), ``name`` names its kvt engine."""
+
+    def __init__(
+        self,
+        state: MasterState,
+        pool: memoryview,
+        name: str,
+        *,
+        mode: str = "auto",
+        host: str = "127.0.0.1",
+    ) -> None:
+        if mode not in MODES:
             raise ValueError(f"remote mode must be auto, kvt or rpc, got {mode!r}")
-        self.master = master
-        self.mode = "kvt" if mode == "kvt" or (mode == "auto" and _kvt_available()) else "rpc"
+        self.state = state
+        self.pool = pool
+        self.name = name
+        self.mode = "rpc" if mode == "rpc" else "kvt"
         self._host = host if host != "0.0.0.0" else "127.0.0.1"
         self._peers: dict[str, RpcClient] = {}
         self._fetched: dict[tuple[str, int], int] = {}  # remote (epoch, oid) -> local oid
@@ -64,8 +72,8 @@ class RemotePuller:
         if self._engine is None:
             from kvt import TransferEngine
 
-            engine = TransferEngine(host=self._host, port=0, name=f"refstore-{self.master.name}")
-            self._region = engine.register_region(self.master.pool.view)
+            engine = TransferEngine(host=self._host, port=0, name=f"refstore-{self.name}")
+            self._region = engine.register_region(self.pool)
             self._engine = engine
         return self._engine
 
@@ -98,7 +106,7 @@ class RemotePuller:
     # -- requester side -----------------------------------------------------------------------
     async def fetch(self, req: protocol.Fetch) -> protocol.FetchResp:
         key = (req.epoch, req.oid)
-        state = self.master.state
+        state = self.state
         local_oid = self._fetched.get(key)
         if local_oid is not None:
             obj = state.objects.get(local_oid)
@@ -120,11 +128,16 @@ class RemotePuller:
             future.set_result(None)
 
     async def _pull(self, req: protocol.Fetch) -> protocol.FetchResp:
-        state = self.master.state
+        state = self.state
         desc = await self._call(
             req.node, protocol.DESCRIBE, protocol.Describe(req.epoch, req.oid), 10.0
         )
-        obj = state.alloc(desc.nbytes, desc.layout, req.ttl_s, False)
+        if desc.layout is None:
+            raise PeerError(f"owner {req.node} described object {req.oid} without a layout")
+        try:
+            obj = state.alloc(desc.nbytes, desc.layout, req.ttl_s, False)
+        except CallerError as err:  # the owner's numbers, not the caller's
+            raise PeerError(f"owner {req.node} described object {req.oid}: {err}") from err
         try:
             if self.mode == "kvt":
                 await self._pull_kvt(req, obj.offset)
@@ -139,7 +152,7 @@ class RemotePuller:
         return protocol.FetchResp(state.epoch, obj.oid, obj.payload, obj.layout)
 
     async def _pull_rpc(self, req: protocol.Fetch, dst_offset: int, nbytes: int) -> None:
-        view = self.master.pool.view
+        view = self.pool
         queue = list(range(0, nbytes, CHUNK))
 
         async def worker() -> None:
@@ -190,7 +203,7 @@ class RemotePuller:
         import numpy as np
         from ipcblock import IPCBLOCK_DTYPE
 
-        state = self.master.state
+        state = self.state
         obj = state.get(req.epoch, req.oid)
         engine = await asyncio.to_thread(self._kvt) if self._engine is None else self._engine
         starts = np.arange(0, max(obj.nbytes, 1), KVT_BLOCK, dtype=np.uint64)

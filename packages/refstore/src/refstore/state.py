@@ -60,7 +60,7 @@ from .errors import (
     PoolFull,
     UnknownObject,
 )
-from .protocol import Layout, Stats
+from .protocol import Layout, Stats, check_layout, check_size, check_ttl
 
 # An unsealed object whose writer never seals it is reclaimed after this long even without a lease.
 WRITE_TIMEOUT_S = 120.0
@@ -100,7 +100,7 @@ class StoredObject:
         self.layout = layout  # None while reserved
         self.reserved = False
         self.owner = ""  # the peer a reserved block was handed to
-        self.touched_ns = 0  # when the master last saw it used (CLOCK_MONOTONIC ns)
+        self.touched_ns = 0  # when the master last saw it used (the state's clock, in ns)
         self.sealed = False
         self.deadline: float | None = None  # monotonic; None = no lease
         self.pinned = False
@@ -176,6 +176,10 @@ class MasterState:
         )
 
     # -- helpers ------------------------------------------------------------------------------
+    def _now_ns(self) -> int:
+        """The clock in nanoseconds, as gets stamp headers (``header.py``, last access)."""
+        return int(self._clock() * 1e9)
+
     def _check_epoch(self, epoch: str) -> None:
         if epoch != self.epoch:
             raise UnknownObject(f"ref from pool {epoch!r}, this master serves pool {self.epoch!r}")
@@ -218,7 +222,7 @@ class MasterState:
         now_evictable = self._is_evictable(obj)
         if now_evictable:
             (self._lru_pinned if obj.pinned else self._lru)[obj.oid] = None
-            obj.touched_ns = time.monotonic_ns()
+            obj.touched_ns = self._now_ns()
         self._evictable_bytes += (now_evictable - was_evictable) * self.allocator.block_size(
             obj.offset
         )
@@ -253,10 +257,10 @@ class MasterState:
     def alloc(
         self, nbytes: int, layout: Layout, ttl_s: float | None, pin: bool, header: int = 0
     ) -> StoredObject:
-        if nbytes < 0 or header < 0:
-            raise CallerError(f"negative size {nbytes} (header {header})")
-        if ttl_s is not None and ttl_s <= 0:
-            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        check_size(nbytes, "nbytes")
+        check_size(header, "header")
+        check_ttl(ttl_s)
+        check_layout(layout, nbytes)
         obj = self._new_object(header + nbytes, layout, header)
         obj.nbytes = nbytes
         obj.pinned = pin
@@ -405,10 +409,10 @@ class MasterState:
             raise CallerError(f"object {oid} is still being written (not sealed)")
         if oid in self._lru:
             self._lru.move_to_end(oid)
-            obj.touched_ns = time.monotonic_ns()
+            obj.touched_ns = self._now_ns()
         elif oid in self._lru_pinned:
             self._lru_pinned.move_to_end(oid)
-            obj.touched_ns = time.monotonic_ns()
+            obj.touched_ns = self._now_ns()
         self.counters["gets"] += 1
         return obj
 
@@ -425,8 +429,7 @@ class MasterState:
                 self.counters["releases"] += 1
 
     def extend(self, epoch: str, oids: list[int], ttl_s: float | None) -> None:
-        if ttl_s is not None and ttl_s <= 0:
-            raise CallerError(f"ttl_s must be positive or None, got {ttl_s}")
+        check_ttl(ttl_s)
         objs = [self.lookup(epoch, oid) for oid in oids]  # all or nothing
         now = self._clock()
         for obj in objs:
