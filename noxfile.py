@@ -32,9 +32,17 @@ ROOT = Path(__file__).parent
 PYTHON = "3.11"
 
 
-def _sync(session: nox.Session, package: str | None, *, extras: tuple[str, ...] = ()) -> None:
+def _sync(
+    session: nox.Session,
+    package: str | None,
+    *,
+    extras: tuple[str, ...] = (),
+    groups: tuple[str, ...] = ("dev", "bench"),
+) -> None:
     """Install one workspace package (or the whole workspace) from the lock into the venv."""
-    args = ["uv", "sync", "--frozen", "--group", "dev", "--group", "bench"]
+    args = ["uv", "sync", "--frozen"]
+    for group in groups:
+        args += ["--group", group]
     if package:
         args += ["--package", package]
     for extra in extras:
@@ -50,10 +58,11 @@ def _test_package(
     package: str,
     *,
     extras: tuple[str, ...] = (),
+    groups: tuple[str, ...] = ("dev", "bench"),
     pytest_args: tuple[str, ...] = (),
     smoke: bool = True,
 ) -> None:
-    _sync(session, package, extras=extras)
+    _sync(session, package, extras=extras, groups=groups)
     pkg_dir = ROOT / "packages" / package
     session.run("pytest", str(pkg_dir / "tests"), *pytest_args, *session.posargs)
     for bench in sorted((pkg_dir / "benchmarks").glob("bench_*.py")) if smoke else []:
@@ -100,10 +109,13 @@ def hybrid_connector(session: nox.Session) -> None:
 @nox.session(python=PYTHON, name="pd_serving")
 def pd_serving(session: nox.Session) -> None:
     """pd-serving without its vllm extra: the proxy, the launcher, `pdserve proxy` and the bench's
-    harness must work where vLLM is not installed. Then pd_serving_vllm runs the rest."""
-    _test_package(session, "pd-serving", pytest_args=("-m", "not needs_vllm"))
-    absent = "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is not None)"
-    session.run("python", "-c", absent)  # the tests above ran without vllm
+    harness must work where vLLM is not installed. Then pd_serving_vllm runs the rest.
+
+    No bench group either: the competitors there (nixl) pull in torch."""
+    _test_package(session, "pd-serving", groups=("dev",), pytest_args=("-m", "not needs_vllm"))
+    heavy = ("vllm", "torch", "transformers")
+    absent = f"import importlib.util as u, sys; sys.exit(any(map(u.find_spec, {heavy!r})))"
+    session.run("python", "-c", absent)  # the tests above ran without any of them
     session.notify("pd_serving_vllm", session.posargs)
 
 
