@@ -10,7 +10,7 @@ re-links it, and another process using the same venv meanwhile finds vllm half d
 Run it with the venv's interpreter after each `uv sync` into a fresh venv (`.ci/run` and every
 nox session do)::
 
-    .venv/bin/python .ci/fix_wheel_tags.py [path/to/uv.lock]
+    .venv/bin/python .ci/fix_wheel_tags.py [path/to/uv.lock [site-packages dir ...]]
 
 For each installed distribution whose ``WHEEL`` tags fit no tag of this interpreter, it takes the
 lock's wheel of that name and version that does fit and writes that file name's tags into
@@ -83,9 +83,10 @@ def _rewrite(dist_info: Path, tags: list[Tag]) -> None:
 def main(argv: list[str]) -> int:
     root = Path(__file__).resolve().parent.parent
     lock_path = Path(argv[1]) if len(argv) > 1 else root / "uv.lock"
+    search_path = argv[2:] or sys.path  # where to look for installed distributions
     offered = _lock_wheels(lock_path)
     supported = set(sys_tags())
-    for dist in importlib.metadata.distributions():
+    for dist in importlib.metadata.distributions(path=search_path):
         declared = (dist.read_text("WHEEL") or "").splitlines()
         tags = {t for ln in declared if ln.startswith("Tag:") for t in parse_tag(ln[4:].strip())}
         if not tags or tags & supported:
