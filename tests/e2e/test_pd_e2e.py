@@ -30,14 +30,8 @@ MAX_TOKENS = 16
 CONCURRENCY = 4
 
 
-# Each test draws its prompts from its own seeds.
-SEEDS_WHOLE, SEEDS_STREAM, SEEDS_SEQUENTIAL, SEEDS_MID_STREAM, SEEDS_UPSTREAM = (
-    0,
-    100,
-    200,
-    300,
-    400,
-)
+# Each test draws its prompts from seeds of its own (the first of 12).
+FIRST_SEED = {"whole": 0, "stream": 100, "sequential": 200, "mid_stream": 300, "upstream": 400}
 
 
 def _prompts(cluster: Cluster, first_seed: int) -> list[tuple[int, str | list[int]]]:
@@ -104,21 +98,17 @@ async def _check_equal_and_transferred(
     assert delta["external_kv_transfer"] > total / 2, delta
 
 
-@pytest.mark.parametrize(
-    ("stream", "first_seed"), [(False, SEEDS_WHOLE), (True, SEEDS_STREAM)], ids=["whole", "stream"]
-)
-async def test_greedy_tokens_equal_single_instance(
-    cluster: Cluster, stream: bool, first_seed: int
-) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_greedy_tokens_equal_single_instance(cluster: Cluster, stream: bool) -> None:
     """Through `pdserve up` (parallel dispatch with the HybridConnector)."""
-    prompts = _prompts(cluster, first_seed)
+    prompts = _prompts(cluster, FIRST_SEED["stream" if stream else "whole"])
     await _check_equal_and_transferred(cluster, cluster.proxy_url, prompts, stream=stream)
 
 
 async def test_greedy_tokens_equal_single_instance_sequential_dispatch(
     cluster: Cluster, sequential_proxy_url: str
 ) -> None:
-    prompts = _prompts(cluster, SEEDS_SEQUENTIAL)
+    prompts = _prompts(cluster, FIRST_SEED["sequential"])
     await _check_equal_and_transferred(cluster, sequential_proxy_url, prompts, stream=True)
 
 
@@ -196,7 +186,7 @@ def _longest_stream(cluster: Cluster, first_seed: int) -> dict[str, Any]:
 
 
 async def test_client_disconnect_mid_stream_leaves_no_blocks(cluster: Cluster) -> None:
-    body = _longest_stream(cluster, SEEDS_MID_STREAM)
+    body = _longest_stream(cluster, FIRST_SEED["mid_stream"])
     async with aiohttp.ClientSession() as session:
         # D decodes as fast as it can whatever the client reads, and the proxy forwards into
         # kernel buffers. On this 2-CPU box D's API server process is sometimes starved while
@@ -237,7 +227,7 @@ async def test_client_gone_while_upstream_leaves_no_blocks(cluster: Cluster) -> 
     or its blocks. Unlike the mid-stream case above, this does not depend on how fast D's first
     streamed line gets out (on this 2-CPU box D's API server is sometimes starved until the whole
     answer is generated)."""
-    body = json.dumps(_longest_stream(cluster, SEEDS_UPSTREAM)).encode()
+    body = json.dumps(_longest_stream(cluster, FIRST_SEED["upstream"])).encode()
     host, port = cluster.proxy_url.removeprefix("http://").split(":")
     disconnects = "pdserve_client_disconnects_total"
     async with aiohttp.ClientSession() as session:
