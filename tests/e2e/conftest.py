@@ -1,6 +1,12 @@
 """One 1P1D deployment (`pdserve up` as a real child process) plus one single vLLM instance.
 
-Both are started in parallel, once per test module, on the session's tiny model.
+Both are started in parallel, once per test module, on the session's tiny model. Every test must
+pass in any order (`nox -s e2e` shuffles them with pytest-random-order), so no test may end the
+deployment or rely on what an earlier test left in a prefix cache.
+
+Timeouts: each test function gets ``TEST_TIMEOUT_S`` (pytest-timeout, ``func_only``); starting
+vLLM is a fixture and has its own allowance, ``STARTUP_TIMEOUT_S``, enforced by
+``wait_all_ready`` (which also fails at once with the log tail if a child dies).
 """
 
 from __future__ import annotations
@@ -16,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from pd_serving.cli import READY_LINE
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
-from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
+from pd_serving.proxy import READY_LINE, Backend, Dispatch, PdProxy, ProxyConfig, serve
 from pd_serving.servers import Connector, CpuSettings, Role, VllmServer
 
 # HybridConnector is the default; PDSERVE_E2E_CONNECTOR=nixl runs the same suite on NIXL.
@@ -27,6 +32,16 @@ DISPATCH = os.environ.get(
     "PDSERVE_E2E_DISPATCH", "parallel" if CONNECTOR == "hybrid" else "sequential"
 )
 STARTUP_TIMEOUT_S = 600.0
+TEST_TIMEOUT_S = 240.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Fixture setup (vLLM start-up, once per module, in whichever test comes first) is bounded by
+    # STARTUP_TIMEOUT_S instead: counted here it would make every test's limit ten minutes.
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S, func_only=True))
 
 
 @dataclass
@@ -72,11 +87,10 @@ def sequential_proxy_url(cluster: Cluster) -> Iterator[str]:
         loop.close()
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    log_dir = tmp_path_factory.mktemp("pd-logs")
+def pdserve_up(model: Path, log_dir: Path) -> ManagedProcess:
+    """`pdserve up` (1P1D) as a child process, not started yet; ready once its proxy listens."""
     port = free_port()
-    pdserve = ManagedProcess(
+    return ManagedProcess(
         "pdserve",
         [
             sys.executable,
@@ -84,7 +98,7 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             "pd_serving.cli",
             "up",
             "--model",
-            str(tiny_model),
+            str(model),
             "--port",
             str(port),
             "--connector",
@@ -98,6 +112,12 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         ready_marker=READY_LINE,
         health_url=f"http://127.0.0.1:{port}/health",
     )
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    log_dir = tmp_path_factory.mktemp("pd-logs")
+    pdserve = pdserve_up(tiny_model, log_dir)
     single = VllmServer(
         name="single0",
         model=tiny_model,
@@ -111,11 +131,13 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         for proc in processes:
             proc.start()
         wait_all_ready(processes, STARTUP_TIMEOUT_S)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as resp:
+        assert pdserve.health_url is not None
+        proxy_url = pdserve.health_url.removesuffix("/health")
+        with urllib.request.urlopen(pdserve.health_url) as resp:
             health = json.load(resp)
         yield Cluster(
             model=tiny_model,
-            proxy_url=f"http://127.0.0.1:{port}",
+            proxy_url=proxy_url,
             single_url=single.url,
             pdserve=pdserve,
             prefill_urls=[b["url"] for b in health["prefill"]],

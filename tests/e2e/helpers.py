@@ -1,16 +1,22 @@
-"""Helpers of the end-to-end tests: vLLM's prometheus metrics and process trees."""
+"""Helpers of the end-to-end tests: vLLM's prometheus metrics and process trees.
+
+``wait_until`` is this tree's one way to wait for a state that has no event (vLLM shows KV usage
+and requests only as metrics); processes are waited for on pidfds
+(``pd_serving.testing.wait_all_gone``), readiness on the launcher's futures.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import select
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
 
 # Gauges that must read zero on an idle instance that holds no request's blocks.
 IDLE_GAUGES = (
@@ -51,25 +57,35 @@ async def prompt_tokens_by_source(
     return out
 
 
+async def wait_until(
+    read: Callable[[], Awaitable[T]], done: Callable[[T], bool], within_s: float = 60.0
+) -> T:
+    """Re-read ``read()`` with backoff (10 ms, doubling up to 1 s) until ``done`` holds of the
+    reading or ``within_s`` passed; returns the last reading either way."""
+    deadline = time.monotonic() + within_s
+    delay = 0.01
+    while True:
+        reading = await read()
+        if done(reading) or time.monotonic() > deadline:
+            return reading
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
 async def wait_idle(
     session: aiohttp.ClientSession, base_urls: Iterable[str], within_s: float = 60.0
 ) -> dict[str, dict[str, float]]:
-    """Wait until every instance reports no KV in use and no request; returns the last readings.
-
-    vLLM exposes this state only as metrics, so they are re-read with backoff; an abort or a lease
-    expiry takes the engine a step or two to show.
-    """
+    """Wait until every instance reports no KV in use and no request; returns the last readings
+    (an abort or a lease expiry takes the engine a step or two to show)."""
     urls = list(base_urls)
-    deadline = time.monotonic() + within_s
-    delay = 0.1
-    while True:
-        readings = {url: await read_gauges(session, url) for url in urls}
-        if all(v == 0.0 for r in readings.values() for v in r.values()):
-            return readings
-        if time.monotonic() > deadline:
-            return readings
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 2.0)
+
+    async def read() -> dict[str, dict[str, float]]:
+        return {url: await read_gauges(session, url) for url in urls}
+
+    def idle(readings: dict[str, dict[str, float]]) -> bool:
+        return all(v == 0.0 for gauges in readings.values() for v in gauges.values())
+
+    return await wait_until(read, idle, within_s)
 
 
 async def metric_sum(session: aiohttp.ClientSession, base_url: str, sample_name: str) -> float:
@@ -92,16 +108,12 @@ async def wait_metric_at_least(
     value: float,
     within_s: float = 60.0,
 ) -> bool:
-    """Wait until ``metric_sum`` reaches ``value`` (re-read with backoff, as in ``wait_idle``);
-    False if it did not within ``within_s``."""
-    deadline = time.monotonic() + within_s
-    delay = 0.01
-    while await metric_sum(session, base_url, sample_name) < value:
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.5)
-    return True
+    """Wait until ``metric_sum`` reaches ``value``; False if it did not within ``within_s``."""
+
+    async def read() -> float:
+        return await metric_sum(session, base_url, sample_name)
+
+    return await wait_until(read, lambda v: v >= value, within_s) >= value
 
 
 def descendants(pid: int) -> set[int]:
@@ -120,27 +132,3 @@ def descendants(pid: int) -> set[int]:
                     found.add(child)
                     frontier.append(child)
     return found
-
-
-def wait_all_gone(pids: Iterable[int], timeout: float) -> set[int]:
-    """Wait (on pidfds, no polling) until every pid exited; returns the ones still alive."""
-    fds: dict[int, int] = {}
-    for pid in pids:
-        try:
-            fds[os.pidfd_open(pid)] = pid
-        except ProcessLookupError:
-            continue
-    deadline = time.monotonic() + timeout
-    try:
-        while fds:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            ready, _, _ = select.select(list(fds), [], [], remaining)
-            for fd in ready:
-                os.close(fd)
-                del fds[fd]
-        return set(fds.values())
-    finally:
-        for fd in fds:
-            os.close(fd)

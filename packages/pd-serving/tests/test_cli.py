@@ -1,4 +1,8 @@
-"""The `pdserve` command line: make-model, argument errors, prompts of exact token lengths."""
+"""The `pdserve` command line: make-model, argument errors, prompts of exact token lengths.
+
+Tests marked ``needs_vllm`` make the tiny model (torch, transformers) or pass the check of the
+``vllm`` extra; ``nox -s pd_serving`` runs the others where that extra is not installed.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 from pd_serving.bench import percentile
-from pd_serving.cli import READY_LINE, main
+from pd_serving.cli import main
 from pd_serving.client import exact_length_prompt, load_tokenizer
 from pd_serving.launcher import ManagedProcess, free_port
+from pd_serving.proxy import READY_LINE
 from pd_serving.testing import MODEL, FakeUpstream
 
 
@@ -26,6 +31,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+@pytest.mark.needs_vllm
 def test_make_model_writes_a_model_and_is_idempotent(model_dir: Path) -> None:
     assert (model_dir / "config.json").is_file()
     assert (model_dir / "tokenizer.json").is_file()
@@ -34,6 +40,7 @@ def test_make_model_writes_a_model_and_is_idempotent(model_dir: Path) -> None:
     assert (model_dir / "model.safetensors").read_bytes() == weights
 
 
+@pytest.mark.needs_vllm
 @pytest.mark.parametrize("n", [1, 5, 127, 128, 129, 300, 1000])
 def test_prompts_of_exact_token_length(model_dir: Path, n: int) -> None:
     tokenizer = load_tokenizer(model_dir)
@@ -41,6 +48,7 @@ def test_prompts_of_exact_token_length(model_dir: Path, n: int) -> None:
     assert len(tokenizer.encode(text, add_special_tokens=False).ids) == n
 
 
+@pytest.mark.needs_vllm
 def test_up_with_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not a model directory"):
         main(["up", "--model", str(tmp_path / "nope")])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import select
 import sys
 import textwrap
 import threading
@@ -12,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from pd_serving.launcher import ChildFailed, ManagedProcess, free_port, stop_all, wait_all_ready
+from pd_serving.testing import wait_all_gone
 
 # A server that, like vLLM, forks a helper (its "engine"), prints the ready marker and answers
 # /health. It writes the helper's pid to a file so the test can check the helper died too.
@@ -44,18 +43,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _gone_within(pid: int, seconds: float) -> bool:
-    """True once ``pid`` exited (waits on a pidfd: signal delivery is asynchronous)."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        return bool(select.select([fd], [], [], seconds)[0])
-    finally:
-        os.close(fd)
-
-
 def _server(tmp_path: Path, name: str = "srv", ignore_term: bool = False) -> ManagedProcess:
     port = free_port()
     script = tmp_path / "server.py"
@@ -83,7 +70,7 @@ def test_ready_then_stop_kills_the_whole_group(tmp_path: Path) -> None:
     assert _alive(helper)
     assert proc.stop() is not None
     assert proc.stop() == proc.exited.result()  # idempotent
-    assert _gone_within(helper, 10)
+    assert wait_all_gone([helper], 10) == set()
     assert "Application startup complete." in (tmp_path / "srv.log").read_text()
     assert set(threading.enumerate()) <= threads_before
 
@@ -126,7 +113,7 @@ def test_a_child_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     helper = int((tmp_path / "stubborn.helper").read_text())
     code = proc.stop(timeout=0.5)
     assert code == -9
-    assert _gone_within(helper, 10)
+    assert wait_all_gone([helper], 10) == set()
 
 
 def test_not_ready_in_time_is_an_error(tmp_path: Path) -> None:

@@ -25,12 +25,11 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from pd_serving.cli import READY_LINE
 from pd_serving.client import Completion, complete, exact_length_prompt, load_tokenizer
 from pd_serving.deploy import Deployment, proxy_config_for
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
 from pd_serving.model import cache_dir, default_model_dir, make_model
-from pd_serving.proxy import Dispatch
+from pd_serving.proxy import READY_LINE, Dispatch
 from pd_serving.servers import Connector, CpuSettings, Role, VllmServer, plan_servers
 
 

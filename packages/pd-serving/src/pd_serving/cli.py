@@ -1,10 +1,15 @@
-"""``pdserve``: make-model, up, demo, bench."""
+"""``pdserve``: make-model, up, proxy, demo, bench.
+
+Only ``proxy`` runs without the ``vllm`` extra; this module imports nothing heavy at the top (each
+command imports what it needs), so ``pdserve proxy`` loads no vllm and no torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
@@ -18,7 +23,19 @@ from pd_serving.servers import Connector, CpuSettings
 
 log = logging.getLogger("pdserve")
 
-READY_LINE = "pdserve: proxy ready on"
+
+# What the commands that start vLLM or make its model need: the pd-serving[vllm] extra.
+# `pdserve proxy` needs none of it.
+VLLM_EXTRA_MODULES = ("vllm", "torch", "transformers")
+
+
+def _require_vllm_extra(command: str) -> None:
+    missing = [name for name in VLLM_EXTRA_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(
+            f"pdserve {command} needs the vllm extra ({', '.join(missing)} not installed): "
+            "install 'pd-serving[vllm]'; only `pdserve proxy` runs without it"
+        )
 
 
 class Terminated(SystemExit):
@@ -111,7 +128,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 async def _run_proxy(proxy, host: str, port: int, deployment=None) -> int:
-    from pd_serving.proxy import serve
+    from pd_serving.proxy import READY_LINE, serve
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -242,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.command != "proxy":
+        _require_vllm_extra(args.command)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return args.func(args)

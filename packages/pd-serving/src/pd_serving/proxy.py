@@ -36,7 +36,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from hybrid_connector.protocol import RELEASE, ReleaseRequest
+from hybrid_connector.control import release_transfer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
@@ -44,6 +44,9 @@ from simple_rpc import Client, RpcError
 from pd_serving.servers import Connector
 
 log = logging.getLogger(__name__)
+
+# Printed by `pdserve up` and `pdserve proxy` once the proxy listens; launchers wait for it.
+READY_LINE = "pdserve: proxy ready on"
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -420,14 +423,20 @@ class PdProxy:
         client = self._rpc_clients.get(address)
         if client is None:
             client = self._rpc_clients[address] = Client(address, connect_timeout=2.0)
-        request = ReleaseRequest(transfer_id=transfer_id, request_id="proxy", reason=why[:200])
         try:
-            answer = await client.call(RELEASE, request, timeout=2.0)
+            released = await release_transfer(
+                address,
+                transfer_id,
+                reason=why[:200],
+                request_id="proxy",
+                timeout_s=2.0,
+                client=client,
+            )
         except RpcError as exc:
             log.warning("release of transfer %s on %s failed: %r", transfer_id, address, exc)
             return
-        self.metrics.releases.labels(str(answer.released).lower()).inc()
-        log.info("transfer %s released on %s: %s", transfer_id, address, answer.released)
+        self.metrics.releases.labels(str(released).lower()).inc()
+        log.info("transfer %s released on %s: %s", transfer_id, address, released)
 
     def _prefill_body(self, path: str, body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
         p_body = dict(body)

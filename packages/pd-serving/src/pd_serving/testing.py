@@ -1,9 +1,14 @@
-"""A stand-in OpenAI upstream recording what a proxy sends it (for testing the proxy, not vLLM)."""
+"""Test helpers: a stand-in OpenAI upstream recording what a proxy sends it (for testing the
+proxy, not vLLM), and waiting for processes to exit."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import select
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,3 +102,27 @@ class FakeUpstream:
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled.set()
             raise
+
+
+def wait_all_gone(pids: Iterable[int], timeout: float) -> set[int]:
+    """Wait (on pidfds, no polling) until every pid exited; returns the ones still alive."""
+    fds: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds[os.pidfd_open(pid)] = pid
+        except ProcessLookupError:
+            continue
+    deadline = time.monotonic() + timeout
+    try:
+        while fds:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            ready, _, _ = select.select(list(fds), [], [], remaining)
+            for fd in ready:
+                os.close(fd)
+                del fds[fd]
+        return set(fds.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
