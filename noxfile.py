@@ -88,7 +88,7 @@ def ipcblock(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def kvt(session: nox.Session) -> None:
-    _test_package(session, "kvt")
+    _test_package(session, "kvt", extras=("demo",))
 
 
 @nox.session(python=PYTHON)
