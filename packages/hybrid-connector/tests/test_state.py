@@ -102,7 +102,7 @@ class PSim:
                     return [state.SendRefused(tid, TransferError("refused"), True)]
             case state.FailPull(pull, error):
                 self._answer(pull, error)
-            case state.AbortSend(tid):
+            case state.Abort(tid):
                 self.aborts[tid] += 1
             case state.ArmDeadline(tid):
                 self.armed.add(tid)
@@ -277,7 +277,7 @@ def test_send_guard_aborts_and_waits_for_the_completion() -> None:
     sim.deadline()  # transfer_timeout_s passed without kvt's completion
     assert sim.actions == [
         state.Count("sends_timed_out"),
-        state.AbortSend(T, "send timed out on P"),
+        state.Abort(T, "send timed out on P"),
     ]
     assert not sim.reported, "blocks handed back while kvt may still read them"
     sim.deadline()  # nothing armed any more: no second abort
@@ -445,7 +445,7 @@ class DSim:
                             self.calls.add(spec.request_id)
                     case state.StopCall(rid):
                         self.calls.discard(rid)
-                    case state.AbortRecv(tid):
+                    case state.Abort(tid):
                         self.aborts[tid] += 1  # kvt decides ABORTED (unless already done)
                     case state.CallRelease(spec):
                         self.releases.append(spec)

@@ -1,8 +1,8 @@
 """Scheduler-side half of HybridConnector: decides, records, never touches the network.
 
 Every hook returns at once. What the worker must do is queued here and handed over in the next
-``build_connector_meta``; what the worker finished comes back through ``get_finished`` results
-(``update_connector_output``).
+``build_connector_meta``; what the worker finished comes back through ``get_transfer_results``
+(``update_connector_output``). Imports no vLLM (only its types, for checking).
 """
 
 from __future__ import annotations

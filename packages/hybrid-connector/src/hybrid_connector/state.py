@@ -7,23 +7,20 @@ own no thread, socket, timer or clock; the tests drive them event by event.
 
 P (``Producer``), one record per transfer id::
 
-            pull arrives                             request finished
-    (none) ---------------> PARKED ------------------------------------------------.
-      |  \\                 |  |  prefill done (rapid: layers sent as the pass writes them)
-      |   \\                |  '------------------> SENDING (request still running) --.
-      |    \\ request       | lease passes, release,                 |  request        |
-      |     \\ finished     | abort: the pull fails                  |  finished       |
-      |      v             v                                         v                 |
-      |     HELD -- pull arrives -------------------------------> SENDING <-----------'
-      |      |  lease passes, release, bad pull                      |  kvt completion
-      |      '--------------------------------> reported <-----------'  (request finished)
-      |                                            ^
-      |                       request finished     |      completion before the request
-      |   SENT (rapid, request still running) -----'      finished: SENDING -> SENT
-      |
-      '-- release, or abort before any pull --> CANCELLED: a pull fails at once, a late
-                                                "request finished" is reported at once;
-                                                forgotten after one lease
+    (none) --pull arrives-------> PARKED --request finished-----------------> SENDING
+      |                             |  '--prefill done (rapid: request still running)--> SENDING*
+      |                             '--lease passes / release / abort: pull fails--> (none) or
+      |                                                                              CANCELLED
+      |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> reported
+      |                        '--lease passes / release / bad pull--------------> reported
+      '--release / abort---> CANCELLED --one lease later--> (none)
+
+    SENDING* --kvt completion--> SENT --request finished--> reported
+    SENDING* --request finished--> SENDING (then as above)
+
+    SENDING --send deadline--> SENDING (kvt told to abort; its completion still decides)
+
+  CANCELLED: a pull fails at once and a late "request finished" is reported at once.
 
 - **Reported** (``ReportSent``: the request id goes into vLLM's ``finished_sending``, so vLLM
   frees its blocks) happens exactly once per finished request, and never while kvt may still read
@@ -61,7 +58,7 @@ from hybrid_connector.protocol import LayoutSpec, TransferKvRequest
 if TYPE_CHECKING:
     from kvt import Completion, LayerEvents
 
-log = logging.getLogger("hybrid_connector.worker_side")
+log = logging.getLogger(__name__)
 
 
 def describe(completion: Completion) -> str:
@@ -78,6 +75,14 @@ class Count:
 
     name: str
     n: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Abort kvt's side of ``transfer_id`` (P's send, D's receive); its completion follows."""
+
+    transfer_id: str
+    reason: str
 
 
 # ============================================================================== P: events
@@ -199,14 +204,6 @@ class FailPull:
 
 
 @dataclass(frozen=True, slots=True)
-class AbortSend:
-    """Abort kvt's send of ``transfer_id``; its completion follows."""
-
-    transfer_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class ReportSent:
     """Put ``request_id`` into vLLM's ``finished_sending``: its blocks may be reused now."""
 
@@ -235,14 +232,7 @@ class CancelDeadline:
 
 
 ProducerAction = (
-    StartSend
-    | FailPull
-    | AbortSend
-    | ReportSent
-    | AnswerRelease
-    | ArmDeadline
-    | CancelDeadline
-    | Count
+    StartSend | FailPull | Abort | ReportSent | AnswerRelease | ArmDeadline | CancelDeadline | Count
 )
 
 
@@ -536,7 +526,7 @@ class Producer:
         if kvt_has_blocks:
             if not record.aborting:
                 record.aborting = True
-                out.append(AbortSend(tid, f"send refused on P: {error}"))
+                out.append(Abort(tid, f"send refused on P: {error}"))
             return
         self._over(tid, record, out)
 
@@ -596,7 +586,7 @@ class Producer:
             )
             record.aborting = True
             out.append(Count("sends_timed_out"))
-            out.append(AbortSend(tid, "send timed out on P"))
+            out.append(Abort(tid, "send timed out on P"))
         elif record.phase is Phase.CANCELLED:
             del self._transfers[tid]
 
@@ -704,14 +694,6 @@ class StopCall:
 
 
 @dataclass(frozen=True, slots=True)
-class AbortRecv:
-    """Abort kvt's receive of ``transfer_id``; its completion follows."""
-
-    transfer_id: str
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class CallRelease:
     """Send the release RPC to P (best effort: P's lease frees it otherwise)."""
 
@@ -726,7 +708,7 @@ class ReportRecv:
     failed: bool
 
 
-ConsumerAction = StartPull | StopCall | AbortRecv | CallRelease | ReportRecv | Count
+ConsumerAction = StartPull | StopCall | Abort | CallRelease | ReportRecv | Count
 
 
 @dataclass(slots=True)
@@ -801,7 +783,7 @@ class Consumer:
         """Abort every pull (their completions are not reported: the worker is closing)."""
         out: list[ConsumerAction] = []
         for pull in self._pulls.values():
-            out.append(AbortRecv(pull.spec.transfer_id, "decode instance shutting down"))
+            out.append(Abort(pull.spec.transfer_id, "decode instance shutting down"))
         self._pulls.clear()
         return out
 
@@ -809,7 +791,7 @@ class Consumer:
         pull = self._pulls.get(request_id)
         if pull is not None and not pull.aborting:
             pull.aborting = True  # the completion (ABORTED) reports it
-            out.append(AbortRecv(pull.spec.transfer_id, reason))
+            out.append(Abort(pull.spec.transfer_id, reason))
 
     def _completed(self, pull: _Receive, completion: Completion, out: list[ConsumerAction]) -> None:
         spec = pull.spec

@@ -241,7 +241,7 @@ class ProducerShell(_Shell):
                 future = self._pulls.pop(pull, None)
                 if future is not None and not future.done():
                     future.set_exception(error)
-            case state.AbortSend(tid, reason):
+            case state.Abort(tid, reason):
                 with contextlib.suppress(Exception):
                     self._engine.abort(tid, reason)
             case state.ReportSent(request_id):
@@ -391,7 +391,7 @@ class ConsumerShell(_Shell):
                 task = self._calls.pop(request_id, None)
                 if task is not None and not task.done():
                     task.cancel()
-            case state.AbortRecv(tid, reason):
+            case state.Abort(tid, reason):
                 with contextlib.suppress(Exception):
                     self._engine.abort(tid, reason)
             case state.CallRelease(spec):
