@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 from ipcblock import parse_blocks
@@ -55,6 +55,9 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 log = logging.getLogger(__name__)
+
+EventT = TypeVar("EventT")
+ActionT = TypeVar("ActionT")
 
 
 class _Results:
@@ -125,7 +128,7 @@ class _CountersCollector:
 
 
 # ---------------------------------------------------------------------------------- the shells
-class _Shell:
+class _Shell(Generic[EventT, ActionT]):
     """Feeds one pure machine (``hybrid_connector.state``) and carries out its actions.
 
     Runs on the loop thread. Events that arise while actions are carried out (a kvt refusal, a
@@ -136,16 +139,16 @@ class _Shell:
     def __init__(self, results: _Results, loop: asyncio.AbstractEventLoop) -> None:
         self._results = results
         self._loop = loop
-        self._inbox: collections.deque[Any] = collections.deque()
+        self._inbox: collections.deque[EventT] = collections.deque()
         self._pumping = False
 
-    def feed(self, event: Any) -> list[Any]:
+    def feed(self, event: EventT) -> list[ActionT]:
         """Hand ``event`` to the machine; return the actions it decided for it (already done)."""
         self._inbox.append(event)
         if self._pumping:
             return []
         self._pumping = True
-        first: list[Any] = []
+        first: list[ActionT] = []
         try:
             while self._inbox:
                 current = self._inbox.popleft()
@@ -161,19 +164,19 @@ class _Shell:
             self._pumping = False
         return first
 
-    def _handle(self, event: Any) -> list[Any]:
+    def _handle(self, event: EventT) -> list[ActionT]:
         raise NotImplementedError
 
-    def _do(self, action: Any) -> None:
+    def _do(self, action: ActionT) -> None:
         raise NotImplementedError
 
-    def _post(self, event: Any) -> None:
+    def _post(self, event: EventT) -> None:
         """From a kvt thread: feed ``event`` on the loop thread (nothing else happens here)."""
         with contextlib.suppress(RuntimeError):  # the loop is closed at shutdown
             self._loop.call_soon_threadsafe(self.feed, event)
 
 
-class ProducerShell(_Shell):
+class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
     """P: the transfer_kv/release RPC server, kvt sends and timers around ``state.Producer``."""
 
     def __init__(
@@ -349,7 +352,7 @@ class ProducerShell(_Shell):
         self._pulls.clear()
 
 
-class ConsumerShell(_Shell):
+class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
     """D: kvt expects, the transfer_kv/release RPC calls to P, around ``state.Consumer``."""
 
     def __init__(
