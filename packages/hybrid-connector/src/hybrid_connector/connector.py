@@ -4,6 +4,9 @@ One class, two roles. vLLM builds one instance per role: in the scheduler (engin
 and in each worker. The roles never share state except through vLLM's own channels: the
 connector metadata (scheduler -> worker, every step) and ``get_transfer_results`` (worker ->
 scheduler, every step).
+
+The only module of the package that imports vLLM: it maps vLLM's hooks onto ``SchedulerSide``
+and ``WorkerSide`` and the connector's plain metadata/results onto vLLM's classes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from hybrid_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
     import torch
+    from prometheus_client import CollectorRegistry
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -36,6 +40,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+# The metadata is a plain dataclass (metadata.py imports no vLLM); vLLM sees it as its own.
+KVConnectorMetadata.register(HybridConnectorMetadata)
 
 
 def _adopt_vllm_logging() -> None:
@@ -133,15 +140,12 @@ class HybridConnector(KVConnectorBase_V1):
         self._worker.step_done()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # vLLM 0.32 reads finished and failed receives together here; there is no get_finished
+        # override: one that drained the results would drop failed_recving (a failed pull
+        # would then count as loaded).
         assert self._worker is not None
-        sending, recving, failed = self._worker.drain()
-        return KVConnectorTransferResults(
-            finished_sending=sending, finished_recving=recving, failed_recving=failed
-        )
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self.get_transfer_results(finished_req_ids)
-        return results.finished_sending or None, results.finished_recving or None
+        results = self._worker.drain()
+        return KVConnectorTransferResults(**results._asdict())
 
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""
@@ -149,7 +153,7 @@ class HybridConnector(KVConnectorBase_V1):
         return self._worker.counters()
 
     @property
-    def metrics_registry(self) -> Any:
+    def metrics_registry(self) -> CollectorRegistry | None:
         """Worker role: kvt's prometheus CollectorRegistry (expose it on a /metrics endpoint)."""
         return None if self._worker is None else self._worker.metrics_registry
 

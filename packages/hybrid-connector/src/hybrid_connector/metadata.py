@@ -1,14 +1,15 @@
-"""What the scheduler-side connector tells the worker-side connector each step.
+"""What the scheduler half tells the worker half each step, and what the worker reports back.
 
-The only channel from scheduler to worker (they may be different processes): plain picklable
-dataclasses, built by ``build_connector_meta`` and bound on the worker before the step runs.
+The only channels between the halves (they may be different processes): plain picklable
+dataclasses, built by ``build_connector_meta`` and bound on the worker before the step runs, and
+the worker's ``TransferResults``. Plain classes, no vLLM import: ``connector.py`` (the one module
+that imports vLLM) registers ``HybridConnectorMetadata`` as a vLLM ``KVConnectorMetadata``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class ReleaseSpec:
 
 
 @dataclass
-class HybridConnectorMetadata(KVConnectorMetadata):
+class HybridConnectorMetadata:
     to_send: list[SendSpec] = field(default_factory=list)
     to_recv: list[RecvSpec] = field(default_factory=list)
     # D: requests finished (aborted) while their pull was in flight: abort the pull.
@@ -77,3 +78,15 @@ class HybridConnectorMetadata(KVConnectorMetadata):
             or self.to_release
             or self.prefill_done
         )
+
+
+class TransferResults(NamedTuple):
+    """Worker -> scheduler, every step: request ids whose transfer ended since the last step.
+
+    A failed pull is in both ``finished_recving`` and ``failed_recving`` (vLLM 0.32's
+    request-level failure report: the scheduler releases the request and recomputes it).
+    """
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]

@@ -1,8 +1,8 @@
 """Scheduler-side half of HybridConnector: decides, records, never touches the network.
 
 Every hook returns at once. What the worker must do is queued here and handed over in the next
-``build_connector_meta``; what the worker finished comes back through ``get_finished`` results
-(``update_connector_output``).
+``build_connector_meta``; what the worker finished comes back through ``get_transfer_results``
+(``update_connector_output``). Imports no vLLM (only its types, for checking).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 # Set in a D request's kv_transfer_params once its pull is planned: one pull per request, even if
 # the request is preempted and scheduled again.
 _DISPATCHED = "_hc_dispatched"
+# vLLM RequestStatus names of a request that finished with its KV computed (not aborted).
+_FINISHED_NORMALLY = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 
 
 def _pull_params(request: Request) -> tuple[str, str] | None:
@@ -50,6 +52,13 @@ def _pull_params(request: Request) -> tuple[str, str] | None:
 def _wants_remote_decode(request: Request) -> bool:
     params = request.kv_transfer_params
     return bool(params and params.get("do_remote_decode"))
+
+
+def _finishes_with_its_prompt(request: Request) -> bool:
+    """True if the step that completes the prompt also finishes the request (``max_tokens=1``,
+    the proxy contract for P). Only such requests get a rapid send: vLLM may preempt a request
+    that keeps decoding and reuse its blocks at once, while kvt is still reading them."""
+    return request.max_tokens == 1
 
 
 def _transfer_id(request: Request) -> str:
@@ -121,7 +130,8 @@ class SchedulerSide:
     ) -> None:
         if self._is_producer and _wants_remote_decode(request):
             _transfer_id(request)
-            if request.request_id not in self._announced:  # not again after a preemption
+            # Not again after a preemption; never for a request that keeps decoding.
+            if request.request_id not in self._announced and _finishes_with_its_prompt(request):
                 self._prefilling[request.request_id] = request
             return
         pull = _pull_params(request)
@@ -162,8 +172,6 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        from vllm.v1.request import RequestStatus
-
         request_id = request.request_id
         params = request.kv_transfer_params
         self._warned.discard(request_id)
@@ -188,10 +196,8 @@ class SchedulerSide:
         if not self._is_producer or not params or not params.get("do_remote_decode"):
             return False, None
         transfer_id = _transfer_id(request)
-        finished_normally = request.status in (
-            RequestStatus.FINISHED_LENGTH_CAPPED,
-            RequestStatus.FINISHED_STOPPED,
-        )
+        # By name: vLLM's RequestStatus enum would import vLLM into this pure module.
+        finished_normally = request.status.name in _FINISHED_NORMALLY
         if not finished_normally or not block_ids:
             # Aborted (or nothing computed): no KV to offer; fail any early pull at once.
             if announced:

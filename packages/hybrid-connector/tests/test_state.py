@@ -1,0 +1,531 @@
+"""P's and D's state machines (hybrid_connector.state), event by event: no sockets, threads or vLLM.
+
+A simulator plays everything around a machine (vLLM, D's RPCs, kvt, the timers) and checks the
+rules after every action:
+
+* a request's blocks are reported to vLLM at most once, only after vLLM finished the request,
+  and never while kvt may still read (P) or write (D) them;
+* every pull is answered at most once; at the end every pull was answered (or its caller left);
+* once time passes (kvt completes, deadlines fire) nothing is left: every finished request was
+  reported exactly once and the machine holds no record.
+
+The races are run in every order (``itertools.permutations``), then the named ones as tables
+with the exact step at which the blocks come back; a hypothesis state machine mixes many
+transfers at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+
+import hypothesis.strategies as st
+import msgspec
+import pytest
+from hybrid_connector import state
+from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
+from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.protocol import LayoutSpec, SegmentSpec, TransferKvRequest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, rule
+from kvt import AbortOrigin, Completion, TransferStatus
+
+BLOCK_SIZE = 4
+SPEC = LayoutSpec(
+    layer_names=["l0", "l1"],
+    layer_offsets=[0, 4096],
+    region_ids=[1, 1],
+    num_blocks=16,
+    block_size=BLOCK_SIZE,
+    segments=[SegmentSpec("kv", 0, 256, 256)],
+)
+T, P_REQ = "t-1", "p-1"
+PROMPT_BLOCKS, PROMPT_TOKENS = [3, 5], 6
+
+
+def _pull_request(tid: str = T, *, num_tokens: int = PROMPT_TOKENS, layout=SPEC):
+    blocks = -(-num_tokens // BLOCK_SIZE)
+    return TransferKvRequest(tid, "d-1", "127.0.0.1:9", layout, list(range(blocks)), 0, num_tokens)
+
+
+def _completion(tid: str, ok: bool, role: str = "send") -> Completion:
+    if ok:
+        return Completion(tid, role, TransferStatus.DONE, nbytes=512)
+    return Completion(tid, role, TransferStatus.ABORTED, AbortOrigin.PEER, reason="test")
+
+
+# ================================================================================ P simulator
+class PSim:
+    """Plays vLLM, D, kvt and the timers around ``state.Producer``; asserts the rules."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.core = state.Producer(SPEC, state.ProducerSettings(lease_s=30, transfer_timeout_s=60))
+        self.refuse = refuse  # kvt refuses StartSend: None, "first" batch, or a "later" one
+        self.finished: set[str] = set()  # requests vLLM finished (it waits for our report)
+        self.reported: Counter[str] = Counter()
+        self.kvt_reading: set[str] = set()  # transfers whose send kvt accepted, not completed
+        self.armed: set[str] = set()
+        self.arrived: set[int] = set()
+        self.left: set[int] = set()  # pulls whose caller went away
+        self.answers: dict[int, object] = {}  # pull -> "sent" or the exception
+        self.aborts: Counter[str] = Counter()
+        self.tid_of: dict[str, str] = {}
+        self.announced: set[str] = set()
+        self.actions: list[state.ProducerAction] = []
+        self.step = 0
+        self.reported_at: dict[str, int] = {}
+
+    # -- what the world does -------------------------------------------------------------
+    def feed(self, event: state.ProducerEvent) -> None:
+        queue = [event]
+        while queue:
+            for action in self.core.handle(queue.pop(0)):
+                self.actions.append(action)
+                queue.extend(self._do(action))
+
+    def _do(self, action: state.ProducerAction) -> list[state.ProducerEvent]:
+        match action:
+            case state.ReportSent(rid):
+                assert rid in self.finished, f"{rid} reported while vLLM still runs it"
+                assert self.tid_of[rid] not in self.kvt_reading, f"{rid}: kvt may still read"
+                self.reported[rid] += 1
+                assert self.reported[rid] == 1, f"{rid} reported twice"
+                self.reported_at[rid] = self.step
+            case state.StartSend(tid, pull, rid):
+                self._answer(pull, "sent")
+                assert self.tid_of.get(rid) == tid
+                if self.refuse == "first":
+                    return [state.SendRefused(tid, TransferError("refused"), False)]
+                self.kvt_reading.add(tid)
+                if self.refuse == "later":
+                    return [state.SendRefused(tid, TransferError("refused"), True)]
+            case state.FailPull(pull, error):
+                self._answer(pull, error)
+            case state.Abort(tid):
+                self.aborts[tid] += 1
+            case state.ArmDeadline(tid):
+                self.armed.add(tid)
+            case state.CancelDeadline(tid):
+                self.armed.discard(tid)
+        return []
+
+    def _answer(self, pull: int, answer: object) -> None:
+        assert pull in self.arrived, f"pull {pull} answered before it arrived"
+        assert pull not in self.answers, f"pull {pull} answered twice"
+        self.answers[pull] = answer
+
+    def pull(self, pull: int = 1, tid: str = T, **kw) -> None:
+        self.arrived.add(pull)
+        self.feed(state.PullArrived(pull, _pull_request(tid, **kw), "d:1"))
+
+    def prefill(self, rid: str = P_REQ, tid: str = T) -> None:
+        self.tid_of[rid] = tid
+        self.announced.add(rid)
+        self.feed(state.PrefillDone(PrefillSpec(rid, tid, PROMPT_BLOCKS, PROMPT_TOKENS)))
+
+    def finish(self, rid: str = P_REQ, tid: str = T, *, aborted: bool = False, tokens=None):
+        """vLLM finished the request; an aborted one is delayed (and offered) only if it was
+        announced (scheduler_side's rule), else vLLM frees its blocks itself."""
+        self.tid_of.setdefault(rid, tid)
+        if aborted and rid not in self.announced:
+            self.feed(state.RequestCancelled(tid))
+            return
+        self.finished.add(rid)
+        spec = SendSpec(rid, tid, PROMPT_BLOCKS, tokens or PROMPT_TOKENS, aborted=aborted)
+        self.feed(state.RequestFinished(spec))
+
+    def release(self, tid: str = T) -> None:
+        self.feed(state.ReleaseArrived(tid, "proxy", "test"))
+
+    def complete(self, tid: str = T, ok: bool = True) -> None:
+        if tid in self.kvt_reading:  # kvt completes only what it accepted, once
+            self.kvt_reading.discard(tid)
+            self.feed(state.SendCompleted(tid, _completion(tid, ok)))
+
+    def deadline(self, tid: str = T) -> None:
+        if tid in self.armed:
+            self.armed.discard(tid)
+            self.feed(state.DeadlineReached(tid))
+
+    def gone(self, pull: int = 1, tid: str = T) -> None:
+        if pull in self.arrived and pull not in self.answers:  # only a waiting call can leave
+            self.left.add(pull)
+            self.feed(state.PullGone(tid, pull))
+
+    def settle(self) -> None:
+        """Time passes: kvt completes what it accepted, armed deadlines fire, until quiet."""
+        for _ in range(6):
+            for tid in sorted(self.kvt_reading):
+                self.complete(tid, ok=False)
+            for tid in sorted(self.armed):
+                self.deadline(tid)
+        assert not self.kvt_reading
+        assert not self.armed
+        assert len(self.core) == 0, "records left behind"
+        assert self.arrived == set(self.answers) | self.left, "a pull was never answered"
+        assert set(self.reported) == self.finished, "finished requests not reported"
+
+    def run(self, steps: Iterable[str], ok: bool = True, aborted: bool = False) -> PSim:
+        for self.step, name in enumerate(steps):
+            match name:
+                case "finish":
+                    self.finish(aborted=aborted)
+                case "complete":
+                    self.complete(ok=ok)
+                case "dup_pull":
+                    self.pull(2)
+                case _:
+                    getattr(self, name)()
+        self.step += 1
+        self.settle()
+        return self
+
+
+def _orders(steps: list[str], before: tuple[str, str] | None = None) -> list[tuple[str, ...]]:
+    """Every order of ``steps``, keeping ``before[0]`` ahead of ``before[1]``."""
+    out = []
+    for order in itertools.permutations(steps):
+        if before is None or order.index(before[0]) < order.index(before[1]):
+            out.append(order)
+    return out
+
+
+# ================================================================================ P: every order
+RAPID_RACE = ["pull", "prefill", "finish", "complete", "release", "deadline", "dup_pull"]
+PLAIN_RACE = ["pull", "finish", "complete", "release", "deadline", "dup_pull", "gone"]
+
+
+@pytest.mark.parametrize("aborted", [False, True], ids=["finished", "aborted"])
+@pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
+def test_rapid_send_races_in_every_order(ok: bool, aborted: bool) -> None:
+    # vLLM announces the prefill in the step before it reports the request finished.
+    for order in _orders(RAPID_RACE, before=("prefill", "finish")):
+        PSim().run(order, ok=ok, aborted=aborted)
+
+
+@pytest.mark.parametrize("aborted", [False, True], ids=["finished", "aborted"])
+@pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
+def test_plain_send_races_in_every_order(ok: bool, aborted: bool) -> None:
+    for order in _orders(PLAIN_RACE):
+        PSim().run(order, ok=ok, aborted=aborted)
+
+
+@pytest.mark.parametrize("refuse", ["first", "later"])
+def test_kvt_refusing_the_send_in_every_order(refuse: str) -> None:
+    for order in _orders(["pull", "prefill", "finish", "complete", "release", "deadline"]):
+        if order.index("prefill") < order.index("finish"):
+            PSim(refuse=refuse).run(order)
+        PSim(refuse=refuse).run([s for s in order if s != "prefill"])
+
+
+# ================================================================================ P: named races
+# (steps, the step after which P's blocks are reported; None: never, the request was not
+# finished-and-delayed by vLLM). "complete" is kvt's completion of the send.
+NAMED_RACES = {
+    "sequential: pull finds the request finished": (["finish", "pull", "complete"], 2),
+    "parallel: the pull waits, then the request finishes": (["pull", "finish", "complete"], 2),
+    "send guard passes: abort only, blocks back with kvt's completion": (
+        ["finish", "pull", "deadline", "complete"],
+        3,
+    ),
+    "rapid: send done before the request finished": (["pull", "prefill", "complete", "finish"], 3),
+    "rapid: request finished before the send is done": (
+        ["pull", "prefill", "finish", "complete"],
+        3,
+    ),
+    "rapid: release while sending does not free the blocks": (
+        ["pull", "prefill", "release", "finish", "complete"],
+        4,
+    ),
+    "lease passes with no pull": (["finish", "deadline"], 1),
+    "release by D of held blocks": (["finish", "release"], 1),
+    "release by the proxy before the request finished": (["release", "finish"], 1),
+    "parked pull expires, the request finishes later": (["pull", "deadline", "finish"], None),
+    "duplicate pull while sending changes nothing": (
+        ["finish", "pull", "dup_pull", "complete"],
+        3,
+    ),
+    "D's call goes away while parked": (["pull", "gone", "finish", "deadline"], 3),
+    "request aborted on P before its prompt completed": (["pull", "abort"], None),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED_RACES))
+def test_named_race(name: str) -> None:
+    steps, reported_after = NAMED_RACES[name]
+    sim = PSim()
+    for sim.step, step in enumerate(steps):
+        match step:
+            case "dup_pull":
+                sim.pull(2)
+            case "abort":
+                sim.finish(aborted=True)
+            case _:
+                getattr(sim, step)()
+    assert sim.reported_at.get(P_REQ) == reported_after
+    sim.step = len(steps)
+    sim.settle()
+
+
+def test_send_guard_aborts_and_waits_for_the_completion() -> None:
+    sim = PSim()
+    sim.finish()
+    sim.pull()
+    assert sim.answers[1] == "sent"
+    sim.actions.clear()
+    sim.deadline()  # transfer_timeout_s passed without kvt's completion
+    assert sim.actions == [
+        state.Count("sends_timed_out"),
+        state.Abort(T, "send timed out on P"),
+    ]
+    assert not sim.reported, "blocks handed back while kvt may still read them"
+    sim.deadline()  # nothing armed any more: no second abort
+    assert sim.aborts[T] == 1
+    sim.complete(ok=False)  # the abort's completion: kvt stopped reading
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_kvt_refusing_a_later_batch_waits_for_the_completion() -> None:
+    sim = PSim(refuse="later")
+    sim.pull()
+    sim.prefill()
+    sim.finish()
+    assert isinstance(sim.answers[1], str)
+    assert sim.aborts[T] == 1
+    assert not sim.reported
+    sim.complete(ok=False)
+    assert sim.reported[P_REQ] == 1
+
+
+def test_kvt_refusing_the_first_batch_releases_at_once() -> None:
+    sim = PSim(refuse="first")
+    sim.finish()
+    sim.pull()
+    assert sim.reported[P_REQ] == 1
+    assert not sim.aborts
+
+
+@pytest.mark.parametrize(
+    ("kw", "error"),
+    [
+        ({"num_tokens": PROMPT_TOKENS + 4}, "D needs 10 prompt tokens but P computed 6"),
+        ({"layout": msgspec.structs.replace(SPEC, block_size=8)}, "block_size differs"),
+    ],
+    ids=["too-many-tokens", "bad-layout"],
+)
+def test_a_bad_pull_fails_and_frees_held_blocks(kw: dict, error: str) -> None:
+    sim = PSim()
+    sim.finish()
+    sim.pull(**kw)
+    assert isinstance(sim.answers[1], PeerError)
+    assert error in str(sim.answers[1])
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_pull_after_cancel_fails_at_once_and_tombstone_is_forgotten() -> None:
+    sim = PSim()
+    sim.finish(aborted=True)  # unannounced abort: RequestCancelled
+    assert sim.core.phase(T) is state.Phase.CANCELLED
+    sim.pull()
+    assert isinstance(sim.answers[1], TransferError)
+    sim.deadline()
+    assert sim.core.phase(T) is None
+    sim.settle()
+
+
+def test_parked_pull_lease_fails_it_with_lease_expired() -> None:
+    sim = PSim()
+    sim.pull()
+    sim.deadline()
+    assert isinstance(sim.answers[1], LeaseExpired)
+    assert state.Count("early_pulls_expired") in sim.actions
+
+
+def test_second_request_with_a_held_transfer_id_is_released_at_once() -> None:
+    sim = PSim()
+    sim.finish()
+    sim.finish("p-2")
+    assert sim.reported["p-2"] == 1
+    assert P_REQ not in sim.reported
+    sim.pull()
+    sim.complete()
+    assert sim.reported[P_REQ] == 1
+
+
+def test_shutdown_fails_parked_pulls() -> None:
+    sim = PSim()
+    sim.pull()
+    sim.feed(state.ShuttingDown())
+    assert isinstance(sim.answers[1], TransferError)
+    assert len(sim.core) == 0
+
+
+# ================================================================================ P: many at once
+class ManyTransfers(RuleBasedStateMachine):
+    """Several transfers whose events interleave in any order hypothesis picks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = PSim()
+        self.pulls = itertools.count(1)
+        self.done_steps: set[tuple[str, str]] = set()
+
+    tids = st.sampled_from(["a", "b", "c"])
+
+    def _once(self, tid: str, step: str) -> bool:
+        if (tid, step) in self.done_steps:
+            return False
+        self.done_steps.add((tid, step))
+        return True
+
+    @rule(tid=tids)
+    def pull(self, tid: str) -> None:
+        self.sim.pull(next(self.pulls), tid)
+
+    @rule(tid=tids)
+    def prefill(self, tid: str) -> None:
+        if ("r" + tid, "finish") not in self.done_steps and self._once(tid, "prefill"):
+            self.sim.prefill("r" + tid, tid)
+
+    @rule(tid=tids, aborted=st.booleans())
+    def finish(self, tid: str, aborted: bool) -> None:
+        if self._once("r" + tid, "finish"):
+            self.sim.finish("r" + tid, tid, aborted=aborted)
+
+    @rule(tid=tids)
+    def release(self, tid: str) -> None:
+        self.sim.release(tid)
+
+    @rule(tid=tids, ok=st.booleans())
+    def complete(self, tid: str, ok: bool) -> None:
+        self.sim.complete(tid, ok)
+
+    @rule(tid=tids)
+    def deadline(self, tid: str) -> None:
+        self.sim.deadline(tid)
+
+    def teardown(self) -> None:
+        for rid in sorted(self.sim.announced - self.sim.finished):
+            self.sim.finish(rid, self.sim.tid_of[rid])  # vLLM finishes what it still runs
+        self.sim.settle()
+
+
+TestManyTransfers = ManyTransfers.TestCase
+TestManyTransfers.settings = settings(max_examples=100, stateful_step_count=25, deadline=None)
+
+
+# ================================================================================ D simulator
+class DSim:
+    """Plays vLLM, P and kvt around ``state.Consumer``; asserts the rules."""
+
+    def __init__(self, expect_refused: bool = False) -> None:
+        self.core = state.Consumer()
+        self.expect_refused = expect_refused
+        self.kvt_writing: set[str] = set()
+        self.reported: Counter[str] = Counter()
+        self.failed: set[str] = set()
+        self.aborts: Counter[str] = Counter()
+        self.releases: list[ReleaseSpec] = []
+        self.calls: set[str] = set()
+        self.spec = RecvSpec("d-1", T, "127.0.0.1:8200", [0, 1], 0, PROMPT_TOKENS)
+
+    def feed(self, event: state.ConsumerEvent) -> None:
+        queue = [event]
+        while queue:
+            for action in self.core.handle(queue.pop(0)):
+                match action:
+                    case state.StartPull(spec):
+                        if self.expect_refused:
+                            queue.append(state.ExpectRefused(spec.request_id, TransferError("x")))
+                        else:
+                            self.kvt_writing.add(spec.transfer_id)
+                            self.calls.add(spec.request_id)
+                    case state.StopCall(rid):
+                        self.calls.discard(rid)
+                    case state.Abort(tid):
+                        self.aborts[tid] += 1  # kvt decides ABORTED (unless already done)
+                    case state.CallRelease(spec):
+                        self.releases.append(spec)
+                    case state.ReportRecv(rid, failed):
+                        assert T not in self.kvt_writing, "reported while kvt may still write"
+                        self.reported[rid] += 1
+                        assert self.reported[rid] == 1, "reported twice"
+                        if failed:
+                            self.failed.add(rid)
+
+    def start(self) -> None:
+        self.feed(state.PullRequested(self.spec))
+
+    def complete(self, ok: bool = True) -> None:
+        if T in self.kvt_writing:
+            self.kvt_writing.discard(T)
+            ok = ok and not self.aborts[T]
+            self.feed(state.RecvCompleted("d-1", _completion(T, ok, "recv")))
+
+    def call_failed(self) -> None:
+        if "d-1" in self.calls:
+            self.calls.discard("d-1")
+            self.feed(state.PullCallFailed("d-1", TransferError("unreachable")))
+
+    def cancel(self) -> None:
+        self.feed(state.PullCancelled("d-1"))
+
+    def dup_start(self) -> None:
+        if "d-1" in self.core:  # the scheduler plans one pull per request: a repeat can only
+            self.start()  # come while the first is in flight
+
+    def settle(self) -> None:
+        self.complete(ok=False)
+        assert not self.kvt_writing
+        assert self.reported["d-1"] == 1
+        assert len(self.core) == 0
+        assert not self.calls
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_pull_races_in_every_order(ok: bool) -> None:
+    for order in itertools.permutations(["complete", "call_failed", "cancel", "dup_start"]):
+        sim = DSim()
+        sim.start()
+        for step in order:
+            if step == "complete":
+                sim.complete(ok)
+            else:
+                getattr(sim, step)()
+        sim.settle()
+        done_first = order.index("complete") < min(
+            order.index("cancel"), order.index("call_failed")
+        )
+        if ok and done_first:
+            assert "d-1" not in sim.failed
+        if not done_first:
+            assert sim.aborts[T] == 1  # one abort, however many reasons
+            assert "d-1" in sim.failed
+
+
+def test_cancel_releases_on_p_and_aborts_kvt() -> None:
+    sim = DSim()
+    sim.start()
+    sim.cancel()
+    assert [r.reason for r in sim.releases] == ["aborted"]
+    assert sim.aborts[T] == 1
+    assert not sim.reported  # kvt may still write until its completion
+    sim.complete(ok=False)
+    assert "d-1" in sim.failed
+
+
+def test_expect_refused_reports_failed_at_once() -> None:
+    sim = DSim(expect_refused=True)
+    sim.start()
+    assert "d-1" in sim.failed
+    sim.settle()
+
+
+def test_release_request_is_passed_on() -> None:
+    sim = DSim()
+    spec = ReleaseSpec("d-2", "t-2", "127.0.0.1:8200", "full local hit")
+    sim.feed(state.ReleaseRequested(spec))
+    assert sim.releases == [spec]
