@@ -20,7 +20,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 from ipcblock import parse_blocks
@@ -128,6 +128,12 @@ class _CountersCollector:
 
 
 # ---------------------------------------------------------------------------------- the shells
+class _Machine(Protocol[EventT, ActionT]):
+    """``state.Producer`` or ``state.Consumer``: events in, actions out."""
+
+    def handle(self, event: EventT) -> list[ActionT]: ...
+
+
 class _Shell(Generic[EventT, ActionT]):
     """Feeds one pure machine (``hybrid_connector.state``) and carries out its actions.
 
@@ -136,7 +142,12 @@ class _Shell(Generic[EventT, ActionT]):
     sees an event in the middle of another one.
     """
 
-    def __init__(self, results: _Results, loop: asyncio.AbstractEventLoop) -> None:
+    core: _Machine[EventT, ActionT]  # set by each shell
+
+    def __init__(
+        self, engine: TransferEngine, results: _Results, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self._engine = engine
         self._results = results
         self._loop = loop
         self._inbox: collections.deque[EventT] = collections.deque()
@@ -152,7 +163,7 @@ class _Shell(Generic[EventT, ActionT]):
         try:
             while self._inbox:
                 current = self._inbox.popleft()
-                actions = self._handle(current)
+                actions = self.core.handle(current)
                 if current is event:
                     first = actions
                 for action in actions:
@@ -164,11 +175,14 @@ class _Shell(Generic[EventT, ActionT]):
             self._pumping = False
         return first
 
-    def _handle(self, event: EventT) -> list[ActionT]:
-        raise NotImplementedError
-
     def _do(self, action: ActionT) -> None:
-        raise NotImplementedError
+        """The actions both machines emit; each shell matches its own first."""
+        match action:
+            case state.Abort(tid, reason):
+                with contextlib.suppress(Exception):
+                    self._engine.abort(tid, reason)
+            case state.Count(name, n):
+                self._results.count(name, n)
 
     def _post(self, event: EventT) -> None:
         """From a kvt thread: feed ``event`` on the loop thread (nothing else happens here)."""
@@ -187,9 +201,8 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         results: _Results,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        super().__init__(results, loop)
+        super().__init__(engine, results, loop)
         self._config = config
-        self._engine = engine
         self._spec = local_spec
         self._layout = layout_from_spec(local_spec)
         self.core = state.Producer(
@@ -233,9 +246,6 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         return ReleaseResponse(req.transfer_id, released=released)
 
     # -- the machine's decisions -----------------------------------------------------------
-    def _handle(self, event: state.ProducerEvent) -> list[state.ProducerAction]:
-        return self.core.handle(event)
-
     def _do(self, action: state.ProducerAction) -> None:
         match action:
             case state.StartSend():
@@ -244,9 +254,6 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
                 future = self._pulls.pop(pull, None)
                 if future is not None and not future.done():
                     future.set_exception(error)
-            case state.Abort(tid, reason):
-                with contextlib.suppress(Exception):
-                    self._engine.abort(tid, reason)
             case state.ReportSent(request_id):
                 self._results.sent(request_id)
             case state.ArmDeadline(tid, delay_s):
@@ -258,10 +265,10 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
                 timer = self._timers.pop(tid, None)
                 if timer is not None:
                     timer.cancel()
-            case state.Count(name, n):
-                self._results.count(name, n)
             case state.AnswerRelease():
                 pass  # read by _on_release from feed()'s result
+            case _:
+                super()._do(action)
 
     def _deadline_passed(self, tid: str) -> None:
         self._timers.pop(tid, None)
@@ -363,9 +370,8 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         results: _Results,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        super().__init__(results, loop)
+        super().__init__(engine, results, loop)
         self._config = config
-        self._engine = engine
         self._spec = local_spec
         self.core = state.Consumer()
         self._calls: dict[str, asyncio.Task[None]] = {}
@@ -383,9 +389,6 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         self.feed(state.ReleaseRequested(spec))
 
     # -- the machine's decisions -----------------------------------------------------------
-    def _handle(self, event: state.ConsumerEvent) -> list[state.ConsumerAction]:
-        return self.core.handle(event)
-
     def _do(self, action: state.ConsumerAction) -> None:
         match action:
             case state.StartPull(spec):
@@ -394,15 +397,12 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
                 task = self._calls.pop(request_id, None)
                 if task is not None and not task.done():
                     task.cancel()
-            case state.Abort(tid, reason):
-                with contextlib.suppress(Exception):
-                    self._engine.abort(tid, reason)
             case state.CallRelease(spec):
                 self._spawn(self._release(spec))
             case state.ReportRecv(request_id, failed):
                 self._results.received(request_id, failed=failed)
-            case state.Count(name, n):
-                self._results.count(name, n)
+            case _:
+                super()._do(action)
 
     def _start_pull(self, spec: RecvSpec) -> None:
         request_id = spec.request_id
