@@ -85,6 +85,12 @@ class Abort:
     reason: str
 
 
+# ============================================================================== shared events
+@dataclass(frozen=True, slots=True)
+class ShuttingDown:
+    """The worker closes: P's parked pulls fail, D's pulls are aborted; nothing is reported."""
+
+
 # ============================================================================== P: events
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
@@ -158,11 +164,6 @@ class DeadlineReached:
     """The deadline armed for ``transfer_id`` passed."""
 
     transfer_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class ShuttingDown:
-    """The worker closes: parked pulls fail; nothing else is reported."""
 
 
 ProducerEvent = (
@@ -674,6 +675,7 @@ ConsumerEvent = (
     | RecvCompleted
     | PullCancelled
     | ReleaseRequested
+    | ShuttingDown
 )
 
 
@@ -775,16 +777,13 @@ class Consumer:
                     self._abort(request_id, "decode request aborted", out)
             case ReleaseRequested(spec):
                 out.append(CallRelease(spec))
+            case ShuttingDown():
+                # Their completions are not reported: the worker is closing.
+                for pull in self._pulls.values():
+                    out.append(Abort(pull.spec.transfer_id, "decode instance shutting down"))
+                self._pulls.clear()
             case _:
                 raise TypeError(f"not a consumer event: {event!r}")
-        return out
-
-    def shutting_down(self) -> list[ConsumerAction]:
-        """Abort every pull (their completions are not reported: the worker is closing)."""
-        out: list[ConsumerAction] = []
-        for pull in self._pulls.values():
-            out.append(Abort(pull.spec.transfer_id, "decode instance shutting down"))
-        self._pulls.clear()
         return out
 
     def _abort(self, request_id: str, reason: str, out: list[ConsumerAction]) -> None:

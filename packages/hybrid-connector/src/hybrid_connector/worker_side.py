@@ -470,8 +470,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
             )
 
     async def close(self) -> None:
-        for action in self.core.shutting_down():
-            self._do(action)
+        self.feed(state.ShuttingDown())
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
