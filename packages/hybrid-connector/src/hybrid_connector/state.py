@@ -246,15 +246,6 @@ class Phase(enum.Enum):
     CANCELLED = "cancelled"  # nothing will be offered, or nobody will pull
 
 
-@dataclass(frozen=True, slots=True)
-class _Pull:
-    """A transfer_kv call waiting for an answer."""
-
-    pull: int
-    request: TransferKvRequest
-    peer: str
-
-
 @dataclass(slots=True)
 class _Transfer:
     phase: Phase
@@ -262,8 +253,8 @@ class _Transfer:
     spec: SendSpec | None = None
     # SENDING/SENT: vLLM has finished the request and waits for our report.
     finished: bool = False
-    # PARKED: the waiting pull.
-    parked: _Pull | None = None
+    # PARKED: the waiting pull (its transfer_kv call is not answered yet).
+    parked: PullArrived | None = None
     # SENDING: the send guard passed (or kvt refused a later batch): kvt was told to abort.
     aborting: bool = False
 
@@ -414,13 +405,13 @@ class Producer:
             return
         if record is None:
             # P has not finished (or not even seen) the request: hold the pull within the lease.
-            self._transfers[tid] = _Transfer(Phase.PARKED, parked=_Pull(pull, request, peer))
+            self._transfers[tid] = _Transfer(Phase.PARKED, parked=event)
             out.append(Count("early_pulls"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
             log.debug("transfer %s: transfer_kv from %s waits for the request", tid, peer)
             return
         if record.phase is Phase.HELD:
-            self._start_send(tid, record, _Pull(pull, request, peer), out)
+            self._start_send(tid, record, event, out)
         elif record.phase is Phase.CANCELLED:
             out.append(FailPull(pull, TransferError(f"transfer {tid}: cancelled on P")))
         elif record.phase is Phase.PARKED:
@@ -458,7 +449,7 @@ class Producer:
         self,
         tid: str,
         record: _Transfer,
-        parked: _Pull,
+        parked: PullArrived,
         out: list[ProducerAction],
         layer_events: LayerEvents | None = None,
     ) -> None:
