@@ -529,3 +529,12 @@ def test_release_request_is_passed_on() -> None:
     spec = ReleaseSpec("d-2", "t-2", "127.0.0.1:8200", "full local hit")
     sim.feed(state.ReleaseRequested(spec))
     assert sim.releases == [spec]
+
+
+def test_shutdown_aborts_pulls_without_reporting_them() -> None:
+    sim = DSim()
+    sim.start()
+    sim.feed(state.ShuttingDown())
+    assert sim.aborts[T] == 1
+    assert not sim.reported  # the worker is closing: nobody reads the results any more
+    assert len(sim.core) == 0
