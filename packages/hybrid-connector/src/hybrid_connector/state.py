@@ -184,15 +184,14 @@ ProducerEvent = (
 @dataclass(frozen=True, slots=True)
 class StartSend:
     """Write P's ``src_block_ids`` into D's blocks (per ``request``) with kvt, then answer
-    ``pull`` with what was queued; on failure feed ``SendRefused``. ``layered``: one batch per
-    layer, each held until ``layer_events`` marks that layer written."""
+    ``pull`` with what was queued; on failure feed ``SendRefused``. With ``layer_events``
+    (rapid): one batch per layer, each held until ``layer_events`` marks that layer written."""
 
     transfer_id: str
     pull: int
     request_id: str
     src_block_ids: list[int]
     request: TransferKvRequest
-    layered: bool = False
     layer_events: LayerEvents | None = None
 
 
@@ -473,17 +472,7 @@ class Producer:
         record.phase = Phase.SENDING
         # Guard: kvt has its own deadline too; whatever happens, abort after this long.
         out.append(ArmDeadline(tid, self._settings.transfer_timeout_s))
-        out.append(
-            StartSend(
-                tid,
-                pull,
-                spec.request_id,
-                src_block_ids,
-                request,
-                layered=layer_events is not None,
-                layer_events=layer_events,
-            )
-        )
+        out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, layer_events))
 
     def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[int]:
         block_size = self._spec.block_size

@@ -308,11 +308,11 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         def on_complete(completion: Completion) -> None:  # kvt thread
             self._post(state.SendCompleted(tid, completion))
 
-        if action.layered:
+        events = action.layer_events
+        if events is not None:
             layers = blocks["tag"]
-            events = action.layer_events
             batches = [
-                (blocks[layers == layer], (events, layer) if events is not None else None)
+                (blocks[layers == layer], (events, layer))
                 for layer in range(len(self._spec.layer_offsets))
             ]
         else:
@@ -343,7 +343,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
             req.data_address,
             blocks.size,
             nbytes,
-            ", layer by layer as computed" if action.layered else "",
+            ", layer by layer as computed" if events is not None else "",
         )
         future.set_result(TransferKvResponse(tid, len(req.block_ids), int(blocks.size), nbytes))
 
