@@ -28,7 +28,7 @@ import queue
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, Batch, DataPlaneBackend, SendJob, drain
+from kvt.backend import BackendListener, Batch, DataPlaneBackend, RecvSink, SendJob, drain
 from kvt.control import ControlMessage
 
 log = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class _Connection:
                 self._drop(item[2])
 
 
-def _copy(sources: list[memoryview], sink: Any) -> None:
+def _copy(sources: list[memoryview], sink: RecvSink) -> None:
     """Source views into the sink's views (same lengths, record order), chunk by chunk."""
     targets = sink.views
     start, n = 0, len(sources)
