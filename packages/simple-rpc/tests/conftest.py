@@ -145,15 +145,20 @@ async def server(gate):
     await srv.close()
 
 
+def event_after(monkeypatch: pytest.MonkeyPatch, callback: str) -> asyncio.Event:
+    """An event set each time any server connection's asyncio `callback` has returned."""
+    event = asyncio.Event()
+    original = getattr(_ServerConnection, callback)
+
+    def patched(conn: _ServerConnection, *args: object) -> None:
+        original(conn, *args)
+        event.set()
+
+    monkeypatch.setattr(_ServerConnection, callback, patched)
+    return event
+
+
 @pytest.fixture
 def received(monkeypatch) -> asyncio.Event:
     """Set each time any server connection has handled a read (its data_received returned)."""
-    event = asyncio.Event()
-    data_received = _ServerConnection.data_received
-
-    def patched(conn: _ServerConnection, data: bytes) -> None:
-        data_received(conn, data)
-        event.set()
-
-    monkeypatch.setattr(_ServerConnection, "data_received", patched)
-    return event
+    return event_after(monkeypatch, "data_received")

@@ -8,9 +8,17 @@ import struct
 
 import msgspec
 import pytest
-from conftest import PING, RAW, WAIT_S, Ping, assert_closed_by_server, make_server, until
+from conftest import (
+    PING,
+    RAW,
+    WAIT_S,
+    Ping,
+    assert_closed_by_server,
+    event_after,
+    make_server,
+    until,
+)
 from simple_rpc import ERROR_RESP, Client, ErrorBody, FrameDecoder, ProtocolError, encode_frame
-from simple_rpc.server import _ServerConnection
 
 
 async def read_frames(reader: asyncio.StreamReader, count: int):
@@ -153,14 +161,7 @@ async def test_malformed_answer_from_a_server_fails_the_client_calls(caplog):
 async def test_peer_that_stops_reading_is_paused_not_buffered(server, monkeypatch):
     """Back-pressure: a peer that never reads its answers gets its requests paused; the server's
     buffer stays bounded, and once the peer reads, every answer arrives (nothing accepted lost)."""
-    paused = asyncio.Event()
-    pause_writing = _ServerConnection.pause_writing
-
-    def pause_and_tell(conn: _ServerConnection) -> None:
-        pause_writing(conn)
-        paused.set()
-
-    monkeypatch.setattr(_ServerConnection, "pause_writing", pause_and_tell)
+    paused = event_after(monkeypatch, "pause_writing")
     host, port = server.address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     payload = bytes(range(256)) * 256  # 64 KiB

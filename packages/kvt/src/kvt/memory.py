@@ -28,7 +28,7 @@ import queue
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, Batch, DataPlaneBackend, SendJob, drain
+from kvt.backend import BackendListener, Batch, DataPlaneBackend, RecvSink, SendJob, drain
 from kvt.control import ControlMessage
 
 log = logging.getLogger(__name__)
@@ -93,9 +93,13 @@ class _Connection:
         if kind == _JOB:
             self._drop(item)
 
+    def end_of(self, backend: InMemoryBackend) -> _Endpoint:
+        """The endpoint ``backend`` sees (the first one if the engine linked to itself)."""
+        return self.ends[0] if self.ends[0].backend is backend else self.ends[1]
+
     def close_after_queued(self, backend: InMemoryBackend) -> None:
         """Graceful close by ``backend``, step 1: carry what is queued, then close."""
-        self.put(self.ends[0] if self.ends[0].backend is backend else self.ends[1], _CLOSE, None)
+        self.put(self.end_of(backend), _CLOSE, None)
 
     def close(self, reason: str) -> None:
         with self._lock:
@@ -169,7 +173,7 @@ class _Connection:
                 self._drop(item[2])
 
 
-def _copy(sources: list[memoryview], sink: Any) -> None:
+def _copy(sources: list[memoryview], sink: RecvSink) -> None:
     """Source views into the sink's views (same lengths, record order), chunk by chunk."""
     targets = sink.views
     start, n = 0, len(sources)
@@ -225,7 +229,7 @@ class InMemoryBackend(DataPlaneBackend):
                     backend._connections = [c for c in backend._connections if c.alive]
                     backend._connections.append(conn)
                 conn.start()
-        return conn.ends[0] if conn.ends[0].backend is self else conn.ends[1]
+        return conn.end_of(self)
 
     def submit(self, link: _Endpoint, job: SendJob) -> None:  # type: ignore[override]
         link.conn.put(link, _JOB, job)

@@ -324,16 +324,13 @@ class _ServerConnection(asyncio.Protocol):
         try:
             response = await handler(request, ctx)
         except Exception as err:
-            self.running -= 1
             self._handler_failed(ctx, err)
-        except BaseException:  # cancelled: the server is closing
-            self.running -= 1
-            raise
         else:
-            self.running -= 1
-            # The only call in flight on this connection: write at once rather than one
-            # callback later (sequential callers wait for exactly this); else batch.
-            self._respond(ctx, response, alone=self.running == 0)
+            # The only call in flight on this connection (this one is still counted): write at
+            # once rather than one callback later (sequential callers wait for exactly this).
+            self._respond(ctx, response, alone=self.running == 1)
+        finally:
+            self.running -= 1  # also when cancelled (the server is closing)
         if self.draining:
             self._close_when_answered()
 
