@@ -92,21 +92,18 @@ def main(argv: list[str]) -> int:
         if not tags or tags & supported:
             continue  # no tags (uv does not check) or they fit
         name, version = canonicalize_name(dist.metadata["Name"]), Version(dist.version)
-        fitting = [
-            sorted(parse_wheel_filename(f)[3], key=str)
-            for f in offered.get((name, version), [])
-            if parse_wheel_filename(f)[3] & supported
-        ]
-        if not fitting:
+        offered_tags = (parse_wheel_filename(f)[3] for f in offered.get((name, version), []))
+        fitting = next((sorted(t, key=str) for t in offered_tags if t & supported), None)
+        if fitting is None:
             print(f"fix_wheel_tags: {name} {version}: no wheel in the lock fits; left as is")
             continue
         wheel_file = next((f for f in dist.files or [] if f.name == "WHEEL"), None)
         if wheel_file is None:
             print(f"fix_wheel_tags: {name} {version}: WHEEL not in RECORD; left as is")
             continue
-        _rewrite(Path(str(dist.locate_file(wheel_file))).parent, fitting[0])
+        _rewrite(Path(str(dist.locate_file(wheel_file))).parent, fitting)
         before = ", ".join(sorted(map(str, tags)))
-        after = ", ".join(map(str, fitting[0]))
+        after = ", ".join(map(str, fitting))
         print(f"fix_wheel_tags: {name} {version}: WHEEL tags {before} -> {after}")
     return 0
 

@@ -67,10 +67,9 @@ def check_timeout(timeout_s: float, what: str = "timeout_s") -> None:
         raise CallerError(f"{what} must be seconds in [0, {MAX_TTL_S:g}], got {timeout_s!r}")
 
 
-def check_size(nbytes: int, what: str, limit: int | None = None) -> None:
-    if nbytes < 0 or (limit is not None and nbytes > limit):
-        bound = "" if limit is None else f" and at most {limit}"
-        raise CallerError(f"{what} must be at least 0{bound}, got {nbytes}")
+def check_size(nbytes: int, what: str) -> None:
+    if nbytes < 0:
+        raise CallerError(f"{what} must be at least 0, got {nbytes}")
 
 
 def check_layout(layout: Layout, nbytes: int) -> None:

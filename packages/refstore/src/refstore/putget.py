@@ -135,7 +135,7 @@ class PutGet:
         return self._put(encoded, sources, ttl_s, pin)
 
     def _put(self, encoded: codec.Encoded, sources: list[Any], ttl_s: Any, pin: bool) -> Ref:
-        layout, nbytes, block = encoded.layout, encoded.nbytes, encoded.block
+        nbytes, block = encoded.nbytes, encoded.block
         reserved = None
         ask = 0
         now_ns = monotonic_ns()
@@ -169,7 +169,9 @@ class PutGet:
                 oid, at = reserved[0], reserved[1]
             else:
                 try:
-                    request = protocol.Alloc(nbytes, layout, ttl_s, pin, encoded.header.hlen)
+                    request = protocol.Alloc(
+                        nbytes, encoded.layout, ttl_s, pin, encoded.header.hlen
+                    )
                     # To the master of the pool it will write into.
                     resp = self._link.call(protocol.ALLOC, request, on=attached)
                 except BaseException:
