@@ -6,7 +6,8 @@ import pytest
 import torch
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, PeerError, UnsupportedLayoutError
-from hybrid_connector.layout import check_compatible, describe_kv_caches
+from hybrid_connector.layout import describe_kv_caches
+from hybrid_connector.mapping import check_compatible
 
 
 def test_config_defaults_and_address() -> None:

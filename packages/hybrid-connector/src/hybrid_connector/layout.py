@@ -151,20 +151,3 @@ def layout_from_spec(spec: LayoutSpec) -> PagedKVLayout:
         )
     except Exception as err:
         raise PeerError(f"invalid KV layout from peer: {err}") from err
-
-
-def check_compatible(local: LayoutSpec, remote: LayoutSpec) -> None:
-    """Raise PeerError unless blocks can be copied between the two caches as they are."""
-    if local.block_size != remote.block_size:
-        raise PeerError(f"block_size differs: local {local.block_size}, peer {remote.block_size}")
-    if local.layer_names != remote.layer_names:
-        raise PeerError(
-            f"layers differ: local {len(local.layer_names)} ({local.layer_names[:2]}...), "
-            f"peer {len(remote.layer_names)} ({remote.layer_names[:2]}...)"
-        )
-    if len(remote.region_ids) != len(remote.layer_offsets):
-        raise PeerError("peer layout: one region id per layer expected")
-    sig_local = [(s.name, s.nbytes) for s in local.segments]
-    sig_remote = [(s.name, s.nbytes) for s in remote.segments]
-    if sig_local != sig_remote:
-        raise PeerError(f"block geometry differs: local {sig_local}, peer {sig_remote}")

@@ -19,7 +19,7 @@ class SegmentSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LayoutSpec(msgspec.Struct, frozen=True):
-    """A paged KV cache as the peer needs it to compute destination byte ranges.
+    """One KV-cache group of one rank, as the peer needs it to compute destination byte ranges.
 
     ``layer_offsets[l]`` is relative to the base of region ``region_ids[l]`` (a kvt region id of
     the instance that owns the cache).
@@ -32,6 +32,25 @@ class LayoutSpec(msgspec.Struct, frozen=True):
     block_size: int
     segments: list[SegmentSpec]
     kind: str = "custom"
+    # What a block of this group is: "attention" (paged K/V), "mla" (paged latent), "state" (a
+    # request's linear-attention/SSM state slot: only the final state moves), "sliding_window".
+    group: str = "attention"
+    # Element type of the cache as vLLM names it ("bfloat16", "fp8_e4m3", ...); "" = unknown.
+    dtype: str = ""
+    # Tensor parallelism: this rank holds KV heads [head_start, head_start + num_heads) of
+    # total_heads. total_heads = 0: every rank holds the same bytes (MLA latent, state slots).
+    total_heads: int = 0
+    head_start: int = 0
+    num_heads: int = 0
+
+
+class CacheSpec(msgspec.Struct, frozen=True):
+    """Everything one worker (one TP rank) registered: one LayoutSpec per vLLM KV-cache group,
+    in vLLM's group order."""
+
+    groups: list[LayoutSpec]
+    tp_rank: int = 0
+    tp_size: int = 1
 
 
 class TransferKvRequest(msgspec.Struct, frozen=True):

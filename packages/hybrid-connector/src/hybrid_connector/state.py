@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
-from hybrid_connector.layout import check_compatible
+from hybrid_connector.mapping import check_compatible
 from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
 from hybrid_connector.protocol import LayoutSpec, TransferKvRequest
 

@@ -22,14 +22,13 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-import numpy as np
-from ipcblock import parse_blocks
 from simple_rpc import CallContext, Client, LoopThread, Server
 
 from hybrid_connector import state
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.errors import PeerError, TransferError
-from hybrid_connector.layout import describe_kv_caches, layout_from_spec
+from hybrid_connector.layout import describe_kv_caches
+from hybrid_connector.mapping import plan_copy
 from hybrid_connector.metadata import (
     HybridConnectorMetadata,
     PrefillSpec,
@@ -204,7 +203,6 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         super().__init__(engine, results, loop)
         self._config = config
         self._spec = local_spec
-        self._layout = layout_from_spec(local_spec)
         self.core = state.Producer(
             local_spec, state.ProducerSettings(config.lease_s, config.transfer_timeout_s)
         )
@@ -284,14 +282,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
             self._inbox.append(state.SendRefused(tid, TransferError("pull gone"), False))
             return
         try:
-            blocks = parse_blocks(
-                self._layout,
-                layout_from_spec(req.layout),
-                np.asarray(action.src_block_ids, dtype=np.int64),
-                np.asarray(req.block_ids, dtype=np.int64),
-                src_region=np.asarray(self._spec.region_ids, dtype=np.int64),
-                dst_region=np.asarray(req.layout.region_ids, dtype=np.int64),
-            )
+            blocks = plan_copy(self._spec, req.layout, action.src_block_ids, req.block_ids)
         except Exception as err:
             log.warning(
                 "request %s: transfer %s for %s (D request %s) rejected: %s",
