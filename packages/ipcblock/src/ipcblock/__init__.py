@@ -6,17 +6,28 @@ from the layout-aware layers to the data plane. See README.md for the byte layou
 
 from ipcblock.errors import (
     BlockIdOutOfRangeError,
+    BlockSizeRatioError,
     DuplicateDestinationError,
+    HeadRangeError,
     InvalidLayoutError,
     IpcBlockError,
     LayerOutOfRangeError,
     LayoutMismatchError,
     LengthMismatchError,
+    NotTokenMajorError,
     RecordBufferError,
     RegionIdError,
+    TokenRangeError,
 )
-from ipcblock.layouts import PagedKVLayout, Segment, stacked_layer_offsets
-from ipcblock.parse import parse_blocks
+from ipcblock.layouts import (
+    Dim,
+    PagedKVLayout,
+    Segment,
+    head_name,
+    pair_pieces,
+    stacked_layer_offsets,
+)
+from ipcblock.parse import parse_blocks, parse_blocks_resized
 from ipcblock.record import (
     IPCBLOCK_DTYPE,
     IPCBLOCK_SIZE,
@@ -34,23 +45,31 @@ __all__ = [
     "IPCBLOCK_DTYPE",
     "IPCBLOCK_SIZE",
     "BlockIdOutOfRangeError",
+    "BlockSizeRatioError",
+    "Dim",
     "DuplicateDestinationError",
+    "HeadRangeError",
     "InvalidLayoutError",
     "IpcBlockError",
     "LayerOutOfRangeError",
     "LayoutMismatchError",
     "LengthMismatchError",
+    "NotTokenMajorError",
     "PagedKVLayout",
     "RecordBufferError",
     "RegionIdError",
     "Segment",
+    "TokenRangeError",
     "__version__",
     "blocks_from_bytes",
     "blocks_to_bytes",
     "empty_blocks",
+    "head_name",
     "make_blocks",
     "merge_runs",
+    "pair_pieces",
     "parse_blocks",
+    "parse_blocks_resized",
     "stacked_layer_offsets",
     "total_bytes",
 ]
