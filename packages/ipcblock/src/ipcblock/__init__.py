@@ -20,6 +20,7 @@ from ipcblock.errors import (
     TokenRangeError,
 )
 from ipcblock.layouts import (
+    CompositeLayout,
     Dim,
     PagedKVLayout,
     Segment,
@@ -46,6 +47,7 @@ __all__ = [
     "IPCBLOCK_SIZE",
     "BlockIdOutOfRangeError",
     "BlockSizeRatioError",
+    "CompositeLayout",
     "Dim",
     "DuplicateDestinationError",
     "HeadRangeError",

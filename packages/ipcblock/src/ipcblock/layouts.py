@@ -381,6 +381,140 @@ class PagedKVLayout:
             np.asarray(layer_offsets), num_blocks, segments, kind, block_size, head_start, total
         )
 
+    @classmethod
+    def paged(
+        cls,
+        layer_offsets: Sequence[int] | np.ndarray,
+        num_blocks: int,
+        *,
+        block_size: int,
+        row_nbytes: int,
+        kv_heads: int = 1,
+        head_major: bool = True,
+        name: str = "kv",
+        block_stride: int | None = None,
+        head_start: int = 0,
+        total_heads: int | None = None,
+        kind: str = "paged",
+    ) -> PagedKVLayout:
+        """vLLM's logical page ``[B, H, N, C]`` (``head_major``) or ``[B, N, H, C]``, one segment.
+
+        ``row_nbytes`` is C in bytes; it may hold more than K|V, e.g. the per-token-head fp32
+        scales vLLM's ``fp8_per_token_head`` packs after each head's data (scales then move with
+        the blocks, nothing else to do). ``block_stride`` defaults to the dense page (pass vLLM's
+        ``KVCacheTensor.block_stride`` for padded or block-outermost packing).
+        """
+        page = _positive(kv_heads, block_size, row_nbytes)
+        if head_major:
+            dims = (
+                Dim(HEAD, kv_heads, block_size * row_nbytes),
+                Dim(TOKEN, block_size, row_nbytes),
+            )
+        else:
+            dims = (Dim(TOKEN, block_size, kv_heads * row_nbytes), Dim(HEAD, kv_heads, row_nbytes))
+        total = _total(head_start, kv_heads, total_heads)
+        seg = Segment(
+            head_name(name, head_start, head_start + kv_heads, total),
+            0,
+            page if block_stride is None else int(block_stride),
+            page,
+            dims,
+        )
+        return cls(
+            np.asarray(layer_offsets), num_blocks, (seg,), kind, block_size, head_start, total
+        )
+
+    @classmethod
+    def mla(
+        cls,
+        layer_offsets: Sequence[int] | np.ndarray,
+        num_blocks: int,
+        block_size: int,
+        row_nbytes: int,
+        *,
+        block_stride: int | None = None,
+        name: str = "latent",
+    ) -> PagedKVLayout:
+        """MLA's latent cache ``[num_blocks, block_size, row]`` per layer: one ``latent`` segment.
+
+        ``row_nbytes``: ``(kv_lora_rank + qk_rope_head_dim) * itemsize`` (DeepSeek V2/V3: 576
+        values, 1152 bytes in bf16; vLLM CPU allocates ``[nb, 1, 16, 576]``), or 656 for vLLM's
+        ``fp8_ds_mla`` rows (512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE: scales move inline).
+        No head axis: every TP rank holds the same latent, so any P rank can serve any D rank.
+        Token-major, so it can be resized.
+        """
+        row = _positive(row_nbytes)
+        block = _positive(block_size) * row
+        seg = Segment(
+            name,
+            0,
+            block if block_stride is None else int(block_stride),
+            block,
+            (Dim(TOKEN, block_size, row),),
+        )
+        return cls(np.asarray(layer_offsets), num_blocks, (seg,), "mla", block_size)
+
+    @classmethod
+    def state(
+        cls,
+        layer_offsets: Sequence[int] | np.ndarray,
+        num_slots: int,
+        states: Sequence[tuple[str, int] | tuple[str, int, int]],
+        *,
+        slot_stride: int | None = None,
+        kind: str = "state",
+    ) -> PagedKVLayout:
+        """Linear-attention / SSM state slots (GDN, KDA, Mamba): a "block" is one state slot.
+
+        ``states``: ``(name, nbytes)`` per state tensor, packed back to back from the slot start
+        (what vLLM's ``MambaBase.bind_kv_cache`` does with a ``[B, 1, 1, C]`` page), or
+        ``(name, offset, nbytes)`` to place them explicitly. ``slot_stride`` defaults to the
+        packed size; pass vLLM's padded page size (``page_size_padded`` / the KV tensor's
+        ``block_stride``) when the slot is padded. One segment per state; no token axis (a slot is
+        a request's final state, moved whole; resizing is refused with NotTokenMajorError) and no
+        head axis (heterogeneous TP of a state is refused with HeadRangeError).
+        """
+        segments, at = [], 0
+        for entry in states:
+            if len(entry) == 2:
+                seg_name, nbytes = entry
+                offset = at
+            else:
+                seg_name, offset, nbytes = entry
+            segments.append(Segment(str(seg_name), int(offset), 0, _positive(nbytes)))
+            at = int(offset) + int(nbytes)
+        stride = max(s.offset + s.nbytes for s in segments) if slot_stride is None else slot_stride
+        segments = [replace(s, block_stride=int(stride)) for s in segments]
+        return cls(np.asarray(layer_offsets), num_slots, tuple(segments), kind)
+
+    @classmethod
+    def scales(
+        cls,
+        layer_offsets: Sequence[int] | np.ndarray,
+        num_blocks: int,
+        nbytes: int,
+        block_size: int = 0,
+        *,
+        block_stride: int | None = None,
+        name: str = "scale",
+    ) -> PagedKVLayout:
+        """A per-block scale tensor ``[num_blocks, ...]`` moved with its KV blocks (FP8 KV).
+
+        With ``block_size`` the scales are per token (``[nb, block_size, ...]``, token-major:
+        resizable); without, one opaque piece per block (a block scale cannot be split or merged
+        across block sizes: NotTokenMajorError). Combine with the KV part in a
+        :class:`CompositeLayout`.
+        """
+        _positive(nbytes)
+        dims = ()
+        if block_size:
+            if nbytes % block_size:
+                raise InvalidLayoutError(f"{nbytes} scale bytes are not per token of {block_size}")
+            dims = (Dim(TOKEN, block_size, nbytes // block_size),)
+        stride = nbytes if block_stride is None else int(block_stride)
+        seg = Segment(name, 0, stride, int(nbytes), dims)
+        return cls(np.asarray(layer_offsets), num_blocks, (seg,), "scales", block_size)
+
     # ----------------------------------------------------------------- derived layouts
     def select_heads(self, start: int, count: int) -> PagedKVLayout:
         """This layout restricted to global KV heads ``[start, start + count)``.
@@ -481,6 +615,103 @@ class PagedKVLayout:
             np.array([s.block_stride for s in self.segments], dtype=np.int64),
             np.array([s.nbytes for s in self.segments], dtype=np.int64),
         )
+
+
+@dataclass(frozen=True, eq=False)
+class CompositeLayout:
+    """Layouts in different tensors (or regions) whose blocks share one block table.
+
+    One vLLM KV-cache group can hold several tensors per layer indexed by the same block ids:
+    DeepSeek V3.2 (DSA) keeps the MLA latent and the indexer-key cache of every layer in separate
+    tensors of one ``UniformTypeKVCacheSpecs`` group; an FP8 cache may keep a scale tensor next to
+    its KV. Each part is a full :class:`PagedKVLayout` with its own layer offsets (and, at parse
+    time, its own region ids); all parts have the same layers. ``parse_blocks`` on a composite
+    concatenates the parts' records layer by layer, tagging both parts of layer ``l`` with ``l``,
+    so one IpcBlock array (and one per-layer notification) covers the whole group.
+    """
+
+    parts: tuple[tuple[str, PagedKVLayout], ...]
+
+    def __post_init__(self) -> None:
+        parts = tuple((str(n), layout) for n, layout in self.parts)
+        object.__setattr__(self, "parts", parts)
+        names = [n for n, _ in parts]
+        if not parts or len(set(names)) != len(names):
+            raise InvalidLayoutError(f"a composite needs distinct part names, got {names}")
+        if len({layout.num_layers for _, layout in parts}) != 1:
+            raise InvalidLayoutError("composite parts must have the same number of layers")
+        sizes = {layout.block_size for _, layout in parts if layout.block_size}
+        if len(sizes) > 1:
+            raise InvalidLayoutError(f"composite parts disagree on block_size: {sorted(sizes)}")
+
+    @classmethod
+    def dsa(
+        cls,
+        latent_offsets: Sequence[int] | np.ndarray,
+        indexer_offsets: Sequence[int] | np.ndarray,
+        num_blocks: int,
+        *,
+        block_size: int = 64,
+        latent_row_nbytes: int = 656,
+        indexer_row_nbytes: int = 132,
+        latent_block_stride: int | None = None,
+        indexer_block_stride: int | None = None,
+    ) -> CompositeLayout:
+        """DeepSeek V3.2 sparse attention: MLA latent plus the indexer-key cache, per layer.
+
+        Defaults are what vLLM allocates on GPU: latent rows of 656 bytes (``fp8_ds_mla``; 1152
+        for a bf16 cache) and indexer rows of 132 bytes (``index_head_dim`` 128 fp8 values plus one
+        fp32 scale per 128: ``DeepseekV32IndexerCache(head_dim=128 + 128 // 128 * 4,
+        dtype=uint8)``), both ``[num_blocks, 64, row]`` (the indexer backend supports only block
+        size 64 on CUDA).
+        """
+        latent = PagedKVLayout.mla(
+            latent_offsets, num_blocks, block_size, latent_row_nbytes,
+            block_stride=latent_block_stride,
+        )  # fmt: skip
+        indexer = PagedKVLayout.mla(
+            indexer_offsets, num_blocks, block_size, indexer_row_nbytes,
+            block_stride=indexer_block_stride, name="indexer_k",
+        )  # fmt: skip
+        return cls((("latent", latent), ("indexer", indexer)))
+
+    @property
+    def kind(self) -> str:
+        return "+".join(f"{n}:{layout.kind}" for n, layout in self.parts)
+
+    @property
+    def signature(self) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+        return tuple((n, layout.signature) for n, layout in self.parts)
+
+    @property
+    def num_layers(self) -> int:
+        return self.parts[0][1].num_layers
+
+    @property
+    def block_size(self) -> int:
+        return max(layout.block_size for _, layout in self.parts)
+
+    @property
+    def num_heads(self) -> int:
+        return max(layout.num_heads for _, layout in self.parts)
+
+    @property
+    def block_nbytes(self) -> int:
+        return sum(layout.block_nbytes for _, layout in self.parts)
+
+    def select_heads(self, start: int, count: int) -> CompositeLayout:
+        """Parts with a head axis narrowed (see PagedKVLayout.select_heads); others replicated."""
+        if not self.num_heads:
+            raise HeadRangeError(f"{self.kind} has no head axis (replicated or state)")
+        return CompositeLayout(
+            tuple(
+                (n, layout.select_heads(start, count) if layout.num_heads else layout)
+                for n, layout in self.parts
+            )
+        )
+
+    def token_major(self) -> CompositeLayout:
+        return CompositeLayout(tuple((n, layout.token_major()) for n, layout in self.parts))
 
 
 def stacked_layer_offsets(num_layers: int, layer_nbytes: int, base: int = 0) -> np.ndarray:

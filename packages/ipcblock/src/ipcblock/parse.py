@@ -17,15 +17,16 @@ from ipcblock.errors import (
     RegionIdError,
     TokenRangeError,
 )
-from ipcblock.layouts import TOKEN, PagedKVLayout, pair_pieces
+from ipcblock.layouts import TOKEN, CompositeLayout, PagedKVLayout, pair_pieces
 from ipcblock.record import IPCBLOCK_DTYPE
 
 RegionSpec = int | Sequence[int] | np.ndarray
+Layout = PagedKVLayout | CompositeLayout
 
 
 def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, layers, regions)
-    src_layout: PagedKVLayout,
-    dst_layout: PagedKVLayout,
+    src_layout: Layout,
+    dst_layout: Layout,
     src_block_ids: Sequence[int] | np.ndarray,
     dst_block_ids: Sequence[int] | np.ndarray,
     layers: Sequence[int] | np.ndarray | None = None,
@@ -43,8 +44,15 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
     Output order: by layer (in the order given), and inside a layer by source offset, so that runs
     which are contiguous on both sides become neighbours and ``merge`` fuses them into one record
     (records never straddle layers).
+    A :class:`CompositeLayout` (parts in different tensors sharing the block ids) takes region
+    ids per part: one int for every part, or a sequence with one region spec per part.
     Raises a subclass of :class:`ipcblock.IpcBlockError` on any inconsistent input.
     """
+    if isinstance(src_layout, CompositeLayout) or isinstance(dst_layout, CompositeLayout):
+        return _parse_parts(
+            parse_blocks, src_layout, dst_layout, src_block_ids, dst_block_ids, layers,
+            src_region, dst_region, merge=merge,
+        )  # fmt: skip
     if src_layout.signature != dst_layout.signature:
         raise LayoutMismatchError(
             f"source {src_layout.kind} segments {src_layout.signature} != "
@@ -111,6 +119,12 @@ def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_b
     :class:`TokenRangeError`, :class:`LayoutMismatchError` (names or bytes per token differ), plus
     those of :func:`parse_blocks`.
     """
+    if isinstance(src_layout, CompositeLayout) or isinstance(dst_layout, CompositeLayout):
+        return _parse_parts(
+            parse_blocks_resized, src_layout, dst_layout, src_block_ids, dst_block_ids, layers,
+            src_region, dst_region, num_tokens=num_tokens, src_first_block=src_first_block,
+            dst_first_block=dst_first_block, merge=merge,
+        )  # fmt: skip
     s_bs, d_bs = src_layout.block_size, dst_layout.block_size
     for layout in (src_layout, dst_layout):
         bad = [s.name for s in layout.segments if not s.token_major]
@@ -169,6 +183,36 @@ def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_b
     return _stamp_layers(
         rel_src, rel_dst, length, src_layout, dst_layout, layer_idx, src_regions, dst_regions, merge
     )
+
+
+def _parse_parts(  # noqa: PLR0917
+    parse, src: Layout, dst: Layout, src_ids, dst_ids, layers, src_region, dst_region, **kwargs
+) -> np.ndarray:
+    """Parse a composite part by part and interleave the records layer by layer."""
+    if not (isinstance(src, CompositeLayout) and isinstance(dst, CompositeLayout)):
+        raise LayoutMismatchError(f"composite vs single layout: {src.kind} != {dst.kind}")
+    names = [n for n, _ in src.parts]
+    if names != [n for n, _ in dst.parts]:
+        raise LayoutMismatchError(f"composite parts {names} != {[n for n, _ in dst.parts]}")
+    s_regions = _part_regions(src_region, len(names), "source")
+    d_regions = _part_regions(dst_region, len(names), "destination")
+    outs = [
+        parse(s, d, src_ids, dst_ids, layers, sr, dr, **kwargs)
+        for (_, s), (_, d), sr, dr in zip(src.parts, dst.parts, s_regions, d_regions, strict=True)
+    ]
+    n_layers = _layers(layers, src.parts[0][1], dst.parts[0][1]).size
+    if n_layers == 0 or not any(o.size for o in outs):
+        return np.empty(0, dtype=IPCBLOCK_DTYPE)
+    # Each part's output is n_layers equal runs: put layer l of every part together.
+    return np.concatenate([o.reshape(n_layers, -1) for o in outs], axis=1).reshape(-1)
+
+
+def _part_regions(region, n_parts: int, side: str) -> list:
+    if np.ndim(region) == 0:
+        return [region] * n_parts
+    if isinstance(region, (list, tuple)) and len(region) == n_parts:
+        return list(region)
+    raise RegionIdError(f"{side}: a composite takes one int or one region spec per part")
 
 
 def _append(rel_src, rel_dst, length, s_base, d_base, s_in, d_in, piece) -> None:  # noqa: PLR0917
