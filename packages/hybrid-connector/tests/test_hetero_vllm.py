@@ -15,7 +15,6 @@ import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import _harness
