@@ -7,7 +7,7 @@ when the send starts; ``source_ranks`` tells a D rank which P ranks to pull from
 How a pair is mapped (each step refuses with PeerError what it cannot do)::
 
     LayoutSpec (P rank)           LayoutSpec (D rank)
-         |  ipc_layout: segments with head/token axes (from the wire, or derived from kind)
+         |  ipc_layout: segments with head/token axes, derived from kind and head fields
          v                             v
     heads: both narrowed to the KV heads they share (TP split or merge); replicated groups
            (MLA latent, state slots) are taken whole
@@ -60,9 +60,9 @@ BlockIds = Sequence[int] | np.ndarray
 def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
     """The ipcblock layout of one group of one rank, with head and token axes where known.
 
-    Axes come from the wire (``SegmentSpec.dims``) when the peer sent them; otherwise they are
-    derived from ``kind`` and the head fields (vLLM's CPU block is ``[heads, tokens, row]``).
-    Without either, a segment is opaque: it can only be copied whole, to the same geometry.
+    Axes are derived from ``kind``, ``group`` and the head fields, so the wire needs nothing
+    more than LayoutSpec. A segment of an unknown kind is opaque: it is copied whole, to the same
+    geometry only.
     """
     replicated = spec.group in {STATE, MLA} or spec.total_heads == 0
     try:
@@ -80,9 +80,6 @@ def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
 
 
 def _segment(spec: LayoutSpec, seg: SegmentSpec) -> Segment:
-    wire_dims = tuple(Dim(*d) for d in getattr(seg, "dims", ()) or ())
-    if wire_dims:
-        return Segment(seg.name, seg.offset, seg.block_stride, seg.nbytes, wire_dims)
     dims, has_heads = _derived_dims(spec, seg.nbytes)
     name = seg.name
     if has_heads:
