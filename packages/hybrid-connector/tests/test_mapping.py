@@ -439,3 +439,29 @@ def test_each_tp_rank_gets_its_own_ports() -> None:
         cfg.for_rank(2, 2)
     with pytest.raises(ConfigError, match="host:port"):
         rank_address("nohost", 1)
+
+
+def test_state_slot_with_two_tensors_and_padded_stride_moves_only_that_slot() -> None:
+    """A GDN layer's conv and ssm state as the worker describes them: two segments of one slot,
+    the slot stride vLLM's padded page size."""
+    conv, ssm, page = 24, 40, 80  # bytes per slot; page > conv + ssm (padding)
+    spec = LayoutSpec(
+        layer_names=["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+        layer_offsets=[0, 6 * page],
+        region_ids=[0, 0],
+        num_blocks=6,
+        block_size=256,
+        segments=[SegmentSpec("state0", 0, page, conv), SegmentSpec("state1", conv, page, ssm)],
+        kind="blocks_major",
+        group="state",
+    )
+    rng = np.random.default_rng(3)
+    p_mem = rng.integers(0, 256, 12 * page, dtype=np.uint8)
+    d_mem = rng.integers(0, 256, 12 * page, dtype=np.uint8)
+    before = d_mem.copy()
+    apply(plan_copy(spec, spec, [4], [1]), p_mem, d_mem)
+    p_slots, d_slots = p_mem.reshape(2, 6, page), d_mem.reshape(2, 6, page)
+    np.testing.assert_array_equal(d_slots[:, 1, : conv + ssm], p_slots[:, 4, : conv + ssm])
+    expected = before.reshape(2, 6, page).copy()
+    expected[:, 1, : conv + ssm] = p_slots[:, 4, : conv + ssm]
+    np.testing.assert_array_equal(d_slots, expected)  # padding and other slots untouched
