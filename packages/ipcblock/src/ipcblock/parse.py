@@ -64,7 +64,7 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
         raise LengthMismatchError(
             f"{src_ids.size} source block ids but {dst_ids.size} destination block ids"
         )
-    _unique(dst_ids)
+    _unique(dst_ids, dst_layout.num_blocks)
     layer_idx = _layers(layers, src_layout, dst_layout)
     src_regions = _regions(src_region, src_layout, layer_idx, "source")
     dst_regions = _regions(dst_region, dst_layout, layer_idx, "destination")
@@ -142,7 +142,7 @@ def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_b
         )
     src_ids = _block_ids(src_block_ids, src_layout, "source")
     dst_ids = _block_ids(dst_block_ids, dst_layout, "destination")
-    _unique(dst_ids)
+    _unique(dst_ids, dst_layout.num_blocks)
     start = int(dst_first_block) * d_bs
     end = start + dst_ids.size * d_bs if num_tokens is None else int(num_tokens)
     if src_first_block < 0 or dst_first_block < 0 or end < start:
@@ -326,11 +326,16 @@ def _write_wide(  # noqa: PLR0917
     return buf[: n * IPCBLOCK_SIZE].view(IPCBLOCK_DTYPE)
 
 
-def _unique(dst_ids: np.ndarray) -> None:
-    if dst_ids.size < 2 or (dst_ids[1:] > dst_ids[:-1]).all():  # ascending: no sort needed
+def _unique(dst_ids: np.ndarray, num_blocks: int) -> None:
+    """DuplicateDestinationError if an id repeats (ids are already range-checked)."""
+    if dst_ids.size < 2 or (dst_ids[1:] > dst_ids[:-1]).all():  # ascending: nothing to sort
         return
-    ordered = np.sort(dst_ids)
-    if (ordered[1:] == ordered[:-1]).any():
+    if num_blocks <= 16 * dst_ids.size:  # a count per block is cheaper than a sort
+        repeated = bool((np.bincount(dst_ids, minlength=num_blocks) > 1).any())
+    else:
+        ordered = np.sort(dst_ids)
+        repeated = bool((ordered[1:] == ordered[:-1]).any())
+    if repeated:
         raise DuplicateDestinationError("destination block ids contain duplicates")
 
 
