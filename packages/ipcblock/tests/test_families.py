@@ -393,3 +393,82 @@ def test_same_family_other_geometry_is_refused() -> None:
     b = CompositeLayout.dsa([0], [10**7], 4, indexer_row_nbytes=136)
     with pytest.raises(LayoutMismatchError):
         parse_blocks(a, b, [0], [0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    st.integers(0, 16),
+    st.integers(1, 3),
+    st.integers(1, 8),
+    st.integers(0, 2**32 - 1),
+)
+def test_state_slots_random(state_sizes, padding, num_layers, n, seed) -> None:
+    rng = np.random.default_rng(seed)
+    slots = n + 3
+    page = sum(state_sizes) + padding
+    states = [(f"s{i}", size) for i, size in enumerate(state_sizes)]
+    layout = PagedKVLayout.state(
+        stacked_layer_offsets(num_layers, slots * page), slots, states, slot_stride=page
+    )
+    src = rng.integers(0, 256, num_layers * slots * page, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    src_ids, dst_ids = rng.permutation(slots)[:n], rng.permutation(slots)[:n]
+    (touched,) = apply(parse_blocks(layout, layout, src_ids, dst_ids), [src], [dst])
+    pages_src = src.reshape(num_layers, slots, page)
+    pages_dst = dst.reshape(num_layers, slots, page)
+    used = sum(state_sizes)
+    np.testing.assert_array_equal(pages_dst[:, dst_ids, :used], pages_src[:, src_ids, :used])
+    assert int(touched.sum()) == num_layers * n * used  # padding never copied
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from([(4, 4), (4, 8), (8, 4), (2, 8), (8, 2)]),
+    st.sampled_from(["layer_compact", "block_outermost"]),
+    st.integers(1, 3),
+    st.integers(0, 20),
+    st.integers(0, 2**32 - 1),
+)
+def test_dsa_composite_random_ids_and_block_sizes(bs, packing, num_layers, end, seed) -> None:
+    """Both DSA parts, random ids, resized both ways, against vLLM-placed numpy views."""
+    rng = np.random.default_rng(seed)
+    s_bs, d_bs = bs
+    rows = (10, 3)  # small stand-ins for 656 and 132 bytes
+
+    def side(block_size, nb):
+        pages = [block_size * r for r in rows]
+        total = num_layers * nb * sum(pages)
+        buf = rng.integers(0, 256, total, dtype=np.uint8)
+        parts, views, base = [], [], 0
+        for row, page in zip(rows, pages, strict=True):
+            if packing == "layer_compact":
+                layer_stride, block_stride = nb * page, page
+            else:
+                layer_stride, block_stride = page, num_layers * page
+            views.append(
+                vllm_views(buf, num_layers, nb, (block_size, row), base, layer_stride, block_stride)
+            )
+            parts.append(
+                PagedKVLayout.mla(
+                    layer_offsets(num_layers, base, layer_stride), nb, block_size, row,
+                    block_stride=block_stride,
+                )
+            )  # fmt: skip
+            base += num_layers * nb * page
+        layout = CompositeLayout((("latent", parts[0]), ("indexer", parts[1])))
+        return buf, views, layout
+
+    n_src, n_dst = -(-end // s_bs), -(-end // d_bs)
+    s_buf, s_views, s_layout = side(s_bs, n_src + 2)
+    d_buf, d_views, d_layout = side(d_bs, n_dst + 2)
+    src_ids, dst_ids = rng.permutation(n_src + 2)[:n_src], rng.permutation(n_dst + 2)[:n_dst]
+    blocks = parse_blocks_resized(s_layout, d_layout, src_ids, dst_ids, num_tokens=end)
+    before = d_buf.copy()
+    (touched,) = apply(blocks, [s_buf], [d_buf])
+    g = min(s_bs, d_bs)
+    for part, layer, t in itertools.product((0, 1), range(num_layers), range(-(-end // g) * g)):
+        got = d_views[part][layer][dst_ids[t // d_bs], t % d_bs]
+        np.testing.assert_array_equal(got, s_views[part][layer][src_ids[t // s_bs], t % s_bs])
+    np.testing.assert_array_equal(d_buf[~touched], before[~touched])
+    assert int(touched.sum()) == num_layers * -(-end // g) * g * sum(rows)

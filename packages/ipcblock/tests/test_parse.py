@@ -21,6 +21,7 @@ from ipcblock import (
     LengthMismatchError,
     PagedKVLayout,
     RegionIdError,
+    blocks_to_bytes,
     parse_blocks,
     stacked_layer_offsets,
 )
@@ -242,3 +243,39 @@ def test_region_nbytes_covers_every_layer() -> None:
     assert layout.region_nbytes == 3 * 8 * layout.block_nbytes
     split = PagedKVLayout.kv_first([0], 8, 2, 16, 8, 2)
     assert split.region_nbytes == 8 * split.block_nbytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 9),
+    st.integers(1, 40),
+    st.integers(1, 50),
+    st.booleans(),
+    st.integers(0, 2**32 - 1),
+)
+def test_wide_writer_equals_field_by_field(num_layers, blocks, chunk, split, seed) -> None:
+    """The two-pass 16-byte writer (large outputs) against the per-field writer, chunk edges too."""
+    from unittest import mock
+
+    import ipcblock.parse as parse_mod
+
+    rng = np.random.default_rng(seed)
+    layout = PagedKVLayout.kv_first(
+        rng.integers(0, 2**40, num_layers), 64, 1, 4, 8, 2
+    )  # two segments, random layer bases
+    src = rng.choice(64, blocks, replace=False)
+    dst = rng.choice(64, blocks, replace=False)
+    layers = rng.permutation(num_layers)[: rng.integers(1, num_layers + 1)]
+    regions = {
+        "src_region": rng.integers(0, 2**16, num_layers) if split else int(rng.integers(0, 2**16)),
+        "dst_region": rng.integers(0, 2**16, num_layers),
+    }
+    narrow = parse_blocks(layout, layout, src, dst, layers, **regions)
+    with (
+        mock.patch.object(parse_mod, "_WIDE_WRITE_MIN", 0),
+        mock.patch.object(parse_mod, "_CHUNK_RECORDS", chunk),
+    ):
+        wide = parse_blocks(layout, layout, src, dst, layers, **regions)
+    assert wide.dtype == IPCBLOCK_DTYPE
+    np.testing.assert_array_equal(wide, narrow)
+    assert bytes(blocks_to_bytes(wide)) == bytes(blocks_to_bytes(narrow))

@@ -18,6 +18,11 @@ Examples (``B`` = bytes of one block of K, i.e. ``block_size * kv_heads * head_d
     FA    [2, nb, block_size, kv_heads, hd] k(0, B, B), v(nb*B, B, B)   token bs, head H; r = hd
     FI    [nb, 2, block_size, kv_heads, hd] k(0, 2B, B), v(B, 2B, B)    token bs, head H; r = hd
     cross-layer [nb, L, ...]                layer_offsets[l] = l*2B; kv(0, L*2B, 2B)
+    paged [B, H, N, C] / [B, N, H, C]       kv(0, page, H*bs*C)  head/token order as given; r = C
+    MLA   [nb, bs, row]                     latent(0, bs*r, bs*r)       token bs
+    state slot [slots, 1, 1, C]             conv(0, C, c), ssm(c, C, s) no dims (moved whole)
+    scales [nb, ...]                        scale(0, n, n)              token bs when per token
+    DSA   CompositeLayout: latent [nb, 64, 656] and indexer_k [nb, 64, 132], own layer offsets
 
 Tensor parallelism: a layout that knows its head axis holds global heads
 ``[head_start, head_start + num_heads)`` of ``total_heads``. :meth:`PagedKVLayout.select_heads`
