@@ -16,6 +16,7 @@ from hybrid_connector.errors import ConfigError, PeerError
 from hybrid_connector.mapping import (
     Source,
     check_compatible,
+    ipc_layout,
     plan_copy,
     rank_heads,
     source_ranks,
@@ -23,6 +24,7 @@ from hybrid_connector.mapping import (
 from hybrid_connector.protocol import LayoutSpec, SegmentSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ipcblock import PagedKVLayout
 from numpy.lib.stride_tricks import as_strided
 
 KINDS = ("blocks_major", "kv_first", "mla")
@@ -465,3 +467,17 @@ def test_state_slot_with_two_tensors_and_padded_stride_moves_only_that_slot() ->
     expected = before.reshape(2, 6, page).copy()
     expected[:, 1, : conv + ssm] = p_slots[:, 4, : conv + ssm]
     np.testing.assert_array_equal(d_slots, expected)  # padding and other slots untouched
+
+
+def test_cpu_groups_use_ipcblocks_cpu_layout_and_resize_per_k_row() -> None:
+    """mapping builds CPU blocks with PagedKVLayout.cpu (K transposed per head) and adds no
+    layout arithmetic of its own; a resized copy is one record per head-dim row of K and one V
+    piece, per head, per P block and layer (K rows are not contiguous in D's larger block)."""
+    spec = cpu_spec(10, 2, 4, 8)
+    expected = PagedKVLayout.cpu(spec.layer_offsets, 10, 2, 4, 8, ITEMSIZE)
+    assert ipc_layout(spec).signature == expected.signature
+    assert ipc_layout(spec).segments == expected.segments
+    blocks = plan_copy(spec, cpu_spec(12, 2, 8, 8), [1, 2, 3], [5, 6], num_tokens=12)
+    # 2 layers x 3 P blocks x 2 heads x (8 K rows + V), less one merge per layer: P blocks 2, 3
+    # and D blocks 5, 6 are neighbours, so P block 2's last V piece runs on into block 3's K.
+    assert blocks.size == 2 * (3 * 2 * (8 + 1) - 1)
