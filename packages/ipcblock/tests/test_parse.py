@@ -21,6 +21,7 @@ from ipcblock import (
     LengthMismatchError,
     PagedKVLayout,
     RegionIdError,
+    Segment,
     blocks_to_bytes,
     parse_blocks,
     stacked_layer_offsets,
@@ -252,17 +253,25 @@ def test_region_nbytes_covers_every_layer() -> None:
     st.integers(1, 50),
     st.booleans(),
     st.integers(0, 2**32 - 1),
+    st.sampled_from(["kv_first", "mla", "mixed"]),
 )
-def test_wide_writer_equals_field_by_field(num_layers, blocks, chunk, split, seed) -> None:
-    """The two-pass 16-byte writer (large outputs) against the per-field writer, chunk edges too."""
+def test_wide_writer_equals_field_by_field(num_layers, blocks, chunk, split, seed, kind) -> None:  # noqa: PLR0917
+    """The two-pass 16-byte writer (large outputs) against the per-field writer: chunk edges,
+    one or two segments, equal or different record lengths."""
     from unittest import mock
 
     import ipcblock.parse as parse_mod
 
     rng = np.random.default_rng(seed)
-    layout = PagedKVLayout.kv_first(
-        rng.integers(0, 2**40, num_layers), 64, 1, 4, 8, 2
-    )  # two segments, random layer bases
+    bases = rng.integers(0, 2**40, num_layers)  # random layer bases
+    if kind == "kv_first":  # two segments: equal lengths unless ids merge
+        layout = PagedKVLayout.kv_first(bases, 64, 1, 4, 8, 2)
+    elif kind == "mla":  # one segment: lengths equal unless ids merge
+        layout = PagedKVLayout.mla(bases, 64, 4, 8)
+    else:  # lengths differ in every layer
+        layout = PagedKVLayout.from_segments(
+            bases, 64, [Segment("a", 0, 64, 24), Segment("b", 24, 64, 40)]
+        )
     src = rng.choice(64, blocks, replace=False)
     dst = rng.choice(64, blocks, replace=False)
     layers = rng.permutation(num_layers)[: rng.integers(1, num_layers + 1)]
