@@ -25,14 +25,17 @@ def naive_parse(src: PagedKVLayout, dst: PagedKVLayout, src_ids, dst_ids, layers
         s_base, d_base = int(src.layer_offsets[layer]), int(dst.layer_offsets[layer])
         entries = []
         for s_seg, d_seg in zip(src.segments, dst.segments, strict=True):
+            # A segment is one or more contiguous pieces per block (CPU: one per head).
+            (s_pieces, piece), (d_pieces, _) = s_seg.pieces(), d_seg.pieces()
             for s_id, d_id in zip(src_ids, dst_ids, strict=True):
-                entries.append(
-                    (
-                        s_base + s_seg.offset + int(s_id) * s_seg.block_stride,
-                        d_base + d_seg.offset + int(d_id) * d_seg.block_stride,
-                        s_seg.nbytes,
+                for s_in, d_in in zip(s_pieces.tolist(), d_pieces.tolist(), strict=True):
+                    entries.append(
+                        (
+                            s_base + s_seg.offset + int(s_id) * s_seg.block_stride + s_in,
+                            d_base + d_seg.offset + int(d_id) * d_seg.block_stride + d_in,
+                            piece,
+                        )
                     )
-                )
         entries.sort()
         for s_off, d_off, n in entries:
             if records and records[-1][5] == layer:

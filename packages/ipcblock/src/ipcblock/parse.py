@@ -75,15 +75,53 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
         return np.empty(0, dtype=IPCBLOCK_DTYPE)
 
     rel_src, rel_dst, length = [], [], []
-    for s_seg, d_seg, (s_in, d_in, piece) in zip(
-        src_layout.segments, dst_layout.segments, pairs, strict=True
-    ):
-        s_base = s_seg.offset + src_ids * s_seg.block_stride
-        d_base = d_seg.offset + dst_ids * d_seg.block_stride
-        _append(rel_src, rel_dst, length, s_base, d_base, s_in, d_in, piece)
+    for (s_stride, d_stride), (s_in, d_in, pieces) in _block_pieces(
+        src_layout, dst_layout, pairs, merge
+    ).items():
+        s_base, d_base = src_ids * s_stride, dst_ids * d_stride
+        if s_in.size == 1:
+            rel_src.append(s_base + s_in[0])
+            rel_dst.append(d_base + d_in[0])
+            length.append(np.full(s_base.size, pieces[0], dtype=np.int64))
+        else:
+            rel_src.append((s_base[:, None] + s_in[None, :]).ravel())
+            rel_dst.append((d_base[:, None] + d_in[None, :]).ravel())
+            length.append(np.tile(pieces, s_base.size))
     return _stamp_layers(
         rel_src, rel_dst, length, src_layout, dst_layout, layer_idx, src_regions, dst_regions, merge
     )
+
+
+def _block_pieces(
+    src_layout: PagedKVLayout, dst_layout: PagedKVLayout, pairs: list, merge: bool
+) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The pieces of one block, fused across segments that move with the same block strides.
+
+    Keyed by (source, destination) block stride: the (source offsets, destination offsets,
+    lengths) inside a block, sorted by source, pieces that continue each other on both sides
+    merged (unless not ``merge``). vLLM's CPU block is K and V pieces of every head interleaved:
+    together one contiguous piece per block (or head range), so a block stays one record before
+    the per-layer sort.
+    """
+    groups: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+    for s_seg, d_seg, (s_in, d_in, piece) in zip(
+        src_layout.segments, dst_layout.segments, pairs, strict=True
+    ):
+        groups.setdefault((s_seg.block_stride, d_seg.block_stride), []).append(
+            (s_seg.offset + s_in, d_seg.offset + d_in, np.full(s_in.size, piece, np.int64))
+        )
+    out = {}
+    for key, parts in groups.items():
+        s_in, d_in, size = (np.concatenate(col) for col in zip(*parts, strict=True))
+        if merge and s_in.size > 1:
+            order = np.argsort(s_in, kind="stable")
+            s_in, d_in, size = s_in[order], d_in[order], size[order]
+            continues = (s_in[1:] == s_in[:-1] + size[:-1]) & (d_in[1:] == d_in[:-1] + size[:-1])
+            if continues.any():
+                starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+                s_in, d_in, size = s_in[starts], d_in[starts], np.add.reduceat(size, starts)
+        out[key] = (s_in, d_in, size)
+    return out
 
 
 def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_blocks
