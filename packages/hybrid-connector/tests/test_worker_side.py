@@ -64,7 +64,7 @@ class Pair:
     def offer(self, request_id: str, transfer_id: str, block_ids: list[int], num_tokens: int):
         self.p.handle_metadata(
             HybridConnectorMetadata(
-                to_send=[SendSpec(request_id, transfer_id, block_ids, num_tokens)]
+                to_send=[SendSpec(request_id, transfer_id, [block_ids], num_tokens)]
             )
         )
 
@@ -85,8 +85,8 @@ class Pair:
                         request_id,
                         transfer_id,
                         address or self.rpc_address,
-                        block_ids,
-                        first_block,
+                        [block_ids],
+                        [first_block],
                         num_tokens,
                     )
                 ]
@@ -196,7 +196,7 @@ def test_mismatched_layout_is_rejected_and_server_survives(
         with caplog.at_level(logging.WARNING, logger="hybrid_connector"):
             other.handle_metadata(
                 HybridConnectorMetadata(
-                    to_recv=[RecvSpec("d-bad", bad_tid, pair.rpc_address, [2], 0, 2)]
+                    to_recv=[RecvSpec("d-bad", bad_tid, pair.rpc_address, [[2]], [0], 2)]
                 )
             )
             assert _wait(other)[1:] == ({"d-bad"}, {"d-bad"})
@@ -286,7 +286,7 @@ def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
     try:
         side.handle_metadata(
             HybridConnectorMetadata(
-                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [1], 0, 2)]
+                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [[1]], [0], 2)]
             )
         )
         assert _wait(side)[1:] == ({"d-req"}, {"d-req"})
@@ -336,7 +336,7 @@ def test_rapid_transfer_sends_layers_as_written_and_frees_after_finish(pair: Pai
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
     # P's scheduler: this step completes the prompt (the pull is parked already).
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, src, 6)])
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
     )
     names = list(pair.p_kv)
     pair.p.layer_saved(names[0])
@@ -359,11 +359,11 @@ def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair
     pair.pull("d-req", tid, [1], num_tokens=3)
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [2], 3)])
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
     )
     # The request is aborted on P while its layers are still pending: blocks stay with us...
     pair.p.handle_metadata(
-        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [2], 0, aborted=True)])
+        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [[2]], 0, aborted=True)])
     )
     assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
     pair.p.step_done()
@@ -375,7 +375,7 @@ def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair
 def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [2], 3)])
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
     )
     pair.p.step_done()
     pair.offer("p-req", tid, [2], num_tokens=3)
