@@ -437,7 +437,8 @@ def test_a_layout_mismatch_fails_the_pull_before_any_byte_moves(
     assert isinstance(sim.answers[1], PeerError)
     assert not sim.sends
     assert sim.reported[P_REQ] == 1
-    assert P_REQ in caplog.text and "d:1" in caplog.text
+    assert P_REQ in caplog.text
+    assert "d:1" in caplog.text
     sim.settle()
 
 
