@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup
+from hybrid_connector.mapping import rank_heads
 from hybrid_connector.metadata import HybridConnectorMetadata
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.worker_side import WorkerSide
@@ -68,8 +69,35 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[KvGroup] | None:
-    """vLLM's KV-cache groups as plain ``KvGroup``s (None: no config, one attention group)."""
+def _tp_rank(tp_size: int) -> int:
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # the scheduler role has no TP group; heads do not matter there
+        return 0
+
+
+def _total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads across all ranks (0 if vLLM cannot tell: heads left undescribed)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:
+        return 0
+
+
+def kv_groups(
+    kv_cache_config: KVCacheConfig | None,
+    block_size: int,
+    *,
+    total_kv_heads: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> list[KvGroup] | None:
+    """vLLM's KV-cache groups as plain ``KvGroup``s (None: no config, one attention group).
+    Attention groups carry this rank's KV heads out of the model's ``total_kv_heads``."""
     if kv_cache_config is None:
         return None
     from vllm.v1.kv_cache_interface import (
@@ -98,6 +126,14 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[Kv
                 f"KV-cache group of {type(spec).__name__} (layers {group.layer_names[:2]}...) "
                 "is not supported"
             )
+        heads = {}
+        if kind in ("attention", "sliding_window") and total_kv_heads > 0:
+            ranks = rank_heads(total_kv_heads, tp_size, tp_rank)
+            heads = {
+                "total_heads": total_kv_heads,
+                "head_start": ranks.start,
+                "num_heads": int(getattr(spec, "num_kv_heads", len(ranks))),
+            }
         groups.append(
             KvGroup(
                 kind,
@@ -105,6 +141,7 @@ def kv_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> list[Kv
                 int(getattr(spec, "block_size", block_size)),
                 dtype,
                 int(getattr(spec, "num_speculative_blocks", 0) or 0),
+                **heads,
             )
         )
     return groups
@@ -140,7 +177,16 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 "HybridConnector supports tensor_parallel_size = pipeline_parallel_size = 1"
             )
         self.block_size = int(vllm_config.cache_config.block_size)
-        self.kv_groups = kv_groups(kv_cache_config, self.block_size)
+        tp_size = int(parallel.tensor_parallel_size)
+        self.tp_rank = _tp_rank(tp_size) if role != KVConnectorRole.SCHEDULER else 0
+        self.tp_size = tp_size
+        self.kv_groups = kv_groups(
+            kv_cache_config,
+            self.block_size,
+            total_kv_heads=_total_kv_heads(vllm_config),
+            tp_size=tp_size,
+            tp_rank=self.tp_rank,
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -161,7 +207,14 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        self._worker.register_kv_caches(kv_caches, self.block_size, num_blocks, self.kv_groups)
+        self._worker.register_kv_caches(
+            kv_caches,
+            self.block_size,
+            num_blocks,
+            self.kv_groups,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

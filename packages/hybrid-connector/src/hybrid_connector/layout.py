@@ -43,6 +43,11 @@ class KvGroup:
     dtype: str = ""
     # "state" groups: trailing scratch slots vLLM allocates per request (speculative decoding).
     num_speculative_blocks: int = 0
+    # Tensor parallelism (see LayoutSpec): this rank's KV heads [head_start, head_start +
+    # num_heads) of total_heads; 0 = every rank holds the same bytes (MLA latent, state slots).
+    total_heads: int = 0
+    head_start: int = 0
+    num_heads: int = 0
 
 
 def state_slot(block_ids: list[int], num_speculative_blocks: int = 0) -> list[int]:
@@ -79,6 +84,9 @@ class KvCacheGeometry:
     kind: str
     group: str = "attention"
     dtype: str = ""
+    total_heads: int = 0
+    head_start: int = 0
+    num_heads: int = 0
 
     def spec(self, region_ids: list[int]) -> LayoutSpec:
         """The wire description, with buffer indexes replaced by registered region ids."""
@@ -94,6 +102,9 @@ class KvCacheGeometry:
             kind=self.kind,
             group=self.group,
             dtype=self.dtype,
+            total_heads=self.total_heads,
+            head_start=self.head_start,
+            num_heads=self.num_heads,
         )
 
 
@@ -104,9 +115,15 @@ class CacheGeometry:
 
     buffers: tuple[Buffer, ...]
     groups: tuple[KvCacheGeometry, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
 
     def spec(self, region_ids: list[int]) -> CacheSpec:
-        return CacheSpec(groups=[g.spec(region_ids) for g in self.groups])
+        return CacheSpec(
+            groups=[g.spec(region_ids) for g in self.groups],
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
 
     @property
     def layer_names(self) -> tuple[str, ...]:
@@ -179,6 +196,9 @@ def describe_kv_cache_groups(
     kv_caches: dict[str, torch.Tensor] | dict[str, object],
     groups: list[KvGroup],
     num_blocks: int | None = None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> CacheGeometry:
     """Find the buffers behind ``kv_caches`` and, per group, each layer's place in them.
 
@@ -237,9 +257,12 @@ def describe_kv_cache_groups(
                 kind=kind,
                 group=group.kind,
                 dtype=group.dtype,
+                total_heads=group.total_heads,
+                head_start=group.head_start,
+                num_heads=group.num_heads,
             )
         )
-    return CacheGeometry(tuple(buffers), tuple(described))
+    return CacheGeometry(tuple(buffers), tuple(described), tp_rank, tp_size)
 
 
 def describe_kv_caches(

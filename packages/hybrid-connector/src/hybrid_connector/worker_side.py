@@ -532,12 +532,17 @@ class WorkerSide:
         block_size: int,
         num_blocks: int | None = None,
         groups: list[KvGroup] | None = None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         """Register vLLM's KV caches; ``groups``: vLLM's KV-cache groups (None: one attention
         group holding every layer)."""
         if groups is None:
             groups = [KvGroup("attention", tuple(kv_caches), block_size)]
-        geometry = describe_kv_cache_groups(kv_caches, groups, num_blocks)
+        geometry = describe_kv_cache_groups(
+            kv_caches, groups, num_blocks, tp_rank=tp_rank, tp_size=tp_size
+        )
         # kvt reads and writes these buffers by address: keep them alive while registered.
         self._kv_caches = dict(kv_caches)
         from kvt import TransferEngine
