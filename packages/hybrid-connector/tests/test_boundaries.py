@@ -17,7 +17,7 @@ from typing import Any
 
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.metadata import SendSpec
-from hybrid_connector.protocol import LayoutSpec, SegmentSpec, TransferKvRequest
+from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec, TransferKvRequest
 from hybrid_connector.scheduler_side import SchedulerSide
 from kvt import AbortCode, AbortOrigin, Completion, TransferStatus
 
@@ -78,7 +78,7 @@ def test_rapid_send_only_for_requests_that_finish_with_their_prompt() -> None:
     # The one that keeps decoding is offered (plain path) once it finished.
     many.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     many.num_computed_tokens = 13
-    delay, params = side.request_finished(many, [1, 2, 3, 4])
+    delay, params = side.request_finished(many, ([1, 2, 3, 4],))
     assert delay is True
     assert params is not None
     assert params["transfer_id"] == "t-many"
@@ -116,7 +116,7 @@ class FakeEngine:
         threading.Thread(target=self.callbacks.pop(request_id), args=(completion,)).start()
 
 
-SPEC = LayoutSpec(["l0"], [0], [1], 8, 4, [SegmentSpec("kv", 0, 64, 64)])
+SPEC = CacheSpec([LayoutSpec(["l0"], [0], [1], 8, 4, [SegmentSpec("kv", 0, 64, 64)])])
 
 
 def test_send_guard_returns_blocks_only_after_kvt_completion() -> None:
@@ -132,8 +132,8 @@ def test_send_guard_returns_blocks_only_after_kvt_completion() -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         producer = shell_class(config, engine, SPEC, results, loop)
-        producer.offer(SendSpec("p-req", "t-1", [3, 5], 6))
-        pull = TransferKvRequest("t-1", "d-req", "127.0.0.1:2", SPEC, [0, 1], 0, 6)
+        producer.offer(SendSpec("p-req", "t-1", [[3, 5]], 6))
+        pull = TransferKvRequest("t-1", "d-req", "127.0.0.1:2", SPEC, [[0, 1]], [0], 6)
         await producer._on_transfer_kv(pull, SimpleNamespace(peer="d:1"))
         await loop.run_in_executor(None, engine.aborted.wait, 10)  # the guard fired
         await asyncio.sleep(0)  # let anything the guard scheduled run

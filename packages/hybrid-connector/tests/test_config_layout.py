@@ -6,7 +6,7 @@ import pytest
 import torch
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, PeerError, UnsupportedLayoutError
-from hybrid_connector.layout import describe_kv_caches
+from hybrid_connector.layout import KvGroup, describe_kv_cache_groups, describe_kv_caches
 from hybrid_connector.mapping import check_compatible
 
 
@@ -83,3 +83,52 @@ def test_incompatible_peers_are_detected() -> None:
     e = describe_kv_caches({"other": torch.zeros(10, 2, 4, 16)}, block_size=4).spec([1])
     with pytest.raises(PeerError, match="layers"):
         check_compatible(a, e)
+
+
+def _gdn_like(num_blocks: int = 6) -> tuple[dict[str, object], list[KvGroup]]:
+    """As vLLM 0.32 allocates Qwen3-Next on CPU: each raw page buffer is shared by a linear
+    layer (conv and ssm views, page-strided) and a full-attention layer."""
+    page = 1024  # elements (bf16)
+    kv: dict[str, object] = {}
+    for i in range(2):
+        raw = torch.zeros(num_blocks * page, dtype=torch.bfloat16)
+        conv = raw.as_strided((num_blocks, 3, 16), (page, 16, 1), 0)
+        ssm = raw.as_strided((num_blocks, 2, 8, 8), (page, 64, 8, 1), 48)
+        kv[f"layers.{2 * i}.linear_attn"] = [conv, ssm]
+        kv[f"layers.{2 * i + 1}.attn"] = raw.view(num_blocks, 1, 16, 64)
+    groups = [
+        KvGroup("state", ("layers.0.linear_attn", "layers.2.linear_attn"), 16, "bfloat16"),
+        KvGroup("attention", ("layers.1.attn", "layers.3.attn"), 16, "bfloat16"),
+    ]
+    return kv, groups
+
+
+def test_hybrid_groups_share_buffers_and_state_layers_are_two_segments() -> None:
+    kv, groups = _gdn_like()
+    geo = describe_kv_cache_groups(kv, groups, num_blocks=6)
+    assert len(geo.buffers) == 2, "a state layer and an attention layer share one buffer"
+    state, attention = geo.groups
+    assert [(s.name, s.offset, s.block_stride, s.nbytes) for s in state.segments] == [
+        ("state0", 0, 2048, 96),
+        ("state1", 96, 2048, 256),
+    ]
+    assert [(s.name, s.block_stride, s.nbytes) for s in attention.segments] == [("kv", 2048, 2048)]
+    assert state.layer_offsets == attention.layer_offsets == (0, 0)
+    assert state.buffer_index == attention.buffer_index == (0, 1)
+    spec = geo.spec([7, 8])
+    assert [g.group for g in spec.groups] == ["state", "attention"]
+    assert spec.groups[0].region_ids == [7, 8]
+    assert spec.groups[0].dtype == "bfloat16"
+    state_then_attention = ("layers.0.linear_attn", "layers.2.linear_attn", "layers.1.attn")
+    assert geo.layer_names == (*state_then_attention, "layers.3.attn")
+
+
+def test_unsupported_groups_and_state_tensors_are_refused() -> None:
+    kv, groups = _gdn_like()
+    with pytest.raises(UnsupportedLayoutError, match="chunked_local"):
+        describe_kv_cache_groups(kv, [KvGroup("chunked_local", groups[1].layer_names, 16)], 6)
+    with pytest.raises(UnsupportedLayoutError, match="no KV cache for layers"):
+        describe_kv_cache_groups(kv, [KvGroup("attention", ("nope",), 16)], 6)
+    split = {"l0": [torch.zeros(6, 4), torch.zeros(6, 4)]}
+    with pytest.raises(UnsupportedLayoutError, match="separate buffers"):
+        describe_kv_cache_groups(split, [KvGroup("state", ("l0",), 16)], 6)

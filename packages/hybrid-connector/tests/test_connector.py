@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from hybrid_connector.metadata import HybridConnectorMetadata, TransferResults
 
@@ -30,3 +32,51 @@ def test_plain_metadata_is_vllm_metadata() -> None:
     import hybrid_connector.connector  # noqa: F401  (registers the class with vLLM's ABC)
 
     assert isinstance(HybridConnectorMetadata(), base.KVConnectorMetadata)
+
+
+def test_vllm_groups_become_kv_groups() -> None:
+    """Each vLLM KV-cache spec maps to a group kind, its block size, dtype and this rank's heads;
+    a kind the connector cannot move is refused at startup."""
+    import torch
+    from hybrid_connector.connector import kv_groups
+    from hybrid_connector.errors import UnsupportedLayoutError
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    bf16 = torch.bfloat16
+    specs = [
+        MambaSpec(block_size=256, shapes=((3, 8), (2, 4, 4)), dtypes=(bf16, bf16)),
+        FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=32, dtype=bf16),
+        MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=bf16),
+        SlidingWindowSpec(
+            block_size=32, num_kv_heads=2, head_size=32, dtype=bf16, sliding_window=128
+        ),
+    ]
+    config = SimpleNamespace(
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
+    )
+    groups = kv_groups(config, 16, total_kv_heads=4, tp_size=2, tp_rank=1)  # type: ignore[arg-type]
+    assert groups is not None
+    assert [(g.kind, g.block_size, g.dtype) for g in groups] == [
+        ("state", 256, "bfloat16,bfloat16"),
+        ("attention", 256, "bfloat16"),
+        ("mla", 16, "bfloat16"),
+        ("sliding_window", 32, "bfloat16"),
+    ]
+    assert [(g.total_heads, g.head_start, g.num_heads) for g in groups] == [
+        (0, 0, 0),
+        (4, 2, 2),
+        (0, 0, 0),
+        (4, 2, 2),
+    ]
+    chunked = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=32, dtype=bf16, attention_chunk_size=64
+    )
+    with pytest.raises(UnsupportedLayoutError, match="ChunkedLocalAttentionSpec"):
+        kv_groups(SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["c"], chunked)]), 16)  # type: ignore[arg-type]

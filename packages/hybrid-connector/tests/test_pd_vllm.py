@@ -160,7 +160,7 @@ def test_pd_tokens_equal_single_instance(pd: PD) -> None:
         assert params["transfer_id"] == tid
         assert params["remote_rpc_address"] == pd.rpc_address
         assert params["remote_num_tokens"] == len(prompt)
-        assert len(params["remote_block_ids"]) == -(-len(prompt) // pd.block_size)
+        assert len(params["remote_block_ids"][0]) == -(-len(prompt) // pd.block_size)
 
     d_out = pd.d.generate(prompts, MAX_TOKENS, [o.kv_transfer_params for o in p_out])
     assert [o.token_ids for o in d_out] == expected

@@ -26,27 +26,61 @@ import pytest
 from hybrid_connector import state
 from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
 from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
-from hybrid_connector.protocol import LayoutSpec, SegmentSpec, TransferKvRequest
+from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec, TransferKvRequest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, rule
 from kvt import AbortOrigin, Completion, TransferStatus
 
 BLOCK_SIZE = 4
-SPEC = LayoutSpec(
+ATTENTION = LayoutSpec(
     layer_names=["l0", "l1"],
     layer_offsets=[0, 4096],
     region_ids=[1, 1],
     num_blocks=16,
     block_size=BLOCK_SIZE,
     segments=[SegmentSpec("kv", 0, 256, 256)],
+    dtype="bfloat16",
 )
+# Linear-attention state (GDN): a block is a slot, one segment per state tensor.
+STATE = LayoutSpec(
+    layer_names=["s0", "s2"],
+    layer_offsets=[8192, 12288],
+    region_ids=[1, 1],
+    num_blocks=16,
+    block_size=BLOCK_SIZE,
+    segments=[SegmentSpec("state0", 0, 256, 16), SegmentSpec("state1", 16, 256, 128)],
+    kind="state_slots",
+    group="state",
+    dtype="bfloat16,bfloat16",
+)
+MLA = LayoutSpec(
+    layer_names=["m0", "m1"],
+    layer_offsets=[0, 4096],
+    region_ids=[1, 1],
+    num_blocks=16,
+    block_size=BLOCK_SIZE,
+    segments=[SegmentSpec("kv", 0, 256, 192)],
+    group="mla",
+    dtype="bfloat16",
+)
+SPEC = CacheSpec([ATTENTION])
+HYBRID = CacheSpec([STATE, ATTENTION])
 T, P_REQ = "t-1", "p-1"
 PROMPT_BLOCKS, PROMPT_TOKENS = [3, 5], 6
+STATE_SLOT = [9]
+
+
+def _held(spec: CacheSpec) -> list[list[int]]:
+    """P's blocks per group: the prompt's blocks, or the state slot."""
+    return [STATE_SLOT if g.group == "state" else PROMPT_BLOCKS for g in spec.groups]
 
 
 def _pull_request(tid: str = T, *, num_tokens: int = PROMPT_TOKENS, layout=SPEC):
     blocks = -(-num_tokens // BLOCK_SIZE)
-    return TransferKvRequest(tid, "d-1", "127.0.0.1:9", layout, list(range(blocks)), 0, num_tokens)
+    ids = [[0] if g.group == "state" else list(range(blocks)) for g in layout.groups]
+    return TransferKvRequest(
+        tid, "d-1", "127.0.0.1:9", layout, ids, [0] * len(layout.groups), num_tokens
+    )
 
 
 def _completion(tid: str, ok: bool, role: str = "send") -> Completion:
@@ -59,8 +93,10 @@ def _completion(tid: str, ok: bool, role: str = "send") -> Completion:
 class PSim:
     """Plays vLLM, D, kvt and the timers around ``state.Producer``; asserts the rules."""
 
-    def __init__(self, refuse: str | None = None) -> None:
-        self.core = state.Producer(SPEC, state.ProducerSettings(lease_s=30, transfer_timeout_s=60))
+    def __init__(self, refuse: str | None = None, spec: CacheSpec = SPEC) -> None:
+        self.spec = spec
+        self.core = state.Producer(spec, state.ProducerSettings(lease_s=30, transfer_timeout_s=60))
+        self.sends: list[state.StartSend] = []
         self.refuse = refuse  # kvt refuses StartSend: None, "first" batch, or a "later" one
         self.finished: set[str] = set()  # requests vLLM finished (it waits for our report)
         self.reported: Counter[str] = Counter()
@@ -93,6 +129,7 @@ class PSim:
                 assert self.reported[rid] == 1, f"{rid} reported twice"
                 self.reported_at[rid] = self.step
             case state.StartSend(tid, pull, rid):
+                self.sends.append(action)
                 self._answer(pull, "sent")
                 assert self.tid_of.get(rid) == tid
                 if self.refuse == "first":
@@ -117,12 +154,13 @@ class PSim:
 
     def pull(self, pull: int = 1, tid: str = T, **kw) -> None:
         self.arrived.add(pull)
+        kw.setdefault("layout", self.spec)
         self.feed(state.PullArrived(pull, _pull_request(tid, **kw), "d:1"))
 
     def prefill(self, rid: str = P_REQ, tid: str = T) -> None:
         self.tid_of[rid] = tid
         self.announced.add(rid)
-        self.feed(state.PrefillDone(PrefillSpec(rid, tid, PROMPT_BLOCKS, PROMPT_TOKENS)))
+        self.feed(state.PrefillDone(PrefillSpec(rid, tid, _held(self.spec), PROMPT_TOKENS)))
 
     def finish(self, rid: str = P_REQ, tid: str = T, *, aborted: bool = False, tokens=None):
         """vLLM finished the request; an aborted one is delayed (and offered) only if it was
@@ -132,7 +170,7 @@ class PSim:
             self.feed(state.RequestCancelled(tid))
             return
         self.finished.add(rid)
-        spec = SendSpec(rid, tid, PROMPT_BLOCKS, tokens or PROMPT_TOKENS, aborted=aborted)
+        spec = SendSpec(rid, tid, _held(self.spec), tokens or PROMPT_TOKENS, aborted=aborted)
         self.feed(state.RequestFinished(spec))
 
     def release(self, tid: str = T) -> None:
@@ -198,17 +236,19 @@ PLAIN_RACE = ["pull", "finish", "complete", "release", "deadline", "dup_pull", "
 
 @pytest.mark.parametrize("aborted", [False, True], ids=["finished", "aborted"])
 @pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
-def test_rapid_send_races_in_every_order(ok: bool, aborted: bool) -> None:
+@pytest.mark.parametrize("spec", [SPEC, HYBRID], ids=["one-group", "state+attention"])
+def test_rapid_send_races_in_every_order(ok: bool, aborted: bool, spec: CacheSpec) -> None:
     # vLLM announces the prefill in the step before it reports the request finished.
     for order in _orders(RAPID_RACE, before=("prefill", "finish")):
-        PSim().run(order, ok=ok, aborted=aborted)
+        PSim(spec=spec).run(order, ok=ok, aborted=aborted)
 
 
 @pytest.mark.parametrize("aborted", [False, True], ids=["finished", "aborted"])
 @pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
-def test_plain_send_races_in_every_order(ok: bool, aborted: bool) -> None:
+@pytest.mark.parametrize("spec", [SPEC, HYBRID], ids=["one-group", "state+attention"])
+def test_plain_send_races_in_every_order(ok: bool, aborted: bool, spec: CacheSpec) -> None:
     for order in _orders(PLAIN_RACE):
-        PSim().run(order, ok=ok, aborted=aborted)
+        PSim(spec=spec).run(order, ok=ok, aborted=aborted)
 
 
 @pytest.mark.parametrize("refuse", ["first", "later"])
@@ -311,7 +351,10 @@ def test_kvt_refusing_the_first_batch_releases_at_once() -> None:
     ("kw", "error"),
     [
         ({"num_tokens": PROMPT_TOKENS + 4}, "D needs 10 prompt tokens but P computed 6"),
-        ({"layout": msgspec.structs.replace(SPEC, block_size=8)}, "block_size differs"),
+        (
+            {"layout": CacheSpec([msgspec.structs.replace(ATTENTION, layer_names=["l0"])])},
+            "group 0 (attention)",
+        ),
     ],
     ids=["too-many-tokens", "bad-layout"],
 )
@@ -321,6 +364,93 @@ def test_a_bad_pull_fails_and_frees_held_blocks(kw: dict, error: str) -> None:
     sim.pull(**kw)
     assert isinstance(sim.answers[1], PeerError)
     assert error in str(sim.answers[1])
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+# ================================================================================ P: groups
+def test_two_groups_are_held_sent_and_reported_once() -> None:
+    """State slot plus attention blocks: one record, one send of both groups, one report."""
+    sim = PSim(spec=HYBRID)
+    sim.finish()
+    assert not sim.reported, "held until pulled"
+    sim.pull()
+    (send,) = sim.sends
+    assert send.src_block_ids == [STATE_SLOT, PROMPT_BLOCKS]
+    assert send.request.block_ids == [[0], [0, 1]]
+    assert not sim.reported, "kvt reads both groups until its completion"
+    sim.complete()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+    assert sim.reported[P_REQ] == 1
+
+
+def test_prefix_hit_in_one_group_passes_every_p_block_to_the_planner() -> None:
+    """D holds the first attention block (its prefix hit) but needs the state: P offers every
+    block of each group and lets plan_copy skip D's first_block per group."""
+    sim = PSim(spec=HYBRID)
+    sim.finish()
+    request = TransferKvRequest(T, "d-1", "127.0.0.1:9", HYBRID, [[4], [7]], [0, 1], 6)
+    sim.arrived.add(1)
+    sim.feed(state.PullArrived(1, request, "d:1"))
+    (send,) = sim.sends
+    assert send.src_block_ids == [STATE_SLOT, PROMPT_BLOCKS]
+    assert send.request.first_block == [0, 1]
+    sim.complete()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def _mismatch(family: LayoutSpec, how: str) -> CacheSpec:
+    """D's cache for a P whose cache is ``CacheSpec([family, ATTENTION])``, wrong in one way."""
+    other = {"attention": MLA, "mla": STATE, "state": ATTENTION}[family.group]
+    match how:
+        case "group-count":
+            return CacheSpec([family])
+        case "group-kind":
+            return CacheSpec(
+                [msgspec.structs.replace(other, layer_names=family.layer_names), ATTENTION]
+            )
+        case "segments":
+            segments = [msgspec.structs.replace(s, nbytes=s.nbytes // 2) for s in family.segments]
+            return CacheSpec([msgspec.structs.replace(family, segments=segments), ATTENTION])
+        case "dtype":
+            return CacheSpec([msgspec.structs.replace(family, dtype="float8_e4m3"), ATTENTION])
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["group-count", "group-kind", "segments", "dtype"])
+@pytest.mark.parametrize("family", [ATTENTION, MLA, STATE], ids=lambda f: f.group)
+def test_a_layout_mismatch_fails_the_pull_before_any_byte_moves(
+    family: LayoutSpec, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each layout family: D's cache differs from P's (groups, kind, segments, dtype): the pull
+    fails with PeerError and no send starts (D then recomputes), P's held blocks are freed
+    once, and the log names the request and the peer."""
+    spec = CacheSpec([family, ATTENTION])
+    sim = PSim(spec=spec)
+    sim.finish()
+    request = _pull_request(layout=_mismatch(family, how))
+    sim.arrived.add(1)
+    with caplog.at_level("WARNING", logger="hybrid_connector.state"):
+        sim.feed(state.PullArrived(1, request, "d:1"))
+    assert isinstance(sim.answers[1], PeerError)
+    assert not sim.sends
+    assert sim.reported[P_REQ] == 1
+    assert P_REQ in caplog.text
+    assert "d:1" in caplog.text
+    sim.settle()
+
+
+def test_a_pull_naming_the_wrong_number_of_block_lists_fails() -> None:
+    sim = PSim(spec=HYBRID)
+    sim.finish()
+    request = TransferKvRequest(T, "d-1", "127.0.0.1:9", HYBRID, [[0, 1]], [0], 6)
+    sim.arrived.add(1)
+    sim.feed(state.PullArrived(1, request, "d:1"))
+    assert isinstance(sim.answers[1], PeerError)
+    assert "2 KV-cache groups" in str(sim.answers[1])
+    assert not sim.sends
     assert sim.reported[P_REQ] == 1
     sim.settle()
 
@@ -430,7 +560,7 @@ class DSim:
         self.aborts: Counter[str] = Counter()
         self.releases: list[ReleaseSpec] = []
         self.calls: set[str] = set()
-        self.spec = RecvSpec("d-1", T, "127.0.0.1:8200", [0, 1], 0, PROMPT_TOKENS)
+        self.spec = RecvSpec("d-1", T, "127.0.0.1:8200", [[0, 1]], [0], PROMPT_TOKENS)
 
     def feed(self, event: state.ConsumerEvent) -> None:
         queue = [event]

@@ -7,6 +7,7 @@ Two WorkerSides in one process, each owning a torch "KV cache" laid out like vLL
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from hybrid_connector.config import HybridConfig
+from hybrid_connector.layout import KvGroup
 from hybrid_connector.metadata import (
     HybridConnectorMetadata,
     PrefillSpec,
@@ -64,7 +66,7 @@ class Pair:
     def offer(self, request_id: str, transfer_id: str, block_ids: list[int], num_tokens: int):
         self.p.handle_metadata(
             HybridConnectorMetadata(
-                to_send=[SendSpec(request_id, transfer_id, block_ids, num_tokens)]
+                to_send=[SendSpec(request_id, transfer_id, [block_ids], num_tokens)]
             )
         )
 
@@ -85,8 +87,8 @@ class Pair:
                         request_id,
                         transfer_id,
                         address or self.rpc_address,
-                        block_ids,
-                        first_block,
+                        [block_ids],
+                        [first_block],
                         num_tokens,
                     )
                 ]
@@ -196,7 +198,7 @@ def test_mismatched_layout_is_rejected_and_server_survives(
         with caplog.at_level(logging.WARNING, logger="hybrid_connector"):
             other.handle_metadata(
                 HybridConnectorMetadata(
-                    to_recv=[RecvSpec("d-bad", bad_tid, pair.rpc_address, [2], 0, 2)]
+                    to_recv=[RecvSpec("d-bad", bad_tid, pair.rpc_address, [[2]], [0], 2)]
                 )
             )
             assert _wait(other)[1:] == ({"d-bad"}, {"d-bad"})
@@ -286,7 +288,7 @@ def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
     try:
         side.handle_metadata(
             HybridConnectorMetadata(
-                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [1], 0, 2)]
+                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [[1]], [0], 2)]
             )
         )
         assert _wait(side)[1:] == ({"d-req"}, {"d-req"})
@@ -336,7 +338,7 @@ def test_rapid_transfer_sends_layers_as_written_and_frees_after_finish(pair: Pai
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
     # P's scheduler: this step completes the prompt (the pull is parked already).
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, src, 6)])
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
     )
     names = list(pair.p_kv)
     pair.p.layer_saved(names[0])
@@ -359,11 +361,11 @@ def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair
     pair.pull("d-req", tid, [1], num_tokens=3)
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [2], 3)])
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
     )
     # The request is aborted on P while its layers are still pending: blocks stay with us...
     pair.p.handle_metadata(
-        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [2], 0, aborted=True)])
+        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [[2]], 0, aborted=True)])
     )
     assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
     pair.p.step_done()
@@ -375,7 +377,7 @@ def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair
 def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [2], 3)])
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
     )
     pair.p.step_done()
     pair.offer("p-req", tid, [2], num_tokens=3)
@@ -383,3 +385,182 @@ def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> Non
     assert _wait(pair.d)[1:] == ({"d-req"}, set())
     assert _wait(pair.p)[0] == {"p-req"}
     assert "rapid_sends" not in pair.p.counters()
+
+
+# ------------------------------------------------------------------ several KV-cache groups
+PAGE_ELEMS = HEADS * BLOCK_SIZE * 2 * HEAD_DIM  # one block of an attention layer, in bf16
+STATE_SHAPES = ((3, 8), (2, 4, 4))  # GDN-like: conv state, recurrent state per slot
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _hybrid_caches(
+    fill: float | None, state_shapes: tuple[tuple[int, ...], ...] = STATE_SHAPES
+) -> tuple[dict[str, object], list[KvGroup]]:
+    """vLLM's hybrid allocation: each raw buffer is shared by one linear-attention layer (a list
+    of state views with the page as slot stride) and one attention layer; a block id is a slot
+    in the state group and a block in the attention group (one block pool)."""
+    kv: dict[str, object] = {}
+    for i in range(2):
+        gen = torch.Generator().manual_seed(i)
+        raw = (
+            torch.randn(NUM_BLOCKS * PAGE_ELEMS, generator=gen).to(torch.bfloat16)
+            if fill is None
+            else torch.full((NUM_BLOCKS * PAGE_ELEMS,), fill, dtype=torch.bfloat16)
+        )
+        views, offset = [], 0
+        for shape in state_shapes:
+            stride = (PAGE_ELEMS, *_contiguous_strides(shape))
+            views.append(raw.as_strided((NUM_BLOCKS, *shape), stride, offset))
+            offset += math.prod(shape)
+        kv[f"model.layers.{2 * i}.linear_attn"] = views
+        kv[f"model.layers.{2 * i + 1}.self_attn.attn"] = raw.view(
+            NUM_BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM
+        )
+    groups = [
+        KvGroup("state", ("model.layers.0.linear_attn", "model.layers.2.linear_attn"), 64),
+        KvGroup("attention", ("model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"), 4),
+    ]
+    return kv, groups
+
+
+def _mla_caches(fill: float | None, latent: int = 24) -> tuple[dict[str, object], list[KvGroup]]:
+    """MLA: one latent row per token, [num_blocks, block_size, latent], one buffer."""
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, latent)
+    buf = (
+        torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        if fill is None
+        else torch.full(shape, fill, dtype=torch.bfloat16)
+    )
+    kv: dict[str, object] = {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(2)}
+    return kv, [KvGroup("mla", tuple(kv), BLOCK_SIZE, "bfloat16")]
+
+
+def _attention_caches(fill: float | None, heads: int = HEADS):
+    kv = _kv_caches(fill, heads=heads)
+    return kv, [KvGroup("attention", tuple(kv), BLOCK_SIZE, "bfloat16")]
+
+
+class GroupPair:
+    """P and D workers on real kvt whose caches have several groups (or one of a family)."""
+
+    def __init__(self, p_cache, d_cache) -> None:
+        port = _free_port()
+        self.rpc_address = f"127.0.0.1:{port}"
+        (self.p_kv, p_groups), (self.d_kv, d_groups) = p_cache, d_cache
+        self.p = WorkerSide(
+            HybridConfig(rpc_port=port), is_producer=True, is_consumer=False, name="P"
+        )
+        self.d = WorkerSide(HybridConfig(), is_producer=False, is_consumer=True, name="D")
+        self.p.register_kv_caches(self.p_kv, BLOCK_SIZE, NUM_BLOCKS, p_groups)  # type: ignore[arg-type]
+        self.d.register_kv_caches(self.d_kv, BLOCK_SIZE, NUM_BLOCKS, d_groups)  # type: ignore[arg-type]
+
+    def transfer(self, src: list[list[int]], dst: list[list[int]], first: list[int], n: int):
+        tid = str(uuid.uuid4())
+        self.p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, src, n)]))
+        self.d.handle_metadata(
+            HybridConnectorMetadata(
+                to_recv=[RecvSpec("d-req", tid, self.rpc_address, dst, first, n)]
+            )
+        )
+        return _wait(self.d)[1:], _wait(self.p)[0]
+
+    def close(self) -> None:
+        self.d.close()
+        self.p.close()
+
+
+def _state(kv: dict[str, object], slot: int) -> list[torch.Tensor]:
+    return [t[slot] for v in kv.values() if isinstance(v, list) for t in v]
+
+
+def _attn(kv: dict[str, object], blocks: list[int]) -> list[torch.Tensor]:
+    return [v[blocks] for v in kv.values() if isinstance(v, torch.Tensor)]
+
+
+def test_hybrid_groups_move_the_state_slot_and_the_attention_blocks() -> None:
+    """State group: P's slot 9 lands in D's slot 2; attention: P's blocks 4, 5 in D's 6, 7.
+    Nothing else of D changes (the groups share D's buffers)."""
+    pair = GroupPair(_hybrid_caches(None), _hybrid_caches(0.0))
+    try:
+        (recving, failed), sending = pair.transfer([[9], [4, 5]], [[2], [6, 7]], [0, 0], 7)
+        assert (recving, failed, sending) == ({"d-req"}, set(), {"p-req"})
+        for got, want in zip(_state(pair.d_kv, 2), _state(pair.p_kv, 9), strict=True):
+            assert torch.equal(got, want)
+        for got, want in zip(_attn(pair.d_kv, [6, 7]), _attn(pair.p_kv, [4, 5]), strict=True):
+            assert torch.equal(got, want)
+        untouched = [b for b in range(NUM_BLOCKS) if b not in (2, 6, 7)]
+        assert all(bool((t[untouched] == 0).all()) for t in _attn(pair.d_kv, list(range(16))))
+        state_bytes = 2 * sum(math.prod(s) for s in STATE_SHAPES) * 2
+        attention_bytes = 2 * 2 * PAGE_ELEMS * 2
+        assert pair.d.counters()["bytes_received"] == state_bytes + attention_bytes
+    finally:
+        pair.close()
+
+
+def test_hybrid_prefix_hit_on_decode_skips_its_blocks_in_that_group_only() -> None:
+    """D holds the first attention block (first_block 1): P sends only block 5 of [4, 5], and
+    the state slot regardless."""
+    pair = GroupPair(_hybrid_caches(None), _hybrid_caches(0.0))
+    try:
+        (recving, failed), sending = pair.transfer([[9], [4, 5]], [[2], [7]], [0, 1], 7)
+        assert (recving, failed, sending) == ({"d-req"}, set(), {"p-req"})
+        for got, want in zip(_attn(pair.d_kv, [7]), _attn(pair.p_kv, [5]), strict=True):
+            assert torch.equal(got, want)
+        for got, want in zip(_state(pair.d_kv, 2), _state(pair.p_kv, 9), strict=True):
+            assert torch.equal(got, want)
+        state_bytes = 2 * sum(math.prod(s) for s in STATE_SHAPES) * 2
+        assert pair.d.counters()["bytes_received"] == state_bytes + 2 * PAGE_ELEMS * 2
+    finally:
+        pair.close()
+
+
+MISMATCHES = {
+    # family: (P's cache, D's cache, blocks per group)
+    "attention": (
+        lambda: _attention_caches(None),
+        lambda: _attention_caches(0.0, heads=HEADS * 2),
+        [[1, 2]],
+    ),
+    "mla": (lambda: _mla_caches(None), lambda: _mla_caches(0.0, latent=16), [[1, 2]]),
+    "state": (
+        lambda: _hybrid_caches(None),
+        lambda: _hybrid_caches(0.0, state_shapes=((3, 8), (2, 4, 2))),
+        [[9], [1, 2]],
+    ),
+    "state-vs-attention-only": (
+        lambda: _hybrid_caches(None),
+        lambda: _attention_caches(0.0),
+        [[9], [1, 2]],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(MISMATCHES))
+def test_layout_mismatch_is_refused_before_any_byte_moves_and_decode_recomputes(
+    family: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """P and D disagree on a group's layout: D's pull fails (reported failed: vLLM recomputes the
+    prompt), P frees its blocks, D's cache is untouched, and P's log names request and peer."""
+    make_p, make_d, blocks = MISMATCHES[family]
+    pair = GroupPair(make_p(), make_d())
+    try:
+        n_groups = len(pair.d.local_spec.groups)  # type: ignore[union-attr]
+        dst = blocks if n_groups == len(blocks) else blocks[-n_groups:]
+        with caplog.at_level(logging.WARNING, logger="hybrid_connector"):
+            (recving, failed), sending = pair.transfer(blocks, dst, [0] * len(dst), 7)
+        assert (recving, failed, sending) == ({"d-req"}, {"d-req"}, {"p-req"})
+        assert "bytes_received" not in pair.d.counters()
+        for value in pair.d_kv.values():
+            for tensor in value if isinstance(value, list) else [value]:
+                assert bool((tensor == 0).all())
+        rejected = [r.message for r in caplog.records if "rejected" in r.message]
+        assert any("p-req" in m and "d-req" in m and "127.0.0.1" in m for m in rejected), rejected
+    finally:
+        pair.close()

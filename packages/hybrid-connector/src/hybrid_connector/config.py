@@ -43,6 +43,26 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
 
+    def for_rank(self, tp_rank: int, tp_size: int) -> HybridConfig:
+        """The config of one TP rank's worker: each fixed port shifted by ``tp_rank``.
+
+        A TP>1 instance runs one worker per rank, each with its own transfer_kv server, kvt data
+        port and metrics endpoint; rank ``r`` listens on ``port + r`` (0, ephemeral, stays 0),
+        so peers find rank ``r`` at :func:`rank_address` of the advertised base address.
+        """
+        if not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+        shifted: dict[str, int] = {}
+        for name in ("rpc_port", "data_port", "metrics_port"):
+            port = getattr(self, name)
+            if port:
+                if port + tp_size - 1 > 65535:
+                    raise ConfigError(
+                        f"{name} {port} + {tp_size - 1} (one port per TP rank) exceeds 65535"
+                    )
+                shifted[name] = port + tp_rank
+        return msgspec.structs.replace(self, **shifted)
+
     @property
     def rpc_address(self) -> str:
         """The address D uses to reach this instance's transfer_kv server."""
@@ -61,3 +81,13 @@ def parse_config(extra: Mapping[str, Any] | None, *, is_producer: bool) -> Hybri
             "kv_connector_extra_config: the proxy and D must know P's transfer_kv address"
         )
     return cfg
+
+
+def rank_address(address: str, tp_rank: int) -> str:
+    """``host:port`` of TP rank ``tp_rank`` of an instance advertising ``address`` (its rank 0)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"not a host:port address: {address!r}")
+    if not 0 <= int(port) + tp_rank <= 65535:
+        raise ConfigError(f"{address} has no TP rank {tp_rank} port")
+    return f"{host}:{int(port) + tp_rank}"

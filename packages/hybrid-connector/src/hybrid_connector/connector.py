@@ -19,10 +19,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from hybrid_connector.config import HybridConfig, parse_config
-from hybrid_connector.errors import ConfigError
+from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
+from hybrid_connector.layout import KvGroup
+from hybrid_connector.mapping import rank_heads
 from hybrid_connector.metadata import HybridConnectorMetadata
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.worker_side import WorkerSide
@@ -62,8 +65,95 @@ def _adopt_vllm_logging() -> None:
     ours.propagate = False
 
 
-class HybridConnector(KVConnectorBase_V1):
-    """Prefill/decode KV migration over simple_rpc (control) and kvt (data)."""
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tp_rank(tp_size: int) -> int:
+    if tp_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # the scheduler role has no TP group; heads do not matter there
+        return 0
+
+
+def _total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads across all ranks (0 if vLLM cannot tell: heads left undescribed)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:
+        return 0
+
+
+def kv_groups(
+    kv_cache_config: KVCacheConfig | None,
+    block_size: int,
+    *,
+    total_kv_heads: int = 0,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> list[KvGroup] | None:
+    """vLLM's KV-cache groups as plain ``KvGroup``s (None: no config, one attention group).
+    Attention groups carry this rank's KV heads out of the model's ``total_kv_heads``."""
+    if kv_cache_config is None:
+        return None
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    groups = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            kind, dtype = "state", ",".join(_dtype_name(d) for d in spec.dtypes)
+        elif isinstance(spec, SlidingWindowMLASpec):
+            raise UnsupportedLayoutError("sliding-window MLA KV-cache groups are not supported")
+        elif isinstance(spec, SlidingWindowSpec):
+            kind, dtype = "sliding_window", _dtype_name(spec.dtype)
+        elif isinstance(spec, MLAAttentionSpec):
+            kind, dtype = "mla", _dtype_name(spec.dtype)
+        elif isinstance(spec, FullAttentionSpec):
+            kind, dtype = "attention", _dtype_name(spec.dtype)
+        else:
+            raise UnsupportedLayoutError(
+                f"KV-cache group of {type(spec).__name__} (layers {group.layer_names[:2]}...) "
+                "is not supported"
+            )
+        heads = {}
+        if kind in ("attention", "sliding_window") and total_kv_heads > 0:
+            ranks = rank_heads(total_kv_heads, tp_size, tp_rank)
+            heads = {
+                "total_heads": total_kv_heads,
+                "head_start": ranks.start,
+                "num_heads": int(getattr(spec, "num_kv_heads", len(ranks))),
+            }
+        groups.append(
+            KvGroup(
+                kind,
+                tuple(group.layer_names),
+                int(getattr(spec, "block_size", block_size)),
+                dtype,
+                int(getattr(spec, "num_speculative_blocks", 0) or 0),
+                **heads,
+            )
+        )
+    return groups
+
+
+class HybridConnector(KVConnectorBase_V1, SupportsHMA):
+    """Prefill/decode KV migration over simple_rpc (control) and kvt (data).
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV-cache manager on (several KV-cache groups, e.g.
+    Qwen3-Next's linear-attention state plus full attention) and calls
+    ``request_finished_all_groups`` with every group's blocks.
+    """
 
     def __init__(
         self,
@@ -87,6 +177,16 @@ class HybridConnector(KVConnectorBase_V1):
                 "HybridConnector supports tensor_parallel_size = pipeline_parallel_size = 1"
             )
         self.block_size = int(vllm_config.cache_config.block_size)
+        tp_size = int(parallel.tensor_parallel_size)
+        self.tp_rank = _tp_rank(tp_size) if role != KVConnectorRole.SCHEDULER else 0
+        self.tp_size = tp_size
+        self.kv_groups = kv_groups(
+            kv_cache_config,
+            self.block_size,
+            total_kv_heads=_total_kv_heads(vllm_config),
+            tp_size=tp_size,
+            tp_rank=self.tp_rank,
+        )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -95,6 +195,7 @@ class HybridConnector(KVConnectorBase_V1):
                 is_producer=self.is_producer,
                 is_consumer=self.is_consumer,
                 block_size=self.block_size,
+                groups=self.kv_groups,
             )
         else:
             name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"
@@ -106,7 +207,14 @@ class HybridConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        self._worker.register_kv_caches(kv_caches, self.block_size, num_blocks)
+        self._worker.register_kv_caches(
+            kv_caches,
+            self.block_size,
+            num_blocks,
+            self.kv_groups,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -187,12 +295,23 @@ class HybridConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
 
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # Only without the hybrid manager (one group); see request_finished_all_groups.
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        # A pull transfers the request's own blocks for every (the single) KV cache group.
+        # A pull transfers the request's own blocks for every KV-cache group.
         return tuple(range(len(self._kv_cache_config.kv_cache_groups)))

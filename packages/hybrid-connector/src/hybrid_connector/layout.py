@@ -1,10 +1,17 @@
-"""Describe vLLM's KV cache tensors as registered regions plus an ipcblock layout.
+"""Describe vLLM's KV cache tensors as registered regions plus one ipcblock layout per group.
 
 vLLM hands the worker one tensor per attention layer. On the CPU backend each is
 ``[num_blocks, kv_heads, block_size, 2*head_dim]`` and all layers are views of one buffer; on
 other backends a layer may be ``[2, num_blocks, ...]`` (K plane then V plane) and layers may live
 in separate buffers. This module finds the distinct buffers (they become kvt regions) and the
 per-layer byte geometry, without assuming either arrangement.
+
+A model may have several KV-cache groups (vLLM's hybrid KV-cache manager): full attention plus
+linear-attention state (Qwen3-Next), sliding window plus full attention, ... Each group gets its
+own layout; all groups share one block pool and, on vLLM's allocation, the same buffers (a state
+layer and an attention layer are views of one tensor), so buffers are found across all groups.
+A linear-attention (mamba/GDN) layer is a list of tensors (conv state, recurrent state), each
+``[num_blocks, ...]`` with the (padded) page as block stride: one segment per tensor.
 """
 
 from __future__ import annotations
@@ -16,10 +23,43 @@ import numpy as np
 from ipcblock import PagedKVLayout, Segment
 
 from hybrid_connector.errors import PeerError, UnsupportedLayoutError
-from hybrid_connector.protocol import LayoutSpec, SegmentSpec
+from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec
 
 if TYPE_CHECKING:
     import torch
+
+
+GROUP_KINDS = ("attention", "mla", "state", "sliding_window")
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """One vLLM KV-cache group, as the connector sees it (built from vLLM's KVCacheGroupSpec in
+    ``connector.py``, so that nothing else imports vLLM)."""
+
+    kind: str  # one of GROUP_KINDS
+    layer_names: tuple[str, ...]
+    block_size: int
+    dtype: str = ""
+    # "state" groups: trailing scratch slots vLLM allocates per request (speculative decoding).
+    num_speculative_blocks: int = 0
+    # Tensor parallelism (see LayoutSpec): this rank's KV heads [head_start, head_start +
+    # num_heads) of total_heads; 0 = every rank holds the same bytes (MLA latent, state slots).
+    total_heads: int = 0
+    head_start: int = 0
+    num_heads: int = 0
+
+
+def state_slot(block_ids: list[int], num_speculative_blocks: int = 0) -> list[int]:
+    """The slot of a "state" group's block list that holds the request's running state: the
+    last one before the speculative scratch slots (vLLM 0.32: with prefix caching off the list
+    is that slot plus the scratch ones; with it on ("align" mode) earlier entries are null
+    placeholders or superseded checkpoints). As vLLM's own ``clip_ssm_state_blocks``."""
+    if not block_ids:
+        return []
+    scratch = min(num_speculative_blocks, len(block_ids) - 1)
+    kept = block_ids[: len(block_ids) - scratch]
+    return kept[-1:]
 
 
 @dataclass(frozen=True)
@@ -42,6 +82,11 @@ class KvCacheGeometry:
     block_size: int
     segments: tuple[Segment, ...]
     kind: str
+    group: str = "attention"
+    dtype: str = ""
+    total_heads: int = 0
+    head_start: int = 0
+    num_heads: int = 0
 
     def spec(self, region_ids: list[int]) -> LayoutSpec:
         """The wire description, with buffer indexes replaced by registered region ids."""
@@ -55,7 +100,35 @@ class KvCacheGeometry:
                 SegmentSpec(s.name, s.offset, s.block_stride, s.nbytes) for s in self.segments
             ],
             kind=self.kind,
+            group=self.group,
+            dtype=self.dtype,
+            total_heads=self.total_heads,
+            head_start=self.head_start,
+            num_heads=self.num_heads,
         )
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Every group of one worker: the distinct buffers (to register once) and one layout per
+    group, whose ``buffer_index`` points into ``buffers``."""
+
+    buffers: tuple[Buffer, ...]
+    groups: tuple[KvCacheGeometry, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def spec(self, region_ids: list[int]) -> CacheSpec:
+        return CacheSpec(
+            groups=[g.spec(region_ids) for g in self.groups],
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every layer of every group, in group order (the index of a layer's rapid-send event)."""
+        return tuple(name for g in self.groups for name in g.layer_names)
 
 
 def _block_segments(tensor: torch.Tensor, num_blocks: int) -> tuple[tuple[Segment, ...], str]:
@@ -92,51 +165,123 @@ def _block_segments(tensor: torch.Tensor, num_blocks: int) -> tuple[tuple[Segmen
     )
 
 
-def describe_kv_caches(
-    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int | None = None
-) -> KvCacheGeometry:
-    """Find the buffers behind ``kv_caches`` and each layer's place in them.
+def _layer_segments(
+    name: str, value: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...], num_blocks: int
+) -> tuple[torch.Tensor, tuple[Segment, ...], str]:
+    """(first tensor, segments relative to it, kind) of one layer: a tensor, or a list of state
+    tensors (one segment each, named state0, state1, ...) that must share one buffer."""
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise UnsupportedLayoutError(f"layer {name}: empty list of KV cache tensors")
+        first = value[0]
+        base = first.untyped_storage().data_ptr()
+        segments = []
+        for i, tensor in enumerate(value):
+            if tensor.untyped_storage().data_ptr() != base:
+                raise UnsupportedLayoutError(f"layer {name}: state tensors in separate buffers")
+            if not tensor.shape or tensor.shape[0] != num_blocks:
+                raise UnsupportedLayoutError(
+                    f"layer {name}: state tensor {i} of shape {tuple(tensor.shape)} is not "
+                    f"[num_blocks={num_blocks}, ...]"
+                )
+            (seg,), _ = _block_segments(tensor, num_blocks)
+            delta = tensor.data_ptr() - first.data_ptr()
+            segments.append(Segment(f"state{i}", delta, seg.block_stride, seg.nbytes))
+        return first, tuple(segments), "state_slots"
+    segments, kind = _block_segments(value, num_blocks)
+    return value, segments, kind
+
+
+def describe_kv_cache_groups(
+    kv_caches: dict[str, torch.Tensor] | dict[str, object],
+    groups: list[KvGroup],
+    num_blocks: int | None = None,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> CacheGeometry:
+    """Find the buffers behind ``kv_caches`` and, per group, each layer's place in them.
 
     ``num_blocks`` (vLLM's ``kv_cache_config.num_blocks``) tells the block dimension apart; when
     not given, a 5-d ``[2, num_blocks, ...]`` tensor is taken as K/V-first, anything else as
-    blocks-first.
+    blocks-first. Every layer of a group must have the same block geometry.
     """
     if not kv_caches:
         raise UnsupportedLayoutError("vLLM registered no KV cache tensors")
-    names = tuple(kv_caches)
-    tensors = [kv_caches[n] for n in names]
-    if any(t.device.type != "cpu" for t in tensors):
+    firsts = {n: (v[0] if isinstance(v, (list, tuple)) and v else v) for n, v in kv_caches.items()}
+    if any(t.device.type != "cpu" for t in firsts.values()):  # type: ignore[union-attr]
         raise UnsupportedLayoutError("only host-memory (CPU) KV caches are supported")
-    first = tensors[0]
-    # num_blocks: dim 0, unless the layer is [2, num_blocks, ...].
     if num_blocks is None:
-        kv_first = first.dim() == 5 and first.shape[0] == 2
-        num_blocks = int(first.shape[1] if kv_first else first.shape[0])
-    segments, kind = _block_segments(first, num_blocks)
+        first = next(iter(firsts.values()))
+        kv_first = first.dim() == 5 and first.shape[0] == 2  # type: ignore[union-attr]
+        num_blocks = int(first.shape[1] if kv_first else first.shape[0])  # type: ignore[union-attr]
     buffers: list[Buffer] = []
     by_base: dict[int, int] = {}
-    offsets: list[int] = []
-    index: list[int] = []
-    for name, tensor in zip(names, tensors, strict=True):
-        seg, _ = _block_segments(tensor, num_blocks)
-        if seg != segments:
-            raise UnsupportedLayoutError(f"layer {name} has a different block geometry")
-        storage = tensor.untyped_storage()
-        base = storage.data_ptr()
-        if base not in by_base:
-            by_base[base] = len(buffers)
-            buffers.append(Buffer(base, storage.nbytes()))
-        index.append(by_base[base])
-        offsets.append(tensor.data_ptr() - base)
+    described: list[KvCacheGeometry] = []
+    for group in groups:
+        if group.kind not in GROUP_KINDS:
+            raise UnsupportedLayoutError(f"KV-cache group kind {group.kind!r} is not supported")
+        missing = [n for n in group.layer_names if n not in kv_caches]
+        if missing or not group.layer_names:
+            raise UnsupportedLayoutError(f"{group.kind} group: no KV cache for layers {missing}")
+        segments: tuple[Segment, ...] | None = None
+        kind = ""
+        offsets: list[int] = []
+        index: list[int] = []
+        for name in group.layer_names:
+            tensor, seg, seg_kind = _layer_segments(name, kv_caches[name], num_blocks)  # type: ignore[arg-type]
+            if segments is None:
+                segments, kind = seg, seg_kind
+            elif seg != segments:
+                raise UnsupportedLayoutError(
+                    f"layer {name} has a different block geometry than the rest of its "
+                    f"{group.kind} group"
+                )
+            storage = tensor.untyped_storage()
+            base = storage.data_ptr()
+            if base not in by_base:
+                by_base[base] = len(buffers)
+                buffers.append(Buffer(base, storage.nbytes()))
+            index.append(by_base[base])
+            offsets.append(tensor.data_ptr() - base)
+        assert segments is not None
+        described.append(
+            KvCacheGeometry(
+                buffers=(),
+                layer_names=tuple(group.layer_names),
+                layer_offsets=tuple(offsets),
+                buffer_index=tuple(index),
+                num_blocks=num_blocks,
+                block_size=group.block_size,
+                segments=segments,
+                kind=kind,
+                group=group.kind,
+                dtype=group.dtype,
+                total_heads=group.total_heads,
+                head_start=group.head_start,
+                num_heads=group.num_heads,
+            )
+        )
+    return CacheGeometry(tuple(buffers), tuple(described), tp_rank, tp_size)
+
+
+def describe_kv_caches(
+    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int | None = None
+) -> KvCacheGeometry:
+    """One attention group holding every layer of ``kv_caches`` (a model with one KV-cache
+    group); see :func:`describe_kv_cache_groups`."""
+    group = KvGroup("attention", tuple(kv_caches), block_size)
+    cache = describe_kv_cache_groups(kv_caches, [group], num_blocks)
+    (geometry,) = cache.groups
     return KvCacheGeometry(
-        buffers=tuple(buffers),
-        layer_names=names,
-        layer_offsets=tuple(offsets),
-        buffer_index=tuple(index),
-        num_blocks=num_blocks,
+        buffers=cache.buffers,
+        layer_names=geometry.layer_names,
+        layer_offsets=geometry.layer_offsets,
+        buffer_index=geometry.buffer_index,
+        num_blocks=geometry.num_blocks,
         block_size=block_size,
-        segments=segments,
-        kind=kind,
+        segments=geometry.segments,
+        kind=geometry.kind,
     )
 
 

@@ -18,7 +18,9 @@ class SendSpec:
 
     request_id: str
     transfer_id: str
-    block_ids: list[int]
+    # Per KV-cache group (vLLM's order): every block of the request from token 0; for a "state"
+    # group only the slot that holds the request's final state.
+    block_ids: list[list[int]]
     num_tokens: int
     # The request ended without usable KV (aborted); only sent for requests announced in
     # ``prefill_done`` (a rapid send may be reading their blocks), which vLLM must keep until then.
@@ -32,7 +34,7 @@ class PrefillSpec:
 
     request_id: str
     transfer_id: str
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per group, as in SendSpec
     num_tokens: int
 
 
@@ -43,8 +45,10 @@ class RecvSpec:
     request_id: str
     transfer_id: str
     remote_rpc_address: str
-    block_ids: list[int]
-    first_block: int
+    # Per KV-cache group: D's new blocks after its first_block[g] cached ones (a "state" group:
+    # the slot that receives the final state).
+    block_ids: list[list[int]]
+    first_block: list[int]
     num_tokens: int
 
 

@@ -54,18 +54,23 @@ class CacheSpec(msgspec.Struct, frozen=True):
 
 
 class TransferKvRequest(msgspec.Struct, frozen=True):
-    """D -> P: "write the KV of transfer ``transfer_id`` into these blocks of mine"."""
+    """D -> P: "write the KV of transfer ``transfer_id`` into these blocks of mine".
+
+    Per KV-cache group (index ``g`` follows ``layout.groups``): ``block_ids[g]`` are D's
+    destination blocks, after the ``first_block[g]`` leading blocks D already holds (its local
+    prefix-cache hit in that group, which P skips); an empty list: D needs nothing of that group.
+    For a "state" group ``block_ids[g]`` is the one slot that receives the request's final state.
+    """
 
     transfer_id: str
     # D's own request id, for logs on P.
     request_id: str
     # D's kvt data-plane address ("host:port").
     data_address: str
-    layout: LayoutSpec
-    # D's destination blocks, in order; they receive P's blocks first_block, first_block+1, ...
-    block_ids: list[int]
-    # Leading blocks D already holds (its local prefix-cache hit): P skips that many.
-    first_block: int
+    # What D registered: P checks it against its own before any byte moves.
+    layout: CacheSpec
+    block_ids: list[list[int]]
+    first_block: list[int]
     # Prompt tokens D needs in total (including the ones it already holds).
     num_tokens: int
 

@@ -3,6 +3,14 @@
 Every hook returns at once. What the worker must do is queued here and handed over in the next
 ``build_connector_meta``; what the worker finished comes back through ``get_transfer_results``
 (``update_connector_output``). Imports no vLLM (only its types, for checking).
+
+KV-cache groups (vLLM's hybrid KV-cache manager): every block list is one list per group, in
+vLLM's group order. Token groups (attention, mla, sliding window) carry the request's blocks from
+token 0 (P) or its new blocks after the local prefix hit (D, with ``first_block`` per group); a
+"state" group (linear attention: GDN, Mamba) carries only the slot of the request's running
+state. A state can not be recomputed over the last prompt token twice, so with a state group P
+computes the prompt but its last token and D loads that and computes the last token itself (as
+vLLM's NixlConnector does): P's request is shortened by one token when it arrives.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from hybrid_connector.config import HybridConfig
+from hybrid_connector.layout import KvGroup, state_slot
 from hybrid_connector.metadata import (
     HybridConnectorMetadata,
     PrefillSpec,
@@ -31,6 +40,8 @@ log = logging.getLogger(__name__)
 # Set in a D request's kv_transfer_params once its pull is planned: one pull per request, even if
 # the request is preempted and scheduled again.
 _DISPATCHED = "_hc_dispatched"
+# Set in a P request's kv_transfer_params once its prompt lost its last token (state groups).
+_SHORTENED = "_hc_shortened"
 # vLLM RequestStatus names of a request that finished with its KV computed (not aborted).
 _FINISHED_NORMALLY = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 
@@ -74,12 +85,21 @@ def _transfer_id(request: Request) -> str:
 
 class SchedulerSide:
     def __init__(
-        self, config: HybridConfig, *, is_producer: bool, is_consumer: bool, block_size: int
+        self,
+        config: HybridConfig,
+        *,
+        is_producer: bool,
+        is_consumer: bool,
+        block_size: int,
+        groups: list[KvGroup] | None = None,
     ) -> None:
         self._config = config
         self._is_producer = is_producer
         self._is_consumer = is_consumer
         self._block_size = block_size
+        # vLLM's KV-cache groups (None: one attention group of ``block_size``).
+        self._groups = groups or [KvGroup("attention", (), block_size)]
+        self._has_state = any(g.kind == "state" for g in self._groups)
         self._meta = HybridConnectorMetadata()
         self._kv_cache_manager: KVCacheManager | None = None
         # P: do_remote_decode requests still prefilling (announced once their last chunk runs).
@@ -117,10 +137,37 @@ class SchedulerSide:
             return 0, False
         # Every prompt token P computed; vLLM itself recomputes the last one locally once the
         # load is done (so it can sample), as with NixlConnector.
-        count = request.num_prompt_tokens - num_computed_tokens
+        count = self._tokens_to_load(request) - num_computed_tokens
         if count <= 0:
             return 0, False
         return count, True
+
+    def _tokens_to_load(self, request: Request) -> int:
+        """Prompt tokens D pulls: all of them, or all but the last with a state group (P's
+        state then stops before it, and D computes the last token on top of it)."""
+        if self._has_state and request.num_prompt_tokens > 1:
+            return request.num_prompt_tokens - 1
+        return request.num_prompt_tokens
+
+    def on_new_request(self, request: Request) -> None:
+        """P with a state group: drop the prompt's last token (D computes it, see the module
+        docstring); once, and only for requests that will be pulled."""
+        params = request.kv_transfer_params
+        if (
+            not self._is_producer
+            or not self._has_state
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get(_SHORTENED)
+            or request.num_prompt_tokens <= 1
+            or request.prompt_token_ids is None
+        ):
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        params[_SHORTENED] = True
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -149,20 +196,48 @@ class SchedulerSide:
                 )
             )
             return
-        (all_ids,) = blocks.get_block_ids()
-        new_ids = blocks.get_unhashed_block_ids()
+        num_tokens = self._tokens_to_load(request)
+        block_ids, first_block = self._destination(blocks, num_tokens)
         self._meta.to_recv.append(
             RecvSpec(
                 request_id=request_id,
                 transfer_id=transfer_id,
                 remote_rpc_address=address,
-                block_ids=list(new_ids),
-                # Cached (hashed) blocks come first: P skips as many of its own.
-                first_block=len(all_ids) - len(new_ids),
-                num_tokens=request.num_prompt_tokens,
+                block_ids=block_ids,
+                first_block=first_block,
+                num_tokens=num_tokens,
             )
         )
         self._recv_in_flight.add(request_id)
+
+    def _destination(
+        self, blocks: KVCacheBlocks, num_tokens: int
+    ) -> tuple[list[list[int]], list[int]]:
+        """D's blocks per group for the first ``num_tokens`` prompt tokens, and how many leading
+        blocks of each group it already holds (hashed: its local prefix-cache hit)."""
+        block_ids: list[list[int]] = []
+        first_block: list[int] = []
+        for group, held in zip(self._groups, blocks.blocks, strict=True):
+            if group.kind == "state":
+                # As NixlConnector: the last new slot (a hashed one is D's cached checkpoint).
+                ids = [b.block_id for b in held if b.block_hash is None and not b.is_null]
+                block_ids.append(state_slot(ids, group.num_speculative_blocks))
+                first_block.append(0)
+                continue
+            new = [b.block_id for b in held if b.block_hash is None and not b.is_null]
+            cached = len(held) - len(new)
+            # Blocks past the loaded tokens (the one D computes itself) are not P's to write.
+            needed = max(0, -(-num_tokens // group.block_size) - cached)
+            block_ids.append(new[:needed])
+            first_block.append(cached)
+        return block_ids, first_block
+
+    def _held(self, block_ids: tuple[list[int], ...] | list[list[int]]) -> list[list[int]]:
+        """P's blocks per group as offered: a state group keeps only its running state's slot."""
+        return [
+            state_slot(list(ids), g.num_speculative_blocks) if g.kind == "state" else list(ids)
+            for g, ids in zip(self._groups, block_ids, strict=True)
+        ]
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id in output.finished_recving or ():
@@ -170,8 +245,10 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ both
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished ``request``; ``block_ids``: its blocks per KV-cache group. Returns
+        (hold every group's blocks until the worker reports the request, params for D)."""
         request_id = request.request_id
         params = request.kv_transfer_params
         self._warned.discard(request_id)
@@ -198,25 +275,24 @@ class SchedulerSide:
         transfer_id = _transfer_id(request)
         # By name: vLLM's RequestStatus enum would import vLLM into this pure module.
         finished_normally = request.status.name in _FINISHED_NORMALLY
-        if not finished_normally or not block_ids:
+        held = self._held(block_ids)
+        if not finished_normally or not any(held):
             # Aborted (or nothing computed): no KV to offer; fail any early pull at once.
             if announced:
                 # A rapid send may be reading these blocks: the worker frees them after it.
-                self._meta.to_send.append(
-                    SendSpec(request_id, transfer_id, list(block_ids), 0, aborted=True)
-                )
+                self._meta.to_send.append(SendSpec(request_id, transfer_id, held, 0, aborted=True))
                 return True, None
             self._meta.cancel_send.append(transfer_id)
             return False, None
         num_tokens = request.num_computed_tokens
-        self._meta.to_send.append(SendSpec(request_id, transfer_id, list(block_ids), num_tokens))
+        self._meta.to_send.append(SendSpec(request_id, transfer_id, held, num_tokens))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": transfer_id,
             "remote_rpc_address": self._config.rpc_address,
             "remote_request_id": request_id,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": held,
             "remote_num_tokens": num_tokens,
             "lease_s": self._config.lease_s,
         }
@@ -239,9 +315,12 @@ class SchedulerSide:
                 continue  # an earlier chunk of a chunked prefill
             del self._prefilling[request_id]
             num_tokens = request.num_prompt_tokens
-            (all_ids,) = self._kv_cache_manager.get_block_ids(request_id)
-            num_blocks = -(-num_tokens // self._block_size)
+            all_ids = self._held(self._kv_cache_manager.get_block_ids(request_id))
+            held = [
+                ids if g.kind == "state" else ids[: -(-num_tokens // g.block_size)]
+                for g, ids in zip(self._groups, all_ids, strict=True)
+            ]
             self._meta.prefill_done.append(
-                PrefillSpec(request_id, _transfer_id(request), all_ids[:num_blocks], num_tokens)
+                PrefillSpec(request_id, _transfer_id(request), held, num_tokens)
             )
             self._announced.add(request_id)

@@ -34,6 +34,14 @@ P (``Producer``), one record per transfer id::
 - Each record has at most one deadline (``ArmDeadline``/``CancelDeadline``, keyed by transfer
   id): the lease in PARKED and HELD, the send guard in SENDING, the tombstone's in CANCELLED.
 
+- Per KV-cache group: a record holds one block list per group (vLLM's hybrid KV-cache manager:
+  full attention plus linear-attention state, sliding window plus full, ...). The groups share
+  the record's one lease, one send and one report: vLLM frees every group's blocks when the
+  request is reported. A pull must name P's groups (count, kind, geometry, dtype:
+  ``check_cache_compatible``) or it fails at once with ``PeerError``, before any byte moves;
+  which block goes where inside a group (D's prefix hit, block counts) is decided by
+  ``mapping.plan_copy`` when the send starts.
+
 D (``Consumer``), one record per D request::
 
     (none) --pull requested--> PULLING --kvt completion--> reported (failed unless DONE)
@@ -46,14 +54,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
 from hybrid_connector.mapping import check_compatible
 from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
-from hybrid_connector.protocol import LayoutSpec, TransferKvRequest
+from hybrid_connector.protocol import CacheSpec, TransferKvRequest
 
 if TYPE_CHECKING:
     from kvt import Completion, LayerEvents
@@ -66,6 +73,27 @@ def describe(completion: Completion) -> str:
     origin = completion.origin.name if completion.origin is not None else None
     code = completion.code.name if completion.code is not None else None
     return f"{completion.status.name} origin={origin} code={code} reason={completion.reason!r}"
+
+
+def check_cache_compatible(local: CacheSpec, remote: CacheSpec) -> None:
+    """Raise PeerError unless every KV-cache group of ``remote`` matches ``local``'s, in order
+    (count, kind, dtype; then ``mapping.check_compatible`` per group)."""
+    if len(local.groups) != len(remote.groups):
+        raise PeerError(
+            f"KV-cache groups differ: local {[g.group for g in local.groups]}, "
+            f"peer {[g.group for g in remote.groups]}"
+        )
+    for index, (mine, theirs) in enumerate(zip(local.groups, remote.groups, strict=True)):
+        if mine.group != theirs.group:
+            raise PeerError(f"group {index}: kind differs: local {mine.group}, peer {theirs.group}")
+        if mine.dtype and theirs.dtype and mine.dtype != theirs.dtype:
+            raise PeerError(
+                f"group {index}: dtype differs: local {mine.dtype}, peer {theirs.dtype}"
+            )
+        try:
+            check_compatible(mine, theirs)
+        except PeerError as err:
+            raise PeerError(f"group {index} ({mine.group}): {err}") from err
 
 
 # ============================================================================== shared actions
@@ -183,14 +211,15 @@ ProducerEvent = (
 # ============================================================================== P: actions
 @dataclass(frozen=True, slots=True)
 class StartSend:
-    """Write P's ``src_block_ids`` into D's blocks (per ``request``) with kvt, then answer
-    ``pull`` with what was queued; on failure feed ``SendRefused``. With ``layer_events``
-    (rapid): one batch per layer, each held until ``layer_events`` marks that layer written."""
+    """Write P's ``src_block_ids`` (per group, every block of the request) into D's blocks (per
+    ``request``, ``mapping.plan_copy`` per group) with kvt, then answer ``pull`` with what was
+    queued; on failure feed ``SendRefused``. With ``layer_events`` (rapid): one batch per layer,
+    each held until ``layer_events`` marks that layer written."""
 
     transfer_id: str
     pull: int
     request_id: str
-    src_block_ids: list[int]
+    src_block_ids: list[list[int]]
     request: TransferKvRequest
     layer_events: LayerEvents | None = None
 
@@ -268,7 +297,7 @@ class Producer:
     """P's offers, leases, parked pulls, cancellations and rapid sends. Pure: see the module
     docstring for the states; :meth:`handle` returns what the shell must do, in order."""
 
-    def __init__(self, local_spec: LayoutSpec, settings: ProducerSettings) -> None:
+    def __init__(self, local_spec: CacheSpec, settings: ProducerSettings) -> None:
         self._spec = local_spec
         self._settings = settings
         self._transfers: dict[str, _Transfer] = {}
@@ -387,7 +416,7 @@ class Producer:
         tid = request.transfer_id
         record = self._transfers.get(tid)
         try:
-            check_compatible(self._spec, request.layout)
+            check_cache_compatible(self._spec, request.layout)
         except PeerError as err:
             who = record.spec.request_id if record and record.spec else "(not finished on P)"
             log.warning(
@@ -474,21 +503,24 @@ class Producer:
         out.append(ArmDeadline(tid, self._settings.transfer_timeout_s))
         out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, layer_events))
 
-    def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[int]:
-        block_size = self._spec.block_size
-        needed = math.ceil(request.num_tokens / block_size)
-        if not request.block_ids:
+    def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[list[int]]:
+        """P's blocks per group; what can be checked without the layouts (plan_copy does the
+        per-group block counts, which depend on each side's block size)."""
+        groups = len(self._spec.groups)
+        if len(request.block_ids) != groups or len(request.first_block) != groups:
+            raise PeerError(
+                f"transfer_kv names {len(request.block_ids)} block lists and "
+                f"{len(request.first_block)} first blocks for {groups} KV-cache groups"
+            )
+        if len(spec.block_ids) != groups:
+            raise PeerError(f"P holds {len(spec.block_ids)} block lists for {groups} groups")
+        if not any(request.block_ids):
             raise PeerError("transfer_kv names no destination block")
         if request.num_tokens > spec.num_tokens:
             raise PeerError(
                 f"D needs {request.num_tokens} prompt tokens but P computed {spec.num_tokens}"
             )
-        if request.first_block < 0 or request.first_block + len(request.block_ids) != needed:
-            raise PeerError(
-                f"D sent {len(request.block_ids)} blocks after {request.first_block} cached ones"
-                f" for {request.num_tokens} tokens ({needed} blocks of {block_size})"
-            )
-        return list(spec.block_ids[request.first_block : needed])
+        return [list(ids) for ids in spec.block_ids]
 
     def _send_refused(
         self, tid: str, error: Exception, kvt_has_blocks: bool, out: list[ProducerAction]

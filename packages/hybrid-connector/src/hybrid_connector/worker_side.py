@@ -22,12 +22,13 @@ import threading
 from collections.abc import Callable, Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+import numpy as np
 from simple_rpc import CallContext, Client, LoopThread, Server
 
 from hybrid_connector import state
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.errors import PeerError, TransferError
-from hybrid_connector.layout import describe_kv_caches
+from hybrid_connector.layout import KvGroup, describe_kv_cache_groups
 from hybrid_connector.mapping import plan_copy
 from hybrid_connector.metadata import (
     HybridConnectorMetadata,
@@ -40,7 +41,7 @@ from hybrid_connector.metadata import (
 from hybrid_connector.protocol import (
     RELEASE,
     TRANSFER_KV,
-    LayoutSpec,
+    CacheSpec,
     ReleaseRequest,
     ReleaseResponse,
     TransferKvRequest,
@@ -196,7 +197,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         self,
         config: HybridConfig,
         engine: TransferEngine,
-        local_spec: LayoutSpec,
+        local_spec: CacheSpec,
         results: _Results,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -206,6 +207,13 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         self.core = state.Producer(
             local_spec, state.ProducerSettings(config.lease_s, config.transfer_timeout_s)
         )
+        # Rapid sends: a layer's batch waits on the layer's event, numbered across all groups.
+        self._layer_base: list[int] = []
+        total = 0
+        for group in local_spec.groups:
+            self._layer_base.append(total)
+            total += len(group.layer_names)
+        self._num_layers = total
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._pulls: dict[int, asyncio.Future[TransferKvResponse]] = {}
         self._pull_ids = itertools.count(1)
@@ -282,7 +290,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
             self._inbox.append(state.SendRefused(tid, TransferError("pull gone"), False))
             return
         try:
-            blocks = plan_copy(self._spec, req.layout, action.src_block_ids, req.block_ids)
+            blocks = self._plan(action, req)
         except Exception as err:
             log.warning(
                 "request %s: transfer %s for %s (D request %s) rejected: %s",
@@ -303,8 +311,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         if events is not None:
             layers = blocks["tag"]
             batches = [
-                (blocks[layers == layer], (events, layer))
-                for layer in range(len(self._spec.layer_offsets))
+                (blocks[layers == layer], (events, layer)) for layer in range(self._num_layers)
             ]
         else:
             batches = [(blocks, None)]
@@ -336,7 +343,28 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
             nbytes,
             ", layer by layer as computed" if events is not None else "",
         )
-        future.set_result(TransferKvResponse(tid, len(req.block_ids), int(blocks.size), nbytes))
+        num_blocks = sum(len(ids) for ids in req.block_ids)
+        future.set_result(TransferKvResponse(tid, num_blocks, int(blocks.size), nbytes))
+
+    def _plan(self, action: state.StartSend, req: TransferKvRequest) -> np.ndarray:
+        """IpcBlocks of every group D asked for; each record's tag is its layer's index across
+        all groups (the rapid send's layer events)."""
+        plans = []
+        for g, (mine, theirs) in enumerate(zip(self._spec.groups, req.layout.groups, strict=True)):
+            if not req.block_ids[g]:
+                continue  # D holds all of this group already (its prefix hit)
+            blocks = plan_copy(
+                mine,
+                theirs,
+                action.src_block_ids[g],
+                req.block_ids[g],
+                first_block=req.first_block[g],
+                num_tokens=req.num_tokens,
+            )
+            if self._layer_base[g]:
+                blocks["tag"] += self._layer_base[g]
+            plans.append(blocks)
+        return plans[0] if len(plans) == 1 else np.concatenate(plans)
 
     async def close(self) -> None:
         await self._server.close()
@@ -357,7 +385,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         self,
         config: HybridConfig,
         engine: TransferEngine,
-        local_spec: LayoutSpec,
+        local_spec: CacheSpec,
         results: _Results,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
@@ -496,15 +524,25 @@ class WorkerSide:
         self._metrics_server: Any = None  # wsgiref server from prometheus_client
         self._metrics_thread: threading.Thread | None = None
         self.rpc_address: str | None = None
-        self.local_spec: LayoutSpec | None = None
+        self.local_spec: CacheSpec | None = None
 
     def register_kv_caches(
         self,
         kv_caches: dict[str, torch.Tensor],
         block_size: int,
         num_blocks: int | None = None,
+        groups: list[KvGroup] | None = None,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        geometry = describe_kv_caches(kv_caches, block_size, num_blocks)
+        """Register vLLM's KV caches; ``groups``: vLLM's KV-cache groups (None: one attention
+        group holding every layer)."""
+        if groups is None:
+            groups = [KvGroup("attention", tuple(kv_caches), block_size)]
+        geometry = describe_kv_cache_groups(
+            kv_caches, groups, num_blocks, tp_rank=tp_rank, tp_size=tp_size
+        )
         # kvt reads and writes these buffers by address: keep them alive while registered.
         self._kv_caches = dict(kv_caches)
         from kvt import TransferEngine
@@ -539,13 +577,14 @@ class WorkerSide:
                 self._config.metrics_port, addr=self._config.rpc_host, registry=registry
             )
         log.info(
-            "hybrid-connector %s: %d layers in %d region(s), %d blocks of %d tokens; "
-            "rpc %s, data %s",
+            "hybrid-connector %s: %s in %d region(s), %d blocks; rpc %s, data %s",
             self._name,
-            len(geometry.layer_names),
+            ", ".join(
+                f"{g.group} group of {len(g.layer_names)} layers (block {g.block_size})"
+                for g in self.local_spec.groups
+            ),
             len(geometry.buffers),
-            geometry.num_blocks,
-            block_size,
+            geometry.groups[0].num_blocks,
             self.rpc_address,
             engine.data_address,
         )

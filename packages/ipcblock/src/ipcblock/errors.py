@@ -15,8 +15,24 @@ class LayoutMismatchError(IpcBlockError):
     """Source and destination layouts differ in bytes per block (other model or format)."""
 
 
+class HeadRangeError(LayoutMismatchError):
+    """The requested global KV heads are not all held by the layout (or it has no head axis)."""
+
+
+class BlockSizeRatioError(LayoutMismatchError):
+    """Source and destination block sizes are not integer multiples of each other."""
+
+
+class NotTokenMajorError(LayoutMismatchError):
+    """A segment cannot be split by tokens: its token axis is not outermost (or it has none)."""
+
+
 class LengthMismatchError(IpcBlockError):
     """Source and destination block id lists have different lengths."""
+
+
+class TokenRangeError(LengthMismatchError):
+    """The block id lists do not cover the requested token range (too few, or D's too many)."""
 
 
 class BlockIdOutOfRangeError(IpcBlockError):

@@ -8,21 +8,25 @@ import numpy as np
 
 from ipcblock.errors import (
     BlockIdOutOfRangeError,
+    BlockSizeRatioError,
     DuplicateDestinationError,
     LayerOutOfRangeError,
     LayoutMismatchError,
     LengthMismatchError,
+    NotTokenMajorError,
     RegionIdError,
+    TokenRangeError,
 )
-from ipcblock.layouts import PagedKVLayout
+from ipcblock.layouts import TOKEN, CompositeLayout, PagedKVLayout, pair_pieces
 from ipcblock.record import IPCBLOCK_DTYPE
 
 RegionSpec = int | Sequence[int] | np.ndarray
+Layout = PagedKVLayout | CompositeLayout
 
 
 def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, layers, regions)
-    src_layout: PagedKVLayout,
-    dst_layout: PagedKVLayout,
+    src_layout: Layout,
+    dst_layout: Layout,
     src_block_ids: Sequence[int] | np.ndarray,
     dst_block_ids: Sequence[int] | np.ndarray,
     layers: Sequence[int] | np.ndarray | None = None,
@@ -40,8 +44,15 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
     Output order: by layer (in the order given), and inside a layer by source offset, so that runs
     which are contiguous on both sides become neighbours and ``merge`` fuses them into one record
     (records never straddle layers).
+    A :class:`CompositeLayout` (parts in different tensors sharing the block ids) takes region
+    ids per part: one int for every part, or a sequence with one region spec per part.
     Raises a subclass of :class:`ipcblock.IpcBlockError` on any inconsistent input.
     """
+    if isinstance(src_layout, CompositeLayout) or isinstance(dst_layout, CompositeLayout):
+        return _parse_parts(
+            parse_blocks, src_layout, dst_layout, src_block_ids, dst_block_ids, layers,
+            src_region, dst_region, merge=merge,
+        )  # fmt: skip
     if src_layout.signature != dst_layout.signature:
         raise LayoutMismatchError(
             f"source {src_layout.kind} segments {src_layout.signature} != "
@@ -53,44 +64,211 @@ def parse_blocks(  # noqa: PLR0917 - contract: (src, dst, src_ids, dst_ids, laye
         raise LengthMismatchError(
             f"{src_ids.size} source block ids but {dst_ids.size} destination block ids"
         )
-    if dst_ids.size > 1 and np.unique(dst_ids).size != dst_ids.size:
-        raise DuplicateDestinationError("destination block ids contain duplicates")
+    _unique(dst_ids)
     layer_idx = _layers(layers, src_layout, dst_layout)
     src_regions = _regions(src_region, src_layout, layer_idx, "source")
     dst_regions = _regions(dst_region, dst_layout, layer_idx, "destination")
-
-    n_layers, n_blocks = layer_idx.size, src_ids.size
-    if n_layers == 0 or n_blocks == 0:
+    pairs = [
+        pair_pieces(s, d) for s, d in zip(src_layout.segments, dst_layout.segments, strict=True)
+    ]
+    if layer_idx.size == 0 or src_ids.size == 0:
         return np.empty(0, dtype=IPCBLOCK_DTYPE)
 
-    s_off, s_stride, nbytes = src_layout.segment_arrays()
-    d_off, d_stride, _ = dst_layout.segment_arrays()
-    # One layer's records, relative to the layer bases, segment-major: shape (segments * blocks,).
-    # Every layer has the same records shifted by its (source, destination) base offsets, and a
-    # shift changes neither the order nor which neighbours continue each other. So sorting and
-    # merging happen once, on one layer, and the layers are stamped out by broadcasting.
-    rel_src = (s_off[:, None] + src_ids[None, :] * s_stride[:, None]).ravel()
-    rel_dst = (d_off[:, None] + dst_ids[None, :] * d_stride[:, None]).ravel()
-    length = np.repeat(nbytes, n_blocks)
-    if rel_src.size > 1 and not (rel_src[1:] > rel_src[:-1]).all():
-        order = np.argsort(rel_src, kind="stable")  # runs contiguous in source become neighbours
-        rel_src, rel_dst, length = rel_src[order], rel_dst[order], length[order]
-    if merge and rel_src.size > 1:
-        continues = (rel_src[1:] == rel_src[:-1] + length[:-1]) & (
-            rel_dst[1:] == rel_dst[:-1] + length[:-1]
-        )
-        starts = np.flatnonzero(np.concatenate(([True], ~continues)))
-        rel_src, rel_dst, length = rel_src[starts], rel_dst[starts], np.add.reduceat(length, starts)
+    rel_src, rel_dst, length = [], [], []
+    for s_seg, d_seg, (s_in, d_in, piece) in zip(
+        src_layout.segments, dst_layout.segments, pairs, strict=True
+    ):
+        s_base = s_seg.offset + src_ids * s_seg.block_stride
+        d_base = d_seg.offset + dst_ids * d_seg.block_stride
+        _append(rel_src, rel_dst, length, s_base, d_base, s_in, d_in, piece)
+    return _stamp_layers(
+        rel_src, rel_dst, length, src_layout, dst_layout, layer_idx, src_regions, dst_regions, merge
+    )
 
-    per_layer = rel_src.size
+
+def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_blocks
+    src_layout: PagedKVLayout,
+    dst_layout: PagedKVLayout,
+    src_block_ids: Sequence[int] | np.ndarray,
+    dst_block_ids: Sequence[int] | np.ndarray,
+    layers: Sequence[int] | np.ndarray | None = None,
+    src_region: RegionSpec = 0,
+    dst_region: RegionSpec = 0,
+    *,
+    num_tokens: int | None = None,
+    src_first_block: int = 0,
+    dst_first_block: int = 0,
+    merge: bool = True,
+) -> np.ndarray:
+    """IpcBlocks copying a token range between caches of different block sizes (any integer ratio).
+
+    Block sizes are the layouts' ``block_size``. ``src_block_ids[i]`` holds the request's block
+    ``src_first_block + i`` (tokens ``[(src_first_block + i) * src_bs, ...)``), likewise
+    ``dst_block_ids[j]`` with ``dst_first_block``. The tokens copied are
+    ``[dst_first_block * dst_bs, num_tokens)`` (default: to the end of the last destination block).
+    The destination ids must be exactly the blocks of that range; source ids must cover it (extra
+    ones are ignored).
+
+    The unit of copy is a sub-block of ``g = min(src_bs, dst_bs)`` tokens: the finer side's whole
+    block, a ``1/ratio`` token slice of the coarser side's. When the range ends inside a sub-block,
+    that whole sub-block is copied: it lies inside the last destination block, so no byte outside
+    D's given blocks is written (the tokens past ``num_tokens`` are garbage D never reads).
+
+    Every segment must be token-major (:meth:`PagedKVLayout.token_major` splits the CPU layout per
+    head first). Errors: :class:`BlockSizeRatioError`, :class:`NotTokenMajorError`,
+    :class:`TokenRangeError`, :class:`LayoutMismatchError` (names or bytes per token differ), plus
+    those of :func:`parse_blocks`.
+    """
+    if isinstance(src_layout, CompositeLayout) or isinstance(dst_layout, CompositeLayout):
+        return _parse_parts(
+            parse_blocks_resized, src_layout, dst_layout, src_block_ids, dst_block_ids, layers,
+            src_region, dst_region, num_tokens=num_tokens, src_first_block=src_first_block,
+            dst_first_block=dst_first_block, merge=merge,
+        )  # fmt: skip
+    s_bs, d_bs = src_layout.block_size, dst_layout.block_size
+    for layout in (src_layout, dst_layout):
+        bad = [s.name for s in layout.segments if not s.token_major]
+        if bad or not layout.block_size:
+            raise NotTokenMajorError(
+                f"{layout.kind} segments {bad} are not token-major: call token_major() first"
+            )
+    if max(s_bs, d_bs) % min(s_bs, d_bs):
+        raise BlockSizeRatioError(f"block sizes {s_bs} and {d_bs} are not integer multiples")
+    per_token_src = [(s.name, s.nbytes // s_bs) for s in src_layout.segments]
+    per_token_dst = [(s.name, s.nbytes // d_bs) for s in dst_layout.segments]
+    if per_token_src != per_token_dst:
+        raise LayoutMismatchError(
+            f"source segments (name, bytes/token) {per_token_src} != destination {per_token_dst}"
+        )
+    src_ids = _block_ids(src_block_ids, src_layout, "source")
+    dst_ids = _block_ids(dst_block_ids, dst_layout, "destination")
+    _unique(dst_ids)
+    start = int(dst_first_block) * d_bs
+    end = start + dst_ids.size * d_bs if num_tokens is None else int(num_tokens)
+    if src_first_block < 0 or dst_first_block < 0 or end < start:
+        raise TokenRangeError(f"token range [{start}, {end}) or first blocks are negative")
+    if -(-(end - start) // d_bs) != dst_ids.size:
+        raise TokenRangeError(
+            f"tokens [{start}, {end}) need {-(-(end - start) // d_bs)} destination blocks of "
+            f"{d_bs}, got {dst_ids.size}"
+        )
+    src_span = (src_first_block * s_bs, (src_first_block + src_ids.size) * s_bs)
+    if end > start and (src_span[0] > start or src_span[1] < end):
+        raise TokenRangeError(f"source blocks hold tokens {src_span}, need [{start}, {end})")
+    layer_idx = _layers(layers, src_layout, dst_layout)
+    src_regions = _regions(src_region, src_layout, layer_idx, "source")
+    dst_regions = _regions(dst_region, dst_layout, layer_idx, "destination")
+    g = min(s_bs, d_bs)
+    narrowed = [
+        (s.narrow(TOKEN, 0, g), d.narrow(TOKEN, 0, g))
+        for s, d in zip(src_layout.segments, dst_layout.segments, strict=True)
+    ]
+    pairs = [pair_pieces(s, d) for s, d in narrowed]
+    if layer_idx.size == 0 or end == start:
+        return np.empty(0, dtype=IPCBLOCK_DTYPE)
+
+    tokens = start + np.arange(-(-(end - start) // g), dtype=np.int64) * g
+    s_blocks = src_ids[tokens // s_bs - src_first_block]
+    d_blocks = dst_ids[tokens // d_bs - dst_first_block]
+    s_sub, d_sub = (tokens % s_bs) // g, (tokens % d_bs) // g
+    rel_src, rel_dst, length = [], [], []
+    for s_seg, d_seg, (s_in, d_in, piece) in zip(
+        src_layout.segments, dst_layout.segments, pairs, strict=True
+    ):
+        s_tok = s_seg.dims[s_seg.dim(TOKEN)].stride * g
+        d_tok = d_seg.dims[d_seg.dim(TOKEN)].stride * g
+        s_base = s_seg.offset + s_blocks * s_seg.block_stride + s_sub * s_tok
+        d_base = d_seg.offset + d_blocks * d_seg.block_stride + d_sub * d_tok
+        _append(rel_src, rel_dst, length, s_base, d_base, s_in, d_in, piece)
+    return _stamp_layers(
+        rel_src, rel_dst, length, src_layout, dst_layout, layer_idx, src_regions, dst_regions, merge
+    )
+
+
+def _parse_parts(  # noqa: PLR0917
+    parse, src: Layout, dst: Layout, src_ids, dst_ids, layers, src_region, dst_region, **kwargs
+) -> np.ndarray:
+    """Parse a composite part by part and interleave the records layer by layer."""
+    if not (isinstance(src, CompositeLayout) and isinstance(dst, CompositeLayout)):
+        raise LayoutMismatchError(f"composite vs single layout: {src.kind} != {dst.kind}")
+    names = [n for n, _ in src.parts]
+    if names != [n for n, _ in dst.parts]:
+        raise LayoutMismatchError(f"composite parts {names} != {[n for n, _ in dst.parts]}")
+    s_regions = _part_regions(src_region, len(names), "source")
+    d_regions = _part_regions(dst_region, len(names), "destination")
+    outs = [
+        parse(s, d, src_ids, dst_ids, layers, sr, dr, **kwargs)
+        for (_, s), (_, d), sr, dr in zip(src.parts, dst.parts, s_regions, d_regions, strict=True)
+    ]
+    n_layers = _layers(layers, src.parts[0][1], dst.parts[0][1]).size
+    if n_layers == 0 or not any(o.size for o in outs):
+        return np.empty(0, dtype=IPCBLOCK_DTYPE)
+    # Each part's output is n_layers equal runs: put layer l of every part together.
+    return np.concatenate([o.reshape(n_layers, -1) for o in outs], axis=1).reshape(-1)
+
+
+def _part_regions(region, n_parts: int, side: str) -> list:
+    if np.ndim(region) == 0:
+        return [region] * n_parts
+    if isinstance(region, (list, tuple)) and len(region) == n_parts:
+        return list(region)
+    raise RegionIdError(f"{side}: a composite takes one int or one region spec per part")
+
+
+def _append(rel_src, rel_dst, length, s_base, d_base, s_in, d_in, piece) -> None:  # noqa: PLR0917
+    """One segment's records: (units x pieces) offsets relative to the layer base."""
+    if s_in.size == 1:
+        rel_src.append(s_base + s_in[0])
+        rel_dst.append(d_base + d_in[0])
+    else:
+        rel_src.append((s_base[:, None] + s_in[None, :]).ravel())
+        rel_dst.append((d_base[:, None] + d_in[None, :]).ravel())
+    length.append(np.full(rel_src[-1].size, piece, dtype=np.int64))
+
+
+def _stamp_layers(  # noqa: PLR0917
+    rel_src: list[np.ndarray],
+    rel_dst: list[np.ndarray],
+    length: list[np.ndarray],
+    src_layout: PagedKVLayout,
+    dst_layout: PagedKVLayout,
+    layer_idx: np.ndarray,
+    src_regions: np.ndarray,
+    dst_regions: np.ndarray,
+    merge: bool,
+) -> np.ndarray:
+    """Sort and merge one layer's records, then stamp them out for every layer.
+
+    Every layer has the same records shifted by its (source, destination) base offsets, and a
+    shift changes neither the order nor which neighbours continue each other. So sorting and
+    merging happen once, on one layer, and the layers are stamped out by broadcasting.
+    """
+    src = np.concatenate(rel_src) if len(rel_src) > 1 else rel_src[0]
+    dst = np.concatenate(rel_dst) if len(rel_dst) > 1 else rel_dst[0]
+    size = np.concatenate(length) if len(length) > 1 else length[0]
+    if src.size > 1 and not (src[1:] > src[:-1]).all():
+        order = np.argsort(src, kind="stable")  # runs contiguous in source become neighbours
+        src, dst, size = src[order], dst[order], size[order]
+    if merge and src.size > 1:
+        continues = (src[1:] == src[:-1] + size[:-1]) & (dst[1:] == dst[:-1] + size[:-1])
+        if continues.any():
+            starts = np.flatnonzero(np.concatenate(([True], ~continues)))
+            src, dst, size = src[starts], dst[starts], np.add.reduceat(size, starts)
+
+    n_layers, per_layer = layer_idx.size, src.size
     out = np.empty(n_layers * per_layer, dtype=IPCBLOCK_DTYPE)
-    out["src_offset"] = (src_layout.layer_offsets[layer_idx][:, None] + rel_src[None, :]).ravel()
-    out["dst_offset"] = (dst_layout.layer_offsets[layer_idx][:, None] + rel_dst[None, :]).ravel()
-    out["length"] = np.tile(length, n_layers)
+    out["src_offset"] = (src_layout.layer_offsets[layer_idx][:, None] + src[None, :]).ravel()
+    out["dst_offset"] = (dst_layout.layer_offsets[layer_idx][:, None] + dst[None, :]).ravel()
+    out["length"] = np.tile(size, n_layers)
     out["src_region"] = np.repeat(src_regions, per_layer)
     out["dst_region"] = np.repeat(dst_regions, per_layer)
     out["tag"] = np.repeat(layer_idx, per_layer)
     return out
+
+
+def _unique(dst_ids: np.ndarray) -> None:
+    if dst_ids.size > 1 and np.unique(dst_ids).size != dst_ids.size:
+        raise DuplicateDestinationError("destination block ids contain duplicates")
 
 
 def _block_ids(ids: Sequence[int] | np.ndarray, layout: PagedKVLayout, side: str) -> np.ndarray:
