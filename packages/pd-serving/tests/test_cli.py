@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 from pd_serving.bench import percentile
 from pd_serving.cli import build_parser, main
-from pd_serving.client import exact_length_prompt, load_tokenizer
+from pd_serving.client import Completion, _top_logprobs, exact_length_prompt, load_tokenizer
+from pd_serving.demo import compare
 from pd_serving.launcher import ManagedProcess, free_port
 from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
@@ -171,3 +172,24 @@ async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> No
         proc.stop()
         await p.close()
         await d.close()
+
+
+def _completion(ids: list[int], tops: list[dict[int, float]]) -> Completion:
+    return Completion(text="".join(map(str, ids)), token_ids=ids, top_logprobs=tops)
+
+
+def test_demo_compare_allows_a_near_tie_only_where_asked() -> None:
+    tops = [{5: -1.0, 6: -1.1}, {7: -0.5}]
+    single = _completion([5, 7], tops)
+    assert compare(single, _completion([5, 7], tops), near_ties=False) == "yes"
+    flipped = _completion([6, 9], [{6: -1.0, 5: -1.05}, {9: -0.1}])
+    assert compare(single, flipped, near_ties=True) == "near tie at 0"
+    assert compare(single, flipped, near_ties=False) == "NO"
+    far = _completion([8, 7], [{8: -0.1}, {7: -0.5}])  # 8 is not in single's top: no tie
+    assert compare(single, far, near_ties=True) == "NO"
+
+
+def test_top_logprobs_parse_vllm_token_id_names() -> None:
+    choice = {"logprobs": {"top_logprobs": [{"token_id:12": -0.5, "token_id:3": -1.5}, None]}}
+    assert _top_logprobs(choice) == [{12: -0.5, 3: -1.5}, {}]
+    assert _top_logprobs({"text": "x"}) == []

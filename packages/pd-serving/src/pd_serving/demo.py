@@ -22,6 +22,30 @@ from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
 
 DEMO_PROMPT_TOKENS = (16, 127, 128, 300, 700, 1000)
 
+# D computes the last prompt token of an MLA model on the absorbed decode path where a single
+# instance ran it on the prefill path: with random weights a greedy near-tie can flip. These archs
+# are compared as vLLM's own tests do: equal up to the first divergence, and there each side's
+# token among the other's top TOP_LOGPROBS.
+NEAR_TIE_ARCHS = frozenset({"mla"})
+TOP_LOGPROBS = 5
+
+
+def compare(single: Completion, pd: Completion, *, near_ties: bool) -> str:
+    """ "yes" (token for token), "near tie at N" (allowed when `near_ties`), or "NO"."""
+    if single.text == pd.text and single.token_ids == pd.token_ids:
+        return "yes"
+    if not near_ties or len(single.token_ids) != len(pd.token_ids):
+        return "NO"
+    for i, (a, b) in enumerate(zip(single.token_ids, pd.token_ids, strict=True)):
+        if a != b:
+            tied = (
+                i < min(len(single.top_logprobs), len(pd.top_logprobs))
+                and b in single.top_logprobs[i]
+                and a in pd.top_logprobs[i]
+            )
+            return f"near tie at {i}" if tied else "NO"
+    return "NO"  # same tokens, different text
+
 
 def _progress(console: Console) -> Progress:
     return Progress(
@@ -65,6 +89,7 @@ async def _requests(
     prompts: list[str],
     max_tokens: int,
     console: Console,
+    logprobs: int | None = None,
 ) -> list[tuple[Completion, Completion]]:
     await proxy.start()
     results = []
@@ -76,9 +101,21 @@ async def _requests(
             task = progress.add_task("requests (single, then 1P1D)", total=len(prompts))
             for prompt in prompts:
                 single = await complete(
-                    session, single_url, model_name, prompt, max_tokens=max_tokens
+                    session,
+                    single_url,
+                    model_name,
+                    prompt,
+                    max_tokens=max_tokens,
+                    logprobs=logprobs,
                 )
-                pd = await complete(session, proxy_url, model_name, prompt, max_tokens=max_tokens)
+                pd = await complete(
+                    session,
+                    proxy_url,
+                    model_name,
+                    prompt,
+                    max_tokens=max_tokens,
+                    logprobs=logprobs,
+                )
                 results.append((single, pd))
                 progress.advance(task)
     return results
@@ -93,6 +130,7 @@ async def _serve_and_run(
     prompts: list[str],
     max_tokens: int,
     console: Console,
+    logprobs: int | None = None,
 ) -> list[tuple[Completion, Completion]]:
     proxy = PdProxy(deployment.proxy_config(connector, dispatch, model_names=[str(model)]))
     port = free_port()
@@ -107,6 +145,7 @@ async def _serve_and_run(
             prompts=prompts,
             max_tokens=max_tokens,
             console=console,
+            logprobs=logprobs,
         )
     finally:
         await runner.cleanup()
@@ -126,6 +165,7 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         model = args.model.resolve()
     log_dir = args.log_dir or cache_dir() / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    near_ties = args.arch in NEAR_TIE_ARCHS
     tokenizer = load_tokenizer(model)
     lengths = DEMO_PROMPT_TOKENS[: args.requests] if args.requests <= 6 else None
     lengths = lengths or tuple(16 + (i * 997) % 1000 for i in range(args.requests))
@@ -158,14 +198,19 @@ def run_demo(args: argparse.Namespace) -> int:
                 prompts=prompts,
                 max_tokens=args.max_tokens,
                 console=console,
+                logprobs=TOP_LOGPROBS if near_ties else None,
             )
         )
         console.print("stopping every instance ...")
-    return _report(console, lengths, results)
+    return _report(console, lengths, results, near_ties=near_ties)
 
 
 def _report(
-    console: Console, lengths: tuple[int, ...], results: list[tuple[Completion, Completion]]
+    console: Console,
+    lengths: tuple[int, ...],
+    results: list[tuple[Completion, Completion]],
+    *,
+    near_ties: bool = False,
 ) -> int:
     table = Table(title="greedy completions: single instance vs 1P1D through the proxy")
     for col in ("prompt tok", "out tok", "TTFT single ms", "TTFT 1P1D ms", "TPOT single ms"):
@@ -174,7 +219,8 @@ def _report(
     table.add_column("same text")
     all_equal = True
     for n, (single, pd) in zip(lengths, results, strict=True):
-        equal = single.text == pd.text and single.token_ids == pd.token_ids
+        verdict = compare(single, pd, near_ties=near_ties)
+        equal = verdict != "NO"
         all_equal &= equal
         table.add_row(
             str(n),
@@ -183,11 +229,18 @@ def _report(
             _ms(pd.ttft_s),
             f"{single.tpot_s * 1000:.1f}",
             f"{pd.tpot_s * 1000:.1f}",
-            "[green]yes[/green]" if equal else "[red]NO[/red]",
+            f"[green]{verdict}[/green]" if equal else "[red]NO[/red]",
         )
     console.print(table)
     sample = results[-1][1].text.replace("\n", " ")
     console.print(f"last answer (random weights, so no meaning): {sample[:80]!r}")
+    if all_equal and near_ties:
+        console.print(
+            "[bold green]1P1D answered like the single instance (token for token up to the first "
+            "near tie, where each side's token is in the other's top 5: MLA's absorbed decode "
+            "path on D).[/]"
+        )
+        return 0
     if all_equal:
         console.print("[bold green]1P1D answered token for token like the single instance.[/]")
         return 0
