@@ -64,10 +64,8 @@ def test_tp_ranks_pull_their_bytes_through_kvt(  # noqa: PLR0917
 ) -> None:
     rng = np.random.default_rng(p_tp * 100 + d_tp * 10 + p_bs + d_bs)
     num_tokens, first_block = 75, 1  # several blocks plus a partial one; D holds one already
-    heads = 1 if kind == "mla" else TOTAL_HEADS
-    parts = 1 if kind == "mla" else 2
-    logical = rng.integers(0, 256, (LAYERS, num_tokens, heads, parts, HD), dtype=np.uint8)
     p_ranks = [Rank("P", r, p_tp, kind, block_size=p_bs, rng=rng) for r in range(p_tp)]
+    logical = p_ranks[0].cache.logical(rng, num_tokens, TOTAL_HEADS)
     d_ranks = [Rank("D", r, d_tp, kind, block_size=d_bs, rng=rng) for r in range(d_tp)]
     try:
         n_p = -(-num_tokens // p_bs)

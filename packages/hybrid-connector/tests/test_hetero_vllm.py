@@ -11,17 +11,15 @@ exactly the copy units the mapping says, and every block must be back in both po
 from __future__ import annotations
 
 import random
-import socket
-import time
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import _harness
 import pytest
 from _harness import Instance
 from hybrid_connector.tiny_model import make_tiny_model
+from test_pd_vllm import _free_port, _wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,24 +42,6 @@ def _instance_main_with_block_size(conn: Any, model: str, kv_config: Any, opts: 
 
     vllm.LLM = SizedLLM  # type: ignore[misc]
     _ORIGINAL_INSTANCE_MAIN(conn, model, kv_config, opts)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
-    """Re-ask a child process until probe() is truthy (the child's state is in another process)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 class Node:

@@ -23,15 +23,18 @@ from hybrid_connector.mapping import (
 from hybrid_connector.protocol import LayoutSpec, SegmentSpec
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.lib.stride_tricks import as_strided
 
 KINDS = ("blocks_major", "kv_first", "mla")
+ITEMSIZE = 2  # bfloat16
 
 
 class RankCache:
-    """One group of one rank: ``layers`` layers of vLLM-shaped blocks in one uint8 region.
+    """One group of one rank: ``layers`` layers of vLLM-shaped bf16 blocks in one uint8 region.
 
-    ``kind``: "blocks_major" (vLLM CPU ``[nb, H, bs, 2*hd]``), "kv_first" (``[2, nb, bs, H, hd]``)
-    or "mla" (CPU ``[nb, 1, bs, row]``, one latent per token, replicated over TP).
+    ``kind``: "blocks_major" (vLLM CPU ``[nb, H, bs, 2*hd]``, which inside each head holds K
+    transposed as ``[hd, bs]`` and then V as ``[bs, hd]``), "kv_first" (``[2, nb, bs, H, hd]``)
+    or "mla" (``[nb, bs, hd]``, one latent per token, replicated over TP).
     """
 
     def __init__(
@@ -51,7 +54,7 @@ class RankCache:
         self.heads = range(0, 1) if kind == "mla" else heads
         self.parts = 1 if kind == "mla" else 2
         h = len(self.heads)
-        self.block_nbytes = h * block_size * self.parts * hd
+        self.block_nbytes = h * block_size * self.parts * hd * ITEMSIZE
         self.layer_nbytes = num_blocks * self.block_nbytes
         self.region = rng.integers(0, 256, layers * self.layer_nbytes, dtype=np.uint8)
         offsets = [i * self.layer_nbytes for i in range(layers)]
@@ -73,35 +76,61 @@ class RankCache:
             segments=segments,
             kind="blocks_major" if mla else kind,
             group="mla" if mla else "attention",
+            dtype="bfloat16",
             total_heads=0 if mla else total_heads,
             head_start=0 if mla else heads.start,
             num_heads=0 if mla else h,
         )
 
-    def view(self, layer: int) -> np.ndarray:
-        """Layer ``layer`` indexed [block, local head, token, k|v, byte] (a view, no copy)."""
+    def views(self, layer: int) -> list[np.ndarray]:
+        """Per part (K, V; the latent for MLA), layer ``layer`` indexed [block, local head,
+        token, dim, byte of the element] (strided views of the region, no copy)."""
         raw = self.region[layer * self.layer_nbytes : (layer + 1) * self.layer_nbytes]
-        h, p = len(self.heads), self.parts
-        if self.kind == "kv_first":
-            return raw.reshape(2, self.nb, self.bs, h, self.hd).transpose(1, 3, 2, 0, 4)
-        return raw.reshape(self.nb, h, self.bs, p, self.hd)
+        h, bs, hd, it = len(self.heads), self.bs, self.hd, ITEMSIZE
+        shape = (self.nb, h, bs, hd, it)
+        if self.kind == "blocks_major":
+            head = 2 * bs * hd * it
+            parts = [
+                (0, (h * head, head, it, bs * it, 1)),
+                (bs * hd * it, (h * head, head, hd * it, it, 1)),
+            ]
+        elif self.kind == "kv_first":
+            block = bs * h * hd * it
+            strides = (block, hd * it, h * hd * it, it, 1)
+            parts = [(0, strides), (self.nb * block, strides)]
+        else:
+            parts = [(0, (bs * hd * it, 0, hd * it, it, 1))]
+        return [
+            as_strided(raw[offset:], shape=shape, strides=strides, writeable=True)
+            for offset, strides in parts
+        ]
 
     def fill(self, logical: np.ndarray, block_ids: list[int]) -> None:
-        """Write ``logical[layer, token, global head, part, byte]`` into the request's blocks."""
+        """Write ``logical[layer, token, global head, part, dim, byte]`` into the request's
+        blocks."""
         tokens = np.arange(logical.shape[1])
         blocks = np.asarray(block_ids)[tokens // self.bs]
         for layer in range(logical.shape[0]):
-            view = self.view(layer)
-            for i, head in enumerate(self.heads):
-                view[blocks, i, tokens % self.bs] = logical[layer, :, head]
+            for part, view in enumerate(self.views(layer)):
+                for i, head in enumerate(self.heads):
+                    view[blocks, i, tokens % self.bs] = logical[layer, :, head, part]
 
     def read(self, block_ids: list[int], first_block: int, num_tokens: int) -> np.ndarray:
-        """[layer, token, local head, part, byte] for tokens [first_block*bs, num_tokens)."""
+        """[layer, token, local head, part, dim, byte] for tokens [first_block*bs, num_tokens)."""
         tokens = np.arange(first_block * self.bs, num_tokens)
         blocks = np.asarray(block_ids)[tokens // self.bs - first_block]
         return np.stack(
-            [self.view(layer)[blocks, :, tokens % self.bs] for layer in range(self.layers)]
+            [
+                np.stack([v[blocks, :, tokens % self.bs] for v in self.views(layer)], axis=2)
+                for layer in range(self.layers)
+            ]
         )
+
+    def logical(self, rng: np.random.Generator, num_tokens: int, total_heads: int) -> np.ndarray:
+        """Random logical KV ``[layer, token, head, part, dim, byte]`` for this group's shape."""
+        heads = 1 if self.kind == "mla" else total_heads
+        shape = (self.layers, num_tokens, heads, self.parts, self.hd, ITEMSIZE)
+        return rng.integers(0, 256, shape, dtype=np.uint8)
 
     @property
     def layers(self) -> int:
@@ -174,10 +203,6 @@ def test_plans_fill_d_rank_with_its_heads_for_every_token(sc: dict) -> None:
     kind, total, (p_tp, d_tp), d_rank = sc["kind"], sc["total"], sc["tp"], sc["d_rank"]
     (p_bs, d_bs), first_block, num_tokens = sc["bs"], sc["first_block"], sc["num_tokens"]
     layers, hd = sc["layers"], sc["hd"]
-    heads = 1 if kind == "mla" else total
-    logical = rng.integers(0, 256, (layers, num_tokens, heads, 1 if kind == "mla" else 2, hd))
-    logical = logical.astype(np.uint8)
-
     n_p = -(-num_tokens // p_bs) + sc["extra_p_blocks"]
     p_ranks = {}
     for p in range(p_tp):
@@ -186,6 +211,8 @@ def test_plans_fill_d_rank_with_its_heads_for_every_token(sc: dict) -> None:
             heads=rank_heads(total, p_tp, p), total_heads=total, hd=hd, rng=rng,
         )  # fmt: skip
         p_ids = rng.permutation(cache.nb)[:n_p].tolist()
+        if not p_ranks:
+            logical = cache.logical(rng, num_tokens, total)
         cache.fill(logical[:, : min(num_tokens, n_p * p_bs)], p_ids)
         p_ranks[p] = (cache, p_ids)
 
@@ -241,7 +268,7 @@ def test_positional_form_copies_block_for_block() -> None:
     p, d = cpu_spec(10, 2, 4, 8), cpu_spec(12, 2, 4, 8)
     blocks = plan_copy(p, d, [3, 4, 5], [0, 1, 2])
     assert blocks.size == 2  # contiguous on both sides: one record per layer
-    assert int(blocks["length"].sum()) == 2 * 3 * (2 * 4 * 2 * 8)
+    assert int(blocks["length"].sum()) == 2 * 3 * (2 * 4 * 2 * 8 * ITEMSIZE)
 
 
 def test_tp_split_pulls_only_d_ranks_heads_in_one_piece_per_block() -> None:
@@ -251,8 +278,9 @@ def test_tp_split_pulls_only_d_ranks_heads_in_one_piece_per_block() -> None:
     d = cpu_spec(8, 2, 4, 8, heads_range=range(2, 4), total_heads=4)
     blocks = plan_copy(p, d, [1, 5, 3], [2, 0, 7])
     assert blocks.size == 2 * 3
-    assert set(blocks["length"].tolist()) == {2 * 4 * 2 * 8}  # half of P's block
-    assert set((blocks["src_offset"] % (4 * 4 * 16)).tolist()) == {2 * 4 * 16}
+    head_nbytes = 4 * 2 * 8 * ITEMSIZE
+    assert set(blocks["length"].tolist()) == {2 * head_nbytes}  # half of P's block
+    assert set((blocks["src_offset"] % (4 * head_nbytes)).tolist()) == {2 * head_nbytes}
 
 
 @pytest.mark.parametrize(
@@ -411,3 +439,29 @@ def test_each_tp_rank_gets_its_own_ports() -> None:
         cfg.for_rank(2, 2)
     with pytest.raises(ConfigError, match="host:port"):
         rank_address("nohost", 1)
+
+
+def test_state_slot_with_two_tensors_and_padded_stride_moves_only_that_slot() -> None:
+    """A GDN layer's conv and ssm state as the worker describes them: two segments of one slot,
+    the slot stride vLLM's padded page size."""
+    conv, ssm, page = 24, 40, 80  # bytes per slot; page > conv + ssm (padding)
+    spec = LayoutSpec(
+        layer_names=["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+        layer_offsets=[0, 6 * page],
+        region_ids=[0, 0],
+        num_blocks=6,
+        block_size=256,
+        segments=[SegmentSpec("state0", 0, page, conv), SegmentSpec("state1", conv, page, ssm)],
+        kind="blocks_major",
+        group="state",
+    )
+    rng = np.random.default_rng(3)
+    p_mem = rng.integers(0, 256, 12 * page, dtype=np.uint8)
+    d_mem = rng.integers(0, 256, 12 * page, dtype=np.uint8)
+    before = d_mem.copy()
+    apply(plan_copy(spec, spec, [4], [1]), p_mem, d_mem)
+    p_slots, d_slots = p_mem.reshape(2, 6, page), d_mem.reshape(2, 6, page)
+    np.testing.assert_array_equal(d_slots[:, 1, : conv + ssm], p_slots[:, 4, : conv + ssm])
+    expected = before.reshape(2, 6, page).copy()
+    expected[:, 1, : conv + ssm] = p_slots[:, 4, : conv + ssm]
+    np.testing.assert_array_equal(d_slots, expected)  # padding and other slots untouched

