@@ -17,10 +17,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 from pd_serving.bench import percentile
-from pd_serving.cli import main
+from pd_serving.cli import build_parser, main
 from pd_serving.client import exact_length_prompt, load_tokenizer
 from pd_serving.launcher import ManagedProcess, free_port
+from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
+from pd_serving.servers import Connector, CpuSettings, plan_servers
 from pd_serving.testing import MODEL, FakeUpstream
 
 
@@ -52,6 +54,64 @@ def test_prompts_of_exact_token_length(model_dir: Path, n: int) -> None:
 def test_up_with_a_missing_model_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="not a model directory"):
         main(["up", "--model", str(tmp_path / "nope")])
+
+
+@pytest.mark.parametrize("command", ["demo", "up", "bench"])
+def test_arch_defaults_to_qwen2_and_accepts_every_family(command: str) -> None:
+    parser = build_parser()
+    assert parser.parse_args([command]).arch == "qwen2"
+    for arch in TINY_ARCHES:
+        assert parser.parse_args([command, "--arch", arch]).arch == arch
+
+
+def test_make_model_takes_an_arch() -> None:
+    args = build_parser().parse_args(["make-model", "--arch", "mla", "some/dir"])
+    assert (args.arch, args.dir) == ("mla", Path("some/dir"))
+    assert build_parser().parse_args(["make-model", "d"]).arch == "qwen2"
+    assert {"qwen2", "mla", "gdn"} <= set(TINY_ARCHES)
+
+
+def test_an_unknown_arch_is_an_argument_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["demo", "--arch", "mamba"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'mamba'" in capsys.readouterr().err
+
+
+def test_each_arch_has_its_own_default_model_dir() -> None:
+    dirs = {default_model_dir(arch) for arch in TINY_ARCHES}
+    assert len(dirs) == len(TINY_ARCHES)
+    assert default_model_dir().name == "tiny-qwen2"  # where the demo always kept it
+
+
+def test_servers_pass_the_arch_engine_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybrid_connector import tiny_model
+
+    monkeypatch.setitem(
+        tiny_model.TINY_ENGINE_ARGS, "mla", {"block_size": 16, "enable_prefix_caching": False}
+    )
+    assert engine_cli_args("mla") == ["--block-size", "16", "--no-enable-prefix-caching"]
+    assert engine_cli_args("qwen2") == []
+    servers = plan_servers(
+        tmp_path,
+        log_dir=tmp_path,
+        connector=Connector.HYBRID,
+        single=1,
+        cpu=CpuSettings(arch="mla"),
+    )
+    for server in servers:
+        argv = server.argv()
+        assert argv[-3:] == ["--block-size", "16", "--no-enable-prefix-caching"], server.name
+
+
+@pytest.mark.needs_vllm
+def test_make_model_builds_the_mla_model(tmp_path: Path) -> None:
+    import json
+
+    assert main(["make-model", "--arch", "mla", str(tmp_path / "mla")]) == 0
+    config = json.loads((tmp_path / "mla" / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
 
 
 def test_console_script_is_installed() -> None:

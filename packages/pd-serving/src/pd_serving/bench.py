@@ -311,11 +311,14 @@ def run_bench(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=120)
     if args.smoke:
         args.requests, args.prompt_tokens, args.max_tokens = 4, 32, 4
-    model = args.model.resolve() if args.model else make_model(default_model_dir())
+    arch = args.arch
+    model = args.model.resolve() if args.model else make_model(default_model_dir(arch), arch)
     connectors = [Connector.HYBRID, Connector.NIXL] if args.compare else [Connector(args.connector)]
     log_dir = args.log_dir or cache_dir() / "logs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     cpu = CpuSettings(
-        kv_cache_bytes=args.kv_cache_mib * 1024 * 1024, max_model_len=args.max_model_len
+        kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+        max_model_len=args.max_model_len,
+        arch=arch,
     )
     servers: list[VllmServer] = []
     for connector in connectors:
@@ -369,7 +372,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         meta = {
             "command": "pdserve bench " + ("--compare" if args.compare else args.connector),
-            "model": "tiny Qwen2 (hybrid_connector.tiny_model.make_tiny_model)",
+            "model": f"tiny {arch} (hybrid_connector.tiny_model.make_tiny_model)",
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from pd_serving.launcher import ChildFailed
-from pd_serving.model import cache_dir, default_model_dir, make_model
+from pd_serving.model import DEFAULT_ARCH, TINY_ARCHES, cache_dir, default_model_dir, make_model
 from pd_serving.servers import Connector, CpuSettings
 
 log = logging.getLogger("pdserve")
@@ -50,13 +50,25 @@ def _default_log_dir(command: str) -> Path:
     return cache_dir() / "logs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{command}-{os.getpid()}"
 
 
+def _add_arch_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--arch",
+        choices=TINY_ARCHES,
+        default=DEFAULT_ARCH,
+        help=f"{what}: qwen2 (GQA), mla (DeepSeek-V2 latent attention), "
+        f"gdn (Qwen3-Next, Gated DeltaNet + full attention); default {DEFAULT_ARCH}",
+    )
+
+
 def _add_instance_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         type=Path,
         default=None,
-        help=f"model directory (default: the tiny model in {default_model_dir()}, made if missing)",
+        help=f"model directory (default: the tiny model of --arch in {cache_dir()}/tiny-ARCH, "
+        "made if missing)",
     )
+    _add_arch_option(parser, "tiny model family; also picks the engine arguments it needs")
     parser.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
     parser.add_argument(
         "--dispatch",
@@ -73,7 +85,9 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
 
 def _cpu_settings(args: argparse.Namespace) -> CpuSettings:
     return CpuSettings(
-        kv_cache_bytes=args.kv_cache_mib * 1024 * 1024, max_model_len=args.max_model_len
+        kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+        max_model_len=args.max_model_len,
+        arch=args.arch,
     )
 
 
@@ -82,7 +96,7 @@ def _resolve_model(args: argparse.Namespace) -> Path:
         if not (args.model / "config.json").is_file():
             raise SystemExit(f"pdserve: {args.model} is not a model directory (no config.json)")
         return args.model.resolve()
-    return make_model(default_model_dir())
+    return make_model(default_model_dir(args.arch), args.arch)
 
 
 def _dispatch(args: argparse.Namespace):
@@ -94,7 +108,7 @@ def _dispatch(args: argparse.Namespace):
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    path = make_model(args.dir)
+    path = make_model(args.dir, args.arch)
     print(path)
     return 0
 
@@ -210,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("make-model", help="write the deterministic tiny Qwen2 model to DIR")
+    p = sub.add_parser("make-model", help="write a deterministic tiny model (--arch) to DIR")
     p.add_argument("dir", type=Path)
+    _add_arch_option(p, "which tiny model")
     p.set_defaults(func=cmd_make_model)
 
     p = sub.add_parser("up", help="start P and D vLLM instances and the proxy; Ctrl-C stops all")

@@ -120,9 +120,9 @@ def run_demo(args: argparse.Namespace) -> int:
         or (Dispatch.PARALLEL if connector is Connector.HYBRID else Dispatch.SEQUENTIAL)
     )
     if args.model is None:
-        target = default_model_dir()
-        with console.status(f"making the tiny model in {target} (once)"):
-            model = make_model(target)
+        target = default_model_dir(args.arch)
+        with console.status(f"making the tiny {args.arch} model in {target} (once)"):
+            model = make_model(target, args.arch)
     else:
         model = args.model.resolve()
     log_dir = args.log_dir or cache_dir() / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -138,12 +138,14 @@ def run_demo(args: argparse.Namespace) -> int:
         decode=1,
         single=1,
         cpu=CpuSettings(
-            kv_cache_bytes=args.kv_cache_mib * 1024 * 1024, max_model_len=args.max_model_len
+            kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+            max_model_len=args.max_model_len,
+            arch=args.arch,
         ),
     )
     console.print(
         f"[bold]pdserve demo[/bold]: 1 prefill + 1 decode ({connector.value} connector, "
-        f"{dispatch.value} dispatch) next to 1 single instance; model {model}"
+        f"{dispatch.value} dispatch) next to 1 single instance; {args.arch} model {model}"
     )
     with Deployment(servers) as deployment:
         _wait_ready_with_progress(deployment, console, args.startup_timeout)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_serving.launcher import ManagedProcess, free_port, python_argv
+from pd_serving.model import DEFAULT_ARCH, engine_cli_args
 
 
 class Connector(enum.StrEnum):
@@ -37,6 +38,8 @@ class CpuSettings:
     # VLLM_CPU_OMP_THREADS_BIND value, e.g. "0" or "nobind"; None picks per role (see cpu_bind_for).
     cpu_bind: str | None = None
     max_num_seqs: int = 16
+    # The tiny model family served: adds the vLLM options it needs (TINY_ENGINE_ARGS).
+    arch: str = DEFAULT_ARCH
 
 
 def cpu_bind_for(role: Role, index: int) -> str:
@@ -125,6 +128,7 @@ class VllmServer:
         config = self.kv_transfer_config()
         if config is not None:
             args += ["--kv-transfer-config", json.dumps(config)]
+        args += engine_cli_args(self.cpu.arch)
         return python_argv("vllm.entrypoints.openai.api_server", *args, *self.extra_args)
 
     def env(self) -> dict[str, str]:
