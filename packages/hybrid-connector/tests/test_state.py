@@ -100,7 +100,8 @@ class PSim:
         self.refuse = refuse  # kvt refuses StartSend: None, "first" batch, or a "later" one
         self.finished: set[str] = set()  # requests vLLM finished (it waits for our report)
         self.reported: Counter[str] = Counter()
-        self.kvt_reading: set[str] = set()  # transfers whose send kvt accepted, not completed
+        self.kvt_reading: set[str] = set()  # kvt ids of sends kvt accepted, not completed
+        self.kvt_tid: dict[str, str] = {}  # kvt id -> transfer id
         self.armed: set[str] = set()
         self.arrived: set[int] = set()
         self.left: set[int] = set()  # pulls whose caller went away
@@ -124,7 +125,8 @@ class PSim:
         match action:
             case state.ReportSent(rid):
                 assert rid in self.finished, f"{rid} reported while vLLM still runs it"
-                assert self.tid_of[rid] not in self.kvt_reading, f"{rid}: kvt may still read"
+                reading = {self.kvt_tid[k] for k in self.kvt_reading}
+                assert self.tid_of[rid] not in reading, f"{rid}: kvt may still read"
                 self.reported[rid] += 1
                 assert self.reported[rid] == 1, f"{rid} reported twice"
                 self.reported_at[rid] = self.step
@@ -132,11 +134,13 @@ class PSim:
                 self.sends.append(action)
                 self._answer(pull, "sent")
                 assert self.tid_of.get(rid) == tid
+                kvt_id = action.kvt_id or tid
+                self.kvt_tid[kvt_id] = tid
                 if self.refuse == "first":
-                    return [state.SendRefused(tid, TransferError("refused"), False)]
-                self.kvt_reading.add(tid)
+                    return [state.SendRefused(kvt_id, TransferError("refused"), False)]
+                self.kvt_reading.add(kvt_id)
                 if self.refuse == "later":
-                    return [state.SendRefused(tid, TransferError("refused"), True)]
+                    return [state.SendRefused(kvt_id, TransferError("refused"), True)]
             case state.FailPull(pull, error):
                 self._answer(pull, error)
             case state.Abort(tid):
@@ -668,3 +672,282 @@ def test_shutdown_aborts_pulls_without_reporting_them() -> None:
     assert sim.aborts[T] == 1
     assert not sim.reported  # the worker is closing: nobody reads the results any more
     assert len(sim.core) == 0
+
+
+# ================================================================================ TP: fan-in (P)
+HEAD_DIM = 8
+
+
+def _tp_attention(rank: int, tp: int, total_heads: int = 2) -> LayoutSpec:
+    """Rank ``rank`` of ``tp`` of a 2-head model in vLLM's CPU layout ([nb, H, bs, 2*hd])."""
+    heads = total_heads // tp
+    block = heads * BLOCK_SIZE * 2 * HEAD_DIM * 2
+    return LayoutSpec(
+        layer_names=["l0", "l1"],
+        layer_offsets=[0, 16 * block],
+        region_ids=[1, 1],
+        num_blocks=16,
+        block_size=BLOCK_SIZE,
+        segments=[SegmentSpec("kv", 0, block, block)],
+        kind="blocks_major",
+        dtype="bfloat16",
+        total_heads=total_heads,
+        head_start=rank * heads,
+        num_heads=heads,
+    )
+
+
+def _rank_cache(rank: int, tp: int, family: str = "attention") -> CacheSpec:
+    group = MLA if family == "mla" else _tp_attention(rank, tp)
+    return CacheSpec([group], tp_rank=rank, tp_size=tp)
+
+
+def _kvt(p_rank: int, d_rank: int) -> str:
+    return f"{T}/p{p_rank}d{d_rank}"
+
+
+class FanInSim(PSim):
+    """P rank ``p_rank`` of ``p_tp`` serving D's ``d_tp`` ranks."""
+
+    def __init__(self, p_rank: int = 0, p_tp: int = 1, d_tp: int = 2, family="attention"):
+        super().__init__(spec=_rank_cache(p_rank, p_tp, family))
+        self.p_rank, self.d_tp, self.family = p_rank, d_tp, family
+
+    def pull_from(self, d_rank: int, pull: int | None = None, **kw) -> None:
+        self.pull(pull or d_rank + 1, layout=_rank_cache(d_rank, self.d_tp, self.family), **kw)
+
+    def complete_for(self, d_rank: int, ok: bool = True) -> None:
+        self.complete(_kvt(self.p_rank, d_rank), ok)
+
+
+def test_fan_in_one_p_rank_serves_every_d_rank_then_reports_once() -> None:
+    """P TP=1, D TP=2: each D rank pulls its own head; P's blocks go back after both sends."""
+    sim = FanInSim()
+    sim.finish()
+    sim.pull_from(0)
+    assert [s.kvt_id for s in sim.sends] == [_kvt(0, 0)]
+    assert T in sim.armed, "the lease still runs for D rank 1"
+    sim.complete_for(0)
+    assert not sim.reported, "D rank 1 has not pulled yet"
+    assert sim.core.phase(T) is state.Phase.HELD
+    sim.pull_from(1)
+    assert [s.kvt_id for s in sim.sends] == [_kvt(0, 0), _kvt(0, 1)]
+    assert T not in sim.armed, "every D rank pulled: no lease any more"
+    assert sim.answers == {1: "sent", 2: "sent"}
+    sim.complete_for(1)
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_fan_in_parked_pulls_all_start_when_the_request_finishes() -> None:
+    sim = FanInSim()
+    sim.pull_from(1)
+    sim.pull_from(0)
+    assert not sim.sends
+    sim.finish()
+    assert sorted(s.kvt_id for s in sim.sends) == [_kvt(0, 0), _kvt(0, 1)]
+    sim.complete_for(0)
+    assert not sim.reported
+    sim.complete_for(1, ok=False)
+    assert sim.reported[P_REQ] == 1, "a failed send ends too: blocks back once"
+    sim.settle()
+
+
+def test_fan_in_one_send_fails_blocks_back_after_both() -> None:
+    sim = FanInSim()
+    sim.finish()
+    sim.pull_from(0)
+    sim.pull_from(1)
+    sim.complete_for(1, ok=False)
+    assert not sim.reported, "kvt still reads for D rank 0"
+    sim.complete_for(0)
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_fan_in_lease_passes_with_one_of_two_pulls_done() -> None:
+    sim = FanInSim()
+    sim.finish()
+    sim.pull_from(0)
+    sim.complete_for(0)
+    assert not sim.reported
+    sim.deadline()  # the lease: D rank 1 never pulled
+    assert sim.reported[P_REQ] == 1
+    assert sim.core.phase(T) is None
+    sim.settle()
+
+
+def test_fan_in_lease_passes_while_one_send_runs() -> None:
+    sim = FanInSim()
+    sim.finish()
+    sim.pull_from(0)
+    sim.deadline()
+    assert not sim.reported, "kvt still reads for D rank 0"
+    sim.pull_from(1)
+    assert isinstance(sim.answers[2], TransferError), "no pull is taken after the lease"
+    sim.complete_for(0)
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_fan_in_duplicate_pull_from_the_same_d_rank_fails_alone() -> None:
+    sim = FanInSim()
+    sim.finish()
+    sim.pull_from(0, pull=1)
+    sim.pull_from(0, pull=2)
+    assert isinstance(sim.answers[2], PeerError)
+    assert "duplicate" in str(sim.answers[2])
+    sim.pull_from(1, pull=3)
+    assert sim.answers[3] == "sent"
+    assert len(sim.sends) == 2
+    sim.complete_for(0)
+    sim.complete_for(1)
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_fan_in_rapid_late_d_rank_waits_on_the_same_layer_events() -> None:
+    sim = FanInSim()
+    sim.pull_from(0)
+    sim.prefill()
+    sim.pull_from(1)
+    assert [s.layer_events is None for s in sim.sends] == [True, True]  # PSim passes none
+    sim.complete_for(0)
+    sim.complete_for(1)
+    assert not sim.reported, "the request still runs"
+    sim.finish()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_fan_in_pull_from_a_rank_that_takes_nothing_here_fails() -> None:
+    """MLA, P TP=2, D TP=1: D's only rank pulls from P rank 0; P rank 1 refuses a pull."""
+    sim = FanInSim(p_rank=1, p_tp=2, d_tp=1, family="mla")
+    sim.finish()
+    sim.pull_from(0)
+    assert isinstance(sim.answers[1], PeerError)
+    assert "takes nothing from P rank 1" in str(sim.answers[1])
+    sim.settle()
+
+
+FAN_IN_RACE = ["pull0", "pull1", "finish", "complete0", "complete1", "deadline", "release"]
+
+
+@pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
+def test_fan_in_races_in_every_order(ok: bool) -> None:
+    for order in itertools.permutations(FAN_IN_RACE):
+        sim = FanInSim()
+        for sim.step, step in enumerate(order):
+            if step.startswith("pull"):
+                sim.pull_from(int(step[-1]))
+            elif step.startswith("complete"):
+                sim.complete_for(int(step[-1]), ok)
+            else:
+                getattr(sim, step)()
+        sim.step += 1
+        sim.settle()
+
+
+# ================================================================================ TP: fan-out (D)
+def _recv(remote_tp: int) -> RecvSpec:
+    return RecvSpec("d-1", T, "127.0.0.1:8200", [[0, 1]], [0], PROMPT_TOKENS, remote_tp)
+
+
+def _run(core: state.Consumer, event: state.ConsumerEvent) -> list[state.ConsumerAction]:
+    return core.handle(event)
+
+
+def test_fan_out_d_rank_pulls_each_p_rank_and_reports_once() -> None:
+    """P TP=2, D TP=1: D's rank pulls head 0 from P rank 0 and head 1 from P rank 1."""
+    core = state.Consumer(_rank_cache(0, 1))
+    actions = _run(core, state.PullRequested(_recv(2)))
+    starts = [a for a in actions if isinstance(a, state.StartPull)]
+    assert [(s.kvt_id, s.spec.remote_rpc_address) for s in starts] == [
+        (_kvt(0, 0), "127.0.0.1:8200"),
+        (_kvt(1, 0), "127.0.0.1:8201"),
+    ]
+    assert all(s.spec.transfer_id == T for s in starts)
+    done = _run(core, state.RecvCompleted("d-1", _completion(_kvt(0, 0), True, "recv"), _kvt(0, 0)))
+    assert not [a for a in done if isinstance(a, state.ReportRecv)], "P rank 1 still writes"
+    done = _run(core, state.RecvCompleted("d-1", _completion(_kvt(1, 0), True, "recv"), _kvt(1, 0)))
+    assert state.ReportRecv("d-1", failed=False) in done
+    assert len(core) == 0
+
+
+def test_fan_out_one_part_fails_aborts_the_other_and_reports_failed_after_both() -> None:
+    core = state.Consumer(_rank_cache(0, 1))
+    _run(core, state.PullRequested(_recv(2)))
+    failed = _completion(_kvt(0, 0), False, "recv")
+    actions = _run(core, state.RecvCompleted("d-1", failed, _kvt(0, 0)))
+    assert state.Abort(_kvt(1, 0), "another part failed: test") in actions
+    assert not [a for a in actions if isinstance(a, state.ReportRecv)], "kvt may still write"
+    aborted = _completion(_kvt(1, 0), False, "recv")
+    actions = _run(core, state.RecvCompleted("d-1", aborted, _kvt(1, 0)))
+    assert [a for a in actions if isinstance(a, state.ReportRecv)] == [
+        state.ReportRecv("d-1", failed=True)
+    ]
+    assert len(core) == 0
+
+
+def test_fan_out_call_failure_aborts_every_part() -> None:
+    core = state.Consumer(_rank_cache(0, 1))
+    _run(core, state.PullRequested(_recv(2)))
+    actions = _run(core, state.PullCallFailed("d-1", TransferError("down"), _kvt(1, 0)))
+    assert {a.transfer_id for a in actions if isinstance(a, state.Abort)} == {
+        _kvt(0, 0),
+        _kvt(1, 0),
+    }
+
+
+def test_fan_out_expect_refused_on_one_part() -> None:
+    core = state.Consumer(_rank_cache(0, 1))
+    _run(core, state.PullRequested(_recv(2)))
+    actions = _run(core, state.ExpectRefused("d-1", TransferError("x"), _kvt(1, 0)))
+    assert state.Abort(_kvt(0, 0), "expect refused: x") in actions
+    aborted = _completion(_kvt(0, 0), False, "recv")
+    actions = _run(core, state.RecvCompleted("d-1", aborted, _kvt(0, 0)))
+    assert state.ReportRecv("d-1", failed=True) in actions
+
+
+def test_fan_out_each_d_rank_of_two_pulls_from_the_one_p_rank() -> None:
+    for d_rank in (0, 1):
+        core = state.Consumer(_rank_cache(d_rank, 2))
+        (start,) = [
+            a for a in _run(core, state.PullRequested(_recv(1))) if isinstance(a, state.StartPull)
+        ]
+        assert (start.kvt_id, start.spec.remote_rpc_address) == (_kvt(0, d_rank), "127.0.0.1:8200")
+
+
+def test_fan_out_mla_spreads_d_ranks_and_releases_an_idle_p_rank() -> None:
+    """MLA's latent is on every P rank: D rank r pulls from P rank r % P TP; with one D rank
+    and two P ranks, D rank 0 releases P rank 1 (it would hold the blocks for a lease)."""
+    core = state.Consumer(_rank_cache(1, 2, "mla"))
+    starts = [
+        a for a in _run(core, state.PullRequested(_recv(2))) if isinstance(a, state.StartPull)
+    ]
+    assert [s.spec.remote_rpc_address for s in starts] == ["127.0.0.1:8201"]
+    core = state.Consumer(_rank_cache(0, 1, "mla"))
+    actions = _run(core, state.PullRequested(_recv(2)))
+    assert [a.spec.remote_rpc_address for a in actions if isinstance(a, state.StartPull)] == [
+        "127.0.0.1:8200"
+    ]
+    (release,) = [a for a in actions if isinstance(a, state.CallRelease)]
+    assert release.spec.remote_rpc_address == "127.0.0.1:8201"
+
+
+def test_fan_out_cancel_and_release_reach_every_p_rank() -> None:
+    core = state.Consumer(_rank_cache(0, 1))
+    _run(core, state.PullRequested(_recv(2)))
+    actions = _run(core, state.PullCancelled("d-1"))
+    releases = [a.spec.remote_rpc_address for a in actions if isinstance(a, state.CallRelease)]
+    assert releases == ["127.0.0.1:8200", "127.0.0.1:8201"]
+    spec = ReleaseSpec("d-2", "t-2", "127.0.0.1:8200", "full local hit", remote_tp_size=2)
+    actions = _run(core, state.ReleaseRequested(spec))
+    assert [a.spec.remote_rpc_address for a in actions] == ["127.0.0.1:8200", "127.0.0.1:8201"]
+
+
+def test_fan_out_state_groups_with_different_tp_recompute() -> None:
+    core = state.Consumer(CacheSpec([STATE], tp_rank=0, tp_size=1))
+    spec = RecvSpec("d-1", T, "127.0.0.1:8200", [[0]], [0], PROMPT_TOKENS, 2)
+    assert _run(core, state.PullRequested(spec))[-1] == state.ReportRecv("d-1", failed=True)
+    assert len(core) == 0

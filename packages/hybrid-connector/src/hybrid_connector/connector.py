@@ -170,14 +170,15 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
             transfer_config.kv_connector_extra_config, is_producer=self.is_producer
         )
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size * parallel.pipeline_parallel_size != 1:
-            # The per-rank pieces exist (mapping.source_ranks / plan_copy per rank pair,
-            # HybridConfig.for_rank ports), but one request's pull is not yet fanned out to
-            # several P ranks on D, nor fanned in from several D ranks on P (README,
-            # "Heterogeneous P and D").
+        if parallel.pipeline_parallel_size != 1:
             raise ConfigError(
-                "HybridConnector supports tensor_parallel_size = pipeline_parallel_size = 1 "
-                "(TP > 1 needs the per-rank pull fan-out, not built yet)"
+                "HybridConnector supports pipeline_parallel_size = 1 (each pipeline stage "
+                "would need its own layers' pull); tensor parallelism is supported"
+            )
+        if parallel.data_parallel_size > 1 and parallel.tensor_parallel_size > 1:
+            # Ports are shifted per TP rank only: DP ranks of one instance would collide.
+            raise ConfigError(
+                "HybridConnector does not support data parallelism together with TP > 1"
             )
         self.block_size = int(vllm_config.cache_config.block_size)
         tp_size = int(parallel.tensor_parallel_size)
@@ -199,11 +200,18 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 is_consumer=self.is_consumer,
                 block_size=self.block_size,
                 groups=self.kv_groups,
+                tp_size=tp_size,
             )
         else:
             name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"
+            if tp_size > 1:
+                name = f"{name}-tp{self.tp_rank}"
+            # Each TP rank's worker has its own transfer_kv server, kvt port and metrics port.
             self._worker = WorkerSide(
-                self.config, is_producer=self.is_producer, is_consumer=self.is_consumer, name=name
+                self.config.for_rank(self.tp_rank, tp_size),
+                is_producer=self.is_producer,
+                is_consumer=self.is_consumer,
+                name=name,
             )
 
     # ================================================================= worker side

@@ -50,6 +50,9 @@ class RecvSpec:
     block_ids: list[list[int]]
     first_block: list[int]
     num_tokens: int
+    # P's tensor-parallel size: ``remote_rpc_address`` is its rank 0, rank p listens at
+    # ``config.rank_address(remote_rpc_address, p)``.
+    remote_tp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class ReleaseSpec:
     transfer_id: str
     remote_rpc_address: str
     reason: str
+    remote_tp_size: int = 1  # P's TP size: every P rank holds the request's blocks
 
 
 @dataclass

@@ -60,6 +60,13 @@ def _pull_params(request: Request) -> tuple[str, str] | None:
     return transfer_id, address
 
 
+def _remote_tp_size(request: Request) -> int:
+    """P's TP size from its kv_transfer_params (1 if absent or not a positive int)."""
+    params = request.kv_transfer_params or {}
+    size = params.get("remote_tp_size", 1)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+
 def _wants_remote_decode(request: Request) -> bool:
     params = request.kv_transfer_params
     return bool(params and params.get("do_remote_decode"))
@@ -92,8 +99,11 @@ class SchedulerSide:
         is_consumer: bool,
         block_size: int,
         groups: list[KvGroup] | None = None,
+        tp_size: int = 1,
     ) -> None:
         self._config = config
+        # This instance's TP size: D needs P's to know which P ranks to pull from.
+        self._tp_size = tp_size
         self._is_producer = is_producer
         self._is_consumer = is_consumer
         self._block_size = block_size
@@ -192,7 +202,11 @@ class SchedulerSide:
             # Everything is already here (local prefix cache): let P free its blocks now.
             self._meta.to_release.append(
                 ReleaseSpec(
-                    request_id, transfer_id, address, "decode instance has a full local hit"
+                    request_id,
+                    transfer_id,
+                    address,
+                    "decode instance has a full local hit",
+                    _remote_tp_size(request),
                 )
             )
             return
@@ -206,6 +220,7 @@ class SchedulerSide:
                 block_ids=block_ids,
                 first_block=first_block,
                 num_tokens=num_tokens,
+                remote_tp_size=_remote_tp_size(request),
             )
         )
         self._recv_in_flight.add(request_id)
@@ -267,7 +282,13 @@ class SchedulerSide:
             assert params is not None
             params[_DISPATCHED] = True
             self._meta.to_release.append(
-                ReleaseSpec(request_id, transfer_id, address, "decode request ended before pull")
+                ReleaseSpec(
+                    request_id,
+                    transfer_id,
+                    address,
+                    "decode request ended before pull",
+                    _remote_tp_size(request),
+                )
             )
             return False, None
         if not self._is_producer or not params or not params.get("do_remote_decode"):
@@ -294,6 +315,7 @@ class SchedulerSide:
             "remote_request_id": request_id,
             "remote_block_ids": held,
             "remote_num_tokens": num_tokens,
+            "remote_tp_size": self._tp_size,
             "lease_s": self._config.lease_s,
         }
 

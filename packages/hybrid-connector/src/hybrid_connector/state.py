@@ -42,25 +42,44 @@ P (``Producer``), one record per transfer id::
   which block goes where inside a group (D's prefix hit, block counts) is decided by
   ``mapping.plan_copy`` when the send starts.
 
+- Tensor parallelism (fan-in): each P rank runs its own machine. A record takes one pull per
+  D rank (``TransferKvRequest.layout.tp_rank``); how many D ranks pull from this P rank follows
+  from D's TP size (``pulling_ranks``), learnt from the first pull. Each pull is its own send,
+  under its own kvt id (``kvt_transfer_id``: one per rank pair) and send guard; the record's
+  lease (armed under the transfer id) runs until every expected D rank has pulled. SENDING
+  holds while any send runs; when the last one is over the record goes back to HELD if D
+  ranks are still to pull, else it is reported. The lease passing, a release or a refused
+  pull *closes* the record (no further pull is taken): it is reported once its sends are
+  over, exactly once. A second pull from the same D rank fails alone.
+
 D (``Consumer``), one record per D request::
 
-    (none) --pull requested--> PULLING --kvt completion--> reported (failed unless DONE)
-       \\                        |  RPC failed / request aborted: abort kvt, wait for its
-        \\                       '  completion (kvt may be writing into the blocks)
-         '--kvt refused expect--> reported failed
+    (none) --pull requested--> PULLING --every part's kvt completion--> reported
+       \\                        |       (failed if any part failed)
+        \\                       |  RPC failed / a part failed / request aborted: abort
+         \\                      '  every running part, wait for their completions
+          '--kvt refused expect (every part) / TP cannot map--> reported failed
+
+- Tensor parallelism (fan-out): a pull has one *part* per P rank this D rank takes bytes from
+  (``pull_sources``: every P rank holding one of its KV heads; MLA: one rank, spread), each its
+  own kvt receive and transfer_kv call to ``config.rank_address(remote_rpc_address, p)``, with
+  the block lists of the groups that rank serves. D's rank 0 also releases P ranks nobody
+  pulls from (MLA with P TP > D TP). Each TP rank reports the request itself; vLLM counts a
+  request as received (or sent) once every TP worker has reported it (KVOutputAggregator).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
-from hybrid_connector.mapping import check_compatible
+from hybrid_connector.config import rank_address
+from hybrid_connector.errors import ConfigError, LeaseExpired, PeerError, TransferError
+from hybrid_connector.mapping import check_compatible, source_ranks
 from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
-from hybrid_connector.protocol import CacheSpec, TransferKvRequest
+from hybrid_connector.protocol import CacheSpec, LayoutSpec, TransferKvRequest
 
 if TYPE_CHECKING:
     from kvt import Completion, LayerEvents
@@ -172,7 +191,8 @@ class ReleaseArrived:
 @dataclass(frozen=True, slots=True)
 class SendRefused:
     """``StartSend`` could not be carried out. ``kvt_has_blocks``: kvt accepted some batch
-    before refusing, so it may still read the blocks and a completion will follow."""
+    before refusing, so it may still read the blocks and a completion will follow.
+    ``transfer_id`` is the send's kvt id (``StartSend.kvt_id``)."""
 
     transfer_id: str
     error: Exception
@@ -181,7 +201,7 @@ class SendRefused:
 
 @dataclass(frozen=True, slots=True)
 class SendCompleted:
-    """kvt's (one) completion of the send."""
+    """kvt's (one) completion of the send (``transfer_id``: its kvt id)."""
 
     transfer_id: str
     completion: Completion
@@ -189,7 +209,8 @@ class SendCompleted:
 
 @dataclass(frozen=True, slots=True)
 class DeadlineReached:
-    """The deadline armed for ``transfer_id`` passed."""
+    """The deadline armed for ``transfer_id`` passed (a transfer's lease, or a send guard
+    armed under the send's kvt id)."""
 
     transfer_id: str
 
@@ -222,6 +243,8 @@ class StartSend:
     src_block_ids: list[list[int]]
     request: TransferKvRequest
     layer_events: LayerEvents | None = None
+    # kvt's request id of this (P rank, D rank) send (``kvt_transfer_id``); "" = transfer_id.
+    kvt_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,11 +290,48 @@ ProducerAction = (
 
 # ============================================================================== P: the machine
 class Phase(enum.Enum):
-    PARKED = "parked"  # a pull waits for the request
-    HELD = "held"  # the request finished; its blocks wait for a pull
-    SENDING = "sending"  # kvt may be reading the blocks
-    SENT = "sent"  # rapid: the send is over, the request still runs
+    PARKED = "parked"  # pulls wait for the request
+    HELD = "held"  # the blocks wait for (more) pulls; nothing is being sent
+    SENDING = "sending"  # kvt may be reading the blocks (one send per pulling D rank)
+    SENT = "sent"  # rapid: every send is over, the request still runs
     CANCELLED = "cancelled"  # nothing will be offered, or nobody will pull
+
+
+def kvt_transfer_id(transfer_id: str, p_rank: int, p_tp: int, d_rank: int, d_tp: int) -> str:
+    """kvt's request id for the bytes P rank ``p_rank`` sends D rank ``d_rank``: the transfer id
+    itself with one rank on each side, else one id per rank pair (a kvt id is unique per engine,
+    and one P rank may serve several D ranks, one D rank pull from several P ranks)."""
+    if p_tp == 1 and d_tp == 1:
+        return transfer_id
+    return f"{transfer_id}/p{p_rank}d{d_rank}"
+
+
+def pull_sources(
+    p_tp: int, d_tp: int, d_rank: int, groups: list[LayoutSpec]
+) -> dict[int, list[int]]:
+    """The P ranks D rank ``d_rank`` pulls from, each with the KV-cache groups (indices) it takes
+    from that rank (``mapping.source_ranks`` per group). PeerError/ConfigError if impossible."""
+    sources: dict[int, list[int]] = {}
+    for index, group in enumerate(groups):
+        for source in source_ranks(p_tp, d_tp, d_rank, group):
+            taken = sources.setdefault(source.p_rank, [])
+            if index not in taken:
+                taken.append(index)
+    return dict(sorted(sources.items()))
+
+
+def pulling_ranks(p_rank: int, p_tp: int, d_tp: int, groups: list[LayoutSpec]) -> list[int]:
+    """The D ranks that pull from P rank ``p_rank`` (P's fan-in)."""
+    return [d for d in range(d_tp) if p_rank in pull_sources(p_tp, d_tp, d, groups)]
+
+
+@dataclass(slots=True)
+class _Send:
+    """One D rank's pull being sent (kvt may read the blocks until its completion)."""
+
+    transfer_id: str
+    d_rank: int
+    aborting: bool = False  # the send guard passed (or kvt refused a later batch)
 
 
 @dataclass(slots=True)
@@ -279,12 +339,23 @@ class _Transfer:
     phase: Phase
     # The request whose blocks are involved (HELD, SENDING, SENT).
     spec: SendSpec | None = None
-    # SENDING/SENT: vLLM has finished the request and waits for our report.
+    # vLLM has finished the request and waits for our report.
     finished: bool = False
-    # PARKED: the waiting pull (its transfer_kv call is not answered yet).
-    parked: PullArrived | None = None
-    # SENDING: the send guard passed (or kvt refused a later batch): kvt was told to abort.
-    aborting: bool = False
+    # PARKED: the waiting pulls by D rank (their transfer_kv calls are not answered yet).
+    parked: dict[int, PullArrived] = field(default_factory=dict)
+    # SENDING: the sends in flight, by kvt id.
+    sends: dict[str, _Send] = field(default_factory=dict)
+    # D ranks whose pull was taken (parked, sending, sent or refused): a second one is a dup.
+    pulled: set[int] = field(default_factory=set)
+    # How many D ranks pull from this rank (P's fan-in), known from the first pull.
+    expected: int | None = None
+    # No more pulls are taken: the lease passed, D released it, or a pull was refused.
+    closed: bool = False
+    # Rapid: the layer events of the step that computes the prompt (for late D ranks too).
+    layer_events: LayerEvents | None = None
+
+    def waits_for_pulls(self) -> bool:
+        return not self.closed and (self.expected is None or len(self.pulled) < self.expected)
 
 
 @dataclass
@@ -294,13 +365,15 @@ class ProducerSettings:
 
 
 class Producer:
-    """P's offers, leases, parked pulls, cancellations and rapid sends. Pure: see the module
-    docstring for the states; :meth:`handle` returns what the shell must do, in order."""
+    """P's offers, leases, parked pulls, cancellations and rapid sends, for one TP rank. Pure: see
+    the module docstring for the states; :meth:`handle` returns what the shell must do, in order.
+    """
 
     def __init__(self, local_spec: CacheSpec, settings: ProducerSettings) -> None:
         self._spec = local_spec
         self._settings = settings
         self._transfers: dict[str, _Transfer] = {}
+        self._send_of: dict[str, str] = {}  # kvt id -> transfer id
 
     def phase(self, transfer_id: str) -> Phase | None:
         """The record's phase (None: nothing is known about ``transfer_id``)."""
@@ -322,24 +395,25 @@ class Producer:
             case PullArrived():
                 self._pull_arrived(event, out)
             case PullGone(tid, pull):
-                record = self._transfers.get(tid)
-                if record is not None and record.parked is not None and record.parked.pull == pull:
-                    self._forget(tid, out)
+                self._pull_gone(tid, pull, out)
             case ReleaseArrived():
                 self._release_arrived(event, out)
-            case SendRefused(tid, error, kvt_has_blocks):
-                self._send_refused(tid, error, kvt_has_blocks, out)
-            case SendCompleted(tid, completion):
-                self._send_completed(tid, completion, out)
-            case DeadlineReached(tid):
-                self._deadline(tid, out)
+            case SendRefused(kvt_id, error, kvt_has_blocks):
+                self._send_refused(kvt_id, error, kvt_has_blocks, out)
+            case SendCompleted(kvt_id, completion):
+                self._send_completed(kvt_id, completion, out)
+            case DeadlineReached(key):
+                self._deadline(key, out)
             case ShuttingDown():
                 for tid, record in list(self._transfers.items()):
-                    if record.parked is not None:
-                        error = TransferError("P is shutting down")
-                        out.append(FailPull(record.parked.pull, error))
+                    for parked in record.parked.values():
+                        out.append(FailPull(parked.pull, TransferError("P is shutting down")))
+                    for kvt_id in record.sends:
+                        if kvt_id != tid:
+                            out.append(CancelDeadline(kvt_id))
                     out.append(CancelDeadline(tid))
                 self._transfers.clear()
+                self._send_of.clear()
             case _:
                 raise TypeError(f"not a producer event: {event!r}")
         return out
@@ -349,14 +423,15 @@ class Producer:
         tid = spec.transfer_id
         record = self._transfers.get(tid)
         phase = None if record is None else record.phase
-        if record is not None and phase in (Phase.SENDING, Phase.SENT) and not record.finished:
-            assert record.spec is not None
-            if record.spec.request_id == spec.request_id:
-                # A rapid send's request finished: report it once the send is over.
-                record.finished = True
-                if phase is Phase.SENT:
-                    self._report(tid, out)
-                return
+        rapid = record is not None and record.spec is not None and not record.finished
+        if rapid and record.spec.request_id == spec.request_id:
+            # A rapid send's request finished: report it once every send is over.
+            record.finished = True
+            if phase is Phase.SENT:
+                self._report(tid, out)
+            elif phase is Phase.HELD:
+                out.append(ArmDeadline(tid, self._settings.lease_s))  # the other D ranks
+            return
         if phase is Phase.CANCELLED:
             if not spec.aborted:
                 out.append(Count("released_by_peer"))
@@ -385,10 +460,10 @@ class Producer:
             out.append(ArmDeadline(tid, self._settings.lease_s))
             log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
             return
-        parked, record.parked = record.parked, None
-        assert parked is not None
         record.phase, record.spec, record.finished = Phase.HELD, spec, True
-        self._start_send(tid, record, parked, out)
+        if record.waits_for_pulls():
+            out.append(ArmDeadline(tid, self._settings.lease_s))  # the D ranks still to pull
+        self._start_parked(tid, record, out)
 
     def _request_cancelled(self, tid: str, out: list[ProducerAction]) -> None:
         record = self._transfers.get(tid)
@@ -402,21 +477,46 @@ class Producer:
         record = self._transfers.get(tid)
         if record is None or record.phase is not Phase.PARKED:
             return  # no pull yet: the plain path serves it once the request finished
-        parked, record.parked = record.parked, None
-        assert parked is not None
         record.phase = Phase.HELD
         record.spec = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
         record.finished = False
+        record.layer_events = layer_events
         out.append(Count("rapid_sends"))
-        self._start_send(tid, record, parked, out, layer_events=layer_events)
+        self._start_parked(tid, record, out)
+
+    def _start_parked(self, tid: str, record: _Transfer, out: list[ProducerAction]) -> None:
+        parked, record.parked = record.parked, {}
+        for d_rank in sorted(parked):
+            if tid not in self._transfers:
+                out.append(FailPull(parked[d_rank].pull, TransferError(f"transfer {tid}: over")))
+            else:
+                self._start_send(tid, record, parked[d_rank], out)
+        if tid in self._transfers and not record.sends:
+            self._settle(tid, record, out)
 
     # -- D and the proxy --------------------------------------------------------------------
+    def _fan_in(self, request: TransferKvRequest) -> int:
+        """How many D ranks pull from this rank; PeerError if ``request``'s rank is not one."""
+        d_rank, d_tp = request.layout.tp_rank, request.layout.tp_size
+        p_rank, p_tp = self._spec.tp_rank, self._spec.tp_size
+        if p_tp == 1 and d_tp == 1:
+            return 1
+        try:
+            ranks = pulling_ranks(p_rank, p_tp, d_tp, request.layout.groups)
+        except ConfigError as err:
+            raise PeerError(str(err)) from err
+        if d_rank not in ranks:
+            raise PeerError(f"D rank {d_rank} of {d_tp} takes nothing from P rank {p_rank}")
+        return len(ranks)
+
     def _pull_arrived(self, event: PullArrived, out: list[ProducerAction]) -> None:
         request, pull, peer = event.request, event.pull, event.peer
         tid = request.transfer_id
+        d_rank = request.layout.tp_rank
         record = self._transfers.get(tid)
         try:
             check_cache_compatible(self._spec, request.layout)
+            expected = self._fan_in(request)
         except PeerError as err:
             who = record.spec.request_id if record and record.spec else "(not finished on P)"
             log.warning(
@@ -429,25 +529,53 @@ class Producer:
             )
             out.append(FailPull(pull, err))
             if record is not None and record.phase is Phase.HELD:
-                self._report(tid, out)  # one pull per transfer: this one failed for good
+                # D recomputes: its other ranks' pulls are of no use any more.
+                record.closed = True
+                self._settle(tid, record, out)
             return
         if record is None:
             # P has not finished (or not even seen) the request: hold the pull within the lease.
-            self._transfers[tid] = _Transfer(Phase.PARKED, parked=event)
+            self._transfers[tid] = _Transfer(
+                Phase.PARKED, parked={d_rank: event}, pulled={d_rank}, expected=expected
+            )
             out.append(Count("early_pulls"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
             log.debug("transfer %s: transfer_kv from %s waits for the request", tid, peer)
             return
-        if record.phase is Phase.HELD:
-            self._start_send(tid, record, event, out)
-        elif record.phase is Phase.CANCELLED:
+        if record.phase is Phase.CANCELLED:
             out.append(FailPull(pull, TransferError(f"transfer {tid}: cancelled on P")))
-        elif record.phase is Phase.PARKED:
-            msg = f"transfer {tid}: duplicate transfer_kv while waiting for the request"
+            return
+        if d_rank in record.pulled:
+            if record.phase is Phase.PARKED:
+                msg = f"transfer {tid}: duplicate transfer_kv while waiting for the request"
+            else:
+                msg = f"transfer {tid} is already being sent (duplicate transfer_kv)"
             out.append(FailPull(pull, PeerError(msg)))
-        else:
-            msg = f"transfer {tid} is already being sent (duplicate transfer_kv)"
+            return
+        if record.expected is not None and record.expected != expected:
+            msg = f"transfer {tid}: D's TP size changed between its ranks' pulls"
             out.append(FailPull(pull, PeerError(msg)))
+            return
+        if record.closed or record.phase is Phase.SENT:
+            out.append(FailPull(pull, TransferError(f"transfer {tid}: no longer held on P")))
+            return
+        record.expected = expected
+        record.pulled.add(d_rank)
+        if record.phase is Phase.PARKED:
+            record.parked[d_rank] = event
+            return
+        self._start_send(tid, record, event, out)
+
+    def _pull_gone(self, tid: str, pull: int, out: list[ProducerAction]) -> None:
+        record = self._transfers.get(tid)
+        if record is None:
+            return
+        for d_rank, parked in list(record.parked.items()):
+            if parked.pull == pull:
+                del record.parked[d_rank]
+                record.pulled.discard(d_rank)
+        if record.phase is Phase.PARKED and not record.parked:
+            self._forget(tid, out)
 
     def _release_arrived(self, event: ReleaseArrived, out: list[ProducerAction]) -> None:
         tid = event.transfer_id
@@ -462,24 +590,22 @@ class Producer:
                 event.reason,
             )
             out.append(Count("released_by_peer"))
-            self._report(tid, out)
+            record.closed = True
+            self._settle(tid, record, out)
             out.append(AnswerRelease(tid, True))
             return
         if record is None or record.phase is Phase.PARKED:
             if record is not None:
                 out.append(Count("early_pulls_released"))
             self._cancel(tid, f"released by {event.peer}: {event.reason}", out)
-        # SENDING / SENT: the send goes on (D aborts it through kvt if it must).
+        elif record.phase is Phase.SENDING:
+            # The sends go on (D aborts them through kvt if it must); no new pull is taken.
+            record.closed = True
         out.append(AnswerRelease(tid, False))
 
     # -- kvt --------------------------------------------------------------------------------
     def _start_send(
-        self,
-        tid: str,
-        record: _Transfer,
-        parked: PullArrived,
-        out: list[ProducerAction],
-        layer_events: LayerEvents | None = None,
+        self, tid: str, record: _Transfer, parked: PullArrived, out: list[ProducerAction]
     ) -> None:
         pull, request, peer = parked.pull, parked.request, parked.peer
         spec = record.spec
@@ -496,12 +622,21 @@ class Producer:
                 err,
             )
             out.append(FailPull(pull, err))
-            self._over(tid, record, out)
+            record.closed = True
+            if not record.sends:
+                self._settle(tid, record, out)
             return
+        d_rank, d_tp = request.layout.tp_rank, request.layout.tp_size
+        kvt_id = kvt_transfer_id(tid, self._spec.tp_rank, self._spec.tp_size, d_rank, d_tp)
         record.phase = Phase.SENDING
+        record.sends[kvt_id] = _Send(tid, d_rank)
+        self._send_of[kvt_id] = tid
+        if kvt_id != tid and not record.waits_for_pulls():
+            out.append(CancelDeadline(tid))  # every D rank pulled: the lease is over
         # Guard: kvt has its own deadline too; whatever happens, abort after this long.
-        out.append(ArmDeadline(tid, self._settings.transfer_timeout_s))
-        out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, layer_events))
+        out.append(ArmDeadline(kvt_id, self._settings.transfer_timeout_s))
+        events = None if record.finished else record.layer_events
+        out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, events, kvt_id))
 
     def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[list[int]]:
         """P's blocks per group; what can be checked without the layouts (plan_copy does the
@@ -522,110 +657,143 @@ class Producer:
             )
         return [list(ids) for ids in spec.block_ids]
 
+    def _sending(self, kvt_id: str) -> tuple[str, _Transfer, _Send] | None:
+        tid = self._send_of.get(kvt_id)
+        record = None if tid is None else self._transfers.get(tid)
+        send = None if record is None else record.sends.get(kvt_id)
+        if tid is None or record is None or send is None:
+            return None
+        return tid, record, send
+
     def _send_refused(
-        self, tid: str, error: Exception, kvt_has_blocks: bool, out: list[ProducerAction]
+        self, kvt_id: str, error: Exception, kvt_has_blocks: bool, out: list[ProducerAction]
     ) -> None:
-        record = self._transfers.get(tid)
-        if record is None or record.phase is not Phase.SENDING:
+        found = self._sending(kvt_id)
+        if found is None:
             return
+        tid, record, send = found
         assert record.spec is not None
         log.warning(
             "request %s: kvt refused to send transfer %s: %s; %s",
             record.spec.request_id,
-            tid,
+            kvt_id,
             error,
             "aborting it, blocks back after its completion" if kvt_has_blocks else "releasing",
         )
         if kvt_has_blocks:
-            if not record.aborting:
-                record.aborting = True
-                out.append(Abort(tid, f"send refused on P: {error}"))
+            if not send.aborting:
+                send.aborting = True
+                out.append(Abort(kvt_id, f"send refused on P: {error}"))
             return
-        self._over(tid, record, out)
+        self._send_over(tid, record, kvt_id, out)
 
-    def _send_completed(self, tid: str, completion: Completion, out: list[ProducerAction]):
-        record = self._transfers.get(tid)
-        if record is None or record.phase is not Phase.SENDING:
+    def _send_completed(self, kvt_id: str, completion: Completion, out: list[ProducerAction]):
+        found = self._sending(kvt_id)
+        if found is None:
             return  # not ours (kvt refused the first batch and told this callback too)
+        tid, record, _ = found
         assert record.spec is not None
         out.append(Count("sends_done" if completion.ok else "sends_failed"))
         if not completion.ok:
             log.warning(
-                "request %s: sending transfer %s failed (%s); releasing its blocks",
+                "request %s: sending transfer %s failed (%s)",
                 record.spec.request_id,
-                tid,
+                kvt_id,
                 describe(completion),
             )
-        self._over(tid, record, out)
+        self._send_over(tid, record, kvt_id, out)
+
+    def _send_over(self, tid: str, record: _Transfer, kvt_id: str, out: list[ProducerAction]):
+        """kvt no longer reads the blocks for ``kvt_id``."""
+        del record.sends[kvt_id]
+        del self._send_of[kvt_id]
+        if kvt_id != tid:
+            out.append(CancelDeadline(kvt_id))
+        if not record.sends:
+            self._settle(tid, record, out)
 
     # -- deadlines --------------------------------------------------------------------------
-    def _deadline(self, tid: str, out: list[ProducerAction]) -> None:
+    def _deadline(self, key: str, out: list[ProducerAction]) -> None:
+        found = self._sending(key)
+        if found is not None:
+            tid, record, send = found
+            if not send.aborting:
+                assert record.spec is not None
+                log.warning(
+                    "request %s: transfer %s not confirmed within %.1fs; aborting it (its "
+                    "blocks come back with kvt's completion)",
+                    record.spec.request_id,
+                    key,
+                    self._settings.transfer_timeout_s,
+                )
+                send.aborting = True
+                out.append(Count("sends_timed_out"))
+                out.append(Abort(key, "send timed out on P"))
+            return
+        tid = key
         record = self._transfers.get(tid)
         if record is None:
             return
-        if record.phase is Phase.HELD:
+        if record.phase in (Phase.HELD, Phase.SENDING):
             assert record.spec is not None
             out.append(Count("leases_expired"))
             log.warning(
-                "request %s: no decode instance pulled transfer %s within the %.1fs lease; "
-                "releasing its blocks",
+                "request %s: %d of %s decode rank(s) pulled transfer %s within the %.1fs "
+                "lease; releasing its blocks%s",
                 record.spec.request_id,
+                len(record.pulled),
+                record.expected or "the",
                 tid,
                 self._settings.lease_s,
+                " once the sends are over" if record.sends else "",
             )
-            self._report(tid, out)
+            record.closed = True
+            if not record.sends:
+                self._settle(tid, record, out)
         elif record.phase is Phase.PARKED:
-            parked = record.parked
-            assert parked is not None
-            out.append(Count("early_pulls_expired"))
-            log.warning(
-                "transfer %s: transfer_kv from %s (D request %s) expired: the request did not "
-                "finish on P within the %.1fs lease",
-                tid,
-                parked.peer,
-                parked.request.request_id,
-                self._settings.lease_s,
-            )
-            out.append(FailPull(parked.pull, LeaseExpired(f"transfer {tid} not on P in time")))
+            for parked in record.parked.values():
+                out.append(Count("early_pulls_expired"))
+                log.warning(
+                    "transfer %s: transfer_kv from %s (D request %s) expired: the request did "
+                    "not finish on P within the %.1fs lease",
+                    tid,
+                    parked.peer,
+                    parked.request.request_id,
+                    self._settings.lease_s,
+                )
+                error = LeaseExpired(f"transfer {tid} not on P in time")
+                out.append(FailPull(parked.pull, error))
             del self._transfers[tid]
-        elif record.phase is Phase.SENDING and not record.aborting:
-            assert record.spec is not None
-            log.warning(
-                "request %s: transfer %s not confirmed within %.1fs; aborting it (its blocks "
-                "come back with kvt's completion)",
-                record.spec.request_id,
-                tid,
-                self._settings.transfer_timeout_s,
-            )
-            record.aborting = True
-            out.append(Count("sends_timed_out"))
-            out.append(Abort(tid, "send timed out on P"))
         elif record.phase is Phase.CANCELLED:
             del self._transfers[tid]
 
     # -- internals --------------------------------------------------------------------------
-    def _cancel(self, tid: str, reason: str, out: list[ProducerAction]) -> None:
-        """No KV will be offered (or pulled) for ``tid``: fail its parked pull, refuse later
-        pulls and release a late request at once, for one lease."""
-        record = self._transfers.get(tid)
-        if record is not None and record.parked is not None:
-            out.append(FailPull(record.parked.pull, TransferError(f"transfer {tid}: {reason}")))
-        self._transfers[tid] = _Transfer(Phase.CANCELLED)
-        out.append(ArmDeadline(tid, self._settings.lease_s))
-
-    def _over(self, tid: str, record: _Transfer, out: list[ProducerAction]) -> None:
-        """kvt no longer reads the blocks: report them if vLLM finished the request."""
-        if record.finished:
+    def _settle(self, tid: str, record: _Transfer, out: list[ProducerAction]) -> None:
+        """Nothing is being sent: wait for the other D ranks' pulls, or end the transfer."""
+        if record.waits_for_pulls():
+            record.phase = Phase.HELD  # the lease (armed under tid) still runs
+        elif record.finished:
             self._report(tid, out)
         else:
+            # Rapid: the request still runs; report it when vLLM finishes it.
             out.append(CancelDeadline(tid))
             record.phase = Phase.SENT
-            record.aborting = False
+
+    def _cancel(self, tid: str, reason: str, out: list[ProducerAction]) -> None:
+        """No KV will be offered (or pulled) for ``tid``: fail its parked pulls, refuse later
+        pulls and release a late request at once, for one lease."""
+        record = self._transfers.get(tid)
+        if record is not None:
+            for parked in record.parked.values():
+                out.append(FailPull(parked.pull, TransferError(f"transfer {tid}: {reason}")))
+        self._transfers[tid] = _Transfer(Phase.CANCELLED)
+        out.append(ArmDeadline(tid, self._settings.lease_s))
 
     def _report(self, tid: str, out: list[ProducerAction]) -> None:
         """Give the blocks back to vLLM (the record ends)."""
         record = self._transfers.pop(tid)
         assert record.spec is not None
+        assert not record.sends
         out.append(CancelDeadline(tid))
         out.append(ReportSent(record.spec.request_id))
 
@@ -644,10 +812,12 @@ class PullRequested:
 
 @dataclass(frozen=True, slots=True)
 class ExpectRefused:
-    """kvt refused ``expect`` (``StartPull`` could not start): nothing will be written."""
+    """kvt refused ``expect`` (``StartPull`` could not start): nothing will be written.
+    ``kvt_id``: the part's (``StartPull.kvt_id``); "" = the request's only part."""
 
     request_id: str
     error: Exception
+    kvt_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,14 +826,16 @@ class PullCallFailed:
 
     request_id: str
     error: Exception
+    kvt_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class RecvCompleted:
-    """kvt's (one) completion of the receive."""
+    """kvt's (one) completion of the receive of one part."""
 
     request_id: str
     completion: Completion
+    kvt_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,17 +866,21 @@ ConsumerEvent = (
 # ============================================================================== D: actions
 @dataclass(frozen=True, slots=True)
 class StartPull:
-    """kvt ``expect`` the transfer (feeding ``RecvCompleted`` on completion, ``ExpectRefused``
-    if refused), then call transfer_kv on P (feeding ``PullCallFailed`` if it fails)."""
+    """kvt ``expect`` ``kvt_id`` (feeding ``RecvCompleted`` on completion, ``ExpectRefused``
+    if refused), then call transfer_kv on ``spec.remote_rpc_address`` (feeding
+    ``PullCallFailed`` if it fails). ``spec`` is this part's: one P rank's address and the
+    block lists of the groups that rank serves (empty for the others)."""
 
     spec: RecvSpec
+    kvt_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class StopCall:
-    """Stop waiting for the transfer_kv answer of ``request_id`` (the completion decided)."""
+    """Stop waiting for the transfer_kv answer of ``kvt_id`` (the completion decided)."""
 
     request_id: str
+    kvt_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -726,16 +902,33 @@ ConsumerAction = StartPull | StopCall | Abort | CallRelease | ReportRecv | Count
 
 
 @dataclass(slots=True)
-class _Receive:
+class _Part:
+    """One P rank's share of a pull."""
+
     spec: RecvSpec
+    done: bool = False
     aborting: bool = False
 
 
-class Consumer:
-    """D's pulls. Pure: a request is reported exactly once, after kvt's completion (kvt then no
-    longer writes into its blocks), or at once if kvt never accepted the receive."""
+@dataclass(slots=True)
+class _Receive:
+    spec: RecvSpec
+    parts: dict[str, _Part]  # by kvt id
+    failed: bool = False
 
-    def __init__(self) -> None:
+
+class Consumer:
+    """D's pulls, for one TP rank. Pure: a request is reported exactly once, after kvt's
+    completion of every part (kvt then no longer writes into its blocks), or at once if kvt
+    never accepted any; failed if any part failed.
+
+    With TP on either side a pull fans out: one part per P rank this rank takes bytes from
+    (``pull_sources``), each its own kvt receive and transfer_kv call. A failed part aborts
+    the others (vLLM recomputes the request anyway).
+    """
+
+    def __init__(self, local_spec: CacheSpec | None = None) -> None:
+        self._local = local_spec
         self._pulls: dict[str, _Receive] = {}
 
     def __len__(self) -> int:
@@ -754,69 +947,163 @@ class Consumer:
                         spec.request_id,
                     )
                 else:
-                    self._pulls[spec.request_id] = _Receive(spec)
-                    out.append(Count("pulls_started"))
-                    out.append(StartPull(spec))
-            case ExpectRefused(request_id, error):
-                pull = self._pulls.pop(request_id, None)
-                if pull is not None:
+                    self._start(spec, out)
+            case ExpectRefused(request_id, error, kvt_id):
+                found = self._part(request_id, kvt_id)
+                if found is not None:
+                    pull, part = found
                     log.warning(
-                        "request %s: cannot expect transfer %s from %s: %s; recomputing locally",
+                        "request %s: cannot expect %s from %s: %s; recomputing locally",
                         request_id,
-                        pull.spec.transfer_id,
-                        pull.spec.remote_rpc_address,
+                        kvt_id or pull.spec.transfer_id,
+                        part.spec.remote_rpc_address,
                         error,
                     )
-                    out.append(Count("pulls_failed"))
-                    out.append(ReportRecv(request_id, failed=True))
-            case PullCallFailed(request_id, error):
-                self._abort(request_id, f"transfer_kv failed: {error}", out)
-            case RecvCompleted(request_id, completion):
-                pull = self._pulls.pop(request_id, None)
-                if pull is not None:
-                    self._completed(pull, completion, out)
+                    part.done = True
+                    self._part_failed(pull, f"expect refused: {error}", out)
+            case PullCallFailed(request_id, error, kvt_id):
+                found = self._part(request_id, kvt_id)
+                if found is not None:
+                    self._abort(found[0], f"transfer_kv failed: {error}", out)
+            case RecvCompleted(request_id, completion, kvt_id):
+                found = self._part(request_id, kvt_id)
+                if found is not None:
+                    self._completed(*found, completion, out)
             case PullCancelled(request_id):
                 pull = self._pulls.get(request_id)
                 if pull is not None:
-                    spec = pull.spec
-                    out.append(
-                        CallRelease(
-                            ReleaseSpec(
-                                request_id, spec.transfer_id, spec.remote_rpc_address, "aborted"
+                    for address in self._addresses(pull):
+                        out.append(
+                            CallRelease(
+                                ReleaseSpec(request_id, pull.spec.transfer_id, address, "aborted")
                             )
                         )
-                    )
-                    self._abort(request_id, "decode request aborted", out)
+                    self._abort(pull, "decode request aborted", out)
             case ReleaseRequested(spec):
-                out.append(CallRelease(spec))
+                for p in range(max(1, spec.remote_tp_size)):
+                    address = spec.remote_rpc_address
+                    if spec.remote_tp_size > 1:
+                        address = rank_address(address, p)
+                    out.append(CallRelease(replace(spec, remote_rpc_address=address)))
             case ShuttingDown():
                 # Their completions are not reported: the worker is closing.
                 for pull in self._pulls.values():
-                    out.append(Abort(pull.spec.transfer_id, "decode instance shutting down"))
+                    for kvt_id, part in pull.parts.items():
+                        if not part.done:
+                            out.append(Abort(kvt_id, "decode instance shutting down"))
                 self._pulls.clear()
             case _:
                 raise TypeError(f"not a consumer event: {event!r}")
         return out
 
-    def _abort(self, request_id: str, reason: str, out: list[ConsumerAction]) -> None:
-        pull = self._pulls.get(request_id)
-        if pull is not None and not pull.aborting:
-            pull.aborting = True  # the completion (ABORTED) reports it
-            out.append(Abort(pull.spec.transfer_id, reason))
+    # -- fan-out ----------------------------------------------------------------------------
+    def _ranks(self) -> tuple[int, int]:
+        local = self._local
+        return (0, 1) if local is None else (local.tp_rank, local.tp_size)
 
-    def _completed(self, pull: _Receive, completion: Completion, out: list[ConsumerAction]) -> None:
-        spec = pull.spec
-        ok = completion.ok
-        out.append(StopCall(spec.request_id))
-        out.append(Count("pulls_done" if ok else "pulls_failed"))
-        if ok:
-            out.append(Count("bytes_received", int(completion.nbytes)))
-        else:
+    def _plan(self, spec: RecvSpec) -> dict[str, _Part]:
+        """One part per P rank this rank pulls from (PeerError/ConfigError: TP cannot map)."""
+        d_rank, d_tp = self._ranks()
+        p_tp = spec.remote_tp_size
+        if p_tp == 1 and d_tp == 1:
+            return {spec.transfer_id: _Part(spec)}
+        assert self._local is not None
+        parts: dict[str, _Part] = {}
+        for p_rank, groups in pull_sources(p_tp, d_tp, d_rank, self._local.groups).items():
+            block_ids = [ids if g in groups else [] for g, ids in enumerate(spec.block_ids)]
+            address = rank_address(spec.remote_rpc_address, p_rank)
+            kvt_id = kvt_transfer_id(spec.transfer_id, p_rank, p_tp, d_rank, d_tp)
+            parts[kvt_id] = _Part(replace(spec, remote_rpc_address=address, block_ids=block_ids))
+        return parts
+
+    def _idle_p_ranks(self, spec: RecvSpec) -> list[int]:
+        """P ranks no D rank pulls from (MLA, P TP > D TP): rank 0 releases them."""
+        d_rank, d_tp = self._ranks()
+        p_tp = spec.remote_tp_size
+        if d_rank != 0 or p_tp == 1 or self._local is None:
+            return []
+        used: set[int] = set()
+        for d in range(d_tp):
+            used.update(pull_sources(p_tp, d_tp, d, self._local.groups))
+        return [p for p in range(p_tp) if p not in used]
+
+    def _start(self, spec: RecvSpec, out: list[ConsumerAction]) -> None:
+        try:
+            parts = self._plan(spec)
+            idle = self._idle_p_ranks(spec)
+        except (PeerError, ConfigError) as err:
             log.warning(
-                "request %s: pulling transfer %s from %s failed (%s); vLLM recomputes it",
+                "request %s: cannot pull transfer %s from %s (P TP %d, D TP %d): %s; "
+                "recomputing locally",
                 spec.request_id,
                 spec.transfer_id,
                 spec.remote_rpc_address,
-                describe(completion),
+                spec.remote_tp_size,
+                self._ranks()[1],
+                err,
             )
-        out.append(ReportRecv(spec.request_id, failed=not ok))
+            out.append(Count("pulls_failed"))
+            out.append(ReportRecv(spec.request_id, failed=True))
+            return
+        self._pulls[spec.request_id] = _Receive(spec, parts)
+        out.append(Count("pulls_started"))
+        for kvt_id, part in parts.items():
+            out.append(StartPull(part.spec, kvt_id))
+        for p in idle:
+            address = rank_address(spec.remote_rpc_address, p)
+            reason = "no decode rank pulls from this rank"
+            out.append(CallRelease(ReleaseSpec(spec.request_id, spec.transfer_id, address, reason)))
+
+    def _addresses(self, pull: _Receive) -> list[str]:
+        return [part.spec.remote_rpc_address for part in pull.parts.values()]
+
+    def _part(self, request_id: str, kvt_id: str) -> tuple[_Receive, _Part] | None:
+        """The running part ``kvt_id`` of ``request_id``'s pull ("": its first running one)."""
+        pull = self._pulls.get(request_id)
+        if pull is None:
+            return None
+        if kvt_id:
+            part = pull.parts.get(kvt_id)
+        else:
+            part = next((p for p in pull.parts.values() if not p.done), None)
+        return None if part is None or part.done else (pull, part)
+
+    def _abort(self, pull: _Receive, reason: str, out: list[ConsumerAction]) -> None:
+        """Abort every part still running (each one's completion, ABORTED, reports it)."""
+        for kvt_id, part in pull.parts.items():
+            if not part.done and not part.aborting:
+                part.aborting = True
+                out.append(Abort(kvt_id, reason))
+
+    def _part_failed(self, pull: _Receive, reason: str, out: list[ConsumerAction]) -> None:
+        pull.failed = True
+        self._abort(pull, reason, out)
+        self._maybe_done(pull, out)
+
+    def _completed(
+        self, pull: _Receive, part: _Part, completion: Completion, out: list[ConsumerAction]
+    ) -> None:
+        spec = part.spec
+        part.done = True
+        kvt_id = next(k for k, p in pull.parts.items() if p is part)
+        out.append(StopCall(spec.request_id, kvt_id))
+        if completion.ok:
+            out.append(Count("bytes_received", int(completion.nbytes)))
+            self._maybe_done(pull, out)
+            return
+        log.warning(
+            "request %s: pulling %s from %s failed (%s); vLLM recomputes it",
+            spec.request_id,
+            kvt_id,
+            spec.remote_rpc_address,
+            describe(completion),
+        )
+        self._part_failed(pull, f"another part failed: {completion.reason}", out)
+
+    def _maybe_done(self, pull: _Receive, out: list[ConsumerAction]) -> None:
+        """Report the request once every part is over."""
+        if not all(part.done for part in pull.parts.values()):
+            return
+        del self._pulls[pull.spec.request_id]
+        out.append(Count("pulls_failed" if pull.failed else "pulls_done"))
+        out.append(ReportRecv(pull.spec.request_id, failed=pull.failed))

@@ -284,10 +284,11 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         """Parse the blocks, hand them to kvt (one batch, or one per layer held by the layer
         events) and answer the pull; kvt's completion comes back as ``SendCompleted``."""
         tid, req = action.transfer_id, action.request
+        kvt_id = action.kvt_id or tid  # one kvt request per (P rank, D rank)
         future = self._pulls.pop(action.pull, None)
         if future is None or future.done():
             # D's call went away just before the send could start: kvt has nothing.
-            self._inbox.append(state.SendRefused(tid, TransferError("pull gone"), False))
+            self._inbox.append(state.SendRefused(kvt_id, TransferError("pull gone"), False))
             return
         try:
             blocks = self._plan(action, req)
@@ -301,11 +302,11 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
                 err,
             )
             future.set_exception(err if isinstance(err, PeerError) else PeerError(str(err)))
-            self._inbox.append(state.SendRefused(tid, err, False))
+            self._inbox.append(state.SendRefused(kvt_id, err, False))
             return
 
         def on_complete(completion: Completion) -> None:  # kvt thread
-            self._post(state.SendCompleted(tid, completion))
+            self._post(state.SendCompleted(kvt_id, completion))
 
         events = action.layer_events
         if events is not None:
@@ -319,7 +320,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         try:
             for index, (batch, after) in enumerate(batches):
                 self._engine.send(
-                    tid,
+                    kvt_id,
                     req.data_address,
                     batch,
                     last=index == len(batches) - 1,
@@ -331,7 +332,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         except Exception as err:  # kvt refused (closed, bad blocks, reused id)
             future.set_exception(TransferError(f"transfer {tid}: send refused on P: {err}"))
             # Once kvt took a batch it may read the blocks until its completion.
-            self._inbox.append(state.SendRefused(tid, err, kvt_has_blocks=accepted > 0))
+            self._inbox.append(state.SendRefused(kvt_id, err, kvt_has_blocks=accepted > 0))
             return
         nbytes = int(blocks["length"].sum())
         log.debug(
@@ -392,7 +393,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         super().__init__(engine, results, loop)
         self._config = config
         self._spec = local_spec
-        self.core = state.Consumer()
+        self.core = state.Consumer(local_spec)
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._clients: dict[str, Client] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -410,10 +411,10 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
     # -- the machine's decisions -----------------------------------------------------------
     def _do(self, action: state.ConsumerAction) -> None:
         match action:
-            case state.StartPull(spec):
-                self._start_pull(spec)
-            case state.StopCall(request_id):
-                task = self._calls.pop(request_id, None)
+            case state.StartPull(spec, kvt_id):
+                self._start_pull(spec, kvt_id or spec.transfer_id)
+            case state.StopCall(request_id, kvt_id):
+                task = self._calls.pop(kvt_id or request_id, None)
                 if task is not None and not task.done():
                     task.cancel()
             case state.CallRelease(spec):
@@ -423,22 +424,23 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
             case _:
                 super()._do(action)
 
-    def _start_pull(self, spec: RecvSpec) -> None:
+    def _start_pull(self, spec: RecvSpec, kvt_id: str) -> None:
+        """One part of a pull: kvt expects ``kvt_id``, then transfer_kv asks one P rank."""
         request_id = spec.request_id
 
         def on_complete(completion: Completion) -> None:  # kvt thread
-            self._post(state.RecvCompleted(request_id, completion))
+            self._post(state.RecvCompleted(request_id, completion, kvt_id))
 
         try:
             self._engine.expect(
-                spec.transfer_id,
+                kvt_id,
                 timeout_s=self._config.transfer_timeout_s,
                 on_complete=on_complete,
             )
         except Exception as err:
-            self._inbox.append(state.ExpectRefused(request_id, err))
+            self._inbox.append(state.ExpectRefused(request_id, err, kvt_id))
             return
-        self._calls[request_id] = self._spawn(self._ask(spec))
+        self._calls[kvt_id] = self._spawn(self._ask(spec, kvt_id))
 
     def _client(self, address: str) -> Client:
         client = self._clients.get(address)
@@ -453,7 +455,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _ask(self, spec: RecvSpec) -> None:
+    async def _ask(self, spec: RecvSpec, kvt_id: str) -> None:
         request = TransferKvRequest(
             transfer_id=spec.transfer_id,
             request_id=spec.request_id,
@@ -470,7 +472,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            self.feed(state.PullCallFailed(spec.request_id, err))
+            self.feed(state.PullCallFailed(spec.request_id, err, kvt_id))
 
     async def _release(self, spec: ReleaseSpec) -> None:
         try:
