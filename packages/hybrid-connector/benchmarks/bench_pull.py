@@ -78,7 +78,7 @@ class _Bench:
         src = list(range(self.n_blocks))
         dst = list(range(self.n_blocks, 2 * self.n_blocks))
         tokens = self.n_blocks * BLOCK_SIZE
-        pull = RecvSpec("d", tid, self.rpc, dst, 0, tokens)
+        pull = RecvSpec("d", tid, self.rpc, [dst], [0], tokens)
         d.handle_metadata(HybridConnectorMetadata(to_recv=[pull]))
         # Let the pull reach P and park there (parallel dispatch: D asked before P's prefill).
         parked = p.counters().get("early_pulls", 0) + 1
@@ -86,7 +86,7 @@ class _Bench:
             raise TimeoutError("the pull did not reach P")
         start = time.perf_counter()
         if rapid:
-            done = PrefillSpec("p", tid, src, tokens)
+            done = PrefillSpec("p", tid, [src], tokens)
             p.handle_metadata(HybridConnectorMetadata(prefill_done=[done]))
         for name in self.names:  # the forward pass
             time.sleep(layer_ms / 1000)
@@ -95,7 +95,7 @@ class _Bench:
         if rapid:
             p.step_done()
         # The request finished at the end of the step: its blocks are offered.
-        p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p", tid, src, tokens)]))
+        p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p", tid, [src], tokens)]))
         _wait_recv(d, "d")
         elapsed = time.perf_counter() - start
         _wait_sent(p, "p")
