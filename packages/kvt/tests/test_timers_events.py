@@ -60,3 +60,21 @@ def test_iov_cursor_resumes_partial_io() -> None:
     assert cursor.done
     joined = b"".join(bytes(v) for w in iter_windows(views, 4, 25) for v in w)
     assert joined == bytes(data)
+
+
+def test_region_addresses_match_the_views() -> None:
+    """What paths that hand addresses to the kernel or a NIC use must name the same bytes."""
+    import numpy as np
+    from ipcblock import make_blocks
+    from kvt import RegionTable
+
+    table = RegionTable()
+    a, b = np.zeros(4096, np.uint8), np.zeros(8192, np.uint8)
+    ra, rb = table.register(a), table.register(b)
+    blocks = make_blocks([0, 100, 4000], [8000, 0, 96], 96, src_region=ra.region_id,
+                         dst_region=rb.region_id)  # fmt: skip
+    blocks["src_region"][1] = rb.region_id
+    for side in ("src", "dst"):
+        views = table.views(blocks, side)
+        expected = [np.frombuffer(v, np.uint8).ctypes.data for v in views]
+        assert table.addresses(blocks, side).tolist() == expected

@@ -29,6 +29,7 @@ class Region:
     nbytes: int
     writable: bool
     owner: Any  # keeps the registered object alive while the region exists
+    device: str = "cpu"  # where the bytes live: "cpu", or a torch device such as "cuda:0"
 
 
 def _view_of(obj: Any) -> tuple[memoryview, Any]:
@@ -147,6 +148,15 @@ class RegionTable:
             regions[r].view[o:e]
             for r, o, e in zip(region_ids.tolist(), offsets.tolist(), ends, strict=True)
         ]
+
+    def addresses(self, blocks: np.ndarray, side: str) -> np.ndarray:
+        """uint64 address of each block's bytes (``side`` as in :meth:`views`, whose checks the
+        blocks must already have passed); vectorised, one lookup per distinct region."""
+        region_ids = blocks[f"{side}_region"]
+        bases = np.zeros(len(blocks), dtype=np.uint64)
+        for rid in np.unique(region_ids).tolist():
+            bases[region_ids == rid] = self._regions[rid].address
+        return bases + blocks[f"{side}_offset"].astype(np.uint64)
 
     def __len__(self) -> int:
         return len(self._regions)

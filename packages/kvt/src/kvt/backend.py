@@ -50,6 +50,22 @@ class Link(Protocol):
     def close(self, reason: str) -> None:
         """Drop the connection now; the listener hears ``on_link_lost``."""
 
+    @property
+    def path(self) -> str:
+        """How this link moves payload bytes: "tcp", "samehost", "rdma" or "memory" (metrics
+        label; may change once, when the link's handshake picks its path)."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    """A region as the data plane sees it: bytes at an address (for registration, e.g. RDMA)."""
+
+    region_id: int
+    address: int
+    nbytes: int
+    writable: bool
+    device: str  # "cpu" or a torch device string such as "cuda:0"
+
 
 class SendJob(Protocol):
     """One batch of records to move, with the source memory of each record."""
@@ -58,6 +74,11 @@ class SendJob(Protocol):
     blocks: np.ndarray  # IPCBLOCK_DTYPE
     views: list[memoryview]  # source bytes of blocks[i]
     last: bool
+
+    @property
+    def addresses(self) -> np.ndarray:
+        """uint64 address of each record's source bytes in this process (for paths that hand
+        addresses to the kernel or a NIC instead of reading ``views``)."""
 
     def begin_frame(self) -> bool:
         """True: go ahead and read the source memory for one frame. False: drop the rest."""
@@ -73,6 +94,10 @@ class RecvSink(Protocol):
     """Where the bytes of one accepted :class:`Batch` go."""
 
     views: list[memoryview]  # destination bytes of each record, in record order
+
+    @property
+    def addresses(self) -> np.ndarray:
+        """uint64 address of each record's destination bytes in this process."""
 
     def begin_chunk(self) -> bool:
         """True: write the next chunk into ``views``. False: discard the rest of the batch."""
@@ -123,6 +148,14 @@ class DataPlaneBackend(abc.ABC):
     @abc.abstractmethod
     def submit(self, link: Link, job: SendJob) -> None:
         """Queue a batch on the link; returns at once."""
+
+    def register_memory(self, info: MemoryInfo) -> None:  # noqa: B027 (optional hook)
+        """A region was registered (called before any block can name it). Paths that must
+        register memory with a device (RDMA memory regions) do it here; the default does nothing.
+        Raising refuses the registration."""
+
+    def unregister_memory(self, region_id: int) -> None:  # noqa: B027 (optional hook)
+        """The region is gone: no block names it any more; release what register_memory took."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from kvt.access import LayerEvents, RegionTable
-from kvt.backend import Batch, DataPlaneBackend, Link
+from kvt.backend import Batch, DataPlaneBackend, Link, MemoryInfo
 from kvt.control import (
     MAX_REQUEST_ID,
     Abort,
@@ -96,6 +96,10 @@ class _SendJob:
         self.submitted = time.monotonic()
         self.frame_start = 0.0
 
+    @property
+    def addresses(self) -> np.ndarray:
+        return self.engine.regions.addresses(self.blocks, "src")
+
     def begin_frame(self) -> bool:
         self.frame_start = time.monotonic()
         return self.engine._begin_io(self.req, queued_since=self.submitted)
@@ -115,11 +119,16 @@ class _SendJob:
 class _RecvSink:
     """Where one accepted batch goes, as the backend sees it (see kvt.backend.RecvSink)."""
 
-    __slots__ = ("chunk_start", "engine", "last", "link", "req", "views")
+    __slots__ = ("blocks", "chunk_start", "engine", "last", "link", "req", "views")
 
-    def __init__(self, engine: Engine, req: _Request, link: Link, views: list[memoryview], last):
-        self.engine, self.req, self.link, self.views, self.last = engine, req, link, views, last
+    def __init__(self, engine: Engine, req: _Request, link: Link, batch: Batch, views):
+        self.engine, self.req, self.link, self.views = engine, req, link, views
+        self.blocks, self.last = batch.blocks, batch.last
         self.chunk_start = 0.0
+
+    @property
+    def addresses(self) -> np.ndarray:
+        return self.engine.regions.addresses(self.blocks, "dst")
 
     def begin_chunk(self) -> bool:
         self.chunk_start = time.monotonic()
@@ -195,10 +204,20 @@ class Engine:
         The caller keeps the memory valid until :meth:`unregister_region`.
         """
         self._check_open()
-        return self.regions.register(obj, writable=writable).region_id
+        region = self.regions.register(obj, writable=writable)
+        info = MemoryInfo(
+            region.region_id, region.address, region.nbytes, region.writable, region.device
+        )
+        try:
+            self.backend.register_memory(info)
+        except BaseException:
+            self.regions.unregister(region.region_id)
+            raise
+        return region.region_id
 
     def unregister_region(self, region_id: int) -> None:
         self.regions.unregister(region_id)
+        self.backend.unregister_memory(region_id)
 
     def expect(
         self,
@@ -441,7 +460,7 @@ class Engine:
         with self._lock:
             if req.link is None:
                 req.link, req.peer = link, link.peer
-        return _RecvSink(self, req, link, views, batch.last)
+        return _RecvSink(self, req, link, batch, views)
 
     def _last_batch_written(self, req: _Request, link: Link) -> None:
         with self._lock:

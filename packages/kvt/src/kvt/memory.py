@@ -62,6 +62,10 @@ class _Endpoint:
     def close(self, reason: str) -> None:
         self.conn.close(reason)
 
+    @property
+    def path(self) -> str:
+        return "memory"
+
 
 class _Connection:
     """Two endpoints, one FIFO queue, one thread (see the module docstring)."""

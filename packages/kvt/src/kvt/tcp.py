@@ -102,6 +102,10 @@ class TcpLink:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def path(self) -> str:
+        return "tcp"
+
     def start(self) -> None:
         name = f"kvt-{self.backend.name}-L{self.link_id}"
         self._spawn(self._writer_main, f"{name}-w")
