@@ -26,8 +26,9 @@ addresses are not mapped in its process) aborts that request on both ends (BAD_B
 stays); ESRCH (peer gone) and EPERM (no longer allowed to read it) close the link.
 
 **Permissions.** ``process_vm_readv`` needs ptrace access to the peer: same uid and, with Yama
-``ptrace_scope`` 1, the peer's consent, which this module gives at import time of the provider
-with ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (harmless without Yama); or CAP_SYS_PTRACE
+``ptrace_scope`` 1, the peer's consent, which the provider gives when the process's first
+TcpBackend is made: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets
+any same-uid process ptrace this one); or CAP_SYS_PTRACE
 (root in most containers has it; Docker's default seccomp profile allows the call from 4.8
 kernels on). In separate pid namespaces the peer's pid is not ours: the probe read fails and
 "auto" stays on tcp. The probe (HELLO blob: a 16-byte cookie's address) is read by each end
