@@ -230,7 +230,7 @@ def test_sender_gives_up_mid_read_receiver_discards(no_leaks, monkeypatch) -> No
         gate.go.set()
         cd = got_d.wait()
         assert (cd.status, cd.origin) == (TransferStatus.ABORTED, AbortOrigin.TRANSPORT)
-        assert "gave up the link" in cd.reason
+        assert "gave up the link" in cd.reason or "CONNECTION_LOST" in cd.reason
         assert cd.nbytes == 8 * MiB
         assert not (dst[: 8 * MiB] != 9).any()  # what it kept was read while the sender held it
 
