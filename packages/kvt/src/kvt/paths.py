@@ -46,7 +46,6 @@ from kvt.protocol import (
 IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
 MAX_FRAME_PAYLOAD = 32 * 1024 * 1024  # a frame is the unit of abort on the sending side
 RECV_CHUNK = 8 * 1024 * 1024  # the unit of abort on the receiving side
-_SEND_WINDOW_BYTES = 1 << 62  # sendmsg: no byte cap per call, only IOV_MAX
 
 PREFERENCE = ("rdma", "samehost", "tcp")  # what "auto" picks first, among paths both can use
 TRANSPORTS = ("auto", *PREFERENCE)

@@ -249,8 +249,10 @@ class SamehostProvider(PathProvider):
 
     def __init__(self) -> None:
         allow_ptrace_reads()
-        self._cookie = secrets.token_bytes(16)
-        self._probe = ctypes.create_string_buffer(self._cookie, 16)
+        # Peers read these 16 bytes (their address is in HELLO) before they vote for samehost.
+        self.cookie = secrets.token_bytes(16)
+        self._probe = ctypes.create_string_buffer(self.cookie, 16)
+        self.probe_address = ctypes.addressof(self._probe)
         self.epochs = _EpochPool()
 
     def unavailable(self) -> str | None:
@@ -264,8 +266,7 @@ class _SamehostCandidate(PathCandidate):
     def __init__(self, provider: SamehostProvider, link: LinkIO) -> None:
         self.provider, self.link = provider, link
         self.word, self.slot, address, self.epoch = provider.epochs.take()
-        probe = ctypes.addressof(provider._probe)
-        self.blob = _BLOB.pack(probe, provider._cookie, address, self.epoch)
+        self.blob = _BLOB.pack(provider.probe_address, provider.cookie, address, self.epoch)
         self._taken = True
 
     def check(self, peer: Hello) -> str | None:

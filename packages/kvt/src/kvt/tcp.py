@@ -30,7 +30,6 @@ from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, MemoryInfo
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
 from kvt.paths import (
-    _SEND_WINDOW_BYTES,
     IOV_MAX,
     MAX_FRAME_PAYLOAD,
     PREFERENCE,
@@ -59,6 +58,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["IOV_MAX", "MAX_FRAME_PAYLOAD", "RECV_CHUNK", "TcpBackend", "TcpLink"]
 
+_SEND_WINDOW_BYTES = 1 << 62  # sendmsg: no byte cap per call, only IOV_MAX
 _DRAIN = bytearray(1024 * 1024)
 _FLUSH = object()  # writer: send what is queued before this, then half-close
 
