@@ -497,7 +497,7 @@ class TcpLink:
             self._payload = payload
             self._ready = not self._closed
         self._ready_event.set()
-        log.debug("kvt %s: link %s uses the %s path", self.backend.name, self.peer, name)
+        log.info("kvt %s: link %s uses the %s path", self.backend.name, self.peer, name)
 
 
 class TcpBackend(DataPlaneBackend):
