@@ -280,4 +280,6 @@ class TcpPathProvider(PathProvider):
 
 def default_providers() -> list[PathProvider]:
     """The payload paths a TcpBackend offers, best first (each checks its own availability)."""
-    return [TcpPathProvider()]
+    from kvt.rdma import RdmaPathProvider  # its device (pyverbs) is opened lazily, on first use
+
+    return [RdmaPathProvider(), TcpPathProvider()]
