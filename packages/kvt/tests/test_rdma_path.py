@@ -425,6 +425,38 @@ def test_receiver_grants_within_its_receive_slots_in_order_and_ends_on_the_imm(p
     assert sinks[1].calls == ["begin", ("end", 0)]
 
 
+def test_an_empty_frame_completes_after_the_frames_granted_before_it_without_a_write(path):
+    rdma, link, _qp = path
+    first, empty = StubSink(), StubSink()
+    link.listener.sinks = [first, empty]
+    blocks = make_blocks(0, 0, 4096, src_region=9, dst_region=0)
+    rdma.receive(DataDescriptor("r", False, blocks, 1, 4096, b""))
+    rdma.receive(DataDescriptor("r", True, blocks[:0], 2, 0, b""))
+    assert empty.calls == []  # frame 1 is still being written
+    rdma._on_completion(WorkCompletion(0, True, True, "success", imm=1))
+    assert first.calls == ["begin", ("end", 4096), "batch"]
+    assert empty.calls == ["begin", ("end", 0), "batch"]
+    assert [m.seq for m in link.posted if m.kind == GRANT] == [1]  # no grant for the empty one
+
+
+def test_an_empty_last_batch_over_two_engines(no_leaks):
+    p, d = engine("P"), engine("D")
+    try:
+        src, dst = np.ones(BLOCK, np.uint8), np.zeros(BLOCK, np.uint8)
+        blocks = make_blocks(0, 0, BLOCK, src_region=p.register_region(src),
+                             dst_region=d.register_region(dst))  # fmt: skip
+        got_send, got_recv = Completions(), Completions()
+        d.expect("e", on_complete=got_recv)
+        p.send("e", d.data_address, blocks, last=False)
+        p.send("e", d.data_address, blocks[:0], last=True, on_complete=got_send)
+        assert got_send.wait().ok
+        assert got_recv.wait().nbytes == BLOCK
+        assert dst.all()
+    finally:
+        p.close()
+        d.close()
+
+
 def test_receiver_denies_refused_and_aborted_frames(path):
     rdma, link, _qp = path
     aborted = StubSink(grant=False)

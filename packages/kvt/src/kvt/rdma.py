@@ -16,10 +16,12 @@ messages); only payload bytes go over the RC queue pair. Per frame of a send job
                                                                       end_chunk, end_batch (DONE)
 
 A sender whose request died between DESC and GRANT answers CANCEL(seq) instead of writing (the
-receiver ends the chunk with 0 and never reports the batch complete). The receiver advertises its
-writable regions (id, address, length, rkey) in a REGIONS message when the link comes up and
-whenever one is registered (DROP when one goes); the sender plans against that table and a record
-outside it is refused before any work request exists.
+receiver ends the chunk with 0 and never reports the batch complete). A frame of no bytes gets no
+GRANT and no write: the receiver ends it once every frame granted before it has landed.
+
+The receiver advertises its writable regions (id, address, length, rkey) in a REGIONS message
+when the link comes up and whenever one is registered (DROP when one goes); the sender plans
+against that table and a record outside it is refused before any work request exists.
 
 Threads per rdma link: the queue pair's completion thread (blocking ``get_cq_event`` on a
 completion channel, no polling) and a poster (waits for send-queue credits). On close the queue
@@ -37,6 +39,7 @@ from __future__ import annotations
 import abc
 import collections
 import contextlib
+import ctypes
 import importlib.util
 import itertools
 import logging
@@ -143,7 +146,7 @@ class QueuePair(abc.ABC):
 
     @abc.abstractmethod
     def post_recv(self, wr_id: int) -> None:
-        """Post a receive with no buffer (a WRITE_WITH_IMM consumes one)."""
+        """Post a receive (a WRITE_WITH_IMM consumes one; it writes no byte into it)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:
@@ -284,7 +287,8 @@ class RdmaPath(PayloadPath):
             with self._lock:
                 if self._closed:
                     raise OSError("rdma path closed")
-                self._out[seq] = frame
+                if payload:  # an empty frame is ended by the receiver alone: no grant, no write
+                    self._out[seq] = frame
             last = job.last and end >= n
             self.link.write([encode_desc(job.request_id, frame.blocks, last, seq, b"")])
             if end >= n:
@@ -362,10 +366,22 @@ class RdmaPath(PayloadPath):
         with self._grant_lock:
             while True:
                 with self._lock:
-                    if self._closed or not self._waiting or self._slots == 0:
+                    if self._closed or not self._waiting:
                         return
-                    seq, sink, nbytes = self._waiting.popleft()
-                    self._slots -= 1
+                    seq, sink, nbytes = self._waiting[0]
+                    if nbytes == 0:  # no write: done once the frames granted before it are
+                        if self._granted:
+                            return
+                    elif self._slots == 0:
+                        return
+                    else:
+                        self._slots -= 1
+                    self._waiting.popleft()
+                if nbytes == 0:
+                    if sink.begin_chunk():
+                        sink.end_chunk(0)
+                    sink.end_batch()
+                    continue
                 if not sink.begin_chunk():  # aborted while it waited: nothing will be written
                     sink.end_batch()
                     with self._lock:
@@ -661,11 +677,26 @@ def verbs_device_names() -> list[str]:
     try:
         devices = pv.device.get_device_list()
     except Exception as exc:
-        raise OSError(f"ibv_get_device_list failed: {exc}") from None
+        raise OSError(f"ibv_get_device_list failed: {_device_list_errno() or exc}") from None
     names = [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
     if not names:
         raise OSError("ibv_get_device_list returned no device")
     return names
+
+
+def _device_list_errno() -> str | None:
+    """Why ibv_get_device_list fails, in errno words (pyverbs' error carries no errno)."""
+    try:
+        lib = ctypes.CDLL("libibverbs.so.1", use_errno=True)
+        lib.ibv_get_device_list.restype = ctypes.c_void_p
+        count = ctypes.c_int(0)
+        devices = lib.ibv_get_device_list(ctypes.byref(count))
+        if devices:
+            lib.ibv_free_device_list(ctypes.c_void_p(devices))
+            return None
+        return os.strerror(ctypes.get_errno())
+    except OSError:
+        return None
 
 
 class VerbsDevice(RdmaDevice):
@@ -679,8 +710,9 @@ class VerbsDevice(RdmaDevice):
         e = pv.enums
         self.name = name or os.environ.get("KVT_RDMA_DEVICE") or verbs_device_names()[0]
         self.port = port or int(os.environ.get("KVT_RDMA_PORT", "1"))
-        self.gid_index = int(os.environ.get("KVT_RDMA_GID_INDEX", "0") if gid_index is None
-                             else gid_index)  # fmt: skip
+        if gid_index is None:
+            gid_index = int(os.environ.get("KVT_RDMA_GID_INDEX", "0"))
+        self.gid_index = gid_index
         self.ctx = pv.device.Context(name=self.name)
         attr = self.ctx.query_device()
         port_attr = self.ctx.query_port(self.port)
@@ -697,10 +729,13 @@ class VerbsDevice(RdmaDevice):
             sq_depth=max(2, min(attr.max_qp_wr // 2, 512)),
         )
         self.recv_depth = max(2, min(attr.max_qp_wr // 2, 64))
+        # what receives point at (a WRITE_WITH_IMM writes nothing there; pyverbs wants an entry)
+        self.scratch = pv.mr.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
 
     def register(self, address: int, nbytes: int, writable: bool) -> MemoryKeys:
         e = self.pv.enums
-        access = e.IBV_ACCESS_LOCAL_WRITE | (e.IBV_ACCESS_REMOTE_WRITE if writable else 0)
+        # a source region may be read-only memory: asking for write access would fail the pin
+        access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE) if writable else 0
         mr = self.pv.mr.MR(self.pd, nbytes, access, address=address)
         return MemoryKeys(mr.lkey, mr.rkey, mr)
 
@@ -711,6 +746,7 @@ class VerbsDevice(RdmaDevice):
         return _VerbsQueuePair(self)
 
     def close(self) -> None:
+        self.scratch.close()
         self.pd.close()
         self.ctx.close()
 
@@ -719,6 +755,40 @@ def _gid_bytes(gid: Any) -> bytes:
     """16 raw bytes of a pyverbs GID (its text form is "xxxx:xxxx:...:xxxx")."""
     text = str(gid.gid)
     return bytes.fromhex(text.replace(":", "")).ljust(16, b"\0")[:16]
+
+
+def verbs_write_wr(pv: Any, wr_id: int, sges, *, remote_addr, rkey, imm, signaled) -> Any:
+    """An RDMA WRITE (WITH_IMM if ``imm`` is not None) work request; ``sges`` never empty."""
+    e = pv.enums
+    opcode = e.IBV_WR_RDMA_WRITE if imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
+    wr = pv.wr.SendWR(
+        wr_id=wr_id, opcode=opcode, num_sge=len(sges), imm_data=imm or 0,
+        sg=[pv.wr.SGE(addr, length, lkey) for addr, length, lkey in sges],
+        send_flags=e.IBV_SEND_SIGNALED if signaled else 0,
+    )  # fmt: skip
+    wr.set_wr_rdma(rkey, remote_addr)
+    return wr
+
+
+def verbs_recv_wr(pv: Any, wr_id: int, scratch: tuple[int, int, int]) -> Any:
+    """A receive for a WRITE_WITH_IMM: it writes no byte, but pyverbs wants one scatter entry."""
+    return pv.wr.RecvWR(wr_id=wr_id, num_sge=1, sg=[pv.wr.SGE(*scratch)])
+
+
+def verbs_rts_attr(pv: Any, peer: QpInfo, *, port: int, gid_index: int, mtu: int, psn: int) -> Any:
+    """QP attributes for INIT -> RTR -> RTS towards ``peer`` (RoCE and IB: global route)."""
+    gid = pv.addr.GID()
+    gid.gid = ":".join(peer.gid.hex()[i : i + 4] for i in range(0, 32, 4))
+    route = pv.addr.GlobalRoute(dgid=gid, sgid_index=gid_index)
+    attr = pv.qp.QPAttr()
+    attr.path_mtu = min(mtu, peer.mtu)
+    attr.dest_qp_num = peer.qpn
+    attr.rq_psn = peer.psn
+    attr.sq_psn = psn
+    attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
+    attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
+    attr.ah_attr = pv.addr.AHAttr(port_num=port, is_global=1, gr=route, dlid=peer.lid)
+    return attr
 
 
 def _wc_status(status: int) -> str:
@@ -754,20 +824,10 @@ class _VerbsQueuePair(QueuePair):
         self._closed = False
 
     def connect(self, peer: QpInfo) -> None:
-        pv, device = self.device.pv, self.device
-        gid = pv.addr.GID()
-        gid.gid = ":".join(peer.gid.hex()[i : i + 4] for i in range(0, 32, 4))
-        route = pv.addr.GlobalRoute(dgid=gid, sgid_index=device.gid_index)
-        ah = pv.addr.AHAttr(port_num=device.port, is_global=1, gr=route, dlid=peer.lid)
-        attr = pv.qp.QPAttr()
-        attr.path_mtu = min(int(device.mtu), peer.mtu)
-        attr.dest_qp_num = peer.qpn
-        attr.rq_psn = peer.psn
-        attr.sq_psn = self.info.psn
-        attr.max_dest_rd_atomic = attr.max_rd_atomic = 1
-        attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
-        attr.ah_attr = ah
-        self.qp.to_rts(attr)
+        device = self.device
+        attr = verbs_rts_attr(device.pv, peer, port=device.port, gid_index=device.gid_index,
+                              mtu=int(device.mtu), psn=self.info.psn)  # fmt: skip
+        self.qp.to_rts(attr)  # INIT -> RTR -> RTS
 
     def start(self, on_completion: CompletionHandler, on_thread_start: Callable[[], None]) -> None:
         self._thread = threading.Thread(
@@ -796,18 +856,13 @@ class _VerbsQueuePair(QueuePair):
                     on_completion(WorkCompletion(wc.wr_id, is_recv, ok, status, imm))
 
     def post_write(self, wr_id, sges, remote_addr, rkey, *, imm, signaled) -> None:
-        pv, e = self.device.pv, self.device.pv.enums
-        sg = [pv.wr.SGE(addr, length, lkey) for addr, length, lkey in sges]
-        opcode = e.IBV_WR_RDMA_WRITE if imm is None else e.IBV_WR_RDMA_WRITE_WITH_IMM
-        wr = pv.wr.SendWR(
-            wr_id=wr_id, opcode=opcode, num_sge=len(sg), imm_data=imm or 0, sg=sg or None,
-            send_flags=e.IBV_SEND_SIGNALED if signaled else 0,
-        )  # fmt: skip
-        wr.set_wr_rdma(rkey, remote_addr)
+        wr = verbs_write_wr(self.device.pv, wr_id, sges, remote_addr=remote_addr, rkey=rkey,
+                            imm=imm, signaled=signaled)  # fmt: skip
         self.qp.post_send(wr)
 
     def post_recv(self, wr_id: int) -> None:
-        self.qp.post_recv(self.device.pv.wr.RecvWR(wr_id=wr_id, num_sge=0, sg=None))
+        scratch = self.device.scratch
+        self.qp.post_recv(verbs_recv_wr(self.device.pv, wr_id, (scratch.buf, 64, scratch.lkey)))
 
     def shutdown(self) -> None:
         e = self.device.pv.enums

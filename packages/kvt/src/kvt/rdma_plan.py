@@ -13,9 +13,10 @@ Output: a :class:`WritePlan`, the work requests in record order:
    cut becomes two pieces), and each cut's pieces are grouped ``max_sge`` at a time: one RDMA WRITE
    each, so no work request exceeds either limit;
 5. the last work request is a WRITE_WITH_IMM carrying the frame's 32-bit sequence number (a frame
-   with no bytes is a single zero-length WRITE_WITH_IMM), and the requests are cut into windows of
-   at most ``sq_depth // 2`` whose last request is signaled: a poster that keeps two windows in
-   flight never has more than ``sq_depth`` requests on the send queue.
+   with no bytes plans as one zero-length WRITE_WITH_IMM; kvt.rdma never posts one: pyverbs wants
+   a scatter entry per request, so the receiver ends such frames itself), and the requests are
+   cut into windows of at most ``sq_depth // 2`` whose last request is signaled: a poster that
+   keeps two windows in flight never has more than ``sq_depth`` requests on the send queue.
 
 Every step is a numpy expression over all records at once (no Python loop per record).
 """
