@@ -59,7 +59,14 @@ from kvt.backend import Batch, MemoryInfo, RecvSink, SendJob
 from kvt.errors import ProtocolViolation
 from kvt.paths import MAX_FRAME_PAYLOAD, LinkIO, PathCandidate, PathProvider, PayloadPath
 from kvt.protocol import DataDescriptor, DataHeader, Hello, PathMessage, encode_desc, encode_path
-from kvt.rdma_plan import DeviceLimits, RemoteRegion, RemoteRegionError, WritePlan, plan_writes
+from kvt.rdma_plan import (
+    DeviceLimits,
+    RemoteRegion,
+    RemoteRegionError,
+    WritePlan,
+    frame_bounds,
+    plan_writes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -269,15 +276,9 @@ class RdmaPath(PayloadPath):
     # ------------------------------------------------------------ sender
     def send_job(self, job: SendJob) -> None:
         blocks = job.blocks
-        lengths = blocks["length"].tolist()
         addresses = job.addresses
         lkeys = self.provider.lkeys(blocks["src_region"])
-        start, n = 0, len(lengths)
-        while True:
-            end, payload = start, 0
-            while end < n and (end == start or payload + lengths[end] <= MAX_FRAME_PAYLOAD):
-                payload += lengths[end]
-                end += 1
+        for start, end, nbytes in frame_bounds(blocks["length"], MAX_FRAME_PAYLOAD):
             # Only a liveness check: the source memory is read once the receiver grants.
             if not job.begin_frame():
                 return
@@ -287,13 +288,10 @@ class RdmaPath(PayloadPath):
             with self._lock:
                 if self._closed:
                     raise OSError("rdma path closed")
-                if payload:  # an empty frame is ended by the receiver alone: no grant, no write
+                if nbytes:  # an empty frame is ended by the receiver alone: no grant, no write
                     self._out[seq] = frame
-            last = job.last and end >= n
+            last = job.last and end >= len(blocks)
             self.link.write([encode_desc(job.request_id, frame.blocks, last, seq, b"")])
-            if end >= n:
-                return
-            start = end
 
     def _on_grant(self, seq: int) -> None:
         with self._lock:
