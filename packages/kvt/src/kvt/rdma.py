@@ -23,11 +23,12 @@ The receiver advertises its writable regions (id, address, length, rkey) in a RE
 when the link comes up and whenever one is registered (DROP when one goes); the sender plans
 against that table and a record outside it is refused before any work request exists.
 
-Threads per rdma link: the queue pair's completion thread (blocking ``get_cq_event`` on a
-completion channel, no polling) and a poster (waits for send-queue credits). On close the queue
-pair goes to the error state first (the NIC stops touching memory), then every frame still open
-ends with 0 bytes, so the "no byte touched after the callback" promise holds. A failed work
-completion fails the link (its requests ABORTED(TRANSPORT)), as a lost TCP connection does.
+Threads per rdma link: the queue pair's completion thread (blocked in ``poll()`` on the
+completion channel's fd, then ``get_cq_event``; no busy polling) and a poster (waits for
+send-queue credits). On close the queue pair goes to the error state first (the NIC stops
+touching memory), then every frame still open ends with 0 bytes, so the "no byte touched after
+the callback" promise holds. A failed work completion fails the link (its requests
+ABORTED(TRANSPORT)), as a lost TCP connection does.
 
 The device sits behind :class:`RdmaDevice` / :class:`QueuePair`: :class:`VerbsDevice` implements
 them with pyverbs (RC QP INIT -> RTR -> RTS); the tests use a fake NIC (memmove into the peer's
@@ -46,6 +47,7 @@ import logging
 import os
 import queue
 import random
+import select
 import struct
 import sys
 import threading
@@ -799,12 +801,42 @@ def _wc_status(status: int) -> str:
         return f"work completion status {status}"
 
 
+_CHANNEL_LOCK = threading.Lock()  # one comp channel created at a time: its fd is found by diff
+_EVENT_FD_LINK = "anon_inode:[infinibandevent]"
+
+
+def _event_fds() -> set[int]:
+    """This process's uverbs event fds (completion channels and async event fds)."""
+    out = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{name}") == _EVENT_FD_LINK:
+                out.add(int(name))
+    return out
+
+
 class _VerbsQueuePair(QueuePair):
+    """An RC QP, its CQ and completion channel, and the thread that waits on the channel.
+
+    pyverbs' ``CompChannel.get_cq_event`` blocks inside ``ibv_get_cq_event`` while holding the
+    GIL (it has no ``nogil``), which would stop every Python thread until a completion came, and
+    it does not expose the channel's fd. So the fd is found (the one new uverbs event fd after the
+    channel is created) and the thread waits in ``poll()`` on it and on a wake-up pipe, GIL
+    released; ``get_cq_event`` is only called once an event is pending and then returns at once.
+    """
+
     def __init__(self, device: VerbsDevice) -> None:
         pv, e = device.pv, device.pv.enums
         self.device = device
         depth = device.limits.sq_depth + device.recv_depth
-        self.channel = pv.cq.CompChannel(device.ctx)
+        with _CHANNEL_LOCK:
+            before = _event_fds()
+            self.channel = pv.cq.CompChannel(device.ctx)
+            new = _event_fds() - before
+        if len(new) != 1:
+            self.channel.close()
+            raise OSError(f"cannot find the completion channel's fd (new event fds: {new})")
+        self._event_fd = new.pop()
         self.cq = pv.cq.CQ(device.ctx, depth, None, self.channel, 0)
         cap = pv.qp.QPCap(
             max_send_wr=device.limits.sq_depth, max_recv_wr=device.recv_depth,
@@ -817,8 +849,8 @@ class _VerbsQueuePair(QueuePair):
         self.qp = pv.qp.QP(device.pd, init, attr)  # RC: returned in INIT
         psn = random.getrandbits(24)
         self.info = QpInfo(device.gid, device.lid, self.qp.qp_num, psn, int(device.mtu))
+        self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
-        self._stopping = False
         self._closed = False
 
     def connect(self, peer: QpInfo) -> None:
@@ -835,23 +867,33 @@ class _VerbsQueuePair(QueuePair):
         self._thread.start()
 
     def _main(self, on_completion: CompletionHandler, on_thread_start: Callable[[], None]):
-        e = self.device.pv.enums
         on_thread_start()
+        poller = select.poll()
+        poller.register(self._event_fd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         self.cq.req_notify()
-        while not self._stopping:
-            self.channel.get_cq_event(self.cq)  # blocks (GIL released) until a completion
+        self._drain(on_completion)  # what completed before the CQ was armed
+        while True:
+            ready = {fd for fd, _ in poller.poll()}  # blocks, GIL released
+            if self._wake_r in ready:
+                return
+            self.channel.get_cq_event(self.cq)  # pending: returns at once
             self.cq.ack_events(1)
             self.cq.req_notify()
-            while True:
-                n, wcs = self.cq.poll(32)
-                if n == 0:
-                    break
-                for wc in wcs:
-                    ok = wc.status == e.IBV_WC_SUCCESS
-                    is_recv = bool(wc.opcode & e.IBV_WC_RECV)
-                    imm = int(wc.imm_data) if is_recv and ok else None
-                    status = "success" if ok else _wc_status(wc.status)
-                    on_completion(WorkCompletion(wc.wr_id, is_recv, ok, status, imm))
+            self._drain(on_completion)
+
+    def _drain(self, on_completion: CompletionHandler) -> None:
+        e = self.device.pv.enums
+        while True:
+            n, wcs = self.cq.poll(32)
+            if n == 0:
+                return
+            for wc in wcs:
+                ok = wc.status == e.IBV_WC_SUCCESS
+                is_recv = bool(wc.opcode & e.IBV_WC_RECV)
+                imm = int(wc.imm_data) if is_recv and ok else None
+                status = "success" if ok else _wc_status(wc.status)
+                on_completion(WorkCompletion(wc.wr_id, is_recv, ok, status, imm))
 
     def post_write(self, wr_id, sges, remote_addr, rkey, *, imm, signaled) -> None:
         wr = verbs_write_wr(self.device.pv, wr_id, sges, remote_addr=remote_addr, rkey=rkey,
@@ -864,21 +906,21 @@ class _VerbsQueuePair(QueuePair):
 
     def shutdown(self) -> None:
         e = self.device.pv.enums
-        self._stopping = True
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # already in error, or being destroyed
             self.qp.modify(self.device.pv.qp.QPAttr(qp_state=e.IBV_QPS_ERR), e.IBV_QP_STATE)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        os.write(self._wake_w, b"x")
         if self._thread is not None:
-            self._thread.join(timeout=5.0)  # woken by the receives flushed in shutdown()
-            if self._thread.is_alive():
-                log.warning("kvt rdma: completion thread of QP %d did not stop", self.info.qpn)
+            self._thread.join()
         self.qp.close()
         self.cq.close()
         self.channel.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 __all__ = [
