@@ -34,8 +34,10 @@ class FakeDevice(RdmaDevice):
         limits: DeviceLimits | None = None,
         recv_depth: int = 8,
         name: str = "fake0",
+        hold: threading.Event | None = None,
     ) -> None:
         self.name = name
+        self.hold = hold  # a stalled NIC: each work request waits for this event
         self.limits = limits or DeviceLimits(max_sge=4, max_msg_size=1 << 20, sq_depth=16)
         self.recv_depth = recv_depth
         self.registered: set[int] = set()
@@ -150,6 +152,8 @@ class FakeQueuePair(QueuePair):
     def _nic_main(self) -> None:
         while (wr := self._sq.get()) is not None:
             wr_id, sges, remote_addr, rkey, imm, signaled = wr
+            if self.device.hold is not None:
+                self.device.hold.wait()
             status = self._execute(sges, remote_addr, rkey, imm)
             with _fabric_lock:
                 self._unsignaled += 1

@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 from conftest import Completions, rdma_fake_backend
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
@@ -210,6 +210,31 @@ def test_receiver_abort_before_the_grant_and_late_frames_are_refused(no_leaks):
         assert got_recv.wait().origin is AbortOrigin.LOCAL
         assert not dst.any()  # nothing was written for the aborted request
     finally:
+        p.close()
+        d.close()
+
+
+def test_a_stalled_nic_past_the_deadline_closes_the_link_and_writes_nothing_late(no_leaks):
+    """The sender's NIC stalls; the receiver's deadline passes mid-frame: the link closes, both
+    QPs go to the error state, and the writes released afterwards never reach the memory."""
+    hold = threading.Event()
+    p, d = engine("P", hold=hold), engine("D")
+    try:
+        assert link_path(p, d) == "rdma"
+        src, dst = np.ones(8 * BLOCK, np.uint8), np.zeros(8 * BLOCK, np.uint8)
+        blocks = make_blocks(0, 0, 8 * BLOCK, src_region=p.register_region(src),
+                             dst_region=d.register_region(dst))  # fmt: skip
+        got_send, got_recv = Completions(), Completions()
+        d.expect("stuck", timeout_s=0.5, on_complete=got_recv)
+        p.send("stuck", d.data_address, blocks, last=True, on_complete=got_send)
+        mine = got_recv.wait()
+        assert (mine.status, mine.origin) == (TransferStatus.ABORTED, AbortOrigin.TIMEOUT)
+        hold.set()  # the NIC moves again: its QP is in the error state, the writes flush
+        theirs = got_send.wait()
+        assert theirs.status is TransferStatus.ABORTED
+        assert not dst.any()
+    finally:
+        hold.set()
         p.close()
         d.close()
 
@@ -507,3 +532,31 @@ def test_region_messages_decode_or_raise_protocol_violation(body):
     for decode in (decode_regions, decode_drop):
         with contextlib.suppress(ProtocolViolation):
             decode(body)
+
+
+messages = st.lists(
+    st.tuples(st.integers(0, 7), st.integers(0, 4), st.integers(0, 6), st.binary(max_size=48)),
+    max_size=12,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(messages)
+def test_any_sequence_of_peer_messages_is_handled_or_a_protocol_violation(sequence):
+    """Sans-I/O check of the path's message handling: whatever the peer sends, the path answers
+    with a ProtocolViolation (the link closes) or handles it; nothing else escapes."""
+    provider = RdmaPathProvider(FakeDevice(DeviceLimits(2, 1 << 20, 4), recv_depth=2))
+    provider.register_memory(MemoryInfo(0, 0x1000, 1 << 20, True, "cpu"))
+    link, qp = StubLink(), StubQP()
+    rdma = RdmaPath(link, provider, qp)
+    rdma.start()
+    try:
+        rdma.send_job(StubJob(make_blocks(0, 0, 4096, src_region=0, dst_region=3)))
+        for kind, seq, number, body in sequence:
+            try:
+                rdma.on_message(msg(kind, seq, number, body))
+            except ProtocolViolation:
+                break
+    finally:
+        rdma.close("fuzz over")
+        provider.close()
