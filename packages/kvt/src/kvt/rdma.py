@@ -699,6 +699,10 @@ def _device_list_errno() -> str | None:
         return None
 
 
+_CHANNEL_LOCK = threading.Lock()  # uverbs event fds made one at a time (see _VerbsQueuePair)
+_EVENT_FD_LINK = "anon_inode:[infinibandevent]"
+
+
 class VerbsDevice(RdmaDevice):
     """The first (or the named) verbs device, port 1 by default; env ``KVT_RDMA_DEVICE``,
     ``KVT_RDMA_PORT``, ``KVT_RDMA_GID_INDEX`` (RoCE needs a valid GID index) override."""
@@ -713,7 +717,8 @@ class VerbsDevice(RdmaDevice):
         if gid_index is None:
             gid_index = int(os.environ.get("KVT_RDMA_GID_INDEX", "0"))
         self.gid_index = gid_index
-        self.ctx = pv.device.Context(name=self.name)
+        with _CHANNEL_LOCK:  # opening a device adds an event fd too (its async events)
+            self.ctx = pv.device.Context(name=self.name)
         attr = self.ctx.query_device()
         port_attr = self.ctx.query_port(self.port)
         if port_attr.state != e.IBV_PORT_ACTIVE:
@@ -799,10 +804,6 @@ def _wc_status(status: int) -> str:
         return f"{pyverbs.enums.ibv_wc_status(status).name} ({status})"
     except ValueError:
         return f"work completion status {status}"
-
-
-_CHANNEL_LOCK = threading.Lock()  # one comp channel created at a time: its fd is found by diff
-_EVENT_FD_LINK = "anon_inode:[infinibandevent]"
 
 
 def _event_fds() -> set[int]:
