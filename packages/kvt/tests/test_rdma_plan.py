@@ -14,7 +14,6 @@ from kvt.rdma_plan import (
     RemoteRegion,
     RemoteRegionError,
     check_remote,
-    frame_bounds,
     plan_writes,
 )
 
@@ -226,18 +225,3 @@ def test_bad_inputs_are_typed_errors():
         DeviceLimits(1, 1 << 32, 4)
     with pytest.raises(ValueError):
         RemoteRegion((1 << 64) - 4, 8, 1)
-
-
-@given(lengths=st.lists(st.integers(0, 100), max_size=30), max_bytes=st.integers(1, 150))
-def test_frame_bounds_match_the_greedy_cut(lengths, max_bytes):
-    expected, start = [], 0
-    while True:  # the loop the tcp path runs: at least one record, then while it fits
-        end, payload = start, 0
-        while end < len(lengths) and (end == start or payload + lengths[end] <= max_bytes):
-            payload += lengths[end]
-            end += 1
-        expected.append((start, end, payload))
-        if end >= len(lengths):
-            break
-        start = end
-    assert frame_bounds(np.array(lengths, dtype=np.uint64), max_bytes) == expected

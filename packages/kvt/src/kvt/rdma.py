@@ -59,14 +59,13 @@ import numpy as np
 
 from kvt.backend import Batch, MemoryInfo, RecvSink, SendJob
 from kvt.errors import ProtocolViolation
-from kvt.paths import MAX_FRAME_PAYLOAD, LinkIO, PathCandidate, PathProvider, PayloadPath
+from kvt.paths import LinkIO, PathCandidate, PathProvider, PayloadPath, frame_cuts
 from kvt.protocol import DataDescriptor, DataHeader, Hello, PathMessage, encode_desc, encode_path
 from kvt.rdma_plan import (
     DeviceLimits,
     RemoteRegion,
     RemoteRegionError,
     WritePlan,
-    frame_bounds,
     plan_writes,
 )
 
@@ -280,7 +279,7 @@ class RdmaPath(PayloadPath):
         blocks = job.blocks
         addresses = job.addresses
         lkeys = self.provider.lkeys(blocks["src_region"])
-        for start, end, nbytes in frame_bounds(blocks["length"], MAX_FRAME_PAYLOAD):
+        for start, end, nbytes in frame_cuts(blocks["length"].tolist()):
             # Only a liveness check: the source memory is read once the receiver grants.
             if not job.begin_frame():
                 return

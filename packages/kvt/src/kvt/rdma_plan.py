@@ -115,22 +115,6 @@ class WritePlan:
         )
 
 
-def frame_bounds(lengths: np.ndarray, max_bytes: int) -> list[tuple[int, int, int]]:
-    """Cut records into frames of at most ``max_bytes`` (at least one record each, so a larger
-    record is a frame alone): ``(start, end, nbytes)`` per frame; one empty frame if no record.
-    One ``searchsorted`` per frame over the cumulative lengths, no loop per record."""
-    ends = np.cumsum(np.asarray(lengths, dtype=_U64), dtype=_U64)
-    n, out, start, done = len(ends), [], 0, 0
-    while True:
-        end = int(np.searchsorted(ends, _U64(done + max_bytes), side="right"))
-        end = min(n, max(end, start + 1))
-        total = int(ends[end - 1]) if end else 0
-        out.append((start, end, total - done))
-        if end >= n:
-            return out
-        start, done = end, total
-
-
 def check_remote(blocks: np.ndarray, remote: Mapping[int, RemoteRegion]) -> tuple[np.ndarray, ...]:
     """Remote address and rkey of each record; raises :class:`RemoteRegionError` naming the first
     record outside what the peer advertised (offset + length checked without u64 wrap-around)."""
@@ -266,6 +250,5 @@ __all__ = [
     "RemoteRegionError",
     "WritePlan",
     "check_remote",
-    "frame_bounds",
     "plan_writes",
 ]
