@@ -19,10 +19,12 @@ from kvt.rdma import (
     VerbsDevice,
     load_pyverbs,
     verbs_device_names,
+    verbs_qp_init_attr,
     verbs_recv_wr,
     verbs_rts_attr,
     verbs_write_wr,
 )
+from kvt.rdma_plan import DeviceLimits
 
 BLOCK = 64 << 10
 
@@ -59,6 +61,9 @@ def test_work_requests_and_qp_attributes_build_with_the_installed_pyverbs(pyverb
     peer = QpInfo(bytes.fromhex("fe80" + "00" * 13 + "01"), 3, 0x1234, 99, 5)
     attr = verbs_rts_attr(pyverbs, peer, port=1, gid_index=0, mtu=4, psn=42)
     assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.path_mtu) == (0x1234, 99, 42, 4)
+    init = verbs_qp_init_attr(pyverbs, None, DeviceLimits(4, 1 << 20, 16), 8)
+    assert init.sq_sig_all == 0  # only the plan's signaled requests complete
+    assert (init.cap.max_send_wr, init.cap.max_recv_wr, init.cap.max_send_sge) == (16, 8, 4)
 
 
 def test_device_limits_are_usable(device_name):

@@ -774,6 +774,16 @@ def verbs_write_wr(pv: Any, wr_id: int, sges, *, remote_addr, rkey, imm, signale
     return wr
 
 
+def verbs_qp_init_attr(pv: Any, cq: Any, limits: DeviceLimits, recv_depth: int) -> Any:
+    """An RC QP's creation attributes. ``sq_sig_all=0``: only the requests the plan marks
+    signaled complete (pyverbs defaults to 1, which would end frames at their first write)."""
+    cap = pv.qp.QPCap(
+        max_send_wr=limits.sq_depth, max_recv_wr=recv_depth, max_send_sge=limits.max_sge,
+        max_recv_sge=1,
+    )  # fmt: skip
+    return pv.qp.QPInitAttr(qp_type=pv.enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+
+
 def verbs_recv_wr(pv: Any, wr_id: int, scratch: tuple[int, int, int]) -> Any:
     """A receive for a WRITE_WITH_IMM: it writes no byte, but pyverbs wants one scatter entry."""
     return pv.wr.RecvWR(wr_id=wr_id, num_sge=1, sg=[pv.wr.SGE(*scratch)])
@@ -838,11 +848,7 @@ class _VerbsQueuePair(QueuePair):
             raise OSError(f"cannot find the completion channel's fd (new event fds: {new})")
         self._event_fd = new.pop()
         self.cq = pv.cq.CQ(device.ctx, depth, None, self.channel, 0)
-        cap = pv.qp.QPCap(
-            max_send_wr=device.limits.sq_depth, max_recv_wr=device.recv_depth,
-            max_send_sge=device.limits.max_sge, max_recv_sge=1,
-        )  # fmt: skip
-        init = pv.qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap)
+        init = verbs_qp_init_attr(pv, self.cq, device.limits, device.recv_depth)
         attr = pv.qp.QPAttr(qp_state=e.IBV_QPS_INIT)
         attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
         attr.port_num = device.port
