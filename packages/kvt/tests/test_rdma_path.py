@@ -184,6 +184,25 @@ def test_forced_rdma_against_a_peer_without_a_device_fails_with_the_reason(no_le
         d.close()
 
 
+class NoQueuePairs(FakeDevice):
+    def create_qp(self):
+        raise OSError("out of QPs")
+
+
+def test_a_queue_pair_that_cannot_be_created_leaves_the_link_on_tcp_in_auto(no_leaks, caplog):
+    p, d = engine("P", device=NoQueuePairs()), engine("D")
+    try:
+        sent, received, src, dst, src_ids, dst_ids = transfer(p, d, "noqp", n_blocks=4)
+        assert sent.ok
+        assert received.ok
+        assert_copied(src, dst, src_ids, dst_ids)
+        assert link_path(p, d) == "tcp"
+        assert "rdma queue pair creation failed" in caplog.text
+    finally:
+        p.close()
+        d.close()
+
+
 def transfer_unfinished(p, d):
     src, dst = np.ones(BLOCK, np.uint8), np.zeros(BLOCK, np.uint8)
     blocks = make_blocks(0, 0, BLOCK, src_region=p.register_region(src),

@@ -511,10 +511,18 @@ class RdmaPath(PayloadPath):
 class _RdmaCandidate(PathCandidate):
     def __init__(self, provider: RdmaPathProvider, link: LinkIO) -> None:
         self.provider, self.link = provider, link
-        self.qp: QueuePair | None = provider.device.create_qp()
-        self.blob = self.qp.info.pack()
+        self.qp: QueuePair | None = None
+        self.error: str | None = None
+        try:
+            self.qp = provider.device.create_qp()
+        except Exception as exc:  # the link still comes up, on another path (or fails if forced)
+            self.error = f"rdma queue pair creation failed: {exc!r}"
+            log.warning("kvt rdma: %s (link to %s)", self.error, link.peer)
+        self.blob = self.qp.info.pack() if self.qp is not None else b""
 
     def check(self, peer: Hello) -> str | None:
+        if self.error is not None:
+            return self.error
         blob = peer.offer("rdma")
         try:
             QpInfo.unpack(blob or b"")
@@ -524,7 +532,8 @@ class _RdmaCandidate(PathCandidate):
 
     def open(self, peer: Hello) -> PayloadPath:
         qp = self.qp
-        assert qp is not None
+        if qp is None:
+            raise OSError(self.error)
         qp.connect(QpInfo.unpack(peer.offer("rdma") or b""))
         path = RdmaPath(self.link, self.provider, qp)
         self.qp = None  # the path owns it now
