@@ -10,7 +10,17 @@ import numpy as np
 import pytest
 from kvt import Completion, TransferEngine
 from kvt.memory import InMemoryBackend
+from kvt.paths import TcpPathProvider
+from kvt.rdma import RdmaPathProvider
 from kvt.tcp import TcpBackend
+from rdma_fake import FakeDevice
+
+
+def rdma_fake_backend(name: str, **device) -> TcpBackend:
+    """TCP control channel, payload over the rdma path on a fake NIC (tests/rdma_fake.py)."""
+    providers = [RdmaPathProvider(FakeDevice(**device)), TcpPathProvider()]
+    return TcpBackend(name=name, transport="rdma", providers=providers)
+
 
 # The data planes the engine suite runs on; each fixture below that builds engines runs once per
 # backend. "unreachable": an address no engine of that backend listens on. "samehost": TCP links
@@ -26,6 +36,7 @@ BACKENDS = {
         "unreachable": "127.0.0.1:1",
     },
     "memory": {"new": lambda name: InMemoryBackend(name=name), "unreachable": "memory:nobody"},
+    "rdma-fake": {"new": rdma_fake_backend, "unreachable": "127.0.0.1:1"},
 }
 
 

@@ -289,6 +289,7 @@ class TcpPathProvider(PathProvider):
 
 def default_providers() -> list[PathProvider]:
     """The payload paths a TcpBackend offers, best first (each checks its own availability)."""
+    from kvt.rdma import RdmaPathProvider  # its device (pyverbs) is opened lazily, on first use
     from kvt.samehost import SamehostProvider
 
-    return [SamehostProvider(), TcpPathProvider()]
+    return [RdmaPathProvider(), SamehostProvider(), TcpPathProvider()]
