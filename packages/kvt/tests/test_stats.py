@@ -42,7 +42,7 @@ def _blocks(n, rs, rd):
 
 
 def test_each_stage_observed_where_it_belongs(pair, clock) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, _, rs, rd = pair
     path = p.backend.link_to(d.data_address).path
     assert path in ("tcp", "memory", "samehost", "rdma")
     events = CpuLayerEvents(1)
@@ -107,7 +107,7 @@ def _text_figures(engine) -> dict:
 
 
 def test_snapshot_matches_the_prometheus_text(pair) -> None:
-    p, d, src, dst, rs, rd = pair
+    p, d, _, _, rs, rd = pair
     for i in range(3):
         got = Completions()
         d.expect(f"ok{i}", on_complete=got)
