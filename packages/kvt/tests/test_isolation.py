@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -131,3 +132,40 @@ def test_raw_peer_that_never_reads_does_not_delay_others(no_leaks) -> None:
         server.close()
         p.close()
         b.close()
+
+
+def test_close_with_stuck_peers_is_bounded_once_not_per_peer(no_leaks, monkeypatch) -> None:
+    """close() lets every writer flush its ABORTs within one shared deadline: three peers that
+    stopped reading cost one CLOSE_FLUSH_S, not three (each join gets what is left of it)."""
+    from kvt import tcp
+
+    joins: list[tuple[float, float]] = []  # (when join_writer was called, the timeout it got)
+    real_join = tcp.TcpLink.join_writer
+
+    def spy(link, timeout: float) -> None:
+        joins.append((time.monotonic(), timeout))
+        real_join(link, timeout)
+
+    monkeypatch.setattr(tcp.TcpLink, "join_writer", spy)
+    p = EngineFactory("tcp")("P")
+    src = np.zeros(STUCK_BYTES, dtype=np.uint8)
+    rs = p.register_region(src)
+    servers = [socket.create_server(("127.0.0.1", 0), backlog=1) for _ in range(3)]
+    conns = []
+    try:
+        for i, server in enumerate(servers):
+            address = f"127.0.0.1:{server.getsockname()[1]}"
+            blocks = make_blocks(0, 0, STUCK_BYTES, src_region=rs, dst_region=0)
+            p.send(f"stuck{i}", address, blocks, last=True)
+            conn, _ = server.accept()
+            conn.sendall(encode_hello(f"silent{i}", address))
+            conns.append(conn)
+        p.close()
+        assert len(joins) == 3
+        deadlines = [called + timeout for called, timeout in joins]
+        assert max(deadlines) - min(deadlines) < 0.05, joins  # one deadline for every link
+        assert all(timeout <= tcp.CLOSE_FLUSH_S for _, timeout in joins)
+    finally:
+        p.close()
+        for sock in (*conns, *servers):
+            sock.close()
