@@ -32,7 +32,9 @@ STUCK_BYTES = 128 << 20  # far more than loopback's socket buffers (tcp_rmem max
 B_REQUESTS = 64
 B_BLOCKS = 16  # 1 MiB per request to B
 STUCK_TIMEOUT_S = 3.0  # B's 64 MiB take well under a second even on a crowded box
-PATHS = ["tcp"]  # payload paths that move bytes through a link a peer can stop reading
+# Payload paths whose link a peer can stop reading (the in-memory backend copies on one thread
+# per engine pair, so there the stuck request never starts and simply times out PENDING).
+PATHS = ["tcp"]
 
 
 def _b_requests(p, b, *, src, dst, rs, rd_b, stuck: Completions) -> None:
