@@ -81,6 +81,10 @@ class LinkIO(Protocol):
         """The control layer (on_batch, ...)."""
 
     @property
+    def local_boot_id(self) -> str:
+        """This end's boot id as announced in its HELLO."""
+
+    @property
     def decoder(self) -> FrameDecoder:
         """The reader's decoder (a tcp payload reports its bytes consumed to it)."""
 
@@ -280,4 +284,6 @@ class TcpPathProvider(PathProvider):
 
 def default_providers() -> list[PathProvider]:
     """The payload paths a TcpBackend offers, best first (each checks its own availability)."""
-    return [TcpPathProvider()]
+    from kvt.samehost import SamehostProvider
+
+    return [SamehostProvider(), TcpPathProvider()]

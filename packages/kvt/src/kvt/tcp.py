@@ -108,6 +108,7 @@ class TcpLink:
         self._candidates: dict[str, PathCandidate] = {}
         self._verdict: dict[str, str | None] = {}
         self._payload: PayloadPath | None = None
+        self._chosen: PathCandidate | None = None
         self._ready = False
         self._ready_event = threading.Event()
         self._lock = threading.Lock()
@@ -137,6 +138,10 @@ class TcpLink:
     def path(self) -> str:
         """The payload path the handshake chose ("tcp" until then)."""
         return self._payload.name if self._payload is not None else "tcp"
+
+    @property
+    def local_boot_id(self) -> str:
+        return self.backend.boot_id
 
     @property
     def listener(self) -> BackendListener:
@@ -172,13 +177,11 @@ class TcpLink:
             if self._payload is not None:
                 self._payload.close(self._failure[0])
             for candidate in self._candidates.values():
-                if self._payload is None or candidate is not self._chosen_candidate:
+                if candidate is not self._chosen:
                     candidate.discard()
         finally:
             if self._sock is not None:
                 self._sock.close()
-
-    _chosen_candidate: PathCandidate | None = None
 
     # ---------------------------------------------------------------- queueing
     def send_control(self, message: ControlMessage) -> None:
@@ -489,8 +492,8 @@ class TcpLink:
             log.warning("kvt %s: %s", self.backend.name, reason)
             self._fail(reason, connect_failed=True)
             return
-        self._chosen_candidate = candidate
         with self._lock:
+            self._chosen = candidate
             self._payload = payload
             self._ready = not self._closed
         self._ready_event.set()
@@ -574,6 +577,11 @@ class TcpBackend(DataPlaneBackend):
 
     def submit(self, link: TcpLink, job: SendJob) -> None:  # type: ignore[override]
         link.submit(job)
+
+    def links(self) -> list[TcpLink]:
+        """The live links, inbound and outbound (tools and tests: ``link.path``, ``link.peer``)."""
+        with self._lock:
+            return [link for link in self._links if not link.closed]
 
     def register_memory(self, info: MemoryInfo) -> None:
         for provider in self.providers:
