@@ -34,7 +34,7 @@ B_BLOCKS = 16  # 1 MiB per request to B
 STUCK_TIMEOUT_S = 3.0  # B's 64 MiB take well under a second even on a crowded box
 # Payload paths whose link a peer can stop reading (the in-memory backend copies on one thread
 # per engine pair, so there the stuck request never starts and simply times out PENDING).
-PATHS = ["tcp"]
+PATHS = ["tcp", "samehost"]
 
 
 def _b_requests(p, b, *, src, dst, rs, rd_b, stuck: Completions) -> None:

@@ -82,6 +82,7 @@ class _SendJob:
 
     __slots__ = (
         "blocks",
+        "compute_wait",
         "engine",
         "frame_start",
         "last",
@@ -96,6 +97,7 @@ class _SendJob:
         self.request_id = req.request_id
         self.submitted = time.monotonic()
         self.frame_start = 0.0
+        self.compute_wait: float | None = None  # seconds its layer event took, not observed yet
 
     @property
     def addresses(self) -> np.ndarray:
@@ -103,6 +105,7 @@ class _SendJob:
 
     def begin_frame(self) -> bool:
         self.frame_start = time.monotonic()
+        self._observe_compute_wait()
         return self.engine._begin_io(self.req, queued_since=self.submitted)
 
     def end_frame(self, nbytes: int) -> None:
@@ -113,8 +116,16 @@ class _SendJob:
         self.engine._end_io(self.req, nbytes, "sent")
 
     def fail(self, reason: str, connect_failed: bool) -> None:
+        self._observe_compute_wait()
         code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
         self.engine._finish(self.req, AbortOrigin.TRANSPORT, code, reason, notify_peer=False)
+
+    def _observe_compute_wait(self) -> None:
+        # Observed when the backend first takes the job, not when the event fired: only then has
+        # a new link's handshake surely picked the path that labels it.
+        if self.compute_wait is not None:
+            self.engine.metrics.observe("compute_wait", _path(self.req.link), self.compute_wait)
+            self.compute_wait = None
 
 
 class _RecvSink:
@@ -416,7 +427,7 @@ class Engine:
     def _layer_ready(self, link: Link, job: _SendJob) -> None:
         req = job.req
         now = time.monotonic()
-        self.metrics.observe("compute_wait", link.path, now - job.submitted)
+        job.compute_wait = now - job.submitted
         job.submitted = now  # its queue stage starts when its layer is computed
         with self._lock:
             req.batches_waiting -= 1
