@@ -8,6 +8,8 @@ stuck request reaches its deadline. That ordering is what fails if anything on P
 links (one writer, a lock held across a blocking send, the timer or notifier thread waiting on A):
 B's transfers would then queue behind A until A's deadline closes A's link. The stuck request
 itself ends ABORTED(TIMEOUT) on P, its link closed, its completion delivered (memory released).
+The receiving side is held to the same: a sender stalled mid-frame delays no other sender, and
+close() gives all stuck links one flush deadline, not one each.
 
 Every step waits on events (completions, the hook's "held" event); the one duration is A's
 deadline, which is the thing under test. Speed with A stuck vs A absent is a timing claim and lives
