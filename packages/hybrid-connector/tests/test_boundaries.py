@@ -7,6 +7,7 @@ the RPC handler is called directly).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -102,6 +103,9 @@ class FakeEngine:
 
     def abort(self, request_id: str, reason: str = "") -> None:
         self.aborted.set()
+
+    def timed_stage(self, stage: str) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
     def complete(self, request_id: str) -> None:
         """kvt's completion, from a kvt thread, once it stopped reading the blocks."""

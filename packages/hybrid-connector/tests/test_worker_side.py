@@ -140,6 +140,7 @@ def test_pull_copies_exactly_the_requested_blocks(pair: Pair) -> None:
     assert all(bool((t[untouched] == 0).all()) for t in pair.d_kv.values())
     assert pair.d.counters()["pulls_done"] == 1
     assert pair.p.counters()["sends_done"] == 1
+    assert pair.p._engine.stats().stage("parse", "none").count == 1  # P timed its plan
 
 
 def test_first_block_skips_what_decode_already_holds(pair: Pair) -> None:

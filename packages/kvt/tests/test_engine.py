@@ -282,10 +282,11 @@ def test_metrics_registry_per_engine(pair) -> None:
         == 1
     )
     text = p.metrics_text().decode()
-    assert 'kvt_stage_seconds_count{stage="queue"}' in text
-    assert 'kvt_stage_seconds_count{stage="notify"}' in text
-    assert 'kvt_stage_seconds_count{stage="wire"}' in text
-    assert 'kvt_stage_seconds_count{stage="recv_chunk"}' in d.metrics_text().decode()
+    path = p.backend.link_to(d.data_address).path
+    assert f'kvt_stage_seconds_count{{path="{path}",stage="queue"}}' in text
+    assert f'kvt_stage_seconds_count{{path="{path}",stage="notify"}}' in text
+    assert f'kvt_stage_seconds_count{{path="{path}",stage="wire"}}' in text
+    assert 'stage="recv_chunk"' in d.metrics_text().decode()
 
 
 def test_close_aborts_open_requests_and_tells_peer(make_engine) -> None:

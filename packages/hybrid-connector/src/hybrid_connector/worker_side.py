@@ -291,7 +291,8 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
             self._inbox.append(state.SendRefused(kvt_id, TransferError("pull gone"), False))
             return
         try:
-            blocks = self._plan(action, req)
+            with self._engine.timed_stage("parse"):  # kvt_stage_seconds{stage="parse"}
+                blocks = self._plan(action, req)
         except Exception as err:
             log.warning(
                 "request %s: transfer %s for %s (D request %s) rejected: %s",

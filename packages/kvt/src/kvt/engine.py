@@ -21,11 +21,12 @@ arriving batches with the memory to write, and sends its peer the control messag
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,7 @@ from kvt.control import (
     mark_io_thread,
 )
 from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
-from kvt.metrics import EngineMetrics
+from kvt.metrics import CALLER_STAGES, NO_PATH, EngineMetrics, EngineStats
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
 from kvt.timers import TimerHandle, TimerScheduler
 
@@ -81,6 +82,7 @@ class _SendJob:
 
     __slots__ = (
         "blocks",
+        "compute_wait",
         "engine",
         "frame_start",
         "last",
@@ -95,6 +97,7 @@ class _SendJob:
         self.request_id = req.request_id
         self.submitted = time.monotonic()
         self.frame_start = 0.0
+        self.compute_wait: float | None = None  # seconds its layer event took, not observed yet
 
     @property
     def addresses(self) -> np.ndarray:
@@ -102,18 +105,27 @@ class _SendJob:
 
     def begin_frame(self) -> bool:
         self.frame_start = time.monotonic()
+        self._observe_compute_wait()
         return self.engine._begin_io(self.req, queued_since=self.submitted)
 
     def end_frame(self, nbytes: int) -> None:
         if nbytes:
-            self.engine.metrics.stage.labels(stage="wire").observe(
-                time.monotonic() - self.frame_start
+            self.engine.metrics.observe(
+                "wire", _path(self.req.link), time.monotonic() - self.frame_start
             )
         self.engine._end_io(self.req, nbytes, "sent")
 
     def fail(self, reason: str, connect_failed: bool) -> None:
+        self._observe_compute_wait()
         code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
         self.engine._finish(self.req, AbortOrigin.TRANSPORT, code, reason, notify_peer=False)
+
+    def _observe_compute_wait(self) -> None:
+        # Observed when the backend first takes the job, not when the event fired: only then has
+        # a new link's handshake surely picked the path that labels it.
+        if self.compute_wait is not None:
+            self.engine.metrics.observe("compute_wait", _path(self.req.link), self.compute_wait)
+            self.compute_wait = None
 
 
 class _RecvSink:
@@ -136,8 +148,8 @@ class _RecvSink:
 
     def end_chunk(self, nbytes: int) -> None:
         if nbytes:
-            self.engine.metrics.stage.labels(stage="recv_chunk").observe(
-                time.monotonic() - self.chunk_start
+            self.engine.metrics.observe(
+                "recv_chunk", self.link.path, time.monotonic() - self.chunk_start
             )
         self.engine._end_io(self.req, nbytes, "received")
 
@@ -195,6 +207,28 @@ class Engine:
     def metrics_text(self) -> bytes:
         """The registry in Prometheus text format (for a /metrics handler)."""
         return self.metrics.text()
+
+    def stats(self) -> EngineStats:
+        """A typed snapshot of this engine's metrics: per (stage, path) count, sum, mean and
+        p50/p99 (estimated from the histogram buckets), bytes by direction, requests by role and
+        status, aborts by role and origin, active requests by role."""
+        return self.metrics.snapshot()
+
+    def observe_stage(self, stage: str, seconds: float, *, path: str = NO_PATH) -> None:
+        """Record a caller-side stage (``"parse"``: layout to IpcBlocks) in kvt_stage_seconds."""
+        if stage not in CALLER_STAGES:
+            raise ValueError(f"stage {stage!r} is not a caller stage (one of {CALLER_STAGES})")
+        self.metrics.observe(stage, path, seconds)
+
+    @contextlib.contextmanager
+    def timed_stage(self, stage: str, *, path: str = NO_PATH) -> Iterator[None]:
+        """``with engine.timed_stage("parse"): blocks = plan(...)``: times the block when it
+        completes (an exception records nothing: a failed step is not a step's duration)."""
+        if stage not in CALLER_STAGES:
+            raise ValueError(f"stage {stage!r} is not a caller stage (one of {CALLER_STAGES})")
+        start = time.monotonic()
+        yield
+        self.metrics.observe(stage, path, time.monotonic() - start)
 
     def register_region(self, obj: Any, *, writable: bool | None = None) -> int:
         """Register memory kvt may read (send) or write (receive); returns the region id.
@@ -392,6 +426,9 @@ class Engine:
     # ================================================================ sender internals
     def _layer_ready(self, link: Link, job: _SendJob) -> None:
         req = job.req
+        now = time.monotonic()
+        job.compute_wait = now - job.submitted
+        job.submitted = now  # its queue stage starts when its layer is computed
         with self._lock:
             req.batches_waiting -= 1
             release = req.parked_last if req.batches_waiting == 0 else None
@@ -529,9 +566,7 @@ class Engine:
             if req.status is TransferStatus.PENDING:
                 req.status = TransferStatus.TRANSFERRING
                 if queued_since is not None:
-                    self.metrics.stage.labels(stage="queue").observe(
-                        time.monotonic() - queued_since
-                    )
+                    self.metrics.observe("queue", _path(req.link), time.monotonic() - queued_since)
             req.io_active += 1
             return True
 
@@ -627,19 +662,28 @@ class Engine:
         self.metrics.requests.labels(role=req.role, status=completion.status.value).inc()
         if completion.origin is not None:
             self.metrics.aborts.labels(role=req.role, origin=completion.origin.value).inc()
-        self.metrics.stage.labels(stage="transfer").observe(now - req.created)
-        self._notify(req.callbacks, completion, now)
+        path = _path(req.link)
+        self.metrics.observe("transfer", path, now - req.created)
+        self._notify(req.callbacks, completion, now, path)
 
-    def _notify(self, callbacks: list[CompletionCallback], completion: Completion, t: float):
+    def _notify(
+        self,
+        callbacks: list[CompletionCallback],
+        completion: Completion,
+        t: float,
+        path: str = NO_PATH,
+    ) -> None:
         # On kvt's own threads the callbacks run at once (one thread hop less on the completion
         # path, which matters on a crowded CPU); from a caller's thread they go to the notifier.
         if in_io_thread():
-            self._run_callbacks(callbacks, completion, t)
+            self._run_callbacks(callbacks, completion, t, path)
         else:
-            self._notify_queue.put((callbacks, completion, t))
+            self._notify_queue.put((callbacks, completion, t, path))
 
-    def _run_callbacks(self, callbacks: list[CompletionCallback], completion: Completion, t: float):
-        self.metrics.stage.labels(stage="notify").observe(time.monotonic() - t)
+    def _run_callbacks(
+        self, callbacks: list[CompletionCallback], completion: Completion, t: float, path: str
+    ) -> None:
+        self.metrics.observe("notify", path, time.monotonic() - t)
         for callback in callbacks:
             try:
                 callback(completion)
@@ -675,6 +719,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError(f"engine {self.name} is closed")
+
+
+def _path(link: Link | None) -> str:
+    """Metric label of the payload path a request's link uses (none before it has one)."""
+    return NO_PATH if link is None else link.path
 
 
 def _check_request_id(request_id: str) -> None:

@@ -24,6 +24,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, MemoryInfo, SendJob, drain
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 __all__ = ["IOV_MAX", "MAX_FRAME_PAYLOAD", "RECV_CHUNK", "TcpBackend", "TcpLink"]
 
 _SEND_WINDOW_BYTES = 1 << 62  # sendmsg: no byte cap per call, only IOV_MAX
+CLOSE_FLUSH_S = 2.0  # close(): how long the writers may flush queued ABORTs, all links together
 _DRAIN = bytearray(1024 * 1024)
 _FLUSH = object()  # writer: send what is queued before this, then half-close
 
@@ -615,8 +617,11 @@ class TcpBackend(DataPlaneBackend):
         self._server.close()
         for link in links:
             link.flush_and_stop_writing()
+        # Bounded: peers that stopped reading cannot hold us, and one deadline for all links
+        # keeps close() at 2 s however many peers are stuck (not 2 s per stuck peer).
+        deadline = time.monotonic() + CLOSE_FLUSH_S
         for link in links:
-            link.join_writer(timeout=2.0)  # bounded: a peer that stopped reading cannot hold us
+            link.join_writer(timeout=max(0.0, deadline - time.monotonic()))
         for link in links:
             link.close("engine closed")
         with self._lock:
