@@ -28,6 +28,7 @@ from typing import Any
 from kvt.backend import BackendListener, Batch, DataPlaneBackend, IovCursor, SendJob, drain
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
+from kvt.faults import FaultKind, FaultPlan, InjectedFault, LinkWake, corrupt_header
 from kvt.protocol import (
     DataHeader,
     FrameDecoder,
@@ -85,6 +86,7 @@ class TcpLink:
         self._failure: tuple[str, bool] = ("link closed", False)  # (reason, connect_failed)
         self._threads_alive = 0
         self._threads: list[threading.Thread] = []
+        self._wake = LinkWake()  # ends injected stalls (kvt.faults) when the link closes
 
     @staticmethod
     def _sock_peer(sock: socket.socket | None) -> str:
@@ -170,6 +172,7 @@ class TcpLink:
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
+        self._wake.close()  # after the shutdown: a write woken from a stall must fail
         self._report_lost(reason, connect_failed=False)
 
     def flush_and_stop_writing(self) -> None:
@@ -206,6 +209,7 @@ class TcpLink:
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
+            self._wake.close()
         self._report_lost(reason, connect_failed=connect_failed)
 
     # ---------------------------------------------------------------- writer
@@ -277,6 +281,8 @@ class TcpLink:
             try:
                 last_frame = end >= n
                 head = encode_data_head(job.request_id, blocks[start:end], job.last and last_frame)
+                if self.backend.faults is not None:
+                    head = self._inject(job, head, views[start:end], payload, last_frame)
                 self._sendmsg_all([memoryview(head), *views[start:end]])
                 sent = payload
             finally:
@@ -284,6 +290,33 @@ class TcpLink:
             if last_frame:
                 return
             start = end
+
+    def _inject(self, job: SendJob, head: bytes, views: list, payload: int, last: bool) -> bytes:
+        """Carry out what the fault plan says for this DATA frame; returns the header to send."""
+        plan = self.backend.faults
+        assert plan is not None
+        fault = plan.on_data_frame(self.backend.name, self.peer, job.request_id, payload, last)
+        if fault is None:
+            return head
+        what = f"injected {fault.kind.value} at a DATA frame of {job.request_id!r}"
+        if fault.kind is FaultKind.STALL:
+            fault.stall(self._wake)
+            if self._closed:
+                raise InjectedFault(f"{what}: the link closed while the write was held")
+        elif fault.kind is FaultKind.CORRUPT:
+            return corrupt_header(head, fault.field)
+        elif fault.kind is FaultKind.DROP_MID:
+            cut, half = [], payload // 2
+            for view in views:
+                if half <= 0:
+                    break
+                cut.append(view[:half])
+                half -= cut[-1].nbytes
+            self._sendmsg_all([memoryview(head), *cut])
+            raise InjectedFault(what)
+        else:
+            raise InjectedFault(what)
+        return head
 
     def _sendmsg_all(self, buffers: list[memoryview]) -> None:
         sock = self._sock
@@ -407,8 +440,10 @@ class TcpBackend(DataPlaneBackend):
         name: str = "kvt",
         connect_timeout_s: float = 5.0,
         max_meta: int = 8 * 1024 * 1024,
+        faults: FaultPlan | None = None,
     ) -> None:
         self.name = name
+        self.faults = faults  # kvt.faults: misbehave on purpose (tests); None costs one check
         self.connect_timeout_s = connect_timeout_s
         self.max_meta = max_meta
         self.listener: BackendListener | None = None
