@@ -106,6 +106,10 @@ class _SendJob:
         return self.engine.regions.addresses(self.blocks, "src")
 
     def begin_frame(self) -> bool:
+        if self.req.abort_wanted is not None:
+            # abort() is waiting on a frame in flight (paths with several outstanding frames):
+            # start no more. Read without the lock: a frame that slips in is decided the same way.
+            return False
         self.frame_start = time.monotonic()
         return self.engine._begin_io(self.req, queued_since=self.submitted)
 

@@ -19,6 +19,7 @@ knows which links were hit. The backends carry the faults out; this module knows
 
 from __future__ import annotations
 
+import collections
 import enum
 import random
 import threading
@@ -46,6 +47,8 @@ class FrameInfo:
     nbytes: int  # payload bytes of this frame
     last: bool  # the request's last frame
     index: int = 0  # 1-based: the n-th DATA frame this plan saw from ``engine`` to ``peer``
+    kind: str = "DATA"  # "DATA" (tcp), "DESC" (samehost's descriptor), "pull" (samehost's
+    # receiver, before it reads), "batch" (in-memory)
 
 
 class Fault:
@@ -133,17 +136,19 @@ class FaultPlan:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
         self.injected: list[Injected] = []
+        self.seen: collections.Counter[str] = collections.Counter()  # frames consulted, by kind
 
     def decide(self, frame: FrameInfo) -> Fault | None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def on_data_frame(
-        self, engine: str, peer: str, request_id: str, nbytes: int, last: bool
+        self, engine: str, peer: str, request_id: str, nbytes: int, last: bool, *, kind="DATA"
     ) -> Fault | None:
         with self._lock:
             key = (engine, peer)
             index = self._counts[key] = self._counts.get(key, 0) + 1
-            frame = FrameInfo(engine, peer, request_id, nbytes, last, index)
+            self.seen[kind] += 1
+            frame = FrameInfo(engine, peer, request_id, nbytes, last, index, kind)
             fault = self.decide(frame)
             if fault is not None:
                 self.injected.append(Injected(frame, fault))

@@ -189,7 +189,7 @@ class _Connection:
         sender = target.other.backend
         nbytes = sum(v.nbytes for v in job.views)
         fault = sender.faults.on_data_frame(  # type: ignore[union-attr]
-            sender.name, target.other.peer, job.request_id, nbytes, job.last
+            sender.name, target.other.peer, job.request_id, nbytes, job.last, kind="batch"
         )
         if fault is None:
             return job.views

@@ -1,7 +1,8 @@
 """The reliability soak: many transfers under random aborts and injected faults, then checked.
 
 Used by tests/test_reliability.py (CI-sized) and benchmarks/bench_reliability.py (10,000). Two
-senders and one receiver, all in this process, on one transport. The transfers go in waves: each
+senders and one receiver, all in this process, on one transport ("samehost" in one process still
+pulls with ``process_vm_readv``, from its own pid). The transfers go in waves: each
 wave's requests (1-3 batches of 1-3 scattered blocks, each request into its own destination slot)
 are sent in a random interleaving while two threads abort random ones from the sender's and the
 receiver's side at random moments, some before the request starts, and the senders' fault plan
@@ -27,7 +28,7 @@ from kvt.memory import InMemoryBackend
 from kvt.outcome import AbortOrigin, Completion
 from kvt.tcp import TcpBackend
 
-SOAK_TRANSPORTS = ("memory", "tcp")
+SOAK_TRANSPORTS = ("memory", "tcp", "samehost")
 _BLOCK_SIZES = (4096, 16384, 65536)
 _MAX_BLOCKS = 9  # 3 batches x 3 blocks
 _SRC_BYTES = 4 << 20
@@ -36,8 +37,8 @@ INITIATORS = (AbortOrigin.LOCAL, AbortOrigin.TIMEOUT)
 
 def new_engine(transport: str, name: str, plan: FaultPlan | None = None, **kwargs) -> Engine:
     """An engine on ``transport`` whose backend consults ``plan`` (None: no faults)."""
-    if transport == "tcp":
-        backend = TcpBackend(name=name, faults=plan)
+    if transport in ("tcp", "samehost"):  # samehost: TCP control, payload pulled with CMA
+        backend = TcpBackend(name=name, faults=plan, transport=transport)
     elif transport == "memory":
         backend = InMemoryBackend(name, faults=plan)
     else:
@@ -83,6 +84,7 @@ class SoakReport:
     faults: collections.Counter = field(default_factory=collections.Counter)
     violations: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    frames: dict[str, int] = field(default_factory=dict)  # frames the fault plan saw, by kind
 
     @property
     def splits(self) -> int:
@@ -96,7 +98,7 @@ class SoakReport:
         return (
             f"{self.transport}: {self.transfers} transfers in {self.seconds:.1f} s "
             f"({rate:.0f}/s), {self.done} DONE on both sides, {self.local_aborts} abort() calls, "
-            f"faults: {faults}; outcomes (sender/receiver): {pairs}; "
+            f"frames {self.frames}, faults: {faults}; outcomes (sender/receiver): {pairs}; "
             f"DONE/ABORTED splits: {self.splits}; violations: {len(self.violations)}"
         )
 
@@ -144,8 +146,8 @@ def soak(
             run.dst.fill(0)
             injected_before = len(plan.injected)
             aborted = run.run_wave(reqs)
-            hit = {
-                i.frame.engine
+            hit = {  # the senders whose link a fault hit (at the sender, or at the receiver's pull)
+                i.frame.engine if i.frame.engine != "D" else i.frame.peer.partition("(")[0]
                 for i in plan.injected[injected_before:]
                 if i.fault.kind is not FaultKind.STALL
             }
@@ -159,7 +161,8 @@ def soak(
         extra = [key for key, cs in collector.got.items() if len(cs) != 1]
     report.violations.extend(f"{key}: completed more than once" for key in extra)
     for injected in plan.injected:
-        report.faults[injected.fault.kind.value] += 1
+        report.faults[f"{injected.fault.kind.value}@{injected.frame.kind}"] += 1
+    report.frames = dict(plan.seen)
     return report
 
 
@@ -172,7 +175,7 @@ class _Soak:
         self.report = SoakReport(transport)
         self.collector = _Collector()
         self.senders = [new_engine(transport, f"P{i}", plan) for i in range(2)]
-        self.receiver = new_engine(transport, "D")
+        self.receiver = new_engine(transport, "D", plan)  # faults at its pulls (samehost)
         gen = np.random.default_rng(seed)
         self.srcs = [gen.integers(0, 256, _SRC_BYTES, dtype=np.uint8) for _ in self.senders]
         self.src_ids = [
