@@ -78,37 +78,33 @@ def test_sender_abort_while_the_last_frame_is_being_written_agrees(engines) -> N
 def test_sender_abort_after_the_last_byte_left_agrees(engines) -> None:
     """abort() between the last byte leaving and the receiver's DONE arriving: DONE on both."""
     p, d = engines("P"), engines("D")
+    mine = between_done_and_its_arrival(p, d, lambda: p.abort("r", "after the last byte"))
+    assert mine.ok, f"receiver DONE, sender {mine.status} {mine.origin}: they disagree"
+
+
+def between_done_and_its_arrival(p, d, action):
+    """One request whose receiver runs ``action`` when it is DONE, before its DONE is sent (so
+    after the sender's last byte left); returns the sender's completion."""
     _, _, rs, rd = regions(p, d)
     got_send, got_recv = Completions(), Completions()
 
-    def receiver_done(c) -> None:  # runs before D sends its DONE: P's last byte has left
+    def receiver_done(c) -> None:
         got_recv(c)
-        p.abort("r", "after the last byte")
+        action()
 
     d.expect("r", on_complete=receiver_done)
     p.send("r", d.data_address, make_blocks(0, 0, BLOCK, src_region=rs, dst_region=rd),
            last=True, on_complete=got_send)  # fmt: skip
     assert got_recv.wait().ok
-    mine = got_send.wait()
-    assert mine.ok, f"receiver DONE, sender {mine.status} {mine.origin}: they disagree"
+    return got_send.wait()
 
 
 def test_link_lost_after_the_last_byte_left_asks_for_the_verdict(engines) -> None:
     """The link dies between the receiver's DONE and its arrival: the sender asks on a fresh
     link and hears DONE, instead of DONE on one side and ABORTED(TRANSPORT) on the other."""
     p, d = engines("P"), engines("D")
-    _, _, rs, rd = regions(p, d)
-    got_send, got_recv = Completions(), Completions()
-
-    def receiver_done(c) -> None:  # runs before D sends its DONE
-        got_recv(c)
-        p.backend.link_to(d.data_address).close("cable cut after the last byte")
-
-    d.expect("r", on_complete=receiver_done)
-    p.send("r", d.data_address, make_blocks(0, 0, BLOCK, src_region=rs, dst_region=rd),
-           last=True, on_complete=got_send)  # fmt: skip
-    assert got_recv.wait().ok
-    mine = got_send.wait()
+    cut = lambda: p.backend.link_to(d.data_address).close("cable cut after the last byte")  # noqa: E731
+    mine = between_done_and_its_arrival(p, d, cut)
     assert mine.ok, f"receiver DONE, sender {mine.status} {mine.origin}: they disagree"
     assert mine.nbytes == BLOCK
 

@@ -228,7 +228,8 @@ def test_sender_gives_up_mid_read_receiver_discards(no_leaks, monkeypatch) -> No
         gate.go.set()
         cd = got_d.wait()
         assert (cd.status, cd.origin) == (TransferStatus.ABORTED, AbortOrigin.TRANSPORT)
-        assert "gave up the link" in cd.reason
+        # Its own read notices, or the sender says so on a fresh link (kvt.engine, lost links).
+        assert "gave up the link" in cd.reason or "CONNECTION_LOST" in cd.reason
         assert cd.nbytes == 8 * MiB
         assert not (dst[: 8 * MiB] != 9).any()  # what it kept was read while the sender held it
 

@@ -53,6 +53,7 @@ CompletionCallback = Callable[[Completion], None]
 SEND, RECV = "send", "recv"
 UNTOLD = "send-untold"  # tombstone key: aborted before its first send(), receiver not told yet
 _TOMBSTONES = 65536  # finished request ids remembered (late frames, abort-before-start)
+_VERDICT_ASKS = 3  # fresh links a sender tries for the verdict once its last batch began
 
 
 @dataclass(eq=False)
@@ -74,9 +75,10 @@ class _Request:
     final: Completion | None = None
     timer: TimerHandle | None = None
     abort_replied: bool = False
+    last_begun: bool = False  # sender: the last batch's frames began (the peer may get them all)
     last_left: bool = False  # sender: every byte of the last batch has left (DONE may follow)
     abort_wanted: tuple[AbortCode, str] | None = None  # sender: abort() waiting on the verdict
-    verdict_asked: bool = False  # sender: link lost after the last byte left; asked on a new one
+    verdict_asks: int = 0  # sender: links lost once the last batch began, each asked on a new one
 
 
 class _SendJob:
@@ -111,7 +113,12 @@ class _SendJob:
             # start no more. Read without the lock: a frame that slips in is decided the same way.
             return False
         self.frame_start = time.monotonic()
-        return self.engine._begin_io(self.req, queued_since=self.submitted)
+        if not self.engine._begin_io(self.req, queued_since=self.submitted):
+            return False
+        if self.last:
+            with self.engine._lock:
+                self.req.last_begun = True
+        return True
 
     def end_frame(self, nbytes: int) -> None:
         if nbytes:
@@ -120,16 +127,24 @@ class _SendJob:
             )
         self.unsent -= nbytes
         engine, req = self.engine, self.req
-        lost = None
-        if self.last and self.unsent <= 0:
+        with engine._lock:
             # Before the frame is let go (io_active drops): an abort() from now on must wait for
-            # the receiver's verdict, which may well be DONE; so must a link loss that came while
-            # the last bytes were leaving.
-            with engine._lock:
+            # the receiver's verdict, which may well be DONE.
+            if self.last and self.unsent <= 0:
                 req.last_left = True
-                pending = req.pending
-                if pending is not None and pending.code is AbortCode.CONNECTION_LOST:
-                    lost, req.pending = pending, None
+            # So must a link loss once the last batch began: the receiver may have it all (on
+            # samehost it pulls the bytes, and only its lost ACK would have said so).
+            lost = req.pending
+            if (
+                lost is None
+                or lost.code is not AbortCode.CONNECTION_LOST
+                or not req.last_begun
+                or req.io_active != 1
+                or req.verdict_asks >= _VERDICT_ASKS
+            ):
+                lost = None
+            else:
+                req.pending = None
         engine._end_io(req, nbytes, "sent")
         if lost is not None:
             engine._finish(req, lost.origin, lost.code, lost.reason, notify_peer=False)
@@ -633,13 +648,14 @@ class Engine:
             ask = (
                 code is AbortCode.CONNECTION_LOST
                 and req.role == SEND
-                and req.last_left
-                and not req.verdict_asked
+                and req.last_begun
+                and not req.io_active
+                and req.verdict_asks < _VERDICT_ASKS
                 and req.peer_address is not None
                 and not self._closed
             )
             if ask:
-                req.verdict_asked = True
+                req.verdict_asks += 1
         if ask and self._ask_verdict(req, reason):
             return False
         with self._lock:
@@ -686,10 +702,11 @@ class Engine:
         return True
 
     def _ask_verdict(self, req: _Request, reason: str) -> bool:
-        """The link died after the last byte had left: the receiver may well be DONE, its DONE
-        lost with the link. Ask it on a fresh link (an ABORT(CONNECTION_LOST), which it answers
+        """The link died once the last batch had begun: the receiver may well be DONE, its DONE
+        (or, on samehost, its ACK) lost with the link. Ask it on a fresh link (an ABORT(CONNECTION_LOST), which it answers
         with its verdict: DONE, or an ABORT) instead of splitting DONE/ABORTED. False: no way to
-        ask (decide now). The fresh link's own loss, or the deadline, still ends the wait."""
+        ask (decide now). The fresh link's loss asks again (up to _VERDICT_ASKS links); a failed
+        connect, or the deadline, ends the wait."""
         old = req.link
         try:
             fresh = self.backend.link_to(req.peer_address)  # type: ignore[arg-type]

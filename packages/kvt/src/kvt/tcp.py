@@ -29,7 +29,7 @@ from typing import Any
 from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, MemoryInfo, SendJob, drain
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
-from kvt.faults import Fault, FaultKind, FaultPlan, InjectedFault, LinkWake, corrupt_header
+from kvt.faults import FaultKind, FaultPlan, InjectedFault, LinkWake, corrupt_header
 from kvt.paths import (
     _SEND_WINDOW_BYTES,
     IOV_MAX,
@@ -304,18 +304,12 @@ class TcpLink:
         start = HEADER_SIZE + meta.size
         request_id = bytes(buffers[0][start : start + rid_len]).decode(errors="replace")
         payload = HEADER.unpack_from(head)[4]
-        plan = self.backend.faults
-        assert plan is not None
-        fault = plan.on_data_frame(self.backend.name, self.peer, request_id, payload,
-                                   bool(flags & 1), kind=FrameType(ftype).name)  # fmt: skip
-        if fault is None:
+        fault, what = self._consult(request_id, payload, bool(flags & 1), FrameType(ftype).name)
+        if fault is None or fault.kind is FaultKind.STALL:
             return buffers
-        what = f"injected {fault.kind.value} at a {FrameType(ftype).name} frame of {request_id!r}"
-        if fault.kind is FaultKind.STALL:
-            self._stall(fault, what)
-        elif fault.kind is FaultKind.CORRUPT:
+        if fault.kind is FaultKind.CORRUPT:
             return [corrupt_header(bytes(buffers[0]), fault.field), *buffers[1:]]
-        elif fault.kind is FaultKind.DROP_MID:
+        if fault.kind is FaultKind.DROP_MID:
             cut, half = [buffers[0]], payload // 2
             for view in buffers[1:]:
                 if half <= 0:
@@ -323,33 +317,36 @@ class TcpLink:
                 cut.append(memoryview(view)[:half])
                 half -= cut[-1].nbytes
             self._write_all(cut)
-            raise InjectedFault(what)
-        else:
-            raise InjectedFault(what)
-        return buffers
+        raise InjectedFault(what)
 
-    def _stall(self, fault: Fault, what: str) -> None:
-        fault.stall(self._wake)
-        if self._closed:
-            raise InjectedFault(f"{what}: the link closed while the I/O was held")
+    def _consult(self, request_id: str, nbytes: int, last: bool, kind: str):
+        """Ask the fault plan about one frame or pull; a STALL is served here. Returns the fault
+        (None: go on as normal) and a description for the logs."""
+        plan = self.backend.faults
+        assert plan is not None
+        fault = plan.on_data_frame(self.backend.name, self.peer, request_id, nbytes, last,
+                                   kind=kind)  # fmt: skip
+        if fault is None:
+            return None, ""
+        what = f"injected {fault.kind.value} at a {kind} of {request_id!r}"
+        if fault.kind is FaultKind.STALL:
+            fault.stall(self._wake)
+            if self._closed:
+                raise InjectedFault(f"{what}: the link closed while the I/O was held")
+        return fault, what
 
     def pull_fault(self, request_id: str, nbytes: int, last: bool) -> bool:
         """kvt.faults for paths whose receiver pulls the payload (samehost), called before the
         pull: holds it (STALL), or fails the link (DROP, CORRUPT: as a malformed descriptor).
         True: drop the link once the bytes are read, before the sender hears (DROP_MID)."""
-        plan = self.backend.faults
-        if plan is None:
+        if self.backend.faults is None:
             return False
-        fault = plan.on_data_frame(self.backend.name, self.peer, request_id, nbytes, last,
-                                   kind="pull")  # fmt: skip
+        fault, what = self._consult(request_id, nbytes, last, "pull")
         if fault is None:
             return False
-        what = f"injected {fault.kind.value} at a pull of {request_id!r}"
-        if fault.kind is FaultKind.STALL:
-            self._stall(fault, what)
-        elif fault.kind is FaultKind.CORRUPT:
+        if fault.kind is FaultKind.CORRUPT:
             raise ProtocolViolation(f"{what}: descriptor rejected")
-        elif fault.kind is FaultKind.DROP:
+        if fault.kind is FaultKind.DROP:
             raise InjectedFault(what)
         return fault.kind is FaultKind.DROP_MID
 
