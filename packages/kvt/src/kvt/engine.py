@@ -703,10 +703,10 @@ class Engine:
 
     def _ask_verdict(self, req: _Request, reason: str) -> bool:
         """The link died once the last batch had begun: the receiver may well be DONE, its DONE
-        (or, on samehost, its ACK) lost with the link. Ask it on a fresh link (an ABORT(CONNECTION_LOST), which it answers
-        with its verdict: DONE, or an ABORT) instead of splitting DONE/ABORTED. False: no way to
-        ask (decide now). The fresh link's loss asks again (up to _VERDICT_ASKS links); a failed
-        connect, or the deadline, ends the wait."""
+        (or, on samehost, its ACK) lost with the link. Ask it on a fresh link (an
+        ABORT(CONNECTION_LOST), which it answers with its verdict: DONE, or an ABORT) instead of
+        splitting DONE/ABORTED. False: no way to ask (decide now). The fresh link's loss asks
+        again (up to _VERDICT_ASKS links); a failed connect, or the deadline, ends the wait."""
         old = req.link
         try:
             fresh = self.backend.link_to(req.peer_address)  # type: ignore[arg-type]

@@ -14,7 +14,9 @@ purpose", and :func:`disagreement`), and every DONE destination is compared byte
 from __future__ import annotations
 
 import collections
+import gc
 import random
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -157,6 +159,12 @@ def soak(
         for engine in (*run.senders, run.receiver):
             engine.close()
     report, collector = run.report, run.collector
+    gc.collect()
+    refs_after = [sys.getrefcount(a) for a in (*run.srcs, run.dst)]
+    if refs_after != run.refs_before:
+        report.violations.append(
+            f"region memory still referenced: {run.refs_before} -> {refs_after}"
+        )
     with collector.lock:  # nothing more may arrive after close()
         extra = [key for key, cs in collector.got.items() if len(cs) != 1]
     report.violations.extend(f"{key}: completed more than once" for key in extra)
@@ -178,11 +186,14 @@ class _Soak:
         self.receiver = new_engine(transport, "D", plan)  # faults at its pulls (samehost)
         gen = np.random.default_rng(seed)
         self.srcs = [gen.integers(0, 256, _SRC_BYTES, dtype=np.uint8) for _ in self.senders]
+        self.slot = _MAX_BLOCKS * max(_BLOCK_SIZES)
+        self.dst = np.zeros(wave * self.slot, dtype=np.uint8)
+        # References to the region memory before kvt saw it: afterwards nothing of kvt (a view
+        # held by a job, a sink, a path) may still hold one.
+        self.refs_before = [sys.getrefcount(a) for a in (*self.srcs, self.dst)]
         self.src_ids = [
             s.register_region(src) for s, src in zip(self.senders, self.srcs, strict=True)
         ]
-        self.slot = _MAX_BLOCKS * max(_BLOCK_SIZES)
-        self.dst = np.zeros(wave * self.slot, dtype=np.uint8)
         self.dst_id = self.receiver.register_region(self.dst)
 
     def plan_request(self, rid: str, j: int) -> _Request:
