@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import os
+import socket
 import threading
 
 import numpy as np
@@ -15,6 +16,7 @@ from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
 from kvt import samehost as sh
 from kvt.paths import IOV_MAX, RECV_CHUNK
+from kvt.protocol import encode_data_head, encode_hello
 from kvt.samehost import CmaError, ReadPlan
 from kvt.tcp import TcpBackend
 
@@ -228,7 +230,6 @@ def test_sender_gives_up_mid_read_receiver_discards(no_leaks, monkeypatch) -> No
         gate.go.set()
         cd = got_d.wait()
         assert (cd.status, cd.origin) == (TransferStatus.ABORTED, AbortOrigin.TRANSPORT)
-        # Its own read notices, or the sender says so on a fresh link (kvt.engine, lost links).
         assert "gave up the link" in cd.reason or "CONNECTION_LOST" in cd.reason
         assert cd.nbytes == 8 * MiB
         assert not (dst[: 8 * MiB] != 9).any()  # what it kept was read while the sender held it
@@ -302,3 +303,22 @@ def test_read_plan_copies_exactly_in_chunks(monkeypatch, short_reads) -> None:
 def test_read_plan_of_nothing() -> None:
     plan = ReadPlan(np.zeros(3, np.uint64), np.zeros(3, np.uint64), np.zeros(3, np.uint64), 1024)
     assert plan.chunks == 0
+
+
+def test_data_before_the_handshake_closes_only_that_link(no_leaks) -> None:
+    """A peer that sends an extended HELLO and then DATA without waiting for the VERDICTs breaks
+    the handshake: that connection closes, the engine keeps serving."""
+    with TransferEngine(name="D") as d:
+        region = d.register_region(np.zeros(4096, np.uint8))
+        host, port = d.data_address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=10)
+        hello = encode_hello("rude", "10.0.0.1:1", boot_id="b", pid=1, offers=[("tcp", b"")])
+        blocks = make_blocks(0, 0, 8, dst_region=region)
+        sock.sendall(hello + encode_data_head("early", blocks, True) + b"\x01" * 8)
+        while sock.recv(65536):
+            pass  # D's HELLO and VERDICT, then EOF: D closed the connection
+        sock.close()
+        with TransferEngine(name="P") as p:
+            cp, cd = small_transfer(p, d, "after")
+        assert cp.ok
+        assert cd.ok

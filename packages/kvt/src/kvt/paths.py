@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Iterator
 from typing import ClassVar, Protocol
 
 from kvt.backend import BackendListener, Batch, IovCursor, MemoryInfo, SendJob
@@ -205,6 +206,21 @@ def choose_path(
     return None, "no payload path both ends can use"
 
 
+def frame_cuts(lengths: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(start, end, payload bytes) of each frame of a job whose records have ``lengths``: at most
+    MAX_FRAME_PAYLOAD bytes a frame, at least one record (an empty job is one empty frame)."""
+    start, n = 0, len(lengths)
+    while True:
+        end, payload = start, 0
+        while end < n and (end == start or payload + lengths[end] <= MAX_FRAME_PAYLOAD):
+            payload += lengths[end]
+            end += 1
+        yield start, end, payload
+        if end >= n:
+            return
+        start = end
+
+
 # ------------------------------------------------------------------ tcp: payload on the socket
 class TcpPath(PayloadPath):
     """Payload follows its DATA frame: ``sendmsg`` straight from the source views, and
@@ -214,27 +230,17 @@ class TcpPath(PayloadPath):
 
     def send_job(self, job: SendJob) -> None:
         blocks, views = job.blocks, job.views
-        lengths = blocks["length"].tolist()
-        start, n = 0, len(views)
-        while True:
-            # Cut the batch into frames of at most MAX_FRAME_PAYLOAD bytes (at least one record).
-            end, payload = start, 0
-            while end < n and (end == start or payload + lengths[end] <= MAX_FRAME_PAYLOAD):
-                payload += lengths[end]
-                end += 1
+        for start, end, payload in frame_cuts(blocks["length"].tolist()):
             if not job.begin_frame():
                 return  # request finished (aborted): drop the frames not yet started
             sent = 0
             try:
-                last_frame = end >= n
-                head = encode_data_head(job.request_id, blocks[start:end], job.last and last_frame)
+                last = job.last and end == len(views)
+                head = encode_data_head(job.request_id, blocks[start:end], last)
                 self.link.write([memoryview(head), *views[start:end]])
                 sent = payload
             finally:
                 job.end_frame(sent)
-            if last_frame:
-                return
-            start = end
 
     def receive(self, frame: DataHeader | DataDescriptor) -> None:
         if not isinstance(frame, DataHeader):

@@ -26,8 +26,9 @@ addresses are not mapped in its process) aborts that request on both ends (BAD_B
 stays); ESRCH (peer gone) and EPERM (no longer allowed to read it) close the link.
 
 **Permissions.** ``process_vm_readv`` needs ptrace access to the peer: same uid and, with Yama
-``ptrace_scope`` 1, the peer's consent, which this module gives at import time of the provider
-with ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (harmless without Yama); or CAP_SYS_PTRACE
+``ptrace_scope`` 1, the peer's consent, which the provider gives when the process's first
+TcpBackend is made: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets
+any same-uid process ptrace this one); or CAP_SYS_PTRACE
 (root in most containers has it; Docker's default seccomp profile allows the call from 4.8
 kernels on). In separate pid namespaces the peer's pid is not ours: the probe read fails and
 "auto" stays on tcp. The probe (HELLO blob: a 16-byte cookie's address) is read by each end
@@ -54,12 +55,12 @@ from kvt.faults import InjectedFault
 from kvt.outcome import AbortCode
 from kvt.paths import (
     IOV_MAX,
-    MAX_FRAME_PAYLOAD,
     RECV_CHUNK,
     LinkIO,
     PathCandidate,
     PathProvider,
     PayloadPath,
+    frame_cuts,
 )
 from kvt.protocol import DataDescriptor, DataHeader, Hello, PathMessage, encode_desc, encode_path
 
@@ -329,39 +330,25 @@ class SamehostPath(PayloadPath):
         self._lock = threading.Lock()
         self._seq = 0
         self._outstanding: dict[int, SendJob] = {}
-        self._closed = False
 
     # ------------------------------------------------------------ sender (writer thread)
     def send_job(self, job: SendJob) -> None:
-        blocks = job.blocks
-        lengths = blocks["length"].tolist()
-        addresses = job.addresses
-        start, n = 0, len(lengths)
-        while True:
-            end, payload = start, 0
-            while end < n and (end == start or payload + lengths[end] <= MAX_FRAME_PAYLOAD):
-                payload += lengths[end]
-                end += 1
+        blocks, addresses = job.blocks, job.addresses
+        for start, end, _ in frame_cuts(blocks["length"].tolist()):
             if not job.begin_frame():
                 return
-            last_frame = end >= n
             with self._lock:
-                if self._closed:
-                    job.end_frame(0)
-                    raise OSError("samehost path closed")
                 self._seq += 1
                 seq = self._seq
-                self._outstanding[seq] = job
+                self._outstanding[seq] = job  # ended by its ACK, or by close()
             ext = np.ascontiguousarray(addresses[start:end], dtype="<u8").tobytes()
-            desc = encode_desc(job.request_id, blocks[start:end], job.last and last_frame, seq, ext)
+            last = job.last and end == len(blocks)
+            desc = encode_desc(job.request_id, blocks[start:end], last, seq, ext)
             try:
                 self.link.write([desc])
             except BaseException:
                 self._end(seq, 0)
                 raise
-            if last_frame:
-                return
-            start = end
 
     def on_message(self, message: PathMessage) -> None:
         if message.kind != ACK:
@@ -388,7 +375,6 @@ class SamehostPath(PayloadPath):
         """Both link threads stopped: clear our epoch word FIRST (a peer still reading discards
         what it reads from here on), then end the frames no ACK will come for."""
         with self._lock:
-            self._closed = True
             outstanding, self._outstanding = self._outstanding, {}
         self._candidate.provider.epochs.give_back(self._candidate.word, self._candidate.slot)
         for job in outstanding.values():

@@ -522,7 +522,9 @@ class TcpLink:
         self._peer_label = hello.data_address or self._peer_label
         log.debug("kvt %s: link from %s", self.backend.name, self.peer)
         if not hello.extended:  # a plain HELLO (an older peer, or a tool): tcp, no VERDICTs
-            self._choose({"tcp": None}, peer_mode="auto")
+            plain = f"{hello.name} sent a plain HELLO (tcp only)"
+            self._verdict = {name: None if name == "tcp" else plain for name in PREFERENCE}
+            self._choose(dict(self._verdict), peer_mode="auto")
             return
         results = []
         for name in PREFERENCE:
