@@ -730,7 +730,7 @@ class Engine:
             self.backend.link_to(peer_address).send_control(message)
         except (OSError, ValueError) as exc:
             log.info("kvt %s: could not tell %s about %r: %s", self.name, peer_address,
-                     message.request_id, exc)  # fmt: skip
+                     message.request_id, str(exc))  # fmt: skip
 
     def _retire(self, req: _Request, completion: Completion) -> None:
         """Under the lock: the request leaves the active table and is remembered."""

@@ -419,7 +419,9 @@ class TcpLink:
                         payload.send_job(item)
         except OSError as exc:
             if not self._closed:
-                log.warning("kvt link to %s failed while sending: %s", self.peer, exc)
+                # str(exc): a log record that keeps the exception would keep its traceback, and
+                # through it the job in this frame and the region memory its views point at.
+                log.warning("kvt link to %s failed while sending: %s", self.peer, str(exc))
             self._fail(f"send failed: {exc}")
         finally:
             try:
