@@ -60,9 +60,7 @@ class Fault:
         if kind is FaultKind.CORRUPT and field not in CORRUPT_FIELDS:
             raise ValueError(f"corrupt field must be one of {CORRUPT_FIELDS}, not {field!r}")
         self.kind, self.field, self.stall_s = kind, field, stall_s
-        self._lock = threading.Lock()
-        self._released = False
-        self._waiting: set[threading.Event] = set()
+        self._released = LinkWake()  # closed by release(): ends every hold, now and later
         self.stalled = threading.Event()  # set once a write is held by this fault
 
     def __repr__(self) -> str:
@@ -71,30 +69,24 @@ class Fault:
 
     def release(self) -> None:
         """Let every write this STALL holds (and will hold) go on."""
-        with self._lock:
-            self._released = True
-            waiting, self._waiting = self._waiting, set()
-        for event in waiting:
-            event.set()
+        self._released.close()
 
     def stall(self, wake: LinkWake) -> None:
         """Hold the calling write ``stall_s`` seconds (None: until released) or until its link
         closes (``wake``)."""
         event = threading.Event()
-        with self._lock:
-            if self._released:
-                return
-            self._waiting.add(event)
+        if not self._released.add(event):
+            return
         if wake.add(event):
             self.stalled.set()
             event.wait(self.stall_s)
         wake.discard(event)
-        with self._lock:
-            self._waiting.discard(event)
+        self._released.discard(event)
 
 
 class LinkWake:
-    """Owned by a link: closing it ends every stall its writes are held in."""
+    """A latch of waiters: closing it wakes every waiter, now and later. A link owns one, so
+    that its closing ends the stalls its writes are held in; a Fault owns one for release()."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -102,6 +94,7 @@ class LinkWake:
         self._events: set[threading.Event] = set()
 
     def add(self, event: threading.Event) -> bool:
+        """Wait with ``event`` (set on close); False: already closed, do not wait."""
         with self._lock:
             if not self._closed:
                 self._events.add(event)
