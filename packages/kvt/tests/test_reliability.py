@@ -144,6 +144,23 @@ def test_dropped_link_aborts_both_sides_transport(engines, kind) -> None:
     np.testing.assert_array_equal(dst[: 3 * BLOCK], src[: 3 * BLOCK])
 
 
+def test_link_dropped_before_the_receiver_saw_anything_tells_it(engines) -> None:
+    """Nothing of the request reached the receiver, so losing the link aborts nothing there: the
+    sender tells it on a fresh link instead of letting it hold its blocks for its deadline."""
+    p, d = engines("P", ScriptedFaults(Rule(Fault(FaultKind.DROP), nth=1))), engines("D")
+    _, _, rs, rd = regions(p, d)
+    batches = [make_blocks(i * BLOCK, i * BLOCK, BLOCK, src_region=rs, dst_region=rd)
+               for i in range(2)]  # fmt: skip
+    got_send, got_recv = both(p, d, "unseen", batches)  # the first batch's frame is dropped
+    mine = got_send.wait()
+    theirs = got_recv.wait(timeout=10)  # the receiver's own deadline is 60 s
+    for c in (mine, theirs):
+        assert (c.status, c.origin, c.code) == (
+            TransferStatus.ABORTED, AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST,
+        )  # fmt: skip
+    assert theirs.nbytes == 0
+
+
 @pytest.mark.parametrize("field", CORRUPT_FIELDS)
 def test_corrupt_header_closes_only_that_connection(engines, field, caplog) -> None:
     """The receiver closes only the connection the bad frame came on: a typed error
