@@ -716,7 +716,7 @@ class Engine:
             return False
         with self._lock:
             req.link = fresh
-        log.info("kvt %s: link to %s lost after the last byte of %r left: asking for the verdict",
+        log.info("kvt %s: link to %s lost once the last batch of %r began: asking for the verdict",
                  self.name, fresh.peer, req.request_id)  # fmt: skip
         message = Abort(req.request_id, AbortCode.CONNECTION_LOST, AbortTarget.RECEIVER, reason)
         fresh.send_control(message)
