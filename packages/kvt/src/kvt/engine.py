@@ -54,6 +54,7 @@ CompletionCallback = Callable[[Completion], None]
 SEND, RECV = "send", "recv"
 UNTOLD = "send-untold"  # tombstone key: aborted before its first send(), receiver not told yet
 _TOMBSTONES = 65536  # finished request ids remembered (late frames, abort-before-start)
+_VERDICT_ASKS = 3  # fresh links a sender tries for the verdict once its last batch began
 
 
 @dataclass(eq=False)
@@ -75,6 +76,10 @@ class _Request:
     final: Completion | None = None
     timer: TimerHandle | None = None
     abort_replied: bool = False
+    last_begun: bool = False  # sender: the last batch's frames began (the peer may get them all)
+    last_left: bool = False  # sender: every byte of the last batch has left (DONE may follow)
+    abort_wanted: tuple[AbortCode, str] | None = None  # sender: abort() waiting on the verdict
+    verdict_asks: int = 0  # sender: links lost once the last batch began, each asked on a new one
 
 
 class _SendJob:
@@ -89,6 +94,7 @@ class _SendJob:
         "req",
         "request_id",
         "submitted",
+        "unsent",
         "views",
     )
 
@@ -98,22 +104,61 @@ class _SendJob:
         self.submitted = time.monotonic()
         self.frame_start = 0.0
         self.compute_wait: float | None = None  # seconds its layer event took, not observed yet
+        self.unsent = sum(v.nbytes for v in views)  # payload bytes not yet handed over
 
     @property
     def addresses(self) -> np.ndarray:
         return self.engine.regions.addresses(self.blocks, "src")
 
     def begin_frame(self) -> bool:
+        if self.req.abort_wanted is not None:
+            # abort() is waiting on a frame in flight (paths with several outstanding frames):
+            # start no more. Read without the lock: a frame that slips in is decided the same way.
+            return False
         self.frame_start = time.monotonic()
         self._observe_compute_wait()
-        return self.engine._begin_io(self.req, queued_since=self.submitted)
+        if not self.engine._begin_io(self.req, queued_since=self.submitted):
+            return False
+        if self.last:
+            with self.engine._lock:
+                self.req.last_begun = True
+        return True
 
     def end_frame(self, nbytes: int) -> None:
         if nbytes:
             self.engine.metrics.observe(
                 "wire", _path(self.req.link), time.monotonic() - self.frame_start
             )
-        self.engine._end_io(self.req, nbytes, "sent")
+        self.unsent -= nbytes
+        engine, req = self.engine, self.req
+        with engine._lock:
+            # Before the frame is let go (io_active drops): an abort() from now on must wait for
+            # the receiver's verdict, which may well be DONE.
+            if self.last and self.unsent <= 0:
+                req.last_left = True
+            # So must a link loss once the last batch began: the receiver may have it all (on
+            # samehost it pulls the bytes, and only its lost ACK would have said so).
+            lost = req.pending
+            if (
+                lost is None
+                or lost.code is not AbortCode.CONNECTION_LOST
+                or not req.last_begun
+                or req.io_active != 1
+                or req.verdict_asks >= _VERDICT_ASKS
+            ):
+                lost = None
+            else:
+                req.pending = None
+        engine._end_io(req, nbytes, "sent")
+        if lost is not None:
+            engine._finish(req, lost.origin, lost.code, lost.reason, notify_peer=False)
+            return
+        with engine._lock:
+            wanted = req.abort_wanted
+            if wanted is None or req.last_left or req.io_active:
+                return
+            req.abort_wanted = None  # the last frame never left: the abort() holds after all
+        engine._finish(req, AbortOrigin.LOCAL, wanted[0], wanted[1], notify_peer=True)
 
     def fail(self, reason: str, connect_failed: bool) -> None:
         self._observe_compute_wait()
@@ -360,7 +405,13 @@ class Engine:
             self._finish(req, AbortOrigin.TRANSPORT, AbortCode.CONNECT_FAILED, str(exc), False)
             return
         with self._lock:
-            req.link = link
+            previous, req.link = req.link, req.link or link
+        if previous is not None and previous is not link:
+            # The link that carried this request's earlier batches died (link_to hands out a new
+            # one only then): they may be lost, so the rest must not complete it on a fresh link.
+            reason = f"link to {previous.peer} lost under the request"
+            self._finish(req, AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST, reason, False)
+            return
         job = _SendJob(self, req, np.asarray(blocks), views, last)
         if after is None:
             self._queue_job(link, job)
@@ -529,6 +580,10 @@ class Engine:
     def _on_abort(self, link: Link, abort: Abort) -> None:
         role = SEND if abort.target is AbortTarget.SENDER else RECV
         table = self._send if role == SEND else self._recv
+        # CONNECTION_LOST: the peer lost the request's link and says so on a fresh one; neither
+        # side chose to abort, so both say TRANSPORT (the README's rule of agreement).
+        lost = abort.code is AbortCode.CONNECTION_LOST
+        origin = AbortOrigin.TRANSPORT if lost else AbortOrigin.PEER
         reason = f"peer {link.peer} aborted ({abort.code.name}): {abort.reason}"
         with self._lock:
             req = table.get(abort.request_id)
@@ -536,13 +591,25 @@ class Engine:
                 self._remember(
                     (role, abort.request_id),
                     Completion(
-                        abort.request_id, role, TransferStatus.ABORTED, AbortOrigin.PEER,
-                        abort.code, reason, peer=link.peer,
+                        abort.request_id, role, TransferStatus.ABORTED, origin, abort.code,
+                        reason, peer=link.peer,
                     ),
                 )  # fmt: skip
         if req is not None:
             log.info("kvt %s: request %r: %s", self.name, abort.request_id, reason)
-            self._finish(req, AbortOrigin.PEER, abort.code, reason, notify_peer=False)
+            self._finish(req, origin, abort.code, reason, notify_peer=False)
+        if abort.code is AbortCode.CONNECTION_LOST and role == RECV:
+            # The sender lost the request's link and asks what became of it (_ask_verdict).
+            with self._lock:
+                verdict = (req.final or req.pending) if req else None
+                verdict = verdict or self._tombstones.get((RECV, abort.request_id))
+            if verdict is None:
+                return
+            if verdict.status is TransferStatus.DONE:
+                link.send_control(Done(abort.request_id, verdict.nbytes))
+            else:
+                code = verdict.code or AbortCode.CALLER_ABORT
+                link.send_control(Abort(abort.request_id, code, AbortTarget.SENDER, verdict.reason))
 
     def on_link_lost(self, link: Link, reason: str, connect_failed: bool) -> None:
         code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
@@ -593,7 +660,39 @@ class Engine:
         *,
         nbytes: int | None = None,
     ) -> bool:
-        """Decide the one completion (DONE if origin is None); False if already decided."""
+        """Decide the one completion (DONE if origin is None); False if already decided.
+
+        A sender's abort() that comes once the last frame may have reached the receiver (it has
+        begun, or left) is not decided here: it waits for the receiver's verdict (DONE, or its
+        ABORT), the link's loss or the deadline, so the two sides never split DONE/ABORTED over
+        it. If the frame in flight turns out not to be the last one, ``end_frame`` decides it.
+        """
+        with self._lock:
+            if req.final is not None or req.pending is not None:
+                return False
+            if (
+                code is AbortCode.CALLER_ABORT
+                and origin is AbortOrigin.LOCAL
+                and req.role == SEND
+                and req.last_submitted
+                and (req.last_left or req.io_active)
+            ):
+                if req.abort_wanted is None:
+                    req.abort_wanted = (code, reason)
+                return False
+            ask = (
+                code is AbortCode.CONNECTION_LOST
+                and req.role == SEND
+                and req.last_begun
+                and not req.io_active
+                and req.verdict_asks < _VERDICT_ASKS
+                and req.peer_address is not None
+                and not self._closed
+            )
+            if ask:
+                req.verdict_asks += 1
+        if ask and self._ask_verdict(req, reason):
+            return False
         with self._lock:
             if req.final is not None or req.pending is not None:
                 return False
@@ -621,12 +720,41 @@ class Engine:
                 link.send_control(message)
             elif req.peer_address:
                 self._send_without_link(req.peer_address, message)
+        elif code is AbortCode.CONNECTION_LOST and req.role == SEND and req.peer_address:
+            # The receiver may not have seen this request on the dead link (nothing of it arrived,
+            # so its loss aborts nothing there): tell it on a fresh one rather than have it hold
+            # its blocks until its own deadline. It completes ABORTED(TRANSPORT) too.
+            message = Abort(req.request_id, code, AbortTarget.RECEIVER, reason)
+            self._send_without_link(req.peer_address, message)
         if origin is AbortOrigin.TIMEOUT and io_busy and req.link is not None:
             # The backend is inside a frame of this request past its deadline: the link is stalled
             # or far too slow. Closing it wakes the I/O thread, which then delivers the completion.
             req.link.close(f"request {req.request_id!r} timed out mid-frame")
+            if notify_peer and req.peer_address:  # the ABORT queued on that link died with it
+                self._send_without_link(req.peer_address, message)
         if deliver:
             self._deliver(req, completion)
+        return True
+
+    def _ask_verdict(self, req: _Request, reason: str) -> bool:
+        """The link died once the last batch had begun: the receiver may well be DONE, its DONE
+        (or, on samehost, its ACK) lost with the link. Ask it on a fresh link (an
+        ABORT(CONNECTION_LOST), which it answers with its verdict: DONE, or an ABORT) instead of
+        splitting DONE/ABORTED. False: no way to ask (decide now). The fresh link's loss asks
+        again (up to _VERDICT_ASKS links); a failed connect, or the deadline, ends the wait."""
+        old = req.link
+        try:
+            fresh = self.backend.link_to(req.peer_address)  # type: ignore[arg-type]
+        except (OSError, ValueError):
+            return False
+        if fresh is old:
+            return False
+        with self._lock:
+            req.link = fresh
+        log.info("kvt %s: link to %s lost once the last batch of %r began: asking for the verdict",
+                 self.name, fresh.peer, req.request_id)  # fmt: skip
+        message = Abort(req.request_id, AbortCode.CONNECTION_LOST, AbortTarget.RECEIVER, reason)
+        fresh.send_control(message)
         return True
 
     def _send_without_link(self, peer_address: str, message: ControlMessage) -> None:
@@ -637,7 +765,7 @@ class Engine:
             self.backend.link_to(peer_address).send_control(message)
         except (OSError, ValueError) as exc:
             log.info("kvt %s: could not tell %s about %r: %s", self.name, peer_address,
-                     message.request_id, exc)  # fmt: skip
+                     message.request_id, str(exc))  # fmt: skip
 
     def _retire(self, req: _Request, completion: Completion) -> None:
         """Under the lock: the request leaves the active table and is remembered."""
@@ -710,11 +838,18 @@ class Engine:
             return
         with self._lock:
             stuck = req.final is None and req.io_active > 0
-            link = req.link
+            link, pending = req.link, req.pending
         if stuck and link is not None:
             # An earlier abort is waiting for the backend to leave a frame that has not moved
             # since: the link is stalled, and closing it is the only way to release the memory.
             link.close(f"request {req.request_id!r} stuck mid-frame past its deadline")
+            if pending is not None and pending.origin in (AbortOrigin.LOCAL, AbortOrigin.TIMEOUT):
+                # Its ABORT was queued on the link just closed: tell the peer on a fresh one.
+                target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
+                code = pending.code or AbortCode.CALLER_ABORT
+                if req.peer_address:
+                    message = Abort(req.request_id, code, target, pending.reason)
+                    self._send_without_link(req.peer_address, message)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -30,6 +30,8 @@ from typing import Any
 
 from kvt.backend import BackendListener, Batch, DataPlaneBackend, RecvSink, SendJob, drain
 from kvt.control import ControlMessage
+from kvt.errors import ProtocolViolation
+from kvt.faults import FaultKind, FaultPlan, LinkWake
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class _Connection:
         self._lock = threading.Lock()
         self.closed = False
         self._failure = "link closed"
+        self._wake = LinkWake()  # ends injected stalls (kvt.faults) when the connection closes
         self._thread = threading.Thread(
             target=self._main, name=f"kvt-{initiator.name}-M{next(_ids)}", daemon=True
         )
@@ -112,6 +115,7 @@ class _Connection:
             self.closed = True
             self._failure = reason
         self._queue.put(None)
+        self._wake.close()
         for end in self.ends:
             end.backend.forget(self)
         for end in self.ends:
@@ -162,14 +166,55 @@ class _Connection:
         sink = None
         copied = 0
         try:
+            views = job.views
+            if target.other.backend.faults is not None:
+                views = self._inject(target, job)
+                if views is None:
+                    return  # the connection is closed (injected drop or corrupt header)
             sink = target.backend.listener.on_batch(target, Batch(job.request_id, blocks, job.last))
             if sink is not None:
-                _copy(job.views, sink)
-            copied = sum(v.nbytes for v in job.views)
+                _copy(views, sink)
+            if views is not job.views:  # injected mid-payload drop: half of it went over
+                self.close(f"injected drop-mid at a batch of {job.request_id!r}")
+                return
+            copied = sum(v.nbytes for v in views)
         finally:
             job.end_frame(copied)
         if sink is not None:
             sink.end_batch()
+
+    def _inject(self, target: _Endpoint, job: SendJob) -> list[memoryview] | None:
+        """Carry out what the sender's fault plan says for this batch (one frame here): the views
+        to copy (fewer for a mid-payload drop), or None once the connection is closed."""
+        sender = target.other.backend
+        nbytes = sum(v.nbytes for v in job.views)
+        fault = sender.faults.on_data_frame(  # type: ignore[union-attr]
+            sender.name, target.other.peer, job.request_id, nbytes, job.last, kind="batch"
+        )
+        if fault is None:
+            return job.views
+        what = f"injected {fault.kind.value} at a batch of {job.request_id!r}"
+        if fault.kind is FaultKind.STALL:
+            fault.stall(self._wake)
+            return None if self.closed else job.views
+        if fault.kind is FaultKind.CORRUPT:
+            # No header to break in memory: the receiver meets it as TCP's does (a typed error, a
+            # log line naming the peer, only this connection closed).
+            error = ProtocolViolation(f"{what}: bad {fault.field} in the frame header")
+            log.warning("kvt closing in-memory link from %s: protocol violation: %s",
+                        target.peer, error)  # fmt: skip
+            self.close(f"protocol violation: {error}")
+            return None
+        if fault.kind is FaultKind.DROP:
+            self.close(what)
+            return None
+        half, cut = nbytes // 2, []
+        for view in job.views:
+            if half <= 0:
+                break
+            cut.append(view[:half])
+            half -= cut[-1].nbytes
+        return cut
 
     def _drain(self) -> None:
         for item in drain(self._queue):
@@ -178,7 +223,7 @@ class _Connection:
 
 
 def _copy(sources: list[memoryview], sink: RecvSink) -> None:
-    """Source views into the sink's views (same lengths, record order), chunk by chunk."""
+    """Source views into the sink's views (record order), chunk by chunk."""
     targets = sink.views
     start, n = 0, len(sources)
     while start < n:
@@ -190,8 +235,8 @@ def _copy(sources: list[memoryview], sink: RecvSink) -> None:
             return  # the receiver's request finished: write nothing more
         written = 0
         try:
-            for i in range(start, end):
-                targets[i][:] = sources[i]
+            for i in range(start, end):  # a source may be shorter (an injected mid-payload drop)
+                targets[i][: sources[i].nbytes] = sources[i]
             written = size
         finally:
             sink.end_chunk(written)
@@ -201,8 +246,9 @@ def _copy(sources: list[memoryview], sink: RecvSink) -> None:
 class InMemoryBackend(DataPlaneBackend):
     """A data plane for engines in one process; see the module docstring."""
 
-    def __init__(self, name: str = "kvt") -> None:
+    def __init__(self, name: str = "kvt", *, faults: FaultPlan | None = None) -> None:
         self.name = name
+        self.faults = faults  # kvt.faults: misbehave on purpose (tests); None costs one check
         self._address = f"memory:{name}-{next(_ids)}"
         self.listener: BackendListener | None = None
         self._outbound: dict[str, _Connection] = {}  # guarded by _directory_lock, as below

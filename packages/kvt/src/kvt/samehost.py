@@ -51,6 +51,7 @@ import numpy as np
 from kvt.backend import Batch, SendJob
 from kvt.control import Abort, AbortTarget
 from kvt.errors import ProtocolViolation
+from kvt.faults import InjectedFault
 from kvt.outcome import AbortCode
 from kvt.paths import (
     IOV_MAX,
@@ -392,6 +393,10 @@ class SamehostPath(PayloadPath):
         if sink is None:
             link.post(encode_path(ACK, ACK_OK, frame.seq, 0))
             return
+        # kvt.faults (tests): a held or failed pull, or a link cut after it; one check when unset.
+        cut_after = link.faults is not None and link.pull_fault(
+            frame.request_id, frame.nbytes, frame.last
+        )
         remote = np.frombuffer(frame.ext, dtype="<u8").astype(np.uint64)
         plan = ReadPlan(sink.addresses, remote, frame.blocks["length"], RECV_CHUNK)
         read = 0
@@ -418,6 +423,8 @@ class SamehostPath(PayloadPath):
         except CmaError as exc:
             self._read_failed(frame, exc)
             return
+        if cut_after:
+            raise InjectedFault(f"injected drop-mid after the pull of {frame.request_id!r}")
         link.post(encode_path(ACK, ACK_OK, frame.seq, read))
         sink.end_batch()
 

@@ -30,6 +30,7 @@ from typing import Any
 from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, MemoryInfo, SendJob, drain
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
+from kvt.faults import FaultKind, FaultPlan, InjectedFault, LinkWake, corrupt_header
 from kvt.paths import (
     IOV_MAX,
     MAX_FRAME_PAYLOAD,
@@ -44,9 +45,14 @@ from kvt.paths import (
     transport_setting,
 )
 from kvt.protocol import (
+    DATA_META,
+    DESC_META,
+    HEADER,
+    HEADER_SIZE,
     DataDescriptor,
     DataHeader,
     FrameDecoder,
+    FrameType,
     Hello,
     PathMessage,
     Verdict,
@@ -117,6 +123,7 @@ class TcpLink:
         self._failure: tuple[str, bool] = ("link closed", False)  # (reason, connect_failed)
         self._threads_alive = 0
         self._threads: list[threading.Thread] = []
+        self._wake = LinkWake()  # ends injected stalls (kvt.faults) when the link closes
 
     @staticmethod
     def _sock_peer(sock: socket.socket | None) -> str:
@@ -133,6 +140,11 @@ class TcpLink:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def faults(self) -> FaultPlan | None:
+        """The backend's fault plan (kvt.faults), for paths that pull (see :meth:`pull_fault`)."""
+        return self.backend.faults
 
     @property
     def path(self) -> str:
@@ -259,6 +271,7 @@ class TcpLink:
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
+            self._wake.close()  # after the shutdown: a write woken from a stall must fail
         self._report_lost(reason, connect_failed=connect_failed)
 
     # ---------------------------------------------------------------- socket I/O (fault hooks)
@@ -266,12 +279,78 @@ class TcpLink:
         """Writer thread (or the reader during the handshake), under _write_lock: every byte of
         ``buffers`` in order, ``sendmsg`` over at most IOV_MAX buffers a call, partial sends
         resumed mid-buffer."""
+        if self.backend.faults is not None:
+            buffers = self._inject(buffers)
+        self._write_all(buffers)
+
+    def _write_all(self, buffers: list) -> None:
         sock = self._sock
         assert sock is not None
         cursor = IovCursor([memoryview(b) for b in buffers])
         while not cursor.done:
             window = cursor.window(IOV_MAX, _SEND_WINDOW_BYTES)
             cursor.advance(sock.sendmsg(window))
+
+    def _inject(self, buffers: list) -> list:
+        """kvt.faults at the socket: a DATA or DESC frame about to be written is dropped (before
+        it, or once the header and half the payload are out), held, or sent with a broken
+        header. Every path's frames pass here (tcp's DATA, samehost's DESC)."""
+        head = bytes(buffers[0][: HEADER_SIZE + DESC_META.size])
+        if len(head) < HEADER_SIZE:
+            return buffers
+        ftype = head[3]
+        if ftype not in (FrameType.DATA, FrameType.DESC):
+            return buffers
+        meta = DATA_META if ftype == FrameType.DATA else DESC_META
+        rid_len, flags = meta.unpack_from(head, HEADER_SIZE)[:2]
+        start = HEADER_SIZE + meta.size
+        request_id = bytes(buffers[0][start : start + rid_len]).decode(errors="replace")
+        payload = HEADER.unpack_from(head)[4]
+        fault, what = self._consult(request_id, payload, bool(flags & 1), FrameType(ftype).name)
+        if fault is None or fault.kind is FaultKind.STALL:
+            return buffers
+        if fault.kind is FaultKind.CORRUPT:
+            return [corrupt_header(bytes(buffers[0]), fault.field), *buffers[1:]]
+        if fault.kind is FaultKind.DROP_MID:
+            cut, half = [buffers[0]], payload // 2
+            for view in buffers[1:]:
+                if half <= 0:
+                    break
+                cut.append(memoryview(view)[:half])
+                half -= cut[-1].nbytes
+            self._write_all(cut)
+        raise InjectedFault(what)
+
+    def _consult(self, request_id: str, nbytes: int, last: bool, kind: str):
+        """Ask the fault plan about one frame or pull; a STALL is served here. Returns the fault
+        (None: go on as normal) and a description for the logs."""
+        plan = self.backend.faults
+        assert plan is not None
+        fault = plan.on_data_frame(self.backend.name, self.peer, request_id, nbytes, last,
+                                   kind=kind)  # fmt: skip
+        if fault is None:
+            return None, ""
+        what = f"injected {fault.kind.value} at a {kind} of {request_id!r}"
+        if fault.kind is FaultKind.STALL:
+            fault.stall(self._wake)
+            if self._closed:
+                raise InjectedFault(f"{what}: the link closed while the I/O was held")
+        return fault, what
+
+    def pull_fault(self, request_id: str, nbytes: int, last: bool) -> bool:
+        """kvt.faults for paths whose receiver pulls the payload (samehost), called before the
+        pull: holds it (STALL), or fails the link (DROP, CORRUPT: as a malformed descriptor).
+        True: drop the link once the bytes are read, before the sender hears (DROP_MID)."""
+        if self.backend.faults is None:
+            return False
+        fault, what = self._consult(request_id, nbytes, last, "pull")
+        if fault is None:
+            return False
+        if fault.kind is FaultKind.CORRUPT:
+            raise ProtocolViolation(f"{what}: descriptor rejected")
+        if fault.kind is FaultKind.DROP:
+            raise InjectedFault(what)
+        return fault.kind is FaultKind.DROP_MID
 
     def _send_nowait(self, frame: bytes) -> int:
         """post()'s fast path: one non-blocking send; returns the bytes the kernel took."""
@@ -342,7 +421,9 @@ class TcpLink:
                         payload.send_job(item)
         except OSError as exc:
             if not self._closed:
-                log.warning("kvt link to %s failed while sending: %s", self.peer, exc)
+                # str(exc): a log record that keeps the exception would keep its traceback, and
+                # through it the job in this frame and the region memory its views point at.
+                log.warning("kvt link to %s failed while sending: %s", self.peer, str(exc))
             self._fail(f"send failed: {exc}")
         finally:
             try:
@@ -513,6 +594,7 @@ class TcpBackend(DataPlaneBackend):
         name: str = "kvt",
         connect_timeout_s: float = 5.0,
         max_meta: int = 8 * 1024 * 1024,
+        faults: FaultPlan | None = None,
         transport: str | None = None,
         providers: list[PathProvider] | None = None,
         boot_id: str | None = None,
@@ -522,6 +604,7 @@ class TcpBackend(DataPlaneBackend):
         (default :func:`kvt.paths.default_providers`). ``boot_id``: override this host's boot id
         (tests: a peer "on another host")."""
         self.name = name
+        self.faults = faults  # kvt.faults: misbehave on purpose (tests); None costs one check
         self.connect_timeout_s = connect_timeout_s
         self.max_meta = max_meta
         self.transport = transport_setting(transport)
