@@ -523,3 +523,23 @@ def test_link_lost_mid_batch_returns_the_staging_on_both_sides(no_leaks) -> None
     assert receiver._stager.pool.leased == 0
     assert not memory.any()  # nothing of a half batch reached "device" memory
     receiver.close()
+
+
+def test_gpu_check_dry_run_runs_on_cpu(tmp_path) -> None:
+    """The prepared device script (benchmarks/gpu_check.py) is import-clean and its CPU rehearsal
+    produces the figures it will produce on a GPU."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    env = {**os.environ, "OUT": str(tmp_path)}
+    cmd = [sys.executable, str(script), "--dry-run", "--mib", "4", "--repeats", "1"]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=120)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    (tcp,) = report["throughput"]
+    assert tcp["byte_exact"], tcp
+    assert report["pipeline"]["byte_exact"]
+    assert report["pipeline"]["first_layer_on_wire_before_last_computed"]
