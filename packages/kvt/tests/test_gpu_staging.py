@@ -19,7 +19,7 @@ from kvt.access import DeviceMemory, EventWaiter, RegionTable
 from kvt.backend import Batch, DataPlaneBackend, MemoryInfo
 from kvt.engine import Engine
 from kvt.errors import DeviceMemoryError, InvalidBlocksError, InvalidRegionError
-from kvt.staging import StagingPool, ThreadCopier, coalesce
+from kvt.staging import STAGING_REGION_ID, StagingPool, ThreadCopier, coalesce
 
 BLOCK = 64 << 10
 LAYERS = 4
@@ -149,6 +149,21 @@ def test_device_regions_reach_register_memory_and_skip_staging(no_leaks) -> None
     rid = engine.register_region(fake_device(dev))
     assert backend.registered == [MemoryInfo(rid, dev.ctypes.data, dev.nbytes, True, "cuda:0")]
     assert engine._stager is None  # the backend moves device memory itself
+    engine.close()
+
+
+def test_the_staging_pool_is_registered_with_the_backend(no_leaks) -> None:
+    backend = _RecordingBackend(name="R")
+    backend.moves_device_memory = False  # host-byte paths: staging, whose memory paths may need
+    engine = Engine(backend, name="R", device_copier=ThreadCopier(), staging_bytes=1 << 20)
+    dev = np.zeros(1 << 16, dtype=np.uint8)
+    rid = engine.register_region(fake_device(dev))
+    assert engine._stager is not None
+    pool = engine._stager.pool
+    assert backend.registered == [
+        MemoryInfo(STAGING_REGION_ID, pool.address, 1 << 20, True, "cpu"),
+        MemoryInfo(rid, dev.ctypes.data, dev.nbytes, True, "cuda:0"),
+    ]
     engine.close()
 
 

@@ -45,7 +45,14 @@ from kvt.control import (
 from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
 from kvt.metrics import EngineMetrics
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
-from kvt.staging import DEFAULT_STAGING_BYTES, DeviceCopier, Lease, Stager, Ticket
+from kvt.staging import (
+    DEFAULT_STAGING_BYTES,
+    STAGING_REGION_ID,
+    DeviceCopier,
+    Lease,
+    Stager,
+    Ticket,
+)
 from kvt.timers import TimerHandle, TimerScheduler
 
 log = logging.getLogger(__name__)
@@ -287,6 +294,7 @@ class Engine:
         self._device_copier = device_copier
         self._staging_bytes = staging_bytes
         self._stager: Stager | None = None
+        self._staging_lock = threading.Lock()
         self.backend.start(self)
 
     # ================================================================ public API
@@ -544,21 +552,25 @@ class Engine:
         return bool(getattr(self.backend, "moves_device_memory", False))
 
     def _start_staging(self) -> Stager:
-        with self._lock:
+        with self._staging_lock:  # registrations only (startup), never a transfer path
             if self._stager is not None:
                 return self._stager
-        copier = self._device_copier
-        if copier is None:
-            from kvt.staging import CudaCopier
+            copier = self._device_copier
+            if copier is None:
+                from kvt.staging import CudaCopier
 
-            copier = CudaCopier()
-        stager = Stager(copier, self._staging_bytes, self.name)
-        with self._lock:
-            if self._stager is None:
-                self._stager = stager
-                return stager
-        stager.close()  # lost a race with another registration
-        return self._stager
+                copier = CudaCopier()
+            stager = Stager(copier, self._staging_bytes, self.name)
+            # Paths that need registered memory (RDMA MRs) read and write staging by address.
+            pool = stager.pool
+            info = MemoryInfo(STAGING_REGION_ID, pool.address, pool.capacity, True, "cpu")
+            try:
+                self.backend.register_memory(info)
+            except BaseException:
+                stager.close()
+                raise
+            self._stager = stager
+            return stager
 
     def _check_stageable(self, blocks: np.ndarray) -> None:
         nbytes = int(blocks["length"].sum())

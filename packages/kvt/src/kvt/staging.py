@@ -35,6 +35,9 @@ from kvt.access import EventWaiter
 
 DEFAULT_STAGING_BYTES = 256 << 20  # pinned host memory per engine, taken at the first device region
 _ALIGN = 256  # lease starts (DMA-friendly)
+# The pool as MemoryInfo.region_id for DataPlaneBackend.register_memory: beyond the u16 region ids,
+# so no IpcBlock can name it; only the engine's own staged jobs and sinks point into it.
+STAGING_REGION_ID = 0x10000
 
 
 class CopyEvent(Protocol):
@@ -384,6 +387,7 @@ class CudaCopier:
 
 __all__ = [
     "DEFAULT_STAGING_BYTES",
+    "STAGING_REGION_ID",
     "CudaCopier",
     "DeviceCopier",
     "Lease",
