@@ -65,6 +65,7 @@ def gpu_pair(request, no_leaks):
 
     yield make
     for side in made:
+        side.copier.resume()  # a failed test may have left the fake "device" held
         side.engine.close()
 
 
@@ -292,8 +293,9 @@ def test_full_pool_makes_batches_wait_in_order(gpu_pair) -> None:
     all_blocks = [layer_blocks(p, d, layer) for layer in range(LAYERS)]
     for layer, blocks in enumerate(all_blocks):
         p.engine.send("r1", d.engine.data_address, blocks, last=layer == LAYERS - 1)
-    # One layer fits the pool: one leased, the other three wait (no allocation beyond the pool).
-    assert (p.pool.leased, p.pool.waiting) == (1, LAYERS - 1)
+    # One layer fits the pool: one leased, the middle two wait in line (no allocation beyond the
+    # pool), the last waits for them before it even asks for space.
+    assert (p.pool.leased, p.pool.waiting) == (1, LAYERS - 2)
     p.copier.resume()
     assert recv.wait().status is TransferStatus.DONE
     for blocks in all_blocks:
@@ -558,3 +560,25 @@ def test_gpu_check_dry_run_runs_on_cpu(tmp_path) -> None:
     assert tcp["byte_exact"], tcp
     assert report["pipeline"]["byte_exact"]
     assert report["pipeline"]["first_layer_on_wire_before_last_computed"]
+
+
+def test_last_layer_ready_first_does_not_hold_the_pool(gpu_pair) -> None:
+    # The last batch waits for the earlier ones before it may leave; it must not sit on pool
+    # space while it waits, or a pool of one batch would starve the batches it waits for.
+    one_layer = BLOCKS_PER_LAYER * BLOCK
+    p = gpu_pair("P", staging_bytes=one_layer, timeout_s=5)
+    d = gpu_pair("D", timeout_s=5)
+    fill(p)
+    events = CpuLayerEvents(LAYERS)
+    recv = Completions()
+    d.engine.expect("r1", on_complete=recv)
+    all_blocks = [layer_blocks(p, d, layer) for layer in range(LAYERS)]
+    for layer, blocks in enumerate(all_blocks):
+        last = layer == LAYERS - 1
+        p.engine.send("r1", d.engine.data_address, blocks, last=last, after=(events, layer))
+    for layer in reversed(range(LAYERS)):
+        events.mark_ready(layer)
+    assert recv.wait().status is TransferStatus.DONE
+    for blocks in all_blocks:
+        assert_landed(p, d, blocks)
+    assert_pools_empty(p, d)

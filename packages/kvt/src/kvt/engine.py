@@ -537,11 +537,18 @@ class Engine:
         req = job.req
         with self._lock:
             req.batches_waiting -= 1
-            release = req.parked_last if req.batches_waiting == 0 else None
+            parked = req.parked_last
+            # A parked last batch from device memory is not staged yet: it still counts itself.
+            unstaged = isinstance(parked, _StagedSendJob) and parked.lease is None
+            release = parked if req.batches_waiting == int(unstaged) else None
             if release is not None:
                 req.parked_last = None
         self._queue_job(link, job)
-        if release is not None:
+        if release is None:
+            return
+        if unstaged:
+            self._stage_out(link, release)
+        else:
             self.backend.submit(link, release)
 
     # ================================================================ staging (device memory)
@@ -574,6 +581,8 @@ class Engine:
 
     def _check_stageable(self, blocks: np.ndarray) -> None:
         nbytes = int(blocks["length"].sum())
+        if nbytes == 0:
+            raise InvalidBlocksError("a device batch of 0 bytes: nothing to copy")
         if self._stager is not None and nbytes > self._stager.pool.capacity:
             raise InvalidBlocksError(
                 f"a device batch of {nbytes} bytes exceeds the staging pool "
@@ -609,6 +618,11 @@ class Engine:
 
         with self._lock:
             if req.final is not None or req.pending is not None:
+                return
+            if job.last and req.batches_waiting > 1:
+                # Earlier batches are still waiting: stage this one after them, so that it does
+                # not sit on pool space they need (with a small pool they would starve).
+                req.parked_last = job
                 return
         ticket = stager.pool.request(job.nbytes, granted)
         with self._lock:
