@@ -460,20 +460,18 @@ class Engine:
             return
         with self._lock:
             req.link = link
-        if staged:
-            staged_job = _StagedSendJob(self, req, np.asarray(blocks), last, device)
-            if after is None:
-                self._stage_out(link, staged_job)
-            else:
-                events, layer = after
-                events.when_ready(layer, lambda: self._stage_out(link, staged_job))
-            return
-        job = _SendJob(self, req, np.asarray(blocks), views, last)
+        job: _SendJob
+        if staged:  # device memory: staged once computed (the copy ends in _layer_ready)
+            job = _StagedSendJob(self, req, np.asarray(blocks), last, device)
+            go, ready = self._stage_out, self._stage_out
+        else:
+            job = _SendJob(self, req, np.asarray(blocks), views, last)
+            go, ready = self._queue_job, self._layer_ready
         if after is None:
-            self._queue_job(link, job)
+            go(link, job)
         else:
             events, layer = after
-            events.when_ready(layer, lambda: self._layer_ready(link, job))
+            events.when_ready(layer, lambda: ready(link, job))
 
     def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
         """Abort on this side (either role); the peer's side completes ABORTED(PEER). Idempotent.

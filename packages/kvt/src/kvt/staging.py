@@ -170,7 +170,6 @@ class StagingPool:
         return None
 
     def _release(self, lease: Lease) -> None:
-        granted: list[tuple[Ticket, Lease]] = []
         with self._lock:
             if lease._released:
                 return
@@ -185,11 +184,7 @@ class StagingPool:
                 else:
                     merged.append((offset, size))
             self._free = merged
-            while self._waiting and not self._closed:
-                new = self._take(self._waiting[0].nbytes)
-                if new is None:
-                    break
-                granted.append((self._waiting.popleft(), new))
+            granted = self._grant_in_order()
         for ticket, new in granted:
             ticket.on_grant(new)
 
@@ -204,15 +199,20 @@ class StagingPool:
 
     def _release_waiters_behind(self) -> None:
         # A cancelled head of the line may have been what the others waited behind.
-        granted: list[tuple[Ticket, Lease]] = []
         with self._lock:
-            while self._waiting and not self._closed:
-                new = self._take(self._waiting[0].nbytes)
-                if new is None:
-                    break
-                granted.append((self._waiting.popleft(), new))
+            granted = self._grant_in_order()
         for ticket, new in granted:
             ticket.on_grant(new)
+
+    def _grant_in_order(self) -> list[tuple[Ticket, Lease]]:
+        """Under the lock: leases for the head of the line while they fit (nobody overtakes)."""
+        granted: list[tuple[Ticket, Lease]] = []
+        while self._waiting and not self._closed:
+            new = self._take(self._waiting[0].nbytes)
+            if new is None:
+                break
+            granted.append((self._waiting.popleft(), new))
+        return granted
 
     def close(self) -> None:
         """Refuse new requests and wake every waiter with None; leases stay valid until released
