@@ -156,13 +156,24 @@ class RegionTable:
         Vectorised per region, no Python loop per block except for slicing the views.
         """
         regions = self._checked(blocks, side)
-        if not regions:
-            return []
         for rid, region in regions.items():
             if region.view is None:
                 raise DeviceMemoryError(
                     f"region {rid} is {region.device} memory: no host bytes to read or write"
                 )
+        return self._slice(blocks, side, regions)
+
+    def locate(self, blocks: np.ndarray, side: str) -> tuple[str, list[memoryview] | None]:
+        """One check for both kinds: ("cpu", the views of :meth:`views`) for host memory, or
+        (device, None) for device memory (see :meth:`device_of`)."""
+        regions = self._checked(blocks, side)
+        device = self._device(regions)
+        return (device, self._slice(blocks, side, regions) if device == "cpu" else None)
+
+    @staticmethod
+    def _slice(blocks: np.ndarray, side: str, regions: dict[int, Region]) -> list[memoryview]:
+        if not regions:
+            return []
         region_ids, offsets = blocks[f"{side}_region"], blocks[f"{side}_offset"]
         ends = (offsets + blocks["length"]).tolist()
         return [
@@ -173,7 +184,11 @@ class RegionTable:
     def device_of(self, blocks: np.ndarray, side: str) -> str:
         """Where the memory of ``blocks`` lives ("cpu" or e.g. "cuda:0"), after the checks of
         :meth:`views`; a batch that mixes host and device memory (or two devices) is refused."""
-        devices = {region.device for region in self._checked(blocks, side).values()}
+        return self._device(self._checked(blocks, side))
+
+    @staticmethod
+    def _device(regions: dict[int, Region]) -> str:
+        devices = {region.device for region in regions.values()}
         if len(devices) > 1:
             raise InvalidBlocksError(f"one batch names memory on {sorted(devices)}: split it")
         return devices.pop() if devices else "cpu"

@@ -395,15 +395,12 @@ class Engine:
         """
         self._check_open()
         _check_request_id(request_id)
-        device = self.regions.device_of(blocks, "src")
+        device, host_views = self.regions.locate(blocks, "src")
         staged = device != "cpu" and not self._backend_moves_device_memory
         if staged:
             self._check_stageable(blocks)
-            views: list[memoryview] = []
-        elif device != "cpu":
-            views = []  # the backend reads device memory by address (SendJob.addresses)
-        else:
-            views = self.regions.views(blocks, "src")
+        # Device memory without staging: the backend reads it by address (SendJob.addresses).
+        views = host_views if host_views is not None else []
         new = False
         aborted: Completion | None = None
         tell_receiver = False
@@ -717,9 +714,9 @@ class Engine:
             return None
         assert req is not None
         try:
-            device = self.regions.device_of(batch.blocks, "dst")
-            if device == "cpu":
-                views = self.regions.views(batch.blocks, "dst")
+            device, host_views = self.regions.locate(batch.blocks, "dst")
+            if host_views is not None:
+                views = host_views
             elif self._backend_moves_device_memory:
                 views = []  # the backend writes device memory by address (RecvSink.addresses)
             else:
