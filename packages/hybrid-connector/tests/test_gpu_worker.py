@@ -73,3 +73,12 @@ def test_kv_caches_on_other_devices_are_refused() -> None:
     meta = {"l0": torch.empty((4, 2, 4, 16), device="meta")}
     with pytest.raises(UnsupportedLayoutError, match="one CUDA device"):
         describe_kv_cache_groups(meta, [KvGroup("attention", ("l0",), 4)])
+
+
+def test_gpu_kv_buffers_register_as_kvt_device_memory() -> None:
+    from hybrid_connector.layout import Buffer
+    from hybrid_connector.worker_side import _region_of
+    from kvt.access import DeviceMemory
+
+    assert _region_of(Buffer(4096, 8192)) == (4096, 8192)
+    assert _region_of(Buffer(4096, 8192, "cuda:1")) == DeviceMemory(4096, 8192, "cuda:1")
