@@ -68,6 +68,7 @@ class Buffer:
 
     address: int
     nbytes: int
+    device: str = "cpu"  # "cpu", or the CUDA device holding it ("cuda:0")
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,12 @@ def describe_kv_cache_groups(
     if not kv_caches:
         raise UnsupportedLayoutError("vLLM registered no KV cache tensors")
     firsts = {n: (v[0] if isinstance(v, (list, tuple)) and v else v) for n, v in kv_caches.items()}
-    if any(t.device.type != "cpu" for t in firsts.values()):  # type: ignore[union-attr]
-        raise UnsupportedLayoutError("only host-memory (CPU) KV caches are supported")
+    devices = {_device_name(t.device) for t in firsts.values()}  # type: ignore[union-attr]
+    device = next(iter(devices)) if len(devices) == 1 else ""
+    if not (device == "cpu" or device.startswith("cuda:")):
+        raise UnsupportedLayoutError(
+            f"KV caches must all be in host memory or all on one CUDA device, not {sorted(devices)}"
+        )
     if num_blocks is None:
         first = next(iter(firsts.values()))
         kv_first = first.dim() == 5 and first.shape[0] == 2  # type: ignore[union-attr]
@@ -241,7 +246,7 @@ def describe_kv_cache_groups(
             base = storage.data_ptr()
             if base not in by_base:
                 by_base[base] = len(buffers)
-                buffers.append(Buffer(base, storage.nbytes()))
+                buffers.append(Buffer(base, storage.nbytes(), device))
             index.append(by_base[base])
             offsets.append(tensor.data_ptr() - base)
         assert segments is not None
@@ -263,6 +268,12 @@ def describe_kv_cache_groups(
             )
         )
     return CacheGeometry(tuple(buffers), tuple(described), tp_rank, tp_size)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index or 0}"
+    return device.type
 
 
 def describe_kv_caches(

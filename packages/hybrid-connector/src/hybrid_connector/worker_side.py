@@ -50,7 +50,8 @@ from hybrid_connector.protocol import (
 
 if TYPE_CHECKING:
     import torch
-    from kvt import Completion, CpuLayerEvents, LayerEvents, TransferEngine
+    from kvt import Completion, CpuLayerEvents, CudaLayerEvents, LayerEvents, TransferEngine
+    from kvt.access import DeviceEvent, EventWaiter
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
 
@@ -505,6 +506,15 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
 
 
 # ---------------------------------------------------------------------------------- the worker
+def _region_of(buffer: Any) -> Any:
+    """What kvt registers for a KV buffer: host memory by address, or device memory."""
+    if buffer.device == "cpu":
+        return (buffer.address, buffer.nbytes)
+    from kvt.access import DeviceMemory
+
+    return DeviceMemory(buffer.address, buffer.nbytes, buffer.device)
+
+
 class WorkerSide:
     def __init__(
         self, config: HybridConfig, *, is_producer: bool, is_consumer: bool, name: str
@@ -523,7 +533,12 @@ class WorkerSide:
         self._kv_caches: dict[str, torch.Tensor] = {}
         # Rapid transfer_kv: readiness of this step's layers, only while a step completes the
         # prompt of some do_remote_decode request.
-        self._step_events: CpuLayerEvents | None = None
+        self._step_events: CpuLayerEvents | CudaLayerEvents | None = None
+        # KV cache on a GPU: per-layer CUDA events, waited on by one kvt thread (never vLLM's).
+        self._kv_device = "cpu"
+        self._event_waiter: EventWaiter | None = None
+        self._new_device_event: Callable[[], DeviceEvent] | None = None
+        self._current_stream: Callable[[], Any] = lambda: None
         self._metrics_server: Any = None  # wsgiref server from prometheus_client
         self._metrics_thread: threading.Thread | None = None
         self.rpc_address: str | None = None
@@ -558,7 +573,15 @@ class WorkerSide:
             transport=self._config.transport,
         )
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
-        region_ids = [engine.register_region((b.address, b.nbytes)) for b in geometry.buffers]
+        region_ids = [engine.register_region(_region_of(b)) for b in geometry.buffers]
+        device = geometry.buffers[0].device
+        if device != "cpu":
+            import functools
+
+            import torch
+
+            stream = functools.partial(torch.cuda.current_stream, torch.device(device))
+            self._start_device_events(device, current_stream=stream)
         self.local_spec = geometry.spec(region_ids)
         self._loop = LoopThread(name=f"hybrid-connector-{self._name}")
         loop = self._loop.loop
@@ -593,6 +616,31 @@ class WorkerSide:
             engine.data_address,
         )
 
+    def _start_device_events(
+        self,
+        device: str,
+        *,
+        current_stream: Callable[[], Any],
+        event_factory: Callable[[], DeviceEvent] | None = None,
+    ) -> None:
+        """KV in device memory: layers become ready by CUDA events recorded in save_kv_layer on
+        ``current_stream()`` (``event_factory``: default ``torch.cuda.Event``; tests fake it)."""
+        from kvt.access import EventWaiter
+
+        self._kv_device = device
+        self._current_stream = current_stream
+        self._new_device_event = event_factory
+        self._event_waiter = EventWaiter(name=f"kvt-{self._name}-layer-events")
+
+    def _new_step_events(self) -> CpuLayerEvents | CudaLayerEvents:
+        from kvt import CpuLayerEvents, CudaLayerEvents
+
+        if self._event_waiter is None:
+            return CpuLayerEvents(len(self._layer_index))
+        return CudaLayerEvents(
+            len(self._layer_index), event_factory=self._new_device_event, waiter=self._event_waiter
+        )
+
     @staticmethod
     def _run_batch(batch: list[tuple[Callable[..., Any], tuple[Any, ...]]]) -> None:
         """Loop thread: one step's work, in order; one failing item does not skip the rest."""
@@ -613,11 +661,10 @@ class WorkerSide:
         batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         post = batch.append
         if meta.prefill_done and producer is not None:
-            from kvt import CpuLayerEvents
-
             # Called before the forward pass (bind_connector_metadata): save_kv_layer marks
-            # each layer ready as the pass writes it, wait_for_save marks the rest.
-            events = CpuLayerEvents(len(self._layer_index))
+            # each layer ready as the pass writes it (GPU: records its CUDA event), wait_for_save
+            # marks the rest.
+            events = self._new_step_events()
             self._step_events = events
             for spec in meta.prefill_done:
                 post((producer.prefill_done, (spec, events)))
@@ -648,13 +695,21 @@ class WorkerSide:
         events = self._step_events
         if events is not None:
             index = self._layer_index.get(layer_name)
-            if index is not None:
+            if index is None:
+                return
+            if hasattr(events, "record"):  # GPU: ready once the stream ran what is queued now
+                events.record(index, self._current_stream())
+            else:
                 events.mark_ready(index)
 
     def step_done(self) -> None:
         """End of the step's forward pass (wait_for_save): every layer is written."""
         events, self._step_events = self._step_events, None
-        if events is not None:
+        if events is None:
+            return
+        if hasattr(events, "record_rest"):
+            events.record_rest(self._current_stream())
+        else:
             for index in range(len(self._layer_index)):
                 events.mark_ready(index)
 
@@ -692,6 +747,8 @@ class WorkerSide:
             self._metrics_server.server_close()
             assert self._metrics_thread is not None
             self._metrics_thread.join()
+        if self._event_waiter is not None:  # recorded events complete, their layers are sent
+            self._event_waiter.close()
         if self._engine is not None:
             self._engine.close()
         self._kv_caches = {}

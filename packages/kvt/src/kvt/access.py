@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 from ipcblock import IPCBLOCK_DTYPE
 
-from kvt.errors import InvalidBlocksError, InvalidRegionError
+from kvt.errors import DeviceMemoryError, InvalidBlocksError, InvalidRegionError
 
 MAX_REGION_ID = 0xFFFF
 
@@ -24,7 +24,7 @@ MAX_REGION_ID = 0xFFFF
 @dataclass(frozen=True, eq=False)
 class Region:
     region_id: int
-    view: memoryview  # 1-D unsigned-byte view over the whole region
+    view: memoryview | None  # 1-D unsigned-byte view over the whole region; None: device memory
     address: int
     nbytes: int
     writable: bool
@@ -32,8 +32,33 @@ class Region:
     device: str = "cpu"  # where the bytes live: "cpu", or a torch device such as "cuda:0"
 
 
-def _view_of(obj: Any) -> tuple[memoryview, Any]:
-    """A flat byte memoryview over ``obj`` plus the object that keeps the memory alive."""
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Device memory by address (e.g. a CUDA KV cache known only by its storage pointer).
+
+    ``register_region(DeviceMemory(ptr, nbytes, "cuda:0"))``: the host never reads these bytes; a
+    staging copier (:mod:`kvt.staging`) or a device-capable path (RDMA) moves them. ``owner``
+    (optional) is kept alive while the region exists.
+    """
+
+    address: int
+    nbytes: int
+    device: str
+    owner: Any = None
+    writable: bool = True
+
+    def __post_init__(self) -> None:
+        if self.address <= 0 or self.nbytes <= 0:
+            raise InvalidRegionError(f"device region needs a positive address and size: {self}")
+        if self.device == "cpu":
+            raise InvalidRegionError("DeviceMemory is for device memory; register host memory")
+
+
+def _view_of(obj: Any) -> tuple[memoryview, Any] | DeviceMemory:
+    """A flat byte memoryview over ``obj`` plus the object that keeps the memory alive, or the
+    device memory ``obj`` stands for (CUDA tensor, :class:`DeviceMemory`)."""
+    if isinstance(obj, DeviceMemory):
+        return obj
     if isinstance(obj, tuple) and len(obj) == 2 and all(isinstance(x, int) for x in obj):
         address, nbytes = obj
         if address <= 0 or nbytes <= 0:
@@ -56,20 +81,21 @@ def _view_of(obj: Any) -> tuple[memoryview, Any]:
     return view.cast("B"), obj
 
 
-def _torch_view(tensor: Any) -> tuple[memoryview, Any]:
+def _torch_view(tensor: Any) -> tuple[memoryview, Any] | DeviceMemory:
     import torch  # only when a torch object is actually passed
 
     if not isinstance(tensor, torch.Tensor):
         raise InvalidRegionError(f"cannot register a {type(tensor).__name__} as a region")
-    if tensor.device.type != "cpu":
-        raise InvalidRegionError(
-            f"tensor on {tensor.device}: the TCP backend reads and writes host memory only"
-        )
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidRegionError(f"tensor on {tensor.device}: only CPU and CUDA memory")
     if not tensor.is_contiguous():
         raise InvalidRegionError("tensor regions must be contiguous")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         raise InvalidRegionError("empty tensor")
+    if tensor.device.type == "cuda":
+        device = f"cuda:{tensor.device.index if tensor.device.index is not None else 0}"
+        return DeviceMemory(tensor.data_ptr(), nbytes, device, owner=tensor)
     raw = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
     return memoryview(raw).cast("B"), (tensor, raw)
 
@@ -83,13 +109,23 @@ class RegionTable:
         self._next_id = 0
 
     def register(self, obj: Any, *, writable: bool | None = None) -> Region:
-        view, owner = _view_of(obj)
+        memory = _view_of(obj)
+        if isinstance(memory, DeviceMemory):
+            if writable and not memory.writable:
+                raise InvalidRegionError("region requested writable but the memory is read-only")
+            return self._add(
+                None, memory.address, memory.nbytes, memory.writable, memory, memory.device
+            )
+        view, owner = memory
         if view.nbytes == 0:
             raise InvalidRegionError("cannot register an empty region")
         is_writable = not view.readonly
         if writable and not is_writable:
             raise InvalidRegionError("region requested writable but the memory is read-only")
         address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        return self._add(view, address, view.nbytes, is_writable, owner)
+
+    def _add(self, view, address, nbytes, writable, owner, device="cpu") -> Region:  # noqa: PLR0917
         with self._lock:
             if len(self._regions) > MAX_REGION_ID:
                 raise InvalidRegionError("region table full (u16 ids)")
@@ -97,7 +133,7 @@ class RegionTable:
                 self._next_id = (self._next_id + 1) & MAX_REGION_ID
             region_id = self._next_id
             self._next_id = (self._next_id + 1) & MAX_REGION_ID
-            region = Region(region_id, view, address, view.nbytes, is_writable, owner)
+            region = Region(region_id, view, address, nbytes, writable, owner, device)
             self._regions[region_id] = region
         return region
 
@@ -114,17 +150,59 @@ class RegionTable:
 
         ``side="src"``: the bytes a sender reads (``src_region``, ``src_offset``); ``side="dst"``:
         the bytes a receiver writes (``dst_region``, ``dst_offset``; the region must be writable).
-        Raises :class:`InvalidBlocksError` unless every block lies inside a registered region.
+        Raises :class:`InvalidBlocksError` unless every block lies inside a registered region, and
+        :class:`DeviceMemoryError` if one lies in device memory (no host view exists: the staging
+        layer moves those, see :meth:`device_of`).
         Vectorised per region, no Python loop per block except for slicing the views.
         """
+        regions = self._checked(blocks, side)
+        for rid, region in regions.items():
+            if region.view is None:
+                raise DeviceMemoryError(
+                    f"region {rid} is {region.device} memory: no host bytes to read or write"
+                )
+        return self._slice(blocks, side, regions)
+
+    def locate(self, blocks: np.ndarray, side: str) -> tuple[str, list[memoryview] | None]:
+        """One check for both kinds: ("cpu", the views of :meth:`views`) for host memory, or
+        (device, None) for device memory (see :meth:`device_of`)."""
+        regions = self._checked(blocks, side)
+        device = self._device(regions)
+        return (device, self._slice(blocks, side, regions) if device == "cpu" else None)
+
+    @staticmethod
+    def _slice(blocks: np.ndarray, side: str, regions: dict[int, Region]) -> list[memoryview]:
+        if not regions:
+            return []
+        region_ids, offsets = blocks[f"{side}_region"], blocks[f"{side}_offset"]
+        ends = (offsets + blocks["length"]).tolist()
+        return [
+            regions[r].view[o:e]  # type: ignore[index]
+            for r, o, e in zip(region_ids.tolist(), offsets.tolist(), ends, strict=True)
+        ]
+
+    def device_of(self, blocks: np.ndarray, side: str) -> str:
+        """Where the memory of ``blocks`` lives ("cpu" or e.g. "cuda:0"), after the checks of
+        :meth:`views`; a batch that mixes host and device memory (or two devices) is refused."""
+        return self._device(self._checked(blocks, side))
+
+    @staticmethod
+    def _device(regions: dict[int, Region]) -> str:
+        devices = {region.device for region in regions.values()}
+        if len(devices) > 1:
+            raise InvalidBlocksError(f"one batch names memory on {sorted(devices)}: split it")
+        return devices.pop() if devices else "cpu"
+
+    def _checked(self, blocks: np.ndarray, side: str) -> dict[int, Region]:
+        """The regions ``blocks`` name, each block checked to lie inside its region."""
         if not isinstance(blocks, np.ndarray) or blocks.dtype != IPCBLOCK_DTYPE:
             raise InvalidBlocksError("blocks must be a numpy array of ipcblock.IPCBLOCK_DTYPE")
+        regions: dict[int, Region] = {}
         if blocks.size == 0:
-            return []
+            return regions
         region_ids = blocks[f"{side}_region"]
         offsets = blocks[f"{side}_offset"]
         lengths = blocks["length"]
-        regions: dict[int, Region] = {}
         for rid in np.unique(region_ids).tolist():
             region = self._regions.get(rid)
             if region is None:
@@ -143,11 +221,7 @@ class RegionTable:
                     f"of {region.nbytes} bytes"
                 )
             regions[rid] = region
-        ends = (offsets + lengths).tolist()
-        return [
-            regions[r].view[o:e]
-            for r, o, e in zip(region_ids.tolist(), offsets.tolist(), ends, strict=True)
-        ]
+        return regions
 
     def addresses(self, blocks: np.ndarray, side: str) -> np.ndarray:
         """uint64 address of each block's bytes (``side`` as in :meth:`views`, whose checks the
@@ -217,46 +291,122 @@ class CpuLayerEvents:
                 waiters.clear()
 
 
-class CudaLayerEvents:
-    """One CUDA event per layer, recorded on the compute stream after the layer's attention.
+class DeviceEvent(Protocol):
+    """What kvt needs of a CUDA event (``torch.cuda.Event``); a test passes a fake."""
 
-    A single waiter thread (owned here, stopped by :meth:`close`) takes recorded layers in order,
-    blocks in ``event.synchronize()`` (no polling) and then fires that layer's callbacks.
-    Untested on this CPU-only project; the interface is what the control layer relies on.
+    def record(self, stream: Any | None = None) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+
+class EventWaiter:
+    """One kvt thread that waits on device events in the order they were queued (blocking in
+    ``synchronize()``, no polling) and runs each one's callback after it completed.
+
+    Owned by whoever made it (a :class:`CudaLayerEvents`, or a worker sharing one between the
+    layer events of many steps); :meth:`close` waits for what is queued, then joins the thread.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, name: str = "kvt-cuda-events") -> None:
         import queue
 
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("CudaLayerEvents needs CUDA; use CpuLayerEvents on CPU")
-        self._torch = torch
-        self._events = [torch.cuda.Event() for _ in range(num_layers)]
-        self._cpu = CpuLayerEvents(num_layers)
-        self._recorded: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._wait_loop, name="kvt-cuda-events", daemon=True)
+        self._queue: queue.SimpleQueue[tuple[DeviceEvent, Callable[[], None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._closed = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 
+    def after(self, event: DeviceEvent, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the waiter thread once ``event`` completed."""
+        if self._closed:
+            raise RuntimeError("event waiter is closed")
+        self._queue.put((event, callback))
+
+    def _main(self) -> None:
+        from kvt.control import mark_io_thread
+
+        mark_io_thread()  # completions decided here run their callbacks here (a kvt thread)
+        while (item := self._queue.get()) is not None:
+            event, callback = item
+            try:
+                event.synchronize()
+                callback()
+            except Exception:
+                import logging
+
+                logging.getLogger(__name__).exception("kvt: device event callback failed")
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def _cuda_event_factory() -> Callable[[], DeviceEvent]:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("CudaLayerEvents needs CUDA; use CpuLayerEvents on CPU")
+    return torch.cuda.Event
+
+
+class CudaLayerEvents:
+    """Per-layer readiness from CUDA events recorded on the compute stream after each layer.
+
+    :meth:`record` (the compute thread, right after the layer's attention wrote its KV) records a
+    new event on ``stream`` and hands it to an :class:`EventWaiter`: kvt's thread waits for it and
+    then releases the layer's callbacks (:meth:`when_ready`), so the compute thread never waits.
+    Events complete in stream order, and the waiter takes them in the order recorded.
+
+    ``event_factory`` (default ``torch.cuda.Event``; a test passes a fake) makes one event per
+    record. ``waiter``: share one waiter thread between many of these (e.g. one per vLLM step);
+    when omitted, this object starts its own and :meth:`close` joins it.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        *,
+        event_factory: Callable[[], DeviceEvent] | None = None,
+        waiter: EventWaiter | None = None,
+    ) -> None:
+        self._new_event = event_factory if event_factory is not None else _cuda_event_factory()
+        self._cpu = CpuLayerEvents(num_layers)
+        self._recorded = [False] * num_layers
+        self._own_waiter = waiter is None
+        self._waiter = waiter if waiter is not None else EventWaiter()
+
     def record(self, layer: int, stream: Any | None = None) -> None:
-        """Call right after layer ``layer``'s KV is written (on the compute stream)."""
-        self._events[layer].record(stream)
-        self._recorded.put(layer)
+        """Layer ``layer``'s KV is written once the work queued on ``stream`` so far is done."""
+        event = self._new_event()
+        event.record(stream)
+        self._recorded[layer] = True
+        self._waiter.after(event, lambda: self._cpu.mark_ready(layer))
+
+    def record_rest(self, stream: Any | None = None) -> None:
+        """Record every layer not recorded yet (end of the forward pass: all KV is queued)."""
+        for layer, done in enumerate(self._recorded):
+            if not done:
+                self.record(layer, stream)
+
+    def is_recorded(self, layer: int) -> bool:
+        return self._recorded[layer]
+
+    def is_ready(self, layer: int) -> bool:
+        return self._cpu.is_ready(layer)
 
     def when_ready(self, layer: int, callback: Callable[[], None]) -> None:
         self._cpu.when_ready(layer, callback)
 
     def reset(self) -> None:
+        self._recorded = [False] * len(self._recorded)
         self._cpu.reset()
 
-    def _wait_loop(self) -> None:
-        while (layer := self._recorded.get()) is not None:
-            self._events[layer].synchronize()
-            self._cpu.mark_ready(layer)
-
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._recorded.put(None)
-            self._thread.join()
+        """Stop (own waiter: after the recorded events completed); pending callbacks dropped."""
+        if self._own_waiter:
+            self._waiter.close()
         self._cpu.close()

@@ -46,6 +46,14 @@ from kvt.control import (
 from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
 from kvt.metrics import CALLER_STAGES, NO_PATH, EngineMetrics, EngineStats
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
+from kvt.staging import (
+    DEFAULT_STAGING_BYTES,
+    STAGING_REGION_ID,
+    DeviceCopier,
+    Lease,
+    Stager,
+    Ticket,
+)
 from kvt.timers import TimerHandle, TimerScheduler
 
 log = logging.getLogger(__name__)
@@ -80,6 +88,23 @@ class _Request:
     last_left: bool = False  # sender: every byte of the last batch has left (DONE may follow)
     abort_wanted: tuple[AbortCode, str] | None = None  # sender: abort() waiting on the verdict
     verdict_asks: int = 0  # sender: links lost once the last batch began, each asked on a new one
+    staging: _Staging | None = None  # device batches: pool space held or waited for
+
+
+@dataclass(eq=False)
+class _Staging:
+    """A request's staging-pool leases and tickets: all handed back when it completes."""
+
+    leases: list[Lease] = field(default_factory=list)
+    tickets: list[Ticket] = field(default_factory=list)
+
+    def release_all(self, _completion: Completion | None = None) -> None:
+        # Runs first among the completion callbacks: the backend and the copier are done with the
+        # request (delivery waits for both), so nothing reads or writes this memory any more.
+        for ticket in self.tickets:
+            ticket.cancel()
+        for lease in self.leases:
+            lease.release()
 
 
 class _SendJob:
@@ -104,7 +129,7 @@ class _SendJob:
         self.submitted = time.monotonic()
         self.frame_start = 0.0
         self.compute_wait: float | None = None  # seconds its layer event took, not observed yet
-        self.unsent = sum(v.nbytes for v in views)  # payload bytes not yet handed over
+        self.unsent = int(blocks["length"].sum())  # payload bytes not yet handed over
 
     @property
     def addresses(self) -> np.ndarray:
@@ -203,6 +228,90 @@ class _RecvSink:
             self.engine._last_batch_written(self.req, self.link)
 
 
+class _StagedSendJob(_SendJob):
+    """A send batch from device memory: the backend reads its staging copy (see kvt.staging)."""
+
+    __slots__ = ("device", "device_addresses", "lease", "nbytes", "sent")
+
+    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, last: bool, device: str):
+        super().__init__(engine, req, blocks, [], last)
+        self.device = device
+        self.device_addresses = engine.regions.addresses(blocks, "src")
+        self.nbytes = int(blocks["length"].sum())
+        self.lease: Lease | None = None
+        self.sent = 0
+
+    def staged(self, lease: Lease) -> None:
+        self.lease = lease
+        self.views = lease.views(self.blocks["length"])
+
+    @property
+    def addresses(self) -> np.ndarray:
+        assert self.lease is not None
+        return self.lease.addresses(self.blocks["length"])
+
+    def begin_frame(self) -> bool:
+        if super().begin_frame():
+            return True
+        self._release()  # request finished: the rest is dropped
+        return False
+
+    def end_frame(self, nbytes: int) -> None:
+        self.sent += nbytes
+        if self.sent >= self.nbytes:
+            self._release()  # every byte handed over: the staging copy is not read again
+        super().end_frame(nbytes)
+
+    def fail(self, reason: str, connect_failed: bool) -> None:
+        self._release()
+        super().fail(reason, connect_failed)
+
+    def _release(self) -> None:
+        if self.lease is not None:
+            self.lease.release()
+
+
+class _StagedRecvSink(_RecvSink):
+    """A received batch for device memory: the backend writes staging, then an H2D copy."""
+
+    __slots__ = ("device", "discarded", "lease")
+
+    def __init__(self, engine, req, link, batch: Batch, lease: Lease, device: str):  # noqa: PLR0917
+        super().__init__(engine, req, link, batch, lease.views(batch.blocks["length"]))
+        self.lease, self.device, self.discarded = lease, device, False
+
+    @property
+    def addresses(self) -> np.ndarray:
+        return self.lease.addresses(self.blocks["length"])
+
+    def begin_chunk(self) -> bool:
+        if super().begin_chunk():
+            return True
+        self.discarded = True
+        return False
+
+    def end_batch(self) -> None:
+        engine, req = self.engine, self.req
+        # The copy counts as I/O on the request: its completion waits until the copy let go.
+        if self.discarded or not engine._begin_io(req, queued_since=None):
+            self.lease.release()
+            return
+        lengths = self.blocks["length"]
+        dst = engine.regions.addresses(self.blocks, "dst")
+        stager = engine._stager
+        if stager is None or not stager.copy(
+            self.device, dst, self.lease.addresses(lengths), lengths, self._copied
+        ):
+            self.lease.release()
+            engine._end_io(req, 0, "received")
+
+    def _copied(self) -> None:  # staging thread: the bytes are in device memory
+        self.lease.release()
+        self.engine._end_io(self.req, 0, "received")
+        if self.last:  # DONE only now: a same-stream copy of every earlier batch finished too
+            self.engine._last_batch_written(self.req, self.link)
+
+
 class Engine:
     """One engine per process side: regions, its data-plane backend, requests, metrics.
 
@@ -217,6 +326,8 @@ class Engine:
         *,
         name: str = "kvt",
         default_timeout_s: float = 60.0,
+        device_copier: DeviceCopier | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         self.name = name
         self.default_timeout_s = default_timeout_s
@@ -236,6 +347,11 @@ class Engine:
         )
         self._notifier.start()
         self._timers = TimerScheduler(name=f"kvt-{name}-timers")
+        # Device regions over host-byte paths: staging (kvt.staging), set up at the first one.
+        self._device_copier = device_copier
+        self._staging_bytes = staging_bytes
+        self._stager: Stager | None = None
+        self._staging_lock = threading.Lock()
         self.backend.start(self)
 
     # ================================================================ public API
@@ -284,6 +400,12 @@ class Engine:
         """
         self._check_open()
         region = self.regions.register(obj, writable=writable)
+        if region.device != "cpu" and not self._backend_moves_device_memory:
+            try:
+                self._start_staging()
+            except BaseException:
+                self.regions.unregister(region.region_id)
+                raise
         info = MemoryInfo(
             region.region_id, region.address, region.nbytes, region.writable, region.device
         )
@@ -352,7 +474,12 @@ class Engine:
         """
         self._check_open()
         _check_request_id(request_id)
-        views = self.regions.views(blocks, "src")
+        device, host_views = self.regions.locate(blocks, "src")
+        staged = device != "cpu" and not self._backend_moves_device_memory
+        if staged:
+            self._check_stageable(blocks)
+        # Device memory without staging: the backend reads it by address (SendJob.addresses).
+        views = host_views if host_views is not None else []
         new = False
         aborted: Completion | None = None
         tell_receiver = False
@@ -386,8 +513,11 @@ class Engine:
                     if on_complete is not None:
                         req.callbacks.append(on_complete)
                     req.last_submitted = last
-                    if after is not None:
-                        req.batches_waiting += 1
+                    if after is not None or staged:
+                        req.batches_waiting += 1  # staged: until its staging copy is done
+                    if staged and req.staging is None:
+                        req.staging = _Staging()
+                        req.callbacks.insert(0, req.staging.release_all)
         if aborted is not None:  # already finished: nothing to send, tell this caller too
             if tell_receiver:
                 code = aborted.code or AbortCode.CALLER_ABORT
@@ -412,12 +542,18 @@ class Engine:
             reason = f"link to {previous.peer} lost under the request"
             self._finish(req, AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST, reason, False)
             return
-        job = _SendJob(self, req, np.asarray(blocks), views, last)
+        job: _SendJob
+        if staged:  # device memory: staged once computed (the copy ends in _layer_ready)
+            job = _StagedSendJob(self, req, np.asarray(blocks), last, device)
+            go, ready = self._stage_out, self._stage_out
+        else:
+            job = _SendJob(self, req, np.asarray(blocks), views, last)
+            go, ready = self._queue_job, self._layer_ready
         if after is None:
-            self._queue_job(link, job)
+            go(link, job)
         else:
             events, layer = after
-            events.when_ready(layer, lambda: self._layer_ready(link, job))
+            events.when_ready(layer, lambda: ready(link, job))
 
     def abort(self, request_id: str, reason: str = "aborted by caller") -> None:
         """Abort on this side (either role); the peer's side completes ABORTED(PEER). Idempotent.
@@ -462,6 +598,8 @@ class Engine:
             self._finish(
                 req, AbortOrigin.LOCAL, AbortCode.ENGINE_CLOSED, "engine closed", notify_peer=True
             )
+        if self._stager is not None:  # wakes batches waiting for pool space, waits for copies
+            self._stager.close()
         self.backend.close()
         self._timers.close()
         self._notify_queue.put(None)
@@ -482,12 +620,139 @@ class Engine:
         job.submitted = now  # its queue stage starts when its layer is computed
         with self._lock:
             req.batches_waiting -= 1
-            release = req.parked_last if req.batches_waiting == 0 else None
+            parked = req.parked_last
+            # A parked last batch from device memory is not staged yet: it still counts itself.
+            unstaged = isinstance(parked, _StagedSendJob) and parked.lease is None
+            release = parked if req.batches_waiting == int(unstaged) else None
             if release is not None:
                 req.parked_last = None
         self._queue_job(link, job)
-        if release is not None:
+        if release is None:
+            return
+        if unstaged:
+            self._stage_out(link, release)
+        else:
             self.backend.submit(link, release)
+
+    # ================================================================ staging (device memory)
+    @property
+    def _backend_moves_device_memory(self) -> bool:
+        """True for a data plane that reads and writes device memory itself (RDMA to GPU memory);
+        every other one gets host bytes through staging."""
+        return bool(getattr(self.backend, "moves_device_memory", False))
+
+    def _start_staging(self) -> Stager:
+        with self._staging_lock:  # registrations only (startup), never a transfer path
+            if self._stager is not None:
+                return self._stager
+            copier = self._device_copier
+            if copier is None:
+                from kvt.staging import CudaCopier
+
+                copier = CudaCopier()
+            stager = Stager(copier, self._staging_bytes, self.name)
+            # Paths that need registered memory (RDMA MRs) read and write staging by address.
+            pool = stager.pool
+            info = MemoryInfo(STAGING_REGION_ID, pool.address, pool.capacity, True, "cpu")
+            try:
+                self.backend.register_memory(info)
+            except BaseException:
+                stager.close()
+                raise
+            self._stager = stager
+            return stager
+
+    def _check_stageable(self, blocks: np.ndarray) -> None:
+        nbytes = int(blocks["length"].sum())
+        if nbytes == 0:
+            raise InvalidBlocksError("a device batch of 0 bytes: nothing to copy")
+        if self._stager is not None and nbytes > self._stager.pool.capacity:
+            raise InvalidBlocksError(
+                f"a device batch of {nbytes} bytes exceeds the staging pool "
+                f"({self._stager.pool.capacity} bytes): send it in smaller batches"
+            )
+
+    def _stage_out(self, link: Link, job: _StagedSendJob) -> None:
+        """The batch's layer is computed: lease staging (waits in line if the pool is full), copy
+        device to host, and hand it to the backend once the copy completed (staging thread)."""
+        req, stager = job.req, self._stager
+        assert stager is not None
+        assert req.staging is not None
+
+        def granted(lease: Lease | None) -> None:  # any kvt or caller thread; never blocks
+            if lease is None:
+                return  # the request finished while waiting (its completion cancelled this)
+            with self._lock:
+                req.staging.leases.append(lease)
+            job.staged(lease)
+            if not self._begin_io(req, queued_since=None):  # finished meanwhile
+                lease.release()
+                return
+            lengths = job.blocks["length"]
+            if not stager.copy(
+                job.device, lease.addresses(lengths), job.device_addresses, lengths, copied
+            ):
+                lease.release()
+                self._end_io(req, 0, "sent")
+
+        def copied() -> None:  # staging thread: the batch's bytes are in host memory
+            self._end_io(req, 0, "sent")
+            self._layer_ready(link, job)
+
+        with self._lock:
+            if req.final is not None or req.pending is not None:
+                return
+            if job.last and req.batches_waiting > 1:
+                # Earlier batches are still waiting: stage this one after them, so that it does
+                # not sit on pool space they need (with a small pool they would starve).
+                req.parked_last = job
+                return
+        ticket = stager.pool.request(job.nbytes, granted)
+        with self._lock:
+            req.staging.tickets.append(ticket)
+        if req.final is not None:  # completed between: its release_all may have missed this one
+            ticket.cancel()
+
+    def _stage_in(self, link: Link, req: _Request, batch: Batch, device: str) -> _RecvSink | None:
+        """Lease staging for an arriving device batch. Waits (this link's I/O thread only) while
+        the pool is full, until space frees or the request completes (e.g. its deadline)."""
+        stager = self._stager
+        nbytes = int(batch.blocks["length"].sum())
+        reason = ""
+        if stager is None:
+            reason = "no staging for device memory (engine closed)"
+        elif nbytes > stager.pool.capacity:
+            reason = f"batch of {nbytes} bytes exceeds the staging pool ({stager.pool.capacity})"
+        if reason:
+            log.warning("kvt %s: request %r from peer %s: %s", self.name, req.request_id,
+                        link.peer, reason)  # fmt: skip
+            self._finish(req, AbortOrigin.LOCAL, AbortCode.BAD_BLOCK, reason, notify_peer=True)
+            return None
+        assert stager is not None
+        got: queue.SimpleQueue[Lease | None] = queue.SimpleQueue()
+        with self._lock:
+            if req.final is not None or req.pending is not None:
+                return None
+            if req.staging is None:
+                req.staging = _Staging()
+                req.callbacks.insert(0, req.staging.release_all)
+            staging = req.staging
+        ticket = stager.pool.request(nbytes, got.put)
+        with self._lock:
+            staging.tickets.append(ticket)
+            finished = req.final is not None
+        if finished:
+            ticket.cancel()
+        lease = got.get()  # woken by a release, by the request's completion, or by close()
+        if lease is None:
+            return None
+        with self._lock:
+            staging.leases.append(lease)
+            finished = req.final is not None
+        if finished:
+            lease.release()
+            return None
+        return _StagedRecvSink(self, req, link, batch, lease, device)
 
     def _queue_job(self, link: Link, job: _SendJob) -> None:
         # The last batch must leave after every other batch of the request, or the receiver would
@@ -537,7 +802,16 @@ class Engine:
             return None
         assert req is not None
         try:
-            views = self.regions.views(batch.blocks, "dst")
+            device, host_views = self.regions.locate(batch.blocks, "dst")
+            if host_views is not None:
+                views = host_views
+            elif self._backend_moves_device_memory:
+                views = []  # the backend writes device memory by address (RecvSink.addresses)
+            else:
+                with self._lock:
+                    if req.link is None:
+                        req.link, req.peer = link, link.peer
+                return self._stage_in(link, req, batch, device)
         except InvalidBlocksError as exc:
             reason = f"bad block from peer: {exc}"
             log.warning("kvt %s: request %r from peer %s: %s", self.name, rid, link.peer, reason)

@@ -4,6 +4,7 @@ KvtError
 ├── CallerError            bad argument from the local caller (also a ValueError)
 │   ├── InvalidRegionError     object cannot be registered / unknown region id
 │   ├── InvalidBlocksError     blocks outside registered source regions, wrong dtype
+│   │   └── DeviceMemoryError      host bytes asked of a device (e.g. CUDA) region
 │   ├── RequestStateError      e.g. send() after the last batch, expect() twice
 │   └── EngineClosedError      the engine is closed
 └── PeerError              the remote peer misbehaved
@@ -30,6 +31,11 @@ class InvalidRegionError(CallerError):
 
 class InvalidBlocksError(CallerError):
     """IpcBlocks that do not fit the local registered regions, or an array of the wrong dtype."""
+
+
+class DeviceMemoryError(InvalidBlocksError):
+    """Host bytes were asked of a region in device memory (it has no host view; kvt.staging
+    copies through pinned host memory instead)."""
 
 
 class RequestStateError(CallerError):
