@@ -37,8 +37,14 @@ def _stats(llm: Any) -> dict[str, Any]:
     sched = _core(llm).scheduler
     pool = sched.kv_cache_manager.block_pool
     counters: dict[str, int] = {}
+    kvt_paths: list[str] = []
     if kv_transfer_state.has_kv_transfer_group():
-        counters = kv_transfer_state.get_kv_transfer_group().transfer_counters()
+        connector = kv_transfer_state.get_kv_transfer_group()
+        counters = connector.transfer_counters()
+        # Test-only peek: the payload path of each live kvt link (Link.path) of this worker.
+        engine = getattr(connector._worker, "_engine", None)
+        links = getattr(getattr(engine, "backend", None), "links", None)
+        kvt_paths = sorted({link.path for link in links()}) if links is not None else []
     return {
         "free_blocks": pool.get_num_free_blocks(),
         # One block is vLLM's reserved null block.
@@ -46,6 +52,7 @@ def _stats(llm: Any) -> dict[str, Any]:
         "requests": len(sched.requests),
         "block_size": sched.block_size,
         "counters": counters,
+        "kvt_paths": kvt_paths,
         "threads": sorted(t.name for t in threading.enumerate()),
     }
 

@@ -15,6 +15,9 @@ def test_config_defaults_and_address() -> None:
     assert cfg.lease_s == 30.0
     assert cfg.rpc_address == "10.0.0.5:7001"
     assert parse_config(None, is_producer=False) == HybridConfig()
+    assert cfg.kvt_transport == "auto"
+    assert cfg.transport is None  # kvt's own default: auto, or KVT_TRANSPORT if set
+    assert parse_config({"kvt_transport": "tcp"}, is_producer=False).transport == "tcp"
 
 
 @pytest.mark.parametrize(
@@ -25,6 +28,7 @@ def test_config_defaults_and_address() -> None:
         ({"lease_s": 0}, False, "lease_s"),
         ({"lease_seconds": 3}, False, "lease_seconds"),
         ({"rpc_port": "x"}, False, "rpc_port"),
+        ({"kvt_transport": "pigeon"}, False, "kvt_transport"),
     ],
 )
 def test_config_errors_name_the_key(extra: dict, producer: bool, match: str) -> None:

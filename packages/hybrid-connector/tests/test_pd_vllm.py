@@ -54,10 +54,13 @@ def _wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any
 
 
 class PD:
-    def __init__(self, prefill: Instance, decode: Instance, rpc_address: str) -> None:
+    def __init__(
+        self, prefill: Instance, decode: Instance, rpc_address: str, transport: str = "auto"
+    ) -> None:
         self.p = prefill
         self.d = decode
         self.rpc_address = rpc_address
+        self.transport = transport  # the kvt_transport both instances were given
         self.block_size = int(prefill.ready_info["block_size"])
         self._reference: dict[tuple[int, ...], list[int]] = {}
 
@@ -93,8 +96,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.getbasetemp().parent / "hc-tiny-model")
 
 
-@pytest.fixture(scope="module")
-def pd(model_dir: Path) -> Iterator[PD]:
+@pytest.fixture(scope="module", params=["auto", "tcp"], ids=["auto-samehost", "forced-tcp"])
+def pd(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[PD]:
+    """P and D, once per kvt transport: the default (auto: samehost, both on this host) and tcp
+    forced through kv_connector_extra_config's ``kvt_transport``."""
+    transport = request.param
+    forced = {} if transport == "auto" else {"kvt_transport": transport}
     port = _free_port()
     rpc_address = f"127.0.0.1:{port}"
     prefill = Instance(
@@ -107,6 +114,7 @@ def pd(model_dir: Path) -> Iterator[PD]:
                 "rpc_port": port,
                 "lease_s": LEASE_S,
                 "transfer_timeout_s": 20,
+                **forced,
             },
         },
         opts={"enable_prefix_caching": False},
@@ -117,14 +125,14 @@ def pd(model_dir: Path) -> Iterator[PD]:
         {
             **CONNECTOR,
             "kv_role": "kv_consumer",
-            "kv_connector_extra_config": {"transfer_timeout_s": 20},
+            "kv_connector_extra_config": {"transfer_timeout_s": 20, **forced},
         },
         opts={"enable_prefix_caching": True},
     )
     try:
         prefill.wait_ready()
         decode.wait_ready()
-        yield PD(prefill, decode, rpc_address)
+        yield PD(prefill, decode, rpc_address, transport)
     finally:
         p_info = prefill.close()
         d_info = decode.close()
@@ -177,6 +185,10 @@ def test_pd_tokens_equal_single_instance(pd: PD) -> None:
     p_after = pd.counters(pd.p)
     assert _delta(p_after, p_before, "sends_done") == len(prompts)
     assert _delta(p_after, p_before, "leases_expired") == 0
+    # The KV went over the path asked for: auto on one host must pick samehost, not stay on tcp.
+    path = "samehost" if pd.transport == "auto" else pd.transport
+    assert pd.p.stats()["kvt_paths"] == [path]
+    assert pd.d.stats()["kvt_paths"] == [path]
 
 
 def test_decode_with_local_prefix_hit_pulls_only_the_rest(pd: PD) -> None:

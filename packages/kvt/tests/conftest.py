@@ -10,11 +10,21 @@ import numpy as np
 import pytest
 from kvt import Completion, TransferEngine
 from kvt.memory import InMemoryBackend
+from kvt.tcp import TcpBackend
 
 # The data planes the engine suite runs on; each fixture below that builds engines runs once per
-# backend. "unreachable": an address no engine of that backend listens on.
+# backend. "unreachable": an address no engine of that backend listens on. "samehost": TCP links
+# whose payload moves by process_vm_readv (two engines in one process still use it: the peer's
+# pid is our own).
 BACKENDS = {
-    "tcp": {"new": lambda name: None, "unreachable": "127.0.0.1:1"},
+    "tcp": {
+        "new": lambda name: TcpBackend(name=name, transport="tcp"),
+        "unreachable": "127.0.0.1:1",
+    },
+    "samehost": {
+        "new": lambda name: TcpBackend(name=name, transport="samehost"),
+        "unreachable": "127.0.0.1:1",
+    },
     "memory": {"new": lambda name: InMemoryBackend(name=name), "unreachable": "memory:nobody"},
 }
 

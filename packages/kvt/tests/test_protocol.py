@@ -9,21 +9,31 @@ from hypothesis import strategies as st
 from ipcblock import make_blocks
 from kvt.errors import ProtocolViolation
 from kvt.outcome import AbortCode
+from kvt.paths import choose_path
 from kvt.protocol import (
     HEADER,
     Abort,
     AbortTarget,
+    DataDescriptor,
     DataHeader,
     Done,
     FrameDecoder,
     Hello,
+    PathMessage,
     PayloadBytes,
     PayloadEnd,
+    Verdict,
     encode_abort,
     encode_data_head,
+    encode_desc,
     encode_done,
     encode_hello,
+    encode_path,
+    encode_verdict,
 )
+
+EXT_HELLO = {"boot_id": "b00t", "pid": 4242, "transport": "samehost",
+                 "offers": (("samehost", b"\x01" * 24), ("tcp", b""))}  # fmt: skip
 
 
 def stream() -> tuple[bytes, np.ndarray, bytes]:
@@ -36,15 +46,34 @@ def stream() -> tuple[bytes, np.ndarray, bytes]:
         + encode_done("req-1", 7)
         + encode_abort("req-2", AbortCode.TIMEOUT, AbortTarget.RECEIVER, "too slow")
         + encode_data_head("req-3", blocks[:0], last=False)
+        + encode_hello("P1", "h:1", **EXT_HELLO)
+        + encode_verdict([("samehost", False, "other host"), ("tcp", True, "")])
+        + encode_desc("req-4", blocks, True, 9, b"\xaa" * 16)
+        + encode_path(1, 2, 9, 7, b"why")
     )
     return wire, blocks, payload
+
+
+EXTRA = [Hello, Verdict, DataDescriptor, PathMessage]
 
 
 def check_events(events, blocks, payload) -> None:
     payload_seen = b"".join(e.data for e in events if isinstance(e, PayloadBytes))
     kinds = [type(e) for e in events if not isinstance(e, PayloadBytes)]
-    assert kinds == [Hello, DataHeader, PayloadEnd, Done, Abort, DataHeader, PayloadEnd]
-    hello, data, _, done, abort, empty, _ = [e for e in events if not isinstance(e, PayloadBytes)]
+    assert kinds == [Hello, DataHeader, PayloadEnd, Done, Abort, DataHeader, PayloadEnd, *EXTRA]
+    hello, data, _, done, abort, empty, _, ext, verdict, desc, path = [
+        e for e in events if not isinstance(e, PayloadBytes)
+    ]
+    assert not hello.extended
+    assert ext == Hello("P1", "h:1", True, "b00t", 4242, "samehost", EXT_HELLO["offers"])
+    assert ext.offer("samehost") == b"\x01" * 24
+    assert ext.offer("rdma") is None
+    assert verdict.as_dict() == {"samehost": "other host", "tcp": None}
+    assert (desc.request_id, desc.last, desc.seq, desc.nbytes, desc.ext) == (
+        "req-4", True, 9, 7, b"\xaa" * 16,
+    )  # fmt: skip
+    np.testing.assert_array_equal(desc.blocks, blocks)
+    assert path == PathMessage(1, 2, 9, 7, b"why")
     assert hello == Hello("P0", "127.0.0.1:5000")
     assert data.request_id == "req-1"
     assert data.last
@@ -113,6 +142,18 @@ def header(ftype=2, meta_len=0, payload_len=0, magic=b"KV", version=1) -> bytes:
         header(meta_len=9) + struct.pack("<HBBI", 1, 0x80, 0, 0) + b"r",
         header(ftype=4, meta_len=5) + struct.pack("<HBB", 1, 200, 1) + b"r",
         header(ftype=1, meta_len=4) + struct.pack("<HH", 10, 10),
+        # extended HELLO: unknown extension version, an offer running past the metadata
+        header(ftype=1, meta_len=7) + struct.pack("<HHBH", 0, 0, 9, 0),
+        header(ftype=1, meta_len=29)
+        + encode_hello("x", "y", boot_id="b", offers=[("tcp", b"abc")])[16:-2],
+        # DESC: with a payload, counts that do not add up, unknown flag
+        header(ftype=5, meta_len=20, payload_len=5) + struct.pack("<HBBIQI", 0, 0, 0, 0, 0, 0),
+        header(ftype=5, meta_len=21) + struct.pack("<HBBIQI", 1, 0, 0, 1, 0, 0) + b"r",
+        header(ftype=5, meta_len=21) + struct.pack("<HBBIQI", 1, 4, 0, 0, 0, 0) + b"r",
+        # PATH too short, VERDICT with a bad flag or running short
+        header(ftype=6, meta_len=3) + b"abc",
+        header(ftype=7, meta_len=6) + struct.pack("<BBcBH", 1, 1, b"t", 7, 0),
+        header(ftype=7, meta_len=1) + struct.pack("<B", 2),
     ],
 )
 def test_malformed_frames_raise_protocol_violation(raw: bytes) -> None:
@@ -147,4 +188,59 @@ def test_fuzz_corrupted_valid_stream(position: int, garbage: bytes) -> None:
     except ProtocolViolation:
         return
     for event in events:
-        assert isinstance(event, Hello | DataHeader | Done | Abort | PayloadBytes | PayloadEnd)
+        assert isinstance(
+            event,
+            Hello | DataHeader | Done | Abort | PayloadBytes | PayloadEnd | DataDescriptor
+            | PathMessage | Verdict,
+        )  # fmt: skip
+
+
+HELLO_FIELDS = st.tuples(
+    st.text(max_size=40), st.text(max_size=40), st.text(max_size=64), st.integers(0, 2**32 - 1),
+    st.sampled_from(["auto", "tcp", "samehost", "rdma"]),
+    st.lists(st.tuples(st.text(min_size=1, max_size=12), st.binary(max_size=64)), max_size=5),
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(HELLO_FIELDS)
+def test_fuzz_extended_hello_round_trip(fields) -> None:
+    name, address, boot, pid, mode, offers = fields
+    wire = encode_hello(name, address, boot_id=boot, pid=pid, transport=mode, offers=offers)
+    (hello,) = FrameDecoder().feed(wire)
+    assert hello == Hello(name, address, True, boot, pid, mode, tuple(offers))
+
+
+VERDICTS = st.dictionaries(
+    st.sampled_from(["tcp", "samehost", "rdma"]), st.none() | st.just("no")
+).map(lambda d: {**d, "tcp": None})
+MODES = st.sampled_from(["auto", "tcp", "samehost", "rdma"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(MODES, MODES, VERDICTS, VERDICTS)
+def test_choose_path_is_symmetric_and_never_falls_back(mode_a, mode_b, v_a, v_b) -> None:
+    """Both ends compute the same choice; a forced path is chosen or the link fails."""
+    a, why_a = choose_path(mode_a, mode_b, v_a, v_b)
+    b, why_b = choose_path(mode_b, mode_a, v_b, v_a)
+    assert a == b
+    assert (a is None) == bool(why_a) == bool(why_b)
+    forced = {m for m in (mode_a, mode_b) if m != "auto"}
+    if forced:
+        assert a in forced or a is None
+    else:
+        assert a is not None  # tcp is always there
+    if a is not None:
+        assert v_a.get(a, "") is None
+        assert v_b.get(a, "") is None
+
+
+def test_choose_path_prefers_samehost_and_says_why_forced_fails() -> None:
+    ok = {"tcp": None, "samehost": None}
+    assert choose_path("auto", "auto", ok, ok) == ("samehost", "")
+    assert choose_path("auto", "auto", ok, {"tcp": None, "samehost": "probe failed"})[0] == "tcp"
+    assert choose_path("tcp", "auto", ok, ok) == ("tcp", "")
+    path, why = choose_path("samehost", "auto", ok, {"tcp": None, "samehost": "other host"})
+    assert path is None
+    assert "samehost" in why
+    assert "other host" in why

@@ -9,6 +9,8 @@ import msgspec
 
 from hybrid_connector.errors import ConfigError
 
+KVT_TRANSPORTS = ("auto", "tcp", "samehost", "rdma")  # kvt.paths.TRANSPORTS (kvt not imported)
+
 
 class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Every key of ``kv_connector_extra_config`` the connector understands.
@@ -33,8 +35,17 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Serve kvt's and the connector's Prometheus metrics on this port (worker process); None: off.
     # In a vLLM server the worker is often its own process, so vLLM's /metrics cannot show them.
     metrics_port: int | None = None
+    # kvt's payload path: "auto" (samehost when P and D share a host, rdma when both ends have
+    # a device, else tcp; the KVT_TRANSPORT environment variable, if set, decides instead), or
+    # "tcp", "samehost", "rdma" forced: a pull that cannot use it fails (D recomputes).
+    kvt_transport: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kvt_transport not in KVT_TRANSPORTS:
+            raise ConfigError(
+                f"kvt_transport must be one of {', '.join(KVT_TRANSPORTS)}, "
+                f"got {self.kvt_transport!r}"
+            )
         for name in ("rpc_port", "data_port", "metrics_port"):
             port = getattr(self, name)
             if port is not None and not 0 <= port <= 65535:
@@ -62,6 +73,11 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     )
                 shifted[name] = port + tp_rank
         return msgspec.structs.replace(self, **shifted)
+
+    @property
+    def transport(self) -> str | None:
+        """The ``transport=`` for kvt's TransferEngine (None: auto, KVT_TRANSPORT may decide)."""
+        return None if self.kvt_transport == "auto" else self.kvt_transport
 
     @property
     def rpc_address(self) -> str:

@@ -554,6 +554,7 @@ class WorkerSide:
             port=self._config.data_port,
             name=self._name,
             default_timeout_s=self._config.transfer_timeout_s,
+            transport=self._config.transport,
         )
         self._layer_index = {name: i for i, name in enumerate(geometry.layer_names)}
         region_ids = [engine.register_region((b.address, b.nbytes)) for b in geometry.buffers]

@@ -30,6 +30,10 @@ class TransferEngine(Engine):
 
     ``host``/``port``: where the default TCP backend listens (port 0: any free port); ignored when
     ``backend`` is given. The engine owns the backend either way and closes it in :meth:`close`.
+    ``transport``: the default TCP backend's payload path, "auto" (env ``KVT_TRANSPORT``, else
+    auto: samehost on one host, rdma where both ends have a device, tcp otherwise), or one of
+    "tcp", "samehost", "rdma" forced (a link that cannot use it fails, its requests ABORTED
+    with origin TRANSPORT and the reason; no fallback). See README "Data paths".
     """
 
     def __init__(
@@ -40,10 +44,13 @@ class TransferEngine(Engine):
         *,
         default_timeout_s: float = 60.0,
         backend: DataPlaneBackend | None = None,
+        transport: str | None = None,
     ) -> None:
         # The TCP backend binds its listener first: if that fails, no thread has been started yet.
         if backend is None:
-            backend = TcpBackend(host, port, name=name)
+            backend = TcpBackend(host, port, name=name, transport=transport)
+        elif transport is not None:
+            raise ValueError("transport= applies to the default TCP backend, not a given one")
         super().__init__(backend, name=name, default_timeout_s=default_timeout_s)
 
 

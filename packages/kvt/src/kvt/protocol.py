@@ -5,20 +5,30 @@ One TCP connection carries frames in both directions. Every frame starts with a 
     offset size field
     0      2    magic        b"KV"
     2      1    version      1
-    3      1    type         1 HELLO, 2 DATA, 3 DONE, 4 ABORT
+    3      1    type         1 HELLO, 2 DATA, 3 DONE, 4 ABORT, 5 DESC, 6 PATH, 7 VERDICT
     4      4    meta_len     u32 LE, bytes of type-specific metadata that follow the header
     8      8    payload_len  u64 LE, raw bytes after the metadata (DATA only, else 0)
 
 Metadata (little-endian):
 
     HELLO  u16 name_len | u16 addr_len | name utf-8 | data address utf-8
+           [extension, absent from a plain (v1) HELLO: u8 1 | u16 boot_len | boot id
+            | u32 pid | u8 mode_len | mode ("auto", "tcp", ...) | u8 n_offers
+            | n_offers x (u8 name_len | path name | u32 blob_len | blob)]
     DATA   u16 rid_len | u8 flags (bit0 = last batch) | u8 0 | u32 n_blocks | rid
            | n_blocks x 30-byte IpcBlock
            payload = the blocks' bytes, concatenated in record order (sum of lengths == payload_len)
     DONE   u16 rid_len | u16 0 | u64 nbytes | rid          (receiver -> sender: every byte written)
     ABORT  u16 rid_len | u8 code | u8 target (1 sender side, 2 receiver side) | rid | reason utf-8
+    DESC   u16 rid_len | u8 flags | u8 0 | u32 n_blocks | u64 seq | u32 ext_len | rid
+           | n_blocks x 30-byte IpcBlock | ext (the path's own bytes, e.g. source addresses)
+           no payload: the link's payload path moves the bytes (samehost, rdma)
+    PATH   u8 kind | u8 status | u16 0 | u32 0 | u64 seq | u64 nbytes | body
+           a payload path's own message (e.g. samehost's ACK of frame ``seq``)
+    VERDICT u8 n | n x (u8 name_len | path name | u8 usable | u16 note_len | note utf-8)
+           after the HELLOs (extended ones only): which paths this end can use to the peer
 
-DONE and ABORT carry the control layer's messages (:mod:`kvt.control`); HELLO and DATA are TCP's.
+DONE and ABORT carry the control layer's messages (:mod:`kvt.control`); the others are TCP's.
 
 The decoder never sees payload bytes in the fast path: after a DATA header it enters the PAYLOAD
 state, the I/O layer reads the payload straight into destination memory and reports how much it
@@ -47,6 +57,9 @@ DATA_META = struct.Struct("<HBBI")  # rid_len, flags, reserved, n_blocks
 DONE_META = struct.Struct("<HHQ")  # rid_len, reserved, nbytes
 ABORT_META = struct.Struct("<HBB")  # rid_len, code, target
 HELLO_META = struct.Struct("<HH")  # name_len, addr_len
+DESC_META = struct.Struct("<HBBIQI")  # rid_len, flags, reserved, n_blocks, seq, ext_len
+PATH_META = struct.Struct("<BBHIQQ")  # kind, status, reserved, reserved, seq, nbytes
+HELLO_EXT_VERSION = 1
 FLAG_LAST = 0x01
 DEFAULT_MAX_META = 8 * 1024 * 1024  # 8 MiB of metadata = ~280k records per frame
 assert HEADER_SIZE == 16
@@ -57,14 +70,66 @@ class FrameType(enum.IntEnum):
     DATA = 2
     DONE = 3
     ABORT = 4
+    DESC = 5
+    PATH = 6
+    VERDICT = 7
 
 
 # ------------------------------------------------------------------ events
 # DONE and ABORT frames decode to the control layer's own messages (kvt.control.Done / Abort).
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """A peer's HELLO. ``extended`` is False for a plain (v1) HELLO: such a peer speaks tcp only
+    and sends no VERDICT. ``offers``: (path name, opaque blob) per payload path it can do."""
+
     name: str
     data_address: str
+    extended: bool = False
+    boot_id: str = ""
+    pid: int = 0
+    transport: str = "auto"  # the peer's setting: "auto" or the path it forces
+    offers: tuple[tuple[str, bytes], ...] = ()
+
+    def offer(self, path: str) -> bytes | None:
+        """The blob the peer sent with ``path``, None if it does not offer that path."""
+        for name, blob in self.offers:
+            if name == path:
+                return blob
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class DataDescriptor:
+    """A DESC frame: records of a batch whose bytes the link's payload path moves itself."""
+
+    request_id: str
+    last: bool
+    blocks: np.ndarray  # IPCBLOCK_DTYPE, read-only
+    seq: int  # the sender's frame number on this link (acks name it)
+    nbytes: int  # sum of the records' lengths (checked without wrap-around)
+    ext: bytes  # the path's own per-frame bytes (samehost: n_blocks x u64 source addresses)
+
+
+@dataclass(frozen=True, slots=True)
+class PathMessage:
+    """A PATH frame: a payload path's own message, delivered to that path unread by the link."""
+
+    kind: int
+    status: int
+    seq: int
+    nbytes: int
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Which paths the peer can use to reach us: (path name, usable, note: why not / detail)."""
+
+    results: tuple[tuple[str, bool, str], ...]
+
+    def as_dict(self) -> dict[str, str | None]:
+        """path -> None if usable, else the peer's reason."""
+        return {name: (None if ok else note or "refused") for name, ok, note in self.results}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +154,17 @@ class PayloadEnd:
     request_id: str
 
 
-Event = Hello | DataHeader | Done | Abort | PayloadBytes | PayloadEnd
+Event = (
+    Hello
+    | DataHeader
+    | Done
+    | Abort
+    | PayloadBytes
+    | PayloadEnd
+    | DataDescriptor
+    | PathMessage
+    | Verdict
+)
 
 
 # ------------------------------------------------------------------ encoders
@@ -104,9 +179,57 @@ def _frame(ftype: FrameType, meta: bytes, payload_len: int = 0) -> bytes:
     return HEADER.pack(MAGIC, VERSION, ftype, len(meta), payload_len) + meta
 
 
-def encode_hello(name: str, data_address: str) -> bytes:
+def _short(text: str, limit: int = 255) -> bytes:
+    return text.encode()[:limit]
+
+
+def encode_hello(
+    name: str,
+    data_address: str,
+    *,
+    boot_id: str | None = None,
+    pid: int = 0,
+    transport: str = "auto",
+    offers: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]] = (),
+) -> bytes:
+    """A HELLO; with ``boot_id`` given it is extended (path selection follows), else plain v1."""
     n, a = name.encode()[:512], data_address.encode()[:512]
-    return _frame(FrameType.HELLO, HELLO_META.pack(len(n), len(a)) + n + a)
+    meta = HELLO_META.pack(len(n), len(a)) + n + a
+    if boot_id is not None:
+        boot, mode = _short(boot_id, 1024), _short(transport)
+        parts = [
+            struct.pack("<BH", HELLO_EXT_VERSION, len(boot)), boot,
+            struct.pack("<IB", pid, len(mode)), mode, struct.pack("<B", len(offers)),
+        ]  # fmt: skip
+        for path, blob in offers:
+            raw = _short(path)
+            parts += [struct.pack("<B", len(raw)), raw, struct.pack("<I", len(blob)), bytes(blob)]
+        meta += b"".join(parts)
+    return _frame(FrameType.HELLO, meta)
+
+
+def encode_desc(request_id: str, blocks: np.ndarray, last: bool, seq: int, ext: bytes) -> bytes:
+    """A DESC frame (no payload follows: the link's payload path moves the bytes)."""
+    rid = _rid(request_id)
+    records = np.ascontiguousarray(blocks, dtype=IPCBLOCK_DTYPE)
+    meta = DESC_META.pack(
+        len(rid), FLAG_LAST if last else 0, 0, records.size, seq, len(ext)
+    ) + b"".join((rid, records.tobytes(), ext))
+    return _frame(FrameType.DESC, meta)
+
+
+def encode_path(kind: int, status: int = 0, seq: int = 0, nbytes: int = 0, body: bytes = b""):
+    """A PATH frame: a payload path's own small message."""
+    return _frame(FrameType.PATH, PATH_META.pack(kind, status, 0, 0, seq, nbytes) + body)
+
+
+def encode_verdict(results: list[tuple[str, bool, str]] | tuple) -> bytes:
+    parts = [struct.pack("<B", len(results))]
+    for path, usable, note in results:
+        raw, text = _short(path), note.encode(errors="replace")[:4096]
+        parts += [struct.pack("<B", len(raw)), raw, struct.pack("<BH", bool(usable), len(text))]
+        parts.append(text)
+    return _frame(FrameType.VERDICT, b"".join(parts))
 
 
 def encode_data_head(request_id: str, blocks: np.ndarray, last: bool) -> bytes:
@@ -258,11 +381,14 @@ class FrameDecoder:
 
     def _parse_meta(self, ftype: FrameType, meta: bytes) -> Event:
         if ftype is FrameType.HELLO:
-            name_len, addr_len = _unpack(HELLO_META, meta, "HELLO")
-            if HELLO_META.size + name_len + addr_len != len(meta):
-                raise ProtocolViolation("HELLO lengths do not add up")
-            body = meta[HELLO_META.size :]
-            return Hello(_text(body[:name_len]), _text(body[name_len:]))
+            return _parse_hello(meta)
+        if ftype is FrameType.DESC:
+            return _parse_desc(meta)
+        if ftype is FrameType.PATH:
+            kind, status, _, _, seq, nbytes = _unpack(PATH_META, meta, "PATH")
+            return PathMessage(kind, status, seq, nbytes, meta[PATH_META.size :])
+        if ftype is FrameType.VERDICT:
+            return _parse_verdict(meta)
         if ftype is FrameType.DATA:
             rid_len, flags, _, n_blocks = _unpack(DATA_META, meta, "DATA")
             if DATA_META.size + rid_len + n_blocks * IPCBLOCK_SIZE != len(meta):
@@ -291,6 +417,80 @@ class FrameDecoder:
         except ValueError:
             raise ProtocolViolation(f"ABORT with unknown code {code} / target {target}") from None
         return Abort(rid, abort_code, abort_target, _text(meta[ABORT_META.size + rid_len :]))
+
+
+class _Reader:
+    """Bounds-checked little-endian reads over one frame's metadata."""
+
+    def __init__(self, meta: bytes, what: str, pos: int = 0) -> None:
+        self.meta, self.what, self.pos = meta, what, pos
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > len(self.meta):
+            raise ProtocolViolation(f"{self.what} metadata ends early")
+        raw = self.meta[self.pos : self.pos + n]
+        self.pos += n
+        return raw
+
+    def unpack(self, fmt: str) -> tuple:
+        st = struct.Struct("<" + fmt)
+        return st.unpack(self.take(st.size))
+
+    def end(self) -> None:
+        if self.pos != len(self.meta):
+            raise ProtocolViolation(f"{self.what} lengths do not add up")
+
+
+def _parse_hello(meta: bytes) -> Hello:
+    name_len, addr_len = _unpack(HELLO_META, meta, "HELLO")
+    r = _Reader(meta, "HELLO", HELLO_META.size)
+    name, address = _text(r.take(name_len)), _text(r.take(addr_len))
+    if r.pos == len(meta):
+        return Hello(name, address)
+    (version, boot_len) = r.unpack("BH")
+    if version != HELLO_EXT_VERSION:
+        raise ProtocolViolation(f"HELLO extension version {version}")
+    boot_id = _text(r.take(boot_len))
+    pid, mode_len = r.unpack("IB")
+    transport = _text(r.take(mode_len))
+    (n_offers,) = r.unpack("B")
+    offers = []
+    for _ in range(n_offers):
+        (path_len,) = r.unpack("B")
+        path = _text(r.take(path_len))
+        (blob_len,) = r.unpack("I")
+        offers.append((path, r.take(blob_len)))
+    r.end()
+    return Hello(name, address, True, boot_id, pid, transport, tuple(offers))
+
+
+def _parse_desc(meta: bytes) -> DataDescriptor:
+    rid_len, flags, _, n_blocks, seq, ext_len = _unpack(DESC_META, meta, "DESC")
+    if DESC_META.size + rid_len + n_blocks * IPCBLOCK_SIZE + ext_len != len(meta):
+        raise ProtocolViolation("DESC metadata length does not match its counts")
+    if flags & ~FLAG_LAST:
+        raise ProtocolViolation(f"unknown DESC flags {flags:#x}")
+    rid = _request_id(meta[DESC_META.size : DESC_META.size + rid_len])
+    start = DESC_META.size + rid_len
+    end = start + n_blocks * IPCBLOCK_SIZE
+    blocks = blocks_from_bytes(meta[start:end])
+    return DataDescriptor(rid, bool(flags & FLAG_LAST), blocks, seq, _checked_total(blocks),
+                          meta[end:])  # fmt: skip
+
+
+def _parse_verdict(meta: bytes) -> Verdict:
+    r = _Reader(meta, "VERDICT")
+    (n,) = r.unpack("B")
+    results = []
+    for _ in range(n):
+        (path_len,) = r.unpack("B")
+        path = _text(r.take(path_len))
+        usable, note_len = r.unpack("BH")
+        if usable > 1:
+            raise ProtocolViolation(f"VERDICT usable flag {usable}")
+        results.append((path, bool(usable), _text(r.take(note_len))))
+    r.end()
+    return Verdict(tuple(results))
 
 
 def _unpack(st: struct.Struct, meta: bytes, what: str) -> tuple:

@@ -1,17 +1,18 @@
 """TCP data plane: blocking sockets in dedicated threads (the fast path on this box, see README).
 
 Per link (one TCP connection to a peer engine, used in both directions):
-* a writer thread owns every write: DATA frames go out with ``socket.sendmsg`` straight from the
-  registered source memory (up to IOV_MAX buffers per call, partial sends resumed); the control
-  layer's messages (DONE, ABORT) are encoded as small frames, queued by any thread and written
-  between DATA frames;
-* a reader thread owns every read: headers and metadata go through the sans-I/O
-  :class:`~kvt.protocol.FrameDecoder`; a DATA frame is reported as a neutral
-  :class:`~kvt.backend.Batch` and its payload read with ``recvmsg_into`` straight into the
-  destination region's memory (memoryview slices, no intermediate buffer).
+* a reader thread owns every read and the handshake: it writes HELLO, reads the peer's, sends
+  its VERDICT and, once the peer's VERDICT is in, picks the link's payload path
+  (:mod:`kvt.paths`: tcp, samehost, rdma). Headers and metadata go through the sans-I/O
+  :class:`~kvt.protocol.FrameDecoder`; a DATA or DESC frame goes to the payload path, which
+  reports it as a neutral :class:`~kvt.backend.Batch` and moves its bytes;
+* a writer thread owns every other write: it waits for the handshake, then hands each job to the
+  payload path (tcp: DATA frames with ``sendmsg`` straight from the registered source memory) and
+  writes the control layer's messages (DONE, ABORT) as small frames between them.
 
 An outbound link's writer connects first (so ``link_to`` never blocks); its reader starts once
-connected. A link that fails tells the listener once, drops its queued jobs and closes its socket.
+connected. A link that fails tells the listener once, drops its queued jobs and closes its socket;
+its payload path is closed once both threads have stopped.
 """
 
 from __future__ import annotations
@@ -25,24 +26,39 @@ import socket
 import threading
 from typing import Any
 
-from kvt.backend import BackendListener, Batch, DataPlaneBackend, IovCursor, SendJob, drain
+from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, MemoryInfo, SendJob, drain
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
+from kvt.paths import (
+    _SEND_WINDOW_BYTES,
+    IOV_MAX,
+    MAX_FRAME_PAYLOAD,
+    PREFERENCE,
+    RECV_CHUNK,
+    PathCandidate,
+    PathProvider,
+    PayloadPath,
+    choose_path,
+    default_providers,
+    local_boot_id,
+    transport_setting,
+)
 from kvt.protocol import (
+    DataDescriptor,
     DataHeader,
     FrameDecoder,
     Hello,
+    PathMessage,
+    Verdict,
     encode_control,
-    encode_data_head,
     encode_hello,
+    encode_verdict,
 )
 
 log = logging.getLogger(__name__)
 
-IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
-MAX_FRAME_PAYLOAD = 32 * 1024 * 1024  # a DATA frame is the unit of abort on the sending side
-RECV_CHUNK = 8 * 1024 * 1024  # the unit of abort on the receiving side
-_SEND_WINDOW_BYTES = 1 << 62  # sendmsg: no byte cap per call, only IOV_MAX
+__all__ = ["IOV_MAX", "MAX_FRAME_PAYLOAD", "RECV_CHUNK", "TcpBackend", "TcpLink"]
+
 _DRAIN = bytearray(1024 * 1024)
 _FLUSH = object()  # writer: send what is queued before this, then half-close
 
@@ -55,7 +71,12 @@ def _parse_address(address: str) -> tuple[str, int]:
 
 
 class TcpLink:
-    """One connection; see the module docstring for its two threads."""
+    """One connection; see the module docstring for its two threads.
+
+    The socket I/O of the link and of its payload path goes through four methods, the place for
+    fault hooks: :meth:`write` (writer thread), :meth:`_send_nowait` (small frames, any thread),
+    :meth:`_recv_exact` and :meth:`recv_into` (reader thread).
+    """
 
     _ids = itertools.count(1)
 
@@ -72,13 +93,22 @@ class TcpLink:
         self._connect_to = connect_to
         self._peer_label = connect_to or self._sock_peer(sock)
         self.peer_name: str | None = None
+        self.peer_hello: Hello | None = None
+        self.decoder = FrameDecoder(max_meta=backend.max_meta)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Whoever writes to the socket holds _write_lock: the writer thread for every queued item,
-        # or send_control's fast path (see there). _leftover is a control frame's unsent tail,
-        # which the writer sends before anything else.
+        # the reader for the handshake, or post()'s fast path (see there). _leftover is a small
+        # frame's unsent tail, which the writer sends before anything else.
         self._write_lock = threading.Lock()
         self._leftover = b""
-        self._hello_sent = False
+        # The handshake: candidates offered in our HELLO, then the chosen path; _ready (set once
+        # the path is chosen, or the link failed) releases the writer.
+        self._candidates: dict[str, PathCandidate] = {}
+        self._verdict: dict[str, str | None] = {}
+        self._payload: PayloadPath | None = None
+        self._chosen: PathCandidate | None = None
+        self._ready = False
+        self._ready_event = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
         self._lost_reported = False
@@ -104,7 +134,22 @@ class TcpLink:
 
     @property
     def path(self) -> str:
-        return "tcp"
+        """The payload path the handshake chose ("tcp" until then)."""
+        return self._payload.name if self._payload is not None else "tcp"
+
+    @property
+    def local_boot_id(self) -> str:
+        return self.backend.boot_id
+
+    @property
+    def listener(self) -> BackendListener:
+        assert self.backend.listener is not None
+        return self.backend.listener
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Test and tool helper: True once the handshake chose a path (False if the link died)."""
+        self._ready_event.wait(timeout)
+        return self._ready
 
     def start(self) -> None:
         name = f"kvt-{self.backend.name}-L{self.link_id}"
@@ -123,24 +168,38 @@ class TcpLink:
         with self._lock:
             self._threads_alive -= 1
             last = self._threads_alive == 0
-        if last and self._sock is not None:
-            self._sock.close()
+        if not last:
+            return
+        # Both threads stopped: nothing reads, writes or acks any more; the path lets go.
+        try:
+            if self._payload is not None:
+                self._payload.close(self._failure[0])
+            for candidate in self._candidates.values():
+                if candidate is not self._chosen:
+                    candidate.discard()
+        finally:
+            if self._sock is not None:
+                self._sock.close()
 
     # ---------------------------------------------------------------- queueing
     def send_control(self, message: ControlMessage) -> None:
-        """Queue a control frame, or write it at once if the socket is idle (saves a thread hop).
+        """Queue a control frame, or write it at once if the socket is idle (see :meth:`post`)."""
+        self.post(encode_control(message))
+
+    def post(self, frame: bytes) -> None:
+        """Queue a small frame, or write it at once if the socket is idle (saves a thread hop).
 
         The fast path never blocks: it only takes an uncontended lock and does one non-blocking
         send; whatever the kernel does not take goes to the writer. It may overtake DATA frames
         queued earlier, which is harmless: DONE travels on links that carry no DATA from us, and
-        an ABORT that overtakes its request's data only makes the peer discard that data.
+        an ABORT that overtakes its request's data only makes the peer discard that data. Before
+        the handshake chose a path, frames wait in the queue (they follow VERDICT).
         """
-        frame = encode_control(message)
-        if self._hello_sent and not self._closed and self._write_lock.acquire(blocking=False):
+        if self._ready and not self._closed and self._write_lock.acquire(blocking=False):
             try:
                 if not self._leftover and self._sock is not None:
                     try:
-                        sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                        sent = self._send_nowait(frame)
                     except OSError:  # would block, or the link is failing: the writer handles it
                         sent = 0
                     if sent == len(frame):
@@ -161,16 +220,7 @@ class TcpLink:
 
     def close(self, reason: str) -> None:
         """Stop the link now: the threads wake (socket shutdown) and exit."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._failure = (reason, False)
-        self._queue.put(None)
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
-        self._report_lost(reason, connect_failed=False)
+        self._fail(reason)
 
     def flush_and_stop_writing(self) -> None:
         """Graceful close, step 1: the writer sends what is queued (ABORTs), then half-closes."""
@@ -203,34 +253,91 @@ class TcpLink:
                 self._failure = (reason, connect_failed)
         if not already:
             self._queue.put(None)
+            self._ready_event.set()  # a writer waiting for the handshake wakes and exits
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._sock.shutdown(socket.SHUT_RDWR)
         self._report_lost(reason, connect_failed=connect_failed)
 
+    # ---------------------------------------------------------------- socket I/O (fault hooks)
+    def write(self, buffers: list) -> None:
+        """Writer thread (or the reader during the handshake), under _write_lock: every byte of
+        ``buffers`` in order, ``sendmsg`` over at most IOV_MAX buffers a call, partial sends
+        resumed mid-buffer."""
+        sock = self._sock
+        assert sock is not None
+        cursor = IovCursor([memoryview(b) for b in buffers])
+        while not cursor.done:
+            window = cursor.window(IOV_MAX, _SEND_WINDOW_BYTES)
+            cursor.advance(sock.sendmsg(window))
+
+    def _send_nowait(self, frame: bytes) -> int:
+        """post()'s fast path: one non-blocking send; returns the bytes the kernel took."""
+        return self._sock.send(frame, socket.MSG_DONTWAIT)  # type: ignore[union-attr]
+
+    def _recv_exact(self, view: memoryview) -> bool:
+        """Reader: fill ``view`` (a header or metadata); False on a clean EOF before it."""
+        sock = self._sock
+        assert sock is not None
+        got = 0
+        while got < view.nbytes:
+            n = sock.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
+            if n == 0:
+                if got:
+                    raise OSError("connection closed in the middle of a frame")
+                return False
+            got += n
+        return True
+
+    def recv_into(self, window: list[memoryview], want: int) -> int:
+        """Reader: ``want`` payload bytes straight into ``window`` (``recvmsg_into``)."""
+        sock = self._sock
+        assert sock is not None
+        cursor = IovCursor(window)
+        got = 0
+        while got < want:
+            n = sock.recvmsg_into(cursor.window(IOV_MAX, want - got), 0, socket.MSG_WAITALL)[0]
+            if n == 0:
+                raise OSError("connection closed in the middle of a frame")
+            got += n
+            cursor.advance(n)
+        return got
+
+    def discard(self, nbytes: int) -> None:
+        """Reader: read and drop the rest of a payload (rejected or aborted mid-frame)."""
+        sock = self._sock
+        assert sock is not None
+        while nbytes:
+            n = sock.recv_into(_DRAIN, min(nbytes, len(_DRAIN)))
+            if n == 0:
+                raise OSError("connection closed in the middle of a frame")
+            nbytes -= n
+            self.decoder.payload_consumed(n)
+
     # ---------------------------------------------------------------- writer
     def _writer_main(self) -> None:
-        self.backend.listener.io_thread_started()  # type: ignore[union-attr]
+        self.listener.io_thread_started()
         try:
             if self._sock is None and not self._connect():
                 return
-            hello = encode_hello(self.backend.name, self.backend.address)
-            with self._write_lock:
-                self._sock.sendall(hello)  # type: ignore[union-attr]
-                self._hello_sent = True
+            self._ready_event.wait()  # the reader runs the handshake
+            if not self._ready:
+                return  # the link failed first (its reason is reported already)
+            payload = self._payload
+            assert payload is not None
             while (item := self._queue.get()) is not None:
                 with self._write_lock:
                     if self._leftover:
-                        self._sock.sendall(self._leftover)  # type: ignore[union-attr]
+                        self.write([self._leftover])
                         self._leftover = b""
                     if isinstance(item, bytes):
                         if item:
-                            self._sock.sendall(item)  # type: ignore[union-attr]
+                            self.write([item])
                     elif item is _FLUSH:
                         self._sock.shutdown(socket.SHUT_WR)  # type: ignore[union-attr]
                         break
                     else:
-                        self._send_job(item)
+                        payload.send_job(item)
         except OSError as exc:
             if not self._closed:
                 log.warning("kvt link to %s failed while sending: %s", self.peer, exc)
@@ -261,38 +368,6 @@ class TcpLink:
         self._spawn(self._reader_main, f"kvt-{self.backend.name}-L{self.link_id}-r")
         return True
 
-    def _send_job(self, job: SendJob) -> None:
-        blocks, views = job.blocks, job.views
-        lengths = blocks["length"].tolist()
-        start, n = 0, len(views)
-        while True:
-            # Cut the batch into frames of at most MAX_FRAME_PAYLOAD bytes (at least one record).
-            end, payload = start, 0
-            while end < n and (end == start or payload + lengths[end] <= MAX_FRAME_PAYLOAD):
-                payload += lengths[end]
-                end += 1
-            if not job.begin_frame():
-                return  # request finished (aborted): drop the frames not yet started
-            sent = 0
-            try:
-                last_frame = end >= n
-                head = encode_data_head(job.request_id, blocks[start:end], job.last and last_frame)
-                self._sendmsg_all([memoryview(head), *views[start:end]])
-                sent = payload
-            finally:
-                job.end_frame(sent)
-            if last_frame:
-                return
-            start = end
-
-    def _sendmsg_all(self, buffers: list[memoryview]) -> None:
-        sock = self._sock
-        assert sock is not None
-        cursor = IovCursor(buffers)
-        while not cursor.done:
-            window = cursor.window(IOV_MAX, _SEND_WINDOW_BYTES)
-            cursor.advance(sock.sendmsg(window))
-
     def _drain_queue(self) -> None:
         for item in drain(self._queue):
             if item is not None and item is not _FLUSH and not isinstance(item, bytes):
@@ -304,28 +379,32 @@ class TcpLink:
 
     # ---------------------------------------------------------------- reader
     def _reader_main(self) -> None:
-        listener = self.backend.listener
-        assert listener is not None
+        listener = self.listener
         listener.io_thread_started()
-        sock = self._sock
-        assert sock is not None
-        decoder = FrameDecoder(max_meta=self.backend.max_meta)
+        decoder = self.decoder
         reason = "connection closed by peer"
         try:
+            self._send_hello()
             while True:
                 need = decoder.next_read_size()
                 buf = bytearray(need)
-                if not self._recv_exact(sock, memoryview(buf)):
+                if not self._recv_exact(memoryview(buf)):
                     break
                 for event in decoder.feed(buf):
-                    if isinstance(event, DataHeader):
-                        self._receive_payload(sock, decoder, event)
+                    if isinstance(event, DataHeader | DataDescriptor):
+                        if self._payload is None:
+                            raise ProtocolViolation("data frame before the handshake finished")
+                        self._payload.receive(event)
                     elif isinstance(event, Done | Abort):
                         listener.on_control(self, event)
+                    elif isinstance(event, PathMessage):
+                        if self._payload is None:
+                            raise ProtocolViolation("PATH frame before the handshake finished")
+                        self._payload.on_message(event)
                     elif isinstance(event, Hello):
-                        self.peer_name = event.name
-                        self._peer_label = event.data_address or self._peer_label
-                        log.debug("kvt %s: link from %s", self.backend.name, self.peer)
+                        self._on_hello(event)
+                    elif isinstance(event, Verdict):
+                        self._on_verdict(event)
         except ProtocolViolation as exc:
             reason = f"protocol violation: {exc}"
             log.warning("kvt closing link from %s: %s", self.peer, reason)
@@ -340,60 +419,85 @@ class TcpLink:
             finally:
                 self._thread_exit()
 
-    @staticmethod
-    def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-        got = 0
-        while got < view.nbytes:
-            n = sock.recv_into(view[got:], view.nbytes - got, socket.MSG_WAITALL)
-            if n == 0:
-                if got:
-                    raise OSError("connection closed in the middle of a frame")
-                return False
-            got += n
-        return True
+    # ---------------------------------------------------------------- handshake (reader thread)
+    def _send_hello(self) -> None:
+        backend = self.backend
+        offers = []
+        for provider in backend.providers:
+            if provider.unavailable() is None:
+                candidate = provider.candidate(self)
+                self._candidates[provider.name] = candidate
+                offers.append((provider.name, candidate.blob))
+        hello = encode_hello(
+            backend.name, backend.address, boot_id=backend.boot_id, pid=os.getpid(),
+            transport=backend.transport, offers=offers,
+        )  # fmt: skip
+        with self._write_lock:
+            self.write([hello])
 
-    def _receive_payload(
-        self, sock: socket.socket, decoder: FrameDecoder, header: DataHeader
-    ) -> None:
-        listener = self.backend.listener
-        assert listener is not None
-        sink = listener.on_batch(self, Batch(header.request_id, header.blocks, header.last))
-        remaining = header.payload_len
-        if sink is not None and remaining:
-            cursor = IovCursor(sink.views)
-            while not cursor.done:
-                window = cursor.window(IOV_MAX, RECV_CHUNK)
-                want = sum(v.nbytes for v in window)
-                if not sink.begin_chunk():
-                    break
-                got = 0
-                try:
-                    got = self._recvmsg_exact(sock, window, want)
-                finally:
-                    sink.end_chunk(got)
-                cursor.advance(got)
-                remaining -= got
-                decoder.payload_consumed(got)
-        while remaining:  # rejected or aborted mid-frame: keep the stream in sync, discard bytes
-            n = sock.recv_into(_DRAIN, min(remaining, len(_DRAIN)))
-            if n == 0:
-                raise OSError("connection closed in the middle of a frame")
-            remaining -= n
-            decoder.payload_consumed(n)
-        if sink is not None:
-            sink.end_batch()
+    def _on_hello(self, hello: Hello) -> None:
+        if self.peer_hello is not None:
+            raise ProtocolViolation("second HELLO")
+        self.peer_hello = hello
+        self.peer_name = hello.name
+        self._peer_label = hello.data_address or self._peer_label
+        log.debug("kvt %s: link from %s", self.backend.name, self.peer)
+        if not hello.extended:  # a plain HELLO (an older peer, or a tool): tcp, no VERDICTs
+            plain = f"{hello.name} sent a plain HELLO (tcp only)"
+            self._verdict = {name: None if name == "tcp" else plain for name in PREFERENCE}
+            self._choose(dict(self._verdict), peer_mode="auto")
+            return
+        results = []
+        for name in PREFERENCE:
+            why = self._check(name, hello)
+            self._verdict[name] = why
+            if name in self._candidates or hello.offer(name) is not None:
+                results.append((name, why is None, why or ""))
+        with self._write_lock:
+            self.write([encode_verdict(results)])
 
-    @staticmethod
-    def _recvmsg_exact(sock: socket.socket, window: list[memoryview], want: int) -> int:
-        cursor = IovCursor(window)
-        got = 0
-        while got < want:
-            n = sock.recvmsg_into(cursor.window(IOV_MAX, want - got), 0, socket.MSG_WAITALL)[0]
-            if n == 0:
-                raise OSError("connection closed in the middle of a frame")
-            got += n
-            cursor.advance(n)
-        return got
+    def _check(self, name: str, peer: Hello) -> str | None:
+        """None if this end can use path ``name`` to ``peer``, else why not."""
+        candidate = self._candidates.get(name)
+        if candidate is None:
+            provider = next((p for p in self.backend.providers if p.name == name), None)
+            why = provider.unavailable() if provider is not None else None
+            return f"{name} not offered by {self.backend.name}" + (f": {why}" if why else "")
+        if peer.offer(name) is None:
+            return f"{name} not offered by {peer.name}"
+        try:
+            return candidate.check(peer)
+        except Exception as exc:  # a failing probe is a reason, never a dead reader
+            return f"{name} check failed: {exc!r}"
+
+    def _on_verdict(self, verdict: Verdict) -> None:
+        if self.peer_hello is None or not self.peer_hello.extended or self._ready:
+            raise ProtocolViolation("VERDICT out of order")
+        peer_verdict = verdict.as_dict()
+        self._choose(peer_verdict, peer_mode=self.peer_hello.transport)
+
+    def _choose(self, peer_verdict: dict[str, str | None], *, peer_mode: str) -> None:
+        local = self._verdict or {"tcp": None}
+        name, why = choose_path(self.backend.transport, peer_mode, local, peer_verdict)
+        if name is not None:
+            candidate = self._candidates.get(name)
+            try:
+                if candidate is None:
+                    raise OSError(f"{name} not offered by this end")
+                payload = candidate.open(self.peer_hello)  # type: ignore[arg-type]
+            except Exception as exc:
+                name, why = None, f"opening the {name} path failed: {exc!r}"
+        if name is None:
+            reason = f"no payload path to {self.peer}: {why}"
+            log.warning("kvt %s: %s", self.backend.name, reason)
+            self._fail(reason, connect_failed=True)
+            return
+        with self._lock:
+            self._chosen = candidate
+            self._payload = payload
+            self._ready = not self._closed
+        self._ready_event.set()
+        log.debug("kvt %s: link %s uses the %s path", self.backend.name, self.peer, name)
 
 
 class TcpBackend(DataPlaneBackend):
@@ -407,10 +511,20 @@ class TcpBackend(DataPlaneBackend):
         name: str = "kvt",
         connect_timeout_s: float = 5.0,
         max_meta: int = 8 * 1024 * 1024,
+        transport: str | None = None,
+        providers: list[PathProvider] | None = None,
+        boot_id: str | None = None,
     ) -> None:
+        """``transport``: "auto" (default; env ``KVT_TRANSPORT``), "tcp", "samehost" or "rdma"
+        (forced: a link that cannot use it fails). ``providers``: the payload paths offered
+        (default :func:`kvt.paths.default_providers`). ``boot_id``: override this host's boot id
+        (tests: a peer "on another host")."""
         self.name = name
         self.connect_timeout_s = connect_timeout_s
         self.max_meta = max_meta
+        self.transport = transport_setting(transport)
+        self.providers = default_providers() if providers is None else list(providers)
+        self.boot_id = local_boot_id() if boot_id is None else boot_id
         self.listener: BackendListener | None = None
         self._lock = threading.Lock()
         self._outbound: dict[str, TcpLink] = {}
@@ -464,6 +578,19 @@ class TcpBackend(DataPlaneBackend):
     def submit(self, link: TcpLink, job: SendJob) -> None:  # type: ignore[override]
         link.submit(job)
 
+    def links(self) -> list[TcpLink]:
+        """The live links, inbound and outbound (tools and tests: ``link.path``, ``link.peer``)."""
+        with self._lock:
+            return [link for link in self._links if not link.closed]
+
+    def register_memory(self, info: MemoryInfo) -> None:
+        for provider in self.providers:
+            provider.register_memory(info)
+
+    def unregister_memory(self, region_id: int) -> None:
+        for provider in self.providers:
+            provider.unregister_memory(region_id)
+
     def forget(self, link: TcpLink) -> None:
         """A dead link leaves the tables (its threads finish on their own; close() joins them)."""
         with self._lock:
@@ -496,3 +623,5 @@ class TcpBackend(DataPlaneBackend):
             everything = set(links) | set(self._retired) | self._links
         for link in everything:
             link.join()
+        for provider in self.providers:
+            provider.close()

@@ -1,0 +1,450 @@
+"""The "samehost" payload path: the receiver pulls each frame's bytes with ``process_vm_readv``.
+
+Linux cross-memory attach copies straight from the sender's memory into the receiver's: one copy,
+no socket, no staging buffer. The TCP link stays the control channel (:mod:`kvt.paths`):
+
+    sender (writer thread)                     receiver (reader thread)
+    begin_frame; DESC(seq, records, source  ->  on_batch -> sink; per chunk of RECV_CHUNK bytes:
+    addresses); frame outstanding              begin_chunk, process_vm_readv (<= IOV_MAX iovecs
+                                               a call, partial reads resumed), check the sender's
+                                               epoch word, end_chunk; end_batch
+    end_frame(n) when the ACK arrives     <-   PATH ACK(seq, n, status)
+
+**What holds for the sender's memory.** The receiver only ever *reads* it. While the link is up
+the sender's ``end_frame`` runs on the ACK, which the receiver sends after its last read of the
+frame, so nothing reads a request's memory after its completion. If the link dies mid-read, the
+sender ends its outstanding frames (``end_frame(0)``: the request completes ABORTED(TRANSPORT))
+once both link threads stopped, but first it clears its per-link *epoch word*; the receiver reads
+that word after every chunk and keeps the chunk only if it still shows the link's epoch. So a read
+still in flight when the sender gives up (at most one chunk) may see memory the sender's caller
+already reuses, but it is discarded: the receiver's request ends ABORTED(TRANSPORT), never DONE
+with those bytes. A sender killed outright (``kill -9``) makes the read fail with ESRCH (or, after
+a pid reuse, the epoch check fails): ABORTED(TRANSPORT) as well.
+
+**Errors** are typed aborts naming request and peer, never a dead server: EFAULT (the sender's
+addresses are not mapped in its process) aborts that request on both ends (BAD_BLOCK, the link
+stays); ESRCH (peer gone) and EPERM (no longer allowed to read it) close the link.
+
+**Permissions.** ``process_vm_readv`` needs ptrace access to the peer: same uid and, with Yama
+``ptrace_scope`` 1, the peer's consent, which the provider gives when the process's first
+TcpBackend is made: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets
+any same-uid process ptrace this one); or CAP_SYS_PTRACE
+(root in most containers has it; Docker's default seccomp profile allows the call from 4.8
+kernels on). In separate pid namespaces the peer's pid is not ours: the probe read fails and
+"auto" stays on tcp. The probe (HELLO blob: a 16-byte cookie's address) is read by each end
+before it votes for samehost, so the choice never rests on guesses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import secrets
+import struct
+import sys
+import threading
+
+import numpy as np
+
+from kvt.backend import Batch, SendJob
+from kvt.control import Abort, AbortTarget
+from kvt.errors import ProtocolViolation
+from kvt.outcome import AbortCode
+from kvt.paths import (
+    IOV_MAX,
+    RECV_CHUNK,
+    LinkIO,
+    PathCandidate,
+    PathProvider,
+    PayloadPath,
+    frame_cuts,
+)
+from kvt.protocol import DataDescriptor, DataHeader, Hello, PathMessage, encode_desc, encode_path
+
+log = logging.getLogger(__name__)
+
+ACK = 1  # PATH kind: receiver -> sender, frame ``seq`` read (``nbytes``) or refused/failed
+ACK_OK, ACK_FAILED = 0, 1  # ACK status; a failed frame's body is the reason (utf-8)
+_BLOB = struct.Struct("<Q16sQQ")  # probe address, cookie, epoch word address, epoch
+_PR_SET_PTRACER = 0x59616D61
+_PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
+_EPOCH_WORDS = 256  # per block of the epoch-word pool
+
+
+def _load_libc():
+    if not sys.platform.startswith("linux"):
+        return None, "cross-memory attach is Linux only"
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        readv = libc.process_vm_readv
+    except (OSError, AttributeError) as exc:
+        return None, f"libc has no process_vm_readv ({exc})"
+    readv.argtypes = [
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]  # fmt: skip
+    readv.restype = ctypes.c_ssize_t  # ctypes releases the GIL for the whole copy
+    return libc, None
+
+
+_libc, _UNAVAILABLE = _load_libc()
+_ptracer_lock = threading.Lock()
+_ptracer_done = False
+
+
+def allow_ptrace_reads() -> None:
+    """Let same-uid peers read this process under Yama (``ptrace_scope`` 1); once per process.
+
+    Without Yama the call is refused harmlessly; scope 2 or 3 needs CAP_SYS_PTRACE regardless.
+    """
+    global _ptracer_done
+    with _ptracer_lock:
+        if _ptracer_done or _libc is None or not os.path.exists("/proc/sys/kernel/yama"):
+            _ptracer_done = True
+            return
+        _ptracer_done = True
+        if _libc.prctl(_PR_SET_PTRACER, _PR_SET_PTRACER_ANY, 0, 0, 0) != 0:
+            log.info("kvt: prctl(PR_SET_PTRACER) failed: %s", os.strerror(ctypes.get_errno()))
+
+
+class CmaError(OSError):
+    """A ``process_vm_readv`` call failed (errno set)."""
+
+
+def read_remote(pid: int, local_iov: np.ndarray, remote_iov: np.ndarray) -> int:
+    """One ``process_vm_readv`` over (n, 2) uint64 iovec arrays (address, length); n <= IOV_MAX.
+
+    Returns the bytes read (may be short); raises :class:`CmaError` when nothing could be read.
+    """
+    assert _libc is not None
+    n = _libc.process_vm_readv(
+        pid, local_iov.ctypes.data, len(local_iov), remote_iov.ctypes.data, len(remote_iov), 0
+    )
+    if n < 0:
+        code = ctypes.get_errno()
+        raise CmaError(code, f"process_vm_readv from pid {pid}: {os.strerror(code)}")
+    return n
+
+
+def _errno_name(exc: OSError) -> str:
+    return errno.errorcode.get(exc.errno or 0, str(exc.errno))
+
+
+def _hint(exc: OSError) -> str:
+    if exc.errno == errno.EPERM:
+        return (
+            " (ptrace access denied: needs the same uid and Yama ptrace_scope <= 1, or "
+            "CAP_SYS_PTRACE; containers: --cap-add SYS_PTRACE or a shared pid namespace)"
+        )
+    if exc.errno == errno.ESRCH:
+        return " (no such process here: exited, or in another pid namespace)"
+    return ""
+
+
+class ReadPlan:
+    """One frame's reads: records cut into segments that never cross a chunk boundary of the
+    frame's byte stream, as (n, 2) uint64 iovec arrays (address, length) for each side.
+
+    Built vectorised (no Python loop per record); zero-length records are dropped. Chunk k is
+    segments ``bounds[k]:bounds[k + 1]``; ``seg_end`` is where each segment ends in the stream.
+    """
+
+    __slots__ = ("bounds", "local_iov", "remote_iov", "seg_end")
+
+    def __init__(
+        self, local: np.ndarray, remote: np.ndarray, lengths: np.ndarray, chunk: int
+    ) -> None:
+        keep = lengths > 0
+        local, remote, lengths = local[keep], remote[keep], lengths[keep].astype(np.uint64)
+        if lengths.size == 0:
+            self.local_iov = np.zeros((0, 2), np.uint64)
+            self.remote_iov = np.zeros((0, 2), np.uint64)
+            self.seg_end = np.zeros(0, np.uint64)
+            self.bounds = np.zeros(1, np.int64)
+            return
+        ends = np.cumsum(lengths, dtype=np.uint64)
+        starts = ends - lengths
+        total = int(ends[-1])
+        cuts = np.arange(chunk, total, chunk, dtype=np.uint64)
+        seg_start = np.union1d(starts, cuts)
+        record = np.searchsorted(starts, seg_start, side="right") - 1
+        self.seg_end = np.append(seg_start[1:], np.uint64(total))
+        delta = seg_start - starts[record]
+        self.local_iov = np.empty((seg_start.size, 2), np.uint64)
+        self.remote_iov = np.empty((seg_start.size, 2), np.uint64)
+        self.local_iov[:, 0] = local[record] + delta
+        self.remote_iov[:, 0] = remote[record] + delta
+        self.local_iov[:, 1] = self.remote_iov[:, 1] = self.seg_end - seg_start
+        n_chunks = (total + chunk - 1) // chunk
+        self.bounds = np.searchsorted(seg_start // np.uint64(chunk), np.arange(n_chunks + 1))
+
+    @property
+    def chunks(self) -> int:
+        return len(self.bounds) - 1
+
+    def read_chunk(self, pid: int, k: int) -> int:
+        """Read chunk ``k`` fully (<= IOV_MAX iovecs a call, partial reads resumed).
+
+        A call that stops short (the kernel stops at the first unreadable page) is resumed at the
+        first byte not read; a partly read segment's rows are trimmed in place. Returns the bytes
+        read; raises :class:`CmaError` when a call reads nothing.
+        """
+        a, b = int(self.bounds[k]), int(self.bounds[k + 1])
+        local_iov, remote_iov, seg_end = self.local_iov, self.remote_iov, self.seg_end
+        start = int(seg_end[a - 1]) if a else 0  # stream offset where segment a starts
+        pos, i = start, a
+        while i < b:
+            j = min(b, i + IOV_MAX)
+            n = read_remote(pid, local_iov[i:j], remote_iov[i:j])
+            if n <= 0:
+                raise CmaError(errno.EFAULT, f"process_vm_readv from pid {pid} made no progress")
+            pos += n
+            i = a + int(np.searchsorted(seg_end[a:b], pos, side="right"))
+            if i < b:
+                done = pos - (int(seg_end[i]) - int(local_iov[i, 1]))  # read of (trimmed) row i
+                if done:
+                    for iov in (local_iov, remote_iov):
+                        iov[i, 0] += np.uint64(done)
+                        iov[i, 1] -= np.uint64(done)
+        return pos - start
+
+
+class _EpochPool:
+    """8-byte words in this process that a receiver reads to see whether a link still lives.
+
+    Each link's sender side owns one word, set to a random 64-bit epoch while the link lives and
+    to 0 before its outstanding frames end. Words are reused (a new epoch), never freed until
+    the provider is; a stale reader then sees a different epoch, never its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blocks: list[ctypes.Array] = []
+        self._free: list[tuple[int, int]] = []
+
+    def take(self) -> tuple[ctypes.Array, int, int, int]:
+        with self._lock:
+            if not self._free:
+                self._blocks.append((ctypes.c_uint64 * _EPOCH_WORDS)())
+                block_index = len(self._blocks) - 1
+                self._free = [(block_index, i) for i in range(_EPOCH_WORDS)] + self._free
+            block_index, slot = self._free.pop()
+            block = self._blocks[block_index]
+        epoch = secrets.randbits(64) | 1
+        block[slot] = epoch
+        return block, slot, ctypes.addressof(block) + 8 * slot, epoch
+
+    def give_back(self, block: ctypes.Array, slot: int) -> None:
+        block[slot] = 0
+        with self._lock:
+            self._free.append((self._blocks.index(block), slot))
+
+
+class SamehostProvider(PathProvider):
+    """Offers samehost on every link where ``process_vm_readv`` exists; see the module doc."""
+
+    name = "samehost"
+
+    def __init__(self) -> None:
+        allow_ptrace_reads()
+        self._cookie = secrets.token_bytes(16)
+        self._probe = ctypes.create_string_buffer(self._cookie, 16)
+        self.epochs = _EpochPool()
+
+    def unavailable(self) -> str | None:
+        return _UNAVAILABLE
+
+    def candidate(self, link: LinkIO) -> PathCandidate:
+        return _SamehostCandidate(self, link)
+
+
+class _SamehostCandidate(PathCandidate):
+    def __init__(self, provider: SamehostProvider, link: LinkIO) -> None:
+        self.provider, self.link = provider, link
+        self.word, self.slot, address, self.epoch = provider.epochs.take()
+        probe = ctypes.addressof(provider._probe)
+        self.blob = _BLOB.pack(probe, provider._cookie, address, self.epoch)
+        self._taken = True
+
+    def check(self, peer: Hello) -> str | None:
+        local_boot = self.link.local_boot_id
+        if not local_boot or peer.boot_id != local_boot:
+            return f"samehost: another host (boot id {peer.boot_id!r}, ours {local_boot!r})"
+        blob = peer.offer("samehost") or b""
+        if len(blob) != _BLOB.size:
+            return f"samehost: malformed offer of {len(blob)} bytes"
+        probe, cookie, word, epoch = _BLOB.unpack(blob)
+        try:
+            got = _read_word_bytes(peer.pid, probe, 16)
+            live = int.from_bytes(_read_word_bytes(peer.pid, word, 8), "little")
+        except OSError as exc:
+            return f"samehost: probe read of pid {peer.pid} failed: {_errno_name(exc)}{_hint(exc)}"
+        if got != cookie or live != epoch:
+            return (
+                f"samehost: probe read of pid {peer.pid} saw other bytes (another pid namespace?)"
+            )
+        return None
+
+    def open(self, peer: Hello) -> PayloadPath:
+        _, _, word, epoch = _BLOB.unpack(peer.offer("samehost") or b"")
+        self._taken = False  # the path owns the epoch word from here on
+        return SamehostPath(self.link, self, peer.pid, word, epoch)
+
+    def discard(self) -> None:
+        if self._taken:
+            self._taken = False
+            self.provider.epochs.give_back(self.word, self.slot)
+
+
+def _read_word_bytes(pid: int, address: int, nbytes: int) -> bytes:
+    buf = ctypes.create_string_buffer(nbytes)
+    local = np.array([[ctypes.addressof(buf), nbytes]], np.uint64)
+    remote = np.array([[address, nbytes]], np.uint64)
+    if read_remote(pid, local, remote) != nbytes:
+        raise CmaError(errno.EFAULT, "short probe read")
+    return buf.raw
+
+
+class _PeerGone(Exception):
+    """The peer's epoch word no longer shows the link's epoch (it gave up the link)."""
+
+
+class SamehostPath(PayloadPath):
+    """One link's samehost path (both directions): see the module docstring."""
+
+    name = "samehost"
+
+    def __init__(
+        self, link: LinkIO, candidate: _SamehostCandidate, peer_pid: int, peer_word: int,
+        peer_epoch: int,
+    ) -> None:  # fmt: skip
+        super().__init__(link)
+        self._candidate = candidate
+        self.peer_pid, self._peer_word, self._peer_epoch = peer_pid, peer_word, peer_epoch
+        self._epoch_buf = ctypes.c_uint64(0)
+        self._epoch_local = np.array([[ctypes.addressof(self._epoch_buf), 8]], np.uint64)
+        self._epoch_remote = np.array([[peer_word, 8]], np.uint64)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._outstanding: dict[int, SendJob] = {}
+
+    # ------------------------------------------------------------ sender (writer thread)
+    def send_job(self, job: SendJob) -> None:
+        blocks, addresses = job.blocks, job.addresses
+        for start, end, _ in frame_cuts(blocks["length"].tolist()):
+            if not job.begin_frame():
+                return
+            with self._lock:
+                self._seq += 1
+                seq = self._seq
+                self._outstanding[seq] = job  # ended by its ACK, or by close()
+            ext = np.ascontiguousarray(addresses[start:end], dtype="<u8").tobytes()
+            last = job.last and end == len(blocks)
+            desc = encode_desc(job.request_id, blocks[start:end], last, seq, ext)
+            try:
+                self.link.write([desc])
+            except BaseException:
+                self._end(seq, 0)
+                raise
+
+    def on_message(self, message: PathMessage) -> None:
+        if message.kind != ACK:
+            raise ProtocolViolation(f"samehost: unknown PATH kind {message.kind}")
+        job = self._end(message.seq, None)
+        if job is None:
+            raise ProtocolViolation(f"samehost: ACK for frame {message.seq} not outstanding")
+        if message.status == ACK_FAILED:
+            reason = message.body.decode(errors="replace")
+            abort = Abort(job.request_id, AbortCode.BAD_BLOCK, AbortTarget.SENDER, reason)
+            job.end_frame(0)
+            self.link.listener.on_control(self.link, abort)  # as if the receiver had aborted
+        else:
+            job.end_frame(message.nbytes)
+
+    def _end(self, seq: int, nbytes: int | None) -> SendJob | None:
+        with self._lock:
+            job = self._outstanding.pop(seq, None)
+        if job is not None and nbytes is not None:
+            job.end_frame(nbytes)
+        return job
+
+    def close(self, reason: str) -> None:
+        """Both link threads stopped: clear our epoch word FIRST (a peer still reading discards
+        what it reads from here on), then end the frames no ACK will come for."""
+        with self._lock:
+            outstanding, self._outstanding = self._outstanding, {}
+        self._candidate.provider.epochs.give_back(self._candidate.word, self._candidate.slot)
+        for job in outstanding.values():
+            job.end_frame(0)
+
+    # ------------------------------------------------------------ receiver (reader thread)
+    def receive(self, frame: DataHeader | DataDescriptor) -> None:
+        if not isinstance(frame, DataDescriptor):
+            raise ProtocolViolation("DATA frame with payload on a samehost link")
+        n = len(frame.blocks)
+        if len(frame.ext) != 8 * n:
+            raise ProtocolViolation(f"samehost DESC with {len(frame.ext)} address bytes for {n}")
+        link = self.link
+        sink = link.listener.on_batch(link, Batch(frame.request_id, frame.blocks, frame.last))
+        if sink is None:
+            link.post(encode_path(ACK, ACK_OK, frame.seq, 0))
+            return
+        remote = np.frombuffer(frame.ext, dtype="<u8").astype(np.uint64)
+        plan = ReadPlan(sink.addresses, remote, frame.blocks["length"], RECV_CHUNK)
+        read = 0
+        try:
+            for k in range(plan.chunks):
+                if not sink.begin_chunk():
+                    break
+                got = 0
+                try:
+                    got = plan.read_chunk(self.peer_pid, k)
+                    self._check_peer_alive()
+                except BaseException:
+                    got = 0  # not one byte of a failed chunk counts
+                    raise
+                finally:
+                    sink.end_chunk(got)
+                read += got
+        except _PeerGone:
+            link.close(
+                f"samehost: peer {link.peer} gave up the link while request "
+                f"{frame.request_id!r} was being read"
+            )
+            return
+        except CmaError as exc:
+            self._read_failed(frame, exc)
+            return
+        link.post(encode_path(ACK, ACK_OK, frame.seq, read))
+        sink.end_batch()
+
+    def _check_peer_alive(self) -> None:
+        if read_remote(self.peer_pid, self._epoch_local, self._epoch_remote) != 8:
+            raise _PeerGone
+        if self._epoch_buf.value != self._peer_epoch:
+            raise _PeerGone
+
+    def _peer_alive(self) -> bool:
+        try:
+            self._check_peer_alive()
+        except (OSError, _PeerGone):
+            return False
+        return True
+
+    def _read_failed(self, frame: DataDescriptor, exc: OSError) -> None:
+        link = self.link
+        what = (
+            f"samehost read of request {frame.request_id!r} from peer {link.peer} "
+            f"(pid {self.peer_pid}) failed: {_errno_name(exc)}{_hint(exc)}"
+        )
+        if exc.errno == errno.EFAULT and self._peer_alive():
+            # The sender named memory it does not have: that request only, the link stays.
+            log.warning("kvt: %s", what)
+            abort = Abort(frame.request_id, AbortCode.BAD_BLOCK, AbortTarget.RECEIVER, what)
+            link.listener.on_control(link, abort)
+            link.post(encode_path(ACK, ACK_FAILED, frame.seq, 0, what.encode()))
+            return
+        log.warning("kvt: %s; closing the link", what)
+        link.close(what)
