@@ -81,7 +81,8 @@ def main() -> None:
 
     print(
         f"{total >> 20} MiB between two processes, loopback TCP, {repeats} round(s) after "
-        f"warm-up; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+        f"warm-up; kvt links on {result.kvt_paths}; load average {load_before[0]:.1f} before, "
+        f"{load_after[0]:.1f} after"
     )
     print(
         f"{'transfer':44} {'best GB/s':>9} {'median':>7} {'vs plain':>9} {'paired':>7} "
@@ -108,7 +109,7 @@ def main() -> None:
             "total_bytes": total, "repeats": repeats, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpu_count": os.cpu_count(),
             "load_average_before": load_before, "load_average_after": load_after,
-            "skipped": skipped,
+            "skipped": skipped, "kvt_paths": result.kvt_paths,
         }  # fmt: skip
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
         print(f"wrote {out}")

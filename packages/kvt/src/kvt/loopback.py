@@ -114,6 +114,18 @@ def make_engine(name: str, transport: str | None) -> TransferEngine:
     return TransferEngine(name=name)
 
 
+def check_paths(engine: TransferEngine, transport: str | None) -> list[str]:
+    """The payload paths of the engine's live links; raises unless all are ``transport``.
+
+    A benchmark of one path must not silently measure another ("auto" picks samehost on one host).
+    """
+    links = getattr(engine.backend, "links", None)
+    paths = sorted({link.path for link in links()}) if links is not None else ["tcp"]
+    if transport not in (None, "auto") and paths != [transport]:
+        raise RuntimeError(f"kvt links use {paths}, not the {transport!r} path measured here")
+    return paths
+
+
 def _receiver_main(conn, total: int, transport: str | None) -> None:  # the child process
     engine = make_engine("D", transport)
     dst = np.ones(total, dtype=np.uint8)  # touched now, so no run pays first-touch page faults
@@ -201,6 +213,7 @@ class LoopbackResult:
     verified: dict[int, bool]
     contenders: list[Measurement] = field(default_factory=list)
     contenders_verified: dict[str, bool] = field(default_factory=dict)
+    kvt_paths: list[str] = field(default_factory=list)  # payload paths kvt's links used
 
 
 def _rotated(items: Sequence, shift: int) -> list:
@@ -299,6 +312,8 @@ def run_loopback(
                     times[v].append(t)
                     if v != "plain":
                         exact[v].append(ok)
+            if round_no == 0:
+                paths = check_paths(engine, transport)
         verified = {b: all(exact["kvt", b]) for b in block_sizes}
         contenders_verified = {
             f"{system.label}, {b >> 10} KiB": all(exact[i, b])
@@ -320,7 +335,9 @@ def run_loopback(
             measured(f"{system.label}, {total // b} x {b >> 10} KiB scattered", (i, b), b)
             for i, (system, b) in enumerate(contenders)
         ]
-        return LoopbackResult(total, plain, results, verified, others, contenders_verified)
+        return LoopbackResult(
+            total, plain, results, verified, others, contenders_verified, kvt_paths=paths
+        )
     finally:
         if plain_sock is not None:
             plain_sock.close()
