@@ -145,8 +145,9 @@ def _receiver_main(conn, total: int, sender_pid: int, kvt_transport: str | None)
                 view.release()
                 conn.send(elapsed)
             elif cmd == "verify":
-                conn.send(args[0].delivered(dst, expected))
-                dst[:] = 1
+                ok = args[0].delivered(dst, expected)
+                dst[:] = 1  # reset BEFORE answering: the next run may start the moment we do
+                conn.send(ok)
             elif cmd == "close":
                 break
     finally:

@@ -157,8 +157,9 @@ def _receiver_main(conn, total: int, transport: str | None) -> None:  # the chil
                 plain_sock.sendall(b"k")
             elif cmd == "verify":
                 pattern: ScatterPattern = args[0]
-                conn.send(pattern.delivered(dst, expected))
-                dst[:] = 1  # next pattern starts from a known state
+                ok = pattern.delivered(dst, expected)
+                dst[:] = 1  # reset BEFORE answering: the next run may start the moment we do
+                conn.send(ok)
             elif cmd == "close":
                 break
     finally:
