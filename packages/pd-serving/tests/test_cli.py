@@ -7,6 +7,7 @@ Tests marked ``needs_vllm`` make the tiny model (torch, transformers) or pass th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -16,14 +17,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from pd_serving.bench import percentile
+from pd_serving.bench import percentile, plan_pairs
 from pd_serving.cli import build_parser, main
 from pd_serving.client import Completion, _top_logprobs, exact_length_prompt, load_tokenizer
 from pd_serving.demo import compare
 from pd_serving.launcher import ManagedProcess, free_port
 from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
-from pd_serving.servers import Connector, CpuSettings, plan_servers
+from pd_serving.servers import Connector, CpuSettings, connector_extra, plan_servers
 from pd_serving.testing import MODEL, FakeUpstream
 
 
@@ -63,6 +64,53 @@ def test_arch_defaults_to_qwen2_and_accepts_every_family(command: str) -> None:
     assert parser.parse_args([command]).arch == "qwen2"
     for arch in TINY_ARCHES:
         assert parser.parse_args([command, "--arch", arch]).arch == arch
+
+
+def _connector_json(server) -> dict:
+    argv = server.argv()
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+@pytest.mark.parametrize("command", ["demo", "up", "bench"])
+def test_kvt_transport_goes_into_the_connector_config_of_p_and_d(command: str) -> None:
+    parser = build_parser()
+    for transport in ("auto", "tcp", "samehost"):
+        args = parser.parse_args([command, "--kvt-transport", transport])
+        servers = plan_servers(
+            Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID,
+            extra_connector_config=connector_extra(args),
+        )  # fmt: skip
+        for server in servers:
+            extra = _connector_json(server)["kv_connector_extra_config"]
+            assert extra["kvt_transport"] == transport
+    # Not given: the key stays out, so the connector's own default (auto) applies.
+    args = parser.parse_args([command])
+    servers = plan_servers(
+        Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID,
+        extra_connector_config=connector_extra(args),
+    )  # fmt: skip
+    assert "kvt_transport" not in _connector_json(servers[0])["kv_connector_extra_config"]
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--kvt-transport", "rdma-please"])
+
+
+def test_bench_compare_transports_plans_samehost_and_tcp_pairs() -> None:
+    parser = build_parser()
+    assert plan_pairs(parser.parse_args(["bench", "--compare-transports"])) == [
+        (Connector.HYBRID, "samehost"),
+        (Connector.HYBRID, "tcp"),
+    ]
+    assert plan_pairs(parser.parse_args(["bench", "--kvt-transport", "tcp"])) == [
+        (Connector.HYBRID, "tcp")
+    ]
+    assert plan_pairs(parser.parse_args(["bench", "--compare"])) == [
+        (Connector.HYBRID, None),
+        (Connector.NIXL, None),
+    ]
+    # NIXL has no kvt underneath: the option does not apply to it.
+    assert plan_pairs(
+        parser.parse_args(["bench", "--connector", "nixl", "--kvt-transport", "tcp"])
+    ) == [(Connector.NIXL, None)]
 
 
 def test_make_model_takes_an_arch() -> None:

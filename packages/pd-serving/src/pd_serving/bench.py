@@ -5,7 +5,8 @@ hits, greedy, ``ignore_eos``) at a fixed concurrency; the systems take turns in 
 of the prompts each), one at a time so they never compete for the CPU, and a burst of load from
 elsewhere falls on all of them. ``--compare`` brings up single, HybridConnector 1P1D (measured
 with both dispatch modes through two proxies on the same P/D pair) and NixlConnector 1P1D in one
-run.
+run; ``--compare-transports`` brings up single and two HybridConnector 1P1D pairs, one forced
+onto kvt's same-host path and one onto kvt's TCP path (``kvt_transport``), parallel dispatch.
 """
 
 from __future__ import annotations
@@ -254,11 +255,38 @@ def write_json(path: Path, results: list[SystemResult], meta: dict[str, Any]) ->
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
+@dataclass
+class PdPair:
+    """One 1P1D pair of the bench: its connector, kvt transport (hybrid) and servers."""
+
+    connector: Connector
+    transport: str | None  # kv_connector_extra_config "kvt_transport"; None: the default
+    servers: list[VllmServer]
+
+    @property
+    def label(self) -> str:
+        return self.connector.value + (f" {self.transport}" if self.transport else "")
+
+    @property
+    def tag(self) -> str:
+        return self.label.replace(" ", "-")
+
+
+def plan_pairs(args: argparse.Namespace) -> list[tuple[Connector, str | None]]:
+    """The 1P1D pairs a bench run measures: (connector, kvt transport)."""
+    if getattr(args, "compare_transports", False):
+        return [(Connector.HYBRID, "samehost"), (Connector.HYBRID, "tcp")]
+    transport = getattr(args, "kvt_transport", None)
+    if args.compare:
+        return [(Connector.HYBRID, transport), (Connector.NIXL, None)]
+    connector = Connector(args.connector)
+    return [(connector, transport if connector is Connector.HYBRID else None)]
+
+
 def _proxy_processes(
-    deployment: Deployment,
+    pairs: list[PdPair],
     model: Path,
     *,
-    connectors: list[Connector],
     args: argparse.Namespace,
     log_dir: Path,
 ) -> list[tuple[str, ManagedProcess, str]]:
@@ -268,13 +296,16 @@ def _proxy_processes(
     would delay both and blur TTFT/TPOT.
     """
     out = []
-    for connector in connectors:
+    for pair in pairs:
+        connector = pair.connector
         dispatches = [Dispatch.SEQUENTIAL]
         if connector is Connector.HYBRID:
             dispatches = [Dispatch.PARALLEL, Dispatch.SEQUENTIAL]
         if args.dispatch and not args.compare:
             dispatches = [Dispatch(args.dispatch)]
-        config = proxy_config_for(deployment.servers, connector)
+        elif getattr(args, "compare_transports", False):
+            dispatches = [Dispatch.PARALLEL]  # the transports differ, not the dispatch
+        config = proxy_config_for(pair.servers, connector)
         for dispatch in dispatches:
             port = free_port()
             argv = [
@@ -295,11 +326,11 @@ def _proxy_processes(
                 argv += ["--prefill", f"{b.url}@{b.rpc_address}" if b.rpc_address else b.url]
             for b in config.decode:
                 argv += ["--decode", b.url]
-            name = f"1P1D {connector.value} ({dispatch.value})"
+            name = f"1P1D {pair.label} ({dispatch.value})"
             proc = ManagedProcess(
-                f"proxy-{connector.value}-{dispatch.value}",
+                f"proxy-{pair.tag}-{dispatch.value}",
                 argv,
-                log_path=log_dir / f"proxy-{connector.value}-{dispatch.value}.log",
+                log_path=log_dir / f"proxy-{pair.tag}-{dispatch.value}.log",
                 ready_marker=READY_LINE,
                 health_url=f"http://127.0.0.1:{port}/health",
             )
@@ -313,21 +344,29 @@ def run_bench(args: argparse.Namespace) -> int:
         args.requests, args.prompt_tokens, args.max_tokens = 4, 32, 4
     arch = args.arch
     model = args.model.resolve() if args.model else make_model(default_model_dir(arch), arch)
-    connectors = [Connector.HYBRID, Connector.NIXL] if args.compare else [Connector(args.connector)]
+    planned = plan_pairs(args)
     log_dir = args.log_dir or cache_dir() / "logs" / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     cpu = CpuSettings(
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
         max_model_len=args.max_model_len,
         arch=arch,
     )
-    servers: list[VllmServer] = []
-    for connector in connectors:
-        pair = plan_servers(model, log_dir=log_dir, connector=connector, cpu=cpu)
-        for server in pair:
-            server.name = f"{connector.value}-{server.name}"
-        servers += pair
+    pairs: list[PdPair] = []
+    for connector, transport in planned:
+        extra = {} if transport is None else {"kvt_transport": transport}
+        pair = PdPair(
+            connector,
+            transport,
+            plan_servers(
+                model, log_dir=log_dir, connector=connector, cpu=cpu, extra_connector_config=extra
+            ),
+        )
+        for server in pair.servers:
+            server.name = f"{pair.tag}-{server.name}"
+        pairs.append(pair)
+    servers = [s for pair in pairs for s in pair.servers]
     servers += plan_servers(
-        model, log_dir=log_dir, connector=connectors[0], prefill=0, decode=0, single=1, cpu=cpu
+        model, log_dir=log_dir, connector=planned[0][0], prefill=0, decode=0, single=1, cpu=cpu
     )
     tokenizer = load_tokenizer(model)
     prompts = [
@@ -336,14 +375,12 @@ def run_bench(args: argparse.Namespace) -> int:
     ]
     console.print(
         f"[bold]pdserve bench[/bold]: {len(servers)} vLLM instances "
-        f"({', '.join(c.value for c in connectors)} + single); logs in {log_dir}"
+        f"({', '.join(p.label for p in pairs)} + single); logs in {log_dir}"
     )
     with Deployment(servers) as deployment:
         with console.status("starting vLLM instances (1-3 min each, in parallel)"):
             deployment.start(timeout=args.startup_timeout)
-        proxies = _proxy_processes(
-            deployment, model, connectors=connectors, args=args, log_dir=log_dir
-        )
+        proxies = _proxy_processes(pairs, model, args=args, log_dir=log_dir)
         try:
             for _, proc, _ in proxies:
                 proc.start()
@@ -371,7 +408,15 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(markdown_table(results), markup=False, highlight=False)
     if args.json:
         meta = {
-            "command": "pdserve bench " + ("--compare" if args.compare else args.connector),
+            "command": "pdserve bench "
+            + (
+                "--compare-transports"
+                if args.compare_transports
+                else "--compare"
+                if args.compare
+                else args.connector
+            ),
+            "pairs": [p.label for p in pairs],
             "model": f"tiny {arch} (hybrid_connector.tiny_model.make_tiny_model)",
             "cpu_count": os.cpu_count(),
             "machine": platform.machine(),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pd_serving.launcher import ChildFailed
 from pd_serving.model import DEFAULT_ARCH, TINY_ARCHES, cache_dir, default_model_dir, make_model
-from pd_serving.servers import Connector, CpuSettings
+from pd_serving.servers import KVT_TRANSPORTS, Connector, CpuSettings, connector_extra
 
 log = logging.getLogger("pdserve")
 
@@ -77,6 +77,13 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
         help="P then D, or both at once (hybrid only); default: parallel for hybrid, "
         "sequential for nixl",
     )
+    parser.add_argument(
+        "--kvt-transport",
+        choices=KVT_TRANSPORTS,
+        default=None,
+        help="kvt's data path between P and D (hybrid): auto (same-host copy when P and D share "
+        "a host, else TCP), tcp or samehost (forced); default: the connector's own (auto)",
+    )
     parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache per instance")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go")
@@ -129,6 +136,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         cpu=_cpu_settings(args),
+        extra_connector_config=connector_extra(args),
     )
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
@@ -256,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="TTFT/TPOT of 1P1D against a single instance")
     _add_instance_options(p)
     p.add_argument("--compare", action="store_true", help="single, hybrid and nixl in one run")
+    p.add_argument(
+        "--compare-transports",
+        action="store_true",
+        help="single, hybrid 1P1D over kvt samehost and hybrid 1P1D over kvt tcp in one run",
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=300)

@@ -18,7 +18,7 @@ from pd_serving.deploy import Deployment
 from pd_serving.launcher import ManagedProcess, free_port, wait_all_ready
 from pd_serving.model import cache_dir, default_model_dir, make_model
 from pd_serving.proxy import Dispatch, PdProxy, serve
-from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
+from pd_serving.servers import Connector, CpuSettings, Role, connector_extra, plan_servers
 
 DEMO_PROMPT_TOKENS = (16, 127, 128, 300, 700, 1000)
 
@@ -182,6 +182,7 @@ def run_demo(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             arch=args.arch,
         ),
+        extra_connector_config=connector_extra(args),
     )
     console.print(
         f"[bold]pdserve demo[/bold]: 1 prefill + 1 decode ({connector.value} connector, "

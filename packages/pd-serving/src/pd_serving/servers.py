@@ -18,6 +18,17 @@ class Connector(enum.StrEnum):
     NIXL = "nixl"  # vLLM's own NixlConnector (UCX), the reference
 
 
+# kvt's data paths hybrid-connector can be told to use (kv_connector_extra_config "kvt_transport").
+KVT_TRANSPORTS = ("auto", "tcp", "samehost")
+
+
+def connector_extra(args: Any) -> dict[str, str]:
+    """The kv_connector_extra_config keys a command's options ask for; only options given, so
+    the connector's own defaults stay its own (``--kvt-transport``: ``kvt_transport``)."""
+    transport = getattr(args, "kvt_transport", None)
+    return {} if transport is None else {"kvt_transport": transport}
+
+
 class Role(enum.StrEnum):
     SINGLE = "single"
     PREFILL = "prefill"
