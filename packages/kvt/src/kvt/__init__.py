@@ -5,6 +5,8 @@
 See README.md for the walk-through, the frame format and the benchmark.
 """
 
+from typing import Any
+
 from kvt.access import CpuLayerEvents, CudaLayerEvents, LayerEvents, RegionTable
 from kvt.backend import DataPlaneBackend
 from kvt.engine import Engine
@@ -34,6 +36,7 @@ class TransferEngine(Engine):
     auto: samehost on one host, rdma where both ends have a device, tcp otherwise), or one of
     "tcp", "samehost", "rdma" forced (a link that cannot use it fails, its requests ABORTED
     with origin TRANSPORT and the reason; no fallback). See README "Data paths".
+    ``engine_options``: further keywords of :class:`kvt.engine.Engine`, passed through.
     """
 
     def __init__(
@@ -45,13 +48,14 @@ class TransferEngine(Engine):
         default_timeout_s: float = 60.0,
         backend: DataPlaneBackend | None = None,
         transport: str | None = None,
+        **engine_options: Any,
     ) -> None:
         # The TCP backend binds its listener first: if that fails, no thread has been started yet.
         if backend is None:
             backend = TcpBackend(host, port, name=name, transport=transport)
         elif transport is not None:
             raise ValueError("transport= applies to the default TCP backend, not a given one")
-        super().__init__(backend, name=name, default_timeout_s=default_timeout_s)
+        super().__init__(backend, name=name, default_timeout_s=default_timeout_s, **engine_options)
 
 
 __all__ = [
