@@ -7,11 +7,12 @@ See README.md for the walk-through, the frame format and the benchmark.
 
 from typing import Any
 
-from kvt.access import CpuLayerEvents, CudaLayerEvents, LayerEvents, RegionTable
+from kvt.access import CpuLayerEvents, CudaLayerEvents, DeviceMemory, LayerEvents, RegionTable
 from kvt.backend import DataPlaneBackend
 from kvt.engine import Engine
 from kvt.errors import (
     CallerError,
+    DeviceMemoryError,
     EngineClosedError,
     InvalidBlocksError,
     InvalidRegionError,
@@ -21,6 +22,7 @@ from kvt.errors import (
     RequestStateError,
 )
 from kvt.memory import InMemoryBackend
+from kvt.metrics import EngineStats, StageStats
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
 from kvt.tcp import TcpBackend
 
@@ -66,8 +68,11 @@ __all__ = [
     "CpuLayerEvents",
     "CudaLayerEvents",
     "DataPlaneBackend",
+    "DeviceMemory",
+    "DeviceMemoryError",
     "Engine",
     "EngineClosedError",
+    "EngineStats",
     "InMemoryBackend",
     "InvalidBlocksError",
     "InvalidRegionError",
@@ -77,6 +82,7 @@ __all__ = [
     "ProtocolViolation",
     "RegionTable",
     "RequestStateError",
+    "StageStats",
     "TcpBackend",
     "TransferEngine",
     "TransferStatus",
