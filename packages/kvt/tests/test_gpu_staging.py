@@ -359,7 +359,8 @@ def test_abort_while_copying_returns_the_staging(gpu_pair, who) -> None:
     side = p if who == "sender" else d
     side.copier.hold()
     p.engine.send("r1", d.engine.data_address, layer_blocks(p, d, 0), last=False, on_complete=sent)
-    wait_until(lambda: side.pool.leased == 1)
+    # The copy itself has begun (a receiver leases its staging before any byte arrives).
+    wait_until(lambda: side.copier.submitted == 1)
     side.engine.abort("r1", "test abort")
     mine, theirs = (sent, recv) if who == "sender" else (recv, sent)
     # The copy still holds the request's memory: its completion waits for it.

@@ -284,6 +284,7 @@ class ThreadCopier:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._running = threading.Event()
         self._running.set()
+        self.submitted = 0  # copy batches handed to the "stream"
         self.batches = 0  # copy batches completed
         self.bytes = 0
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
@@ -295,6 +296,7 @@ class ThreadCopier:
 
     def copy(self, device: str, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray):
         event = _FlagEvent()
+        self.submitted += 1
         self._queue.put((dst.tolist(), src.tolist(), lengths.tolist(), event))
         return event
 

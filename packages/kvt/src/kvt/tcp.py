@@ -173,10 +173,12 @@ class TcpLink:
 
     def _spawn(self, target: Any, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
+        # Started under the lock: close() may join any thread it finds in _threads (a link made on
+        # the timer thread, e.g. to re-send an ABORT, can race with close() on the caller's).
         with self._lock:
             self._threads_alive += 1
             self._threads.append(thread)
-        thread.start()
+            thread.start()
 
     def _thread_exit(self) -> None:
         with self._lock:
