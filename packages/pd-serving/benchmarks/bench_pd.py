@@ -4,7 +4,9 @@ Full run (a few minutes; five vLLM instances on the tiny model, measured one sys
 
     flock /tmp/bench.lock uv run --frozen python packages/pd-serving/benchmarks/bench_pd.py
 
-which is ``pdserve bench --compare`` writing ``benchmarks/results/pd_ttft.json``.
+which is ``pdserve bench --compare`` writing ``benchmarks/results/pd_ttft.json``; with
+``--transports`` it is ``pdserve bench --compare-transports`` (1P1D over kvt's same-host path
+against kvt's TCP path) writing ``benchmarks/results/pd_transports.json``.
 
 ``--smoke`` (CI, seconds): the same harness (proxy, streaming client, percentiles, table) against
 stand-in upstreams instead of vLLM; its numbers mean nothing.
@@ -26,6 +28,7 @@ from pd_serving.testing import MODEL, FakeUpstream
 from rich.console import Console
 
 RESULTS = Path(__file__).parent / "results" / "pd_ttft.json"
+TRANSPORT_RESULTS = Path(__file__).parent / "results" / "pd_transports.json"
 
 
 async def smoke() -> int:
@@ -64,9 +67,18 @@ async def smoke() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--transports",
+        action="store_true",
+        help="hybrid 1P1D over kvt samehost against kvt tcp (pdserve bench --compare-transports)",
+    )
     args, rest = parser.parse_known_args()
     if args.smoke:
         return asyncio.run(smoke())
+    if args.transports:
+        return pdserve_main(
+            ["bench", "--compare-transports", "--json", str(TRANSPORT_RESULTS), *rest]
+        )
     return pdserve_main(["bench", "--compare", "--json", str(RESULTS), *rest])
 
 
