@@ -10,6 +10,10 @@ no socket, no staging buffer. The TCP link stays the control channel (:mod:`kvt.
                                                epoch word, end_chunk; end_batch
     end_frame(n) when the ACK arrives     <-   PATH ACK(seq, n, status)
 
+With two read threads (``KVT_SAMEHOST_READ_THREADS=2``) each chunk is halved: the reader thread
+reads the front half while a helper thread of the path reads the back half; the chunk ends (and
+its epoch check runs) only after both.
+
 **What holds for the sender's memory.** The receiver only ever *reads* it. While the link is up
 the sender's ``end_frame`` runs on the ACK, which the receiver sends after its last read of the
 frame, so nothing reads a request's memory after its completion. If the link dies mid-read, the
