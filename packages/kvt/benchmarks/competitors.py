@@ -225,21 +225,19 @@ class Competitor:
         for proc in self._procs.values():
             os.kill(proc.pid, signal.SIGCONT)
 
-    def run(self, pattern: ScatterPattern) -> float:
+    def _ask(self, role: str, message: tuple):
         self._resume()
         try:
-            self._conns["initiator"].send(("run", pattern))
-            return self._recv("initiator", 600)
+            self._conns[role].send(message)
+            return self._recv(role, 600)
         finally:
             self._pause()
 
+    def run(self, pattern: ScatterPattern) -> float:
+        return self._ask("initiator", ("run", pattern))
+
     def verify(self, pattern: ScatterPattern) -> bool:
-        self._resume()
-        try:
-            self._conns["target"].send(("verify", pattern))
-            return self._recv("target", 600)
-        finally:
-            self._pause()
+        return self._ask("target", ("verify", pattern))
 
     def close(self) -> None:
         with contextlib.suppress(ProcessLookupError):
