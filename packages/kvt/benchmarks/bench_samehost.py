@@ -6,6 +6,9 @@ random other block id, every layer (``parse_blocks``, runs merged as the connect
 size (64 MiB to 1 GiB), in the same interleaved rounds (order rotating, one warm-up):
 
 * memcpy: one ``np.copyto`` of the same number of bytes, contiguous, one thread (the baseline);
+* scattered memcpy: the same records copied block by block in one process, one thread
+  (``ctypes.memmove`` per record): what one thread does for the same scattered bytes without a
+  second process (the second baseline: the issue's "single-thread memcpy of the same bytes");
 * kvt: two engines in two processes on kvt's same-host path (``transport="samehost"``), send to
   completion; skipped, with the reason, while kvt has no such path;
 * CMA: the receiver's own ``process_vm_readv`` from the sender's addresses into its region, 1,024
@@ -50,6 +53,7 @@ from kvt.loopback import ScatterPattern, check_paths, make_engine, source_bytes
 LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM, ITEMSIZE = 8, 2, 128, 64, 2
 BLOCK_BYTES = KV_HEADS * 2 * BLOCK_TOKENS * HEAD_DIM * ITEMSIZE  # 64 KiB per block and layer
 IOV_MAX = 1024
+SCATTERED = "memcpy, scattered blocks"
 NIXL_VARIANTS = {"auto": None, "cma": "cma,tcp", "shm": "shm,tcp"}  # UCX_TLS (None: unset)
 
 
@@ -201,6 +205,7 @@ def _measure_size(total: int, repeats: int, kvt_reason: str | None, competitors:
     child.close()
     src = source_bytes(total)
     copy_dst = np.ones(total, dtype=np.uint8)
+    scatter_dst = np.ones(total, dtype=np.uint8)
     fd, mapping, memfd_kind = _memfd_source(total, src)
     engine = make_engine("P", "samehost") if kvt_transport else None
     systems: list[Competitor] = []
@@ -238,8 +243,30 @@ def _measure_size(total: int, repeats: int, kvt_reason: str | None, competitors:
             np.copyto(copy_dst, src)
             return time.perf_counter() - start
 
+        moves = list(
+            zip(
+                (scatter_dst.ctypes.data + pattern.dst_offsets).tolist(),
+                (src.ctypes.data + pattern.src_offsets).tolist(),
+                pattern.lengths.tolist(),
+                strict=True,
+            )
+        )
+
+        def scattered_memcpy_run() -> float:
+            memmove = ctypes.memmove
+            start = time.perf_counter()
+            for d, s, n in moves:
+                memmove(d, s, n)
+            return time.perf_counter() - start
+
+        def scattered_memcpy_check() -> bool:
+            ok = pattern.delivered(scatter_dst, src)
+            scatter_dst[:] = 1
+            return ok
+
         runs = {
             "memcpy": memcpy_run,
+            SCATTERED: scattered_memcpy_run,
             "CMA (process_vm_readv)": lambda: ask("cma", pattern, src.ctypes.data),
             memfd_kind: lambda: ask("memfd", pattern),
         }
@@ -247,6 +274,7 @@ def _measure_size(total: int, repeats: int, kvt_reason: str | None, competitors:
             rounds = iter(range(1 << 30))
             runs["kvt samehost"] = lambda: kvt_run(f"sh-{total}-{next(rounds)}")
         checks = {name: (lambda: ask("verify", pattern)) for name in runs if name != "memcpy"}
+        checks[SCATTERED] = scattered_memcpy_check
         for system, label, env in competitors:
             c = Competitor(system, label, total, env)
             systems.append(c)
@@ -268,10 +296,12 @@ def _measure_size(total: int, repeats: int, kvt_reason: str | None, competitors:
             if round_no == 0 and engine is not None:
                 check_paths(engine, "samehost")
         rows = []
-        memcpy = times["memcpy"]
+        memcpy, scattered = times["memcpy"], times[SCATTERED]
         for name in names:
             ts = times[name]
             ratios = [m / t for m, t in zip(memcpy, ts, strict=True)]
+            scattered_ratios = [m / t for m, t in zip(scattered, ts, strict=True)]
+            median = statistics.median(ts)
             rows.append(
                 {
                     "transfer": name, "bytes": total, "records": pattern.blocks,
@@ -280,6 +310,8 @@ def _measure_size(total: int, repeats: int, kvt_reason: str | None, competitors:
                     "vs_memcpy_median": statistics.median(memcpy) / statistics.median(ts),
                     "vs_memcpy_best": min(memcpy) / min(ts),
                     "vs_memcpy_paired": statistics.median(ratios),
+                    "vs_scattered_memcpy_median": statistics.median(scattered) / median,
+                    "vs_scattered_memcpy_paired": statistics.median(scattered_ratios),
                     "byte_exact": all(exact[name]) if name in exact else None,
                     "exact_rounds": sum(exact.get(name, [])), "rounds": len(ts),
                 }
@@ -359,7 +391,7 @@ def main() -> None:
     )
     print(
         f"{'size':>6} {'transfer':28} {'best GB/s':>9} {'median':>7} {'vs memcpy':>10} "
-        f"{'paired':>7} {'exact':>6}"
+        f"{'paired':>7} {'vs scattered':>12} {'paired':>7} {'exact':>6}"
     )
     for result in results:
         for r in result["rows"]:
@@ -367,9 +399,13 @@ def main() -> None:
             print(
                 f"{result['bytes'] >> 20:>4}Mi {r['transfer']:28} {r['best_gbps']:>9.2f} "
                 f"{r['median_gbps']:>7.2f} {r['vs_memcpy_median']:>9.2f}x "
-                f"{r['vs_memcpy_paired']:>6.2f}x {exact:>6}"
+                f"{r['vs_memcpy_paired']:>6.2f}x {r['vs_scattered_memcpy_median']:>11.2f}x "
+                f"{r['vs_scattered_memcpy_paired']:>6.2f}x {exact:>6}"
             )
-    print("vs memcpy: memcpy's median time over this one's; paired: median of per-round ratios")
+    print(
+        "vs memcpy: contiguous memcpy's median time over this one's; vs scattered: the scattered "
+        "memcpy's (same records, block by block); paired: median of per-round ratios"
+    )
     wrong = {r["transfer"] for res in results for r in res["rows"] if r["byte_exact"] is False}
     if wrong:  # a competitor's wrong bytes are its result; kvt's fail the benchmark
         print(f"WRONG BYTES after a reported success: {', '.join(sorted(wrong))}")

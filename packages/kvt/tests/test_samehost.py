@@ -11,11 +11,11 @@ import threading
 import numpy as np
 import pytest
 import samehost_peers as peers
-from conftest import Completions
+from conftest import Completions, kvt_threads
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
 from kvt import samehost as sh
-from kvt.paths import IOV_MAX, RECV_CHUNK
+from kvt.paths import IOV_MAX, RECV_CHUNK, TcpPathProvider
 from kvt.protocol import encode_data_head, encode_hello
 from kvt.samehost import CmaError, ReadPlan
 from kvt.tcp import TcpBackend
@@ -260,8 +260,9 @@ def test_unmapped_source_is_a_typed_abort_on_both_ends(no_leaks, caplog) -> None
 
 
 # ------------------------------------------------------------------ the read plan, no engines
+@pytest.mark.parametrize("halves", [False, True], ids=["one-thread", "halves-on-two-threads"])
 @pytest.mark.parametrize("short_reads", [False, True])
-def test_read_plan_copies_exactly_in_chunks(monkeypatch, short_reads) -> None:
+def test_read_plan_copies_exactly_in_chunks(monkeypatch, short_reads, halves) -> None:
     """Scattered records of 0-3000 bytes plus one that spans chunks, shuffled on the source."""
     rng = np.random.default_rng(3)
     lengths = rng.integers(0, 3000, 3000).astype(np.uint64)
@@ -290,7 +291,10 @@ def test_read_plan_copies_exactly_in_chunks(monkeypatch, short_reads) -> None:
     monkeypatch.setattr(sh, "read_remote", checked)
     chunk = (256 << 10) if short_reads else RECV_CHUNK  # RECV_CHUNK: > IOV_MAX segments a chunk
     plan = ReadPlan(dst.ctypes.data + dst_off, src.ctypes.data + src_off, lengths, chunk)
-    got = [plan.read_chunk(os.getpid(), k) for k in range(plan.chunks)]
+    if halves:  # what two read threads do: the back half of each chunk on another thread
+        got = [read_in_halves(plan, k) for k in range(plan.chunks)]
+    else:
+        got = [plan.read_chunk(os.getpid(), k) for k in range(plan.chunks)]
     assert got[:-1] == [chunk] * (plan.chunks - 1)  # exact chunks of the abort granularity
     assert sum(got) == total
     expected = np.zeros(total, np.uint8)
@@ -298,6 +302,83 @@ def test_read_plan_copies_exactly_in_chunks(monkeypatch, short_reads) -> None:
         expected[d : d + n] = src[s : s + n]
     np.testing.assert_array_equal(dst, expected)
     assert len(calls) > plan.chunks  # several calls per chunk (IOV_MAX or short reads)
+
+
+def read_in_halves(plan: ReadPlan, k: int) -> int:
+    a, m, b = plan.split(k)
+    assert a < m < b or m == b
+    back: list[int] = []
+    helper = threading.Thread(target=lambda: back.append(plan.read_segments(os.getpid(), m, b)))
+    helper.start()
+    front = plan.read_segments(os.getpid(), a, m)
+    helper.join()
+    return front + back[0]
+
+
+def test_read_plan_splits_chunks_about_in_half() -> None:
+    lengths = np.full(256, 64 << 10, np.uint64)
+    addresses = np.arange(256, dtype=np.uint64) * np.uint64(64 << 10)
+    plan = ReadPlan(addresses, addresses, lengths, RECV_CHUNK)
+    assert [plan.split(k) for k in range(plan.chunks)] == [(0, 64, 128), (128, 192, 256)]
+    one = ReadPlan(addresses[:1], addresses[:1], lengths[:1], RECV_CHUNK)
+    assert one.split(0) == (0, 1, 1)  # one segment: nothing to hand to a second thread
+
+
+def two_readers(name: str) -> TcpBackend:
+    providers = [sh.SamehostProvider(read_threads=2), TcpPathProvider()]
+    return TcpBackend(name=name, transport="samehost", providers=providers)
+
+
+def test_two_read_threads_move_scattered_blocks_exactly(no_leaks) -> None:
+    """KVT_SAMEHOST_READ_THREADS=2: each chunk halved between the reader and its helper thread,
+    which the path owns (joined on close: no_leaks)."""
+    nbytes = 24 * MiB
+    with (
+        TransferEngine(name="P", transport="samehost") as p,
+        TransferEngine(backend=two_readers("D")) as d,
+    ):
+        src, dst = peers.pattern(nbytes), np.zeros(nbytes, np.uint8)
+        rs, rd = p.register_region(src), d.register_region(dst)
+        blocks, _ = peers.scattered(nbytes, rs, rd)
+        got_p, got_d = Completions(), Completions()
+        d.expect("r", on_complete=got_d)
+        p.send("r", d.data_address, blocks, last=True, on_complete=got_p)
+        assert got_p.wait().ok
+        assert got_d.wait().ok
+        assert any(t.startswith("kvt-samehost-read") for t in kvt_threads())
+        check_scattered(dst, nbytes)
+
+
+def test_two_read_threads_helper_efault_is_a_typed_abort(no_leaks) -> None:
+    """The helper's half names unmapped memory: the same BAD_BLOCK abort as with one thread,
+    raised on the reader thread only after both halves ended; the link stays."""
+    with (
+        TransferEngine(name="P", transport="samehost") as p,
+        TransferEngine(backend=two_readers("D")) as d,
+    ):
+        good = p.register_region(np.ones(1 << 16, np.uint8))
+        bogus = p.register_region((4096, 1 << 16))  # page 1: never mapped (mmap_min_addr)
+        dst = d.register_region(np.zeros(2 << 16, np.uint8))
+        blocks = np.concatenate([
+            make_blocks(0, 0, 1 << 16, src_region=good, dst_region=dst),
+            make_blocks(0, 1 << 16, 1 << 16, src_region=bogus, dst_region=dst),
+        ])  # fmt: skip
+        got_p, got_d = Completions(), Completions()
+        d.expect("bad", on_complete=got_d)
+        p.send("bad", d.data_address, blocks, last=True, on_complete=got_p)
+        for c in (got_d.wait(), got_p.wait()):
+            assert (c.status, c.code) == (TransferStatus.ABORTED, AbortCode.BAD_BLOCK)
+            assert "EFAULT" in c.reason
+        cp, cd = small_transfer(p, d, "good")
+        assert cp.ok
+        assert cd.ok
+
+
+@pytest.mark.parametrize("bad", ["0", "3"])
+def test_bad_read_threads_setting_is_refused(monkeypatch, bad) -> None:
+    monkeypatch.setenv(sh.READ_THREADS_ENV, bad)
+    with pytest.raises(ValueError, match="read threads must be 1 or 2"):
+        sh.SamehostProvider()
 
 
 def test_read_plan_of_nothing() -> None:

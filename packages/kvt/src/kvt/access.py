@@ -163,12 +163,13 @@ class RegionTable:
                 )
         return self._slice(blocks, side, regions)
 
-    def locate(self, blocks: np.ndarray, side: str) -> tuple[str, list[memoryview] | None]:
-        """One check for both kinds: ("cpu", the views of :meth:`views`) for host memory, or
-        (device, None) for device memory (see :meth:`device_of`)."""
+    def locate(self, blocks: np.ndarray, side: str) -> tuple[str, HostSpans | None]:
+        """One check for both kinds: ("cpu", the checked :class:`HostSpans`) for host memory, or
+        (device, None) for device memory (see :meth:`device_of`). Every block is checked here,
+        before any byte moves; views are only sliced if a path asks for them."""
         regions = self._checked(blocks, side)
         device = self._device(regions)
-        return (device, self._slice(blocks, side, regions) if device == "cpu" else None)
+        return (device, HostSpans(blocks, side, regions) if device == "cpu" else None)
 
     @staticmethod
     def _slice(blocks: np.ndarray, side: str, regions: dict[int, Region]) -> list[memoryview]:
@@ -226,11 +227,7 @@ class RegionTable:
     def addresses(self, blocks: np.ndarray, side: str) -> np.ndarray:
         """uint64 address of each block's bytes (``side`` as in :meth:`views`, whose checks the
         blocks must already have passed); vectorised, one lookup per distinct region."""
-        region_ids = blocks[f"{side}_region"]
-        bases = np.zeros(len(blocks), dtype=np.uint64)
-        for rid in np.unique(region_ids).tolist():
-            bases[region_ids == rid] = self._regions[rid].address
-        return bases + blocks[f"{side}_offset"].astype(np.uint64)
+        return _addresses(blocks, side, self._regions)
 
     def __len__(self) -> int:
         return len(self._regions)
@@ -238,6 +235,50 @@ class RegionTable:
     def clear(self) -> None:
         with self._lock:
             self._regions.clear()
+
+
+def _addresses(blocks: np.ndarray, side: str, regions: dict[int, Region]) -> np.ndarray:
+    region_ids = blocks[f"{side}_region"]
+    unique = np.unique(region_ids).tolist()
+    if len(unique) == 1:  # the usual case (one KV cache region): no mask
+        bases = np.uint64(regions[unique[0]].address)
+        return blocks[f"{side}_offset"].astype(np.uint64) + bases
+    bases = np.zeros(len(blocks), dtype=np.uint64)
+    for rid in unique:
+        bases[region_ids == rid] = regions[rid].address
+    return bases + blocks[f"{side}_offset"].astype(np.uint64)
+
+
+class HostSpans:
+    """Host memory of checked blocks (:meth:`RegionTable.locate`), in the two forms paths use.
+
+    Address-based paths (samehost, rdma) take :attr:`addresses` (vectorised); socket and
+    in-process paths take :attr:`views`, one memoryview per block, sliced on first use only: a
+    path that never asks pays nothing per block. Both come from the regions the check found, so
+    a region unregistered meanwhile cannot change what the checked blocks name.
+    """
+
+    __slots__ = ("_addresses", "_regions", "_side", "_views", "blocks")
+
+    def __init__(self, blocks: np.ndarray, side: str, regions: dict[int, Region]) -> None:
+        self.blocks, self._side, self._regions = blocks, side, regions
+        self._views: list[memoryview] | None = None
+        self._addresses: np.ndarray | None = None
+
+    @property
+    def views(self) -> list[memoryview]:
+        if self._views is None:
+            self._views = RegionTable._slice(self.blocks, self._side, self._regions)
+        return self._views
+
+    @property
+    def addresses(self) -> np.ndarray:
+        if self._addresses is None:
+            if not self._regions:
+                self._addresses = np.zeros(0, dtype=np.uint64)
+            else:
+                self._addresses = _addresses(self.blocks, self._side, self._regions)
+        return self._addresses
 
 
 # ------------------------------------------------------------------ layer events

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvt.access import LayerEvents, RegionTable
+from kvt.access import HostSpans, LayerEvents, RegionTable
 from kvt.backend import Batch, DataPlaneBackend, Link, MemoryInfo
 from kvt.control import (
     MAX_REQUEST_ID,
@@ -111,6 +111,8 @@ class _SendJob:
     """One send() batch as the backend sees it (see kvt.backend.SendJob)."""
 
     __slots__ = (
+        "_host",
+        "_views",
         "blocks",
         "compute_wait",
         "engine",
@@ -120,11 +122,13 @@ class _SendJob:
         "request_id",
         "submitted",
         "unsent",
-        "views",
     )
 
-    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, views, last):
-        self.engine, self.req, self.blocks, self.views, self.last = engine, req, blocks, views, last
+    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, host, last):
+        # host: the checked HostSpans of host memory, None for device memory (read by address)
+        self.engine, self.req, self.blocks, self.last = engine, req, blocks, last
+        self._host: HostSpans | None = host
+        self._views: list[memoryview] | None = None
         self.request_id = req.request_id
         self.submitted = time.monotonic()
         self.frame_start = 0.0
@@ -132,7 +136,20 @@ class _SendJob:
         self.unsent = int(blocks["length"].sum())  # payload bytes not yet handed over
 
     @property
+    def views(self) -> list[memoryview]:
+        # Sliced on first use: address-based paths (samehost, rdma) never pay for them.
+        if self._views is None:
+            self._views = self._host.views if self._host is not None else []
+        return self._views
+
+    @views.setter
+    def views(self, views: list[memoryview]) -> None:
+        self._views = views
+
+    @property
     def addresses(self) -> np.ndarray:
+        if self._host is not None:
+            return self._host.addresses
         return self.engine.regions.addresses(self.blocks, "src")
 
     def begin_frame(self) -> bool:
@@ -201,15 +218,27 @@ class _SendJob:
 class _RecvSink:
     """Where one accepted batch goes, as the backend sees it (see kvt.backend.RecvSink)."""
 
-    __slots__ = ("blocks", "chunk_start", "engine", "last", "link", "req", "views")
+    __slots__ = ("_host", "_views", "blocks", "chunk_start", "engine", "last", "link", "req")
 
-    def __init__(self, engine: Engine, req: _Request, link: Link, batch: Batch, views):
-        self.engine, self.req, self.link, self.views = engine, req, link, views
+    def __init__(self, engine: Engine, req: _Request, link: Link, batch: Batch, host):
+        # host: the checked HostSpans of host memory, None for device memory (written by address)
+        self.engine, self.req, self.link = engine, req, link
+        self._host: HostSpans | None = host
+        self._views: list[memoryview] | None = None
         self.blocks, self.last = batch.blocks, batch.last
         self.chunk_start = 0.0
 
     @property
+    def views(self) -> list[memoryview]:
+        # Sliced on first use: address-based paths (samehost, rdma) never pay for them.
+        if self._views is None:
+            self._views = self._host.views if self._host is not None else []
+        return self._views
+
+    @property
     def addresses(self) -> np.ndarray:
+        if self._host is not None:
+            return self._host.addresses
         return self.engine.regions.addresses(self.blocks, "dst")
 
     def begin_chunk(self) -> bool:
@@ -234,7 +263,7 @@ class _StagedSendJob(_SendJob):
     __slots__ = ("device", "device_addresses", "lease", "nbytes", "sent")
 
     def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, last: bool, device: str):
-        super().__init__(engine, req, blocks, [], last)
+        super().__init__(engine, req, blocks, None, last)
         self.device = device
         self.device_addresses = engine.regions.addresses(blocks, "src")
         self.nbytes = int(blocks["length"].sum())
@@ -277,7 +306,8 @@ class _StagedRecvSink(_RecvSink):
     __slots__ = ("device", "discarded", "lease")
 
     def __init__(self, engine, req, link, batch: Batch, lease: Lease, device: str):  # noqa: PLR0917
-        super().__init__(engine, req, link, batch, lease.views(batch.blocks["length"]))
+        super().__init__(engine, req, link, batch, None)
+        self._views = lease.views(batch.blocks["length"])
         self.lease, self.device, self.discarded = lease, device, False
 
     @property
@@ -474,12 +504,11 @@ class Engine:
         """
         self._check_open()
         _check_request_id(request_id)
-        device, host_views = self.regions.locate(blocks, "src")
+        device, host = self.regions.locate(blocks, "src")
         staged = device != "cpu" and not self._backend_moves_device_memory
         if staged:
             self._check_stageable(blocks)
-        # Device memory without staging: the backend reads it by address (SendJob.addresses).
-        views = host_views if host_views is not None else []
+        # Device memory without staging (host None): the backend reads it by address.
         new = False
         aborted: Completion | None = None
         tell_receiver = False
@@ -547,7 +576,7 @@ class Engine:
             job = _StagedSendJob(self, req, np.asarray(blocks), last, device)
             go, ready = self._stage_out, self._stage_out
         else:
-            job = _SendJob(self, req, np.asarray(blocks), views, last)
+            job = _SendJob(self, req, np.asarray(blocks), host, last)
             go, ready = self._queue_job, self._layer_ready
         if after is None:
             go(link, job)
@@ -802,12 +831,8 @@ class Engine:
             return None
         assert req is not None
         try:
-            device, host_views = self.regions.locate(batch.blocks, "dst")
-            if host_views is not None:
-                views = host_views
-            elif self._backend_moves_device_memory:
-                views = []  # the backend writes device memory by address (RecvSink.addresses)
-            else:
+            device, host = self.regions.locate(batch.blocks, "dst")
+            if host is None and not self._backend_moves_device_memory:
                 with self._lock:
                     if req.link is None:
                         req.link, req.peer = link, link.peer
@@ -822,7 +847,7 @@ class Engine:
         with self._lock:
             if req.link is None:
                 req.link, req.peer = link, link.peer
-        return _RecvSink(self, req, link, batch, views)
+        return _RecvSink(self, req, link, batch, host)  # host None: device memory by address
 
     def _last_batch_written(self, req: _Request, link: Link) -> None:
         with self._lock:

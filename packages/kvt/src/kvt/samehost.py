@@ -10,6 +10,10 @@ no socket, no staging buffer. The TCP link stays the control channel (:mod:`kvt.
                                                epoch word, end_chunk; end_batch
     end_frame(n) when the ACK arrives     <-   PATH ACK(seq, n, status)
 
+With two read threads (``KVT_SAMEHOST_READ_THREADS=2``) each chunk is halved: the reader thread
+reads the front half while a helper thread of the path reads the back half; the chunk ends (and
+its epoch check runs) only after both.
+
 **What holds for the sender's memory.** The receiver only ever *reads* it. While the link is up
 the sender's ``end_frame`` runs on the ACK, which the receiver sends after its last read of the
 frame, so nothing reads a request's memory after its completion. If the link dies mid-read, the
@@ -41,6 +45,7 @@ import ctypes
 import errno
 import logging
 import os
+import queue
 import secrets
 import struct
 import sys
@@ -72,6 +77,8 @@ _BLOB = struct.Struct("<Q16sQQ")  # probe address, cookie, epoch word address, e
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 _EPOCH_WORDS = 256  # per block of the epoch-word pool
+READ_THREADS_ENV = "KVT_SAMEHOST_READ_THREADS"
+DEFAULT_READ_THREADS = 1
 
 
 def _load_libc():
@@ -169,14 +176,22 @@ class ReadPlan:
         starts = ends - lengths
         total = int(ends[-1])
         cuts = np.arange(chunk, total, chunk, dtype=np.uint64)
-        seg_start = np.union1d(starts, cuts)
-        record = np.searchsorted(starts, seg_start, side="right") - 1
+        inside = np.searchsorted(ends, cuts, side="right")  # the record each cut falls in
+        split = starts[inside] != cuts  # cuts strictly inside a record (not at its start)
+        self.local_iov = np.empty((starts.size + int(split.sum()), 2), np.uint64)
+        self.remote_iov = np.empty_like(self.local_iov)
+        if split.any():  # segments: records cut at the chunk boundaries (sorted inserts)
+            at = inside[split] + 1
+            seg_start = np.insert(starts, at, cuts[split])
+            record = np.insert(np.arange(starts.size), at, inside[split])
+            delta = seg_start - starts[record]
+            self.local_iov[:, 0] = local[record] + delta
+            self.remote_iov[:, 0] = remote[record] + delta
+        else:  # the usual case (block-sized records): one segment per record
+            seg_start = starts
+            self.local_iov[:, 0] = local
+            self.remote_iov[:, 0] = remote
         self.seg_end = np.append(seg_start[1:], np.uint64(total))
-        delta = seg_start - starts[record]
-        self.local_iov = np.empty((seg_start.size, 2), np.uint64)
-        self.remote_iov = np.empty((seg_start.size, 2), np.uint64)
-        self.local_iov[:, 0] = local[record] + delta
-        self.remote_iov[:, 0] = remote[record] + delta
         self.local_iov[:, 1] = self.remote_iov[:, 1] = self.seg_end - seg_start
         n_chunks = (total + chunk - 1) // chunk
         self.bounds = np.searchsorted(seg_start // np.uint64(chunk), np.arange(n_chunks + 1))
@@ -186,13 +201,28 @@ class ReadPlan:
         return len(self.bounds) - 1
 
     def read_chunk(self, pid: int, k: int) -> int:
-        """Read chunk ``k`` fully (<= IOV_MAX iovecs a call, partial reads resumed).
+        """Read chunk ``k`` fully (see :meth:`read_segments`); returns the bytes read."""
+        return self.read_segments(pid, int(self.bounds[k]), int(self.bounds[k + 1]))
+
+    def split(self, k: int) -> tuple[int, int, int]:
+        """Chunk ``k`` as segments ``a:m`` and ``m:b``, cut where its bytes are about halved
+        (``m == b`` when the chunk has a single segment)."""
+        a, b = int(self.bounds[k]), int(self.bounds[k + 1])
+        if b - a < 2:
+            return a, b, b
+        start = int(self.seg_end[a - 1]) if a else 0
+        half = np.uint64(start + (int(self.seg_end[b - 1]) - start) // 2)
+        m = a + int(np.searchsorted(self.seg_end[a:b], half, side="left")) + 1
+        return a, min(m, b - 1), b
+
+    def read_segments(self, pid: int, a: int, b: int) -> int:
+        """Read segments ``a:b`` fully (<= IOV_MAX iovecs a call, partial reads resumed).
 
         A call that stops short (the kernel stops at the first unreadable page) is resumed at the
-        first byte not read; a partly read segment's rows are trimmed in place. Returns the bytes
-        read; raises :class:`CmaError` when a call reads nothing.
+        first byte not read; a partly read segment's rows are trimmed in place (so two threads
+        may read disjoint ranges of one plan). Returns the bytes read; raises
+        :class:`CmaError` when a call reads nothing.
         """
-        a, b = int(self.bounds[k]), int(self.bounds[k + 1])
         local_iov, remote_iov, seg_end = self.local_iov, self.remote_iov, self.seg_end
         start = int(seg_end[a - 1]) if a else 0  # stream offset where segment a starts
         pos, i = start, a
@@ -210,6 +240,46 @@ class ReadPlan:
                         iov[i, 0] += np.uint64(done)
                         iov[i, 1] -= np.uint64(done)
         return pos - start
+
+
+class _ReadHelper:
+    """A second reader thread for one samehost path: reads the back half of each chunk while the
+    link's reader thread reads the front half (``process_vm_readv`` runs without the GIL).
+
+    Owned by the path: started on its first frame, joined by :meth:`close` (the path's close(),
+    after both link threads stopped, so no read is handed over any more). :meth:`wait` is called
+    for every :meth:`start`, even when the reader's own half failed, so no byte of a chunk is
+    written after its ``end_chunk``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def start(self, plan: ReadPlan, pid: int, a: int, b: int) -> None:
+        self._jobs.put((plan, pid, a, b))
+
+    def wait(self) -> int:
+        """Bytes the helper read of its half; re-raises what its read raised."""
+        result = self._results.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _main(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            plan, pid, a, b = job
+            try:
+                self._results.put(plan.read_segments(pid, a, b))
+            except BaseException as exc:  # handed to the reader thread, which raises it
+                self._results.put(exc)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class _EpochPool:
@@ -243,12 +313,26 @@ class _EpochPool:
             self._free.append((self._blocks.index(block), slot))
 
 
+def read_threads_setting(read_threads: int | None) -> int:
+    """Threads that read one link's frames: the argument, else env ``KVT_SAMEHOST_READ_THREADS``,
+    else :data:`DEFAULT_READ_THREADS`; 1 or 2."""
+    value = read_threads or int(os.environ.get(READ_THREADS_ENV) or DEFAULT_READ_THREADS)
+    if value not in (1, 2):
+        raise ValueError(f"samehost read threads must be 1 or 2, got {value}")
+    return value
+
+
 class SamehostProvider(PathProvider):
-    """Offers samehost on every link where ``process_vm_readv`` exists; see the module doc."""
+    """Offers samehost on every link where ``process_vm_readv`` exists; see the module doc.
+
+    ``read_threads`` (see :func:`read_threads_setting`): 2 splits each chunk between the link's
+    reader thread and a helper thread of the path.
+    """
 
     name = "samehost"
 
-    def __init__(self) -> None:
+    def __init__(self, *, read_threads: int | None = None) -> None:
+        self.read_threads = read_threads_setting(read_threads)
         allow_ptrace_reads()
         # Peers read these 16 bytes (their address is in HELLO) before they vote for samehost.
         self.cookie = secrets.token_bytes(16)
@@ -331,6 +415,8 @@ class SamehostPath(PayloadPath):
         self._lock = threading.Lock()
         self._seq = 0
         self._outstanding: dict[int, SendJob] = {}
+        self._read_threads = candidate.provider.read_threads
+        self._helper: _ReadHelper | None = None  # reader thread only; joined by close()
 
     # ------------------------------------------------------------ sender (writer thread)
     def send_job(self, job: SendJob) -> None:
@@ -380,6 +466,9 @@ class SamehostPath(PayloadPath):
         self._candidate.provider.epochs.give_back(self._candidate.word, self._candidate.slot)
         for job in outstanding.values():
             job.end_frame(0)
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     # ------------------------------------------------------------ receiver (reader thread)
     def receive(self, frame: DataHeader | DataDescriptor) -> None:
@@ -406,7 +495,7 @@ class SamehostPath(PayloadPath):
                     break
                 got = 0
                 try:
-                    got = plan.read_chunk(self.peer_pid, k)
+                    got = self._read_chunk(plan, k)
                     self._check_peer_alive()
                 except BaseException:
                     got = 0  # not one byte of a failed chunk counts
@@ -427,6 +516,22 @@ class SamehostPath(PayloadPath):
             raise InjectedFault(f"injected drop-mid after the pull of {frame.request_id!r}")
         link.post(encode_path(ACK, ACK_OK, frame.seq, read))
         sink.end_batch()
+
+    def _read_chunk(self, plan: ReadPlan, k: int) -> int:
+        """Chunk ``k`` of ``plan``, halved between this thread and the helper (2 read threads)."""
+        if self._read_threads == 1:
+            return plan.read_chunk(self.peer_pid, k)
+        a, m, b = plan.split(k)
+        if m == b:
+            return plan.read_segments(self.peer_pid, a, b)
+        if self._helper is None:
+            self._helper = _ReadHelper(f"kvt-samehost-read-{self.peer_pid}")
+        self._helper.start(plan, self.peer_pid, m, b)
+        try:
+            got = plan.read_segments(self.peer_pid, a, m)
+        finally:
+            helped = self._helper.wait()  # always: the chunk ends only after both halves
+        return got + helped
 
     def _check_peer_alive(self) -> None:
         if read_remote(self.peer_pid, self._epoch_local, self._epoch_remote) != 8:
