@@ -31,7 +31,7 @@ from test_pd_vllm import _free_port, _wait_for
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS = 8
-LEASE_S = 5.0
+LEASE_S = 30.0  # generous: a loaded 2-core box can take seconds between P and D
 # Per token, every layer, all ranks together: qwen2 (k, v) * 2 kv heads * head_dim 32 * bf16 *
 # 2 layers; mla one 576-wide latent * bf16 * 2 layers (the same on every rank).
 KV_BYTES_PER_TOKEN = {"qwen2": 2 * 2 * 32 * 2 * 2, "mla": 576 * 2 * 2}
