@@ -579,3 +579,80 @@ def test_any_sequence_of_peer_messages_is_handled_or_a_protocol_violation(sequen
     finally:
         rdma.close("fuzz over")
         provider.close()
+
+
+def test_an_empty_frame_of_an_aborted_request_is_not_denied(path):
+    """The sender never waits on an empty frame, so a DENY for one would be a protocol violation
+    that kills the link (and every other request on it)."""
+    rdma, link, _qp = path
+    link.listener.sinks = [None]  # the receiver aborted the request
+    rdma.receive(DataDescriptor("r", True, make_blocks(0, 0, 0, src_region=9, dst_region=0)[:0],
+                                1, 0, b""))  # fmt: skip
+    assert [m.kind for m in link.posted[1:]] == []
+
+
+def test_an_empty_last_batch_of_an_aborted_request_leaves_the_link_up(no_leaks):
+    p, d = engine("P"), engine("D")
+    try:
+        assert transfer(p, d, "warm", n_blocks=1)[1].ok
+        link = p.backend.link_to(d.data_address)
+        got_send = Completions()
+        d.expect("gone", on_complete=Completions())
+        d.abort("gone", "decode node gave up")
+        empty = make_blocks(0, 0, BLOCK)[:0]
+        p.send("gone", d.data_address, empty, last=True, on_complete=got_send)
+        assert got_send.wait().status is TransferStatus.ABORTED
+        sent, received = transfer(p, d, "after", n_blocks=2)[:2]
+        assert sent.ok, sent
+        assert received.ok, received
+        assert p.backend.link_to(d.data_address) is link  # no protocol violation closed it
+        assert not link.closed
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_path_that_fails_to_start_releases_its_queue_pair():
+    class FailingRecvQP(StubQP):
+        def post_recv(self, wr_id):
+            raise OSError("ENOMEM")
+
+    provider = RdmaPathProvider(FakeDevice())
+    assert provider.unavailable() is None
+    qp = FailingRecvQP()
+    provider.device.create_qp = lambda: qp  # type: ignore[method-assign]
+    link = StubLink()
+    candidate = provider.candidate(link)
+    hello = type("H", (), {"offer": lambda self, name: qp.info.pack()})()
+    with pytest.raises(OSError, match="ENOMEM"):
+        candidate.open(hello)
+    candidate.discard()
+    assert qp.state == "CLOSED"
+    assert not provider._paths
+    provider.close()
+
+
+def test_a_freed_receive_slot_is_granted_only_after_its_receive_is_posted_again(path):
+    """A GRANT sent before the receive is back lets the peer's WRITE_WITH_IMM find no receive
+    (RNR): the reader thread granting between the two must not be able to get there first."""
+    rdma, link, qp = path
+    link.listener.sinks = [StubSink(), StubSink(), StubSink()]
+    blocks = make_blocks(0, 0, 4096, src_region=9, dst_region=0)
+    for seq in (11, 12):
+        rdma.receive(DataDescriptor("r", False, blocks, seq, 4096, b""))
+    events = []
+    posts, reposts = link.post, qp.post_recv
+
+    def post(frame):
+        posts(frame)
+        events.extend(f"grant {m.seq}" for m in link.posted[-1:] if m.kind == GRANT)
+
+    def post_recv(wr_id):
+        if not events:  # the reader thread gets a DESC in right now
+            rdma.receive(DataDescriptor("r", True, blocks, 13, 4096, b""))
+        reposts(wr_id)
+        events.append("recv")
+
+    link.post, qp.post_recv = post, post_recv
+    rdma._on_completion(WorkCompletion(0, True, True, "success", imm=11))
+    assert events == ["recv", "grant 13"]

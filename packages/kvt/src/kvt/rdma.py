@@ -355,7 +355,8 @@ class RdmaPath(PayloadPath):
             self.link, Batch(frame.request_id, frame.blocks, frame.last)
         )
         if sink is None:
-            self._send(DENY, frame.seq)
+            if frame.nbytes:  # the sender waits on nonempty frames only (an empty one: no reply)
+                self._send(DENY, frame.seq)
             return
         with self._lock:
             self._waiting.append((frame.seq, sink, frame.nbytes))
@@ -464,12 +465,14 @@ class RdmaPath(PayloadPath):
         seq = wc.imm
         with self._lock:
             entry = self._granted.pop(seq, None) if seq is not None else None
-            if entry is not None:
-                self._slots += 1
         if entry is None:
             self.link.close(f"rdma write with immediate {seq} for no granted frame")
             return
+        # The receive goes back before the slot is free: a GRANT (from any thread) that came
+        # first would let the peer's WRITE_WITH_IMM find no receive (RNR).
         self.qp.post_recv(wc.wr_id)
+        with self._lock:
+            self._slots += 1
         sink, nbytes = entry
         sink.end_chunk(nbytes)
         sink.end_batch()
@@ -538,7 +541,11 @@ class _RdmaCandidate(PathCandidate):
         path = RdmaPath(self.link, self.provider, qp)
         self.qp = None  # the path owns it now
         self.provider.adopt(path)
-        path.start()
+        try:
+            path.start()
+        except BaseException as exc:  # nobody else will close it: the link never adopts it
+            path.close(f"rdma path failed to start: {exc!r}")
+            raise
         return path
 
     def discard(self) -> None:
