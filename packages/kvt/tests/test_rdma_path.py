@@ -656,3 +656,42 @@ def test_a_freed_receive_slot_is_granted_only_after_its_receive_is_posted_again(
     link.post, qp.post_recv = post, post_recv
     rdma._on_completion(WorkCompletion(0, True, True, "success", imm=11))
     assert events == ["recv", "grant 13"]
+
+
+def test_device_memory_with_an_rdma_device_fails_its_link_with_a_reason_not_every_link(no_leaks):
+    """A CUDA region (a numpy stand-in) on engines whose TCP backend has an rdma path. Before,
+    the staging pool (region id 0x10000) broke REGIONS encoding and every later link failed to
+    open; now the device transfer fails with a reason and host transfers still go by rdma."""
+    from kvt.access import DeviceMemory
+    from kvt.engine import Engine
+    from kvt.staging import ThreadCopier
+
+    def make(name):
+        providers = [RdmaPathProvider(FakeDevice()), TcpPathProvider()]
+        backend = TcpBackend(name=name, providers=providers)
+        return Engine(backend, name=name, default_timeout_s=5, device_copier=ThreadCopier(),
+                      staging_bytes=8 * BLOCK)  # fmt: skip
+
+    p, d = make("P"), make("D")
+    try:
+        src = np.random.default_rng(5).integers(0, 256, 4 * BLOCK, dtype=np.uint8)
+        dst = np.zeros(4 * BLOCK, dtype=np.uint8)
+        rs = p.register_region(DeviceMemory(int(src.ctypes.data), src.nbytes, "cuda:0", owner=src))
+        rd = d.register_region(DeviceMemory(int(dst.ctypes.data), dst.nbytes, "cuda:0", owner=dst))
+        blocks = make_blocks([0, 2 * BLOCK], [BLOCK, 3 * BLOCK], BLOCK, src_region=rs,
+                             dst_region=rd)  # fmt: skip
+        got_send, got_recv = Completions(), Completions()
+        d.expect("g", on_complete=got_recv)
+        p.send("g", d.data_address, blocks, last=True, on_complete=got_send)
+        sent, received = got_send.wait(), got_recv.wait()
+        assert sent.status is TransferStatus.ABORTED
+        assert "not registered with the NIC" in sent.reason
+        assert received.status is TransferStatus.ABORTED
+        assert not dst.any()
+        host_sent, host_received = transfer(p, d, "host", n_blocks=4)[:2]
+        assert host_sent.ok, host_sent
+        assert host_received.ok, host_received
+        assert link_path(p, d) == "rdma"
+    finally:
+        p.close()
+        d.close()

@@ -598,9 +598,18 @@ class RdmaPathProvider(PathProvider):
         return _RdmaCandidate(self, link)
 
     def lkeys(self, region_ids: np.ndarray) -> np.ndarray:
+        """The lkey of each record's source region; OSError (the link fails with the reason,
+        the writer thread lives) for a region the NIC does not know, e.g. device memory."""
         out = np.zeros(len(region_ids), dtype=np.uint32)
-        for rid in np.unique(region_ids).tolist():
-            out[region_ids == rid] = self._keys[rid][1].lkey
+        with self._lock:
+            keys = {rid: self._keys.get(rid) for rid in np.unique(region_ids).tolist()}
+        for rid, entry in keys.items():
+            if entry is None:
+                raise OSError(
+                    f"rdma: region {rid} is not registered with the NIC (device memory is not "
+                    "sent over rdma yet; use transport='tcp' or 'samehost')"
+                )
+            out[region_ids == rid] = entry[1].lkey
         return out
 
     def writable_regions(self) -> dict[int, RemoteRegion]:
@@ -621,6 +630,12 @@ class RdmaPathProvider(PathProvider):
             self._paths.discard(path)
 
     def register_memory(self, info: MemoryInfo) -> None:
+        if info.device != "cpu" or info.region_id > 0xFFFF:
+            # Host memory named by IpcBlock region ids only. Device regions go through the
+            # engine's staging pool (the id beyond u16), which this path does not address yet:
+            # registering either would refuse GPU memory without peermem, and the pool's id does
+            # not fit a REGIONS entry (every later link would fail to open).
+            return
         device = self._open()
         if device is None:
             return
