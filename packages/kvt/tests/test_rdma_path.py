@@ -658,7 +658,9 @@ def test_a_freed_receive_slot_is_granted_only_after_its_receive_is_posted_again(
     assert events == ["recv", "grant 13"]
 
 
-def test_device_memory_with_an_rdma_device_fails_its_link_with_a_reason_not_every_link(no_leaks):
+def test_device_memory_with_an_rdma_device_fails_its_link_with_a_reason_not_every_link(
+    no_leaks, caplog
+):
     """A CUDA region (a numpy stand-in) on engines whose TCP backend has an rdma path. Before,
     the staging pool (region id 0x10000) broke REGIONS encoding and every later link failed to
     open; now the device transfer fails with a reason and host transfers still go by rdma."""
@@ -684,8 +686,8 @@ def test_device_memory_with_an_rdma_device_fails_its_link_with_a_reason_not_ever
         d.expect("g", on_complete=got_recv)
         p.send("g", d.data_address, blocks, last=True, on_complete=got_send)
         sent, received = got_send.wait(), got_recv.wait()
-        assert sent.status is TransferStatus.ABORTED
-        assert "not registered with the NIC" in sent.reason
+        assert (sent.status, sent.origin) == (TransferStatus.ABORTED, AbortOrigin.TRANSPORT)
+        assert "region 0 is not registered with the NIC" in caplog.text
         assert received.status is TransferStatus.ABORTED
         assert not dst.any()
         host_sent, host_received = transfer(p, d, "host", n_blocks=4)[:2]
@@ -695,3 +697,18 @@ def test_device_memory_with_an_rdma_device_fails_its_link_with_a_reason_not_ever
     finally:
         p.close()
         d.close()
+
+
+def test_a_frame_number_the_peer_reuses_is_a_violation_and_the_first_frame_still_ends(path):
+    """Before, a second DESC with a granted frame's number replaced it: the first sink was never
+    ended (its request's I/O stayed open until the deadline, on close too)."""
+    rdma, link, _qp = path
+    first, second = StubSink(), StubSink()
+    link.listener.sinks = [first, second]
+    blocks = make_blocks(0, 0, 4096, src_region=9, dst_region=0)
+    rdma.receive(DataDescriptor("r", False, blocks, 11, 4096, b""))
+    with pytest.raises(ProtocolViolation, match="frame 11"):
+        rdma.receive(DataDescriptor("r", True, blocks, 11, 4096, b""))
+    assert second.calls == []
+    rdma.close("protocol violation")
+    assert first.calls == ["begin", ("end", 0)]

@@ -351,6 +351,10 @@ class RdmaPath(PayloadPath):
     def receive(self, frame: DataHeader | DataDescriptor) -> None:
         if not isinstance(frame, DataDescriptor):
             raise ProtocolViolation("DATA frame with payload on an rdma link")
+        with self._lock:  # a reused number would orphan the frame that has it (never ended)
+            reused = frame.seq in self._granted or any(w[0] == frame.seq for w in self._waiting)
+        if reused:
+            raise ProtocolViolation(f"rdma DESC for frame {frame.seq}, which is still open")
         sink = self.link.listener.on_batch(
             self.link, Batch(frame.request_id, frame.blocks, frame.last)
         )
