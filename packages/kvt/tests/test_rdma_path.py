@@ -712,3 +712,39 @@ def test_a_frame_number_the_peer_reuses_is_a_violation_and_the_first_frame_still
     assert second.calls == []
     rdma.close("protocol violation")
     assert first.calls == ["begin", ("end", 0)]
+
+
+def test_a_verbs_device_that_fails_half_way_closes_its_context(monkeypatch):
+    """Before, a failure after the device context opened (PD, GID query, scratch MR) left the
+    context (and its async event fd) open."""
+    from types import SimpleNamespace
+
+    import kvt.rdma as rdma_module
+
+    closed = []
+
+    class Context:
+        def __init__(self, name):
+            pass
+
+        def query_device(self):
+            return SimpleNamespace(max_sge=4, max_qp_wr=64)
+
+        def query_port(self, port):
+            return SimpleNamespace(state=4, lid=1, active_mtu=5, max_msg_sz=1 << 20)
+
+        def close(self):
+            closed.append("ctx")
+
+    def no_pd(ctx):
+        raise OSError("ibv_alloc_pd failed")
+
+    pv = SimpleNamespace(
+        enums=SimpleNamespace(IBV_PORT_ACTIVE=4),
+        device=SimpleNamespace(Context=Context),
+        pd=SimpleNamespace(PD=no_pd),
+    )
+    monkeypatch.setattr(rdma_module, "load_pyverbs", lambda: pv)
+    with pytest.raises(OSError, match="ibv_alloc_pd"):
+        rdma_module.VerbsDevice("fake0")
+    assert closed == ["ctx"]

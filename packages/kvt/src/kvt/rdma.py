@@ -753,23 +753,26 @@ class VerbsDevice(RdmaDevice):
         self.gid_index = gid_index
         with _CHANNEL_LOCK:  # opening a device adds an event fd too (its async events)
             self.ctx = pv.device.Context(name=self.name)
-        attr = self.ctx.query_device()
-        port_attr = self.ctx.query_port(self.port)
-        if port_attr.state != e.IBV_PORT_ACTIVE:
-            self.ctx.close()
-            raise OSError(f"{self.name} port {self.port} is not active")
-        self.pd = pv.pd.PD(self.ctx)
-        self.lid = port_attr.lid
-        self.mtu = port_attr.active_mtu
-        self.gid = _gid_bytes(self.ctx.query_gid(self.port, self.gid_index))
-        self.limits = DeviceLimits(
-            max_sge=max(1, min(attr.max_sge, 16)),
-            max_msg_size=max(1, min(port_attr.max_msg_sz, 1 << 30)),
-            sq_depth=max(2, min(attr.max_qp_wr // 2, 512)),
-        )
-        self.recv_depth = max(2, min(attr.max_qp_wr // 2, 64))
-        # what receives point at (a WRITE_WITH_IMM writes nothing there; pyverbs wants an entry)
-        self.scratch = pv.mr.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+        with contextlib.ExitStack() as undo:  # a step that fails closes what came before it
+            undo.callback(self.ctx.close)
+            attr = self.ctx.query_device()
+            port_attr = self.ctx.query_port(self.port)
+            if port_attr.state != e.IBV_PORT_ACTIVE:
+                raise OSError(f"{self.name} port {self.port} is not active")
+            self.pd = pv.pd.PD(self.ctx)
+            undo.callback(self.pd.close)
+            self.lid = port_attr.lid
+            self.mtu = port_attr.active_mtu
+            self.gid = _gid_bytes(self.ctx.query_gid(self.port, self.gid_index))
+            self.limits = DeviceLimits(
+                max_sge=max(1, min(attr.max_sge, 16)),
+                max_msg_size=max(1, min(port_attr.max_msg_sz, 1 << 30)),
+                sq_depth=max(2, min(attr.max_qp_wr // 2, 512)),
+            )
+            self.recv_depth = max(2, min(attr.max_qp_wr // 2, 64))
+            # receives point here (a WRITE_WITH_IMM writes nothing; pyverbs wants an entry)
+            self.scratch = pv.mr.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+            undo.pop_all()
 
     def register(self, address: int, nbytes: int, writable: bool) -> MemoryKeys:
         e = self.pv.enums
@@ -878,19 +881,23 @@ class _VerbsQueuePair(QueuePair):
             before = _event_fds()
             self.channel = pv.cq.CompChannel(device.ctx)
             new = _event_fds() - before
-        if len(new) != 1:
-            self.channel.close()
-            raise OSError(f"cannot find the completion channel's fd (new event fds: {new})")
-        self._event_fd = new.pop()
-        self.cq = pv.cq.CQ(device.ctx, depth, None, self.channel, 0)
-        init = verbs_qp_init_attr(pv, self.cq, device.limits, device.recv_depth)
-        attr = pv.qp.QPAttr(qp_state=e.IBV_QPS_INIT)
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        attr.port_num = device.port
-        self.qp = pv.qp.QP(device.pd, init, attr)  # RC: returned in INIT
-        psn = random.getrandbits(24)
-        self.info = QpInfo(device.gid, device.lid, self.qp.qp_num, psn, int(device.mtu))
-        self._wake_r, self._wake_w = os.pipe()
+        with contextlib.ExitStack() as undo:  # a step that fails closes what came before it
+            undo.callback(self.channel.close)
+            if len(new) != 1:
+                raise OSError(f"cannot find the completion channel's fd (new event fds: {new})")
+            self._event_fd = new.pop()
+            self.cq = pv.cq.CQ(device.ctx, depth, None, self.channel, 0)
+            undo.callback(self.cq.close)
+            init = verbs_qp_init_attr(pv, self.cq, device.limits, device.recv_depth)
+            attr = pv.qp.QPAttr(qp_state=e.IBV_QPS_INIT)
+            attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+            attr.port_num = device.port
+            self.qp = pv.qp.QP(device.pd, init, attr)  # RC: returned in INIT
+            undo.callback(self.qp.close)
+            psn = random.getrandbits(24)
+            self.info = QpInfo(device.gid, device.lid, self.qp.qp_num, psn, int(device.mtu))
+            self._wake_r, self._wake_w = os.pipe()
+            undo.pop_all()
         self._thread: threading.Thread | None = None
         self._closed = False
 
