@@ -95,7 +95,9 @@ def make_engines(transport: str, dry: bool) -> tuple[Engine, Engine]:
                           device_copier=ThreadCopier(name=f"kvt-{name}-copier"))  # fmt: skip
 
         return one("P"), one("D")
-    kwargs = {} if transport == "tcp" else {"transport": transport}
+    # forced even for tcp: auto would pick samehost (one host), or rdma where the GPU box has a
+    # NIC, which does not move device memory yet
+    kwargs = {"transport": transport} if transport != "tcp" or len(transports(dry)) > 1 else {}
     return TransferEngine(name="P", **kwargs), TransferEngine(name="D", **kwargs)
 
 

@@ -50,7 +50,8 @@ def test_cuda_layer_events_fire_after_the_kernels_before_them(no_leaks) -> None:
 
 
 def test_gpu_to_gpu_over_tcp_per_layer_is_byte_exact(no_leaks) -> None:
-    p, d = TransferEngine(name="P"), TransferEngine(name="D")
+    # forced: auto would pick samehost (one host) or rdma (a NIC on the GPU box), not tcp
+    p, d = TransferEngine(name="P", transport="tcp"), TransferEngine(name="D", transport="tcp")
     nbytes = 2 * LAYERS * PER_LAYER * BLOCK
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda:0")
     dst = torch.zeros(nbytes, dtype=torch.uint8, device="cuda:0")

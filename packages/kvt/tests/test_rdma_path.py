@@ -579,3 +579,172 @@ def test_any_sequence_of_peer_messages_is_handled_or_a_protocol_violation(sequen
     finally:
         rdma.close("fuzz over")
         provider.close()
+
+
+def test_an_empty_frame_of_an_aborted_request_is_not_denied(path):
+    """The sender never waits on an empty frame, so a DENY for one would be a protocol violation
+    that kills the link (and every other request on it)."""
+    rdma, link, _qp = path
+    link.listener.sinks = [None]  # the receiver aborted the request
+    rdma.receive(DataDescriptor("r", True, make_blocks(0, 0, 0, src_region=9, dst_region=0)[:0],
+                                1, 0, b""))  # fmt: skip
+    assert [m.kind for m in link.posted[1:]] == []
+
+
+def test_an_empty_last_batch_of_an_aborted_request_leaves_the_link_up(no_leaks):
+    p, d = engine("P"), engine("D")
+    try:
+        assert transfer(p, d, "warm", n_blocks=1)[1].ok
+        link = p.backend.link_to(d.data_address)
+        got_send = Completions()
+        d.expect("gone", on_complete=Completions())
+        d.abort("gone", "decode node gave up")
+        empty = make_blocks(0, 0, BLOCK)[:0]
+        p.send("gone", d.data_address, empty, last=True, on_complete=got_send)
+        assert got_send.wait().status is TransferStatus.ABORTED
+        sent, received = transfer(p, d, "after", n_blocks=2)[:2]
+        assert sent.ok, sent
+        assert received.ok, received
+        assert p.backend.link_to(d.data_address) is link  # no protocol violation closed it
+        assert not link.closed
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_path_that_fails_to_start_releases_its_queue_pair():
+    class FailingRecvQP(StubQP):
+        def post_recv(self, wr_id):
+            raise OSError("ENOMEM")
+
+    provider = RdmaPathProvider(FakeDevice())
+    assert provider.unavailable() is None
+    qp = FailingRecvQP()
+    provider.device.create_qp = lambda: qp  # type: ignore[method-assign]
+    link = StubLink()
+    candidate = provider.candidate(link)
+    hello = type("H", (), {"offer": lambda self, name: qp.info.pack()})()
+    with pytest.raises(OSError, match="ENOMEM"):
+        candidate.open(hello)
+    candidate.discard()
+    assert qp.state == "CLOSED"
+    assert not provider._paths
+    provider.close()
+
+
+def test_a_freed_receive_slot_is_granted_only_after_its_receive_is_posted_again(path):
+    """A GRANT sent before the receive is back lets the peer's WRITE_WITH_IMM find no receive
+    (RNR): the reader thread granting between the two must not be able to get there first."""
+    rdma, link, qp = path
+    link.listener.sinks = [StubSink(), StubSink(), StubSink()]
+    blocks = make_blocks(0, 0, 4096, src_region=9, dst_region=0)
+    for seq in (11, 12):
+        rdma.receive(DataDescriptor("r", False, blocks, seq, 4096, b""))
+    events = []
+    posts, reposts = link.post, qp.post_recv
+
+    def post(frame):
+        posts(frame)
+        events.extend(f"grant {m.seq}" for m in link.posted[-1:] if m.kind == GRANT)
+
+    def post_recv(wr_id):
+        if not events:  # the reader thread gets a DESC in right now
+            rdma.receive(DataDescriptor("r", True, blocks, 13, 4096, b""))
+        reposts(wr_id)
+        events.append("recv")
+
+    link.post, qp.post_recv = post, post_recv
+    rdma._on_completion(WorkCompletion(0, True, True, "success", imm=11))
+    assert events == ["recv", "grant 13"]
+
+
+def test_device_memory_with_an_rdma_device_fails_its_link_with_a_reason_not_every_link(
+    no_leaks, caplog
+):
+    """A CUDA region (a numpy stand-in) on engines whose TCP backend has an rdma path. Before,
+    the staging pool (region id 0x10000) broke REGIONS encoding and every later link failed to
+    open; now the device transfer fails with a reason and host transfers still go by rdma."""
+    from kvt.access import DeviceMemory
+    from kvt.engine import Engine
+    from kvt.staging import ThreadCopier
+
+    def make(name):
+        providers = [RdmaPathProvider(FakeDevice()), TcpPathProvider()]
+        backend = TcpBackend(name=name, providers=providers)
+        return Engine(backend, name=name, default_timeout_s=5, device_copier=ThreadCopier(),
+                      staging_bytes=8 * BLOCK)  # fmt: skip
+
+    p, d = make("P"), make("D")
+    try:
+        src = np.random.default_rng(5).integers(0, 256, 4 * BLOCK, dtype=np.uint8)
+        dst = np.zeros(4 * BLOCK, dtype=np.uint8)
+        rs = p.register_region(DeviceMemory(int(src.ctypes.data), src.nbytes, "cuda:0", owner=src))
+        rd = d.register_region(DeviceMemory(int(dst.ctypes.data), dst.nbytes, "cuda:0", owner=dst))
+        blocks = make_blocks([0, 2 * BLOCK], [BLOCK, 3 * BLOCK], BLOCK, src_region=rs,
+                             dst_region=rd)  # fmt: skip
+        got_send, got_recv = Completions(), Completions()
+        d.expect("g", on_complete=got_recv)
+        p.send("g", d.data_address, blocks, last=True, on_complete=got_send)
+        sent, received = got_send.wait(), got_recv.wait()
+        assert (sent.status, sent.origin) == (TransferStatus.ABORTED, AbortOrigin.TRANSPORT)
+        assert "region 0 is not registered with the NIC" in caplog.text
+        assert received.status is TransferStatus.ABORTED
+        assert not dst.any()
+        host_sent, host_received = transfer(p, d, "host", n_blocks=4)[:2]
+        assert host_sent.ok, host_sent
+        assert host_received.ok, host_received
+        assert link_path(p, d) == "rdma"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_frame_number_the_peer_reuses_is_a_violation_and_the_first_frame_still_ends(path):
+    """Before, a second DESC with a granted frame's number replaced it: the first sink was never
+    ended (its request's I/O stayed open until the deadline, on close too)."""
+    rdma, link, _qp = path
+    first, second = StubSink(), StubSink()
+    link.listener.sinks = [first, second]
+    blocks = make_blocks(0, 0, 4096, src_region=9, dst_region=0)
+    rdma.receive(DataDescriptor("r", False, blocks, 11, 4096, b""))
+    with pytest.raises(ProtocolViolation, match="frame 11"):
+        rdma.receive(DataDescriptor("r", True, blocks, 11, 4096, b""))
+    assert second.calls == []
+    rdma.close("protocol violation")
+    assert first.calls == ["begin", ("end", 0)]
+
+
+def test_a_verbs_device_that_fails_half_way_closes_its_context(monkeypatch):
+    """Before, a failure after the device context opened (PD, GID query, scratch MR) left the
+    context (and its async event fd) open."""
+    from types import SimpleNamespace
+
+    import kvt.rdma as rdma_module
+
+    closed = []
+
+    class Context:
+        def __init__(self, name):
+            pass
+
+        def query_device(self):
+            return SimpleNamespace(max_sge=4, max_qp_wr=64)
+
+        def query_port(self, port):
+            return SimpleNamespace(state=4, lid=1, active_mtu=5, max_msg_sz=1 << 20)
+
+        def close(self):
+            closed.append("ctx")
+
+    def no_pd(ctx):
+        raise OSError("ibv_alloc_pd failed")
+
+    pv = SimpleNamespace(
+        enums=SimpleNamespace(IBV_PORT_ACTIVE=4),
+        device=SimpleNamespace(Context=Context),
+        pd=SimpleNamespace(PD=no_pd),
+    )
+    monkeypatch.setattr(rdma_module, "load_pyverbs", lambda: pv)
+    with pytest.raises(OSError, match="ibv_alloc_pd"):
+        rdma_module.VerbsDevice("fake0")
+    assert closed == ["ctx"]

@@ -351,11 +351,16 @@ class RdmaPath(PayloadPath):
     def receive(self, frame: DataHeader | DataDescriptor) -> None:
         if not isinstance(frame, DataDescriptor):
             raise ProtocolViolation("DATA frame with payload on an rdma link")
+        with self._lock:  # a reused number would orphan the frame that has it (never ended)
+            reused = frame.seq in self._granted or any(w[0] == frame.seq for w in self._waiting)
+        if reused:
+            raise ProtocolViolation(f"rdma DESC for frame {frame.seq}, which is still open")
         sink = self.link.listener.on_batch(
             self.link, Batch(frame.request_id, frame.blocks, frame.last)
         )
         if sink is None:
-            self._send(DENY, frame.seq)
+            if frame.nbytes:  # the sender waits on nonempty frames only (an empty one: no reply)
+                self._send(DENY, frame.seq)
             return
         with self._lock:
             self._waiting.append((frame.seq, sink, frame.nbytes))
@@ -464,12 +469,14 @@ class RdmaPath(PayloadPath):
         seq = wc.imm
         with self._lock:
             entry = self._granted.pop(seq, None) if seq is not None else None
-            if entry is not None:
-                self._slots += 1
         if entry is None:
             self.link.close(f"rdma write with immediate {seq} for no granted frame")
             return
+        # The receive goes back before the slot is free: a GRANT (from any thread) that came
+        # first would let the peer's WRITE_WITH_IMM find no receive (RNR).
         self.qp.post_recv(wc.wr_id)
+        with self._lock:
+            self._slots += 1
         sink, nbytes = entry
         sink.end_chunk(nbytes)
         sink.end_batch()
@@ -538,7 +545,11 @@ class _RdmaCandidate(PathCandidate):
         path = RdmaPath(self.link, self.provider, qp)
         self.qp = None  # the path owns it now
         self.provider.adopt(path)
-        path.start()
+        try:
+            path.start()
+        except BaseException as exc:  # nobody else will close it: the link never adopts it
+            path.close(f"rdma path failed to start: {exc!r}")
+            raise
         return path
 
     def discard(self) -> None:
@@ -591,9 +602,18 @@ class RdmaPathProvider(PathProvider):
         return _RdmaCandidate(self, link)
 
     def lkeys(self, region_ids: np.ndarray) -> np.ndarray:
+        """The lkey of each record's source region; OSError (the link fails with the reason,
+        the writer thread lives) for a region the NIC does not know, e.g. device memory."""
         out = np.zeros(len(region_ids), dtype=np.uint32)
-        for rid in np.unique(region_ids).tolist():
-            out[region_ids == rid] = self._keys[rid][1].lkey
+        with self._lock:
+            keys = {rid: self._keys.get(rid) for rid in np.unique(region_ids).tolist()}
+        for rid, entry in keys.items():
+            if entry is None:
+                raise OSError(
+                    f"rdma: region {rid} is not registered with the NIC (device memory is not "
+                    "sent over rdma yet; use transport='tcp' or 'samehost')"
+                )
+            out[region_ids == rid] = entry[1].lkey
         return out
 
     def writable_regions(self) -> dict[int, RemoteRegion]:
@@ -614,6 +634,12 @@ class RdmaPathProvider(PathProvider):
             self._paths.discard(path)
 
     def register_memory(self, info: MemoryInfo) -> None:
+        if info.device != "cpu" or info.region_id > 0xFFFF:
+            # Host memory named by IpcBlock region ids only. Device regions go through the
+            # engine's staging pool (the id beyond u16), which this path does not address yet:
+            # registering either would refuse GPU memory without peermem, and the pool's id does
+            # not fit a REGIONS entry (every later link would fail to open).
+            return
         device = self._open()
         if device is None:
             return
@@ -727,23 +753,26 @@ class VerbsDevice(RdmaDevice):
         self.gid_index = gid_index
         with _CHANNEL_LOCK:  # opening a device adds an event fd too (its async events)
             self.ctx = pv.device.Context(name=self.name)
-        attr = self.ctx.query_device()
-        port_attr = self.ctx.query_port(self.port)
-        if port_attr.state != e.IBV_PORT_ACTIVE:
-            self.ctx.close()
-            raise OSError(f"{self.name} port {self.port} is not active")
-        self.pd = pv.pd.PD(self.ctx)
-        self.lid = port_attr.lid
-        self.mtu = port_attr.active_mtu
-        self.gid = _gid_bytes(self.ctx.query_gid(self.port, self.gid_index))
-        self.limits = DeviceLimits(
-            max_sge=max(1, min(attr.max_sge, 16)),
-            max_msg_size=max(1, min(port_attr.max_msg_sz, 1 << 30)),
-            sq_depth=max(2, min(attr.max_qp_wr // 2, 512)),
-        )
-        self.recv_depth = max(2, min(attr.max_qp_wr // 2, 64))
-        # what receives point at (a WRITE_WITH_IMM writes nothing there; pyverbs wants an entry)
-        self.scratch = pv.mr.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+        with contextlib.ExitStack() as undo:  # a step that fails closes what came before it
+            undo.callback(self.ctx.close)
+            attr = self.ctx.query_device()
+            port_attr = self.ctx.query_port(self.port)
+            if port_attr.state != e.IBV_PORT_ACTIVE:
+                raise OSError(f"{self.name} port {self.port} is not active")
+            self.pd = pv.pd.PD(self.ctx)
+            undo.callback(self.pd.close)
+            self.lid = port_attr.lid
+            self.mtu = port_attr.active_mtu
+            self.gid = _gid_bytes(self.ctx.query_gid(self.port, self.gid_index))
+            self.limits = DeviceLimits(
+                max_sge=max(1, min(attr.max_sge, 16)),
+                max_msg_size=max(1, min(port_attr.max_msg_sz, 1 << 30)),
+                sq_depth=max(2, min(attr.max_qp_wr // 2, 512)),
+            )
+            self.recv_depth = max(2, min(attr.max_qp_wr // 2, 64))
+            # receives point here (a WRITE_WITH_IMM writes nothing; pyverbs wants an entry)
+            self.scratch = pv.mr.MR(self.pd, 64, e.IBV_ACCESS_LOCAL_WRITE)
+            undo.pop_all()
 
     def register(self, address: int, nbytes: int, writable: bool) -> MemoryKeys:
         e = self.pv.enums
@@ -852,19 +881,23 @@ class _VerbsQueuePair(QueuePair):
             before = _event_fds()
             self.channel = pv.cq.CompChannel(device.ctx)
             new = _event_fds() - before
-        if len(new) != 1:
-            self.channel.close()
-            raise OSError(f"cannot find the completion channel's fd (new event fds: {new})")
-        self._event_fd = new.pop()
-        self.cq = pv.cq.CQ(device.ctx, depth, None, self.channel, 0)
-        init = verbs_qp_init_attr(pv, self.cq, device.limits, device.recv_depth)
-        attr = pv.qp.QPAttr(qp_state=e.IBV_QPS_INIT)
-        attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
-        attr.port_num = device.port
-        self.qp = pv.qp.QP(device.pd, init, attr)  # RC: returned in INIT
-        psn = random.getrandbits(24)
-        self.info = QpInfo(device.gid, device.lid, self.qp.qp_num, psn, int(device.mtu))
-        self._wake_r, self._wake_w = os.pipe()
+        with contextlib.ExitStack() as undo:  # a step that fails closes what came before it
+            undo.callback(self.channel.close)
+            if len(new) != 1:
+                raise OSError(f"cannot find the completion channel's fd (new event fds: {new})")
+            self._event_fd = new.pop()
+            self.cq = pv.cq.CQ(device.ctx, depth, None, self.channel, 0)
+            undo.callback(self.cq.close)
+            init = verbs_qp_init_attr(pv, self.cq, device.limits, device.recv_depth)
+            attr = pv.qp.QPAttr(qp_state=e.IBV_QPS_INIT)
+            attr.qp_access_flags = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE
+            attr.port_num = device.port
+            self.qp = pv.qp.QP(device.pd, init, attr)  # RC: returned in INIT
+            undo.callback(self.qp.close)
+            psn = random.getrandbits(24)
+            self.info = QpInfo(device.gid, device.lid, self.qp.qp_num, psn, int(device.mtu))
+            self._wake_r, self._wake_w = os.pipe()
+            undo.pop_all()
         self._thread: threading.Thread | None = None
         self._closed = False
 
