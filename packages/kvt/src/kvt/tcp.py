@@ -427,6 +427,9 @@ class TcpLink:
                 # through it the job in this frame and the region memory its views point at.
                 log.warning("kvt link to %s failed while sending: %s", self.peer, str(exc))
             self._fail(f"send failed: {exc}")
+        except Exception as exc:  # a path's bug must not leave the link half-alive
+            log.error("kvt writer for %s crashed: %s", self.peer, str(exc), exc_info=False)
+            self._fail(f"writer crashed: {exc!r}")
         finally:
             try:
                 self._drain_queue()
