@@ -25,6 +25,7 @@ from kvt import (
     TransferEngine,
     TransferStatus,
 )
+from kvt.control import Abort, AbortTarget
 
 BLOCK = 64 << 10
 
@@ -320,6 +321,36 @@ def test_lost_link_aborts_the_requests_on_it_on_both_sides(pair) -> None:
     p.send("after", d.data_address, blocks, last=True, on_complete=got)
     assert got.wait().ok
     assert got.wait().ok
+
+
+def test_a_second_sender_cannot_join_a_bound_request(pair, make_engine, caplog) -> None:
+    """Once a receiving request is bound to its first sender's link, another link's batches and
+    ABORTs for that id are refused there; the bound request goes on and ends DONE alone."""
+    p, d, _, dst, rs, rd = pair
+    first, _, _ = scattered(1, rs, rd, seed=1)
+    got_send, got_recv = started(p, d, "bound", first)
+    with make_engine("P2") as p2:
+        theirs = np.full(BLOCK, 7, np.uint8)
+        r2 = p2.register_region(theirs)
+        # An ABORT from the stranger, then a batch on the same link: its refusal comes after.
+        message = Abort("bound", AbortCode.CALLER_ABORT, AbortTarget.RECEIVER, "not mine")
+        p2.backend.link_to(d.data_address).send_control(message)
+        got_p2 = Completions()
+        intruder = make_blocks(0, 63 * BLOCK, BLOCK, src_region=r2, dst_region=rd)
+        with caplog.at_level(logging.WARNING, logger="kvt.engine"):
+            p2.send("bound", d.data_address, intruder, last=True, on_complete=got_p2)
+            refused = got_p2.wait()
+        assert (refused.origin, refused.code) == (AbortOrigin.PEER, AbortCode.PROTOCOL_ERROR)
+        assert "refused" in caplog.text
+        assert "ignored" in caplog.text
+    assert d.status("bound", "recv") is TransferStatus.TRANSFERRING
+    last, _, _ = scattered(1, rs, rd, seed=2)
+    p.send("bound", d.data_address, last, last=True)
+    mine, done = got_send.wait(), got_recv.wait()
+    assert mine.ok
+    assert done.ok
+    assert done.nbytes == 2 * BLOCK
+    assert not (dst[63 * BLOCK :] == 7).all()  # the intruder's block was never written
 
 
 def test_connect_failure_aborts_transport(make_engine) -> None:

@@ -17,7 +17,8 @@ from kvt import AbortCode, AbortOrigin, TransferStatus
 from kvt.backend import DataPlaneBackend
 from kvt.engine import Engine
 from kvt.faults import CORRUPT_FIELDS, Fault, FaultKind, FaultRates, Rule, ScriptedFaults
-from kvt.soak import SOAK_TRANSPORTS, new_engine, soak
+from kvt.outcome import Completion
+from kvt.soak import SOAK_TRANSPORTS, disagreement, new_engine, soak
 
 BLOCK = 64 << 10
 
@@ -280,3 +281,24 @@ def test_a_request_never_continues_on_a_second_link(no_leaks) -> None:
         assert (c.status, c.origin) == (TransferStatus.ABORTED, AbortOrigin.TRANSPORT)
     finally:
         engine.close()
+
+
+def _aborted(role: str, origin: AbortOrigin, code: AbortCode) -> Completion:
+    return Completion("r", role, TransferStatus.ABORTED, origin, code, "test")
+
+
+@pytest.mark.parametrize("code", [AbortCode.BAD_BLOCK, AbortCode.UNKNOWN_REQUEST])
+def test_a_refused_input_is_peer_on_both_sides_and_keeps_the_rule(code) -> None:
+    """The receiver refuses its peer's bad input (PEER) and tells the sender (PEER): allowed."""
+    send, recv = _aborted("send", AbortOrigin.PEER, code), _aborted("recv", AbortOrigin.PEER, code)
+    assert disagreement(send, recv, aborted=set(), link_hit=False) is None
+
+
+def test_peer_on_both_sides_for_any_other_reason_breaks_the_rule() -> None:
+    for send_code, recv_code in [
+        (AbortCode.CALLER_ABORT, AbortCode.CALLER_ABORT),
+        (AbortCode.BAD_BLOCK, AbortCode.UNKNOWN_REQUEST),
+    ]:
+        send = _aborted("send", AbortOrigin.PEER, send_code)
+        recv = _aborted("recv", AbortOrigin.PEER, recv_code)
+        assert disagreement(send, recv, aborted=set(), link_hit=False) is not None

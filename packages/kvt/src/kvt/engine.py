@@ -5,6 +5,28 @@ State machine (one per request and side)::
     PENDING --first byte moves--> TRANSFERRING --receiver wrote last byte--> DONE
        \\________________________________\\______ abort / timeout / link lost __> ABORTED(origin)
 
+The sender has two more states, entered from TRANSFERRING once its last batch is in play
+(``last_begun``: its frames began; ``last_left``: every byte of it left), where the receiver may
+already be DONE. Deciding there at once could split DONE/ABORTED, so the sender waits::
+
+    TRANSFERRING --abort() once the last batch is submitted, a frame in flight or last_left-->
+    VERDICT_WAIT (abort_wanted set)
+        --receiver's DONE--> DONE                  (the abort came too late)
+        --receiver's ABORT / deadline--> ABORTED(PEER / TIMEOUT)
+        --link lost--> VERDICT_ASK below (or ABORTED(TRANSPORT) when it cannot ask)
+        --the frame in flight was not the last one (end_frame)--> ABORTED(LOCAL), peer told
+
+    TRANSFERRING --link lost once last_begun, no frame in flight, verdict_asks < 3-->
+    VERDICT_ASK (verdict_asks += 1; ABORT(CONNECTION_LOST) on a fresh link, see _ask_verdict)
+        --receiver's DONE--> DONE
+        --receiver's ABORT--> ABORTED(PEER, or TRANSPORT for CONNECTION_LOST)
+        --the fresh link lost too--> VERDICT_ASK again, or ABORTED(TRANSPORT) after 3 links
+        --connect failed / deadline--> ABORTED(TRANSPORT / TIMEOUT)
+
+A receiving request is bound to the link its first batch came on: batches of its id on any
+other link are refused there (ABORT(PROTOCOL_ERROR) to that link only), and ABORTs from another
+peer are ignored. The sender has no such binding: it hears the verdict on fresh links.
+
 Exactly one completion per request and side: every path goes through :meth:`_finish`, which
 decides under the engine lock and is a no-op once a completion exists. If the backend is touching
 the request's memory at that moment (``io_active``), delivery waits until it stops, so callers may
@@ -825,11 +847,22 @@ class Engine:
                         rid, finished.code or AbortCode.CALLER_ABORT, AbortTarget.SENDER,
                         finished.reason,
                     )  # fmt: skip
+            stranger = req is not None and finished is None and req.link not in (None, link)
+            bound_peer = req.peer if stranger else None
         if finished is not None:
             if reply is not None:
                 link.send_control(reply)
             return None
         assert req is not None
+        if stranger:
+            # The request is bound to the link its first batch came on: bytes of the same id from
+            # another link (another sender, or a confused one) would mix into its blocks. Refuse
+            # them there; the bound request goes on untouched.
+            reason = f"request {rid!r} is bound to peer {bound_peer}, not {link.peer}"
+            log.warning("kvt %s: data for request %r from peer %s refused: bound to peer %s",
+                        self.name, rid, link.peer, bound_peer)  # fmt: skip
+            link.send_control(Abort(rid, AbortCode.PROTOCOL_ERROR, AbortTarget.SENDER, reason))
+            return None
         try:
             device, host = self.regions.locate(batch.blocks, "dst")
             if host is None and not self._backend_moves_device_memory:
@@ -886,6 +919,12 @@ class Engine:
         reason = f"peer {link.peer} aborted ({abort.code.name}): {abort.reason}"
         with self._lock:
             req = table.get(abort.request_id)
+            stranger = (
+                req is not None
+                and role == RECV
+                and req.link not in (None, link)
+                and req.peer != link.peer
+            )
             if req is None and (role, abort.request_id) not in self._tombstones:
                 self._remember(
                     (role, abort.request_id),
@@ -894,6 +933,14 @@ class Engine:
                         reason, peer=link.peer,
                     ),
                 )  # fmt: skip
+        if stranger:
+            # Only the bound sender may abort a receiving request: a fresh link of that same peer
+            # is fine (it re-tells an abort, or asks for the verdict), another peer is not. No
+            # such check on the sender side: it hears the receiver's verdict on fresh links.
+            assert req is not None
+            log.warning("kvt %s: ABORT of request %r from peer %s ignored: bound to peer %s",
+                        self.name, abort.request_id, link.peer, req.peer)  # fmt: skip
+            return
         if req is not None:
             log.info("kvt %s: request %r: %s", self.name, abort.request_id, reason)
             self._finish(req, origin, abort.code, reason, notify_peer=False)
@@ -1013,8 +1060,7 @@ class Engine:
             log.log(level, "kvt %s: %s request %r aborted (%s, %s): %s", self.name, req.role,
                     req.request_id, origin.name, code.name if code else "-", reason)  # fmt: skip
         if notify_peer:
-            target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
-            message = Abort(req.request_id, code or AbortCode.CALLER_ABORT, target, reason)
+            message = self._abort_for_peer(req, code, reason)
             if link is not None:
                 link.send_control(message)
             elif req.peer_address:
@@ -1029,8 +1075,8 @@ class Engine:
             # The backend is inside a frame of this request past its deadline: the link is stalled
             # or far too slow. Closing it wakes the I/O thread, which then delivers the completion.
             req.link.close(f"request {req.request_id!r} timed out mid-frame")
-            if notify_peer and req.peer_address:  # the ABORT queued on that link died with it
-                self._send_without_link(req.peer_address, message)
+            if notify_peer:  # the ABORT queued on that link died with it
+                self._tell_peer_on_fresh_link(req, code, reason)
         if deliver:
             self._deliver(req, completion)
         return True
@@ -1055,6 +1101,17 @@ class Engine:
         message = Abort(req.request_id, AbortCode.CONNECTION_LOST, AbortTarget.RECEIVER, reason)
         fresh.send_control(message)
         return True
+
+    @staticmethod
+    def _abort_for_peer(req: _Request, code: AbortCode | None, reason: str) -> Abort:
+        """The ABORT that tells the other side of ``req`` it ended (code None: caller abort)."""
+        target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
+        return Abort(req.request_id, code or AbortCode.CALLER_ABORT, target, reason)
+
+    def _tell_peer_on_fresh_link(self, req: _Request, code: AbortCode | None, reason: str) -> None:
+        """The request's ABORT died with the link just closed under it: send it on a new one."""
+        if req.peer_address:
+            self._send_without_link(req.peer_address, self._abort_for_peer(req, code, reason))
 
     def _send_without_link(self, peer_address: str, message: ControlMessage) -> None:
         """A control message for a peer no link of the request is bound to yet (best effort)."""
@@ -1144,11 +1201,7 @@ class Engine:
             link.close(f"request {req.request_id!r} stuck mid-frame past its deadline")
             if pending is not None and pending.origin in (AbortOrigin.LOCAL, AbortOrigin.TIMEOUT):
                 # Its ABORT was queued on the link just closed: tell the peer on a fresh one.
-                target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
-                code = pending.code or AbortCode.CALLER_ABORT
-                if req.peer_address:
-                    message = Abort(req.request_id, code, target, pending.reason)
-                    self._send_without_link(req.peer_address, message)
+                self._tell_peer_on_fresh_link(req, pending.code, pending.reason)
 
     def _check_open(self) -> None:
         if self._closed:

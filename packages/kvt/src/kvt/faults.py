@@ -147,15 +147,6 @@ class FaultPlan:
                 self.injected.append(Injected(frame, fault))
         return fault
 
-    def hit_links(self) -> set[tuple[str, str]]:
-        """(engine, peer) of every link a fault other than a stall was injected on."""
-        with self._lock:
-            return {
-                (i.frame.engine, i.frame.peer)
-                for i in self.injected
-                if i.fault.kind is not FaultKind.STALL
-            }
-
 
 @dataclass
 class Rule:
@@ -248,6 +239,18 @@ def corrupt_header(head: bytes, what: str) -> bytes:
     return HEADER.pack(magic, version, ftype, meta_len, payload_len) + head[HEADER.size :]
 
 
+def first_half(views: list[memoryview], nbytes: int) -> list[memoryview]:
+    """The views that carry the first half of a ``nbytes`` payload held in ``views``: what a
+    DROP_MID lets through before the link dies."""
+    half, cut = nbytes // 2, []
+    for view in views:
+        if half <= 0:
+            break
+        cut.append(memoryview(view)[:half])
+        half -= cut[-1].nbytes
+    return cut
+
+
 class InjectedFault(OSError):
     """Raised inside a backend's writer to make an injected link drop look like a real one."""
 
@@ -266,4 +269,5 @@ __all__ = [
     "Rule",
     "ScriptedFaults",
     "corrupt_header",
+    "first_half",
 ]

@@ -31,7 +31,7 @@ from typing import Any
 from kvt.backend import BackendListener, Batch, DataPlaneBackend, RecvSink, SendJob, drain
 from kvt.control import ControlMessage
 from kvt.errors import ProtocolViolation
-from kvt.faults import FaultKind, FaultPlan, LinkWake
+from kvt.faults import FaultKind, FaultPlan, LinkWake, first_half
 
 log = logging.getLogger(__name__)
 
@@ -208,13 +208,7 @@ class _Connection:
         if fault.kind is FaultKind.DROP:
             self.close(what)
             return None
-        half, cut = nbytes // 2, []
-        for view in job.views:
-            if half <= 0:
-                break
-            cut.append(view[:half])
-            half -= cut[-1].nbytes
-        return cut
+        return first_half(job.views, nbytes)
 
     def _drain(self) -> None:
         for item in drain(self._queue):

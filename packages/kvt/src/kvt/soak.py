@@ -27,7 +27,7 @@ from ipcblock import make_blocks
 from kvt.engine import Engine
 from kvt.faults import FaultKind, FaultPlan, FaultRates, RandomFaults
 from kvt.memory import InMemoryBackend
-from kvt.outcome import AbortOrigin, Completion
+from kvt.outcome import AbortCode, AbortOrigin, Completion
 from kvt.tcp import TcpBackend
 
 SOAK_TRANSPORTS = ("memory", "tcp", "samehost")
@@ -35,6 +35,9 @@ _BLOCK_SIZES = (4096, 16384, 65536)
 _MAX_BLOCKS = 9  # 3 batches x 3 blocks
 _SRC_BYTES = 4 << 20
 INITIATORS = (AbortOrigin.LOCAL, AbortOrigin.TIMEOUT)
+# The receiver refused its peer's input: it says PEER (the sender's fault), and so does the
+# sender, told by the receiver's ABORT. The one pair where PEER meets PEER.
+REFUSALS = (AbortCode.BAD_BLOCK, AbortCode.UNKNOWN_REQUEST)
 
 
 def new_engine(transport: str, name: str, plan: FaultPlan | None = None, **kwargs) -> Engine:
@@ -69,6 +72,8 @@ def disagreement(
             return f"{side} ABORTED(LOCAL) without abort() on that side"
         if c.origin is AbortOrigin.TRANSPORT and not link_hit:
             return f"{side} ABORTED(TRANSPORT) on a link no fault hit"
+    if send.origin is recv.origin is AbortOrigin.PEER and send.code is recv.code in REFUSALS:
+        return None
     if send.origin is AbortOrigin.PEER and recv.origin not in INITIATORS:
         return f"sender says PEER, receiver says {recv.origin.name}"
     if recv.origin is AbortOrigin.PEER and send.origin not in INITIATORS:

@@ -30,7 +30,14 @@ from typing import Any
 from kvt.backend import BackendListener, DataPlaneBackend, IovCursor, MemoryInfo, SendJob, drain
 from kvt.control import Abort, ControlMessage, Done
 from kvt.errors import ProtocolViolation
-from kvt.faults import FaultKind, FaultPlan, InjectedFault, LinkWake, corrupt_header
+from kvt.faults import (
+    FaultKind,
+    FaultPlan,
+    InjectedFault,
+    LinkWake,
+    corrupt_header,
+    first_half,
+)
 from kvt.paths import (
     IOV_MAX,
     MAX_FRAME_PAYLOAD,
@@ -66,6 +73,7 @@ log = logging.getLogger(__name__)
 __all__ = ["IOV_MAX", "MAX_FRAME_PAYLOAD", "RECV_CHUNK", "TcpBackend", "TcpLink"]
 
 _SEND_WINDOW_BYTES = 1 << 62  # sendmsg: no byte cap per call, only IOV_MAX
+_ACCEPT_BACKOFF_S = 0.05  # accept() failed (e.g. out of fds): wait this long before retrying
 CLOSE_FLUSH_S = 2.0  # close(): how long the writers may flush queued ABORTs, all links together
 _DRAIN = bytearray(1024 * 1024)
 _FLUSH = object()  # writer: send what is queued before this, then half-close
@@ -314,13 +322,7 @@ class TcpLink:
         if fault.kind is FaultKind.CORRUPT:
             return [corrupt_header(bytes(buffers[0]), fault.field), *buffers[1:]]
         if fault.kind is FaultKind.DROP_MID:
-            cut, half = [buffers[0]], payload // 2
-            for view in buffers[1:]:
-                if half <= 0:
-                    break
-                cut.append(memoryview(view)[:half])
-                half -= cut[-1].nbytes
-            self._write_all(cut)
+            self._write_all([buffers[0], *first_half(buffers[1:], payload)])
         raise InjectedFault(what)
 
     def _consult(self, request_id: str, nbytes: int, last: bool, kind: str):
@@ -471,7 +473,11 @@ class TcpLink:
         listener.io_thread_started()
         decoder = self.decoder
         reason = "connection closed by peer"
+        connect_failed = False
         try:
+            # The handshake has a deadline: a peer that connects and never speaks must not hold
+            # this link (its threads, or the requests queued on it) forever. _choose clears it.
+            self._sock.settimeout(self.backend.connect_timeout_s)  # type: ignore[union-attr]
             self._send_hello()
             while True:
                 need = decoder.next_read_size()
@@ -496,6 +502,11 @@ class TcpLink:
         except ProtocolViolation as exc:
             reason = f"protocol violation: {exc}"
             log.warning("kvt closing link from %s: %s", self.peer, reason)
+        except TimeoutError:
+            timeout_s = self.backend.connect_timeout_s
+            reason = f"no handshake from {self.peer} within {timeout_s:g}s"
+            connect_failed = True
+            log.warning("kvt %s: closing link: %s", self.backend.name, reason)
         except OSError as exc:
             reason = f"receive failed: {exc}"
         except Exception as exc:  # a bug must not leave the link half-alive
@@ -503,7 +514,9 @@ class TcpLink:
             reason = f"reader crashed: {exc!r}"
         finally:
             try:
-                self._fail(reason if not self._closed else "closed")
+                if self._closed:
+                    reason, connect_failed = "closed", False
+                self._fail(reason, connect_failed=connect_failed)
             finally:
                 self._thread_exit()
 
@@ -580,6 +593,7 @@ class TcpLink:
             log.warning("kvt %s: %s", self.backend.name, reason)
             self._fail(reason, connect_failed=True)
             return
+        self._sock.settimeout(None)  # type: ignore[union-attr]  # handshake done: no deadline
         with self._lock:
             self._chosen = candidate
             self._payload = payload
@@ -621,6 +635,7 @@ class TcpBackend(DataPlaneBackend):
         self._links: set[TcpLink] = set()
         self._retired: list[TcpLink] = []
         self._closed = False
+        self._stopping = threading.Event()  # set by close(): the acceptor stops retrying
         self._server = socket.create_server((host, port), backlog=128)
         bound_host, bound_port = self._server.getsockname()[:2]
         self._address = f"{bound_host}:{bound_port}"
@@ -638,11 +653,22 @@ class TcpBackend(DataPlaneBackend):
         self._acceptor.start()
 
     def _accept_main(self) -> None:
+        failing = False
         while True:
             try:
                 sock, _ = self._server.accept()
-            except OSError:
-                return  # listener shut down by close()
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return  # listener shut down by close()
+                # Out of fds (EMFILE), a connection reset before accept, ...: passing trouble.
+                # Back off (close() cuts the wait short) rather than end accepting for good.
+                level = logging.DEBUG if failing else logging.WARNING
+                log.log(level, "kvt %s: accept failed (%s); retrying in %gs", self.name,
+                        str(exc), _ACCEPT_BACKOFF_S)  # fmt: skip
+                failing = True
+                self._stopping.wait(_ACCEPT_BACKOFF_S)
+                continue
+            failing = False
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             link = TcpLink(self, sock=sock)
             with self._lock:
@@ -698,6 +724,7 @@ class TcpBackend(DataPlaneBackend):
                 return
             self._closed = True
             links = list(self._links)
+        self._stopping.set()
         with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)
         if self._acceptor is not None:
