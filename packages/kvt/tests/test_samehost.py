@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import errno
+import logging
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -15,8 +18,15 @@ from conftest import Completions, kvt_threads
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
 from kvt import samehost as sh
-from kvt.paths import IOV_MAX, RECV_CHUNK, TcpPathProvider
-from kvt.protocol import encode_data_head, encode_hello
+from kvt.paths import IOV_MAX, RECV_CHUNK, TcpPathProvider, local_boot_id
+from kvt.protocol import (
+    FrameDecoder,
+    Verdict,
+    encode_data_head,
+    encode_desc,
+    encode_hello,
+    encode_verdict,
+)
 from kvt.samehost import CmaError, ReadPlan
 from kvt.tcp import TcpBackend
 
@@ -403,3 +413,74 @@ def test_data_before_the_handshake_closes_only_that_link(no_leaks) -> None:
             cp, cd = small_transfer(p, d, "after")
         assert cp.ok
         assert cd.ok
+
+
+VICTIM = """
+import ctypes, sys
+secret = ctypes.create_string_buffer(b"VICTIM-SECRET-0123456789abcdef!!", 32)
+print(ctypes.addressof(secret), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "samehost"])
+def test_peer_claiming_another_pid_never_reads_it(no_leaks, caplog, transport) -> None:
+    """A local client names another process's pid (and 24 bytes it knows there) in its HELLO:
+    the receiver must not read that process, since the pid does not hold the connection."""
+    caplog.set_level(logging.INFO, logger="kvt")
+    secret = b"VICTIM-SECRET-0123456789abcdef!!"
+    with (
+        subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True) as victim,
+        TransferEngine(name="D", transport=transport) as d,
+    ):  # fmt: skip
+        address = int(victim.stdout.readline())
+        dst = np.zeros(32, np.uint8)
+        region = d.register_region(dst)
+        got = Completions()
+        d.expect("x", on_complete=got)
+        host, port = d.data_address.rsplit(":", 1)
+        blob = sh._BLOB.pack(
+            address, secret[:16], address + 16, int.from_bytes(secret[16:24], "little")
+        )
+        hello = encode_hello("evil", "127.0.0.1:1", boot_id=local_boot_id(), pid=victim.pid,
+                             offers=[("samehost", blob), ("tcp", b"")])  # fmt: skip
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(hello)
+            decoder, events = FrameDecoder(), []
+            while not any(isinstance(e, Verdict) for e in events):
+                events += decoder.feed(sock.recv(65536))
+            (verdict,) = [e for e in events if isinstance(e, Verdict)]
+            why = verdict.as_dict()["samehost"]
+            assert why == f"samehost: pid {victim.pid} does not own the connection"
+            sock.sendall(encode_verdict([("samehost", True, ""), ("tcp", True, "")]))
+            blocks = make_blocks(0, 0, 32, src_region=0, dst_region=region)
+            sock.sendall(encode_desc("x", blocks, True, 1, np.array([address], "<u8").tobytes()))
+            while sock.recv(65536):
+                pass  # D closed the link: a DESC on tcp (auto) or no path at all (forced)
+        victim.stdin.close()
+        assert not dst.any()
+        assert got.empty() or not got.wait().ok
+    chosen = "uses the tcp path" if transport == "auto" else "does not own the connection"
+    assert any(chosen in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("listen", "connect"), [("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("::", "127.0.0.1")]
+)
+def test_owns_connection_finds_the_holder_of_the_peer_end(listen, connect) -> None:
+    family = socket.AF_INET if ":" not in listen else socket.AF_INET6
+    try:
+        server = socket.create_server((listen, 0), family=family, dualstack_ipv6=listen == "::")
+    except OSError as exc:
+        pytest.skip(f"no {listen} here: {exc}")
+    with server, socket.create_connection((connect, server.getsockname()[1]), timeout=10):
+        accepted, _ = server.accept()
+        with accepted:
+            ends = accepted.getsockname(), accepted.getpeername()
+            assert sh.owns_connection(os.getpid(), *ends)
+            with subprocess.Popen(
+                [sys.executable, "-c", "input()"], stdin=subprocess.PIPE
+            ) as other:
+                assert not sh.owns_connection(other.pid, *ends)
+                other.communicate(b"\n")

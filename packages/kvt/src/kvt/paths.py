@@ -85,6 +85,10 @@ class LinkIO(Protocol):
         """This end's boot id as announced in its HELLO."""
 
     @property
+    def socket_ends(self) -> tuple[tuple, tuple] | None:
+        """(our sockname, our peername) of the link's TCP socket; None if it has none."""
+
+    @property
     def decoder(self) -> FrameDecoder:
         """The reader's decoder (a tcp payload reports its bytes consumed to it)."""
 

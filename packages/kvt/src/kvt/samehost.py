@@ -36,13 +36,17 @@ any same-uid process ptrace this one); or CAP_SYS_PTRACE
 (root in most containers has it; Docker's default seccomp profile allows the call from 4.8
 kernels on). In separate pid namespaces the peer's pid is not ours: the probe read fails and
 "auto" stays on tcp. The probe (HELLO blob: a 16-byte cookie's address) is read by each end
-before it votes for samehost, so the choice never rests on guesses.
+before it votes for samehost, so the choice never rests on guesses. The HELLO's pid is the
+peer's claim: before any read of it, the end proves that pid holds the peer's socket of this
+very connection (its inode in /proc/net/tcp{,6} among /proc/<pid>/fd's links; see
+:func:`owns_connection`), so a local client cannot make it read another process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import ipaddress
 import logging
 import os
 import queue
@@ -362,6 +366,10 @@ class _SamehostCandidate(PathCandidate):
         if len(blob) != _BLOB.size:
             return f"samehost: malformed offer of {len(blob)} bytes"
         probe, cookie, word, epoch = _BLOB.unpack(blob)
+        # The pid is the peer's word: read nothing of it before it is proven to hold this link.
+        ends = self.link.socket_ends
+        if ends is None or not owns_connection(peer.pid, *ends):
+            return f"samehost: pid {peer.pid} does not own the connection"
         try:
             got = _read_word_bytes(peer.pid, probe, 16)
             live = int.from_bytes(_read_word_bytes(peer.pid, word, 8), "little")
@@ -382,6 +390,68 @@ class _SamehostCandidate(PathCandidate):
         if self._taken:
             self._taken = False
             self.provider.epochs.give_back(self.word, self.slot)
+
+
+def _proc_net_forms(host: str, port: int) -> dict[str, str]:
+    """How /proc/net/tcp and tcp6 print the end (host, port): file name -> "ADDR:PORT" (hex of
+    the address's native-order u32 words, as the kernel prints them)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return {}
+    v4 = ip if ip.version == 4 else ip.ipv4_mapped
+    v6 = ipaddress.IPv6Address(f"::ffff:{v4}") if v4 is not None else ip
+    forms = {"tcp6": v6.packed}
+    if v4 is not None:
+        forms["tcp"] = v4.packed
+    words = {
+        name: "".join(
+            f"{int.from_bytes(raw[i : i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4)
+        )
+        for name, raw in forms.items()
+    }
+    return {name: f"{addr}:{port:04X}" for name, addr in words.items()}
+
+
+def owns_connection(pid: int, ours: tuple, theirs: tuple) -> bool:
+    """Whether process ``pid`` holds the peer's end of the TCP connection whose ends are ``ours``
+    (our sockname) and ``theirs`` (our peername): the socket inode of the end listed in
+    /proc/net/tcp{,6} as local ``theirs``, remote ``ours`` is one of /proc/<pid>/fd's links.
+
+    Costs one read of each table and a readlink per fd of ``pid`` (link setup only).
+    """
+    if pid <= 0:
+        return False
+    local, remote = _proc_net_forms(*theirs[:2]), _proc_net_forms(*ours[:2])
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        if table not in local or table not in remote:
+            continue
+        needle = f" {local[table]} {remote[table]} "
+        try:
+            with open(f"/proc/net/{table}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        at = text.find(needle)
+        while at >= 0:
+            line = text[text.rfind("\n", 0, at) + 1 : text.find("\n", at)].split()
+            if len(line) > 9 and line[9] != "0":
+                inodes.add(f"socket:[{line[9]}]")
+            at = text.find(needle, at + 1)
+    if not inodes:
+        return False
+    try:
+        with os.scandir(f"/proc/{pid}/fd") as fds:
+            for fd in fds:
+                try:
+                    if os.readlink(fd.path) in inodes:
+                        return True
+                except OSError:  # closed meanwhile
+                    continue
+    except OSError:  # no such process here, or not ours to look at
+        return False
+    return False
 
 
 def _read_word_bytes(pid: int, address: int, nbytes: int) -> bytes:

@@ -156,6 +156,13 @@ class TcpLink:
         return self.backend.boot_id
 
     @property
+    def socket_ends(self) -> tuple[tuple, tuple] | None:
+        try:
+            return self._sock.getsockname(), self._sock.getpeername()  # type: ignore[union-attr]
+        except (OSError, AttributeError):
+            return None
+
+    @property
     def listener(self) -> BackendListener:
         assert self.backend.listener is not None
         return self.backend.listener
