@@ -484,3 +484,13 @@ def test_owns_connection_finds_the_holder_of_the_peer_end(listen, connect) -> No
             ) as other:
                 assert not sh.owns_connection(other.pid, *ends)
                 other.communicate(b"\n")
+
+
+@pytest.mark.parametrize(("transport", "grants"), [("tcp", 0), ("auto", 1), ("samehost", 1)])
+def test_ptrace_consent_only_where_samehost_can_be_chosen(monkeypatch, transport, grants) -> None:
+    """PR_SET_PTRACER_ANY lets any same-uid process ptrace this one: a tcp-only engine must not
+    give that away."""
+    calls: list[int] = []
+    monkeypatch.setattr(sh, "allow_ptrace_reads", lambda: calls.append(1))
+    TcpBackend(name="B", transport=transport).close()
+    assert len(calls) == grants

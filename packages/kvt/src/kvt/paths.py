@@ -169,6 +169,10 @@ class PathProvider(abc.ABC):
     def candidate(self, link: LinkIO) -> PathCandidate:
         """A candidate for a new link (called before its HELLO, only if available)."""
 
+    def may_be_chosen(self) -> None:  # noqa: B027 (optional hook)
+        """The backend's transport setting lets this path be chosen ("auto" or this path's name):
+        set up what the peer will need of this process (samehost: ptrace consent); once."""
+
     def register_memory(self, info: MemoryInfo) -> None:  # noqa: B027 (optional hook)
         """A region was registered (see DataPlaneBackend.register_memory)."""
 

@@ -31,8 +31,9 @@ stays); ESRCH (peer gone) and EPERM (no longer allowed to read it) close the lin
 
 **Permissions.** ``process_vm_readv`` needs ptrace access to the peer: same uid and, with Yama
 ``ptrace_scope`` 1, the peer's consent, which the provider gives when the process's first
-TcpBackend is made: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets
-any same-uid process ptrace this one); or CAP_SYS_PTRACE
+TcpBackend whose transport allows samehost ("auto" or "samehost") is made:
+``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets any same-uid process
+ptrace this one; a "tcp" or "rdma" engine never grants it); or CAP_SYS_PTRACE
 (root in most containers has it; Docker's default seccomp profile allows the call from 4.8
 kernels on). In separate pid namespaces the peer's pid is not ours: the probe read fails and
 "auto" stays on tcp. The probe (HELLO blob: a 16-byte cookie's address) is read by each end
@@ -337,7 +338,6 @@ class SamehostProvider(PathProvider):
 
     def __init__(self, *, read_threads: int | None = None) -> None:
         self.read_threads = read_threads_setting(read_threads)
-        allow_ptrace_reads()
         # Peers read these 16 bytes (their address is in HELLO) before they vote for samehost.
         self.cookie = secrets.token_bytes(16)
         self._probe = ctypes.create_string_buffer(self.cookie, 16)
@@ -346,6 +346,9 @@ class SamehostProvider(PathProvider):
 
     def unavailable(self) -> str | None:
         return _UNAVAILABLE
+
+    def may_be_chosen(self) -> None:
+        allow_ptrace_reads()  # not before: a tcp-only engine gives no process ptrace access
 
     def candidate(self, link: LinkIO) -> PathCandidate:
         return _SamehostCandidate(self, link)
