@@ -18,9 +18,11 @@ from conftest import Completions, kvt_threads
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
 from kvt import samehost as sh
+from kvt.errors import ProtocolViolation
 from kvt.paths import IOV_MAX, RECV_CHUNK, TcpPathProvider, local_boot_id
 from kvt.protocol import (
     FrameDecoder,
+    PathMessage,
     Verdict,
     encode_data_head,
     encode_desc,
@@ -494,3 +496,77 @@ def test_ptrace_consent_only_where_samehost_can_be_chosen(monkeypatch, transport
     monkeypatch.setattr(sh, "allow_ptrace_reads", lambda: calls.append(1))
     TcpBackend(name="B", transport=transport).close()
     assert len(calls) == grants
+
+
+class FakeLink:
+    """Just enough of a TcpLink for a SamehostPath's sender side."""
+
+    peer = "fake-peer"
+    faults = None
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, buffers: list) -> None:
+        self.frames += [bytes(b) for b in buffers]
+
+
+class FakeJob:
+    request_id, last = "r", True
+
+    def __init__(self, nbytes: int) -> None:
+        self.blocks = make_blocks(0, 0, nbytes, src_region=0, dst_region=0)
+        self.addresses = np.zeros(1, np.uint64)
+        self.ended: list[int] = []
+
+    def begin_frame(self) -> bool:
+        return True
+
+    def end_frame(self, nbytes: int) -> None:
+        self.ended.append(nbytes)
+
+
+@pytest.mark.parametrize(("acked", "ok"), [(4096, True), (1000, True), (4097, False)])
+def test_ack_may_not_claim_more_than_the_frame(acked, ok) -> None:
+    """The ACK's byte count comes from the peer: more than the frame held is a violation, and
+    the frame stays outstanding for the link's close() to end."""
+    provider = sh.SamehostProvider()
+    link = FakeLink()
+    candidate = provider.candidate(link)
+    path = sh.SamehostPath(link, candidate, os.getpid(), 0, 0)
+    job = FakeJob(4096)
+    path.send_job(job)
+    ack = PathMessage(sh.ACK, sh.ACK_OK, 1, acked, b"")
+    if ok:
+        path.on_message(ack)
+        assert job.ended == [acked]
+    else:
+        with pytest.raises(ProtocolViolation, match=r"4097 bytes of frame 1 .*4096"):
+            path.on_message(ack)
+        assert job.ended == []
+    path.close("test over")
+    assert job.ended == ([acked] if ok else [0])
+
+
+def test_frames_end_under_the_engine_lock(no_leaks, monkeypatch) -> None:
+    """On samehost the writer (a failed write) and the reader (an ACK) may end frames of one job
+    at once: the job's count of bytes not yet handed over changes only under the engine lock."""
+    from kvt import engine as engine_module
+
+    values: dict[int, int] = {}
+    locked_at_update: list[bool] = []
+
+    def set_unsent(job, value: int) -> None:
+        if id(job) in values:  # not the first assignment (in __init__, before anyone sees it)
+            locked_at_update.append(job.engine._lock.locked())
+        values[id(job)] = value
+
+    unsent = property(lambda job: values[id(job)], set_unsent)
+    monkeypatch.setattr(engine_module._SendJob, "unsent", unsent)
+    with TransferEngine(name="P") as p, TransferEngine(name="D") as d:
+        cp, cd = small_transfer(p, d, "r")
+        assert cp.ok
+        assert cd.ok
+        assert link_paths(p) == ["samehost"]
+    assert locked_at_update
+    assert all(locked_at_update)

@@ -487,20 +487,20 @@ class SamehostPath(PayloadPath):
         self._epoch_remote = np.array([[peer_word, 8]], np.uint64)
         self._lock = threading.Lock()
         self._seq = 0
-        self._outstanding: dict[int, SendJob] = {}
+        self._outstanding: dict[int, tuple[SendJob, int]] = {}  # seq -> (job, frame bytes)
         self._read_threads = candidate.provider.read_threads
         self._helper: _ReadHelper | None = None  # reader thread only; joined by close()
 
     # ------------------------------------------------------------ sender (writer thread)
     def send_job(self, job: SendJob) -> None:
         blocks, addresses = job.blocks, job.addresses
-        for start, end, _ in frame_cuts(blocks["length"].tolist()):
+        for start, end, nbytes in frame_cuts(blocks["length"].tolist()):
             if not job.begin_frame():
                 return
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-                self._outstanding[seq] = job  # ended by its ACK, or by close()
+                self._outstanding[seq] = job, nbytes  # ended by its ACK, or by close()
             ext = np.ascontiguousarray(addresses[start:end], dtype="<u8").tobytes()
             last = job.last and end == len(blocks)
             desc = encode_desc(job.request_id, blocks[start:end], last, seq, ext)
@@ -513,9 +513,17 @@ class SamehostPath(PayloadPath):
     def on_message(self, message: PathMessage) -> None:
         if message.kind != ACK:
             raise ProtocolViolation(f"samehost: unknown PATH kind {message.kind}")
-        job = self._end(message.seq, None)
-        if job is None:
-            raise ProtocolViolation(f"samehost: ACK for frame {message.seq} not outstanding")
+        with self._lock:
+            entry = self._outstanding.get(message.seq)
+            if entry is None:
+                raise ProtocolViolation(f"samehost: ACK for frame {message.seq} not outstanding")
+            job, size = entry
+            if message.nbytes > size:  # left outstanding: close() ends it
+                raise ProtocolViolation(
+                    f"samehost: ACK claims {message.nbytes} bytes of frame {message.seq} "
+                    f"of request {job.request_id!r}, which holds {size}"
+                )
+            del self._outstanding[message.seq]
         if message.status == ACK_FAILED:
             reason = message.body.decode(errors="replace")
             abort = Abort(job.request_id, AbortCode.BAD_BLOCK, AbortTarget.SENDER, reason)
@@ -526,7 +534,7 @@ class SamehostPath(PayloadPath):
 
     def _end(self, seq: int, nbytes: int | None) -> SendJob | None:
         with self._lock:
-            job = self._outstanding.pop(seq, None)
+            job, _ = self._outstanding.pop(seq, (None, 0))
         if job is not None and nbytes is not None:
             job.end_frame(nbytes)
         return job
@@ -537,7 +545,7 @@ class SamehostPath(PayloadPath):
         with self._lock:
             outstanding, self._outstanding = self._outstanding, {}
         self._candidate.provider.epochs.give_back(self._candidate.word, self._candidate.slot)
-        for job in outstanding.values():
+        for job, _ in outstanding.values():
             job.end_frame(0)
         if self._helper is not None:
             self._helper.close()
