@@ -244,3 +244,28 @@ def test_choose_path_prefers_samehost_and_says_why_forced_fails() -> None:
     assert path is None
     assert "samehost" in why
     assert "other host" in why
+
+
+def v1_only_decoder_error(wire: bytes) -> str | None:
+    """What a kvt that predates the HELLO extension says of ``wire``'s first frame (its decoder
+    accepted header version 1 only and a HELLO whose lengths add up exactly)."""
+    _, version, ftype, meta_len, _ = HEADER.unpack_from(wire)
+    if version != 1:
+        return f"unsupported version {version}"
+    name_len, addr_len = struct.unpack_from("<HH", wire, 16)
+    if ftype == 1 and 4 + name_len + addr_len != meta_len:
+        return "HELLO lengths do not add up"
+    return None
+
+
+def test_an_older_kvt_rejects_the_extended_hello_by_its_version() -> None:
+    """An old decoder must say why it cannot talk to a new kvt, not that the HELLO is broken."""
+    plain, extended = encode_hello("P", "h:1"), encode_hello("P", "h:1", **EXT_HELLO)
+    assert v1_only_decoder_error(plain) is None  # a tool's plain HELLO still reaches old ones
+    assert v1_only_decoder_error(extended) == "unsupported version 2"
+    (hello,) = FrameDecoder().feed(plain)
+    assert not hello.extended
+    (hello,) = FrameDecoder().feed(extended)
+    assert hello.extended
+    with pytest.raises(ProtocolViolation, match="unsupported version 3"):
+        FrameDecoder().feed(header(version=3, meta_len=4))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import errno
+import logging
 import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -15,8 +18,17 @@ from conftest import Completions, kvt_threads
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferEngine, TransferStatus
 from kvt import samehost as sh
-from kvt.paths import IOV_MAX, RECV_CHUNK, TcpPathProvider
-from kvt.protocol import encode_data_head, encode_hello
+from kvt.errors import ProtocolViolation
+from kvt.paths import IOV_MAX, RECV_CHUNK, TcpPathProvider, local_boot_id
+from kvt.protocol import (
+    FrameDecoder,
+    PathMessage,
+    Verdict,
+    encode_data_head,
+    encode_desc,
+    encode_hello,
+    encode_verdict,
+)
 from kvt.samehost import CmaError, ReadPlan
 from kvt.tcp import TcpBackend
 
@@ -403,3 +415,158 @@ def test_data_before_the_handshake_closes_only_that_link(no_leaks) -> None:
             cp, cd = small_transfer(p, d, "after")
         assert cp.ok
         assert cd.ok
+
+
+VICTIM = """
+import ctypes, sys
+secret = ctypes.create_string_buffer(b"VICTIM-SECRET-0123456789abcdef!!", 32)
+print(ctypes.addressof(secret), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "samehost"])
+def test_peer_claiming_another_pid_never_reads_it(no_leaks, caplog, transport) -> None:
+    """A local client names another process's pid (and 24 bytes it knows there) in its HELLO:
+    the receiver must not read that process, since the pid does not hold the connection."""
+    caplog.set_level(logging.INFO, logger="kvt")
+    secret = b"VICTIM-SECRET-0123456789abcdef!!"
+    with (
+        subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True) as victim,
+        TransferEngine(name="D", transport=transport) as d,
+    ):  # fmt: skip
+        address = int(victim.stdout.readline())
+        dst = np.zeros(32, np.uint8)
+        region = d.register_region(dst)
+        got = Completions()
+        d.expect("x", on_complete=got)
+        host, port = d.data_address.rsplit(":", 1)
+        blob = sh._BLOB.pack(
+            address, secret[:16], address + 16, int.from_bytes(secret[16:24], "little")
+        )
+        hello = encode_hello("evil", "127.0.0.1:1", boot_id=local_boot_id(), pid=victim.pid,
+                             offers=[("samehost", blob), ("tcp", b"")])  # fmt: skip
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(hello)
+            decoder, events = FrameDecoder(), []
+            while not any(isinstance(e, Verdict) for e in events):
+                events += decoder.feed(sock.recv(65536))
+            (verdict,) = [e for e in events if isinstance(e, Verdict)]
+            why = verdict.as_dict()["samehost"]
+            assert why == f"samehost: pid {victim.pid} does not own the connection"
+            sock.sendall(encode_verdict([("samehost", True, ""), ("tcp", True, "")]))
+            blocks = make_blocks(0, 0, 32, src_region=0, dst_region=region)
+            sock.sendall(encode_desc("x", blocks, True, 1, np.array([address], "<u8").tobytes()))
+            while sock.recv(65536):
+                pass  # D closed the link: a DESC on tcp (auto) or no path at all (forced)
+        victim.stdin.close()
+        assert not dst.any()
+        assert got.empty() or not got.wait().ok
+    chosen = "uses the tcp path" if transport == "auto" else "does not own the connection"
+    assert any(chosen in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("listen", "connect"), [("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("::", "127.0.0.1")]
+)
+def test_owns_connection_finds_the_holder_of_the_peer_end(listen, connect) -> None:
+    family = socket.AF_INET if ":" not in listen else socket.AF_INET6
+    try:
+        server = socket.create_server((listen, 0), family=family, dualstack_ipv6=listen == "::")
+    except OSError as exc:
+        pytest.skip(f"no {listen} here: {exc}")
+    with server, socket.create_connection((connect, server.getsockname()[1]), timeout=10):
+        accepted, _ = server.accept()
+        with accepted:
+            ends = accepted.getsockname(), accepted.getpeername()
+            assert sh.owns_connection(os.getpid(), *ends)
+            with subprocess.Popen(
+                [sys.executable, "-c", "input()"], stdin=subprocess.PIPE
+            ) as other:
+                assert not sh.owns_connection(other.pid, *ends)
+                other.communicate(b"\n")
+
+
+@pytest.mark.parametrize(("transport", "grants"), [("tcp", 0), ("auto", 1), ("samehost", 1)])
+def test_ptrace_consent_only_where_samehost_can_be_chosen(monkeypatch, transport, grants) -> None:
+    """PR_SET_PTRACER_ANY lets any same-uid process ptrace this one: a tcp-only engine must not
+    give that away."""
+    calls: list[int] = []
+    monkeypatch.setattr(sh, "allow_ptrace_reads", lambda: calls.append(1))
+    TcpBackend(name="B", transport=transport).close()
+    assert len(calls) == grants
+
+
+class FakeLink:
+    """Just enough of a TcpLink for a SamehostPath's sender side."""
+
+    peer = "fake-peer"
+    faults = None
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+
+    def write(self, buffers: list) -> None:
+        self.frames += [bytes(b) for b in buffers]
+
+
+class FakeJob:
+    request_id, last = "r", True
+
+    def __init__(self, nbytes: int) -> None:
+        self.blocks = make_blocks(0, 0, nbytes, src_region=0, dst_region=0)
+        self.addresses = np.zeros(1, np.uint64)
+        self.ended: list[int] = []
+
+    def begin_frame(self) -> bool:
+        return True
+
+    def end_frame(self, nbytes: int) -> None:
+        self.ended.append(nbytes)
+
+
+@pytest.mark.parametrize(("acked", "ok"), [(4096, True), (1000, True), (4097, False)])
+def test_ack_may_not_claim_more_than_the_frame(acked, ok) -> None:
+    """The ACK's byte count comes from the peer: more than the frame held is a violation, and
+    the frame stays outstanding for the link's close() to end."""
+    provider = sh.SamehostProvider()
+    link = FakeLink()
+    candidate = provider.candidate(link)
+    path = sh.SamehostPath(link, candidate, os.getpid(), 0, 0)
+    job = FakeJob(4096)
+    path.send_job(job)
+    ack = PathMessage(sh.ACK, sh.ACK_OK, 1, acked, b"")
+    if ok:
+        path.on_message(ack)
+        assert job.ended == [acked]
+    else:
+        with pytest.raises(ProtocolViolation, match=r"4097 bytes of frame 1 .*4096"):
+            path.on_message(ack)
+        assert job.ended == []
+    path.close("test over")
+    assert job.ended == ([acked] if ok else [0])
+
+
+def test_frames_end_under_the_engine_lock(no_leaks, monkeypatch) -> None:
+    """On samehost the writer (a failed write) and the reader (an ACK) may end frames of one job
+    at once: the job's count of bytes not yet handed over changes only under the engine lock."""
+    from kvt import engine as engine_module
+
+    values: dict[int, int] = {}
+    locked_at_update: list[bool] = []
+
+    def set_unsent(job, value: int) -> None:
+        if id(job) in values:  # not the first assignment (in __init__, before anyone sees it)
+            locked_at_update.append(job.engine._lock.locked())
+        values[id(job)] = value
+
+    unsent = property(lambda job: values[id(job)], set_unsent)
+    monkeypatch.setattr(engine_module._SendJob, "unsent", unsent)
+    with TransferEngine(name="P") as p, TransferEngine(name="D") as d:
+        cp, cd = small_transfer(p, d, "r")
+        assert cp.ok
+        assert cd.ok
+        assert link_paths(p) == ["samehost"]
+    assert locked_at_update
+    assert all(locked_at_update)

@@ -193,9 +193,9 @@ class _SendJob:
             self.engine.metrics.observe(
                 "wire", _path(self.req.link), time.monotonic() - self.frame_start
             )
-        self.unsent -= nbytes
         engine, req = self.engine, self.req
         with engine._lock:
+            self.unsent -= nbytes  # two link threads may end frames of one job (samehost)
             # Before the frame is let go (io_active drops): an abort() from now on must wait for
             # the receiver's verdict, which may well be DONE.
             if self.last and self.unsent <= 0:

@@ -85,6 +85,10 @@ class LinkIO(Protocol):
         """This end's boot id as announced in its HELLO."""
 
     @property
+    def socket_ends(self) -> tuple[tuple, tuple] | None:
+        """(our sockname, our peername) of the link's TCP socket; None if it has none."""
+
+    @property
     def decoder(self) -> FrameDecoder:
         """The reader's decoder (a tcp payload reports its bytes consumed to it)."""
 
@@ -164,6 +168,10 @@ class PathProvider(abc.ABC):
     @abc.abstractmethod
     def candidate(self, link: LinkIO) -> PathCandidate:
         """A candidate for a new link (called before its HELLO, only if available)."""
+
+    def may_be_chosen(self) -> None:  # noqa: B027 (optional hook)
+        """The backend's transport setting lets this path be chosen ("auto" or this path's name):
+        set up what the peer will need of this process (samehost: ptrace consent); once."""
 
     def register_memory(self, info: MemoryInfo) -> None:  # noqa: B027 (optional hook)
         """A region was registered (see DataPlaneBackend.register_memory)."""

@@ -4,7 +4,7 @@ One TCP connection carries frames in both directions. Every frame starts with a 
 
     offset size field
     0      2    magic        b"KV"
-    2      1    version      1
+    2      1    version      2 on an extended HELLO, else 1 (both decoded; see VERSIONS)
     3      1    type         1 HELLO, 2 DATA, 3 DONE, 4 ABORT, 5 DESC, 6 PATH, 7 VERDICT
     4      4    meta_len     u32 LE, bytes of type-specific metadata that follow the header
     8      8    payload_len  u64 LE, raw bytes after the metadata (DATA only, else 0)
@@ -50,7 +50,11 @@ from kvt.errors import ProtocolViolation
 from kvt.outcome import AbortCode
 
 MAGIC = b"KV"
-VERSION = 1
+VERSION = 1  # every frame but the extended HELLO
+# The extended HELLO carries 2 so that a kvt from before the extension rejects it by name
+# ("unsupported version 2") instead of "HELLO lengths do not add up".
+EXTENDED_HELLO_VERSION = 2
+VERSIONS = (VERSION, EXTENDED_HELLO_VERSION)
 HEADER = struct.Struct("<2sBBIQ")
 HEADER_SIZE = HEADER.size  # 16
 DATA_META = struct.Struct("<HBBI")  # rid_len, flags, reserved, n_blocks
@@ -175,8 +179,8 @@ def _rid(request_id: str) -> bytes:
     return raw
 
 
-def _frame(ftype: FrameType, meta: bytes, payload_len: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, ftype, len(meta), payload_len) + meta
+def _frame(ftype: FrameType, meta: bytes, payload_len: int = 0, version: int = VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, ftype, len(meta), payload_len) + meta
 
 
 def _short(text: str, limit: int = 255) -> bytes:
@@ -192,20 +196,21 @@ def encode_hello(
     transport: str = "auto",
     offers: tuple[tuple[str, bytes], ...] | list[tuple[str, bytes]] = (),
 ) -> bytes:
-    """A HELLO; with ``boot_id`` given it is extended (path selection follows), else plain v1."""
+    """A HELLO; with ``boot_id`` given it is extended (path selection follows; header version
+    2), else plain (version 1: tcp only, what kvt spoke before the extension)."""
     n, a = name.encode()[:512], data_address.encode()[:512]
     meta = HELLO_META.pack(len(n), len(a)) + n + a
-    if boot_id is not None:
-        boot, mode = _short(boot_id, 1024), _short(transport)
-        parts = [
-            struct.pack("<BH", HELLO_EXT_VERSION, len(boot)), boot,
-            struct.pack("<IB", pid, len(mode)), mode, struct.pack("<B", len(offers)),
-        ]  # fmt: skip
-        for path, blob in offers:
-            raw = _short(path)
-            parts += [struct.pack("<B", len(raw)), raw, struct.pack("<I", len(blob)), bytes(blob)]
-        meta += b"".join(parts)
-    return _frame(FrameType.HELLO, meta)
+    if boot_id is None:
+        return _frame(FrameType.HELLO, meta)
+    boot, mode = _short(boot_id, 1024), _short(transport)
+    parts = [
+        struct.pack("<BH", HELLO_EXT_VERSION, len(boot)), boot,
+        struct.pack("<IB", pid, len(mode)), mode, struct.pack("<B", len(offers)),
+    ]  # fmt: skip
+    for path, blob in offers:
+        raw = _short(path)
+        parts += [struct.pack("<B", len(raw)), raw, struct.pack("<I", len(blob)), bytes(blob)]
+    return _frame(FrameType.HELLO, meta + b"".join(parts), version=EXTENDED_HELLO_VERSION)
 
 
 def encode_desc(request_id: str, blocks: np.ndarray, last: bool, seq: int, ext: bytes) -> bytes:
@@ -350,7 +355,7 @@ class FrameDecoder:
             self._buf.clear()
             if magic != MAGIC:
                 raise ProtocolViolation(f"bad magic {magic!r}")
-            if version != VERSION:
+            if version not in VERSIONS:
                 raise ProtocolViolation(f"unsupported version {version}")
             try:
                 self._ftype = FrameType(ftype)

@@ -31,18 +31,23 @@ stays); ESRCH (peer gone) and EPERM (no longer allowed to read it) close the lin
 
 **Permissions.** ``process_vm_readv`` needs ptrace access to the peer: same uid and, with Yama
 ``ptrace_scope`` 1, the peer's consent, which the provider gives when the process's first
-TcpBackend is made: ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets
-any same-uid process ptrace this one); or CAP_SYS_PTRACE
+TcpBackend whose transport allows samehost ("auto" or "samehost") is made:
+``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`` (skipped without Yama; it lets any same-uid process
+ptrace this one; a "tcp" or "rdma" engine never grants it); or CAP_SYS_PTRACE
 (root in most containers has it; Docker's default seccomp profile allows the call from 4.8
 kernels on). In separate pid namespaces the peer's pid is not ours: the probe read fails and
 "auto" stays on tcp. The probe (HELLO blob: a 16-byte cookie's address) is read by each end
-before it votes for samehost, so the choice never rests on guesses.
+before it votes for samehost, so the choice never rests on guesses. The HELLO's pid is the
+peer's claim: before any read of it, the end proves that pid holds the peer's socket of this
+very connection (its inode in /proc/net/tcp{,6} among /proc/<pid>/fd's links; see
+:func:`owns_connection`), so a local client cannot make it read another process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import ipaddress
 import logging
 import os
 import queue
@@ -333,7 +338,6 @@ class SamehostProvider(PathProvider):
 
     def __init__(self, *, read_threads: int | None = None) -> None:
         self.read_threads = read_threads_setting(read_threads)
-        allow_ptrace_reads()
         # Peers read these 16 bytes (their address is in HELLO) before they vote for samehost.
         self.cookie = secrets.token_bytes(16)
         self._probe = ctypes.create_string_buffer(self.cookie, 16)
@@ -342,6 +346,9 @@ class SamehostProvider(PathProvider):
 
     def unavailable(self) -> str | None:
         return _UNAVAILABLE
+
+    def may_be_chosen(self) -> None:
+        allow_ptrace_reads()  # not before: a tcp-only engine gives no process ptrace access
 
     def candidate(self, link: LinkIO) -> PathCandidate:
         return _SamehostCandidate(self, link)
@@ -362,6 +369,10 @@ class _SamehostCandidate(PathCandidate):
         if len(blob) != _BLOB.size:
             return f"samehost: malformed offer of {len(blob)} bytes"
         probe, cookie, word, epoch = _BLOB.unpack(blob)
+        # The pid is the peer's word: read nothing of it before it is proven to hold this link.
+        ends = self.link.socket_ends
+        if ends is None or not owns_connection(peer.pid, *ends):
+            return f"samehost: pid {peer.pid} does not own the connection"
         try:
             got = _read_word_bytes(peer.pid, probe, 16)
             live = int.from_bytes(_read_word_bytes(peer.pid, word, 8), "little")
@@ -382,6 +393,68 @@ class _SamehostCandidate(PathCandidate):
         if self._taken:
             self._taken = False
             self.provider.epochs.give_back(self.word, self.slot)
+
+
+def _proc_net_forms(host: str, port: int) -> dict[str, str]:
+    """How /proc/net/tcp and tcp6 print the end (host, port): file name -> "ADDR:PORT" (hex of
+    the address's native-order u32 words, as the kernel prints them)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return {}
+    v4 = ip if ip.version == 4 else ip.ipv4_mapped
+    v6 = ipaddress.IPv6Address(f"::ffff:{v4}") if v4 is not None else ip
+    forms = {"tcp6": v6.packed}
+    if v4 is not None:
+        forms["tcp"] = v4.packed
+    words = {
+        name: "".join(
+            f"{int.from_bytes(raw[i : i + 4], sys.byteorder):08X}" for i in range(0, len(raw), 4)
+        )
+        for name, raw in forms.items()
+    }
+    return {name: f"{addr}:{port:04X}" for name, addr in words.items()}
+
+
+def owns_connection(pid: int, ours: tuple, theirs: tuple) -> bool:
+    """Whether process ``pid`` holds the peer's end of the TCP connection whose ends are ``ours``
+    (our sockname) and ``theirs`` (our peername): the socket inode of the end listed in
+    /proc/net/tcp{,6} as local ``theirs``, remote ``ours`` is one of /proc/<pid>/fd's links.
+
+    Costs one read of each table and a readlink per fd of ``pid`` (link setup only).
+    """
+    if pid <= 0:
+        return False
+    local, remote = _proc_net_forms(*theirs[:2]), _proc_net_forms(*ours[:2])
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        if table not in local or table not in remote:
+            continue
+        needle = f" {local[table]} {remote[table]} "
+        try:
+            with open(f"/proc/net/{table}") as f:
+                text = f.read()
+        except OSError:
+            continue
+        at = text.find(needle)
+        while at >= 0:
+            line = text[text.rfind("\n", 0, at) + 1 : text.find("\n", at)].split()
+            if len(line) > 9 and line[9] != "0":
+                inodes.add(f"socket:[{line[9]}]")
+            at = text.find(needle, at + 1)
+    if not inodes:
+        return False
+    try:
+        with os.scandir(f"/proc/{pid}/fd") as fds:
+            for fd in fds:
+                try:
+                    if os.readlink(fd.path) in inodes:
+                        return True
+                except OSError:  # closed meanwhile
+                    continue
+    except OSError:  # no such process here, or not ours to look at
+        return False
+    return False
 
 
 def _read_word_bytes(pid: int, address: int, nbytes: int) -> bytes:
@@ -414,20 +487,20 @@ class SamehostPath(PayloadPath):
         self._epoch_remote = np.array([[peer_word, 8]], np.uint64)
         self._lock = threading.Lock()
         self._seq = 0
-        self._outstanding: dict[int, SendJob] = {}
+        self._outstanding: dict[int, tuple[SendJob, int]] = {}  # seq -> (job, frame bytes)
         self._read_threads = candidate.provider.read_threads
         self._helper: _ReadHelper | None = None  # reader thread only; joined by close()
 
     # ------------------------------------------------------------ sender (writer thread)
     def send_job(self, job: SendJob) -> None:
         blocks, addresses = job.blocks, job.addresses
-        for start, end, _ in frame_cuts(blocks["length"].tolist()):
+        for start, end, nbytes in frame_cuts(blocks["length"].tolist()):
             if not job.begin_frame():
                 return
             with self._lock:
                 self._seq += 1
                 seq = self._seq
-                self._outstanding[seq] = job  # ended by its ACK, or by close()
+                self._outstanding[seq] = job, nbytes  # ended by its ACK, or by close()
             ext = np.ascontiguousarray(addresses[start:end], dtype="<u8").tobytes()
             last = job.last and end == len(blocks)
             desc = encode_desc(job.request_id, blocks[start:end], last, seq, ext)
@@ -440,9 +513,17 @@ class SamehostPath(PayloadPath):
     def on_message(self, message: PathMessage) -> None:
         if message.kind != ACK:
             raise ProtocolViolation(f"samehost: unknown PATH kind {message.kind}")
-        job = self._end(message.seq, None)
-        if job is None:
-            raise ProtocolViolation(f"samehost: ACK for frame {message.seq} not outstanding")
+        with self._lock:
+            entry = self._outstanding.get(message.seq)
+            if entry is None:
+                raise ProtocolViolation(f"samehost: ACK for frame {message.seq} not outstanding")
+            job, size = entry
+            if message.nbytes > size:  # left outstanding: close() ends it
+                raise ProtocolViolation(
+                    f"samehost: ACK claims {message.nbytes} bytes of frame {message.seq} "
+                    f"of request {job.request_id!r}, which holds {size}"
+                )
+            del self._outstanding[message.seq]
         if message.status == ACK_FAILED:
             reason = message.body.decode(errors="replace")
             abort = Abort(job.request_id, AbortCode.BAD_BLOCK, AbortTarget.SENDER, reason)
@@ -453,7 +534,7 @@ class SamehostPath(PayloadPath):
 
     def _end(self, seq: int, nbytes: int | None) -> SendJob | None:
         with self._lock:
-            job = self._outstanding.pop(seq, None)
+            job, _ = self._outstanding.pop(seq, (None, 0))
         if job is not None and nbytes is not None:
             job.end_frame(nbytes)
         return job
@@ -464,7 +545,7 @@ class SamehostPath(PayloadPath):
         with self._lock:
             outstanding, self._outstanding = self._outstanding, {}
         self._candidate.provider.epochs.give_back(self._candidate.word, self._candidate.slot)
-        for job in outstanding.values():
+        for job, _ in outstanding.values():
             job.end_frame(0)
         if self._helper is not None:
             self._helper.close()

@@ -164,6 +164,13 @@ class TcpLink:
         return self.backend.boot_id
 
     @property
+    def socket_ends(self) -> tuple[tuple, tuple] | None:
+        try:
+            return self._sock.getsockname(), self._sock.getpeername()  # type: ignore[union-attr]
+        except (OSError, AttributeError):
+            return None
+
+    @property
     def listener(self) -> BackendListener:
         assert self.backend.listener is not None
         return self.backend.listener
@@ -628,6 +635,9 @@ class TcpBackend(DataPlaneBackend):
         self.max_meta = max_meta
         self.transport = transport_setting(transport)
         self.providers = default_providers() if providers is None else list(providers)
+        for provider in self.providers:
+            if self.transport in ("auto", provider.name):
+                provider.may_be_chosen()
         self.boot_id = local_boot_id() if boot_id is None else boot_id
         self.listener: BackendListener | None = None
         self._lock = threading.Lock()
