@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from ipcblock import make_blocks
 from kvt import TransferEngine, TransferStatus
+from kvt.loopback import stop_child
 
 BLOCK = 64 << 10
 BLOCKS_PER_REQUEST = 64  # 4 MiB per request
@@ -184,12 +185,7 @@ def run(total: int, repeats: int, transport: str) -> dict:
         }
     finally:
         p.close()
-        parent.send(("close",))
-        proc.join(30)
-        if proc.exitcode is None:  # B did not stop: leave nothing behind
-            proc.kill()
-            proc.join()
-        parent.close()
+        stop_child(parent, proc)
 
 
 def main() -> None:

@@ -32,7 +32,6 @@ Full mode writes results/samehost.json. Run under ``flock /tmp/bench.lock`` on s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import json
 import mmap
@@ -48,7 +47,7 @@ import numpy as np
 from competitors import Competitor, unavailable
 from ipcblock import PagedKVLayout, make_blocks, parse_blocks
 from ipcblock.layouts import stacked_layer_offsets
-from kvt.loopback import ScatterPattern, check_paths, make_engine, source_bytes
+from kvt.loopback import ScatterPattern, check_paths, make_engine, source_bytes, stop_child
 
 LAYERS, KV_HEADS, BLOCK_TOKENS, HEAD_DIM, ITEMSIZE = 8, 2, 128, 64, 2
 BLOCK_BYTES = KV_HEADS * 2 * BLOCK_TOKENS * HEAD_DIM * ITEMSIZE  # 64 KiB per block and layer
@@ -320,13 +319,7 @@ def _measure_size(total: int, repeats: int, kvt_reason: str | None, competitors:
     finally:
         for c in systems:
             c.close()
-        with contextlib.suppress(OSError):
-            parent.send(("close",))
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        parent.close()
+        stop_child(parent, proc)
         if engine is not None:
             engine.close()
         mapping.close()

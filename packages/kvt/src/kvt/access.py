@@ -100,6 +100,16 @@ def _torch_view(tensor: Any) -> tuple[memoryview, Any] | DeviceMemory:
     return memoryview(raw).cast("B"), (tensor, raw)
 
 
+def first_out_of_bounds(offset: np.ndarray, length: np.ndarray, size) -> int | None:
+    """Index of the first range ``[offset, +length)`` that does not fit in ``size`` bytes, or None.
+
+    Vectorised over uint64 arrays (``size`` a scalar or one per range); written so that no
+    ``offset + length`` can wrap around.
+    """
+    bad = (length > size) | (offset > size - np.minimum(length, size))
+    return int(np.flatnonzero(bad)[0]) if bad.any() else None
+
+
 class RegionTable:
     """Region id -> Region. Thread-safe; lookups take no lock (dict reads are atomic in CPython)."""
 
@@ -211,12 +221,9 @@ class RegionTable:
             if side == "dst" and not region.writable:
                 raise InvalidBlocksError(f"region {rid} is read-only")
             mask = region_ids == rid
-            size = np.uint64(region.nbytes)
             length, offset = lengths[mask], offsets[mask]
-            # offset + length <= size, written so that no u64 sum can wrap around
-            bad = (length > size) | (offset > size - np.minimum(length, size))
-            if bad.any():
-                i = int(np.flatnonzero(bad)[0])
+            i = first_out_of_bounds(offset, length, np.uint64(region.nbytes))
+            if i is not None:
                 raise InvalidBlocksError(
                     f"block [{int(offset[i])}, +{int(length[i])}) outside region {rid} "
                     f"of {region.nbytes} bytes"

@@ -27,7 +27,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from ipcblock import make_blocks
@@ -342,11 +342,17 @@ def run_loopback(
     finally:
         if plain_sock is not None:
             plain_sock.close()
-        with contextlib.suppress(OSError):
-            parent.send(("close",))
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-        parent.close()
+        stop_child(parent, proc)
         engine.close()
+
+
+def stop_child(parent: Any, proc: Any, timeout_s: float = 30.0) -> None:
+    """Ask a benchmark's child process to close (``("close",)`` on its pipe), wait for it, kill
+    it if it does not stop in ``timeout_s``, and close the pipe: nothing outlives the benchmark."""
+    with contextlib.suppress(OSError):
+        parent.send(("close",))
+    proc.join(timeout_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    parent.close()

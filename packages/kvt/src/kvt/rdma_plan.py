@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from ipcblock import IPCBLOCK_DTYPE
 
+from kvt.access import first_out_of_bounds
 from kvt.errors import InvalidBlocksError
 
 _U64 = np.uint64
@@ -132,9 +133,8 @@ def check_remote(blocks: np.ndarray, remote: Mapping[int, RemoteRegion]) -> tupl
     size = np.array([r.length for r in table], dtype=_U64)[index]
     rkey = np.array([r.rkey for r in table], dtype=np.uint32)[index]
     offset, length = blocks["dst_offset"].astype(_U64), blocks["length"].astype(_U64)
-    bad = (length > size) | (offset > size - np.minimum(length, size))
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
+    i = first_out_of_bounds(offset, length, size)
+    if i is not None:
         raise RemoteRegionError(
             f"record {i}: [{int(offset[i])}, +{int(length[i])}) is outside the peer's region "
             f"{int(region_ids[i])} of {int(size[i])} bytes"
