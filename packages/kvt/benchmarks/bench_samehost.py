@@ -148,9 +148,7 @@ def _receiver_main(conn, total: int, sender_pid: int, kvt_transport: str | None)
                 view.release()
                 conn.send(elapsed)
             elif cmd == "verify":
-                ok = args[0].delivered(dst, expected)
-                dst[:] = 1  # reset BEFORE answering: the next run may start the moment we do
-                conn.send(ok)
+                conn.send(args[0].check_and_reset(dst, expected))
             elif cmd == "close":
                 break
     finally:

@@ -162,9 +162,7 @@ def _child_main(conn, system: str, role: str, total: int, env: dict[str, str]) -
                 side.write(prepared[key])
                 conn.send(time.perf_counter() - start)
             elif cmd == "verify":
-                ok = args[0].delivered(buf, expected)
-                buf[:] = 1  # reset BEFORE answering: the next run may start the moment we do
-                conn.send(ok)
+                conn.send(args[0].check_and_reset(buf, expected))
             elif cmd == "close":
                 break
     finally:

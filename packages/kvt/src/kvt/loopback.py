@@ -99,6 +99,13 @@ class ScatterPattern:
         want = src[: src.size // unit * unit].reshape(-1, unit)[src_units]
         return bool(np.array_equal(got, want))
 
+    def check_and_reset(self, dst: np.ndarray, src: np.ndarray) -> bool:
+        """:meth:`delivered`, then ``dst`` refilled with 1s for the next round. A benchmark child
+        does both before it answers: the next run may start the moment it does."""
+        ok = self.delivered(dst, src)
+        dst[:] = 1
+        return ok
+
 
 def make_engine(name: str, transport: str | None) -> TransferEngine:
     """A TransferEngine on ``transport`` ("tcp", "samehost", ...; None: the engine's default).
@@ -157,9 +164,7 @@ def _receiver_main(conn, total: int, transport: str | None) -> None:  # the chil
                 plain_sock.sendall(b"k")
             elif cmd == "verify":
                 pattern: ScatterPattern = args[0]
-                ok = pattern.delivered(dst, expected)
-                dst[:] = 1  # reset BEFORE answering: the next run may start the moment we do
-                conn.send(ok)
+                conn.send(pattern.check_and_reset(dst, expected))
             elif cmd == "close":
                 break
     finally:
