@@ -76,6 +76,9 @@ class HybridConnectorMetadata:
     cancel_send: list[str] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
     prefill_done: list[PrefillSpec] = field(default_factory=list)
+    # P: where the scheduler half takes SEND_DONE ("host:port"; "" = it holds no blocks itself,
+    # the worker reports in finished_sending). Set in every metadata, read by the worker.
+    scheduler_address: str = ""
 
     def is_empty(self) -> bool:
         return not (

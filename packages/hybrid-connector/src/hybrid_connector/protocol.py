@@ -1,6 +1,7 @@
 """transfer_kv over simple_rpc: D asks P to write a request's KV blocks into D's blocks.
 
-Heads 0x4843xxxx ("HC"); responses set bit 15 of the low half.
+Heads 0x4843xxxx ("HC"); responses set bit 15 of the low half. SEND_DONE keeps the heads the
+mission gave it (``0x20181218`` / ``0x81218102``).
 """
 
 from __future__ import annotations
@@ -111,4 +112,35 @@ RELEASE: Method[ReleaseRequest, ReleaseResponse] = Method(
     response_head=0x48438002,
     request_type=ReleaseRequest,
     response_type=ReleaseResponse,
+)
+
+
+class SendDoneRequest(msgspec.Struct, frozen=True):
+    """P's worker -> P's scheduler half: "I no longer need request ``request_id``'s blocks".
+
+    Sent once per TP rank for every request whose blocks the scheduler half holds for the worker
+    (it let vLLM finish the request at once and took its own reference on the blocks, so vLLM's
+    engine core can sleep while D pulls). ``outcome`` says why, for logs: "sent" (kvt DONE),
+    "failed", "lease expired", "released", "refused", "shutdown".
+    """
+
+    request_id: str
+    transfer_id: str
+    tp_rank: int
+    outcome: str
+
+
+class SendDoneResponse(msgspec.Struct, frozen=True):
+    request_id: str
+    # The scheduler half held the request's blocks (False: unknown id, or this rank's report
+    # was already counted).
+    held: bool
+
+
+SEND_DONE: Method[SendDoneRequest, SendDoneResponse] = Method(
+    "hybrid_connector.send_done",
+    request_head=0x20181218,
+    response_head=0x81218102,
+    request_type=SendDoneRequest,
+    response_type=SendDoneResponse,
 )

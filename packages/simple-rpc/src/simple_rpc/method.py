@@ -5,6 +5,7 @@ reserves only ERROR_RESP. Head ranges by convention, so that heads never collide
 
     0x4B56xxxx  kvt                0x4843xxxx  hybrid-connector
     0x5253xxxx  refstore           0x5352xxxx  simple-rpc's own (tests, benchmarks)
+    0x20181218 / 0x81218102        hybrid-connector's SEND_DONE (the mission's heads)
 """
 
 from __future__ import annotations
