@@ -494,3 +494,35 @@ def test_shutdown_of_a_worker_holding_leaves_release_to_the_scheduler(
     assert "send_done_reports" not in holding.p.counters()
     assert holding.holds.release_all() == 1
     assert holding.released()
+
+
+def test_decode_gone_before_its_parked_pull_was_served_sends_done_after_the_lease() -> None:
+    """D dies while its pull waits on P: the pull goes, the blocks still come back (lease)."""
+    pair = HoldingPair(lease_s=0.3)
+    try:
+        tid = str(uuid.uuid4())
+        pair.pull("d-req", tid, [9], num_tokens=3)
+        assert pair.p.wait_count("early_pulls", 1, timeout_s=10)
+        pair.d.close()  # D's process is gone: its transfer_kv connection closes
+        pair.announce("p-req", tid, [3], 3)
+        pair.p.step_done()
+        _wait_released(pair, 1)
+        assert pair.p.drain().finished_sending == set()
+    finally:
+        pair.close()
+
+
+def test_decode_dying_mid_send_sends_done_once_kvt_stopped(holding: HoldingPair) -> None:
+    """D's kvt goes away while P sends layer by layer: kvt's abort completes the send, then
+    the blocks go back, once."""
+    tid = str(uuid.uuid4())
+    holding.pull("d-req", tid, [9, 10], num_tokens=6)
+    assert holding.p.wait_count("early_pulls", 1, timeout_s=10)
+    holding.announce("p-req", tid, [3, 4], 6)
+    names = list(holding.p_kv)
+    holding.p.layer_saved(names[0])  # layer 0 on the wire, the rest still computing
+    holding.d.close()  # D dies: its link closes, kvt aborts P's send
+    holding.p.step_done()
+    assert holding.p.wait_count("sends_failed", 1, timeout_s=10)
+    _wait_released(holding, 1)
+    assert holding.p.counters()["send_done_reports"] == 1
