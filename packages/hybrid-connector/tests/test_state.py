@@ -83,6 +83,17 @@ def _pull_request(tid: str = T, *, num_tokens: int = PROMPT_TOKENS, layout=SPEC)
     )
 
 
+class StepEvents:
+    """Stands for the kvt layer events of the step that completes a prompt (the machine passes
+    them through to ``StartSend`` untouched; which layer is marked is kvt's business)."""
+
+    def __init__(self, tid: str) -> None:
+        self.tid = tid
+
+    def __repr__(self) -> str:
+        return f"StepEvents({self.tid})"
+
+
 def _completion(tid: str, ok: bool, role: str = "send") -> Completion:
     if ok:
         return Completion(tid, role, TransferStatus.DONE, nbytes=512)
@@ -109,6 +120,7 @@ class PSim:
         self.aborts: Counter[str] = Counter()
         self.tid_of: dict[str, str] = {}
         self.announced: set[str] = set()
+        self.layer_events: dict[str, StepEvents] = {}  # tid -> its prefill step's events
         self.actions: list[state.ProducerAction] = []
         self.step = 0
         self.reported_at: dict[str, int] = {}
@@ -134,6 +146,14 @@ class PSim:
                 self.sends.append(action)
                 self._answer(pull, "sent")
                 assert self.tid_of.get(rid) == tid
+                if rid in self.finished:
+                    assert action.layer_events is None, f"{rid}: finished, every layer written"
+                else:
+                    # The request still runs: kvt must wait for each layer to be written.
+                    assert rid in self.announced, f"{rid} sent before its prompt was computed"
+                    assert action.layer_events is self.layer_events[tid], (
+                        f"{rid}: sent mid-forward without its step's layer events"
+                    )
                 kvt_id = action.kvt_id or tid
                 self.kvt_tid[kvt_id] = tid
                 if self.refuse == "first":
@@ -164,7 +184,9 @@ class PSim:
     def prefill(self, rid: str = P_REQ, tid: str = T) -> None:
         self.tid_of[rid] = tid
         self.announced.add(rid)
-        self.feed(state.PrefillDone(PrefillSpec(rid, tid, _held(self.spec), PROMPT_TOKENS)))
+        events = self.layer_events.setdefault(tid, StepEvents(tid))
+        spec = PrefillSpec(rid, tid, _held(self.spec), PROMPT_TOKENS)
+        self.feed(state.PrefillDone(spec, events))  # type: ignore[arg-type]
 
     def finish(self, rid: str = P_REQ, tid: str = T, *, aborted: bool = False, tokens=None):
         """vLLM finished the request; an aborted one is delayed (and offered) only if it was
@@ -208,7 +230,10 @@ class PSim:
         assert self.arrived == set(self.answers) | self.left, "a pull was never answered"
         assert set(self.reported) == self.finished, "finished requests not reported"
 
-    def run(self, steps: Iterable[str], ok: bool = True, aborted: bool = False) -> PSim:
+    def play(
+        self, steps: Iterable[str], ok: bool = True, aborted: bool = False, check=None
+    ) -> PSim:
+        """Run ``steps`` (``check(self, name)`` after each one), leaving time stopped."""
         for self.step, name in enumerate(steps):
             match name:
                 case "finish":
@@ -219,9 +244,18 @@ class PSim:
                     self.pull(2)
                 case _:
                     getattr(self, name)()
+            if check is not None:
+                check(self, name)
         self.step += 1
+        return self
+
+    def run(self, steps: Iterable[str], ok: bool = True, aborted: bool = False, check=None) -> PSim:
+        self.play(steps, ok, aborted, check)
         self.settle()
         return self
+
+    def shutdown(self) -> None:
+        self.feed(state.ShuttingDown())
 
 
 def _orders(steps: list[str], before: tuple[str, str] | None = None) -> list[tuple[str, ...]]:
@@ -238,13 +272,60 @@ RAPID_RACE = ["pull", "prefill", "finish", "complete", "release", "deadline", "d
 PLAIN_RACE = ["pull", "finish", "complete", "release", "deadline", "dup_pull", "gone"]
 
 
+def _served_mid_forward(order: Iterable[str]) -> str | None:
+    """The pull step that must start a rapid send at once: the first pull, when it arrives
+    during the forward pass that completes the prompt (after the prefill is announced, before
+    the request finished) and nothing closed the transfer before it (release, lease)."""
+    seen: set[str] = set()
+    for step in order:
+        if step in ("pull", "dup_pull"):
+            mid_forward = "prefill" in seen and "finish" not in seen
+            return step if mid_forward and not seen & {"release", "deadline"} else None
+        seen.add(step)
+    return None
+
+
+def _check_mid_forward(order: tuple[str, ...]):
+    served = _served_mid_forward(order)
+
+    def check(sim: PSim, name: str) -> None:
+        if name == served:
+            pull = 1 if name == "pull" else 2
+            assert sim.answers.get(pull) == "sent", f"{order}: a mid-forward pull waited"
+            assert sim.sends[-1].layer_events is sim.layer_events[T]
+
+    return check
+
+
 @pytest.mark.parametrize("aborted", [False, True], ids=["finished", "aborted"])
 @pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
 @pytest.mark.parametrize("spec", [SPEC, HYBRID], ids=["one-group", "state+attention"])
 def test_rapid_send_races_in_every_order(ok: bool, aborted: bool, spec: CacheSpec) -> None:
+    """The pull arrives before the step that completes the prompt (parked) or during its
+    forward pass (after the prefill is announced): either way it is sent layer by layer at
+    once, and the blocks come back once, after the request finished and every send is over."""
     # vLLM announces the prefill in the step before it reports the request finished.
     for order in _orders(RAPID_RACE, before=("prefill", "finish")):
-        PSim(spec=spec).run(order, ok=ok, aborted=aborted)
+        PSim(spec=spec).run(order, ok=ok, aborted=aborted, check=_check_mid_forward(order))
+
+
+def test_shutting_down_at_any_point_of_a_rapid_send() -> None:
+    """ShuttingDown after any prefix of the rapid race: every waiting pull is answered, no
+    record or deadline is left, and nothing more is reported (the worker is closing)."""
+    race = [step for step in RAPID_RACE if step != "dup_pull"]
+    prefixes = {
+        order[:cut]
+        for order in _orders(race, before=("prefill", "finish"))
+        for cut in range(len(order) + 1)
+    }
+    for prefix in sorted(prefixes):
+        sim = PSim().play(prefix)
+        reported = Counter(sim.reported)
+        sim.shutdown()
+        assert len(sim.core) == 0, prefix
+        assert not sim.armed, prefix
+        assert sim.arrived == set(sim.answers) | sim.left, prefix
+        assert sim.reported == reported, prefix
 
 
 @pytest.mark.parametrize("aborted", [False, True], ids=["finished", "aborted"])
@@ -292,6 +373,31 @@ NAMED_RACES = {
     ),
     "D's call goes away while parked": (["pull", "gone", "finish", "deadline"], 3),
     "request aborted on P before its prompt completed": (["pull", "abort"], None),
+    # The pull reaches P during the forward pass that completes the prompt.
+    "mid-forward: send done before the request finished": (
+        ["prefill", "pull", "complete", "finish"],
+        3,
+    ),
+    "mid-forward: request finished before the send is done": (
+        ["prefill", "pull", "finish", "complete"],
+        3,
+    ),
+    "mid-forward: request aborted while sending": (["prefill", "pull", "abort", "complete"], 3),
+    "mid-forward: release while sending does not free the blocks": (
+        ["prefill", "pull", "release", "complete", "finish"],
+        4,
+    ),
+    "announced, no pull: held for a lease once finished": (["prefill", "finish", "deadline"], 2),
+    "announced, pulled after it finished": (["prefill", "finish", "pull", "complete"], 3),
+    "announced, released during the pass: back when it finishes": (
+        ["prefill", "release", "finish"],
+        2,
+    ),
+    "announced, the lease passes during the pass: back when it finishes": (
+        ["prefill", "deadline", "finish"],
+        2,
+    ),
+    "announced, aborted with no pull: back at once": (["prefill", "abort"], 1),
 }
 
 
@@ -310,6 +416,89 @@ def test_named_race(name: str) -> None:
     assert sim.reported_at.get(P_REQ) == reported_after
     sim.step = len(steps)
     sim.settle()
+
+
+def test_pull_during_the_forward_pass_starts_a_rapid_send_at_once() -> None:
+    """Issue 15 item 3: the pull arrives after the step that completes the prompt began: it is
+    answered at once with a send held by that step's layer events (kvt sends the layers already
+    marked at once and each other one as it is marked), and nothing is reported before vLLM
+    finished the request."""
+    sim = PSim()
+    sim.prefill()
+    assert sim.core.phase(T) is state.Phase.HELD
+    assert T in sim.armed, "a lease covers the record while nobody pulls"
+    sim.pull()
+    (send,) = sim.sends
+    assert sim.answers[1] == "sent"
+    assert send.layer_events is sim.layer_events[T]
+    assert (send.src_block_ids, send.kvt_id) == ([PROMPT_BLOCKS], T)
+    assert state.Count("rapid_sends") in sim.actions
+    sim.complete()
+    assert not sim.reported, "the request still runs: its blocks are vLLM's"
+    assert sim.core.phase(T) is state.Phase.SENT
+    sim.finish()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_announced_request_without_a_pull_is_held_under_its_lease() -> None:
+    sim = PSim()
+    sim.prefill()
+    sim.finish()
+    assert not sim.reported
+    assert sim.core.phase(T) is state.Phase.HELD
+    assert T in sim.armed
+    sim.deadline()  # nobody pulled within the lease
+    assert sim.reported[P_REQ] == 1
+    assert state.Count("leases_expired") in sim.actions
+    sim.settle()
+
+
+def test_pull_after_an_announced_request_finished_is_one_plain_batch() -> None:
+    sim = PSim()
+    sim.prefill()
+    sim.finish()
+    sim.pull()
+    (send,) = sim.sends
+    assert send.layer_events is None
+    assert state.Count("rapid_sends") not in sim.actions
+    sim.complete()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_release_during_the_pass_answers_not_released_and_frees_at_the_finish() -> None:
+    sim = PSim()
+    sim.prefill()
+    sim.release()
+    assert state.AnswerRelease(T, False) in sim.actions, "nothing was freed yet"
+    sim.pull()
+    assert isinstance(sim.answers[1], TransferError), "released: no pull is taken"
+    assert not sim.reported
+    sim.finish()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_aborted_mid_forward_refuses_later_pulls_at_once() -> None:
+    sim = PSim()
+    sim.prefill()
+    sim.finish(aborted=True)
+    assert sim.reported[P_REQ] == 1
+    sim.pull()
+    assert isinstance(sim.answers[1], TransferError), "no usable KV: fails, not parked"
+    sim.settle()
+
+
+def test_shutdown_during_a_mid_forward_send_reports_nothing() -> None:
+    sim = PSim()
+    sim.prefill()
+    sim.pull()
+    sim.shutdown()
+    assert len(sim.core) == 0
+    assert not sim.armed
+    sim.finish()  # vLLM's late finish after shutdown finds nothing
+    assert not sim.reported
 
 
 def test_send_guard_aborts_and_waits_for_the_completion() -> None:
@@ -811,7 +1000,22 @@ def test_fan_in_rapid_late_d_rank_waits_on_the_same_layer_events() -> None:
     sim.pull_from(0)
     sim.prefill()
     sim.pull_from(1)
-    assert [s.layer_events is None for s in sim.sends] == [True, True]  # PSim passes none
+    assert all(s.layer_events is sim.layer_events[T] for s in sim.sends)
+    sim.complete_for(0)
+    sim.complete_for(1)
+    assert not sim.reported, "the request still runs"
+    sim.finish()
+    assert sim.reported[P_REQ] == 1
+    sim.settle()
+
+
+def test_fan_in_d_ranks_pulling_mid_forward_share_the_step_events() -> None:
+    sim = FanInSim()
+    sim.prefill()
+    sim.pull_from(1)
+    sim.pull_from(0)
+    assert [s.kvt_id for s in sim.sends] == [_kvt(0, 1), _kvt(0, 0)]
+    assert all(s.layer_events is sim.layer_events[T] for s in sim.sends)
     sim.complete_for(0)
     sim.complete_for(1)
     assert not sim.reported, "the request still runs"
@@ -833,19 +1037,34 @@ def test_fan_in_pull_from_a_rank_that_takes_nothing_here_fails() -> None:
 FAN_IN_RACE = ["pull0", "pull1", "finish", "complete0", "complete1", "deadline", "release"]
 
 
+def _run_fan_in(order: Iterable[str], ok: bool) -> FanInSim:
+    sim = FanInSim()
+    for sim.step, step in enumerate(order):
+        if step.startswith("pull"):
+            sim.pull_from(int(step[-1]))
+        elif step.startswith("complete"):
+            sim.complete_for(int(step[-1]), ok)
+        else:
+            getattr(sim, step)()
+    sim.step += 1
+    sim.settle()
+    return sim
+
+
 @pytest.mark.parametrize("ok", [True, False], ids=["send-ok", "send-failed"])
 def test_fan_in_races_in_every_order(ok: bool) -> None:
     for order in itertools.permutations(FAN_IN_RACE):
-        sim = FanInSim()
-        for sim.step, step in enumerate(order):
-            if step.startswith("pull"):
-                sim.pull_from(int(step[-1]))
-            elif step.startswith("complete"):
-                sim.complete_for(int(step[-1]), ok)
-            else:
-                getattr(sim, step)()
-        sim.step += 1
-        sim.settle()
+        _run_fan_in(order, ok)
+
+
+def test_fan_in_rapid_races_in_every_order() -> None:
+    """Both D ranks' pulls before or during the forward pass that completes the prompt, or
+    after the request finished, with the lease anywhere (a release: the named fan-in tests):
+    each send started while the request runs carries the step's layer events (PSim checks),
+    blocks back once."""
+    race = ["prefill", *(step for step in FAN_IN_RACE if step != "release")]
+    for order in _orders(race, before=("prefill", "finish")):
+        _run_fan_in(order, ok=order.index("complete0") % 2 == 0)
 
 
 # ================================================================================ TP: fan-out (D)

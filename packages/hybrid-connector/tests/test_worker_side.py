@@ -375,6 +375,117 @@ def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair
     assert _wait(pair.d)[1] == {"d-req"}
 
 
+class _ReceivedBytes:
+    """Bytes kvt has written into D's KV cache so far, waited on as a condition (kvt reports
+    each chunk it wrote through ``_end_io``; no sleep, no polling)."""
+
+    def __init__(self, side: WorkerSide, monkeypatch: pytest.MonkeyPatch) -> None:
+        engine = side._engine
+        assert engine is not None
+        self._cond = threading.Condition()
+        self.nbytes = 0
+        end_io = engine._end_io
+
+        def counting_end_io(req, nbytes: int, direction: str) -> None:
+            end_io(req, nbytes, direction)
+            if direction == "received":
+                with self._cond:
+                    self.nbytes += nbytes
+                    self._cond.notify_all()
+
+        monkeypatch.setattr(engine, "_end_io", counting_end_io)
+
+    def wait_for(self, nbytes: int, timeout_s: float = 5.0) -> int:
+        with self._cond:
+            self._cond.wait_for(lambda: self.nbytes >= nbytes, timeout_s)
+            return self.nbytes
+
+
+class _SlowForwardPass:
+    """P's forward pass on its own thread, held after each layer: it marks layer i written
+    (``save_kv_layer``), then waits until the test lets it go on; ``wait_for_save`` at the end."""
+
+    def __init__(self, side: WorkerSide, names: list[str]) -> None:
+        self.written = [threading.Event() for _ in names]
+        self.go_on = [threading.Event() for _ in names]
+        self.ended = threading.Event()
+
+        def run() -> None:
+            for i, name in enumerate(names):
+                side.layer_saved(name)
+                self.written[i].set()
+                if not self.go_on[i].wait(10):
+                    break  # the test failed; let the worker close
+            side.step_done()
+            self.ended.set()
+
+        self.thread = threading.Thread(target=run, name="slow-forward-pass")
+        self.thread.start()
+
+    def close(self) -> None:
+        for event in self.go_on:
+            event.set()
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """Issue 15: D's transfer_kv reaches P after layer k of the forward pass that completes the
+    prompt was written (no pull was parked when the step began). Layers 0..k are in D's cache
+    before the pass goes on, each later layer follows once it is marked, D has exactly P's
+    bytes at the end, and P reports its blocks only after the request finished."""
+    tid = str(uuid.uuid4())
+    src, dst = [3, 4], [9, 10]
+    names = list(pair.p_kv)
+    layer_bytes = pair.p_kv[names[0]][src].numel() * 2  # bf16
+    received = _ReceivedBytes(pair.d, monkeypatch)
+    # P's step begins: its scheduler announced the request (no pull is parked).
+    pair.p.handle_metadata(
+        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+    )
+    assert pair.p.wait_count("offers", 1)
+    forward = _SlowForwardPass(pair.p, names)
+    try:
+        for layer in range(k):  # nobody pulls yet: the pass runs up to layer k
+            forward.go_on[layer].set()
+        assert forward.written[k].wait(10)
+        pair.pull("d-req", tid, dst, num_tokens=6)  # mid-forward
+        assert received.wait_for((k + 1) * layer_bytes) == (k + 1) * layer_bytes
+        assert not forward.ended.is_set()
+        for layer, (got, want) in enumerate(
+            zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True)
+        ):
+            if layer <= k:
+                assert torch.equal(got, want), f"layer {layer} written on P, not on D"
+            else:
+                assert bool((got == 0).all()), f"layer {layer} sent before it was written"
+        assert pair.p.counters()["rapid_sends"] == 1
+        assert "early_pulls" not in pair.p.counters(), "the pull waited for the request"
+        assert _wait(pair.d, timeout=0.1) == (set(), set(), set())
+        for layer in range(k + 1, len(names)):  # the pass goes on, one layer at a time
+            forward.go_on[layer - 1].set()
+            assert received.wait_for((layer + 1) * layer_bytes) == (layer + 1) * layer_bytes
+            assert torch.equal(pair.d_kv[names[layer]][dst], pair.p_kv[names[layer]][src])
+        forward.go_on[-1].set()
+        assert forward.ended.wait(10)
+    finally:
+        forward.close()
+    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
+        assert torch.equal(got, want)
+    untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+    assert all(bool((t[untouched] == 0).all()) for t in pair.d_kv.values())
+    assert pair.d.counters()["bytes_received"] == len(names) * layer_bytes
+    assert pair.p.wait_count("sends_done", 1)
+    # The send is over but vLLM has not finished the request: its blocks are still vLLM's.
+    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
+    pair.offer("p-req", tid, src, num_tokens=6)  # the request finished at the step's end
+    assert _wait(pair.p)[0] == {"p-req"}
+    assert _wait(pair.p, timeout=0.1) == (set(), set(), set()), "reported once"
+
+
 def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.p.handle_metadata(

@@ -11,16 +11,28 @@ P (``Producer``), one record per transfer id::
       |                             |  '--prefill done (rapid: request still running)--> SENDING*
       |                             '--lease passes / release / abort: pull fails--> (none) or
       |                                                                              CANCELLED
+      |--prefill done (rapid)--> HELD* --pull arrives (mid-forward)--------------> SENDING*
+      |                            |  '--request finished--> HELD (then as below)
+      |                            '--lease passes / release / bad pull--> SENT
       |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> reported
       |                        '--lease passes / release / bad pull--------------> reported
       '--release / abort---> CANCELLED --one lease later--> (none)
 
     SENDING* --kvt completion--> SENT --request finished--> reported
     SENDING* --request finished--> SENDING (then as above)
+    HELD*, SENDING*, SENT --request finished, aborted--> no more pulls; reported once the
+                                                         sends are over, then CANCELLED
 
     SENDING --send deadline--> SENDING (kvt told to abort; its completion still decides)
 
   CANCELLED: a pull fails at once and a late "request finished" is reported at once.
+  ``*``: the request still runs (its prompt's forward pass, announced by ``PrefillDone``).
+
+- **Rapid transfer_kv** (``PrefillDone``: this step's forward pass completes the prompt): the
+  record holds the step's layer events, so a pull parked before the step, one that arrives
+  at any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by
+  those events: kvt sends the layers already written at once and each other one as the pass
+  marks it. A pull after the request finished is one plain batch (every layer is written).
 
 - **Reported** (``ReportSent``: the request id goes into vLLM's ``finished_sending``, so vLLM
   frees its blocks) happens exactly once per finished request, and never while kvt may still read
@@ -156,7 +168,8 @@ class RequestCancelled:
 @dataclass(frozen=True, slots=True)
 class PrefillDone:
     """This step's forward pass completes the prompt (rapid transfer_kv); ``layer_events`` are
-    marked as the pass writes each layer (passed through to ``StartSend`` untouched)."""
+    marked as the pass writes each layer (passed through to ``StartSend`` untouched). Fed
+    before the pass starts; the request is not finished until ``RequestFinished``."""
 
     spec: PrefillSpec
     layer_events: LayerEvents | None = None
@@ -353,6 +366,8 @@ class _Transfer:
     closed: bool = False
     # Rapid: the layer events of the step that computes the prompt (for late D ranks too).
     layer_events: LayerEvents | None = None
+    # The request was aborted: no usable KV, later pulls fail at once (a tombstone follows).
+    aborted: bool = False
 
     def waits_for_pulls(self) -> bool:
         return not self.closed and (self.expected is None or len(self.pulled) < self.expected)
@@ -425,12 +440,17 @@ class Producer:
         phase = None if record is None else record.phase
         rapid = record is not None and record.spec is not None and not record.finished
         if rapid and record.spec.request_id == spec.request_id:
-            # A rapid send's request finished: report it once every send is over.
+            # An announced request finished: report it once every send is over.
             record.finished = True
-            if phase is Phase.SENT:
+            if spec.aborted:
+                # No usable KV: no more pulls; the sends in flight end first.
+                record.closed = record.aborted = True
+                if not record.sends:
+                    self._settle(tid, record, out)
+            elif phase is Phase.SENT:
                 self._report(tid, out)
             elif phase is Phase.HELD:
-                out.append(ArmDeadline(tid, self._settings.lease_s))  # the other D ranks
+                out.append(ArmDeadline(tid, self._settings.lease_s))  # the lease, from now
             return
         if phase is Phase.CANCELLED:
             if not spec.aborted:
@@ -475,13 +495,23 @@ class Producer:
     ) -> None:
         tid = spec.transfer_id
         record = self._transfers.get(tid)
-        if record is None or record.phase is not Phase.PARKED:
-            return  # no pull yet: the plain path serves it once the request finished
+        held = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
+        if record is None:
+            # No pull yet: one that arrives during the forward pass is sent as the layers are
+            # written (HELD*, under a lease), one after the request finished in one batch.
+            self._transfers[tid] = _Transfer(Phase.HELD, spec=held, layer_events=layer_events)
+            out.append(Count("offers"))
+            out.append(ArmDeadline(tid, self._settings.lease_s))
+            log.debug("request %s: transfer %s offered during its prefill", spec.request_id, tid)
+            return
+        if record.phase is not Phase.PARKED:
+            # CANCELLED (released, aborted): the request is reported once it finished; any
+            # other record is a repeat, or another request's (request_finished warns).
+            return
         record.phase = Phase.HELD
-        record.spec = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
+        record.spec = held
         record.finished = False
         record.layer_events = layer_events
-        out.append(Count("rapid_sends"))
         self._start_parked(tid, record, out)
 
     def _start_parked(self, tid: str, record: _Transfer, out: list[ProducerAction]) -> None:
@@ -592,7 +622,8 @@ class Producer:
             out.append(Count("released_by_peer"))
             record.closed = True
             self._settle(tid, record, out)
-            out.append(AnswerRelease(tid, True))
+            # A running request's blocks (HELD*) come back only once it finished.
+            out.append(AnswerRelease(tid, record.finished))
             return
         if record is None or record.phase is Phase.PARKED:
             if record is not None:
@@ -636,6 +667,8 @@ class Producer:
         # Guard: kvt has its own deadline too; whatever happens, abort after this long.
         out.append(ArmDeadline(kvt_id, self._settings.transfer_timeout_s))
         events = None if record.finished else record.layer_events
+        if events is not None:
+            out.append(Count("rapid_sends"))
         out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, events, kvt_id))
 
     def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[list[int]]:
@@ -747,6 +780,11 @@ class Producer:
                 self._settings.lease_s,
                 " once the sends are over" if record.sends else "",
             )
+            if not record.finished:
+                log.warning(
+                    "request %s: still running on P; its blocks go back once it finished",
+                    record.spec.request_id,
+                )
             record.closed = True
             if not record.sends:
                 self._settle(tid, record, out)
@@ -796,6 +834,8 @@ class Producer:
         assert not record.sends
         out.append(CancelDeadline(tid))
         out.append(ReportSent(record.spec.request_id))
+        if record.aborted:
+            self._cancel(tid, "prefill request aborted on P", out)  # later pulls fail at once
 
     def _forget(self, tid: str, out: list[ProducerAction]) -> None:
         del self._transfers[tid]
