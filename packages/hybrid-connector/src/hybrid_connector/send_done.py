@@ -45,6 +45,7 @@ class SendDoneServer:
         port = bound.rpartition(":")[2]
         advertised = advertise_host or ("127.0.0.1" if host in ("0.0.0.0", "::", "") else host)
         self.address = f"{advertised}:{port}"
+        log.info("hybrid-connector: scheduler half takes SEND_DONE at %s", self.address)
 
     async def _on_send_done(self, req: SendDoneRequest, ctx: CallContext) -> SendDoneResponse:
         held = self._holds.send_done(req.request_id, req.tp_rank)
