@@ -32,6 +32,19 @@ from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_re
 from pd_serving.model import cache_dir, default_model_dir, make_model
 from pd_serving.proxy import READY_LINE, Dispatch
 from pd_serving.servers import Connector, CpuSettings, Role, VllmServer, plan_servers
+from pd_serving.sweep import (
+    Slo,
+    describe_max_rate,
+    machine_load,
+    max_rate_meeting_slo,
+    percentile,
+    render_sweep_table,
+    sweep_markdown_table,
+    sweep_payload,
+    sweep_systems,
+    write_plots,
+)
+from pd_serving.workload import parse_length_dist, plan_rate
 
 
 @dataclass
@@ -52,17 +65,6 @@ class SystemResult:
     ttft_p50_vs_single: float | None = None
     # PD only: mean round trip of the proxy's call to P (from the proxy's own histogram).
     prefill_call_mean_ms: float | None = None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summarize(
@@ -305,6 +307,8 @@ def _proxy_processes(
             dispatches = [Dispatch(args.dispatch)]
         elif getattr(args, "compare_transports", False):
             dispatches = [Dispatch.PARALLEL]  # the transports differ, not the dispatch
+        elif getattr(args, "rates", None):
+            dispatches = dispatches[:1]  # the sweep: each connector's default dispatch only
         config = proxy_config_for(pair.servers, connector)
         for dispatch in dispatches:
             port = free_port()
@@ -339,9 +343,12 @@ def _proxy_processes(
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    sweep = bool(getattr(args, "rates", None))
     if args.smoke:
         args.requests, args.prompt_tokens, args.max_tokens = 4, 32, 4
+        if sweep:
+            args.prompt_dist = args.output_dist = None
     arch = args.arch
     model = args.model.resolve() if args.model else make_model(default_model_dir(arch), arch)
     planned = plan_pairs(args)
@@ -369,14 +376,18 @@ def run_bench(args: argparse.Namespace) -> int:
         model, log_dir=log_dir, connector=planned[0][0], prefill=0, decode=0, single=1, cpu=cpu
     )
     tokenizer = load_tokenizer(model)
-    prompts = [
-        exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + i)
-        for i in range(args.requests)
-    ]
+    if sweep:
+        plans = _plan_sweep(args, tokenizer)
+    else:
+        prompts = [
+            exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + i)
+            for i in range(args.requests)
+        ]
     console.print(
         f"[bold]pdserve bench[/bold]: {len(servers)} vLLM instances "
         f"({', '.join(p.label for p in pairs)} + single); logs in {log_dir}"
     )
+    load_before = machine_load()
     with Deployment(servers) as deployment:
         with console.status("starting vLLM instances (1-3 min each, in parallel)"):
             deployment.start(timeout=args.startup_timeout)
@@ -387,19 +398,51 @@ def run_bench(args: argparse.Namespace) -> int:
             wait_all_ready([proc for _, proc, _ in proxies], timeout=120)
             systems = [("single", deployment.by_role(Role.SINGLE)[0].url)]
             systems += [(name, url) for name, _, url in proxies]
-            results = asyncio.run(
-                bench_systems(
-                    systems,
-                    str(model),
-                    prompts,
-                    concurrency=args.concurrency,
-                    max_tokens=args.max_tokens,
-                    prompt_tokens=args.prompt_tokens,
-                    console=console,
+            if sweep:
+                points = asyncio.run(
+                    sweep_systems(
+                        systems,
+                        str(model),
+                        plans,
+                        slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms),
+                        rounds=args.rounds,
+                        timeout_s=args.request_timeout,
+                        prefill_probe=_prefill_histogram,
+                        console=console,
+                    )
                 )
-            )
+            else:
+                results = asyncio.run(
+                    bench_systems(
+                        systems,
+                        str(model),
+                        prompts,
+                        concurrency=args.concurrency,
+                        max_tokens=args.max_tokens,
+                        prompt_tokens=args.prompt_tokens,
+                        console=console,
+                    )
+                )
         finally:
             stop_all([proc for _, proc, _ in proxies])
+    meta = {
+        "command": "pdserve bench "
+        + (
+            "--compare-transports"
+            if args.compare_transports
+            else "--compare"
+            if args.compare
+            else args.connector
+        ),
+        "pairs": [p.label for p in pairs],
+        "model": f"tiny {arch} (hybrid_connector.tiny_model.make_tiny_model)",
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if sweep:
+        meta["machine_load"] = {"before": load_before, "after": machine_load()}
+        return report_sweep(args, points, meta, console)
     title = (
         f"TTFT/TPOT, {args.requests} requests x {args.prompt_tokens} prompt tokens -> "
         f"{args.max_tokens} tokens, concurrency {args.concurrency}"
@@ -407,22 +450,75 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(render_table(results, title))
     console.print(markdown_table(results), markup=False, highlight=False)
     if args.json:
-        meta = {
-            "command": "pdserve bench "
-            + (
-                "--compare-transports"
-                if args.compare_transports
-                else "--compare"
-                if args.compare
-                else args.connector
-            ),
-            "pairs": [p.label for p in pairs],
-            "model": f"tiny {arch} (hybrid_connector.tiny_model.make_tiny_model)",
-            "cpu_count": os.cpu_count(),
-            "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
         write_json(args.json, results, meta)
         console.print(f"wrote {args.json}")
     same = all(r.same_tokens_as_single is not False for r in results)
+    return 0 if same else 1
+
+
+def _length_dists(args: argparse.Namespace):
+    prompt = args.prompt_dist or parse_length_dist(str(args.prompt_tokens))
+    output = args.output_dist or parse_length_dist(str(args.max_tokens))
+    return prompt, output
+
+
+def _plan_sweep(args: argparse.Namespace, tokenizer) -> dict[float, list]:
+    """Each rate's requests, with prompts distinct across rates and requests (no prefix hits)."""
+    prompt_dist, output_dist = _length_dists(args)
+    plans = {}
+    for k, rate in enumerate(args.rates):
+        plan = plan_rate(
+            rate,
+            args.requests,
+            prompt_dist=prompt_dist,
+            output_dist=output_dist,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+        )
+        for req in plan:
+            prompt_seed = 1_000_000 * (args.seed + 1) + 10_000 * k + req.index
+            req.prompt = exact_length_prompt(tokenizer, req.prompt_tokens, seed=prompt_seed)
+        plans[rate] = plan
+    return plans
+
+
+def report_sweep(args: argparse.Namespace, points: list, meta: dict[str, Any], console) -> int:
+    """Tables, the SLO-max-rate lines, and with ``--json`` the JSON and its plots; exit code."""
+    prompt_dist, output_dist = _length_dists(args)
+    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    systems = list(dict.fromkeys(p.system for p in points))
+    max_rates = {s: max_rate_meeting_slo(points, s, slo.ttft_ms) for s in systems}
+    title = (
+        f"load sweep, {args.requests} Poisson requests per rate, prompt {prompt_dist} -> "
+        f"{output_dist} tokens"
+    )
+    console.print(render_sweep_table(points, title))
+    console.print(sweep_markdown_table(points), markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"highest rate meeting TTFT p99 <= {slo.ttft_ms:g} ms with no failures, at every "
+        "rate up to it:"
+    )
+    for system, result in max_rates.items():
+        console.print(f"  {system}: {describe_max_rate(result, slo.ttft_ms)}", highlight=False)
+    meta |= {
+        "rates": args.rates,
+        "requests_per_rate": args.requests,
+        "prompt_dist": str(prompt_dist),
+        "output_dist": str(output_dist),
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "request_timeout_s": args.request_timeout,
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
+        "max_rate_meeting_ttft_p99_slo": {
+            s: {"rate": rate, "highest_swept": at_top} for s, (rate, at_top) in max_rates.items()
+        },
+    }
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(sweep_payload(points, meta), indent=1) + "\n")
+        plot_title = f"{' vs '.join(systems)}, prompt {prompt_dist} -> {output_dist}"
+        stem = args.json.with_suffix("")
+        for path in [args.json, *write_plots(points, stem, slo, plot_title)]:
+            console.print(f"wrote {path}")
+    same = all(p.same_tokens_as_single is not False for p in points)
     return 0 if same else 1
