@@ -12,6 +12,9 @@ the load sweep ``pdserve bench --compare --rates 0.5,1,2,4 --requests 24`` (Pois
 ``pd_sweep_latency.png``, ``pd_sweep_goodput.png`` (about 12 minutes). Other options go through
 to ``pdserve bench`` (later ones win, e.g. ``--sweep --rates 1,2``).
 
+``--replot [--slo-ttft-ms MS] [--slo-tpot-ms MS]`` judges the stored sweep against another SLO
+(goodput from its per-request samples) and writes its JSON and plots again, starting nothing.
+
 ``--smoke`` (CI, seconds): the same harness (proxy, streaming client, percentiles, table; the
 sweep's open-loop sending, JSON and plots) against stand-in upstreams instead of vLLM; its
 numbers mean nothing.
@@ -26,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pd_serving.bench import bench_systems, render_table, report_sweep
+from pd_serving.bench import bench_systems, render_table, replot_sweep, report_sweep
 from pd_serving.cli import build_parser
 from pd_serving.cli import main as pdserve_main
 from pd_serving.launcher import free_port
@@ -102,6 +105,16 @@ def smoke() -> int:
     return 0
 
 
+def replot(argv: list[str]) -> int:
+    stored = json.loads(SWEEP_RESULTS.read_text())["meta"]["slo"]
+    parser = argparse.ArgumentParser(prog="bench_pd.py --replot")
+    parser.add_argument("--slo-ttft-ms", type=float, default=stored["ttft_ms"])
+    parser.add_argument("--slo-tpot-ms", type=float, default=stored["tpot_ms"])
+    args = parser.parse_args(argv)
+    replot_sweep(SWEEP_RESULTS, Slo(args.slo_ttft_ms, args.slo_tpot_ms), Console(width=160))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -115,9 +128,17 @@ def main() -> int:
         action="store_true",
         help="the load sweep: pdserve bench " + " ".join(SWEEP) + f" --json {SWEEP_RESULTS.name}",
     )
+    parser.add_argument(
+        "--replot",
+        action="store_true",
+        help=f"judge the stored {SWEEP_RESULTS.name} against [--slo-ttft-ms MS] [--slo-tpot-ms "
+        "MS] (default: its own): tables, SLO-max-rate lines, JSON and plots again; starts nothing",
+    )
     args, rest = parser.parse_known_args()
     if args.smoke:
         return smoke()
+    if args.replot:
+        return replot(rest)
     if args.sweep:
         return pdserve_main(["bench", *SWEEP, "--json", str(SWEEP_RESULTS), *rest])
     if args.transports:

@@ -26,6 +26,7 @@ from pd_serving.sweep import (
     load_points,
     max_rate_meeting_slo,
     percentile,
+    regrade,
     run_open_loop,
     split_rounds,
     summarize_point,
@@ -425,3 +426,42 @@ def test_split_rounds_keeps_arrival_order() -> None:
     assert [[r.index for r in part] for part in split_rounds(reqs, 2)] == [[0, 1, 2], [3, 4]]
     assert len(split_rounds(reqs, 9)) == 5
     assert [len(p) for p in split_rounds(reqs, 0)] == [5]
+
+
+def test_regrade_judges_stored_samples_against_another_slo() -> None:
+    samples = [
+        _sample(0, 100.0, 10.0, []),
+        _sample(1, 900.0, 10.0, []),
+        RequestSample(2, error="x"),
+    ]
+    strict = summarize_point("sys", 1.0, samples, wall_s=2.0, slo=Slo(200, 20))
+    assert strict.goodput_rps == pytest.approx(0.5)
+    loose = regrade(strict, Slo(1000, 20))
+    assert loose.goodput_rps == pytest.approx(1.0)  # the failed request still does not count
+    assert loose.slo_attainment == pytest.approx(2 / 3)
+    assert strict.goodput_rps == pytest.approx(0.5)  # a new point; the stored one is kept
+    stored = load_points(json.loads(json.dumps(sweep_payload([strict], {}))))[0]
+    assert regrade(stored, Slo(1000, 20)).goodput_rps == loose.goodput_rps
+
+
+def test_replot_rewrites_json_and_plots_with_the_new_slo(tmp_path) -> None:
+    from pd_serving.bench import replot_sweep
+    from rich.console import Console
+
+    meta = {
+        "slo": {"ttft_ms": 500, "tpot_ms": 50},
+        "prompt_dist": "300",
+        "output_dist": "64",
+        "requests_per_rate": 6,
+    }
+    path = tmp_path / "pd_sweep.json"
+    path.write_text(json.dumps(sweep_payload(_fixture_points(), meta)))
+    console = Console(width=160, record=True)
+    replot_sweep(path, Slo(100_000, 1000), console)
+    payload = json.loads(path.read_text())
+    assert payload["meta"]["slo"] == {"ttft_ms": 100_000, "tpot_ms": 1000}
+    nixl = payload["meta"]["max_rate_meeting_ttft_p99_slo"]["1P1D nixl"]
+    assert nixl == {"rate": 2.0, "highest_swept": False}  # at 4 req/s every request failed
+    assert {p["slo_attainment"] for p in payload["points"] if p["completed"]} == {1.0}
+    assert (tmp_path / "pd_sweep_latency.png").is_file()
+    assert "1P1D nixl: 2 req/s" in console.export_text()

@@ -35,9 +35,11 @@ from pd_serving.servers import Connector, CpuSettings, Role, VllmServer, plan_se
 from pd_serving.sweep import (
     Slo,
     describe_max_rate,
+    load_points,
     machine_load,
     max_rate_meeting_slo,
     percentile,
+    regrade,
     render_sweep_table,
     sweep_markdown_table,
     sweep_payload,
@@ -485,21 +487,6 @@ def _plan_sweep(args: argparse.Namespace, tokenizer) -> dict[float, list]:
 def report_sweep(args: argparse.Namespace, points: list, meta: dict[str, Any], console) -> int:
     """Tables, the SLO-max-rate lines, and with ``--json`` the JSON and its plots; exit code."""
     prompt_dist, output_dist = _length_dists(args)
-    slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
-    systems = list(dict.fromkeys(p.system for p in points))
-    max_rates = {s: max_rate_meeting_slo(points, s, slo.ttft_ms) for s in systems}
-    title = (
-        f"load sweep, {args.requests} Poisson requests per rate, prompt {prompt_dist} -> "
-        f"{output_dist} tokens"
-    )
-    console.print(render_sweep_table(points, title))
-    console.print(sweep_markdown_table(points), markup=False, highlight=False, soft_wrap=True)
-    console.print(
-        f"highest rate meeting TTFT p99 <= {slo.ttft_ms:g} ms with no failures, at every "
-        "rate up to it:"
-    )
-    for system, result in max_rates.items():
-        console.print(f"  {system}: {describe_max_rate(result, slo.ttft_ms)}", highlight=False)
     meta |= {
         "rates": args.rates,
         "requests_per_rate": args.requests,
@@ -508,17 +495,42 @@ def report_sweep(args: argparse.Namespace, points: list, meta: dict[str, Any], c
         "seed": args.seed,
         "rounds": args.rounds,
         "request_timeout_s": args.request_timeout,
-        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
-        "max_rate_meeting_ttft_p99_slo": {
-            s: {"rate": rate, "highest_swept": at_top} for s, (rate, at_top) in max_rates.items()
-        },
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
     }
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(sweep_payload(points, meta), indent=1) + "\n")
-        plot_title = f"{' vs '.join(systems)}, prompt {prompt_dist} -> {output_dist}"
-        stem = args.json.with_suffix("")
-        for path in [args.json, *write_plots(points, stem, slo, plot_title)]:
-            console.print(f"wrote {path}")
+    publish_sweep(points, meta, args.json, console)
     same = all(p.same_tokens_as_single is not False for p in points)
     return 0 if same else 1
+
+
+def replot_sweep(path: Path, slo: Slo, console) -> None:
+    """A stored sweep judged against ``slo``: goodput from its per-request samples, the tables,
+    the SLO-max-rate lines, the JSON and its plots written again. Starts nothing."""
+    payload = json.loads(path.read_text())
+    points = [regrade(p, slo) for p in load_points(payload)]
+    meta = payload["meta"] | {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}}
+    publish_sweep(points, meta, path, console)
+
+
+def publish_sweep(points: list, meta: dict[str, Any], path: Path | None, console) -> None:
+    slo = Slo(meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"])
+    systems = list(dict.fromkeys(p.system for p in points))
+    max_rates = {s: max_rate_meeting_slo(points, s, slo.ttft_ms) for s in systems}
+    lengths = f"prompt {meta['prompt_dist']} -> {meta['output_dist']}"
+    title = f"load sweep, {meta['requests_per_rate']} Poisson requests per rate, {lengths} tokens"
+    console.print(render_sweep_table(points, title))
+    console.print(sweep_markdown_table(points), markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"highest rate meeting TTFT p99 <= {slo.ttft_ms:g} ms with no failures, at every "
+        "rate up to it:"
+    )
+    for system, result in max_rates.items():
+        console.print(f"  {system}: {describe_max_rate(result, slo.ttft_ms)}", highlight=False)
+    meta["max_rate_meeting_ttft_p99_slo"] = {
+        s: {"rate": rate, "highest_swept": at_top} for s, (rate, at_top) in max_rates.items()
+    }
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sweep_payload(points, meta), indent=1) + "\n")
+        plot_title = f"{' vs '.join(systems)}, {lengths}"
+        for written in [path, *write_plots(points, path.with_suffix(""), slo, plot_title)]:
+            console.print(f"wrote {written}")

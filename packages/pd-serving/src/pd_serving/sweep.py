@@ -16,7 +16,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,11 @@ class Slo:
     ttft_ms: float
     tpot_ms: float
 
-    def met_by(self, sample: RequestSample) -> bool:
-        return sample.ok and sample.ttft_ms <= self.ttft_ms and sample.tpot_ms <= self.tpot_ms
+    def met(self, ttft_ms: float | None, tpot_ms: float | None) -> bool:
+        """None: the request failed, which never meets the SLO."""
+        if ttft_ms is None or tpot_ms is None:
+            return False
+        return ttft_ms <= self.ttft_ms and tpot_ms <= self.tpot_ms
 
 
 @dataclass
@@ -115,12 +118,11 @@ def summarize_point(
     ttfts = [s.ttft_ms for s in done]
     tpots = [s.tpot_ms for s in done]
     itls = [gap for s in done for gap in s.itl_ms]
-    good = sum(slo.met_by(s) for s in samples)
 
     def per_second(n: float) -> float:
         return n / wall_s if wall_s > 0 else 0.0
 
-    return SweepPoint(
+    point = SweepPoint(
         system=system,
         rate=rate,
         requests=len(samples),
@@ -137,12 +139,24 @@ def summarize_point(
         itl_p99_ms=percentile(itls, 99),
         throughput_rps=per_second(len(done)),
         output_tokens_per_s=per_second(sum(s.output_tokens for s in done)),
-        goodput_rps=per_second(good),
-        slo_attainment=good / len(samples) if samples else 0.0,
+        goodput_rps=0.0,
+        slo_attainment=0.0,
         wall_s=wall_s,
         errors=[f"#{s.index}: {s.error}" for s in samples if s.error][:5],
         ttft_ms=[s.ttft_ms if s.ok else None for s in samples],
         tpot_ms=[s.tpot_ms if s.ok else None for s in samples],
+    )
+    return regrade(point, slo)
+
+
+def regrade(point: SweepPoint, slo: Slo) -> SweepPoint:
+    """``point`` with goodput and SLO attainment under ``slo``, from its per-request samples
+    (so a stored sweep can be judged against another SLO without running it again)."""
+    good = sum(slo.met(t, p) for t, p in zip(point.ttft_ms, point.tpot_ms, strict=True))
+    return replace(
+        point,
+        goodput_rps=good / point.wall_s if point.wall_s > 0 else 0.0,
+        slo_attainment=good / point.requests if point.requests else 0.0,
     )
 
 
