@@ -303,8 +303,11 @@ def test_markdown_table_has_a_row_per_point() -> None:
     assert len(table) == 2 + len(points)
     assert table[0].startswith("| rate req/s | system | done / failed | TTFT p50/p90/p99 ms")
     assert table[2].startswith("| 0.5 | single | 6 / 0 | ")
-    assert table[3].endswith("| true |")
-    assert table[4].endswith("| false (3) |")
+    points[3].load_avg_1m = 6.4
+    table = sweep_markdown_table(points).splitlines()
+    assert table[3].endswith("| true | - |")
+    assert table[4].endswith("| false (3) | - |")
+    assert table[5].endswith("| - | 6 |")  # the machine's 1-minute load average
     assert "| 4 | 1P1D nixl | 0 / 6 | - / - / - |" in table[-1]
 
 

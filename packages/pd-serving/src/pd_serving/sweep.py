@@ -342,6 +342,7 @@ SWEEP_COLUMNS = (
     "out tok/s",
     "goodput req/s",
     "same tokens",
+    "load avg",
 )
 
 
@@ -357,6 +358,7 @@ def _row(p: SweepPoint) -> list[str]:
         f"{p.output_tokens_per_s:.0f}",
         f"{p.goodput_rps:.2f}",
         _same(p),
+        "-" if p.load_avg_1m is None else f"{p.load_avg_1m:.0f}",
     ]
 
 
@@ -365,6 +367,7 @@ def render_sweep_table(points: Sequence[SweepPoint], title: str) -> Table:
     for i, col in enumerate(SWEEP_COLUMNS):
         header = col.replace(" p50/", "\np50/").replace(" req/s", "\nreq/s").replace(" / ", "\n/ ")
         header = header.replace("same tokens", "same\ntokens").replace(" tok/s", "\ntok/s")
+        header = header.replace("load avg", "load\navg")
         table.add_column(header, justify="left" if i in (1, 9) else "right", no_wrap=True)
     for point in points:
         table.add_row(*_row(point))
