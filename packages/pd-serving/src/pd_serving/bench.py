@@ -4,9 +4,11 @@ Every system gets the same requests (fixed prompt length, distinct prompts so no
 hits, greedy, ``ignore_eos``) at a fixed concurrency; the systems take turns in rounds (a quarter
 of the prompts each), one at a time so they never compete for the CPU, and a burst of load from
 elsewhere falls on all of them. ``--compare`` brings up single, HybridConnector 1P1D (measured
-with both dispatch modes through two proxies on the same P/D pair) and NixlConnector 1P1D in one
+with both dispatch modes through two proxies on the same P/D pair, the second proxy with prompts
+of its own, else it would hit the first one's in P's prefix cache) and NixlConnector 1P1D in one
 run; ``--compare-transports`` brings up single and two HybridConnector 1P1D pairs, one forced
 onto kvt's same-host path and one onto kvt's TCP path (``kvt_transport``), parallel dispatch.
+``--rates`` is the load sweep (``pd_serving.sweep``): open-loop Poisson arrivals per rate.
 """
 
 from __future__ import annotations
@@ -127,13 +129,20 @@ async def bench_systems(
     prompt_tokens: int,
     rounds: int = 4,
     warmup: int = 2,
+    own_prompts: dict[str, list[Any]] | None = None,
     console: Console | None = None,
 ) -> list[SystemResult]:
     """Measure each (name, base_url); the first one is the reference for equality.
 
     The prompts are split into ``rounds`` slices and the systems take turns slice by slice, so a
     burst of load from elsewhere on the machine hits every system rather than one.
+    ``own_prompts[name]`` (as many as ``prompts``) replaces the prompts of a system that shares
+    its vLLM instances with another one (two proxies on one P/D pair), which would otherwise
+    find the other's prompts in the prefix cache; the reference answers those sets too,
+    unmeasured, for the token comparison.
     """
+    own_prompts = own_prompts or {}
+    prompts_of = {name: own_prompts.get(name, prompts) for name, _ in systems}
     answers: dict[str, list[Completion | None]] = {
         name: [None] * len(prompts) for name, _ in systems
     }
@@ -159,7 +168,7 @@ async def bench_systems(
                     session,
                     url,
                     model,
-                    [prompts[i] for i in indexes],
+                    [prompts_of[name][i] for i in indexes],
                     concurrency=concurrency,
                     max_tokens=max_tokens,
                 )
@@ -170,9 +179,20 @@ async def bench_systems(
                 walls[name] += wall
                 for i, result in zip(indexes, results, strict=True):
                     answers[name][i] = result
+        reference_name, reference_url = systems[0]
+        references: dict[str, list[Completion | None]] = {}
+        for name in own_prompts:
+            references[name], _ = await run_load(
+                session,
+                reference_url,
+                model,
+                own_prompts[name],
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+            )
     out: list[SystemResult] = []
-    reference = [a for a in answers[systems[0][0]] if a is not None]
     for name, _ in systems:
+        reference = [a for a in references.get(name, answers[reference_name]) if a is not None]
         results = [a for a in answers[name] if a is not None]
         summary = summarize(
             name,
@@ -293,8 +313,9 @@ def _proxy_processes(
     *,
     args: argparse.Namespace,
     log_dir: Path,
-) -> list[tuple[str, ManagedProcess, str]]:
-    """One `pdserve proxy` process per PD pair and dispatch mode (hybrid: both modes).
+) -> list[tuple[str, ManagedProcess, str, int]]:
+    """One `pdserve proxy` process per PD pair and dispatch mode (hybrid: both modes): (name,
+    process, URL, prompt set: 0 for the first proxy on a pair, 1 for the second, ...).
 
     Separate processes, as in a deployment: a proxy sharing the measuring client's event loop
     would delay both and blur TTFT/TPOT.
@@ -333,6 +354,7 @@ def _proxy_processes(
             for b in config.decode:
                 argv += ["--decode", b.url]
             name = f"1P1D {pair.label} ({dispatch.value})"
+            prompt_set = dispatches.index(dispatch)  # one set per proxy on this P/D pair
             proc = ManagedProcess(
                 f"proxy-{pair.tag}-{dispatch.value}",
                 argv,
@@ -340,7 +362,7 @@ def _proxy_processes(
                 ready_marker=READY_LINE,
                 health_url=f"http://127.0.0.1:{port}/health",
             )
-            out.append((name, proc, f"http://127.0.0.1:{port}"))
+            out.append((name, proc, f"http://127.0.0.1:{port}", prompt_set))
     return out
 
 
@@ -381,9 +403,12 @@ def run_bench(args: argparse.Namespace) -> int:
     if sweep:
         plans = _plan_sweep(args, tokenizer)
     else:
-        prompts = [
-            exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + i)
-            for i in range(args.requests)
+        prompt_sets = [
+            [
+                exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + 100_000 * k + i)
+                for i in range(args.requests)
+            ]
+            for k in range(2)  # at most two proxies (dispatch modes) share a P/D pair
         ]
     console.print(
         f"[bold]pdserve bench[/bold]: {len(servers)} vLLM instances "
@@ -395,11 +420,11 @@ def run_bench(args: argparse.Namespace) -> int:
             deployment.start(timeout=args.startup_timeout)
         proxies = _proxy_processes(pairs, model, args=args, log_dir=log_dir)
         try:
-            for _, proc, _ in proxies:
+            for _, proc, _, _ in proxies:
                 proc.start()
-            wait_all_ready([proc for _, proc, _ in proxies], timeout=120)
+            wait_all_ready([proc for _, proc, _, _ in proxies], timeout=120)
             systems = [("single", deployment.by_role(Role.SINGLE)[0].url)]
-            systems += [(name, url) for name, _, url in proxies]
+            systems += [(name, url) for name, _, url, _ in proxies]
             if sweep:
                 points = asyncio.run(
                     sweep_systems(
@@ -414,11 +439,13 @@ def run_bench(args: argparse.Namespace) -> int:
                     )
                 )
             else:
+                own = {name: prompt_sets[k] for name, _, _, k in proxies if k}
                 results = asyncio.run(
                     bench_systems(
                         systems,
                         str(model),
-                        prompts,
+                        prompt_sets[0],
+                        own_prompts=own,
                         concurrency=args.concurrency,
                         max_tokens=args.max_tokens,
                         prompt_tokens=args.prompt_tokens,
@@ -426,7 +453,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     )
                 )
         finally:
-            stop_all([proc for _, proc, _ in proxies])
+            stop_all([proc for _, proc, _, _ in proxies])
     meta = {
         "command": "pdserve bench "
         + (
