@@ -4,9 +4,11 @@ Every system gets the same requests (fixed prompt length, distinct prompts so no
 hits, greedy, ``ignore_eos``) at a fixed concurrency; the systems take turns in rounds (a quarter
 of the prompts each), one at a time so they never compete for the CPU, and a burst of load from
 elsewhere falls on all of them. ``--compare`` brings up single, HybridConnector 1P1D (measured
-with both dispatch modes through two proxies on the same P/D pair) and NixlConnector 1P1D in one
+with both dispatch modes through two proxies on the same P/D pair, the second proxy with prompts
+of its own, else it would hit the first one's in P's prefix cache) and NixlConnector 1P1D in one
 run; ``--compare-transports`` brings up single and two HybridConnector 1P1D pairs, one forced
 onto kvt's same-host path and one onto kvt's TCP path (``kvt_transport``), parallel dispatch.
+``--rates`` is the load sweep (``pd_serving.sweep``): open-loop Poisson arrivals per rate.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_re
 from pd_serving.model import cache_dir, default_model_dir, make_model
 from pd_serving.proxy import READY_LINE, Dispatch
 from pd_serving.servers import Connector, CpuSettings, Role, VllmServer, plan_servers
+from pd_serving.sweep import (
+    Slo,
+    describe_max_rate,
+    load_points,
+    machine_load,
+    max_rate_meeting_slo,
+    percentile,
+    regrade,
+    render_sweep_table,
+    sweep_markdown_table,
+    sweep_payload,
+    sweep_systems,
+    write_plots,
+)
+from pd_serving.workload import parse_length_dist, plan_rate
 
 
 @dataclass
@@ -52,17 +69,6 @@ class SystemResult:
     ttft_p50_vs_single: float | None = None
     # PD only: mean round trip of the proxy's call to P (from the proxy's own histogram).
     prefill_call_mean_ms: float | None = None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def summarize(
@@ -123,13 +129,20 @@ async def bench_systems(
     prompt_tokens: int,
     rounds: int = 4,
     warmup: int = 2,
+    own_prompts: dict[str, list[Any]] | None = None,
     console: Console | None = None,
 ) -> list[SystemResult]:
     """Measure each (name, base_url); the first one is the reference for equality.
 
     The prompts are split into ``rounds`` slices and the systems take turns slice by slice, so a
     burst of load from elsewhere on the machine hits every system rather than one.
+    ``own_prompts[name]`` (as many as ``prompts``) replaces the prompts of a system that shares
+    its vLLM instances with another one (two proxies on one P/D pair), which would otherwise
+    find the other's prompts in the prefix cache; the reference answers those sets too,
+    unmeasured, for the token comparison.
     """
+    own_prompts = own_prompts or {}
+    prompts_of = {name: own_prompts.get(name, prompts) for name, _ in systems}
     answers: dict[str, list[Completion | None]] = {
         name: [None] * len(prompts) for name, _ in systems
     }
@@ -155,7 +168,7 @@ async def bench_systems(
                     session,
                     url,
                     model,
-                    [prompts[i] for i in indexes],
+                    [prompts_of[name][i] for i in indexes],
                     concurrency=concurrency,
                     max_tokens=max_tokens,
                 )
@@ -166,9 +179,20 @@ async def bench_systems(
                 walls[name] += wall
                 for i, result in zip(indexes, results, strict=True):
                     answers[name][i] = result
+        reference_name, reference_url = systems[0]
+        references: dict[str, list[Completion | None]] = {}
+        for name in own_prompts:
+            references[name], _ = await run_load(
+                session,
+                reference_url,
+                model,
+                own_prompts[name],
+                concurrency=concurrency,
+                max_tokens=max_tokens,
+            )
     out: list[SystemResult] = []
-    reference = [a for a in answers[systems[0][0]] if a is not None]
     for name, _ in systems:
+        reference = [a for a in references.get(name, answers[reference_name]) if a is not None]
         results = [a for a in answers[name] if a is not None]
         summary = summarize(
             name,
@@ -289,8 +313,9 @@ def _proxy_processes(
     *,
     args: argparse.Namespace,
     log_dir: Path,
-) -> list[tuple[str, ManagedProcess, str]]:
-    """One `pdserve proxy` process per PD pair and dispatch mode (hybrid: both modes).
+) -> list[tuple[str, ManagedProcess, str, int]]:
+    """One `pdserve proxy` process per PD pair and dispatch mode (hybrid: both modes): (name,
+    process, URL, prompt set: 0 for the first proxy on a pair, 1 for the second, ...).
 
     Separate processes, as in a deployment: a proxy sharing the measuring client's event loop
     would delay both and blur TTFT/TPOT.
@@ -305,6 +330,8 @@ def _proxy_processes(
             dispatches = [Dispatch(args.dispatch)]
         elif getattr(args, "compare_transports", False):
             dispatches = [Dispatch.PARALLEL]  # the transports differ, not the dispatch
+        elif getattr(args, "rates", None):
+            dispatches = dispatches[:1]  # the sweep: each connector's default dispatch only
         config = proxy_config_for(pair.servers, connector)
         for dispatch in dispatches:
             port = free_port()
@@ -327,6 +354,7 @@ def _proxy_processes(
             for b in config.decode:
                 argv += ["--decode", b.url]
             name = f"1P1D {pair.label} ({dispatch.value})"
+            prompt_set = dispatches.index(dispatch)  # one set per proxy on this P/D pair
             proc = ManagedProcess(
                 f"proxy-{pair.tag}-{dispatch.value}",
                 argv,
@@ -334,14 +362,17 @@ def _proxy_processes(
                 ready_marker=READY_LINE,
                 health_url=f"http://127.0.0.1:{port}/health",
             )
-            out.append((name, proc, f"http://127.0.0.1:{port}"))
+            out.append((name, proc, f"http://127.0.0.1:{port}", prompt_set))
     return out
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    console = Console() if sys.stdout.isatty() else Console(width=120)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    sweep = bool(getattr(args, "rates", None))
     if args.smoke:
         args.requests, args.prompt_tokens, args.max_tokens = 4, 32, 4
+        if sweep:
+            args.prompt_dist = args.output_dist = None
     arch = args.arch
     model = args.model.resolve() if args.model else make_model(default_model_dir(arch), arch)
     planned = plan_pairs(args)
@@ -369,37 +400,78 @@ def run_bench(args: argparse.Namespace) -> int:
         model, log_dir=log_dir, connector=planned[0][0], prefill=0, decode=0, single=1, cpu=cpu
     )
     tokenizer = load_tokenizer(model)
-    prompts = [
-        exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + i)
-        for i in range(args.requests)
-    ]
+    if sweep:
+        plans = _plan_sweep(args, tokenizer)
+    else:
+        prompt_sets = [
+            [
+                exact_length_prompt(tokenizer, args.prompt_tokens, seed=1000 + 100_000 * k + i)
+                for i in range(args.requests)
+            ]
+            for k in range(2)  # at most two proxies (dispatch modes) share a P/D pair
+        ]
     console.print(
         f"[bold]pdserve bench[/bold]: {len(servers)} vLLM instances "
         f"({', '.join(p.label for p in pairs)} + single); logs in {log_dir}"
     )
+    load_before = machine_load()
     with Deployment(servers) as deployment:
         with console.status("starting vLLM instances (1-3 min each, in parallel)"):
             deployment.start(timeout=args.startup_timeout)
         proxies = _proxy_processes(pairs, model, args=args, log_dir=log_dir)
         try:
-            for _, proc, _ in proxies:
+            for _, proc, _, _ in proxies:
                 proc.start()
-            wait_all_ready([proc for _, proc, _ in proxies], timeout=120)
+            wait_all_ready([proc for _, proc, _, _ in proxies], timeout=120)
             systems = [("single", deployment.by_role(Role.SINGLE)[0].url)]
-            systems += [(name, url) for name, _, url in proxies]
-            results = asyncio.run(
-                bench_systems(
-                    systems,
-                    str(model),
-                    prompts,
-                    concurrency=args.concurrency,
-                    max_tokens=args.max_tokens,
-                    prompt_tokens=args.prompt_tokens,
-                    console=console,
+            systems += [(name, url) for name, _, url, _ in proxies]
+            if sweep:
+                points = asyncio.run(
+                    sweep_systems(
+                        systems,
+                        str(model),
+                        plans,
+                        slo=Slo(args.slo_ttft_ms, args.slo_tpot_ms),
+                        rounds=args.rounds,
+                        timeout_s=args.request_timeout,
+                        prefill_probe=_prefill_histogram,
+                        console=console,
+                    )
                 )
-            )
+            else:
+                own = {name: prompt_sets[k] for name, _, _, k in proxies if k}
+                results = asyncio.run(
+                    bench_systems(
+                        systems,
+                        str(model),
+                        prompt_sets[0],
+                        own_prompts=own,
+                        concurrency=args.concurrency,
+                        max_tokens=args.max_tokens,
+                        prompt_tokens=args.prompt_tokens,
+                        console=console,
+                    )
+                )
         finally:
-            stop_all([proc for _, proc, _ in proxies])
+            stop_all([proc for _, proc, _, _ in proxies])
+    meta = {
+        "command": "pdserve bench "
+        + (
+            "--compare-transports"
+            if args.compare_transports
+            else "--compare"
+            if args.compare
+            else args.connector
+        ),
+        "pairs": [p.label for p in pairs],
+        "model": f"tiny {arch} (hybrid_connector.tiny_model.make_tiny_model)",
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    if sweep:
+        meta["machine_load"] = {"before": load_before, "after": machine_load()}
+        return report_sweep(args, points, meta, console)
     title = (
         f"TTFT/TPOT, {args.requests} requests x {args.prompt_tokens} prompt tokens -> "
         f"{args.max_tokens} tokens, concurrency {args.concurrency}"
@@ -407,22 +479,85 @@ def run_bench(args: argparse.Namespace) -> int:
     console.print(render_table(results, title))
     console.print(markdown_table(results), markup=False, highlight=False)
     if args.json:
-        meta = {
-            "command": "pdserve bench "
-            + (
-                "--compare-transports"
-                if args.compare_transports
-                else "--compare"
-                if args.compare
-                else args.connector
-            ),
-            "pairs": [p.label for p in pairs],
-            "model": f"tiny {arch} (hybrid_connector.tiny_model.make_tiny_model)",
-            "cpu_count": os.cpu_count(),
-            "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        }
         write_json(args.json, results, meta)
         console.print(f"wrote {args.json}")
     same = all(r.same_tokens_as_single is not False for r in results)
     return 0 if same else 1
+
+
+def _length_dists(args: argparse.Namespace):
+    prompt = args.prompt_dist or parse_length_dist(str(args.prompt_tokens))
+    output = args.output_dist or parse_length_dist(str(args.max_tokens))
+    return prompt, output
+
+
+def _plan_sweep(args: argparse.Namespace, tokenizer) -> dict[float, list]:
+    """Each rate's requests, with prompts distinct across rates and requests (no prefix hits)."""
+    prompt_dist, output_dist = _length_dists(args)
+    plans = {}
+    for k, rate in enumerate(args.rates):
+        plan = plan_rate(
+            rate,
+            args.requests,
+            prompt_dist=prompt_dist,
+            output_dist=output_dist,
+            seed=args.seed,
+            max_model_len=args.max_model_len,
+        )
+        for req in plan:
+            prompt_seed = 1_000_000 * (args.seed + 1) + 10_000 * k + req.index
+            req.prompt = exact_length_prompt(tokenizer, req.prompt_tokens, seed=prompt_seed)
+        plans[rate] = plan
+    return plans
+
+
+def report_sweep(args: argparse.Namespace, points: list, meta: dict[str, Any], console) -> int:
+    """Tables, the SLO-max-rate lines, and with ``--json`` the JSON and its plots; exit code."""
+    prompt_dist, output_dist = _length_dists(args)
+    meta |= {
+        "rates": args.rates,
+        "requests_per_rate": args.requests,
+        "prompt_dist": str(prompt_dist),
+        "output_dist": str(output_dist),
+        "seed": args.seed,
+        "rounds": args.rounds,
+        "request_timeout_s": args.request_timeout,
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+    }
+    publish_sweep(points, meta, args.json, console)
+    same = all(p.same_tokens_as_single is not False for p in points)
+    return 0 if same else 1
+
+
+def replot_sweep(path: Path, slo: Slo, console) -> None:
+    """A stored sweep judged against ``slo``: goodput from its per-request samples, the tables,
+    the SLO-max-rate lines, the JSON and its plots written again. Starts nothing."""
+    payload = json.loads(path.read_text())
+    points = [regrade(p, slo) for p in load_points(payload)]
+    meta = payload["meta"] | {"slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}}
+    publish_sweep(points, meta, path, console)
+
+
+def publish_sweep(points: list, meta: dict[str, Any], path: Path | None, console) -> None:
+    slo = Slo(meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"])
+    systems = list(dict.fromkeys(p.system for p in points))
+    max_rates = {s: max_rate_meeting_slo(points, s, slo.ttft_ms) for s in systems}
+    lengths = f"prompt {meta['prompt_dist']} -> {meta['output_dist']}"
+    title = f"load sweep, {meta['requests_per_rate']} Poisson requests per rate, {lengths} tokens"
+    console.print(render_sweep_table(points, title))
+    console.print(sweep_markdown_table(points), markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"highest rate meeting TTFT p99 <= {slo.ttft_ms:g} ms with no failures, at every "
+        "rate up to it:"
+    )
+    for system, result in max_rates.items():
+        console.print(f"  {system}: {describe_max_rate(result, slo.ttft_ms)}", highlight=False)
+    meta["max_rate_meeting_ttft_p99_slo"] = {
+        s: {"rate": rate, "highest_swept": at_top} for s, (rate, at_top) in max_rates.items()
+    }
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(sweep_payload(points, meta), indent=1) + "\n")
+        plot_title = f"{' vs '.join(systems)}, {lengths}"
+        for written in [path, *write_plots(points, path.with_suffix(""), slo, plot_title)]:
+            console.print(f"wrote {written}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from pd_serving.launcher import ChildFailed
 from pd_serving.model import DEFAULT_ARCH, TINY_ARCHES, cache_dir, default_model_dir, make_model
 from pd_serving.servers import KVT_TRANSPORTS, Connector, CpuSettings, connector_extra
+from pd_serving.workload import parse_length_dist, parse_rates
 
 log = logging.getLogger("pdserve")
 
@@ -224,6 +225,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
+    sweep = parser.add_argument_group(
+        "load sweep",
+        "--rates R1,R2,... sends --requests Poisson arrivals per rate (open loop) to every "
+        "system instead of --concurrency; with --json, PNG plots go next to it. Length SPEC: "
+        "N, fixed:N, uniform:LO:HI (inclusive) or normal:MEAN:SD (rounded, within 3 SD, >= 1)",
+    )
+    sweep.add_argument(
+        "--rates", type=parse_rates, default=None, metavar="R1,R2,...", help="requests/s"
+    )
+    sweep.add_argument(
+        "--prompt-dist",
+        type=parse_length_dist,
+        default=None,
+        metavar="SPEC",
+        help="prompt lengths (default: fixed --prompt-tokens)",
+    )
+    sweep.add_argument(
+        "--output-dist",
+        type=parse_length_dist,
+        default=None,
+        metavar="SPEC",
+        help="output lengths, ignore_eos (default: fixed --max-tokens)",
+    )
+    # A second to the first token is the usual interactive budget, and 13x a single
+    # instance's low-load TTFT p50 here, so the shared box's noise alone does not fail it;
+    # 50 ms per token (20 tok/s) outpaces reading, and is 25x a single instance's TPOT p50.
+    sweep.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="default 1000")
+    sweep.add_argument("--slo-tpot-ms", type=float, default=50.0, help="default 50")
+    sweep.add_argument("--seed", type=int, default=0, help="arrivals, lengths, prompts")
+    sweep.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="per rate, the systems take turns over this many slices of the schedule",
+    )
+    sweep.add_argument(
+        "--request-timeout", type=float, default=120.0, help="s; a slower request counts failed"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve",
@@ -275,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--smoke", action="store_true", help="few short requests (CI)")
+    _add_sweep_options(p)
     p.set_defaults(func=cmd_bench)
     return parser
 

@@ -26,6 +26,8 @@ class Completion:
     finish_reason: str | None = None
     # Per output token, {token id: logprob} of the top ones, when asked for (`logprobs=k`).
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Per streamed chunk that carried tokens: seconds since the request was sent (ITL).
+    token_times_s: list[float] = field(default_factory=list)
 
 
 def _top_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
@@ -113,6 +115,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
                 now = time.perf_counter()
                 first_token_at = first_token_at or now
                 last_token_at = now
+                out.token_times_s.append(now - started)
             texts.append(choice.get("text") or "")
             out.token_ids.extend(ids)
             out.top_logprobs.extend(_top_logprobs(choice))
