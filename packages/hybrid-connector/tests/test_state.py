@@ -454,19 +454,6 @@ def test_announced_request_without_a_pull_is_held_under_its_lease() -> None:
     sim.settle()
 
 
-def test_pull_after_an_announced_request_finished_is_one_plain_batch() -> None:
-    sim = PSim()
-    sim.prefill()
-    sim.finish()
-    sim.pull()
-    (send,) = sim.sends
-    assert send.layer_events is None
-    assert state.Count("rapid_sends") not in sim.actions
-    sim.complete()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
-
-
 def test_release_during_the_pass_answers_not_released_and_frees_at_the_finish() -> None:
     sim = PSim()
     sim.prefill()
@@ -995,26 +982,17 @@ def test_fan_in_duplicate_pull_from_the_same_d_rank_fails_alone() -> None:
     sim.settle()
 
 
-def test_fan_in_rapid_late_d_rank_waits_on_the_same_layer_events() -> None:
+@pytest.mark.parametrize(
+    "steps",
+    [["pull0", "prefill", "pull1"], ["prefill", "pull1", "pull0"]],
+    ids=["one-parked-one-late", "both-mid-forward"],
+)
+def test_fan_in_rapid_d_ranks_wait_on_the_same_layer_events(steps: list[str]) -> None:
     sim = FanInSim()
-    sim.pull_from(0)
-    sim.prefill()
-    sim.pull_from(1)
-    assert all(s.layer_events is sim.layer_events[T] for s in sim.sends)
-    sim.complete_for(0)
-    sim.complete_for(1)
-    assert not sim.reported, "the request still runs"
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
-
-
-def test_fan_in_d_ranks_pulling_mid_forward_share_the_step_events() -> None:
-    sim = FanInSim()
-    sim.prefill()
-    sim.pull_from(1)
-    sim.pull_from(0)
-    assert [s.kvt_id for s in sim.sends] == [_kvt(0, 1), _kvt(0, 0)]
+    for step in steps:
+        sim.prefill() if step == "prefill" else sim.pull_from(int(step[-1]))
+    pulled = [int(step[-1]) for step in steps if step != "prefill"]
+    assert [s.kvt_id for s in sim.sends] == [_kvt(0, d) for d in pulled]
     assert all(s.layer_events is sim.layer_events[T] for s in sim.sends)
     sim.complete_for(0)
     sim.complete_for(1)
