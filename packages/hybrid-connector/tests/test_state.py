@@ -146,14 +146,14 @@ class PSim:
                 self.sends.append(action)
                 self._answer(pull, "sent")
                 assert self.tid_of.get(rid) == tid
-                if rid in self.finished:
-                    assert action.layer_events is None, f"{rid}: finished, every layer written"
-                else:
-                    # The request still runs: kvt must wait for each layer to be written.
+                if rid not in self.finished:
+                    # Mid-forward: kvt must wait for each layer to be written.
                     assert rid in self.announced, f"{rid} sent before its prompt was computed"
                     assert action.layer_events is self.layer_events[tid], (
                         f"{rid}: sent mid-forward without its step's layer events"
                     )
+                else:  # announced: the step's events still say when the kernels ran (GPU)
+                    assert action.layer_events in (None, self.layer_events.get(tid))
                 kvt_id = action.kvt_id or tid
                 self.kvt_tid[kvt_id] = tid
                 if self.refuse == "first":
