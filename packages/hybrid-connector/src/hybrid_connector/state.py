@@ -499,8 +499,8 @@ class Producer:
         record = self._transfers.get(tid)
         held = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
         if record is None:
-            # No pull yet: one that arrives during the forward pass is sent as the layers are
-            # written (HELD*, under a lease), one after the request finished in one batch.
+            # No pull yet: one that arrives during the forward pass (HELD*, under a lease) or
+            # later is sent layer by layer as the step's events say the layers are written.
             self._transfers[tid] = _Transfer(Phase.HELD, spec=held, layer_events=layer_events)
             out.append(Count("offers"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
