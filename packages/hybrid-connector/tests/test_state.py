@@ -693,7 +693,13 @@ class ManyTransfers(RuleBasedStateMachine):
 
     @rule(tid=tids)
     def pull(self, tid: str) -> None:
-        self.sim.pull(next(self.pulls), tid)
+        rid, pull = "r" + tid, next(self.pulls)
+        # HELD while its request runs (one D rank): announced, nobody pulled, nothing closed.
+        mid_forward = self.sim.core.phase(tid) is state.Phase.HELD and rid not in self.sim.finished
+        self.sim.pull(pull, tid)
+        if mid_forward:
+            assert self.sim.answers[pull] == "sent", "a mid-forward pull waited"
+            assert self.sim.sends[-1].layer_events is self.sim.layer_events[tid]
 
     @rule(tid=tids)
     def prefill(self, tid: str) -> None:
