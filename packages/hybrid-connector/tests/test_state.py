@@ -257,6 +257,12 @@ class PSim:
     def shutdown(self) -> None:
         self.feed(state.ShuttingDown())
 
+    def finish_reports_once(self) -> None:
+        """vLLM finishes the request: its blocks come back now, once; nothing is left."""
+        self.finish()
+        assert self.reported[P_REQ] == 1
+        self.settle()
+
 
 def _orders(steps: list[str], before: tuple[str, str] | None = None) -> list[tuple[str, ...]]:
     """Every order of ``steps``, keeping ``before[0]`` ahead of ``before[1]``."""
@@ -436,9 +442,7 @@ def test_pull_during_the_forward_pass_starts_a_rapid_send_at_once() -> None:
     sim.complete()
     assert not sim.reported, "the request still runs: its blocks are vLLM's"
     assert sim.core.phase(T) is state.Phase.SENT
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
+    sim.finish_reports_once()
 
 
 def test_announced_request_without_a_pull_is_held_under_its_lease() -> None:
@@ -462,9 +466,7 @@ def test_release_during_the_pass_answers_not_released_and_frees_at_the_finish() 
     sim.pull()
     assert isinstance(sim.answers[1], TransferError), "released: no pull is taken"
     assert not sim.reported
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
+    sim.finish_reports_once()
 
 
 def test_aborted_mid_forward_refuses_later_pulls_at_once() -> None:
@@ -1003,9 +1005,7 @@ def test_fan_in_rapid_d_ranks_wait_on_the_same_layer_events(steps: list[str]) ->
     sim.complete_for(0)
     sim.complete_for(1)
     assert not sim.reported, "the request still runs"
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
+    sim.finish_reports_once()
 
 
 def test_fan_in_pull_from_a_rank_that_takes_nothing_here_fails() -> None:
