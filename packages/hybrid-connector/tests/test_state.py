@@ -146,14 +146,14 @@ class PSim:
                 self.sends.append(action)
                 self._answer(pull, "sent")
                 assert self.tid_of.get(rid) == tid
-                if rid in self.finished:
-                    assert action.layer_events is None, f"{rid}: finished, every layer written"
-                else:
-                    # The request still runs: kvt must wait for each layer to be written.
+                if rid not in self.finished:
+                    # Mid-forward: kvt must wait for each layer to be written.
                     assert rid in self.announced, f"{rid} sent before its prompt was computed"
                     assert action.layer_events is self.layer_events[tid], (
                         f"{rid}: sent mid-forward without its step's layer events"
                     )
+                else:  # announced: the step's events still say when the kernels ran (GPU)
+                    assert action.layer_events in (None, self.layer_events.get(tid))
                 kvt_id = action.kvt_id or tid
                 self.kvt_tid[kvt_id] = tid
                 if self.refuse == "first":
@@ -256,6 +256,12 @@ class PSim:
 
     def shutdown(self) -> None:
         self.feed(state.ShuttingDown())
+
+    def finish_reports_once(self) -> None:
+        """vLLM finishes the request: its blocks come back now, once; nothing is left."""
+        self.finish()
+        assert self.reported[P_REQ] == 1
+        self.settle()
 
 
 def _orders(steps: list[str], before: tuple[str, str] | None = None) -> list[tuple[str, ...]]:
@@ -436,9 +442,7 @@ def test_pull_during_the_forward_pass_starts_a_rapid_send_at_once() -> None:
     sim.complete()
     assert not sim.reported, "the request still runs: its blocks are vLLM's"
     assert sim.core.phase(T) is state.Phase.SENT
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
+    sim.finish_reports_once()
 
 
 def test_announced_request_without_a_pull_is_held_under_its_lease() -> None:
@@ -454,19 +458,6 @@ def test_announced_request_without_a_pull_is_held_under_its_lease() -> None:
     sim.settle()
 
 
-def test_pull_after_an_announced_request_finished_is_one_plain_batch() -> None:
-    sim = PSim()
-    sim.prefill()
-    sim.finish()
-    sim.pull()
-    (send,) = sim.sends
-    assert send.layer_events is None
-    assert state.Count("rapid_sends") not in sim.actions
-    sim.complete()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
-
-
 def test_release_during_the_pass_answers_not_released_and_frees_at_the_finish() -> None:
     sim = PSim()
     sim.prefill()
@@ -475,9 +466,7 @@ def test_release_during_the_pass_answers_not_released_and_frees_at_the_finish() 
     sim.pull()
     assert isinstance(sim.answers[1], TransferError), "released: no pull is taken"
     assert not sim.reported
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
+    sim.finish_reports_once()
 
 
 def test_aborted_mid_forward_refuses_later_pulls_at_once() -> None:
@@ -706,7 +695,13 @@ class ManyTransfers(RuleBasedStateMachine):
 
     @rule(tid=tids)
     def pull(self, tid: str) -> None:
-        self.sim.pull(next(self.pulls), tid)
+        rid, pull = "r" + tid, next(self.pulls)
+        # HELD while its request runs (one D rank): announced, nobody pulled, nothing closed.
+        mid_forward = self.sim.core.phase(tid) is state.Phase.HELD and rid not in self.sim.finished
+        self.sim.pull(pull, tid)
+        if mid_forward:
+            assert self.sim.answers[pull] == "sent", "a mid-forward pull waited"
+            assert self.sim.sends[-1].layer_events is self.sim.layer_events[tid]
 
     @rule(tid=tids)
     def prefill(self, tid: str) -> None:
@@ -995,33 +990,22 @@ def test_fan_in_duplicate_pull_from_the_same_d_rank_fails_alone() -> None:
     sim.settle()
 
 
-def test_fan_in_rapid_late_d_rank_waits_on_the_same_layer_events() -> None:
+@pytest.mark.parametrize(
+    "steps",
+    [["pull0", "prefill", "pull1"], ["prefill", "pull1", "pull0"]],
+    ids=["one-parked-one-late", "both-mid-forward"],
+)
+def test_fan_in_rapid_d_ranks_wait_on_the_same_layer_events(steps: list[str]) -> None:
     sim = FanInSim()
-    sim.pull_from(0)
-    sim.prefill()
-    sim.pull_from(1)
+    for step in steps:
+        sim.prefill() if step == "prefill" else sim.pull_from(int(step[-1]))
+    pulled = [int(step[-1]) for step in steps if step != "prefill"]
+    assert [s.kvt_id for s in sim.sends] == [_kvt(0, d) for d in pulled]
     assert all(s.layer_events is sim.layer_events[T] for s in sim.sends)
     sim.complete_for(0)
     sim.complete_for(1)
     assert not sim.reported, "the request still runs"
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
-
-
-def test_fan_in_d_ranks_pulling_mid_forward_share_the_step_events() -> None:
-    sim = FanInSim()
-    sim.prefill()
-    sim.pull_from(1)
-    sim.pull_from(0)
-    assert [s.kvt_id for s in sim.sends] == [_kvt(0, 1), _kvt(0, 0)]
-    assert all(s.layer_events is sim.layer_events[T] for s in sim.sends)
-    sim.complete_for(0)
-    sim.complete_for(1)
-    assert not sim.reported, "the request still runs"
-    sim.finish()
-    assert sim.reported[P_REQ] == 1
-    sim.settle()
+    sim.finish_reports_once()
 
 
 def test_fan_in_pull_from_a_rank_that_takes_nothing_here_fails() -> None:

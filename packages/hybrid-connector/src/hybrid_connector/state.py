@@ -32,7 +32,9 @@ P (``Producer``), one record per transfer id::
   record holds the step's layer events, so a pull parked before the step, one that arrives
   at any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by
   those events: kvt sends the layers already written at once and each other one as the pass
-  marks it. A pull after the request finished is one plain batch (every layer is written).
+  marks it. A pull after the request finished still waits on those events (all marked by
+  then): on a GPU the step's CUDA events, not vLLM's report that the request finished, say
+  when the pass's kernels have written the KV.
 
 - **Reported** (``ReportSent``: the request id goes into vLLM's ``finished_sending``, so vLLM
   frees its blocks) happens exactly once per finished request, and never while kvt may still read
@@ -497,8 +499,8 @@ class Producer:
         record = self._transfers.get(tid)
         held = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
         if record is None:
-            # No pull yet: one that arrives during the forward pass is sent as the layers are
-            # written (HELD*, under a lease), one after the request finished in one batch.
+            # No pull yet: one that arrives during the forward pass (HELD*, under a lease) or
+            # later is sent layer by layer as the step's events say the layers are written.
             self._transfers[tid] = _Transfer(Phase.HELD, spec=held, layer_events=layer_events)
             out.append(Count("offers"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
@@ -666,8 +668,8 @@ class Producer:
             out.append(CancelDeadline(tid))  # every D rank pulled: the lease is over
         # Guard: kvt has its own deadline too; whatever happens, abort after this long.
         out.append(ArmDeadline(kvt_id, self._settings.transfer_timeout_s))
-        events = None if record.finished else record.layer_events
-        if events is not None:
+        events = record.layer_events  # the announcing step's (None: the plain path's)
+        if events is not None and not record.finished:
             out.append(Count("rapid_sends"))
         out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, events, kvt_id))
 
