@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 import threading
@@ -130,3 +131,33 @@ def test_not_ready_in_time_is_an_error(tmp_path: Path) -> None:
         proc.stop()
     with pytest.raises(ChildFailed, match="stopped"):
         proc.ready.result(timeout=1)
+
+
+# Prints the CPUs it may run on and those of a process it forks (as vLLM forks its engine core).
+AFFINITY = textwrap.dedent(
+    """
+    import os, subprocess, sys
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    print(f"own={sorted(os.sched_getaffinity(0))} child={child}", flush=True)
+    print("INFO:     Application startup complete.", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("cpus", [[0], None])
+def test_cpus_confine_the_child_and_what_it_forks(tmp_path: Path, cpus: list[int] | None) -> None:
+    script = tmp_path / "affinity.py"
+    script.write_text(AFFINITY)
+    proc = ManagedProcess(
+        "aff", [sys.executable, str(script)], log_path=tmp_path / "aff.log", cpus=cpus
+    )
+    proc.start()
+    try:
+        proc.exited.result(timeout=30)
+    finally:
+        proc.stop()
+    expected = sorted(cpus) if cpus is not None else sorted(os.sched_getaffinity(0))
+    assert f"own={expected} child={expected}" in proc.log_tail()

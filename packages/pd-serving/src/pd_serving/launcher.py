@@ -48,6 +48,19 @@ def _die_with_parent() -> None:
         _libc_prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
+def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
+    """What the child runs between fork and exec: die with the parent, and (``cpus``) run on
+    those CPUs only; every process it forks (vLLM's engine core and workers) inherits them."""
+    if cpus is None:
+        return _die_with_parent
+
+    def setup() -> None:
+        _die_with_parent()
+        os.sched_setaffinity(0, cpus)
+
+    return setup
+
+
 class ChildFailed(RuntimeError):
     """A child process exited (or never became ready); the message carries the tail of its log."""
 
@@ -63,7 +76,9 @@ class ManagedProcess:
     """One child process: started in its own process group, readiness as a future, stopped for sure.
 
     ``ready`` resolves when ``ready_marker`` appeared in the child's output and ``health_url`` (if
-    given) answered 200; it fails with :class:`ChildFailed` if the child exits first.
+    given) answered 200; it fails with :class:`ChildFailed` if the child exits first. ``cpus``
+    confines the child and everything it forks to those CPUs (``None``: wherever the parent may
+    run).
     """
 
     def __init__(
@@ -76,6 +91,7 @@ class ManagedProcess:
         ready_marker: str = UVICORN_READY_MARKER,
         health_url: str | None = None,
         cwd: Path | None = None,
+        cpus: Iterable[int] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -84,6 +100,7 @@ class ManagedProcess:
         self.ready_marker = ready_marker
         self.health_url = health_url
         self.cwd = cwd
+        self.cpus = None if cpus is None else frozenset(cpus)
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.exited: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -110,7 +127,8 @@ class ManagedProcess:
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 -- only a prctl call, resolved beforehand
+            # Only prctl and sched_setaffinity, resolved beforehand:
+            preexec_fn=_child_setup(self.cpus),  # noqa: PLW1509
         )
         for target, suffix in ((self._read_output, "out"), (self._wait_exit, "wait")):
             thread = threading.Thread(target=target, name=f"{self.name}-{suffix}", daemon=True)

@@ -48,6 +48,9 @@ class CpuSettings:
     omp_threads: int = 1
     # VLLM_CPU_OMP_THREADS_BIND value, e.g. "0" or "nobind"; None picks per role (see cpu_bind_for).
     cpu_bind: str | None = None
+    # P and D: run the API server and engine core processes on the worker's cores too, not only
+    # the worker's OpenMP threads, so one instance's busy loops never take the other's core.
+    pin_processes: bool = True
     max_num_seqs: int = 16
     # The tiny model family served: adds the vLLM options it needs (TINY_ENGINE_ARGS).
     arch: str = DEFAULT_ARCH
@@ -65,6 +68,17 @@ def cpu_bind_for(role: Role, index: int) -> str:
     if role is Role.PREFILL:
         return str(index % cores)
     return str(cores - 1 - (index % cores))
+
+
+def parse_cpu_list(spec: str) -> frozenset[int] | None:
+    """``"0"``, ``"2,5-7"`` -> the CPU ids; ``"nobind"``/``"auto"`` -> None (vLLM decides)."""
+    if spec in ("nobind", "auto"):
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
 
 
 @dataclass
@@ -142,13 +156,24 @@ class VllmServer:
         args += engine_cli_args(self.cpu.arch)
         return python_argv("vllm.entrypoints.openai.api_server", *args, *self.extra_args)
 
+    @property
+    def cpu_bind(self) -> str:
+        return self.cpu.cpu_bind or cpu_bind_for(self.role, self.index)
+
+    @property
+    def cpus(self) -> frozenset[int] | None:
+        """The CPUs all of a P's or D's processes run on (its worker's cores); None for the single
+        instance, which may use the whole machine (its worker is bound, its API server is not)."""
+        if self.role is Role.SINGLE or not self.cpu.pin_processes:
+            return None
+        return parse_cpu_list(self.cpu_bind)
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(
             {
                 "OMP_NUM_THREADS": str(self.cpu.omp_threads),
-                "VLLM_CPU_OMP_THREADS_BIND": self.cpu.cpu_bind
-                or cpu_bind_for(self.role, self.index),
+                "VLLM_CPU_OMP_THREADS_BIND": self.cpu_bind,
                 "VLLM_CPU_KVCACHE_SPACE": "1",  # superseded by --kv-cache-memory-bytes
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_NO_USAGE_STATS": "1",
@@ -170,6 +195,7 @@ class VllmServer:
             log_path=self.log_dir / f"{self.name}.log",
             env=self.env(),
             health_url=f"{self.url}/health",
+            cpus=self.cpus,
         )
         return self.process
 

@@ -1,0 +1,48 @@
+"""How vLLM servers are planned: which CPUs each instance's processes may use."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pd_serving.servers import Connector, CpuSettings, Role, parse_cpu_list, plan_servers
+
+
+def test_cpu_lists_parse_like_vllm_bind_strings() -> None:
+    assert parse_cpu_list("0") == {0}
+    assert parse_cpu_list("2,5-7") == {2, 5, 6, 7}
+    assert parse_cpu_list("nobind") is None
+    assert parse_cpu_list("auto") is None
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: nothing is bound")
+def test_p_and_d_processes_stay_on_their_workers_cores(tmp_path: Path) -> None:
+    servers = plan_servers(tmp_path, log_dir=tmp_path, connector=Connector.HYBRID, single=1)
+    by_role = {s.role: s for s in servers}
+    last = (os.cpu_count() or 1) - 1
+    # The whole P (API server, engine core, worker) on core 0, the whole D on the last core:
+    # D's busy loop (waiting for KV, decoding) never runs on the core P prefills on.
+    assert by_role[Role.PREFILL].cpus == {0}
+    assert by_role[Role.PREFILL].env()["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert by_role[Role.DECODE].cpus == {last}
+    assert by_role[Role.DECODE].env()["VLLM_CPU_OMP_THREADS_BIND"] == str(last)
+    # The single instance may use the whole machine; only its worker is bound (as before).
+    assert by_role[Role.SINGLE].cpus is None
+    assert by_role[Role.SINGLE].make_process().cpus is None
+    assert by_role[Role.PREFILL].make_process().cpus == {0}
+
+
+def test_pinning_follows_an_explicit_bind_and_can_be_turned_off(tmp_path: Path) -> None:
+    pinned = plan_servers(
+        tmp_path, log_dir=tmp_path, connector=Connector.HYBRID, cpu=CpuSettings(cpu_bind="0-1")
+    )
+    assert [s.cpus for s in pinned] == [{0, 1}, {0, 1}]
+    unbound = plan_servers(
+        tmp_path, log_dir=tmp_path, connector=Connector.HYBRID, cpu=CpuSettings(cpu_bind="nobind")
+    )
+    assert [s.cpus for s in unbound] == [None, None]
+    loose = plan_servers(
+        tmp_path, log_dir=tmp_path, connector=Connector.HYBRID, cpu=CpuSettings(pin_processes=False)
+    )
+    assert [s.cpus for s in loose] == [None, None]
