@@ -36,6 +36,11 @@ def _stats(llm: Any) -> dict[str, Any]:
 
     sched = _core(llm).scheduler
     pool = sched.kv_cache_manager.block_pool
+    side = getattr(sched.connector, "_scheduler", None)
+    if side is not None:
+        # What the next schedule() does first: give back blocks whose SEND_DONE arrived (an
+        # idle engine core runs no hook, so without this the count would wait for a request).
+        side._drain()
     counters: dict[str, int] = {}
     kvt_paths: list[str] = []
     if kv_transfer_state.has_kv_transfer_group():

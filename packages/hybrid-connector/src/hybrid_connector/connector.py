@@ -1,9 +1,10 @@
 """HybridConnector: the vLLM KV connector (``kv_connector_module_path=hybrid_connector.connector``).
 
 One class, two roles. vLLM builds one instance per role: in the scheduler (engine core process)
-and in each worker. The roles never share state except through vLLM's own channels: the
-connector metadata (scheduler -> worker, every step) and ``get_transfer_results`` (worker ->
-scheduler, every step).
+and in each worker. The roles never share state: the scheduler tells the worker through vLLM's
+connector metadata (every step); the worker answers through ``get_transfer_results`` (every
+step) and, for blocks the scheduler holds itself, with a SEND_DONE RPC (``send_done``) that
+needs no step.
 
 The only module of the package that imports vLLM: it maps vLLM's hooks onto ``SchedulerSide``
 and ``WorkerSide`` and the connector's plain metadata/results onto vLLM's classes.
@@ -24,10 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
+from hybrid_connector.holds import BlockHolds
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.mapping import rank_heads
 from hybrid_connector.metadata import HybridConnectorMetadata
 from hybrid_connector.scheduler_side import SchedulerSide
+from hybrid_connector.send_done import SendDoneServer
 from hybrid_connector.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -193,6 +196,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._send_done_server: SendDoneServer | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 self.config,
@@ -279,6 +283,11 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.release_holds()
+        if self._send_done_server is not None:
+            self._send_done_server.close()
+            self._send_done_server = None
 
     # ================================================================= scheduler side
     def get_num_new_matched_tokens(
@@ -301,6 +310,14 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
+        if self.is_producer and self._send_done_server is None:
+            # P holds finished requests' blocks itself (so vLLM's engine core can sleep while D
+            # pulls) and takes SEND_DONE from its workers on an ephemeral port.
+            holds = BlockHolds(kv_cache_manager.block_pool, self.tp_size)
+            self._send_done_server = SendDoneServer(
+                holds, host=self.config.rpc_host, advertise_host=self.config.advertise_host
+            )
+            self._scheduler.use_holds(holds, self._send_done_server.address)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None

@@ -36,6 +36,10 @@ class PrefillSpec:
     transfer_id: str
     block_ids: list[list[int]]  # per group, as in SendSpec
     num_tokens: int
+    # The scheduler half holds the request's blocks itself once vLLM finishes it (no
+    # delay_free, no SendSpec follows): the request finishes in this step, so the worker offers
+    # it at the step's end and tells the scheduler by SEND_DONE when the blocks may go back.
+    scheduler_holds: bool = False
 
 
 @dataclass(frozen=True)

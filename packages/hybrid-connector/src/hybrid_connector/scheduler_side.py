@@ -2,7 +2,9 @@
 
 Every hook returns at once. What the worker must do is queued here and handed over in the next
 ``build_connector_meta``; what the worker finished comes back through ``get_transfer_results``
-(``update_connector_output``). Imports no vLLM (only its types, for checking).
+(``update_connector_output``), or, for the blocks of P requests this half holds itself
+(``holds.BlockHolds``: announced requests, see ``request_finished``), through SEND_DONE, applied
+at the start of every hook (``_drain``). Imports no vLLM (only its types, for checking).
 
 KV-cache groups (vLLM's hybrid KV-cache manager): every block list is one list per group, in
 vLLM's group order. Token groups (attention, mla, sliding window) carry the request's blocks from
@@ -20,6 +22,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from hybrid_connector.config import HybridConfig
+from hybrid_connector.holds import BlockHolds
 from hybrid_connector.layout import KvGroup, state_slot
 from hybrid_connector.metadata import (
     HybridConnectorMetadata,
@@ -114,18 +117,40 @@ class SchedulerSide:
         self._kv_cache_manager: KVCacheManager | None = None
         # P: do_remote_decode requests still prefilling (announced once their last chunk runs).
         self._prefilling: dict[str, Request] = {}
-        # P: requests announced in prefill_done: a rapid send may read their blocks, so vLLM
-        # keeps them (delay_free) whatever way they finish.
+        # P: requests announced in prefill_done: a rapid send may read their blocks, so they
+        # stay held (by ``_holds``, else delay_free) whatever way they finish.
         self._announced: set[str] = set()
         # D: requests whose pull is in flight (between update_state_after_alloc and the worker
         # reporting them in finished_recving).
         self._recv_in_flight: set[str] = set()
         self._warned: set[str] = set()
+        # P: the blocks of announced requests, held here after vLLM freed the request (None:
+        # the old way, delay_free until finished_sending), and where SEND_DONE reaches us.
+        self._holds: BlockHolds | None = None
+        self._send_done_address = ""
+
+    def use_holds(self, holds: BlockHolds, send_done_address: str) -> None:
+        """P: hold announced requests' blocks in ``holds`` (released by SEND_DONE to
+        ``send_done_address``) instead of delaying vLLM's free: the engine core can then sleep
+        while D pulls. Before the first step."""
+        self._holds = holds
+        self._send_done_address = send_done_address
+
+    def _drain(self) -> None:
+        """Give vLLM back the blocks whose SEND_DONE arrived (engine-core thread, every hook)."""
+        if self._holds is not None:
+            self._holds.drain()
+
+    def release_holds(self) -> int:
+        """Shutdown: every block still held goes back to vLLM (once). Returns how many."""
+        return 0 if self._holds is None else self._holds.release_all()
 
     # ------------------------------------------------------------------ D: pulling
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
+        # First hook of a schedule() that admits a request: released blocks count for it.
+        self._drain()
         if not self._is_consumer:
             return 0, False
         pull = _pull_params(request)
@@ -255,6 +280,7 @@ class SchedulerSide:
         ]
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self._drain()
         for request_id in output.finished_recving or ():
             self._recv_in_flight.discard(request_id)
 
@@ -270,6 +296,7 @@ class SchedulerSide:
         self._prefilling.pop(request_id, None)
         announced = request_id in self._announced
         self._announced.discard(request_id)
+        self._drain()
         if request_id in self._recv_in_flight:
             # D request finished (aborted) while P may still be writing into its blocks: keep
             # them until the worker has aborted the pull and reports it in finished_recving.
@@ -297,6 +324,15 @@ class SchedulerSide:
         # By name: vLLM's RequestStatus enum would import vLLM into this pure module.
         finished_normally = request.status.name in _FINISHED_NORMALLY
         held = self._held(block_ids)
+        if announced and self._holds is not None:
+            # The worker offered it at the end of its step (PrefillSpec.scheduler_holds) and
+            # will SEND_DONE it; vLLM may forget the request now, its blocks stay referenced.
+            assert self._kv_cache_manager is not None
+            blocks = self._kv_cache_manager.get_blocks(request_id).blocks
+            self._holds.hold(request_id, transfer_id, blocks)
+            if not finished_normally or not any(held):
+                return False, None
+            return False, self._params(request_id, transfer_id, held, request.num_computed_tokens)
         if not finished_normally or not any(held):
             # Aborted (or nothing computed): no KV to offer; fail any early pull at once.
             if announced:
@@ -307,7 +343,13 @@ class SchedulerSide:
             return False, None
         num_tokens = request.num_computed_tokens
         self._meta.to_send.append(SendSpec(request_id, transfer_id, held, num_tokens))
-        return True, {
+        return True, self._params(request_id, transfer_id, held, num_tokens)
+
+    def _params(
+        self, request_id: str, transfer_id: str, held: list[list[int]], num_tokens: int
+    ) -> dict[str, Any]:
+        """P's kv_transfer_params for the proxy and D."""
+        return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": transfer_id,
@@ -320,9 +362,11 @@ class SchedulerSide:
         }
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridConnectorMetadata:
+        self._drain()
         if self._prefilling:
             self._announce_prefills(scheduler_output)
         meta, self._meta = self._meta, HybridConnectorMetadata()
+        meta.scheduler_address = self._send_done_address
         return meta
 
     def _announce_prefills(self, scheduler_output: SchedulerOutput) -> None:
@@ -343,6 +387,12 @@ class SchedulerSide:
                 for g, ids in zip(self._groups, all_ids, strict=True)
             ]
             self._meta.prefill_done.append(
-                PrefillSpec(request_id, _transfer_id(request), held, num_tokens)
+                PrefillSpec(
+                    request_id,
+                    _transfer_id(request),
+                    held,
+                    num_tokens,
+                    scheduler_holds=self._holds is not None,
+                )
             )
             self._announced.add(request_id)

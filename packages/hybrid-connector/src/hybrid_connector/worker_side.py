@@ -47,6 +47,7 @@ from hybrid_connector.protocol import (
     TransferKvRequest,
     TransferKvResponse,
 )
+from hybrid_connector.send_done import SendDoneClient
 
 if TYPE_CHECKING:
     import torch
@@ -221,6 +222,10 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         self._server = Server(name="hybrid-connector")
         self._server.register(TRANSFER_KV, self._on_transfer_kv)
         self._server.register(RELEASE, self._on_release)
+        # Requests whose blocks the scheduler half holds (PrefillSpec.scheduler_holds): their
+        # ReportSent is a SEND_DONE to it, not finished_sending (vLLM forgot them already).
+        self._scheduler_holds: dict[str, str] = {}  # request id -> transfer id
+        self._send_done: SendDoneClient | None = None
 
     async def start(self) -> str:
         return await self._server.start(self._config.rpc_host, self._config.rpc_port)
@@ -229,8 +234,30 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
     def offer(self, spec: SendSpec) -> None:
         self.feed(state.RequestFinished(spec))
 
-    def prefill_done(self, spec: PrefillSpec, events: LayerEvents | None) -> None:
+    def prefill_done(
+        self, spec: PrefillSpec, events: LayerEvents | None, scheduler_address: str = ""
+    ) -> None:
+        if spec.scheduler_holds:
+            if self._send_done is None or self._send_done.address != scheduler_address:
+                old, self._send_done = (
+                    self._send_done,
+                    SendDoneClient(
+                        scheduler_address,
+                        self._spec.tp_rank,
+                        on_delivered=lambda: self._results.count("send_done_delivered"),
+                    ),
+                )
+                if old is not None:  # the scheduler half moved (not in one vLLM's life)
+                    self._loop.create_task(old.close())
+            self._scheduler_holds[spec.request_id] = spec.transfer_id
         self.feed(state.PrefillDone(spec, events))
+
+    def prefill_finished(self, spec: PrefillSpec) -> None:
+        """End of the step that completed ``spec``'s prompt: with ``scheduler_holds`` the
+        request finished in it (``max_tokens=1``), and no SendSpec will follow: offer it now."""
+        if spec.scheduler_holds:
+            send = SendSpec(spec.request_id, spec.transfer_id, spec.block_ids, spec.num_tokens)
+            self.feed(state.RequestFinished(send))
 
     def cancel(self, transfer_id: str) -> None:
         self.feed(state.RequestCancelled(transfer_id))
@@ -262,7 +289,13 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
                 if future is not None and not future.done():
                     future.set_exception(error)
             case state.ReportSent(request_id):
-                self._results.sent(request_id)
+                transfer_id = self._scheduler_holds.pop(request_id, None)
+                if transfer_id is None:
+                    self._results.sent(request_id)
+                else:
+                    assert self._send_done is not None
+                    self._send_done.report(request_id, transfer_id, "released")
+                    self._results.count("send_done_reports")
             case state.ArmDeadline(tid, delay_s):
                 old = self._timers.pop(tid, None)
                 if old is not None:
@@ -379,6 +412,11 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
             if not future.done():
                 future.set_exception(TransferError("prefill instance shutting down"))
         self._pulls.clear()
+        # Blocks still held by the scheduler half are released by its own shutdown.
+        self._scheduler_holds.clear()
+        if self._send_done is not None:
+            await self._send_done.close()
+            self._send_done = None
 
 
 class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
@@ -532,8 +570,9 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._kv_caches: dict[str, torch.Tensor] = {}
         # Rapid transfer_kv: readiness of this step's layers, only while a step completes the
-        # prompt of some do_remote_decode request.
+        # prompt of some do_remote_decode request, and those requests (offered at the step's end).
         self._step_events: CpuLayerEvents | CudaLayerEvents | None = None
+        self._step_prefills: list[PrefillSpec] = []
         # KV cache on a GPU: per-layer CUDA events, waited on by one kvt thread (never vLLM's).
         self._kv_device = "cpu"
         self._event_waiter: EventWaiter | None = None
@@ -668,8 +707,9 @@ class WorkerSide:
             # marks the rest.
             events = self._new_step_events()
             self._step_events = events
+            self._step_prefills = list(meta.prefill_done)
             for spec in meta.prefill_done:
-                post((producer.prefill_done, (spec, events)))
+                post((producer.prefill_done, (spec, events, meta.scheduler_address)))
         for send in meta.to_send:
             if producer is None:
                 self._results.sent(send.request_id)
@@ -705,8 +745,10 @@ class WorkerSide:
                 events.mark_ready(index)
 
     def step_done(self) -> None:
-        """End of the step's forward pass (wait_for_save): every layer is written."""
+        """End of the step's forward pass (wait_for_save): every layer is written, and the
+        requests whose prompt it completed are finished (offered now, see ``prefill_finished``)."""
         events, self._step_events = self._step_events, None
+        prefills, self._step_prefills = self._step_prefills, []
         if events is None:
             return
         if hasattr(events, "record_rest"):
@@ -714,6 +756,17 @@ class WorkerSide:
         else:
             for index in range(len(self._layer_index)):
                 events.mark_ready(index)
+        producer, loop = self._producer, self._loop
+        if prefills and producer is not None and loop is not None:
+            batch = [(producer.prefill_finished, (spec,)) for spec in prefills]
+
+            # The blocks are final once the last layer is (GPU: its CUDA event completed, on
+            # kvt's waiter thread; layers complete in stream order). CPU: at once.
+            def finished() -> None:  # any thread
+                with contextlib.suppress(Exception):  # the loop closed: shutting down
+                    loop.call_soon(self._run_batch, batch)
+
+            events.when_ready(len(self._layer_index) - 1, finished)
 
     def drain(self, wait_s: float = 0.0) -> TransferResults:
         """(finished_sending, finished_recving, failed_recving) since the last drain."""
