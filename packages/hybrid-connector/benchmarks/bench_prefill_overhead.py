@@ -27,7 +27,7 @@ ran (the worker's ``steps`` counter, read through ``LLM.collective_rpc``) over
 (``control.release_transfer``), so one variant's holds never load the machine while another
 variant is timed.
 
-``--before DIR`` adds, for each connector variant, a twin ``<variant>@before`` that imports the
+``--before DIR`` adds a twin ``connector@before`` of the connector variant that imports the
 project's packages from another checkout (``DIR/packages/*/src``, e.g. a pristine copy of the
 last release) instead of this one: before and after in one run, rounds alternated.
 
@@ -359,8 +359,8 @@ def main() -> None:
     parser.add_argument(
         "--before",
         metavar="DIR",
-        help="another checkout of this repository: adds <variant>@before for each connector "
-        "variant, importing the project's packages from DIR",
+        help="another checkout of this repository: adds connector@before, the connector "
+        "variant importing the project's packages from DIR",
     )
     parser.add_argument(
         "--hold-window-s",
@@ -393,7 +393,7 @@ def main() -> None:
     names = []
     for name in args.variants.split(","):
         names.append(name)
-        if args.before and name != "plain":
+        if args.before and name == "connector":
             names.append(name + BEFORE_SUFFIX)
     variants = {name: _Variant(model, name, opts) for name in names}
     latencies: dict[str, list[float]] = {name: [] for name in variants}

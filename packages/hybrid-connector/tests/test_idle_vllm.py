@@ -201,10 +201,15 @@ class Nodes:
         # As of the end of the step that finished the request (the gauges' last update).
         assert self.p.stats()["held_blocks"] == -(-len(prompt) // self.block_size)
 
-    def assert_p_blocks_back(self) -> None:
-        """Every block free and no request left. A released hold may be dropped only at the
-        scheduler's next hook call, and the gauges move only at a step's end: one plain request
-        (a normal prefill, freed at once) runs both."""
+    def assert_p_blocks_back(self, delivered_before: int) -> None:
+        """P's worker told the scheduler (SEND_DONE answered), then every block is free and no
+        request left. A released hold is dropped at the scheduler's next hook call, and the
+        gauges move only at a step's end: one plain request (a normal prefill, freed at once)
+        runs both."""
+        _wait_for(
+            "P's SEND_DONE to reach its scheduler",
+            lambda: self.p_counter("send_done_delivered") == delivered_before + 1,
+        )
         self.p.generate([[5, 6, 7]], 1)
         s = self.p.stats()
         assert s["requests"] == 0
@@ -260,6 +265,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def test_holding_prefill_runs_no_step_until_decode_pulls(nodes: Nodes) -> None:
+    delivered = nodes.p_counter("send_done_delivered")
     prompt = _prompt(1, 2 * nodes.block_size + 45)
     expected = nodes.reference([prompt])
     sends_before = nodes.p_counter("sends_done")
@@ -274,10 +280,11 @@ def test_holding_prefill_runs_no_step_until_decode_pulls(nodes: Nodes) -> None:
     # At most one: the step vLLM may still run to tell the workers about the finished request
     # ids. A P that steps while it holds KV (vLLM's busy loop over delay_free) runs hundreds.
     assert steps_after_pull - steps_at_end <= 1
-    nodes.assert_p_blocks_back()
+    nodes.assert_p_blocks_back(delivered)
 
 
 def test_lease_expiry_gives_blocks_back_without_stepping(nodes: Nodes) -> None:
+    delivered = nodes.p_counter("send_done_delivered")
     prompt = _prompt(2, nodes.block_size + 3)
     expired_before = nodes.p_counter("leases_expired")
     nodes.prefill(prompt)
@@ -289,12 +296,13 @@ def test_lease_expiry_gives_blocks_back_without_stepping(nodes: Nodes) -> None:
         timeout=LEASE_S + 20,
     )
     assert nodes.p_counter("steps") - steps_at_end <= 1
-    nodes.assert_p_blocks_back()
+    nodes.assert_p_blocks_back(delivered)
 
 
 def test_release_by_the_proxy_gives_blocks_back(nodes: Nodes) -> None:
     from hybrid_connector.control import release_transfer
 
+    delivered = nodes.p_counter("send_done_delivered")
     prompt = _prompt(3, nodes.block_size)
     released_before = nodes.p_counter("released_by_peer")
     tid, _ = nodes.prefill(prompt)
@@ -305,7 +313,7 @@ def test_release_by_the_proxy_gives_blocks_back(nodes: Nodes) -> None:
         "P to take the release", lambda: nodes.p_counter("released_by_peer") == released_before + 1
     )
     assert nodes.p_counter("steps") - steps_at_end <= 1
-    nodes.assert_p_blocks_back()
+    nodes.assert_p_blocks_back(delivered)
 
 
 def test_decode_dies_with_its_pull_parked_gives_blocks_back(nodes: Nodes) -> None:
@@ -313,6 +321,7 @@ def test_decode_dies_with_its_pull_parked_gives_blocks_back(nodes: Nodes) -> Non
     a dead D, the send fails, and P's blocks come back. Deterministic: D dies after its
     transfer_kv reached P and before any byte moved (killing D mid-copy cannot be timed from
     here). Kills D: keep it the next to last test."""
+    delivered = nodes.p_counter("send_done_delivered")
     prompt = _prompt(4, 2 * nodes.block_size)
     before = nodes.p.stats()["counters"]
     tid = str(uuid.uuid4())
@@ -344,7 +353,7 @@ def test_decode_dies_with_its_pull_parked_gives_blocks_back(nodes: Nodes) -> Non
 
     _wait_for("P's send to the dead D to end", send_over, timeout=LEASE_S + 30)
     assert nodes.p_counter("sends_failed") == before.get("sends_failed", 0) + 1
-    nodes.assert_p_blocks_back()
+    nodes.assert_p_blocks_back(delivered)
 
 
 def test_prefill_shutdown_while_holding_leaves_nothing(nodes: Nodes) -> None:
