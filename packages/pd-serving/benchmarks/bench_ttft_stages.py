@@ -311,8 +311,8 @@ def run(args) -> int:
             raw = asyncio.run(measure(args, dep, proxies, str(model), prompts))
         finally:
             stop_all(procs)
+    (log_dir / "ttft_stages.raw.json").write_text(json.dumps(raw))  # kept should summarize fail
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.with_suffix(".raw.json").write_text(json.dumps(raw))  # kept should summarize fail
     rows = summarize(raw)
     meta = {
         "command": " ".join(sys.argv),
