@@ -46,7 +46,7 @@ def test_proxies_on_one_pair_get_distinct_prompt_sets() -> None:
     ]
     proxies = bench._proxy_processes(pairs, Path("/m"), args=args, log_dir=Path("/l"))
     assert [(name, prompt_set) for name, _, _, prompt_set in proxies] == [
-        ("1P1D hybrid (parallel)", 0),
-        ("1P1D hybrid (sequential)", 1),  # same P/D pair as the row above
+        ("1P1D hybrid (sequential)", 0),
+        ("1P1D hybrid (parallel)", 1),  # same P/D pair as the row above
         ("1P1D nixl (sequential)", 0),  # a pair of its own
     ]

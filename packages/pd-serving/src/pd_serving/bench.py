@@ -325,7 +325,7 @@ def _proxy_processes(
         connector = pair.connector
         dispatches = [Dispatch.SEQUENTIAL]
         if connector is Connector.HYBRID:
-            dispatches = [Dispatch.PARALLEL, Dispatch.SEQUENTIAL]
+            dispatches = [Dispatch.SEQUENTIAL, Dispatch.PARALLEL]  # the default first
         if args.dispatch and not args.compare:
             dispatches = [Dispatch(args.dispatch)]
         elif getattr(args, "compare_transports", False):

@@ -154,10 +154,7 @@ async def _serve_and_run(
 def run_demo(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=100)
     connector = Connector(args.connector)
-    dispatch = Dispatch(
-        args.dispatch
-        or (Dispatch.PARALLEL if connector is Connector.HYBRID else Dispatch.SEQUENTIAL)
-    )
+    dispatch = Dispatch(args.dispatch or Dispatch.SEQUENTIAL)  # as pdserve up; see cli.py
     if args.model is None:
         target = default_model_dir(args.arch)
         with console.status(f"making the tiny {args.arch} model in {target} (once)"):
