@@ -237,6 +237,17 @@ def _run_to_finish(side: SchedulerSide, manager: FakeManager, request: Any, stat
     return meta
 
 
+def _held_request(pool: FakePool) -> tuple[SchedulerSide, BlockHolds, list[FakeBlock]]:
+    """An announced P request that finished; vLLM freed it (delay_free=False); blocks held."""
+    side, manager, holds = _scheduler(pool)
+    request = _p_request("p-1", 6)
+    _run_to_finish(side, manager, request, "FINISHED_LENGTH_CAPPED")
+    blocks = manager.owned["p-1"]
+    side.request_finished(request, ([b.block_id for b in blocks],))
+    pool.free_blocks(blocks)
+    return side, holds, blocks
+
+
 def test_announced_request_is_freed_by_vllm_at_once_and_its_blocks_held() -> None:
     pool = FakePool(16)
     side, manager, holds = _scheduler(pool)
@@ -262,13 +273,7 @@ def test_announced_request_is_freed_by_vllm_at_once_and_its_blocks_held() -> Non
 
 @pytest.mark.parametrize("hook", ["get_num_new_matched_tokens", "update_connector_output"])
 def test_every_hook_returns_released_blocks(hook: str) -> None:
-    pool = FakePool(16)
-    side, manager, holds = _scheduler(pool)
-    request = _p_request("p-1", 6)
-    _run_to_finish(side, manager, request, "FINISHED_LENGTH_CAPPED")
-    blocks = manager.owned["p-1"]
-    side.request_finished(request, ([b.block_id for b in blocks],))
-    pool.free_blocks(blocks)
+    side, holds, blocks = _held_request(FakePool(16))
     holds.send_done("p-1", 0)
     if hook == "get_num_new_matched_tokens":
         side.get_num_new_matched_tokens(_p_request("p-2", 4), 0)
@@ -306,13 +311,7 @@ def test_request_that_keeps_decoding_takes_the_old_path() -> None:
 
 
 def test_release_holds_at_shutdown() -> None:
-    pool = FakePool(16)
-    side, manager, _ = _scheduler(pool)
-    request = _p_request("p-1", 6)
-    _run_to_finish(side, manager, request, "FINISHED_LENGTH_CAPPED")
-    blocks = manager.owned["p-1"]
-    side.request_finished(request, ([b.block_id for b in blocks],))
-    pool.free_blocks(blocks)
+    side, _, blocks = _held_request(FakePool(16))
     assert side.release_holds() == 2
     assert all(b.ref_cnt == 0 for b in blocks)
 
