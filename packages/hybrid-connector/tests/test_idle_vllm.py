@@ -15,12 +15,10 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import threading
-import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,35 +26,13 @@ import _harness
 import pytest
 from _harness import Instance
 from hybrid_connector.tiny_model import make_tiny_model
+from test_pd_vllm import CONNECTOR, _free_port, _wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
 LEASE_S = 8.0  # long enough for D to pull on a loaded box, short enough to wait out once
 MAX_TOKENS = 8
-CONNECTOR = {
-    "kv_connector": "HybridConnector",
-    "kv_connector_module_path": "hybrid_connector.connector",
-    "kv_load_failure_policy": "recompute",
-}
 OWN_THREADS = ("hybrid-connector", "kvt-")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
-    """Re-ask a child process until probe() is truthy (the child's state is in another process)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 # ------------------------------------------------------------ in P's worker process
