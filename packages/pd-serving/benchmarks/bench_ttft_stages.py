@@ -332,7 +332,32 @@ def run(args) -> int:
     return 0 if all(r.get("same_tokens_as_single", True) for r in rows.values()) else 1
 
 
+def smoke() -> int:
+    """CI: the stage maths on made-up samples, starting nothing (psutil, for the CPU of each
+    process tree, comes with vLLM, which this session does not install)."""
+    entry = {
+        "ttft": [90.0, 110.0],
+        "same": True,
+        "trace": [{stage: 0.001 * (i + 1) for i, stage in enumerate(STAGES)} | {"new_conns": 1}],
+        "vllm": {"vllm:request_queue_time_seconds_sum": 0.02,
+                 "vllm:request_queue_time_seconds_count": 2.0},
+        "cpu_s": {"P": 0.5},
+        "wall_s": 1.0,
+    }  # fmt: skip
+    single = entry | {"ttft": [50.0, 50.0], "trace": []}
+    rows = summarize({"single c1": single, "sequential c1": entry})
+    row = rows["sequential c1"]
+    assert row["vs_single"] == 2.0, row
+    assert row["proxy_stage_p50_ms"]["p_sent"] == 1.0, row
+    assert row["vllm_mean_ms"]["vllm:request_queue_time_seconds"] == 10.0, row
+    assert row["cpu_pct_of_a_core"] == {"P": 50}, row
+    print("bench_ttft_stages smoke: ok")
+    return 0
+
+
 def main() -> int:
+    if "--smoke" in sys.argv:
+        return smoke()
     if "--serve-proxy" in sys.argv:
         return serve_traced_proxy([a for a in sys.argv[1:] if a != "--serve-proxy"])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
