@@ -73,13 +73,19 @@ async def wait_until(
 
 
 async def wait_idle(
-    session: aiohttp.ClientSession, base_urls: Iterable[str], within_s: float = 60.0
+    session: aiohttp.ClientSession,
+    base_urls: Iterable[str],
+    within_s: float = 60.0,
+    before_each: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Wait until every instance reports no KV in use and no request; returns the last readings
-    (an abort or a lease expiry takes the engine a step or two to show)."""
+    (an abort or a lease expiry takes the engine a step or two to show). ``before_each`` runs
+    before every reading (e.g. a request that makes an idle engine step)."""
     urls = list(base_urls)
 
     async def read() -> dict[str, dict[str, float]]:
+        if before_each is not None:
+            await before_each()
         return {url: await read_gauges(session, url) for url in urls}
 
     def idle(readings: dict[str, dict[str, float]]) -> bool:

@@ -46,6 +46,15 @@ def _prompts(cluster: Cluster, first_seed: int) -> list[tuple[int, str | list[in
     return out
 
 
+async def nudge_prefills(session: aiohttp.ClientSession, cluster: Cluster) -> None:
+    """One plain 1-token request to each P: an idle P's scheduler gives back the blocks whose
+    SEND_DONE arrived in its next hook, and vLLM's gauges change only when it steps."""
+    for url in cluster.prefill_urls:
+        body = {"model": cluster.model_name, "prompt": "idle?", "max_tokens": 1}
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+
+
 @pytest.fixture(autouse=True)
 def no_kv_left_behind(cluster: Cluster) -> Iterator[None]:
     """After each test, whatever it did: no KV in use and no request on P, D or the single one."""
@@ -54,7 +63,9 @@ def no_kv_left_behind(cluster: Cluster) -> Iterator[None]:
 
     async def readings() -> dict[str, dict[str, float]]:
         async with aiohttp.ClientSession() as session:
-            return await wait_idle(session, urls)
+            return await wait_idle(
+                session, urls, before_each=lambda: nudge_prefills(session, cluster)
+            )
 
     for url, gauges in asyncio.run(readings()).items():
         assert all(v == 0.0 for v in gauges.values()), (url, gauges)
