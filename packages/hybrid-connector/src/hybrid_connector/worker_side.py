@@ -238,17 +238,12 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         self, spec: PrefillSpec, events: LayerEvents | None, scheduler_address: str = ""
     ) -> None:
         if spec.scheduler_holds:
-            if self._send_done is None or self._send_done.address != scheduler_address:
-                old, self._send_done = (
-                    self._send_done,
-                    SendDoneClient(
-                        scheduler_address,
-                        self._spec.tp_rank,
-                        on_delivered=lambda: self._results.count("send_done_delivered"),
-                    ),
+            if self._send_done is None:  # one scheduler half for the worker's whole life
+                self._send_done = SendDoneClient(
+                    scheduler_address,
+                    self._spec.tp_rank,
+                    on_delivered=lambda: self._results.count("send_done_delivered"),
                 )
-                if old is not None:  # the scheduler half moved (not in one vLLM's life)
-                    self._loop.create_task(old.close())
             self._scheduler_holds[spec.request_id] = spec.transfer_id
         self.feed(state.PrefillDone(spec, events))
 
