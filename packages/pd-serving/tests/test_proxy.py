@@ -11,7 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 from pd_serving.launcher import free_port
-from pd_serving.proxy import Backend, Dispatch, LeastLoaded, PdProxy, ProxyConfig, serve
+from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
+from pd_serving.routing import RequestKey, Router
 from pd_serving.servers import Connector
 from pd_serving.testing import MODEL, FakeUpstream
 
@@ -365,13 +366,19 @@ async def test_models_health_and_metrics(make_proxy: Factory) -> None:
 
 def test_least_loaded_prefers_idle_backends_and_rotates_ties() -> None:
     backends = [Backend(f"http://b{i}") for i in range(3)]
-    pool = LeastLoaded(backends)
-    assert [pool.pick().url for _ in range(3)] == ["http://b0", "http://b1", "http://b2"]
+    router = Router([], backends)
+    key = RequestKey()
+    assert [router.pick_decode(key).url for _ in range(3)] == [
+        "http://b0",
+        "http://b1",
+        "http://b2",
+    ]
     backends[0].inflight = 2
     backends[1].inflight = 1
-    assert pool.pick() is backends[2]
+    assert router.pick_decode(key) is backends[2]
     backends[2].inflight = 5
-    assert pool.pick() is backends[1]
+    assert router.pick_decode(key) is backends[1]
+    assert router.pick_decode(key, exclude={"http://b1"}) is backends[0]
 
 
 async def test_requests_spread_over_decode_instances(make_proxy: Factory) -> None:

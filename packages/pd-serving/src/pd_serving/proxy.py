@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
 import json
 import logging
 import time
@@ -41,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
+from pd_serving.routing import Backend, NoBackend, RequestKey, Router
 from pd_serving.servers import Connector
 
 log = logging.getLogger(__name__)
@@ -86,39 +86,6 @@ class UpstreamError(Exception):
         self.message = message
         self.body = body
         self.stage = stage
-
-
-@dataclass
-class Backend:
-    """One vLLM instance behind the proxy."""
-
-    url: str
-    rpc_address: str | None = None  # P only: where D's connector sends transfer_kv
-    name: str = ""
-    inflight: int = 0
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "url": self.url,
-            "rpc_address": self.rpc_address,
-            "inflight": self.inflight,
-        }
-
-
-class LeastLoaded:
-    """Picks the backend with the fewest requests in flight; ties go round robin."""
-
-    def __init__(self, backends: list[Backend]) -> None:
-        self.backends = backends
-        self._turn = itertools.count()
-
-    def pick(self) -> Backend:
-        if not self.backends:
-            raise UpstreamError(503, "no backend configured")
-        start = next(self._turn) % len(self.backends)
-        rotated = self.backends[start:] + self.backends[:start]
-        return min(rotated, key=lambda b: b.inflight)
 
 
 @dataclass
@@ -239,8 +206,7 @@ class PdProxy:
         if not config.decode:
             raise ValueError("at least one decode instance is required")
         self.config = config
-        self.prefill = LeastLoaded(config.prefill)
-        self.decode = LeastLoaded(config.decode)
+        self.router = Router(config.prefill, config.decode)
         self.metrics = _Metrics()
         self._session: aiohttp.ClientSession | None = None
         self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
@@ -300,7 +266,7 @@ class PdProxy:
 
     # -- simple endpoints ----------------------------------------------------------------
     async def _handle_models(self, _request: web.Request) -> web.Response:
-        backend = self.decode.pick()
+        backend = self.config.decode[0]
         try:
             async with self._client.get(f"{backend.url}/v1/models") as resp:
                 body = await resp.read()
@@ -371,12 +337,15 @@ class PdProxy:
     async def _generate(
         self, request: web.Request, path: str, body: dict[str, Any], started: float
     ) -> web.StreamResponse:
-        decode = self.decode.pick()
-        if not self.config.prefill:  # no disaggregation: a plain load balancer over D's
+        try:
+            route = self.router.route(RequestKey())
+        except NoBackend as exc:
+            raise UpstreamError(503, str(exc)) from None
+        decode, prefill = route.decode, route.prefill
+        if prefill is None:  # no disaggregation: a plain load balancer over D's
             async with self._open(decode, path, body, "decode") as d_resp:
                 return await self._relay(request, d_resp, body, started)
 
-        prefill = self.prefill.pick()
         transfer_id = uuid.uuid4().hex
         p_body = self._prefill_body(path, body, transfer_id)
         if self.config.dispatch is Dispatch.SEQUENTIAL:
