@@ -307,9 +307,10 @@ class Router:
     def _least_loaded(self, role: str, eligible: list[Backend]) -> Backend | None:
         if not eligible:
             return None
-        start = next(self._turns[role]) % len(eligible)
-        rotated = eligible[start:] + eligible[:start]
-        return min(rotated, key=self.score)
+        scores = [self.score(b) for b in eligible]
+        least = min(scores)
+        tied = [b for b, s in zip(eligible, scores, strict=True) if s == least]
+        return tied[next(self._turns[role]) % len(tied)]
 
     def _take(self, backend: Backend, now: float) -> bool:
         """Claim a request slot on ``backend`` (the half-open probe, if it is half-open)."""
