@@ -256,3 +256,108 @@ def test_request_key_from_completion_and_chat_bodies() -> None:
     )
     assert chat2.prompt_text.startswith(chat1.prompt_text)
     assert chat2.tokens > chat1.tokens
+
+
+# -- through the proxy (stand-in upstreams; the wiring, not the policies) ----------------------
+async def _proxy_with(p_url: str, d_urls: list[str], policy: RoutingPolicy):
+    from pd_serving.launcher import free_port
+    from pd_serving.proxy import PdProxy, ProxyConfig, serve
+
+    config = ProxyConfig(
+        prefill=[Backend(p_url, rpc_address="127.0.0.1:7777", name="p0")],
+        decode=[Backend(u, name=f"d{i}") for i, u in enumerate(d_urls)],
+        model_names=["tiny"],
+        routing=policy,
+        health=None,  # the stand-ins have no /health; the checker has its own tests
+    )
+    proxy = PdProxy(config)
+    port = free_port()
+    runner = await serve(proxy, "127.0.0.1", port)
+    return f"http://127.0.0.1:{port}", proxy, runner
+
+
+async def test_proxy_bypasses_short_prompts_and_reports_states_and_metrics() -> None:
+    import aiohttp
+    from pd_serving.testing import MODEL, FakeUpstream
+
+    p, d = FakeUpstream("P", kv_params={}), FakeUpstream("D")
+    await p.start()
+    await d.start()
+    url, _proxy, runner = await _proxy_with(p.url, [d.url], RoutingPolicy(bypass_below_tokens=16))
+    try:
+        async with aiohttp.ClientSession() as session:
+            for prompt in ("short", "x" * 400):
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+            assert len(p.received) == 1  # only the long prompt went through P
+            assert "kv_transfer_params" not in d.received[0]
+            assert "kv_transfer_params" in d.received[1]
+            async with session.get(f"{url}/health") as resp:
+                health = await resp.json()
+            assert health["decode"][0]["state"] == "closed"
+            assert health["prefill"][0]["load"] == {"waiting": 0, "running": 0, "kv_usage": 0.0}
+            async with session.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            assert 'pdserve_bypass_total{reason="short_prompt"} 1.0' in text
+    finally:
+        await runner.cleanup()
+        await p.close()
+        await d.close()
+
+
+async def test_proxy_failures_open_the_breaker_and_count_the_transition() -> None:
+    import aiohttp
+    from pd_serving.testing import MODEL, FakeUpstream
+
+    p, bad, good = (
+        FakeUpstream("P", kv_params={}),
+        FakeUpstream("D1", fail_status=500),
+        FakeUpstream("D2"),
+    )
+    for u in (p, bad, good):
+        await u.start()
+    policy = RoutingPolicy(breaker_failures=2, breaker_cooldown_s=600)
+    url, proxy, runner = await _proxy_with(p.url, [bad.url, good.url], policy)
+    try:
+        async with aiohttp.ClientSession() as session:
+            statuses = []
+            for i in range(6):
+                body = {"model": MODEL, "prompt": _text(i, 300), "max_tokens": 2}
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    statuses.append(resp.status)
+            assert statuses.count(502) == 2  # D1 failed twice, then was out of rotation
+            assert proxy.router.breaker_state(proxy.config.decode[0]) is BreakerState.OPEN
+            async with session.get(f"{url}/health") as resp:
+                health = await resp.json()
+            assert health["decode"][0]["state"] == "open"
+            assert "answered 500" in health["decode"][0]["last_error"]
+            async with session.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            assert (
+                'pdserve_breaker_transitions_total{backend="d0",from_state="closed",'
+                'to_state="open"} 1.0' in text
+            )
+    finally:
+        await runner.cleanup()
+        for u in (p, bad, good):
+            await u.close()
+
+
+def test_cli_routing_options_make_the_policy() -> None:
+    from pd_serving.cli import build_parser, routing_from_args
+
+    args = build_parser().parse_args(
+        [
+            *("proxy", "--decode", "http://d", "--bypass-below-tokens", "64"),
+            *("--prefix-chars", "0", "--breaker-failures", "5", "--health-interval-s", "0"),
+        ]
+    )
+    policy, health = routing_from_args(args)
+    assert policy.bypass_below_tokens == 64
+    assert policy.prefix_chars == 0
+    assert policy.breaker.failures == 5
+    assert health is None
+    args = build_parser().parse_args(["up", "--breaker-failures", "0"])
+    with pytest.raises(SystemExit, match="at least one failure"):
+        routing_from_args(args)

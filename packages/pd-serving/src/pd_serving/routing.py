@@ -155,6 +155,13 @@ class RoutingPolicy:
     breaker_cooldown_s: float = 5.0
     kv_weight: float = 8.0
 
+    def __post_init__(self) -> None:
+        if min(self.bypass_below_tokens, self.prefix_chars, self.decode_prefix_entries) < 0:
+            raise ValueError("bypass, prefix and LRU sizes cannot be negative")
+        if self.prefix_overload < 0 or self.kv_weight < 0:
+            raise ValueError("prefix_overload and kv_weight cannot be negative")
+        self.breaker  # noqa: B018 - BreakerConfig checks its own numbers
+
     @property
     def breaker(self) -> BreakerConfig:
         return BreakerConfig(failures=self.breaker_failures, cooldown_s=self.breaker_cooldown_s)
