@@ -311,7 +311,10 @@ async def test_checker_counts_5xx_and_keeps_old_load_on_bad_metrics(session) -> 
         await checker.check_all()
         assert backend.load == InstanceLoad(waiting=1)  # healthy, figures kept
         assert router.breaker_state(backend) is CLOSED
-        inst.health_status = 503
+        inst.health_status = 404  # a live server without /health: alive
+        await checker.check_all()
+        assert router.breaker_state(backend) is CLOSED
+        inst.health_status = 503  # what vLLM answers once its engine died
         await checker.check_all()
         assert router.breaker_state(backend) is OPEN
         assert router.describe(backend)["last_error_kind"] == "http_5xx"

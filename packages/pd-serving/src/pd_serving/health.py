@@ -332,8 +332,9 @@ class HealthChecker:
                             kind=FailureKind.HTTP_5XX,
                         )
                         return
-                    healthy = resp.status == 200
-                load = await self._scrape(backend) if healthy else None
+                # vLLM answers 200, or 503 once its engine died; any other answer (a server
+                # without /health) still shows a live HTTP server: alive, no load figures.
+                load = await self._scrape(backend) if resp.status == 200 else None
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # every failure of a probe is a probe failure
@@ -343,11 +344,6 @@ class HealthChecker:
             else:
                 why = f"/health: {exc!r}"
             self.router.record_failure(backend, self.clock(), why, kind=kind)
-            return
-        if not healthy:
-            self.router.record_failure(
-                backend, self.clock(), f"/health answered {resp.status}", kind=FailureKind.ERROR
-            )
             return
         self.router.record_success(backend, self.clock())
         if load is not None:
