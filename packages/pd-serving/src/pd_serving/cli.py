@@ -91,6 +91,106 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
+# -- routing and health options (helper "routing"; one block for `up` and `proxy`) ----------
+def _add_routing_options(parser: argparse.ArgumentParser) -> None:
+    from pd_serving.health import HealthCheckConfig
+    from pd_serving.routing import RoutingPolicy
+
+    policy, health = RoutingPolicy(), HealthCheckConfig()
+    group = parser.add_argument_group(
+        "routing and health", "bypass, prefix affinity, circuit breakers, active health checks"
+    )
+    group.add_argument(
+        "--bypass-below-tokens",
+        type=int,
+        default=policy.bypass_below_tokens,
+        metavar="N",
+        help="prompts under N tokens (estimated: characters / 4, or the token ids' count) go to "
+        "D alone, and so do prompts whose uncached tail on a D that served their prefix is "
+        "under N; 0 (default) turns bypass off",
+    )
+    group.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=policy.prefix_chars,
+        metavar="N",
+        help=f"prompt characters hashed to pick P (prefix affinity); 0 = by load only; "
+        f"default {policy.prefix_chars}",
+    )
+    group.add_argument(
+        "--prefix-overload",
+        type=float,
+        default=policy.prefix_overload,
+        metavar="N",
+        help="leave the affine P (or the D holding the prefix) when it has N more pending "
+        f"requests than the least-loaded one; default {policy.prefix_overload:g}",
+    )
+    group.add_argument(
+        "--decode-prefix-entries",
+        type=int,
+        default=policy.decode_prefix_entries,
+        metavar="N",
+        help=f"prefix hashes remembered per D for the prefix-cached bypass; default "
+        f"{policy.decode_prefix_entries}",
+    )
+    group.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=policy.breaker_failures,
+        metavar="N",
+        help=f"consecutive failures that take an instance out; default {policy.breaker_failures}",
+    )
+    group.add_argument(
+        "--breaker-cooldown-s",
+        type=float,
+        default=policy.breaker_cooldown_s,
+        metavar="S",
+        help=f"seconds out before one probe request may go; default {policy.breaker_cooldown_s:g}",
+    )
+    group.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=health.interval_s,
+        metavar="S",
+        help=f"active /health and /metrics probes of every instance; 0 = none; default "
+        f"{health.interval_s:g}",
+    )
+    group.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=health.timeout_s,
+        metavar="S",
+        help=f"per probe; a slower instance counts as failing (slow); default {health.timeout_s:g}",
+    )
+
+
+def routing_from_args(args: argparse.Namespace):
+    """(RoutingPolicy, HealthCheckConfig or None) from the options of ``_add_routing_options``."""
+    from pd_serving.health import HealthCheckConfig
+    from pd_serving.routing import RoutingPolicy
+
+    try:
+        policy = RoutingPolicy(
+            bypass_below_tokens=args.bypass_below_tokens,
+            prefix_chars=args.prefix_chars,
+            prefix_overload=args.prefix_overload,
+            decode_prefix_entries=args.decode_prefix_entries,
+            breaker_failures=args.breaker_failures,
+            breaker_cooldown_s=args.breaker_cooldown_s,
+        )
+        health = (
+            HealthCheckConfig(interval_s=args.health_interval_s, timeout_s=args.health_timeout_s)
+            if args.health_interval_s > 0
+            else None
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+    return policy, health
+
+
+# -- end of the routing options ---------------------------------------------------------------
+
+
 def _cpu_settings(args: argparse.Namespace) -> CpuSettings:
     return CpuSettings(
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
@@ -150,6 +250,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     with Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
+        config.routing, config.health = routing_from_args(args)
         return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
 
 
@@ -209,6 +310,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
     )
+    config.routing, config.health = routing_from_args(args)
     if config.connector is Connector.HYBRID and any(not b.rpc_address for b in config.prefill):
         raise SystemExit(
             "pdserve: with --connector hybrid, give each --prefill as URL@RPC_HOST:PORT"
@@ -288,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_routing_options(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
@@ -298,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_routing_options(p)
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")

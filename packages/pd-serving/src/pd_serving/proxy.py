@@ -40,7 +40,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
-from pd_serving.routing import Backend, NoBackend, RequestKey, Router
+from pd_serving.health import HealthCheckConfig, HealthChecker, failure_kind
+from pd_serving.routing import Backend, NoBackend, Router, RoutingPolicy, request_key
 from pd_serving.servers import Connector
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class ProxyConfig:
     model_names: list[str] = field(default_factory=list)
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
+    # routing-wiring: the Router's policy and the active health checks (None: none).
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    health: HealthCheckConfig | None = field(default_factory=HealthCheckConfig)
 
 
 class _Metrics:
@@ -136,6 +140,18 @@ class _Metrics:
             "pdserve_prefill_releases",
             "Release calls sent to P for transfers no D will pull (label: P still held them)",
             ["released"],
+            registry=self.registry,
+        )
+        self.breaker_transitions = Counter(  # routing-wiring
+            "pdserve_breaker_transitions",
+            "Circuit breaker transitions per backend",
+            ["backend", "from_state", "to_state"],
+            registry=self.registry,
+        )
+        self.bypasses = Counter(  # routing-wiring
+            "pdserve_bypass",
+            "Requests served by D alone, by reason",
+            ["reason"],
             registry=self.registry,
         )
         self.inflight = Gauge(
@@ -206,8 +222,12 @@ class PdProxy:
         if not config.decode:
             raise ValueError("at least one decode instance is required")
         self.config = config
-        self.router = Router(config.prefill, config.decode)
         self.metrics = _Metrics()
+        # routing-wiring
+        self.router = Router(
+            config.prefill, config.decode, config.routing, on_transition=self._on_transition
+        )
+        self.health: HealthChecker | None = None
         self._session: aiohttp.ClientSession | None = None
         self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
         self._background: set[asyncio.Task[None]] = set()
@@ -237,10 +257,28 @@ class PdProxy:
             self._session = aiohttp.ClientSession(
                 timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
             )
+        if self.config.health is not None and self.health is None:  # routing-wiring
+            self.health = HealthChecker(self.router, self._session, self.config.health)
+            self.health.start()
         if not self.config.model_names:
             self.config.model_names = await self._fetch_model_names()
 
+    def _on_transition(self, backend: Backend, transition: Any) -> None:  # routing-wiring
+        self.metrics.breaker_transitions.labels(
+            backend.key, transition.old.value, transition.new.value
+        ).inc()
+        log.warning(
+            "breaker of %s: %s -> %s (%s)",
+            backend.key,
+            transition.old.value,
+            transition.new.value,
+            transition.reason,
+        )
+
     async def close(self) -> None:
+        if self.health is not None:  # routing-wiring
+            await self.health.close()
+            self.health = None
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -282,8 +320,8 @@ class PdProxy:
                 "connector": self.config.connector.value,
                 "dispatch": self.config.dispatch.value,
                 "models": self.config.model_names,
-                "prefill": [b.describe() for b in self.config.prefill],
-                "decode": [b.describe() for b in self.config.decode],
+                "prefill": [self.router.describe(b) for b in self.config.prefill],
+                "decode": [self.router.describe(b) for b in self.config.decode],
             }
         )
 
@@ -337,14 +375,19 @@ class PdProxy:
     async def _generate(
         self, request: web.Request, path: str, body: dict[str, Any], started: float
     ) -> web.StreamResponse:
+        key = request_key(body)  # routing-wiring
         try:
-            route = self.router.route(RequestKey())
+            route = self.router.route(key)
         except NoBackend as exc:
             raise UpstreamError(503, str(exc)) from None
         decode, prefill = route.decode, route.prefill
         if prefill is None:  # no disaggregation: a plain load balancer over D's
+            if route.bypass_reason is not None:
+                self.metrics.bypasses.labels(route.bypass_reason).inc()
             async with self._open(decode, path, body, "decode") as d_resp:
-                return await self._relay(request, d_resp, body, started)
+                response = await self._relay(request, d_resp, body, started)
+            self.router.record_routed(key, route)
+            return response
 
         transfer_id = uuid.uuid4().hex
         p_body = self._prefill_body(path, body, transfer_id)
@@ -356,7 +399,9 @@ class PdProxy:
             }
             try:
                 async with self._open(decode, path, d_body, "decode") as d_resp:
-                    return await self._relay(request, d_resp, body, started)
+                    response = await self._relay(request, d_resp, body, started)
+                self.router.record_routed(key, route)
+                return response
             except UpstreamError as exc:
                 # D never pulled: tell P to free the blocks now rather than at its lease's end.
                 self._release_on_prefill(prefill, transfer_id, exc.message)
@@ -366,7 +411,9 @@ class PdProxy:
         p_task = asyncio.create_task(self._prefill_call(prefill, path, p_body))
         try:
             async with self._open(decode, path, d_body, "decode", gate=p_task) as d_resp:
-                return await self._relay(request, d_resp, body, started)
+                response = await self._relay(request, d_resp, body, started)
+            self.router.record_routed(key, route)
+            return response
         except UpstreamError as exc:
             # D failed. A P still prefilling is cancelled below (vLLM aborts it, freeing its
             # blocks); a P that already answered holds blocks for a pull that will not come.
@@ -478,7 +525,14 @@ class PdProxy:
         self.metrics.inflight.labels(backend.name or backend.url).inc()
         resp: aiohttp.ClientResponse | None = None
         try:
-            resp = await self._post(backend, path, body, stage, gate)
+            try:  # routing-wiring: passive health
+                resp = await self._post(backend, path, body, stage, gate)
+            except UpstreamError as exc:
+                if exc.status >= 500 and exc.stage == stage:
+                    kind = failure_kind(exc.__cause__) if exc.__cause__ else "http_5xx"
+                    self.router.record_failure(backend, time.monotonic(), exc.message, kind=kind)
+                raise
+            self.router.record_success(backend, time.monotonic())
             yield resp
         finally:
             if resp is not None:
