@@ -134,12 +134,20 @@ def _cmd_flamegraph(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .pprof import export_pprof
+    fmt = "pprof" if args.pprof else args.format
+    if fmt is None:
+        raise SystemExit("memprof export: choose a format (--format pprof|speedscope)")
+    output = args.output or ("memprof.pb.gz" if fmt == "pprof" else "memprof.speedscope.json")
+    snap = _load(args.snapshot)
+    if fmt == "pprof":
+        from .pprof import export_pprof
 
-    if not args.pprof:
-        raise SystemExit("memprof export: choose a format (--pprof)")
-    export_pprof(_load(args.snapshot), args.output)
-    print(f"wrote {args.output}")
+        export_pprof(snap, output)
+    else:
+        from .speedscope import export_speedscope
+
+        export_speedscope(snap, output)
+    print(f"wrote {output}")
     return 0
 
 
@@ -195,10 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("-o", "--output", default="memprof-flamegraph.html")
     f.set_defaults(func=_cmd_flamegraph)
 
-    e = sub.add_parser("export", help="export a snapshot (pprof)")
+    e = sub.add_parser("export", help="export a snapshot (pprof, speedscope)")
     e.add_argument("snapshot")
-    e.add_argument("--pprof", action="store_true", help="gzipped profile.proto")
-    e.add_argument("-o", "--output", default="memprof.pb.gz")
+    e.add_argument(
+        "--format",
+        choices=("pprof", "speedscope"),
+        help="pprof: gzipped profile.proto (go tool pprof); speedscope: its JSON file format",
+    )
+    e.add_argument("--pprof", action="store_true", help="same as --format pprof")
+    e.add_argument(
+        "-o", "--output", help="default memprof.pb.gz or memprof.speedscope.json (by format)"
+    )
     e.set_defaults(func=_cmd_export)
     return p
 
