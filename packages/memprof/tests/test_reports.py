@@ -3,30 +3,26 @@ import-time flag, on a script that allocates through numpy, a stdlib call and an
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import memprof
 import pytest
-from conftest import WORKLOADS, run_cli
+from conftest import WORKLOADS, run_cli, run_user_sites
 from memprof.native import find_jemalloc
 from memprof.snapfile import is_library_file
 
 pytest.importorskip("numpy")
 
 
-def _run(out: Path, *extra: str) -> tuple[str, str]:
-    stdout = run_cli(
-        "run", "--out", str(out), "--interval", "3600", "--mean", "65536", "--seed", "3",
-        *extra, "--", sys.executable, str(WORKLOADS / "user_sites.py"),
-    )  # fmt: skip
-    first, second = stdout.split()
-    return first, second
-
-
 @pytest.fixture(scope="module")
-def snaps(tmp_path_factory) -> tuple[str, str]:
-    return _run(tmp_path_factory.mktemp("user-sites"))
+def snaps() -> Iterator[tuple[str, str]]:
+    out = Path(tempfile.mkdtemp(prefix="memprof-test-"))  # see conftest.tmp_path
+    yield run_user_sites(out)
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def _site_lines(report: str) -> list[str]:
@@ -105,7 +101,7 @@ def test_bad_depth_is_refused(snaps):
 
 @pytest.mark.skipif(find_jemalloc() is None, reason="libjemalloc2 not installed")
 def test_native_ones_is_grouped_under_its_caller(tmp_path):
-    _, path = _run(tmp_path, "--native", "--malloc-conf", "lg_prof_sample:16")
+    _, path = run_user_sites(tmp_path, "--native", "--malloc-conf", "lg_prof_sample:16")
     native = [ln for ln in _site_lines(run_cli("top", path)) if " native " in ln]
     assert any(ln.endswith("user_sites.py:27 make_ones") for ln in native), native
     assert not any(ln.endswith(" ones") for ln in native), native
