@@ -122,6 +122,34 @@ def snapshot_write_time(n_samples: int, reps: int) -> dict:
     }
 
 
+def _median_ratio(by_variant: dict[str, list[dict]], name: str, key: str) -> float:
+    return statistics.median(r[key] for r in by_variant[name]) / statistics.median(
+        r[key] for r in by_variant["plain"]
+    )
+
+
+def _progress():
+    """A rich progress bar on stderr (the tables go to stdout)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("[progress.description]{task.description:<36}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repetition")
@@ -137,22 +165,29 @@ def main() -> None:
         print("numpy not installed: skipping numpy_churn and threaded_mix")
         workloads = [w for w in workloads if w not in ("numpy_churn", "threaded_mix")]
     runs: dict[str, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory(prefix="memprof-bench-") as tmpdir:
+    with tempfile.TemporaryDirectory(prefix="memprof-bench-") as tmpdir, _progress() as progress:
         tmp = Path(tmpdir)
         var = variants(tmp, args.smoke)
         rng = random.Random(1)
+        task = progress.add_task("runs", total=reps * len(workloads) * len(var))
         for rep in range(reps):
             for wl in workloads:
                 order = list(var)
                 rng.shuffle(order)
                 for name in order:
+                    progress.update(task, description=f"rep {rep + 1}/{reps} {wl} {name}")
                     prefix, env = var[name]
                     res = run_one(prefix, env, wl, scale)
                     runs.setdefault(wl, {}).setdefault(name, []).append(res)
                     shutil.rmtree(tmp / "mp", ignore_errors=True)
                     (tmp / "memray.bin").unlink(missing_ok=True)
-            print(f"rep {rep + 1}/{reps} done", file=sys.stderr)
-    snap = snapshot_write_time(10_000 if args.smoke else 100_000, 3 if args.smoke else 15)
+                    progress.advance(task)
+            so_far = ", ".join(
+                f"{wl} {_median_ratio(runs[wl], 'memprof', 'cpu'):.3f}" for wl in workloads
+            )
+            progress.console.print(f"rep {rep + 1}/{reps}: memprof CPU x plain so far {so_far}")
+        progress.update(task, description="snapshot write time")
+        snap = snapshot_write_time(10_000 if args.smoke else 100_000, 3 if args.smoke else 15)
 
     summary: dict[str, dict[str, dict]] = {}
     for wl, by_var in runs.items():

@@ -58,3 +58,13 @@ def writer_threads() -> int:
 
 
 WORKLOADS = Path(__file__).parent / "workloads"
+
+
+def run_user_sites(out: Path, *extra: str) -> tuple[str, str]:
+    """Run workloads/user_sites.py under `memprof run`: (first snapshot, final snapshot)."""
+    stdout = run_cli(
+        "run", "--out", str(out), "--interval", "3600", "--mean", "65536", "--seed", "3",
+        *extra, "--", sys.executable, str(WORKLOADS / "user_sites.py"),
+    )  # fmt: skip
+    first, second = stdout.split()
+    return first, second

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import signal
 import subprocess
@@ -175,3 +176,62 @@ def test_native_run_without_jemalloc_says_why(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "libjemalloc" in proc.stderr
+
+
+# ---- speedscope: the file-format schema's rules (https://www.speedscope.app/file-format-schema.json)
+# checked by hand (no jsonschema in the environment), plus what the schema cannot say
+
+_UNITS = {"bytes", "microseconds", "milliseconds", "nanoseconds", "none", "seconds"}
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check_speedscope_schema(doc: dict) -> None:
+    assert doc["$schema"] == "https://www.speedscope.app/file-format-schema.json"
+    assert isinstance(doc.get("name", ""), str)
+    assert _is_number(doc.get("activeProfileIndex", 0))
+    assert isinstance(doc.get("exporter", ""), str)
+    frames = doc["shared"]["frames"]
+    assert isinstance(frames, list)
+    for fr in frames:
+        assert isinstance(fr["name"], str)
+        assert set(fr) <= {"name", "file", "line", "col"}
+        assert isinstance(fr.get("file", ""), str)
+        assert _is_number(fr.get("line", 0))
+    assert isinstance(doc["profiles"], list)
+    assert doc["profiles"]
+    for prof in doc["profiles"]:
+        assert prof["type"] == "sampled"
+        assert isinstance(prof["name"], str)
+        assert prof["unit"] in _UNITS
+        assert _is_number(prof["startValue"])
+        assert _is_number(prof["endValue"])
+        assert prof["endValue"] >= prof["startValue"]
+        assert len(prof["samples"]) == len(prof["weights"])
+        for stack in prof["samples"]:
+            assert isinstance(stack, list)
+            assert all(isinstance(i, int) and 0 <= i < len(frames) for i in stack)
+        assert all(_is_number(w) and w >= 0 for w in prof["weights"])
+        assert sum(prof["weights"]) <= prof["endValue"] - prof["startValue"] + 1e-6
+    assert 0 <= doc.get("activeProfileIndex", 0) < len(doc["profiles"])
+
+
+def test_export_speedscope(tmp_path):
+    _, snap_path = _run_workload(tmp_path, "grow.py")
+    out = tmp_path / "p.speedscope.json"
+    run_cli("export", "--format", "speedscope", snap_path, "-o", str(out))
+    doc = json.loads(out.read_text())
+    _check_speedscope_schema(doc)
+    frames = doc["shared"]["frames"]
+    space, objects = doc["profiles"]
+    assert (space["unit"], objects["unit"]) == ("bytes", "none")
+    snap = memprof.Snapshot.load(snap_path)
+    assert abs(sum(space["weights"]) - snap.total_bytes) < 1e-3 * snap.total_bytes + 100
+    # root first: the biggest sample ends in the allocating function, under <module>
+    biggest = max(range(len(space["weights"])), key=space["weights"].__getitem__)
+    names = [frames[i]["name"] for i in space["samples"][biggest]]
+    assert names[-1] == "retain_bytearrays"
+    assert names[0] == "<module>"
+    assert frames[space["samples"][biggest][-1]]["file"].endswith("grow.py")

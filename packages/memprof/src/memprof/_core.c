@@ -45,7 +45,10 @@
 #define MAX_FRAMES 64
 #define SNAP_MAGIC "MEMPROF\0"
 #define SNAP_TRAILER "MPROFEND"
-#define SNAP_VERSION 1u
+#define SNAP_VERSION 2u
+/* per-stack flags (snapshot v2) */
+#define STACK_IN_IMPORT 1u /* allocated while a module was being imported (see capture_stack) */
+#define STACK_TRUNCATED 2u /* deeper than MAX_FRAMES: the outermost frames are missing */
 #define KIND_PYTHON 0u
 #define KIND_NATIVE 1u
 /* fake "return address" tag that carries one of our stack ids through jemalloc's profiler */
@@ -318,7 +321,7 @@ static int64_t intern_frame(PyCodeObject *co, int line, int have_gil) {
 
 /* stacks: thread id + frame ids, innermost first */
 typedef struct {
-    uint32_t tid, n, off;
+    uint32_t tid, n, off, flags;
 } stack_t_;
 static stack_t_ *g_stacks;
 static uint32_t g_nstacks, g_capstacks;
@@ -326,18 +329,18 @@ static uint32_t *g_pool;
 static size_t g_npool, g_cappool;
 static imap_t g_stack_map;
 typedef struct {
-    uint32_t tid, n;
+    uint32_t tid, n, flags;
     const uint32_t *ids;
 } stack_key;
 static int stack_eq(uint32_t idx, const void *k) {
     const stack_key *key = k;
     const stack_t_ *s = &g_stacks[idx];
-    return s->tid == key->tid && s->n == key->n &&
+    return s->tid == key->tid && s->n == key->n && s->flags == key->flags &&
            memcmp(g_pool + s->off, key->ids, key->n * sizeof(uint32_t)) == 0;
 }
-static int64_t intern_stack(uint32_t tid, const uint32_t *ids, uint32_t n) {
-    stack_key key = {tid, n, ids};
-    uint64_t h = hash_bytes(ids, n * sizeof(uint32_t), tid);
+static int64_t intern_stack(uint32_t tid, const uint32_t *ids, uint32_t n, uint32_t flags) {
+    stack_key key = {tid, n, flags, ids};
+    uint64_t h = hash_bytes(ids, n * sizeof(uint32_t), tid ^ ((uint64_t)flags << 32));
     int64_t found = imap_find(&g_stack_map, h, stack_eq, &key);
     if (found >= 0) return found;
     if (g_nstacks == g_capstacks) {
@@ -356,7 +359,7 @@ static int64_t intern_stack(uint32_t tid, const uint32_t *ids, uint32_t n) {
         g_cappool = nc;
     }
     memcpy(g_pool + g_npool, ids, n * sizeof(uint32_t));
-    g_stacks[g_nstacks] = (stack_t_){tid, n, (uint32_t)g_npool};
+    g_stacks[g_nstacks] = (stack_t_){tid, n, (uint32_t)g_npool, flags};
     if (imap_insert(&g_stack_map, h, g_nstacks)) return -1;
     g_npool += n;
     return g_nstacks++;
@@ -368,25 +371,38 @@ static int64_t intern_stack(uint32_t tid, const uint32_t *ids, uint32_t n) {
  * thread has released the GIL (it is inside a C call, e.g. ctypes or a numpy kernel): we
  * read them either way; the GIL only decides whether we may call into the C API for a
  * non-ASCII name. A thread without a Python thread state gets "<no Python stack>". */
+/* The code object of importlib._bootstrap._find_and_load (a strong reference taken by
+ * start()): every import statement, __import__ and importlib.import_module that has to load a
+ * module runs its body below this frame, so an allocation with it on the stack was made while
+ * importing. Compared by pointer during the (sampled-only) frame walk, which therefore goes on
+ * past MAX_FRAMES: a deep stack under an import still gets its flag. */
+static PyObject *g_find_and_load_code;
+
 static int64_t capture_stack(void) {
     PyCodeObject *codes[MAX_FRAMES];
     int lines[MAX_FRAMES];
     uint32_t ids[MAX_FRAMES];
     int n = 0;
     int have_gil = 0;
+    uint32_t flags = 0;
     if (Py_IsInitialized() && !_Py_IsFinalizing()) {
         have_gil = PyGILState_Check();
         PyThreadState *ts = PyGILState_GetThisThreadState();
         _PyInterpreterFrame *f = ts && ts->cframe ? ts->cframe->current_frame : NULL;
-        while (f && n < MAX_FRAMES) {
+        const void *import_code = g_find_and_load_code;
+        for (; f; f = f->previous) {
             PyCodeObject *co = f->f_code;
-            if (co && !_PyFrame_IsIncomplete(f)) {
-                int line = PyCode_Addr2Line(co, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
-                codes[n] = co;
-                lines[n] = line < 0 ? 0 : line;
-                n++;
+            if (!co || _PyFrame_IsIncomplete(f)) continue;
+            if ((const void *)co == import_code) flags |= STACK_IN_IMPORT;
+            if (n == MAX_FRAMES) {
+                flags |= STACK_TRUNCATED;
+                if (!import_code || (flags & STACK_IN_IMPORT)) break;
+                continue;
             }
-            f = f->previous;
+            int line = PyCode_Addr2Line(co, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
+            codes[n] = co;
+            lines[n] = line < 0 ? 0 : line;
+            n++;
         }
     }
     uint32_t tid = current_tid();
@@ -398,7 +414,7 @@ static int64_t capture_stack(void) {
         int64_t fid = intern_frame(NULL, 0, have_gil);
         if (fid >= 0) {
             ids[0] = (uint32_t)fid;
-            result = intern_stack(tid, ids, 1);
+            result = intern_stack(tid, ids, 1, flags);
         }
     } else {
         int ok = 1;
@@ -410,7 +426,7 @@ static int64_t capture_stack(void) {
             }
             ids[i] = (uint32_t)fid;
         }
-        if (ok) result = intern_stack(tid, ids, (uint32_t)n);
+        if (ok) result = intern_stack(tid, ids, (uint32_t)n, flags);
     }
     pthread_mutex_unlock(&g_intern_lock);
     if (have_gil) PyErr_Restore(et, ev, tb);
@@ -778,11 +794,11 @@ static int native_collect(const char *dump_path, double *objs, double *bytes, ui
 }
 
 /* ------------------------------------------------------------------ snapshot encoding
- * Format v1, little endian (documented in README and parsed by memprof/snapshot.py):
+ * Format v2, little endian (documented in README and parsed by memprof/snapfile.py):
  *   "MEMPROF\0" u32 version u32 flags u64 pid f64 unix_time f64 py_mean u64 native_mean
  *   u32 n_strings  { u32 len, bytes }
  *   u32 n_frames   { u32 file, u32 name, i32 line }
- *   u32 n_stacks   { u32 tid, u32 n, n * u32 frame }      (innermost frame first)
+ *   u32 n_stacks   { u32 tid, u32 flags, u32 n, n * u32 frame }   (innermost frame first)
  *   u32 n_records  { u32 stack, u32 kind, u64 samples, u64 sampled_bytes, f64 est_objects, f64 est_bytes }
  *   "MPROFEND" u64 total_length_including_trailer
  */
@@ -843,7 +859,7 @@ static int encode_snapshot(buf_t *b) {
             goto out;
     if (buf_u32(b, ns)) goto out;
     for (uint32_t i = 0; i < ns; i++)
-        if (buf_u32(b, g_stacks[i].tid) || buf_u32(b, g_stacks[i].n) ||
+        if (buf_u32(b, g_stacks[i].tid) || buf_u32(b, g_stacks[i].flags) || buf_u32(b, g_stacks[i].n) ||
             buf_put(b, g_pool + g_stacks[i].off, g_stacks[i].n * sizeof(uint32_t)))
             goto out;
     uint32_t nrec = 0;
@@ -1102,6 +1118,19 @@ static PyObject *py_start(PyObject *self, PyObject *args, PyObject *kw) {
             return NULL;
         }
     }
+    if (!g_find_and_load_code) {
+        /* importlib's bootstrap is frozen into the interpreter: always importable */
+        PyObject *mod = PyImport_ImportModule("_frozen_importlib");
+        PyObject *fn = mod ? PyObject_GetAttrString(mod, "_find_and_load") : NULL;
+        PyObject *code = fn ? PyObject_GetAttrString(fn, "__code__") : NULL;
+        Py_XDECREF(fn);
+        Py_XDECREF(mod);
+        if (code && PyCode_Check(code))
+            g_find_and_load_code = code; /* kept for the life of the process */
+        else
+            Py_XDECREF(code);
+        PyErr_Clear(); /* without it, import-time allocations are just not flagged */
+    }
     g_ours[D_RAW] = (PyMemAllocatorEx){NULL, raw_malloc, raw_calloc, raw_realloc, raw_free};
     g_ours[D_MEM] = (PyMemAllocatorEx){NULL, mem_malloc, mem_calloc, mem_realloc, mem_free};
     g_ours[D_OBJ] = (PyMemAllocatorEx){NULL, obj_malloc, obj_calloc, obj_realloc, obj_free};
@@ -1295,7 +1324,7 @@ static PyMethodDef core_methods[] = {
     {"start", (PyCFunction)(void (*)(void))py_start, METH_VARARGS | METH_KEYWORDS,
      "start(mean=524288.0, seed=0, native=False, native_dump_dir=None): install the allocator hooks"},
     {"stop", py_stop, METH_NOARGS, "restore the previous allocators and drop all live samples"},
-    {"snapshot_bytes", py_snapshot_bytes, METH_NOARGS, "encode the current live samples (format v1)"},
+    {"snapshot_bytes", py_snapshot_bytes, METH_NOARGS, "encode the current live samples (format v2)"},
     {"write_snapshot", py_write_snapshot, METH_O, "write a snapshot to path (tmp+fsync+rename); returns seconds"},
     {"writer_start", (PyCFunction)(void (*)(void))py_writer_start, METH_VARARGS | METH_KEYWORDS,
      "start the background snapshot writer thread"},

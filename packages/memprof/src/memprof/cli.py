@@ -8,7 +8,15 @@ import sys
 from pathlib import Path
 
 from .native import NativeModeUnavailable, native_env
-from .snapfile import Snapshot, SnapshotFormatError, diff, latest_snapshot
+from .snapfile import (
+    GROUP_INNERMOST,
+    GROUP_USER,
+    Frame,
+    Snapshot,
+    SnapshotFormatError,
+    diff,
+    latest_snapshot,
+)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -19,6 +27,17 @@ def _fmt_bytes(n: float) -> str:
             return f"{sign}{n:.1f} {unit}" if unit != "B" else f"{sign}{n:.0f} B"
         n /= 1024
     return f"{sign}{n:.1f} TiB"
+
+
+def _site(path: tuple[Frame, ...]) -> str:
+    """The grouping frame, then its callers."""
+    return "  <-  ".join(str(f) for f in path)
+
+
+def _grouping(args: argparse.Namespace) -> dict:
+    if args.depth < 1:
+        raise SystemExit(f"memprof {args.cmd}: --depth must be >= 1, got {args.depth}")
+    return {"group": GROUP_INNERMOST if args.innermost else GROUP_USER, "depth": args.depth}
 
 
 def _load(arg: str) -> Snapshot:
@@ -73,11 +92,11 @@ def _cmd_top(args: argparse.Namespace) -> int:
     total = snap.total_bytes
     print(f"pid {snap.pid}  live (estimated) {_fmt_bytes(total)}  sampling mean {snap.mean:.0f} B")
     print(f"{'live bytes':>12} {'%':>6} {'objects':>10} {'samples':>8} {'kind':>6}  site")
-    for s in snap.sites()[: args.n]:
+    for s in snap.sites(**_grouping(args))[: args.n]:
         pct = 100.0 * s.est_bytes / total if total else 0.0
         print(
             f"{_fmt_bytes(s.est_bytes):>12} {pct:6.1f} {s.est_objects:10.0f} "
-            f"{s.samples:8d} {s.kind:>6}  {s.site}"
+            f"{s.samples:8d} {s.kind:>6}  {_site(s.path)}"
         )
     if args.stacks:
         print()
@@ -96,12 +115,12 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     a, b = _load(args.before), _load(args.after)
     print(f"live (estimated): {_fmt_bytes(a.total_bytes)} -> {_fmt_bytes(b.total_bytes)}")
     print(f"{'growth':>12} {'before':>12} {'after':>12} {'kind':>6}  site")
-    for d in diff(a, b)[: args.n]:
+    for d in diff(a, b, **_grouping(args))[: args.n]:
         if d.growth_bytes <= 0 and not args.all:
             break
         print(
             f"{_fmt_bytes(d.growth_bytes):>12} {_fmt_bytes(d.before_bytes):>12} "
-            f"{_fmt_bytes(d.after_bytes):>12} {d.kind:>6}  {d.site}"
+            f"{_fmt_bytes(d.after_bytes):>12} {d.kind:>6}  {_site(d.path)}"
         )
     return 0
 
@@ -115,13 +134,33 @@ def _cmd_flamegraph(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from .pprof import export_pprof
+    fmt = "pprof" if args.pprof else args.format
+    if fmt is None:
+        raise SystemExit("memprof export: choose a format (--format pprof|speedscope)")
+    output = args.output or ("memprof.pb.gz" if fmt == "pprof" else "memprof.speedscope.json")
+    snap = _load(args.snapshot)
+    if fmt == "pprof":
+        from .pprof import export_pprof
 
-    if not args.pprof:
-        raise SystemExit("memprof export: choose a format (--pprof)")
-    export_pprof(_load(args.snapshot), args.output)
-    print(f"wrote {args.output}")
+        export_pprof(snap, output)
+    else:
+        from .speedscope import export_speedscope
+
+        export_speedscope(snap, output)
+    print(f"wrote {output}")
     return 0
+
+
+def _grouping_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--innermost",
+        action="store_true",
+        help="group by the frame that allocated (default: the first frame in your code, "
+        "outside the standard library and site-packages)",
+    )
+    p.add_argument(
+        "--depth", type=int, default=1, help="frames per site: the site and its N-1 callers"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -148,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("snapshot", help="snapshot file, or a directory (newest snapshot)")
     t.add_argument("-n", type=int, default=25, help="sites to show")
     t.add_argument("--stacks", type=int, default=0, help="also show the N biggest full stacks")
+    _grouping_args(t)
     t.set_defaults(func=_cmd_top)
 
     d = sub.add_parser("diff", help="what grew between two snapshots")
@@ -155,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("after")
     d.add_argument("-n", type=int, default=25)
     d.add_argument("--all", action="store_true", help="also show sites that shrank")
+    _grouping_args(d)
     d.set_defaults(func=_cmd_diff)
 
     f = sub.add_parser("flamegraph", help="self-contained HTML flame graph of live bytes")
@@ -162,10 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("-o", "--output", default="memprof-flamegraph.html")
     f.set_defaults(func=_cmd_flamegraph)
 
-    e = sub.add_parser("export", help="export a snapshot (pprof)")
+    e = sub.add_parser("export", help="export a snapshot (pprof, speedscope)")
     e.add_argument("snapshot")
-    e.add_argument("--pprof", action="store_true", help="gzipped profile.proto")
-    e.add_argument("-o", "--output", default="memprof.pb.gz")
+    e.add_argument(
+        "--format",
+        choices=("pprof", "speedscope"),
+        help="pprof: gzipped profile.proto (go tool pprof); speedscope: its JSON file format",
+    )
+    e.add_argument("--pprof", action="store_true", help="same as --format pprof")
+    e.add_argument(
+        "-o", "--output", help="default memprof.pb.gz or memprof.speedscope.json (by format)"
+    )
     e.set_defaults(func=_cmd_export)
     return p
 

@@ -1,75 +1,79 @@
-"""A self-contained HTML flame graph of live bytes (no network access needed to view it)."""
+"""A self-contained HTML flame graph of live bytes (no network access needed to view it).
+
+The page embeds the snapshot's stacks, frames and records (not a pre-built tree) and builds
+the tree it shows in the browser, so that each switch re-aggregates the same data:
+
+- every frame shows its live bytes and share of the total (label and tooltip: file:line,
+  bytes, share of all and of the parent, self bytes, objects);
+- search (substring, or /regex/) highlights matching frames and sums the live bytes of the
+  stacks that contain a match ("matched"), each stack counted once;
+- views: `flame` (callers above callees, the allocating frame at the bottom), `inverted`
+  (the allocating frame at the top, its callers below), `native callers` (native
+  allocations only, under the Python frame that called into native code);
+- `hide imports`: drops allocations made while a module was being imported (the C core flags
+  stacks that have importlib's `_find_and_load` on them);
+- `native`: a native (jemalloc) allocation is a `[native allocation]` frame under its Python
+  caller, or folded into the caller's own bytes;
+- `library frames`: shown, or folded into the user's frame that called them (the same
+  user/library split as `memprof top`);
+- thread filter; click to zoom, Escape or a click on the root to reset.
+
+The state lives in the URL fragment (`#search=ones&view=inverted&imports=hide&native=fold&
+lib=fold&thread=123`), so a view can be linked and a headless browser can drive it.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+from pathlib import Path
 
-from .snapfile import KIND_NAMES, Snapshot
-
-
-def _tree(snap: Snapshot) -> dict:
-    root: dict = {"n": "all", "v": 0.0, "c": {}}
-    for rec in snap.records:
-        stack = snap.stacks[rec.stack_id]
-        node = root
-        node["v"] += rec.est_bytes
-        path = [f"[{KIND_NAMES.get(rec.kind, '?')}]"]
-        path += [f"{f.function} ({f.filename}:{f.line})" for f in reversed(stack.frames)]
-        for name in path:
-            child = node["c"].get(name)
-            if child is None:
-                child = node["c"][name] = {"n": name, "v": 0.0, "c": {}}
-            child["v"] += rec.est_bytes
-            node = child
-
-    def freeze(node: dict) -> dict:
-        kids = sorted(node["c"].values(), key=lambda c: -c["v"])
-        return {"n": node["n"], "v": round(node["v"]), "c": [freeze(c) for c in kids]}
-
-    return freeze(root)
+from .snapfile import KIND_NATIVE, Snapshot, is_library_file
 
 
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>%(title)s</title>
-<style>
-body{font:12px monospace;margin:8px}
-#g div{position:absolute;height:17px;overflow:hidden;white-space:nowrap;box-sizing:border-box;
-border:1px solid #fff;cursor:pointer;padding-left:2px}
-#g{position:relative}
-#info{height:18px;margin:4px 0}
-</style></head><body>
-<h3>%(title)s</h3>
-<div>click a frame to zoom, click the root to reset</div><div id="info"></div><div id="g"></div>
-<script>
-const data = %(data)s;
-const g = document.getElementById("g"), info = document.getElementById("info");
-function fmt(b){const u=["B","KiB","MiB","GiB","TiB"];let i=0;while(b>=1024&&i<4){b/=1024;i++}
-  return b.toFixed(1)+" "+u[i]}
-function color(s){let h=0;for(const ch of s)h=(h*31+ch.charCodeAt(0))|0;
-  return "hsl("+(20+Math.abs(h)%%40)+",80%%,"+(55+Math.abs(h>>8)%%20)+"%%)"}
-function render(focus){
-  g.innerHTML=""; const W=g.clientWidth||window.innerWidth-20; let depth=0;
-  function draw(node,x,w,d){
-    if(w<1)return; depth=Math.max(depth,d);
-    const el=document.createElement("div");
-    el.style.left=x+"px";el.style.top=(d*18)+"px";el.style.width=w+"px";
-    el.style.background=color(node.n);el.textContent=node.n;
-    el.title=node.n+"\\n"+fmt(node.v);
-    el.onmouseover=()=>{info.textContent=node.n+"  "+fmt(node.v)+"  ("+
-      (100*node.v/Math.max(data.v,1)).toFixed(1)+"%% of all)"};
-    el.onclick=()=>render(node===focus?data:node);
-    g.appendChild(el);
-    let cx=x;for(const c of node.c){const cw=w*c.v/Math.max(node.v,1);draw(c,cx,cw,d+1);cx+=cw}
-  }
-  draw(focus,0,W,0); g.style.height=((depth+1)*18)+"px";
-}
-render(data);
-</script></body></html>
-"""
+def flamegraph_data(snap: Snapshot) -> dict:
+    """The page's data: frames [function, file index, line, is_library], stacks [flags,
+    thread, frame ids innermost first], records [stack, native?, bytes, objects]."""
+    files: dict[str, int] = {}
+    frames: dict[tuple[str, str, int], int] = {}
+    frame_rows: list[list] = []
+    stack_rows: list[list] = []
+    for stack in snap.stacks:
+        ids = []
+        for f in stack.frames:
+            key = (f.function, f.filename, f.line)
+            fid = frames.get(key)
+            if fid is None:
+                file_id = files.setdefault(f.filename, len(files))
+                fid = frames[key] = len(frame_rows)
+                frame_rows.append([f.function, file_id, f.line, int(is_library_file(f.filename))])
+            ids.append(fid)
+        stack_rows.append([stack.flags, stack.thread_id, ids])
+    records = [
+        [r.stack_id, int(r.kind == KIND_NATIVE), round(r.est_bytes), round(r.est_objects)]
+        for r in snap.records
+        if r.est_bytes > 0
+    ]
+    return {
+        "pid": snap.pid,
+        "time": snap.time,
+        "mean": snap.mean,
+        "native": snap.native,
+        "files": list(files),
+        "frames": frame_rows,
+        "stacks": stack_rows,
+        "records": records,
+    }
+
+
+# the page (HTML, CSS and script) lives next to this module; the data goes in at @DATA@
+_PAGE = (Path(__file__).parent / "flamegraph_page.html").read_text(encoding="utf-8")
 
 
 def flamegraph_html(snap: Snapshot, title: str | None = None) -> str:
     title = title or f"memprof: live memory of pid {snap.pid}"
-    data = json.dumps(_tree(snap), separators=(",", ":")).replace("</", "<\\/")
-    return _PAGE % {"title": html.escape(title), "data": data}
+    # "</" inside the JSON would end the script element; "\\u2028" is fine in JSON and JS
+    data = json.dumps(flamegraph_data(snap), separators=(",", ":")).replace("</", "<\\/")
+    head, _, tail = _PAGE.partition("@DATA@")
+    title = html.escape(title)
+    return head.replace("@TITLE@", title) + data + tail.replace("@TITLE@", title)

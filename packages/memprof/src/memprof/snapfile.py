@@ -1,16 +1,23 @@
-"""Reading memprof snapshots (format v1, written by the C core; layout in the README)."""
+"""Reading memprof snapshots (format v1 and v2, written by the C core; layout in the README)."""
 
 from __future__ import annotations
 
 import os
+import re
 import struct
+import sysconfig
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"MEMPROF\0"
 TRAILER = b"MPROFEND"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # v1: no per-stack flags
+STACK_IN_IMPORT = 1  # allocated while a module was being imported
+STACK_TRUNCATED = 2  # deeper than the C core's 64 frames: the outermost ones are missing
+GROUP_USER = "user"
+GROUP_INNERMOST = "innermost"
 KIND_PYTHON = 0
 KIND_NATIVE = 1
 KIND_NAMES = {KIND_PYTHON: "python", KIND_NATIVE: "native"}
@@ -19,6 +26,10 @@ _HEADER = struct.Struct("<8sIIQddQ")
 _U32 = struct.Struct("<I")
 _FRAME = struct.Struct("<IIi")
 _STACK_HEAD = struct.Struct("<II")
+_STACK_HEAD_V2 = struct.Struct("<III")
+# importlib's loader, seen in v1 snapshots (v2 has the flag from the C core)
+_IMPORT_FILE = "<frozen importlib._bootstrap>"
+_IMPORT_FUNCTION = "_find_and_load"
 _RECORD = struct.Struct("<IIQQdd")
 
 
@@ -36,10 +47,64 @@ class Frame:
         return f"{self.filename}:{self.line} {self.function}"
 
 
+# Library code: the standard library and installed packages, wherever the profiled
+# interpreter had them (the snapshot may be read on another machine, so by path shape as well
+# as by this interpreter's own paths). `<frozen ...>` is the stdlib frozen into the
+# interpreter; other `<...>` names (`<string>` of `python -c`, `<stdin>`) are the user's.
+_LIBRARY_PATH = re.compile(
+    r"([/\\](site|dist)-packages[/\\])|([/\\]lib(64)?[/\\](pypy|python)\d+(\.\d+)?[/\\])"
+)
+
+
+def _library_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    keys = ("stdlib", "platstdlib", "purelib", "platlib")
+    return tuple(sorted({os.path.join(paths[k], "") for k in keys if paths.get(k)}))
+
+
+_LIBRARY_PREFIXES = _library_prefixes()
+
+
+def is_library_file(filename: str) -> bool:
+    """True for the standard library and installed packages (site-/dist-packages)."""
+    if filename.startswith("<"):
+        return filename.startswith("<frozen ")
+    return bool(_LIBRARY_PATH.search(filename)) or filename.startswith(_LIBRARY_PREFIXES)
+
+
 @dataclass(frozen=True, slots=True)
 class Stack:
     thread_id: int
     frames: tuple[Frame, ...]  # innermost first
+    flags: int = 0
+
+    @property
+    def in_import(self) -> bool:
+        """Allocated while a module was being imported (importlib's _find_and_load below)."""
+        return bool(self.flags & STACK_IN_IMPORT)
+
+    @property
+    def truncated(self) -> bool:
+        return bool(self.flags & STACK_TRUNCATED)
+
+    def site_index(self, group: str = GROUP_USER) -> int:
+        """Index of the frame a report groups by: the first (innermost) frame of the user's
+        code -- outside the standard library and site-packages -- or, for `innermost` or a
+        stack without user code, frame 0."""
+        if group == GROUP_USER:
+            for i, frame in enumerate(self.frames):
+                if not is_library_file(frame.filename):
+                    return i
+        elif group != GROUP_INNERMOST:
+            raise ValueError(f"group must be {GROUP_USER!r} or {GROUP_INNERMOST!r}, got {group!r}")
+        return 0
+
+    def site_path(self, group: str = GROUP_USER, depth: int = 1) -> tuple[Frame, ...]:
+        """`depth` frames from the grouping frame outward (the site, its caller, ...)."""
+        if not self.frames:
+            return (Frame("<unknown>", "<unknown>", 0),)
+        i = self.site_index(group)
+        return self.frames[i : i + max(1, depth)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +126,7 @@ class SiteStat:
     samples: int
     est_objects: float
     est_bytes: float
+    path: tuple[Frame, ...] = ()  # site first, then its callers (`depth` frames)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +137,7 @@ class SiteDelta:
     after_bytes: float
     before_objects: float
     after_objects: float
+    path: tuple[Frame, ...] = ()
 
     @property
     def growth_bytes(self) -> float:
@@ -106,39 +173,50 @@ class Snapshot:
     def stack(self, stack_id: int) -> Stack:
         return self.stacks[stack_id]
 
-    def sites(self, *, kind: str | None = None) -> list[SiteStat]:
-        """Live bytes grouped by allocation site (innermost Python frame), largest first."""
-        acc: dict[tuple[Frame, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    def sites(
+        self, *, kind: str | None = None, group: str = GROUP_INNERMOST, depth: int = 1
+    ) -> list[SiteStat]:
+        """Live bytes grouped by allocation site, largest first.
+
+        group: `innermost` (the frame that allocated) or `user` (the first frame in the
+        user's code, outside the standard library and site-packages); depth: how many frames
+        from there outward make up a site."""
+        acc: dict[tuple[tuple[Frame, ...], str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        paths: dict[int, tuple[Frame, ...]] = {}
         for r in self.records:
             kname = KIND_NAMES.get(r.kind, str(r.kind))
             if kind is not None and kname != kind:
                 continue
-            frames = self.stacks[r.stack_id].frames
-            site = frames[0] if frames else Frame("<unknown>", "<unknown>", 0)
-            slot = acc[(site, kname)]
+            path = paths.get(r.stack_id)
+            if path is None:
+                path = paths[r.stack_id] = self.stacks[r.stack_id].site_path(group, depth)
+            slot = acc[(path, kname)]
             slot[0] += r.samples
             slot[1] += r.est_objects
             slot[2] += r.est_bytes
-        out = [SiteStat(site, k, int(v[0]), v[1], v[2]) for (site, k), v in acc.items()]
+        out = [SiteStat(path[0], k, int(v[0]), v[1], v[2], path) for (path, k), v in acc.items()]
         out.sort(key=lambda s: s.est_bytes, reverse=True)
         return out
 
 
-def diff(before: Snapshot, after: Snapshot) -> list[SiteDelta]:
-    """Per-site change from `before` to `after`, biggest growth first."""
-    old = {(s.site, s.kind): s for s in before.sites()}
-    new = {(s.site, s.kind): s for s in after.sites()}
+def diff(
+    before: Snapshot, after: Snapshot, *, group: str = GROUP_INNERMOST, depth: int = 1
+) -> list[SiteDelta]:
+    """Per-site change from `before` to `after`, biggest growth first (grouped as sites())."""
+    old = {(s.path, s.kind): s for s in before.sites(group=group, depth=depth)}
+    new = {(s.path, s.kind): s for s in after.sites(group=group, depth=depth)}
     out = []
     for key in old.keys() | new.keys():
         a, b = old.get(key), new.get(key)
         out.append(
             SiteDelta(
-                site=key[0],
+                site=key[0][0],
                 kind=key[1],
                 before_bytes=a.est_bytes if a else 0.0,
                 after_bytes=b.est_bytes if b else 0.0,
                 before_objects=a.est_objects if a else 0.0,
                 after_objects=b.est_objects if b else 0.0,
+                path=key[0],
             )
         )
     out.sort(key=lambda d: d.growth_bytes, reverse=True)
@@ -153,8 +231,8 @@ def _parse(buf: memoryview) -> Snapshot:
             "incomplete memprof snapshot (trailer missing or length mismatch)"
         )
     _magic, version, flags, pid, ts, mean, native_mean = _HEADER.unpack_from(buf, 0)
-    if version != VERSION:
-        raise SnapshotFormatError(f"snapshot version {version}, this reader knows {VERSION}")
+    if version not in VERSIONS:
+        raise SnapshotFormatError(f"snapshot version {version}, this reader knows {VERSIONS}")
     off = _HEADER.size
     (n,) = _U32.unpack_from(buf, off)
     off += 4
@@ -174,11 +252,22 @@ def _parse(buf: memoryview) -> Snapshot:
     off += 4
     stacks = []
     for _ in range(n):
-        tid, nf = _STACK_HEAD.unpack_from(buf, off)
-        off += 8
+        if version >= 2:
+            tid, stack_flags, nf = _STACK_HEAD_V2.unpack_from(buf, off)
+            off += _STACK_HEAD_V2.size
+        else:
+            tid, nf = _STACK_HEAD.unpack_from(buf, off)
+            off += _STACK_HEAD.size
         ids = struct.unpack_from(f"<{nf}I", buf, off)
         off += 4 * nf
-        stacks.append(Stack(tid, tuple(frames[i] for i in ids)))
+        stack_frames = tuple(frames[i] for i in ids)
+        if version < 2 and any(
+            f.filename == _IMPORT_FILE and f.function == _IMPORT_FUNCTION for f in stack_frames
+        ):
+            stack_flags = STACK_IN_IMPORT
+        elif version < 2:
+            stack_flags = 0
+        stacks.append(Stack(tid, stack_frames, stack_flags))
     (n,) = _U32.unpack_from(buf, off)
     off += 4
     records = tuple(

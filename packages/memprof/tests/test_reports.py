@@ -1,0 +1,112 @@
+"""`top`/`diff` grouping (the user's frame by default, --innermost, --depth) and the
+import-time flag, on a script that allocates through numpy, a stdlib call and an import."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import memprof
+import pytest
+from conftest import WORKLOADS, run_cli, run_user_sites
+from memprof.native import find_jemalloc
+from memprof.snapfile import is_library_file
+
+pytest.importorskip("numpy")
+
+
+@pytest.fixture(scope="module")
+def snaps() -> Iterator[tuple[str, str]]:
+    out = Path(tempfile.mkdtemp(prefix="memprof-test-"))  # see conftest.tmp_path
+    yield run_user_sites(out)
+    shutil.rmtree(out, ignore_errors=True)
+
+
+def _site_lines(report: str) -> list[str]:
+    return report.splitlines()[2:]
+
+
+def test_top_groups_by_the_users_frame(snaps):
+    lines = _site_lines(run_cli("top", snaps[1]))
+    assert lines[0].endswith("user_sites.py:22 save_array"), lines  # not numpy's write_array
+    assert any(ln.endswith("user_sites.py:17 load_json") for ln in lines), lines
+    report = "\n".join(lines)
+    assert "write_array" not in report
+    assert "raw_decode" not in report
+
+
+def test_top_innermost_names_the_library_frame(snaps):
+    lines = _site_lines(run_cli("top", snaps[1], "--innermost"))
+    assert lines[0].endswith(" write_array"), lines
+    assert "site-packages/numpy/" in lines[0]
+    assert any(ln.endswith(" JSONDecoder.raw_decode") for ln in lines), lines
+    assert not any(ln.endswith(" save_array") for ln in lines)
+
+
+def test_top_depth_adds_the_callers(snaps):
+    lines = _site_lines(run_cli("top", snaps[1], "--depth", "2"))
+    site, caller = lines[0].split("  <-  ")
+    assert site.endswith("save_array")
+    assert caller.endswith("user_sites.py:33 <module>")
+    inner = _site_lines(run_cli("top", snaps[1], "--depth", "2", "--innermost"))[0]
+    assert inner.split("  <-  ")[0].endswith("write_array")
+    assert inner.split("  <-  ")[1].endswith(" save")  # numpy's np.save called write_array
+
+
+def test_diff_groups_by_the_users_frame(snaps):
+    growth = _site_lines(run_cli("diff", *snaps))
+    assert growth[0].endswith("user_sites.py:22 save_array"), growth
+    assert "load_json" not in "\n".join(growth)  # allocated before the first snapshot
+    inner = _site_lines(run_cli("diff", *snaps, "--innermost"))
+    assert inner[0].endswith(" write_array"), inner
+
+
+def test_allocations_during_import_are_flagged(snaps):
+    snap = memprof.Snapshot.load(snaps[1])
+    table = [r for r in snap.records if "imported_table.py" in str(snap.stack(r.stack_id).frames)]
+    assert table
+    assert all(snap.stack(r.stack_id).in_import for r in table)
+    assert sum(r.est_bytes for r in table) > 0.7 * 2000 * 4096
+    for r in snap.records:
+        frames = snap.stack(r.stack_id).frames
+        if frames and frames[0].function in ("load_json", "save_array"):
+            assert not snap.stack(r.stack_id).in_import
+    assert snap.version == 2
+
+
+def test_library_files():
+    assert is_library_file("/usr/lib/python3.11/json/decoder.py")
+    assert is_library_file("/opt/venv/lib/python3.12/site-packages/numpy/_core/numeric.py")
+    assert is_library_file("/usr/lib/python3/dist-packages/yaml/__init__.py")
+    assert is_library_file("<frozen importlib._bootstrap>")
+    assert is_library_file(sys.modules["json"].__file__)
+    assert not is_library_file("<string>")  # python -c
+    assert not is_library_file("/home/me/project/train.py")
+    assert not is_library_file(str(WORKLOADS / "user_sites.py"))
+
+
+def test_bad_depth_is_refused(snaps):
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "memprof.cli", "top", snaps[1], "--depth", "0"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "--depth" in proc.stderr
+
+
+@pytest.mark.skipif(find_jemalloc() is None, reason="libjemalloc2 not installed")
+def test_native_ones_is_grouped_under_its_caller(tmp_path):
+    _, path = run_user_sites(tmp_path, "--native", "--malloc-conf", "lg_prof_sample:16")
+    native = [ln for ln in _site_lines(run_cli("top", path)) if " native " in ln]
+    assert any(ln.endswith("user_sites.py:27 make_ones") for ln in native), native
+    assert not any(ln.endswith(" ones") for ln in native), native
+    inner = [ln for ln in _site_lines(run_cli("top", path, "--innermost")) if " native " in ln]
+    ones = [ln for ln in inner if ln.endswith(" ones")]
+    assert ones, inner
+    assert "numpy" in ones[0]
+    assert not any(ln.endswith(" make_ones") for ln in inner), inner
