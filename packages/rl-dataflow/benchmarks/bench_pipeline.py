@@ -7,9 +7,14 @@ cheapest by-value case).
     python packages/rl-dataflow/benchmarks/bench_pipeline.py --hidden 1024  # one model width
     python packages/rl-dataflow/benchmarks/bench_pipeline.py --smoke  # tiny, in-process, no Ray
 
-Reported, per format: median step time per mode, by-ref overhead over off (target <= 7%), and
-by value / by ref for the whole step and for the data path (step minus the stand-in model's
-compute; target >= 3x). Full mode writes results/pipeline.json.
+    python packages/rl-dataflow/benchmarks/bench_pipeline.py --modes off,ref --repeat 3
+
+Reported, per format: median step time per mode, by-ref overhead over off (issue 17's target:
+overlapped by ref <= +2%), by value / by ref for the whole step and for the data path (step minus
+the stand-in model's compute; target >= 3x), and the memcpy baseline: one numpy copy of a by-ref
+step's R3 bytes into a warm buffer, timed in the trainer in the same run (target: what by ref adds
+to the data path <= 1.5x that). ``--repeat`` runs everything again with fresh actors and masters in
+the same Ray session (each repeat is reported). Full mode writes results/pipeline.json.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import ray
 from rl_dataflow.cli import format_table, init_ray
-from rl_dataflow.pipeline import PipelineConfig, R3Format, R3Mode, run_formats
+from rl_dataflow.pipeline import PipelineConfig, R3Format, R3Mode, plan_runs, run_formats
+from rl_dataflow.progress import console, step_progress
 
 RESULTS = Path(__file__).parent / "results" / "pipeline.json"
 
@@ -32,6 +38,13 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--train-passes", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per width, each reported")
+    parser.add_argument("--modes", default="off,value,ref")
+    parser.add_argument(
+        "--overlap",
+        default="off,ref",
+        help="modes to run a second time in the overlapped schedule (prefetch), '' for none",
+    )
     parser.add_argument(
         "--r3-format",
         choices=["both", *(f.value for f in R3Format)],
@@ -44,7 +57,8 @@ def main() -> int:
         help="stand-in model widths to run, comma-separated (the step's compute grows as hidden^2)",
     )
     args = parser.parse_args()
-    modes = [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF]
+    modes = [R3Mode(m) for m in args.modes.split(",")]
+    overlap = [R3Mode(m) for m in args.overlap.split(",") if m]
     formats = list(R3Format) if args.r3_format == "both" else [R3Format(args.r3_format)]
     if args.smoke:
         configs = [
@@ -58,27 +72,32 @@ def main() -> int:
         ]
         steps, warmup, store_gib, pool = args.steps, 1, 3.0, "1536M"
     runs = []
+    out = console()
+    per_run = (steps + warmup) * len(plan_runs(modes, formats, overlap))
+    total = per_run * (1 if args.smoke else len(configs) * args.repeat)
+    kwargs = {"steps": steps, "warmup": warmup, "pool_size": pool, "overlap": overlap}
     if args.smoke:
         # No Ray: Ray's start-up alone takes 15-60 s on this box. The stages run in-process,
         # which exercises every stage's code path (ref mode through a real refstore master).
-        runs = [
-            run_formats(
-                configs[0], modes, formats, steps=steps, warmup=warmup, pool_size=pool, local=True
-            )
-        ]
+        with step_progress(out, total, "smoke, in-process") as progress:
+            runs = [
+                run_formats(configs[0], modes, formats, local=True, progress=progress, **kwargs)
+            ]
+        run_configs = configs
     else:
-        init_ray(object_store_gib=store_gib)
+        with out.status("starting Ray (15-60 s on a small box)"):
+            init_ray(object_store_gib=store_gib)
+        run_configs = [c for c in configs for _ in range(args.repeat)]
         try:
-            for config in configs:
-                runs.append(
-                    run_formats(config, modes, formats, steps=steps, warmup=warmup, pool_size=pool)
-                )
+            with step_progress(out, total, f"{total} steps") as progress:
+                for config in run_configs:
+                    runs.append(run_formats(config, modes, formats, progress=progress, **kwargs))
         finally:
             ray.shutdown()
     report = []
-    for config, results in zip(configs, runs, strict=True):
+    for config, results in zip(run_configs, runs, strict=True):
         summary = summarise(config, results)
-        print(json.dumps(summary, indent=1))
+        out.print(json.dumps(summary, indent=1))
         for by_mode in results.values():
             for entry in by_mode.values():
                 for step in entry["steps"]:
@@ -102,18 +121,42 @@ def summarise(config: PipelineConfig, results: dict) -> dict:
     for fmt, by_mode in results.items():
         print(f"stand-in model hidden={config.hidden}")
         print(format_table(by_mode, config, fmt))
-        ref, value, off = by_mode["ref"], by_mode["value"], by_mode["off"]
-        summary[fmt] = {
-            "ref_over_off": ref["step_s"] / off["step_s"],
-            "value_over_ref_step": value["step_s"] / ref["step_s"],
-            "value_over_ref_data_path": value["data_path_s"] / ref["data_path_s"],
-            # The issue's targets: by ref <= 7% over off, and >= 3x faster than by value.
-            "ref_within_7pct_of_off": ref["step_s"] / off["step_s"] <= 1.07,
-            "ref_3x_faster_than_value_step": value["step_s"] / ref["step_s"] >= 3.0,
-        }
-        # Every format's by value and by ref trained on the same bytes.
-        assert value["r3_checksums"] == ref["r3_checksums"], fmt
-        assert ref.get("objects_left", 0) == 0, fmt
+        off = by_mode["off"]
+        facts: dict = {}
+        for label in ("ref", "ref+overlap"):
+            if label not in by_mode:
+                continue
+            ref = by_mode[label]
+            facts[f"{label}_over_off"] = ref["step_s"] / off["step_s"]
+            # What by ref adds to the step's data path, against the same schedule's R3 off, in
+            # memcpys of the bytes the step read (the limit is one copy).
+            base = by_mode.get("off+overlap" if label == "ref+overlap" else "off", off)
+            facts[f"{label}_over_same_schedule_off"] = ref["step_s"] / base["step_s"]
+            extra = ref["data_path_s"] - base["data_path_s"]
+            facts[f"{label}_extra_data_path_s"] = extra
+            facts[f"{label}_extra_data_path_memcpys"] = extra / ref["memcpy_s"]
+            facts["memcpy_s"] = ref["memcpy_s"]
+            assert ref.get("objects_left", 0) == 0, (fmt, label)
+        if "ref+overlap" in by_mode:
+            ref = by_mode["ref+overlap"]
+            # The issue's targets: <= +2% over off, and <= 1.5 memcpys on the data path.
+            facts["ref+overlap_within_2pct_of_off"] = ref["step_s"] / off["step_s"] <= 1.02
+            facts["ref+overlap_within_2pct_of_off+overlap"] = (
+                ref["step_s"] / by_mode["off+overlap"]["step_s"] <= 1.02
+                if "off+overlap" in by_mode
+                else None
+            )
+        if "value" in by_mode and "ref" in by_mode:
+            ref, value = by_mode["ref"], by_mode["value"]
+            facts["value_over_ref_step"] = value["step_s"] / ref["step_s"]
+            facts["value_over_ref_data_path"] = value["data_path_s"] / ref["data_path_s"]
+            facts["ref_3x_faster_than_value_step"] = value["step_s"] / ref["step_s"] >= 3.0
+            # Every format's by value and by ref trained on the same bytes.
+            assert value["r3_checksums"] == ref["r3_checksums"], fmt
+        for label in ("ref", "ref+overlap"):
+            if "value" in by_mode and label in by_mode:
+                assert by_mode[label]["r3_checksums"] == by_mode["value"]["r3_checksums"], label
+        summary[fmt] = facts
     return summary
 
 

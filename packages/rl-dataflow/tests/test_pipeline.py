@@ -38,24 +38,37 @@ def test_three_modes_train_on_identical_recordings(cluster):
         micro_batch_tokens=256,
         verify=True,
     )
+    steps: list[tuple[str, int]] = []
     by_format = run_formats(
-        config, [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF], list(R3Format), steps=2, pool_size="64M"
+        config,
+        [R3Mode.OFF, R3Mode.VALUE, R3Mode.REF],
+        list(R3Format),
+        steps=2,
+        pool_size="64M",
+        overlap=[R3Mode.OFF, R3Mode.REF],
+        progress=lambda label, step, outcome: steps.append((label, step)),
     )
+    # Every run reported every step (warm-up as -1), rounds in order.
+    assert len(steps) == 3 * 8
+    assert [step for _, step in steps] == [-1] * 8 + [0] * 8 + [1] * 8
     assert set(by_format) == {"torch", "numpy"}
     # R3 off records nothing: one run, shared by both formats.
     assert by_format["torch"]["off"] is by_format["numpy"]["off"]
     # Torch and numpy recordings are the same bytes: every checksum agrees across formats.
     assert by_format["torch"]["ref"]["r3_checksums"] == by_format["numpy"]["ref"]["r3_checksums"]
     for fmt, results in by_format.items():
-        assert set(results) == {"off", "value", "ref"}
-        assert results["off"]["r3_checksums"] == [0, 0]
+        assert set(results) == {"off", "value", "ref", "off+overlap", "ref+overlap"}
+        assert results["off"]["r3_checksums"] == results["off+overlap"]["r3_checksums"] == [0, 0]
+        # Prefetched or not, by ref trains on the same bytes as by value, batch by batch.
         assert results["value"]["r3_checksums"] == results["ref"]["r3_checksums"]
+        assert results["ref+overlap"]["r3_checksums"] == results["ref"]["r3_checksums"]
         assert all(results["ref"]["r3_checksums"])
-        assert results["ref"]["objects_left"] == 0
+        assert results["ref"]["objects_left"] == results["ref+overlap"]["objects_left"] == 0
+        assert results["ref+overlap"]["memcpy_s"] > 0
         # The always-on memory profiler runs in the actors (memprof is a dependency; it works).
         assert all(step["memprof"] for r in results.values() for step in r["steps"])
         tokens = {mode: [s["tokens"] for s in r["steps"]] for mode, r in results.items()}
-        assert tokens["off"] == tokens["value"] == tokens["ref"]
+        assert tokens["off"] == tokens["value"] == tokens["ref"] == tokens["ref+overlap"]
         table = format_table(results, config, fmt)
         assert "by ref vs by value" in table
         assert f"as {fmt}" in table

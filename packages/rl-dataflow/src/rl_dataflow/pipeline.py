@@ -28,11 +28,15 @@ turns on ``memprof`` (the always-on memory profiler) when it is importable.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
+import resource
 import sys
+import threading
 import time
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +45,8 @@ import numpy as np
 import ray
 import refstore
 import refstore.ray as rsray
+
+from .prefetch import Prefetcher
 
 log = logging.getLogger("rl_dataflow")
 
@@ -73,10 +79,16 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     seed: int = 0
     verify: bool = False  # replay stand-in: crc32 of the recordings (tests) instead of a sum
     r3_format: str = R3Format.TORCH.value  # the rollout's recordings: "torch" or "numpy"
+    prefetch_slots: int = 3  # trainer buffers for prefetched batches (0: no prefetch)
 
     @property
     def row_bytes(self) -> int:
         return self.layers * self.topk * 4
+
+    @property
+    def max_batch_rows(self) -> int:
+        """The most R3 rows one batch can have (the rollout clips lengths to 1.4x the mean)."""
+        return self.samples * int(self.mean_len * 1.4)
 
 
 @dataclass
@@ -188,14 +200,17 @@ class Rollout:
         self.rngs: dict[str, np.random.Generator] = {}
         self.steps: dict[str, int] = {}
 
-    def generate(self, mode_name: str, format_name: str | None = None) -> Batch:
-        """The next batch of ``mode_name``'s sequence, recordings as ``format_name`` (default: the
-        config's); every mode and format sees the same sequence of samples and recordings."""
+    def generate(
+        self, mode_name: str, format_name: str | None = None, sequence: str | None = None
+    ) -> Batch:
+        """The next batch of ``sequence`` (default: ``mode/format``), recordings as
+        ``format_name`` (default: the config's); every sequence sees the same samples and
+        recordings, step by step."""
         started = time.perf_counter()
         mode = R3Mode(mode_name)
         cfg = self.config
         r3_format = R3Format(format_name or cfg.r3_format)
-        sequence = f"{mode.value}/{r3_format.value}"
+        sequence = sequence or f"{mode.value}/{r3_format.value}"
         if sequence not in self.rngs:
             self.rngs[sequence] = np.random.default_rng(cfg.seed)
             self.steps[sequence] = 0
@@ -228,7 +243,9 @@ class Rollout:
             # pickles it there (torch).
             r3 = recordings
         elif mode is R3Mode.REF:
+            t0 = time.perf_counter()
             ref = rsray.client(REFSTORE_NAME).put({"topk": recordings})  # the one copy
+            put_s = time.perf_counter() - t0
             r3 = refstore.Manifest.from_packed(
                 ref,
                 lengths,
@@ -241,6 +258,8 @@ class Rollout:
             sample_ids, prompt_ids, lengths, tokens, r3, offsets if r3 is not None else None
         )
         batch.timings["rollout"] = time.perf_counter() - started
+        if mode is R3Mode.REF:
+            batch.timings["put"] = put_s
         return batch
 
 
@@ -295,7 +314,12 @@ class PackMicroBatches:
 
 
 class Trainer:
-    """Materialises each micro-batch into its final layout and runs a stand-in training step."""
+    """Materialises each micro-batch into its final layout and runs a stand-in training step.
+
+    Two ways in: ``step(micro_batches)`` materialises synchronously (one micro-batch at a time,
+    into one reused buffer); ``prefetch(key, micro_batches)`` hands over the next batch while the
+    current one trains, and ``step(micro_batches, key)`` then takes the rows a background thread
+    gathered into one of ``config.prefetch_slots`` preallocated buffers (``prefetch.py``)."""
 
     def __init__(self, config: PipelineConfig) -> None:
         import torch
@@ -309,45 +333,87 @@ class Trainer:
         self.tokens_out = np.empty(config.micro_batch_tokens * 2, np.int32)
         rows = config.micro_batch_tokens * 2
         self.r3_out = np.empty((rows, config.layers, config.topk), np.int32)
+        self._lock = threading.Lock()  # the two dicts below (prefetch and step run on two threads)
+        self._held: dict[Any, list[Batch]] = {}  # prefetched batches: their refs are ours
+        self._dropped: set[Any] = set()  # keys discarded before their prefetch arrived
+        self.prefetcher: Prefetcher | None = None
+        if config.prefetch_slots:
+            self.prefetcher = Prefetcher(
+                self._gather,
+                slots=config.prefetch_slots,
+                slot_rows=config.max_batch_rows,
+                row_shape=(config.layers, config.topk),
+                dtype=np.int32,
+                pinned=torch.cuda.is_available(),
+            )
+        self._memcpy_buffers: tuple[np.ndarray, np.ndarray] | None = None
 
-    def step(self, micro_batches: list[Batch]) -> dict[str, Any]:
+    # -- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, key: Any, micro_batches: list[Batch]) -> None:
+        """Start gathering a batch that trains later (returns at once)."""
+        assert self.prefetcher is not None, "prefetch_slots = 0"
+        with self._lock:
+            if key in self._dropped:  # discarded before it got here
+                self._dropped.discard(key)
+                self._release_refs(micro_batches)
+                return
+            self._held.setdefault(key, micro_batches)
+        self.prefetcher.submit(key, micro_batches, _r3_rows(micro_batches))
+
+    def discard(self, key: Any, micro_batches: list[Batch]) -> None:
+        """A prefetched batch that will not train: free its buffer and its refs."""
+        assert self.prefetcher is not None
+        with self._lock:
+            held = self._held.pop(key, None)
+            if held is None:
+                self._dropped.add(key)
+                return
+        self.prefetcher.discard(key)
+        self._release_refs(held)
+
+    def close(self) -> None:
+        """End the prefetch thread and release what was prefetched but never trained."""
+        if self.prefetcher is None:
+            return
+        for key in self.prefetcher.pending():
+            with self._lock:
+                held = self._held.pop(key, None)
+            self.prefetcher.discard(key)
+            if held is not None:
+                self._release_refs(held)
+        self.prefetcher.close()
+
+    def _gather(self, micro_batches: list[Batch], buffer: np.ndarray) -> list[np.ndarray | None]:
+        """On the prefetch thread: every micro-batch's rows, back to back in ``buffer``."""
+        rows = _r3_rows(micro_batches)
+        if rows > len(buffer):  # a batch bigger than a slot (longer than the config allows)
+            buffer = np.empty((rows, *buffer.shape[1:]), buffer.dtype)
+        out: list[np.ndarray | None] = []
+        offset = 0
+        for mb in micro_batches:
+            if mb.r3 is None:
+                out.append(None)
+                continue
+            n = int(mb.lengths.sum())
+            out.append(self._materialise(mb, buffer[offset : offset + n]))
+            offset += n
+        return out
+
+    def _materialise(self, mb: Batch, out: np.ndarray | None) -> np.ndarray:
+        """``mb``'s recordings in ``out`` (or a new array when None), one copy per byte."""
         import torch
 
-        started = time.perf_counter()
-        materialise_s = 0.0
-        compute_s = 0.0
-        r3_checksum = 0
-        tokens_seen = 0
-        for mb in micro_batches:
-            n = int(mb.lengths.sum())
-            t0 = time.perf_counter()
-            tokens = self.tokens_out[:n] if n <= len(self.tokens_out) else np.empty(n, np.int32)
-            np.concatenate(mb.tokens, out=tokens)
-            r3_rows = None
-            if isinstance(mb.r3, refstore.Manifest):
-                out = self.r3_out[:n] if n <= len(self.r3_out) else None
-                r3_rows = refstore.materialize(mb.r3, out, client=rsray.client(REFSTORE_NAME))
-            elif isinstance(mb.r3, np.ndarray):
-                out = self.r3_out[:n] if n <= len(self.r3_out) else np.empty_like(mb.r3)
-                np.copyto(out, mb.r3)
-                r3_rows = out
-            elif mb.r3 is not None:  # a torch tensor, by value
-                out = self.r3_out[:n] if n <= len(self.r3_out) else np.empty(mb.r3.shape, np.int32)
-                torch.from_numpy(out).copy_(mb.r3)
-                r3_rows = out
-            materialise_s += time.perf_counter() - t0
-            if r3_rows is not None:
-                # A stand-in for replay that reads every recorded byte once.
-                if self.config.verify:
-                    r3_checksum = zlib.crc32(r3_rows, r3_checksum)
-                else:
-                    r3_checksum += int(r3_rows.sum(dtype=np.int64))
-            t0 = time.perf_counter()
-            hidden = self.embed[torch.from_numpy(tokens).long()]
-            for _ in range(self.config.train_passes):
-                hidden = torch.tanh(hidden @ self.weight)
-            compute_s += time.perf_counter() - t0
-            tokens_seen += n
+        if isinstance(mb.r3, refstore.Manifest):
+            return refstore.materialize(mb.r3, out, client=rsray.client(REFSTORE_NAME))
+        if out is None:
+            out = np.empty(tuple(mb.r3.shape), np.int32)
+        if isinstance(mb.r3, np.ndarray):
+            np.copyto(out, mb.r3)
+        else:  # a torch tensor, by value
+            torch.from_numpy(out).copy_(mb.r3)
+        return out
+
+    def _release_refs(self, micro_batches: list[Batch]) -> None:
         refs = {
             ref
             for mb in micro_batches
@@ -356,28 +422,115 @@ class Trainer:
         }
         if refs:
             rsray.client(REFSTORE_NAME).release(list(refs))
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self, micro_batches: list[Batch], key: Any = None) -> dict[str, Any]:
+        import torch
+
+        started = time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        materialise_s = replay_s = compute_s = gather_s = 0.0
+        prefetched: list[np.ndarray | None] | None = None
+        if key is not None:  # prefetched (or, if the prefetch is late, submitted now)
+            assert self.prefetcher is not None, "prefetch_slots = 0"
+            with self._lock:
+                self._held.setdefault(key, micro_batches)
+            self.prefetcher.submit(key, micro_batches, _r3_rows(micro_batches))
+            prefetched, gather_s = self.prefetcher.take(key)
+            materialise_s = time.perf_counter() - started  # the wait for the gather
+        r3_checksum = 0
+        tokens_seen = 0
+        for i, mb in enumerate(micro_batches):
+            n = int(mb.lengths.sum())
+            t0 = time.perf_counter()
+            tokens = self.tokens_out[:n] if n <= len(self.tokens_out) else np.empty(n, np.int32)
+            np.concatenate(mb.tokens, out=tokens)
+            if prefetched is not None:
+                r3_rows = prefetched[i]
+            elif mb.r3 is not None:
+                r3_rows = self._materialise(mb, self.r3_out[:n] if n <= len(self.r3_out) else None)
+            else:
+                r3_rows = None
+            t1 = time.perf_counter()
+            materialise_s += t1 - t0
+            if r3_rows is not None:
+                r3_checksum = _replay(r3_rows, r3_checksum, self.config.verify)
+            t2 = time.perf_counter()
+            replay_s += t2 - t1
+            hidden = self.embed[torch.from_numpy(tokens).long()]
+            for _ in range(self.config.train_passes):
+                hidden = torch.tanh(hidden @ self.weight)
+            compute_s += time.perf_counter() - t2
+            tokens_seen += n
+        t0 = time.perf_counter()
+        if key is not None:
+            assert self.prefetcher is not None
+            with self._lock:
+                self._held.pop(key, None)
+            self.prefetcher.release(key)  # the buffer may take the next batch now
+        self._release_refs(micro_batches)
         timings = dict(micro_batches[0].timings) if micro_batches else {}
         timings["materialise"] = materialise_s
+        timings["gather"] = gather_s  # prefetched: on the background thread, overlapped
+        timings["replay"] = replay_s
         timings["compute"] = compute_s
+        timings["release"] = time.perf_counter() - t0
         timings["train"] = time.perf_counter() - started
+        timings["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         return {
             "tokens": tokens_seen,
+            "r3_bytes": _r3_rows(micro_batches) * self.config.row_bytes,
             "r3_checksum": r3_checksum,
             "timings": timings,
             "memprof": self.memprof,
         }
+
+    def memcpy(self, nbytes: int, repeats: int = 3) -> float:
+        """The baseline: seconds of one numpy copy of ``nbytes`` into a warm buffer (median)."""
+        if self._memcpy_buffers is None or self._memcpy_buffers[0].nbytes < nbytes:
+            src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+            np.copyto(dst, src)  # both warm
+            self._memcpy_buffers = (src, dst)
+        src, dst = (b[:nbytes] for b in self._memcpy_buffers)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+
+def _r3_rows(micro_batches: list[Batch]) -> int:
+    return sum(int(mb.lengths.sum()) for mb in micro_batches if mb.r3 is not None)
+
+
+def _replay(rows: np.ndarray, checksum: int, verify: bool) -> int:
+    """A stand-in for replay that reads every recorded byte once: a CRC32 (``verify``) or a sum of
+    64-bit words (wrapping; the cheapest full read numpy has)."""
+    if verify:
+        return zlib.crc32(rows, checksum)
+    flat = rows.reshape(-1).view(np.uint8)
+    words = flat[: len(flat) // 8 * 8].view(np.uint64)
+    total = int(words.sum()) + int(flat[len(words) * 8 :].sum())
+    return (checksum + total) % (1 << 64)
 
 
 RolloutActor = ray.remote(num_cpus=0)(Rollout)
 GroupBySampleActor = ray.remote(num_cpus=0)(GroupBySample)
 SortByLengthActor = ray.remote(num_cpus=0)(SortByLength)
 PackMicroBatchesActor = ray.remote(num_cpus=0)(PackMicroBatches)
-TrainerActor = ray.remote(num_cpus=0)(Trainer)
+# Threads: a prefetch arrives while a step runs (and a step may come before its prefetch).
+TrainerActor = ray.remote(num_cpus=0, max_concurrency=4)(Trainer)
 
 
 class Pipeline:
     """Owns the pipeline's actors, shared by the R3 modes (the box has two cores); ``close()``
-    ends them."""
+    ends them.
+
+    Two schedules per step: serial (``overlap=False``: rollout, stages, trainer, one after the
+    other) and overlapped (``overlap=True``: while batch N trains, batch N+1 goes through the
+    rollout and the stages and is handed to the trainer's prefetch; each label is its own stream
+    of batches, so other labels' steps in between do not disturb it)."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
@@ -385,45 +538,134 @@ class Pipeline:
         self.stages = [GroupBySampleActor.remote(), SortByLengthActor.remote()]
         self.pack = PackMicroBatchesActor.remote(config.micro_batch_tokens)
         self.trainer = TrainerActor.remote(config)
+        self._next: dict[str, tuple[str, Any]] = {}  # label -> the prefetched next batch
+        self._serial = itertools.count()
 
-    def step(self, mode: R3Mode | str, r3_format: R3Format | str | None = None) -> dict[str, Any]:
-        """One step end to end; the driver only passes ObjectRefs along (never the batches)."""
-        started = time.perf_counter()
-        fmt = R3Format(r3_format).value if r3_format else None
-        batch = self.rollout.generate.remote(R3Mode(mode).value, fmt)
+    def _chain(self, mode: R3Mode, fmt: str | None, sequence: str | None = None) -> Any:
+        batch = self.rollout.generate.remote(mode.value, fmt, sequence)
         for stage in self.stages:
             batch = stage.run.remote(batch)
-        result = ray.get(self.trainer.step.remote(self.pack.run.remote(batch)))
+        return self.pack.run.remote(batch)
+
+    def _launch(self, mode: R3Mode, fmt: str | None, label: str) -> tuple[str, Any]:
+        key = f"{label}#{next(self._serial)}"
+        packed = self._chain(mode, fmt, label)
+        self.trainer.prefetch.remote(key, packed)
+        return key, packed
+
+    def step(
+        self, mode: R3Mode | str, r3_format: R3Format | str | None = None, *, overlap: bool = False
+    ) -> dict[str, Any]:
+        """One step end to end; the driver only passes ObjectRefs along (never the batches)."""
+        started = time.perf_counter()
+        mode = R3Mode(mode)
+        fmt = R3Format(r3_format).value if r3_format else None
+        if not overlap:
+            train = self.trainer.step.remote(self._chain(mode, fmt))
+        else:
+            label = _label(mode, fmt, overlap)
+            key, packed = self._next.pop(label, None) or self._launch(mode, fmt, label)
+            train = self.trainer.step.remote(packed, key)
+            self._next[label] = self._launch(mode, fmt, label)  # runs while this batch trains
+        result = ray.get(train)
         result["step_s"] = time.perf_counter() - started
         return result
 
+    def memcpy(self, nbytes: int) -> float:
+        return ray.get(self.trainer.memcpy.remote(nbytes))
+
+    def drain(self) -> None:
+        """Drop the batches prefetched for steps that will not come (their refs are released)."""
+        pending, self._next = list(self._next.values()), {}
+        ray.get([self.trainer.discard.remote(key, packed) for key, packed in pending])
+
     def close(self) -> None:
-        for actor in (self.rollout, *self.stages, self.pack, self.trainer):
-            ray.kill(actor)
+        try:
+            self.drain()
+            ray.get(self.trainer.close.remote(), timeout=60)
+        finally:
+            for actor in (self.rollout, *self.stages, self.pack, self.trainer):
+                ray.kill(actor)
 
 
 class LocalPipeline:
     """The same stages called in this process, without Ray (smoke runs: exercises every stage's
-    code; "by value" then passes arrays by Python reference, so it measures nothing)."""
+    code; "by value" then passes arrays by Python reference, so it measures nothing). Overlapped
+    steps gather the next batch on the trainer's prefetch thread while this one trains."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.rollout = Rollout(config)
         self.stages = [GroupBySample(), SortByLength()]
         self.pack = PackMicroBatches(config.micro_batch_tokens)
         self.trainer = Trainer(config)
+        self._next: dict[str, tuple[str, list[Batch]]] = {}
+        self._serial = itertools.count()
 
-    def step(self, mode: R3Mode | str, r3_format: R3Format | str | None = None) -> dict[str, Any]:
-        started = time.perf_counter()
-        fmt = R3Format(r3_format).value if r3_format else None
-        batch = self.rollout.generate(R3Mode(mode).value, fmt)
+    def _chain(self, mode: R3Mode, fmt: str | None, sequence: str | None = None) -> list[Batch]:
+        batch = self.rollout.generate(mode.value, fmt, sequence)
         for stage in self.stages:
             batch = stage.run(batch)
-        result = self.trainer.step(self.pack.run(batch))
+        return self.pack.run(batch)
+
+    def _launch(self, mode: R3Mode, fmt: str | None, label: str) -> tuple[str, list[Batch]]:
+        key = f"{label}#{next(self._serial)}"
+        packed = self._chain(mode, fmt, label)
+        self.trainer.prefetch(key, packed)
+        return key, packed
+
+    def step(
+        self, mode: R3Mode | str, r3_format: R3Format | str | None = None, *, overlap: bool = False
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
+        mode = R3Mode(mode)
+        fmt = R3Format(r3_format).value if r3_format else None
+        if not overlap:
+            result = self.trainer.step(self._chain(mode, fmt))
+        else:
+            label = _label(mode, fmt, overlap)
+            key, packed = self._next.pop(label, None) or self._launch(mode, fmt, label)
+            self._next[label] = self._launch(mode, fmt, label)  # gathers while this one trains
+            result = self.trainer.step(packed, key)
         result["step_s"] = time.perf_counter() - started
         return result
 
+    def memcpy(self, nbytes: int) -> float:
+        return self.trainer.memcpy(nbytes)
+
+    def drain(self) -> None:
+        pending, self._next = list(self._next.values()), {}
+        for key, packed in pending:
+            self.trainer.discard(key, packed)
+
     def close(self) -> None:
-        pass
+        try:
+            self.drain()
+        finally:
+            self.trainer.close()
+
+
+def _label(mode: R3Mode, fmt: str | None, overlap: bool) -> str:
+    """A run's name: ``off``, ``ref``, ``ref+overlap``, with ``/format`` for recording modes."""
+    name = f"{mode.value}+overlap" if overlap else mode.value
+    return name if fmt is None or mode is R3Mode.OFF else f"{name}/{fmt}"
+
+
+Progress = Callable[[str, int, dict[str, Any]], None]
+
+
+def plan_runs(
+    modes: Sequence[R3Mode], formats: Sequence[R3Format], overlap: Sequence[R3Mode] = ()
+) -> list[tuple[str, R3Mode, R3Format | None, bool]]:
+    """(label, mode, format, overlapped) of every run, in the order a round runs them: R3 off
+    once per schedule, the recording modes once per format."""
+    runs: list[tuple[str, R3Mode, R3Format | None, bool]] = []
+    for lap in (False, True):
+        for mode in map(R3Mode, modes):
+            if lap and mode not in overlap:
+                continue
+            for fmt in [None] if mode is R3Mode.OFF else list(map(R3Format, formats)):
+                runs.append((_label(mode, fmt and fmt.value, lap), mode, fmt, lap))
+    return runs
 
 
 def run(
@@ -434,14 +676,25 @@ def run(
     warmup: int = 1,
     pool_size: str = "2G",
     local: bool = False,
+    overlap: Sequence[R3Mode] = (),
+    progress: Progress | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run ``steps`` measured steps per mode (after ``warmup``), recordings in
     ``config.r3_format``, modes interleaved step by step so that load from other processes hits
-    all of them alike. Returns ``{mode: results}``. Needs ``ray.init()`` done, unless ``local``
-    (no Ray: stages called in this process, refstore master on a thread)."""
+    all of them alike. Modes in ``overlap`` run a second time in the overlapped schedule (as
+    ``"<mode>+overlap"``). Returns ``{label: results}``. Needs ``ray.init()`` done, unless
+    ``local`` (no Ray: stages called in this process, refstore master on a thread)."""
     fmt = R3Format(config.r3_format)
     return run_formats(
-        config, modes, [fmt], steps=steps, warmup=warmup, pool_size=pool_size, local=local
+        config,
+        modes,
+        [fmt],
+        steps=steps,
+        warmup=warmup,
+        pool_size=pool_size,
+        local=local,
+        overlap=overlap,
+        progress=progress,
     )[fmt.value]
 
 
@@ -454,19 +707,18 @@ def run_formats(
     warmup: int = 1,
     pool_size: str = "2G",
     local: bool = False,
+    overlap: Sequence[R3Mode] = (),
+    progress: Progress | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """Like ``run``, for several recording formats in one run: every (mode, format) interleaved
-    step by step. R3 off records nothing, so it runs once and its results are shared by every
-    format. Returns ``{format: {mode: results}}``."""
+    """Like ``run``, for several recording formats in one run: every (mode, format, schedule)
+    interleaved step by step. R3 off records nothing, so it runs once per schedule and its
+    results are shared by every format. After each round, the trainer times one memcpy of the
+    bytes its last by-ref step read (``memcpy_s`` in every by-ref result). Returns ``{format:
+    {label: results}}`` with labels ``off``, ``value``, ``ref``, ``off+overlap``, ``ref+overlap``.
+    ``progress(label, step, outcome)`` is called after every step (``step`` < 0: warm-up)."""
     modes = [R3Mode(m) for m in modes]
     formats = [R3Format(f) for f in formats]
-    # (label, mode, format): "off" once, the recording modes once per format.
-    runs: list[tuple[str, R3Mode, R3Format | None]] = []
-    for mode in modes:
-        if mode is R3Mode.OFF:
-            runs.append((mode.value, mode, None))
-        else:
-            runs.extend((f"{mode.value}/{fmt.value}", mode, fmt) for fmt in formats)
+    runs = plan_runs(modes, formats, overlap)
     master = None
     if R3Mode.REF in modes:
         if local:
@@ -474,17 +726,26 @@ def run_formats(
         else:
             rsray.start_masters(pool_size=pool_size, name=REFSTORE_NAME)
     pipeline = LocalPipeline(config) if local else Pipeline(config)
-    by_label: dict[str, dict[str, Any]] = {label: {"steps": []} for label, _, _ in runs}
+    by_label: dict[str, dict[str, Any]] = {label: {"steps": []} for label, *_ in runs}
+    memcpy_s: list[float] = []
     try:
         for i in range(warmup + steps):
-            for label, mode, fmt in runs:
-                outcome = pipeline.step(mode, fmt)
+            ref_bytes = 0
+            for label, mode, fmt, lap in runs:
+                outcome = pipeline.step(mode, fmt, overlap=lap)
+                if mode is R3Mode.REF:
+                    ref_bytes = outcome["r3_bytes"]
                 if i >= warmup:
                     by_label[label]["steps"].append(outcome)
+                if progress is not None:
+                    progress(label, i - warmup, outcome)
+            if ref_bytes and i >= warmup:
+                memcpy_s.append(pipeline.memcpy(ref_bytes))
+        pipeline.drain()
         if R3Mode.REF in modes:
             # Every step released what it put: nothing may be left behind.
             objects_left = rsray.client(REFSTORE_NAME).stats().objects
-            for label, mode, _ in runs:
+            for label, mode, *_ in runs:
                 if mode is R3Mode.REF:
                     by_label[label]["objects_left"] = objects_left
     finally:
@@ -495,21 +756,26 @@ def run_formats(
                 master.close()
             else:
                 rsray.stop_masters(REFSTORE_NAME)
-    for entry in by_label.values():
+    for label, mode, *_ in runs:
+        entry = by_label[label]
         times = [s["step_s"] for s in entry["steps"]]
         entry["step_s"] = float(np.median(times))
         entry["r3_checksums"] = [s["r3_checksum"] for s in entry["steps"]]
-        entry["materialise_s"] = float(
-            np.median([s["timings"]["materialise"] for s in entry["steps"]])
-        )
+        entry["timings"] = {
+            name: float(np.median([s["timings"].get(name, 0.0) for s in entry["steps"]]))
+            for name in entry["steps"][0]["timings"]
+        }
+        entry["materialise_s"] = entry["timings"]["materialise"]
         # The step without the stand-in model's compute: the pipeline's data path end to end.
         entry["data_path_s"] = float(
             np.median([s["step_s"] - s["timings"]["compute"] for s in entry["steps"]])
         )
+        if mode is R3Mode.REF and memcpy_s:
+            entry["memcpy_s"] = float(np.median(memcpy_s))
     return {
         fmt.value: {
-            mode.value: by_label[label]
-            for label, mode, run_fmt in runs
+            _label(mode, None, lap): by_label[label]
+            for label, mode, run_fmt, lap in runs
             if run_fmt is None or run_fmt is fmt
         }
         for fmt in formats
