@@ -38,7 +38,9 @@ def _http_server(lab: NetnsLab, host: str, tmp_path: Path) -> tuple[ManagedProce
 def _get_from(lab: NetnsLab, host: str, url: str) -> bool:
     """Whether ``host`` (inside its namespace) gets ``url`` within a second."""
     code = f"import urllib.request as u; u.urlopen({url!r}, timeout=1).read()"
-    done = subprocess.run(lab.argv(host, [sys.executable, "-c", code]), capture_output=True, check=False)
+    done = subprocess.run(
+        lab.argv(host, [sys.executable, "-c", code]), capture_output=True, check=False
+    )
     return done.returncode == 0
 
 
