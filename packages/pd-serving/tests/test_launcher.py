@@ -161,3 +161,30 @@ def test_cpus_confine_the_child_and_what_it_forks(tmp_path: Path, cpus: list[int
         proc.stop()
     expected = sorted(cpus) if cpus is not None else sorted(os.sched_getaffinity(0))
     assert f"own={expected} child={expected}" in proc.log_tail()
+
+
+def test_kill_9_then_restart_serves_again_on_the_same_port(tmp_path: Path) -> None:
+    """A crash (SIGKILL to the server alone) leaves its helper in the group until ``stop`` reaps
+    it; ``restart`` brings the same command back on the same port, log appended."""
+    threads_before = set(threading.enumerate())
+    proc = _server(tmp_path)
+    proc.start()
+    proc.ready.result(timeout=30)
+    helper = int((tmp_path / "srv.helper").read_text())
+    proc.kill()
+    assert proc.exited.result(timeout=10) == -9
+    assert _alive(helper)  # kill -9 of the server is not a shutdown of its group
+    fresh = proc.restart()
+    assert wait_all_gone([helper], 10) == set()  # the old group was reaped first
+    try:
+        fresh.ready.result(timeout=30)
+        assert fresh.pid != proc.pid
+        assert fresh.health_url == proc.health_url
+        assert fresh.argv == proc.argv
+        log_text = (tmp_path / "srv.log").read_text()
+        assert log_text.count("Application startup complete.") == 2
+    finally:
+        fresh.stop()
+    assert set(threading.enumerate()) <= threads_before
+    with pytest.raises(RuntimeError, match="already started"):
+        fresh.start()

@@ -214,6 +214,38 @@ class ManagedProcess:
             thread.join(timeout=5.0)
         return code
 
+    def kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Send ``sig`` to the child itself only (``kill -9 PID``: a crash, not a shutdown); what
+        it forked is left to notice, as it would be. ``stop`` afterwards reaps the group."""
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self._proc.pid, sig)
+
+    def respawn(self) -> ManagedProcess:
+        """A new, unstarted ManagedProcess with this one's command, environment, log file (the
+        new output is appended), readiness check and CPUs: the restart of one instance, on the
+        same ports. This one must be stopped first (``restart`` does both)."""
+        return ManagedProcess(
+            self.name,
+            self.argv,
+            log_path=self.log_path,
+            env=self.env,
+            ready_marker=self.ready_marker,
+            health_url=self.health_url,
+            cwd=self.cwd,
+            cpus=self.cpus,
+        )
+
+    def restart(self, timeout: float = 20.0) -> ManagedProcess:
+        """Stop this child (its whole group, as ``stop``) and start its ``respawn``; returns the
+        new one, started (wait on its ``ready``). A process object runs once: its futures
+        belong to that run."""
+        self.stop(timeout)
+        fresh = self.respawn()
+        fresh.start()
+        return fresh
+
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
