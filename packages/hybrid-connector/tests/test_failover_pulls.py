@@ -6,11 +6,9 @@ id and P's address. Whether that D gets the KV depends on what the first D did o
 - never pulled (refused, died, 5xx before its pull): P still holds the blocks under the lease;
   the second pull is sent. No second prefill.
 - pulling while the second D asks: the second pull fails at once (duplicate), D2 recomputes.
-- pulled (done or aborted), or released it (its request aborted): P gave the blocks back. The
-  second pull finds no record and is parked as an early pull, for the whole lease, then fails
-  with LeaseExpired, and D2 recomputes only then (``lease_s``, 30 s by default, later). The
-  xfail tests below say what it should do: fail at once (a tombstone after the report, as the
-  CANCELLED one after an abort), so D2 recomputes at once.
+- pulled (done or aborted), or released it (its request aborted): P gave the blocks back and
+  keeps a tombstone for one lease, so the second pull fails at once and D2 recomputes now
+  (before the tombstone, it was parked as an early pull for the whole lease, then failed).
 """
 
 from __future__ import annotations
@@ -70,6 +68,9 @@ def test_a_second_d_pulls_what_p_holds_when_the_first_never_pulled() -> None:
     reported = _done(p, ok=True)
     assert state.ReportSent(P_REQ) in reported  # blocks back once, after D1's pull
     assert len(p) == 0
+    assert p.tombstones() == 1
+    p.handle(state.DeadlineReached(T))  # the tombstone lasts one lease
+    assert p.tombstones() == 0
 
 
 def test_a_second_pull_while_the_first_is_sending_fails_at_once() -> None:
@@ -81,10 +82,6 @@ def test_a_second_pull_while_the_first_is_sending_fails_at_once() -> None:
     assert state.ReportSent(P_REQ) in _done(p, ok=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: after the first pull ended, a second pull is parked for the whole lease",
-)
 @pytest.mark.parametrize("first_pull_ok", [True, False], ids=["first_done", "first_aborted"])
 def test_a_second_pull_after_the_first_pull_ended_fails_at_once(first_pull_ok: bool) -> None:
     p = _producer()
@@ -95,16 +92,4 @@ def test_a_second_pull_after_the_first_pull_ended_fails_at_once(first_pull_ok: b
     fails = [a for a in actions if isinstance(a, state.FailPull)]
     assert fails, f"parked instead: {actions}"
     assert isinstance(fails[0].error, TransferError)
-
-
-def test_today_a_second_pull_after_the_first_ended_waits_for_the_lease() -> None:
-    """What the xfail above describes, as it is (the lease, then LeaseExpired)."""
-    p = _producer()
-    _finish(p)
-    _pull(p, 1, "d0-req")
-    _done(p, ok=False)
-    actions = _pull(p, 2, "d1-req")
-    assert state.Count("early_pulls") in actions
-    assert p.phase(T) is state.Phase.PARKED
-    (fail,) = [a for a in p.handle(state.DeadlineReached(T)) if isinstance(a, state.FailPull)]
-    assert fail.pull == 2
+    assert state.Count("early_pulls") not in actions

@@ -957,7 +957,8 @@ def test_fan_in_lease_passes_with_one_of_two_pulls_done() -> None:
     assert not sim.reported
     sim.deadline()  # the lease: D rank 1 never pulled
     assert sim.reported[P_REQ] == 1
-    assert sim.core.phase(T) is None
+    assert sim.core.phase(T) is state.Phase.CANCELLED  # a late pull of rank 1 fails at once
+    assert len(sim.core) == 0
     sim.settle()
 
 

@@ -18,6 +18,9 @@ P (``Producer``), one record per transfer id::
       |                        '--lease passes / release / bad pull--------------> reported
       '--release / abort---> CANCELLED --one lease later--> (none)
 
+    reported: the blocks go back to vLLM and a CANCELLED tombstone stays for one lease, so a
+    later pull for the transfer (a second D the proxy failed over to) fails at once.
+
     SENDING* --kvt completion--> SENT --request finished--> reported
     SENDING* --request finished--> SENDING (then as above)
     HELD*, SENDING*, SENT --request finished, aborted--> no more pulls; reported once the
@@ -370,6 +373,8 @@ class _Transfer:
     layer_events: LayerEvents | None = None
     # The request was aborted: no usable KV, later pulls fail at once (a tombstone follows).
     aborted: bool = False
+    # CANCELLED: why later pulls fail (a tombstone after an abort, a release or a report).
+    reason: str = ""
 
     def waits_for_pulls(self) -> bool:
         return not self.closed and (self.expected is None or len(self.pulled) < self.expected)
@@ -398,7 +403,12 @@ class Producer:
         return None if record is None else record.phase
 
     def __len__(self) -> int:
-        return len(self._transfers)
+        """Records that hold blocks or pulls (tombstones, which hold nothing, not counted)."""
+        return sum(1 for r in self._transfers.values() if r.phase is not Phase.CANCELLED)
+
+    def tombstones(self) -> int:
+        """CANCELLED records: each refuses pulls for one lease, then goes."""
+        return len(self._transfers) - len(self)
 
     def handle(self, event: ProducerEvent) -> list[ProducerAction]:
         out: list[ProducerAction] = []
@@ -575,7 +585,8 @@ class Producer:
             log.debug("transfer %s: transfer_kv from %s waits for the request", tid, peer)
             return
         if record.phase is Phase.CANCELLED:
-            out.append(FailPull(pull, TransferError(f"transfer {tid}: cancelled on P")))
+            why = record.reason or "cancelled on P"
+            out.append(FailPull(pull, TransferError(f"transfer {tid}: {why}")))
             return
         if d_rank in record.pulled:
             if record.phase is Phase.PARKED:
@@ -826,7 +837,7 @@ class Producer:
         if record is not None:
             for parked in record.parked.values():
                 out.append(FailPull(parked.pull, TransferError(f"transfer {tid}: {reason}")))
-        self._transfers[tid] = _Transfer(Phase.CANCELLED)
+        self._transfers[tid] = _Transfer(Phase.CANCELLED, reason=reason)
         out.append(ArmDeadline(tid, self._settings.lease_s))
 
     def _report(self, tid: str, out: list[ProducerAction]) -> None:
@@ -836,8 +847,10 @@ class Producer:
         assert not record.sends
         out.append(CancelDeadline(tid))
         out.append(ReportSent(record.spec.request_id))
-        if record.aborted:
-            self._cancel(tid, "prefill request aborted on P", out)  # later pulls fail at once
+        # A tombstone for one lease: a later pull (a proxy failing over to a second D after the
+        # first one pulled) fails at once, so that D recomputes now, not after a parked lease.
+        reason = "prefill request aborted on P" if record.aborted else "already sent, blocks freed"
+        self._cancel(tid, reason, out)
 
     def _forget(self, tid: str, out: list[ProducerAction]) -> None:
         del self._transfers[tid]
