@@ -749,8 +749,11 @@ class _Flow:
         decode, prefill, transfer = self.decode, self.prefill, self.plan.transfer
         assert decode is not None
         if transfer is None or prefill is None:
-            async with self.proxy._open(decode, self.path, self.body, Stage.LOCAL) as resp:
-                return await self._relay(resp, decode, Stage.LOCAL)
+            async with (
+                self._first_token(Stage.LOCAL, decode, None) as timer,
+                self.proxy._open(decode, self.path, self.body, Stage.LOCAL) as resp,
+            ):
+                return await self._relay(resp, decode, Stage.LOCAL, timer)
         gate = None
         if self.config.dispatch is Dispatch.SEQUENTIAL:
             if not transfer.prefill_answered:
@@ -762,8 +765,43 @@ class _Flow:
             d_params = self.proxy._decode_params(prefill, transfer.transfer_id, None)
             gate = self.p_task
         d_body = {**self.body, "kv_transfer_params": d_params}
-        async with self.proxy._open(decode, self.path, d_body, Stage.DECODE, gate=gate) as resp:
-            return await self._relay(resp, decode, Stage.DECODE)
+        async with (
+            self._first_token(Stage.DECODE, decode, gate) as timer,
+            self.proxy._open(decode, self.path, d_body, Stage.DECODE, gate=gate) as resp,
+        ):
+            return await self._relay(resp, decode, Stage.DECODE, timer)
+
+    @contextlib.asynccontextmanager
+    async def _first_token(
+        self, stage: Stage, decode: Backend, gate: asyncio.Task[None] | None
+    ) -> AsyncIterator[asyncio.Timeout]:
+        """Bounds a streaming D call from its start (or, parallel, from P's answer) to its
+        first event by ``attempt_timeout_s``; ``_relay`` disarms it at the first event. A
+        non-streaming D sends nothing before its whole answer: only the deadline bounds it."""
+        timer = asyncio.timeout(None)
+        limit = self.config.attempt_timeout_s
+        loop = asyncio.get_running_loop()
+
+        def arm(_task: object = None) -> None:
+            if not timer.expired():
+                timer.reschedule(loop.time() + limit)
+
+        streaming = bool(self.body.get("stream", False))
+        try:
+            async with timer:
+                if streaming and (gate is None or gate.done()):
+                    arm()
+                elif streaming and gate is not None:
+                    gate.add_done_callback(arm)
+                yield timer
+        except TimeoutError as exc:
+            if not timer.expired():
+                raise
+            message = f"{stage} {decode.url} sent no token within {limit:g} s"
+            raise CallFailed(stage, decode, Failure.TIMEOUT, message) from exc
+        finally:
+            if gate is not None:
+                gate.remove_done_callback(arm)
 
     async def _prefill(self, prefill: Backend, transfer: Transfer) -> None:
         p_body = self.proxy._prefill_body(self.path, self.body, transfer.transfer_id)
@@ -795,7 +833,11 @@ class _Flow:
 
     # -- D's answer to the client ----------------------------------------------------------
     async def _relay(
-        self, resp: aiohttp.ClientResponse, backend: Backend, stage: Stage
+        self,
+        resp: aiohttp.ClientResponse,
+        backend: Backend,
+        stage: Stage,
+        first_token: asyncio.Timeout,
     ) -> web.StreamResponse:
         if not self.body.get("stream", False):
             try:
@@ -810,19 +852,15 @@ class _Flow:
 
         events = _SseEvents()
         chunks = resp.content.iter_any()
-        limit = self.config.attempt_timeout_s
         try:
-            async with asyncio.timeout(limit):
-                first = await _next_events(chunks, events)
-        except TimeoutError as exc:
-            message = f"{stage} {backend.url} sent no token within {limit:g} s"
-            raise CallFailed(stage, backend, Failure.TIMEOUT, message) from exc
+            first = await _next_events(chunks, events)
         except aiohttp.ClientError as exc:
             message = f"{stage} {backend.url} broke off before its first token: {exc!r}"
             raise CallFailed(stage, backend, Failure.BROKE, message) from exc
         if not first:
             message = f"{stage} {backend.url} closed its stream before the first token"
             raise CallFailed(stage, backend, Failure.BROKE, message)
+        first_token.reschedule(None)  # from here on only the deadline bounds the stream
         self.router.record_success(backend, time.monotonic())
         self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
         self.first_event = _event_json(first[0])
