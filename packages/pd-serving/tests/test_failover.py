@@ -526,3 +526,16 @@ async def test_metrics_and_health_show_failovers(rig_factory: Any) -> None:
     assert 'pdserve_retries_total{kind="same_transfer"} 1.0' in text
     assert 'pdserve_call_failures_total{backend="d0",reason="refused",stage="decode"} 1.0' in text
     assert [d["name"] for d in health["decode"]] == ["d0", "d1"]
+
+
+def test_the_cli_sets_deadline_and_retries() -> None:
+    from pd_serving.cli import _failover_settings, build_parser
+
+    args = build_parser().parse_args(
+        ["proxy", "--decode", "http://d", "--request-timeout-s", "5", "--max-retries", "0"]
+    )
+    assert _failover_settings(args) == {
+        "request_timeout_s": 5.0,
+        "attempt_timeout_s": 60.0,
+        "max_retries": 0,
+    }
