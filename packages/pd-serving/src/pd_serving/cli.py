@@ -100,68 +100,32 @@ def _add_routing_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "routing and health", "bypass, prefix affinity, circuit breakers, active health checks"
     )
-    group.add_argument(
-        "--bypass-below-tokens",
-        type=int,
-        default=policy.bypass_below_tokens,
-        metavar="N",
-        help="prompts under N tokens (estimated: characters / 4, or the token ids' count) go to "
-        "D alone, and so do prompts whose uncached tail on a D that served their prefix is "
-        "under N; 0 (default) turns bypass off",
-    )
-    group.add_argument(
-        "--prefix-chars",
-        type=int,
-        default=policy.prefix_chars,
-        metavar="N",
-        help=f"prompt characters hashed to pick P (prefix affinity); 0 = by load only; "
-        f"default {policy.prefix_chars}",
-    )
-    group.add_argument(
-        "--prefix-overload",
-        type=float,
-        default=policy.prefix_overload,
-        metavar="N",
-        help="leave the affine P (or the D holding the prefix) when it has N more pending "
-        f"requests than the least-loaded one; default {policy.prefix_overload:g}",
-    )
-    group.add_argument(
-        "--decode-prefix-entries",
-        type=int,
-        default=policy.decode_prefix_entries,
-        metavar="N",
-        help=f"prefix hashes remembered per D for the prefix-cached bypass; default "
-        f"{policy.decode_prefix_entries}",
-    )
-    group.add_argument(
-        "--breaker-failures",
-        type=int,
-        default=policy.breaker_failures,
-        metavar="N",
-        help=f"consecutive failures that take an instance out; default {policy.breaker_failures}",
-    )
-    group.add_argument(
-        "--breaker-cooldown-s",
-        type=float,
-        default=policy.breaker_cooldown_s,
-        metavar="S",
-        help=f"seconds out before one probe request may go; default {policy.breaker_cooldown_s:g}",
-    )
-    group.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=health.interval_s,
-        metavar="S",
-        help=f"active /health and /metrics probes of every instance; 0 = none; default "
-        f"{health.interval_s:g}",
-    )
-    group.add_argument(
-        "--health-timeout-s",
-        type=float,
-        default=health.timeout_s,
-        metavar="S",
-        help=f"per probe; a slower instance counts as failing (slow); default {health.timeout_s:g}",
-    )
+    # (flag, type, default, metavar, help); the flag's name is the field's, "-" for "_".
+    options = [
+        ("--bypass-below-tokens", int, policy.bypass_below_tokens, "N",
+         "prompts under N tokens (estimated: characters / 4, or the token ids' count) go to D "
+         "alone, and so do prompts whose uncached tail on a D that served their prefix is under "
+         "N; 0 turns bypass off"),
+        ("--prefix-chars", int, policy.prefix_chars, "N",
+         "prompt characters hashed to pick P (prefix affinity); 0 = by load only"),
+        ("--prefix-overload", float, policy.prefix_overload, "N",
+         "leave the affine P (or the D holding the prefix) when it has N more pending requests "
+         "than the least-loaded one"),
+        ("--decode-prefix-entries", int, policy.decode_prefix_entries, "N",
+         "prefix hashes remembered per D for the prefix-cached bypass"),
+        ("--breaker-failures", int, policy.breaker_failures, "N",
+         "consecutive failures that take an instance out"),
+        ("--breaker-cooldown-s", float, policy.breaker_cooldown_s, "S",
+         "seconds out before one probe request may go"),
+        ("--health-interval-s", float, health.interval_s, "S",
+         "active /health and /metrics probes of every instance; 0 = none"),
+        ("--health-timeout-s", float, health.timeout_s, "S",
+         "per probe; a slower instance counts as failing (slow)"),
+    ]  # fmt: skip
+    for flag, kind, default, metavar, text in options:
+        group.add_argument(
+            flag, type=kind, default=default, metavar=metavar, help=f"{text}; default {default:g}"
+        )
 
 
 def routing_from_args(args: argparse.Namespace):
