@@ -48,7 +48,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
 from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, Transfer
-from pd_serving.routing import Backend, NoBackend, RequestKey, Route, Router
+from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
+from pd_serving.routing import Backend, NoBackend, Route, Router, RoutingPolicy, request_key
 from pd_serving.servers import Connector
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,16 @@ DEADLINE_HEADER = "x-request-timeout-s"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SSE_DONE = b"data: [DONE]"
+# How the breaker hears of a failed call (health.FailureKind).
+_BREAKER_KIND = {
+    Failure.REFUSED: FailureKind.REFUSED,
+    Failure.HTTP_5XX: FailureKind.HTTP_5XX,
+    Failure.TIMEOUT: FailureKind.TIMEOUT,
+    Failure.BROKE: FailureKind.BROKEN,
+    Failure.BROKE_MID_STREAM: FailureKind.BROKEN,
+}
+# /metrics' pdserve_breaker_state values.
+_BREAKER_LEVEL = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 class Dispatch(enum.StrEnum):
@@ -146,6 +157,9 @@ class ProxyConfig:
     attempt_timeout_s: float = 60.0
     # Failed calls after the first one before the client gets the error.
     max_retries: int = 2
+    # The Router's policy and the active health checks (None: none); see routing.py, health.py.
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    health: HealthCheckConfig | None = field(default_factory=HealthCheckConfig)
 
 
 class _Metrics:
@@ -215,6 +229,24 @@ class _Metrics:
             "pdserve_prefill_releases",
             "Release calls sent to P for transfers no D will pull (label: P still held them)",
             ["released"],
+            registry=self.registry,
+        )
+        self.breaker_transitions = Counter(
+            "pdserve_breaker_transitions",
+            "Circuit breaker transitions per backend",
+            ["backend", "from_state", "to_state"],
+            registry=self.registry,
+        )
+        self.breaker_state = Gauge(
+            "pdserve_breaker_state",
+            "Circuit breaker state per backend: 0 closed, 1 half open, 2 open",
+            ["backend", "role"],
+            registry=self.registry,
+        )
+        self.bypasses = Counter(
+            "pdserve_bypass",
+            "Requests routed to D alone, by reason",
+            ["reason"],
             registry=self.registry,
         )
         self.inflight = Gauge(
@@ -298,8 +330,11 @@ class PdProxy:
         if not config.decode:
             raise ValueError("at least one decode instance is required")
         self.config = config
-        self.router = Router(config.prefill, config.decode)
         self.metrics = _Metrics()
+        self.router = Router(
+            config.prefill, config.decode, config.routing, on_transition=self._on_transition
+        )
+        self.health: HealthChecker | None = None
         self._session: aiohttp.ClientSession | None = None
         self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
         self._background: set[asyncio.Task[None]] = set()
@@ -329,10 +364,28 @@ class PdProxy:
             self._session = aiohttp.ClientSession(
                 timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
             )
+        if self.config.health is not None and self.health is None:
+            self.health = HealthChecker(self.router, self._session, self.config.health)
+            self.health.start()
         if not self.config.model_names:
             self.config.model_names = await self._fetch_model_names()
 
+    def _on_transition(self, backend: Backend, transition: Any) -> None:
+        self.metrics.breaker_transitions.labels(
+            backend.key, transition.old.value, transition.new.value
+        ).inc()
+        log.warning(
+            "breaker of %s: %s -> %s (%s)",
+            backend.key,
+            transition.old.value,
+            transition.new.value,
+            transition.reason,
+        )
+
     async def close(self) -> None:
+        if self.health is not None:
+            await self.health.close()
+            self.health = None
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -372,23 +425,26 @@ class PdProxy:
             self.metrics.upstream_errors.labels("models").inc()
             return _openai_error(502, f"{backend.url}/v1/models failed: {exc}", "upstream_error")
 
-    def _describe(self, backend: Backend) -> dict[str, Any]:
-        describe = getattr(self.router, "describe", None)  # the health-aware Router has one
-        return describe(backend) if describe is not None else backend.describe()
-
     async def _handle_health(self, _request: web.Request) -> web.Response:
+        decode_allowed = any(
+            self.router.breaker_state(b) is not BreakerState.OPEN for b in self.config.decode
+        )
         return web.json_response(
             {
-                "status": "ok",
+                "status": "ok" if decode_allowed else "degraded",
                 "connector": self.config.connector.value,
                 "dispatch": self.config.dispatch.value,
                 "models": self.config.model_names,
-                "prefill": [self._describe(b) for b in self.config.prefill],
-                "decode": [self._describe(b) for b in self.config.decode],
+                "prefill": [self.router.describe(b) for b in self.config.prefill],
+                "decode": [self.router.describe(b) for b in self.config.decode],
             }
         )
 
     async def _handle_metrics(self, _request: web.Request) -> web.Response:
+        for role, backends in (("prefill", self.config.prefill), ("decode", self.config.decode)):
+            for backend in backends:
+                level = _BREAKER_LEVEL[self.router.breaker_state(backend)]
+                self.metrics.breaker_state.labels(backend.key, role).set(level)
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
@@ -620,7 +676,7 @@ class _Flow:
         self.path = path
         self.body = body
         self.started = started
-        self.key = RequestKey()
+        self.key = request_key(body)
         self.plan = AttemptPlan(
             hybrid=self.config.connector is Connector.HYBRID, max_retries=self.config.max_retries
         )
@@ -681,7 +737,8 @@ class _Flow:
         self.metrics.call_failures.labels(backend.key, stage.value, failure.value).inc()
         if failure is not Failure.REJECTED:
             # A 4xx says the request is wrong, not the instance.
-            self.router.record_failure(backend, time.monotonic(), f"{failure}: {failed.message}")
+            why, kind = failed.message[:300], _BREAKER_KIND[failure]
+            self.router.record_failure(backend, time.monotonic(), why, kind=kind)
         decision = self.plan.failed(stage, backend.key, failure)
         if decision.action in (Action.RETRY_DECODE, Action.REROUTE):
             self.metrics.failovers.labels(stage.value, failure.value).inc()
@@ -710,6 +767,8 @@ class _Flow:
         self.plan.begin(route.decode.key, route.prefill.key if route.prefill else None)
         if after is not None:
             self.metrics.retries.labels("new_prefill" if route.prefill else "local_prefill").inc()
+        elif route.bypass_reason is not None:
+            self.metrics.bypasses.labels(route.bypass_reason).inc()
 
     def _next_decode(self, after: CallFailed) -> None:
         try:
