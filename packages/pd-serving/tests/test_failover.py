@@ -542,3 +542,19 @@ def test_the_cli_sets_deadline_and_retries() -> None:
         "attempt_timeout_s": 60.0,
         "max_retries": 0,
     }
+
+
+async def test_our_client_raises_on_the_error_event_with_what_came_before(
+    rig_factory: Any,
+) -> None:
+    from pd_serving.client import StreamError, complete
+
+    rig: Rig = await rig_factory(n_decode=1)
+    rig.ds[0].break_after = 2
+    await rig.start_proxy()
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(StreamError, match="broke off") as caught:
+            await complete(session, rig.url, MODEL, "x", max_tokens=6)
+    assert caught.value.status == 502
+    assert caught.value.partial.text == " a b"
+    assert caught.value.partial.finish_reason == "error"
