@@ -558,3 +558,25 @@ async def test_our_client_raises_on_the_error_event_with_what_came_before(
     assert caught.value.status == 502
     assert caught.value.partial.text == " a b"
     assert caught.value.partial.finish_reason == "error"
+
+
+async def test_a_chat_stream_broken_mid_way_ends_with_a_chat_error_chunk(rig_factory: Any) -> None:
+    rig: Rig = await rig_factory(n_decode=1)
+    rig.ds[0].break_after = 1
+    await rig.start_proxy()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{rig.url}/v1/chat/completions", json=body) as resp,
+    ):
+        assert resp.status == 200
+        lines = [line.strip() async for line in resp.content if line.startswith(b"data:")]
+    assert "error" in json.loads(lines[1][6:])
+    final = json.loads(lines[2][6:])
+    assert final["choices"][0] == {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": "error",
+        "delta": {},
+    }
+    assert lines[3] == b"data: [DONE]"

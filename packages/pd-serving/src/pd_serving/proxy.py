@@ -927,7 +927,10 @@ class _Flow:
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
         )
-        await out.prepare(self.request)
+        try:
+            await out.prepare(self.request)
+        except ConnectionResetError as exc:  # the client went away before its first token
+            raise ClientGone(out) from exc
         self.out = out
         self.plan.sent_to_client()
         done = await self._write(first)
