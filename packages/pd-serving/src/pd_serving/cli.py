@@ -100,68 +100,32 @@ def _add_routing_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "routing and health", "bypass, prefix affinity, circuit breakers, active health checks"
     )
-    group.add_argument(
-        "--bypass-below-tokens",
-        type=int,
-        default=policy.bypass_below_tokens,
-        metavar="N",
-        help="prompts under N tokens (estimated: characters / 4, or the token ids' count) go to "
-        "D alone, and so do prompts whose uncached tail on a D that served their prefix is "
-        "under N; 0 (default) turns bypass off",
-    )
-    group.add_argument(
-        "--prefix-chars",
-        type=int,
-        default=policy.prefix_chars,
-        metavar="N",
-        help=f"prompt characters hashed to pick P (prefix affinity); 0 = by load only; "
-        f"default {policy.prefix_chars}",
-    )
-    group.add_argument(
-        "--prefix-overload",
-        type=float,
-        default=policy.prefix_overload,
-        metavar="N",
-        help="leave the affine P (or the D holding the prefix) when it has N more pending "
-        f"requests than the least-loaded one; default {policy.prefix_overload:g}",
-    )
-    group.add_argument(
-        "--decode-prefix-entries",
-        type=int,
-        default=policy.decode_prefix_entries,
-        metavar="N",
-        help=f"prefix hashes remembered per D for the prefix-cached bypass; default "
-        f"{policy.decode_prefix_entries}",
-    )
-    group.add_argument(
-        "--breaker-failures",
-        type=int,
-        default=policy.breaker_failures,
-        metavar="N",
-        help=f"consecutive failures that take an instance out; default {policy.breaker_failures}",
-    )
-    group.add_argument(
-        "--breaker-cooldown-s",
-        type=float,
-        default=policy.breaker_cooldown_s,
-        metavar="S",
-        help=f"seconds out before one probe request may go; default {policy.breaker_cooldown_s:g}",
-    )
-    group.add_argument(
-        "--health-interval-s",
-        type=float,
-        default=health.interval_s,
-        metavar="S",
-        help=f"active /health and /metrics probes of every instance; 0 = none; default "
-        f"{health.interval_s:g}",
-    )
-    group.add_argument(
-        "--health-timeout-s",
-        type=float,
-        default=health.timeout_s,
-        metavar="S",
-        help=f"per probe; a slower instance counts as failing (slow); default {health.timeout_s:g}",
-    )
+    # (flag, type, default, metavar, help); the flag's name is the field's, "-" for "_".
+    options = [
+        ("--bypass-below-tokens", int, policy.bypass_below_tokens, "N",
+         "prompts under N tokens (estimated: characters / 4, or the token ids' count) go to D "
+         "alone, and so do prompts whose uncached tail on a D that served their prefix is under "
+         "N; 0 turns bypass off"),
+        ("--prefix-chars", int, policy.prefix_chars, "N",
+         "prompt characters hashed to pick P (prefix affinity); 0 = by load only"),
+        ("--prefix-overload", float, policy.prefix_overload, "N",
+         "leave the affine P (or the D holding the prefix) when it has N more pending requests "
+         "than the least-loaded one"),
+        ("--decode-prefix-entries", int, policy.decode_prefix_entries, "N",
+         "prefix hashes remembered per D for the prefix-cached bypass"),
+        ("--breaker-failures", int, policy.breaker_failures, "N",
+         "consecutive failures that take an instance out"),
+        ("--breaker-cooldown-s", float, policy.breaker_cooldown_s, "S",
+         "seconds out before one probe request may go"),
+        ("--health-interval-s", float, health.interval_s, "S",
+         "active /health and /metrics probes of every instance; 0 = none"),
+        ("--health-timeout-s", float, health.timeout_s, "S",
+         "per probe; a slower instance counts as failing (slow)"),
+    ]  # fmt: skip
+    for flag, kind, default, metavar, text in options:
+        group.add_argument(
+            flag, type=kind, default=default, metavar=metavar, help=f"{text}; default {default:g}"
+        )
 
 
 def routing_from_args(args: argparse.Namespace):
@@ -250,6 +214,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     with Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
+        for name, value in _failover_settings(args).items():
+            setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
         return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
 
@@ -309,6 +275,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         connector=Connector(args.connector),
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
+        **_failover_settings(args),
     )
     config.routing, config.health = routing_from_args(args)
     if config.connector is Connector.HYBRID and any(not b.rpc_address for b in config.prefill):
@@ -328,6 +295,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pd_serving.bench import run_bench
 
     return run_bench(args)
+
+
+def _add_failover_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "failover", "deadlines and retries of the proxy (pd-serving README, 'Failover')"
+    )
+    group.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one request, retries included (a client lowers it with the "
+        "x-request-timeout-s header); default 600",
+    )
+    group.add_argument(
+        "--attempt-timeout-s",
+        type=float,
+        default=60.0,
+        help="P's answer, or a streaming D's first token, within this or the call fails over; "
+        "default 60",
+    )
+    group.add_argument(
+        "--max-retries", type=int, default=2, help="failed calls retried per request; default 2"
+    )
+
+
+def _failover_settings(args: argparse.Namespace) -> dict[str, float | int]:
+    return {
+        "request_timeout_s": args.request_timeout_s,
+        "attempt_timeout_s": args.attempt_timeout_s,
+        "max_retries": args.max_retries,
+    }
 
 
 def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
@@ -390,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_failover_options(p)
     _add_routing_options(p)
     p.set_defaults(func=cmd_up)
 
@@ -401,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_failover_options(p)
     _add_routing_options(p)
     p.set_defaults(func=cmd_proxy)
 
