@@ -85,3 +85,34 @@ def test_importing_the_module_loads_no_ray() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.needs_vllm
+def test_backend_shapes_p_and_d_requests_for_the_connector() -> None:
+    """P is asked to hold the KV under a transfer id; D gets exactly what P answered."""
+    pytest.importorskip("ray.serve.llm", reason="needs pd-serving[ray]")
+    from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+
+    backend = ray_serve.HybridConnectorBackend(llm_config=None)
+    request = CompletionRequest(model="tiny", prompt="hello", max_tokens=8, stream=True)
+    p = backend.prepare_prefill_request(request=request, peer=None)
+    assert p.max_tokens == 1
+    assert not p.stream
+    assert p.kv_transfer_params["do_remote_decode"] is True
+    assert p.kv_transfer_params["transfer_id"]
+    assert request.kv_transfer_params is None  # the client's request is left as it was
+
+    answered = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": p.kv_transfer_params["transfer_id"],
+        "remote_rpc_address": f"{NODE_IP}:23000",
+    }
+
+    class PrefillAnswer:
+        kv_transfer_params = answered
+
+    d = backend.prepare_decode_request(request=request, peer=None, prefill_response=PrefillAnswer)
+    assert d.kv_transfer_params == answered
+    assert d.max_tokens == 8
+    assert d.stream
