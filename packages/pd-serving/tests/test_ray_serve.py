@@ -55,7 +55,7 @@ class Deployed:
     decode_metrics_url: str  # HybridConnector's kvt metrics in D's worker
 
 
-def _llm_config(model: Path, role: str, **connector_extra: object) -> dict:
+def _llm_config(model: Path, role: str, **connector: object) -> dict:
     from pd_serving.ray_serve import hybrid_kv_transfer_config
 
     return {
@@ -68,7 +68,7 @@ def _llm_config(model: Path, role: str, **connector_extra: object) -> dict:
             "max_model_len": CPU.max_model_len,
             "kv_cache_memory_bytes": CPU.kv_cache_bytes,
             "max_num_seqs": CPU.max_num_seqs,
-            "kv_transfer_config": hybrid_kv_transfer_config(role, **connector_extra),
+            "kv_transfer_config": hybrid_kv_transfer_config(role, **connector),
         },
     }
 
@@ -98,18 +98,18 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     started: list = []
     try:
         # P and D reserve a bundle of 2 logical CPUs each, the ingress one: logical, not cores.
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=8, log_to_driver=False)
         port, metrics_port = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_pd_openai_app(
             {
-                "prefill_config": _llm_config(model, "prefill"),
+                # P's transfer_kv port: a free one, the default base may be taken here.
+                "prefill_config": _llm_config(model, "prefill", rpc_port_base=free_port()),
                 "decode_config": _llm_config(model, "decode", metrics_port=metrics_port),
             }
         )
-        serve.run(app, name="pd", route_prefix="/", blocking=False)
+        serve.run(app, name="pd", route_prefix="/")  # returns once every deployment is ready
         wait_all_ready([single_process], 600)
-        _wait_app_running(serve, "pd", 600)
         started = [p for p in _descendants() if p.pid not in before]
         yield Deployed(
             pd_url=f"http://127.0.0.1:{port}",
@@ -129,25 +129,6 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         for proc in alive:
             proc.kill()
         assert not leftover, f"processes left after serve/ray shutdown: {leftover}"
-
-
-def _wait_app_running(serve, name: str, timeout_s: float) -> None:
-    """Serve's own status until the app is RUNNING (DEPLOY_FAILED raises with its message)."""
-    import time
-
-    from ray.serve._private.common import ApplicationStatus
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        app = serve.status().applications.get(name)
-        if app is not None and app.status == ApplicationStatus.RUNNING:
-            return
-        if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
-            raise RuntimeError(f"Ray Serve app failed: {app.message}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"Ray Serve app not running after {timeout_s}s: {app}")
-        # Serve offers no wait-for-status call; its controller updates status about every 0.1 s.
-        time.sleep(1.0)
 
 
 async def _answers(url: str, model: str, prompts: list[str], *, stream: bool) -> list[list[int]]:
@@ -188,7 +169,7 @@ def _kvt_requests_ok(metrics_url: str) -> float:
         sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name == "kvt_requests_total" and sample.labels.get("status") == "ok"
+        if sample.name == "kvt_requests_total" and sample.labels.get("status") == "done"
     )
 
 
