@@ -252,7 +252,9 @@ def parse_load(text: str) -> InstanceLoad:
 @dataclass(frozen=True)
 class HealthCheckConfig:
     interval_s: float = 2.0  # time between two rounds of probes
-    timeout_s: float = 1.0  # per probe (/health and /metrics together)
+    # per probe (/health and /metrics together); generous: on a loaded box a busy vLLM API
+    # server answers late, and three late answers in a row take it out of rotation
+    timeout_s: float = 3.0
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.timeout_s <= 0:
