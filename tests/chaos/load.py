@@ -23,7 +23,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -75,13 +75,16 @@ async def stream_once(
         "return_token_ids": True,
         "stream": True,
     }
+    # The proxy's own deadline for this request, a little inside ours: past it the proxy must
+    # answer with an error (504 or an error event) before the client gives up.
+    headers = {"x-request-timeout-s": str(max(1.0, deadline_s - 10.0))}
     started = time.monotonic()
     out = Outcome(client, prompt_index, started, started, kind="silent")
     token_ids: list[int] = []
     saw_done = False
     try:
         async with asyncio.timeout(deadline_s):
-            async with session.post(f"{url}/v1/completions", json=body) as resp:
+            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
                 out.status = resp.status
                 if resp.status != 200:
                     out.kind = "http_error"
@@ -157,6 +160,7 @@ class SteadyLoad:
 
     def __post_init__(self) -> None:
         self._stop = asyncio.Event()
+        self._changed = asyncio.Condition()  # notified with every outcome
         self._tasks: list[asyncio.Task[None]] = []
         self._next = 0
 
@@ -194,8 +198,19 @@ class SteadyLoad:
                 prompt_index=index,
             )
             self.outcomes.append(outcome)
+            async with self._changed:
+                self._changed.notify_all()
             if outcome.kind == "unreachable":
                 await asyncio.sleep(0.2)  # the proxy is gone: do not spin on refusals
+
+    async def wait_for(self, done: Callable[[list[Outcome]], bool], within_s: float) -> bool:
+        """Wait until ``done(outcomes)`` holds (checked at every new outcome); False on timeout."""
+        try:
+            async with asyncio.timeout(within_s), self._changed:
+                await self._changed.wait_for(lambda: done(self.outcomes))
+        except TimeoutError:
+            return False
+        return True
 
     def completed_since(self, since: float) -> int:
         return sum(1 for o in self.outcomes if o.kind == "completed" and o.started >= since)

@@ -99,11 +99,9 @@ async def test_2p2d_survives_kills_restarts_and_a_cut(
             )
             async with load:
                 calm_from = time.monotonic()
-
-                async def completed() -> int:
-                    return load.completed_since(calm_from)
-
-                await wait_until(completed, lambda n: n >= CLIENTS, within_s=120)
+                assert await load.wait_for(
+                    lambda _: load.completed_since(calm_from) >= CLIENTS, within_s=120
+                ), "the load never got going"
                 await asyncio.sleep(PHASE_S)
 
                 kill_p = FaultWindow("kill -9 prefill0", time.monotonic())
