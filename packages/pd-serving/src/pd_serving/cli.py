@@ -91,6 +91,70 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
+# -- routing and health options (helper "routing"; one block for `up` and `proxy`) ----------
+def _add_routing_options(parser: argparse.ArgumentParser) -> None:
+    from pd_serving.health import HealthCheckConfig
+    from pd_serving.routing import RoutingPolicy
+
+    policy, health = RoutingPolicy(), HealthCheckConfig()
+    group = parser.add_argument_group(
+        "routing and health", "bypass, prefix affinity, circuit breakers, active health checks"
+    )
+    # (flag, type, default, metavar, help); the flag's name is the field's, "-" for "_".
+    options = [
+        ("--bypass-below-tokens", int, policy.bypass_below_tokens, "N",
+         "prompts under N tokens (estimated: characters / 4, or the token ids' count) go to D "
+         "alone, and so do prompts whose uncached tail on a D that served their prefix is under "
+         "N; 0 turns bypass off"),
+        ("--prefix-chars", int, policy.prefix_chars, "N",
+         "prompt characters hashed to pick P (prefix affinity); 0 = by load only"),
+        ("--prefix-overload", float, policy.prefix_overload, "N",
+         "leave the affine P (or the D holding the prefix) when it has N more pending requests "
+         "than the least-loaded one"),
+        ("--decode-prefix-entries", int, policy.decode_prefix_entries, "N",
+         "prefix hashes remembered per D for the prefix-cached bypass"),
+        ("--breaker-failures", int, policy.breaker_failures, "N",
+         "consecutive failures that take an instance out"),
+        ("--breaker-cooldown-s", float, policy.breaker_cooldown_s, "S",
+         "seconds out before one probe request may go"),
+        ("--health-interval-s", float, health.interval_s, "S",
+         "active /health and /metrics probes of every instance; 0 = none"),
+        ("--health-timeout-s", float, health.timeout_s, "S",
+         "per probe; a slower instance counts as failing (slow)"),
+    ]  # fmt: skip
+    for flag, kind, default, metavar, text in options:
+        group.add_argument(
+            flag, type=kind, default=default, metavar=metavar, help=f"{text}; default {default:g}"
+        )
+
+
+def routing_from_args(args: argparse.Namespace):
+    """(RoutingPolicy, HealthCheckConfig or None) from the options of ``_add_routing_options``."""
+    from pd_serving.health import HealthCheckConfig
+    from pd_serving.routing import RoutingPolicy
+
+    try:
+        policy = RoutingPolicy(
+            bypass_below_tokens=args.bypass_below_tokens,
+            prefix_chars=args.prefix_chars,
+            prefix_overload=args.prefix_overload,
+            decode_prefix_entries=args.decode_prefix_entries,
+            breaker_failures=args.breaker_failures,
+            breaker_cooldown_s=args.breaker_cooldown_s,
+        )
+        health = (
+            HealthCheckConfig(interval_s=args.health_interval_s, timeout_s=args.health_timeout_s)
+            if args.health_interval_s > 0
+            else None
+        )
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+    return policy, health
+
+
+# -- end of the routing options ---------------------------------------------------------------
+
+
 def _cpu_settings(args: argparse.Namespace) -> CpuSettings:
     return CpuSettings(
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
@@ -150,6 +214,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     with Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
+        for name, value in _failover_settings(args).items():
+            setattr(config, name, value)
+        config.routing, config.health = routing_from_args(args)
         return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
 
 
@@ -208,7 +275,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         connector=Connector(args.connector),
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
+        **_failover_settings(args),
     )
+    config.routing, config.health = routing_from_args(args)
     if config.connector is Connector.HYBRID and any(not b.rpc_address for b in config.prefill):
         raise SystemExit(
             "pdserve: with --connector hybrid, give each --prefill as URL@RPC_HOST:PORT"
@@ -226,6 +295,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pd_serving.bench import run_bench
 
     return run_bench(args)
+
+
+def _add_failover_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "failover", "deadlines and retries of the proxy (pd-serving README, 'Failover')"
+    )
+    group.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one request, retries included (a client lowers it with the "
+        "x-request-timeout-s header); default 600",
+    )
+    group.add_argument(
+        "--attempt-timeout-s",
+        type=float,
+        default=60.0,
+        help="P's answer, or a streaming D's first token, within this or the call fails over; "
+        "default 60",
+    )
+    group.add_argument(
+        "--max-retries", type=int, default=2, help="failed calls retried per request; default 2"
+    )
+
+
+def _failover_settings(args: argparse.Namespace) -> dict[str, float | int]:
+    return {
+        "request_timeout_s": args.request_timeout_s,
+        "attempt_timeout_s": args.attempt_timeout_s,
+        "max_retries": args.max_retries,
+    }
 
 
 def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
@@ -288,6 +388,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_failover_options(p)
+    _add_routing_options(p)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
@@ -298,6 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_failover_options(p)
+    _add_routing_options(p)
     p.set_defaults(func=cmd_proxy)
 
     p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")

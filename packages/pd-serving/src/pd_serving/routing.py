@@ -2,30 +2,55 @@
 
 The proxy asks the :class:`Router` for a :class:`Route` per request and per retry (``exclude``
 names the instances that already failed this request) and reports every call's outcome back
-(``record_success`` / ``record_failure``), which is what passive health checks and circuit
-breakers are fed from. The router does no I/O itself: load figures and health come in as events
-(``update_load``; the health checker in ``health.py`` is the I/O shell that scrapes them).
+(``record_success`` / ``record_failure``: passive health, the circuit breakers of ``health.py``)
+and every served request (``record_routed``: what each D has in its prefix cache). The router
+does no I/O itself: load figures and active health come in as events (``update_load``; the
+:class:`~pd_serving.health.HealthChecker` is the I/O shell that probes and scrapes).
 
-This module is the interface both the proxy (failover) and the routing policies (load, prefix,
-bypass) build on; the first version only keeps today's behaviour: least in flight, round robin
-on ties, never a bypass.
+The decisions, in order:
+
+1. **Eligible** instances: not excluded for this request, and their breaker lets a request
+   through (closed, or half-open with its one probe free).
+2. **Bypass to D, prefix cached**: the longest prompt prefix some eligible D served recently
+   (a bounded LRU of prefix hashes per D, at every ``chunk`` boundary) leaves an uncached tail
+   under ``bypass_below_tokens``: D prefills only that tail itself, no transfer. That D, unless
+   it is overloaded (``prefix_overload`` more pending requests than the least-loaded D).
+3. **Bypass to D, short prompt**: the prompt is under ``bypass_below_tokens`` (estimated):
+   the least-loaded D prefills it; a transfer would cost more than it saves.
+4. Otherwise **PD**: D by load, P by prefix affinity (rendezvous hashing of the prompt's first
+   ``prefix_chars`` characters, or ``prefix_chars // 4`` token ids, over the eligible P's), the
+   least-loaded P when the affine one is overloaded; no eligible P -> D prefills
+   (``bypass_reason="no_healthy_prefill"``).
+
+Load of an instance (lower is better): ``pending + waiting + kv_weight * kv_usage``, with
+``pending = max(the proxy's own in-flight count, the instance's running + waiting)``: the
+proxy's count is fresher than a scrape, a scrape also sees other clients' requests; waiting
+requests count twice (they queue behind all running ones), a full KV cache (preemption) like
+``kv_weight`` requests. Ties go round robin.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
-from collections.abc import Collection
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_serving.health import (
+    BreakerConfig,
+    BreakerState,
+    CircuitBreaker,
+    FailureKind,
+    InstanceLoad,
+    Transition,
+)
 
-@dataclass
-class InstanceLoad:
-    """What an instance's own /metrics say about its load (vLLM's gauges)."""
-
-    waiting: int = 0  # vllm:num_requests_waiting
-    running: int = 0  # vllm:num_requests_running
-    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1
+# Characters per token when no tokenizer is asked (BPE on English text: about 4); the estimate
+# only decides bypasses, never what vLLM computes.
+CHARS_PER_TOKEN = 4
 
 
 @dataclass
@@ -59,6 +84,43 @@ class RequestKey:
     prompt_token_ids: tuple[int, ...] = ()  # when the client sent token ids
     estimated_prompt_tokens: int = 0
 
+    @property
+    def tokens(self) -> int:
+        """Prompt tokens: exact for token ids, else the caller's estimate or chars / 4."""
+        if self.prompt_token_ids:
+            return len(self.prompt_token_ids)
+        if self.estimated_prompt_tokens:
+            return self.estimated_prompt_tokens
+        return -(-len(self.prompt_text) // CHARS_PER_TOKEN)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prompt_text and not self.prompt_token_ids
+
+
+def request_key(body: dict[str, Any]) -> RequestKey:
+    """The routing view of a validated /v1/completions or /v1/chat/completions body."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return RequestKey(prompt_token_ids=tuple(prompt))
+    else:
+        # Chat: the contents in order; a later turn of a conversation extends an earlier one's
+        # text, so its prefix matches (the chat template adds the same markers to both).
+        parts: list[str] = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(f"{message.get('role', '')}\n{content}")
+            elif isinstance(content, list):
+                texts = [c.get("text", "") for c in content if isinstance(c, dict)]
+                parts.append(f"{message.get('role', '')}\n{''.join(texts)}")
+        text = "\n".join(parts)
+    return RequestKey(prompt_text=text, estimated_prompt_tokens=-(-len(text) // CHARS_PER_TOKEN))
+
 
 @dataclass(frozen=True)
 class Route:
@@ -75,34 +137,268 @@ class NoBackend(Exception):
         self.role = role
 
 
+@dataclass(frozen=True)
+class RoutingPolicy:
+    """How the Router decides (``pdserve up/proxy`` flags of the same names)."""
+
+    # Prompts (or a prefix-cached request's uncached tail) under this many tokens skip P;
+    # 0 turns both bypasses off.
+    bypass_below_tokens: int = 0
+    # Characters of the prompt hashed for P affinity (token ids: a quarter as many); 0 = off.
+    prefix_chars: int = 256
+    # The affine P (or D holding the prefix) is skipped when it has this many more pending
+    # requests than the least-loaded one.
+    prefix_overload: float = 4.0
+    # Prefix hashes remembered per D (bounded LRU) for the prefix-cached bypass; 0 = off.
+    decode_prefix_entries: int = 4096
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+    kv_weight: float = 8.0
+
+    def __post_init__(self) -> None:
+        if min(self.bypass_below_tokens, self.prefix_chars, self.decode_prefix_entries) < 0:
+            raise ValueError("bypass, prefix and LRU sizes cannot be negative")
+        if self.prefix_overload < 0 or self.kv_weight < 0:
+            raise ValueError("prefix_overload and kv_weight cannot be negative")
+        self.breaker  # noqa: B018 - BreakerConfig checks its own numbers
+
+    @property
+    def breaker(self) -> BreakerConfig:
+        return BreakerConfig(failures=self.breaker_failures, cooldown_s=self.breaker_cooldown_s)
+
+
+# Prefix hashes are taken every CHUNK units (characters of text, or token ids): 64 characters is
+# about one 16-token KV block.
+TEXT_CHUNK = 64
+TOKEN_CHUNK = 16
+
+
+def _units(key: RequestKey) -> tuple[bytes, int, int]:
+    """(the prompt as bytes, bytes per unit, units per chunk) for hashing its prefixes."""
+    if key.prompt_token_ids:
+        data = b"".join(t.to_bytes(4, "little", signed=True) for t in key.prompt_token_ids)
+        return b"t" + data, 4, TOKEN_CHUNK
+    return b"s" + key.prompt_text.encode("utf-8", "surrogatepass"), 1, TEXT_CHUNK
+
+
+def prefix_hashes(key: RequestKey) -> Iterator[tuple[int, bytes]]:
+    """(units covered, hash) of every chunk-boundary prefix of the prompt, shortest first, the
+    whole prompt last (O(length): one running hash, copied at each boundary)."""
+    data, width, chunk = _units(key)
+    total = (len(data) - 1) // width
+    running = hashlib.blake2b(data[:1], digest_size=16)
+    done = 0
+    for end in range(chunk, total + 1, chunk):
+        running.update(data[1 + done * width : 1 + end * width])
+        done = end
+        yield end, running.copy().digest()
+    if done < total:
+        running.update(data[1 + done * width :])
+        yield total, running.digest()
+
+
+def _tokens_of(key: RequestKey, units: int) -> int:
+    return units if key.prompt_token_ids else -(-units // CHARS_PER_TOKEN)
+
+
+def affinity_key(key: RequestKey, prefix_chars: int) -> bytes | None:
+    """What P affinity hashes: the first ``prefix_chars`` characters (or a quarter as many token
+    ids); None when the request carries no prompt."""
+    if key.empty or prefix_chars <= 0:
+        return None
+    if key.prompt_token_ids:
+        ids = key.prompt_token_ids[: max(1, prefix_chars // CHARS_PER_TOKEN)]
+        return b"t" + b"".join(t.to_bytes(4, "little", signed=True) for t in ids)
+    return b"s" + key.prompt_text[:prefix_chars].encode("utf-8", "surrogatepass")
+
+
+def rendezvous_order(affinity: bytes, backends: list[Backend]) -> list[Backend]:
+    """Highest random weight first: each (prefix, instance) pair gets a hash; taking an instance
+    out moves only the prefixes it had to another one."""
+
+    def weight(b: Backend) -> bytes:
+        return hashlib.blake2b(affinity + b"\0" + b.key.encode(), digest_size=8).digest()
+
+    return sorted(backends, key=weight, reverse=True)
+
+
+class _PrefixLru:
+    """Prefix hashes a D served recently, oldest evicted first (its prefix cache evicts too)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, None] = OrderedDict()
+
+    def add(self, digest: bytes) -> None:
+        self._entries[digest] = None
+        self._entries.move_to_end(digest)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def __contains__(self, digest: bytes) -> bool:
+        return digest in self._entries
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+TransitionCallback = Callable[[Backend, Transition], None]
+
+
 class Router:
     """Picks instances; fed outcomes and load. Not thread-safe: used on the proxy's event loop."""
 
-    def __init__(self, prefill: list[Backend], decode: list[Backend]) -> None:
+    def __init__(
+        self,
+        prefill: list[Backend],
+        decode: list[Backend],
+        policy: RoutingPolicy | None = None,
+        *,
+        on_transition: TransitionCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.policy = policy or RoutingPolicy()
+        self.on_transition = on_transition
+        self.clock = clock
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._breakers = {b.key: CircuitBreaker(self.policy.breaker) for b in [*prefill, *decode]}
+        self._cached = {b.key: _PrefixLru(self.policy.decode_prefix_entries) for b in decode}
+        self.transitions: list[tuple[str, Transition]] = []  # every one so far, for /health
 
-    def _least_loaded(
-        self, role: str, backends: list[Backend], exclude: Collection[str]
-    ) -> Backend | None:
-        eligible = [b for b in backends if b.key not in exclude]
+    # -- health -----------------------------------------------------------------------------
+    def breaker(self, backend: Backend) -> CircuitBreaker:
+        breaker = self._breakers.get(backend.key)
+        if breaker is None:  # an instance added after construction
+            breaker = self._breakers[backend.key] = CircuitBreaker(self.policy.breaker)
+        return breaker
+
+    def breaker_state(self, backend: Backend) -> BreakerState:
+        return self.breaker(backend).state
+
+    def _emit(self, backend: Backend, transitions: list[Transition]) -> None:
+        for t in transitions:
+            self.transitions.append((backend.key, t))
+            del self.transitions[:-256]
+            if t.new is BreakerState.OPEN and backend.key in self._cached:
+                # Whatever it had cached is no longer a safe bet (it may have restarted).
+                self._cached[backend.key].clear()
+            if self.on_transition is not None:
+                self.on_transition(backend, t)
+
+    def describe(self, backend: Backend) -> dict[str, Any]:
+        """The instance for the proxy's /health: identity, breaker, load."""
+        load = backend.load
+        return {
+            **backend.describe(),
+            **self.breaker(backend).describe(),
+            "load": {"waiting": load.waiting, "running": load.running, "kv_usage": load.kv_usage},
+        }
+
+    # -- load -------------------------------------------------------------------------------
+    def score(self, backend: Backend) -> float:
+        """Lower is less loaded (formula in the module docstring)."""
+        load = backend.load
+        pending = max(backend.inflight, load.running + load.waiting)
+        return pending + load.waiting + self.policy.kv_weight * load.kv_usage
+
+    def _eligible(
+        self, backends: list[Backend], exclude: Collection[str], now: float
+    ) -> list[Backend]:
+        return [b for b in backends if b.key not in exclude and self.breaker(b).available(now)]
+
+    def _least_loaded(self, role: str, eligible: list[Backend]) -> Backend | None:
         if not eligible:
             return None
-        start = next(self._turns[role]) % len(eligible)
-        rotated = eligible[start:] + eligible[:start]
-        return min(rotated, key=lambda b: b.inflight)
+        scores = [self.score(b) for b in eligible]
+        least = min(scores)
+        tied = [b for b, s in zip(eligible, scores, strict=True) if s == least]
+        return tied[next(self._turns[role]) % len(tied)]
 
-    def pick_prefill(self, key: RequestKey, exclude: Collection[str] = ()) -> Backend | None:
+    def _take(self, backend: Backend, now: float) -> bool:
+        """Claim a request slot on ``backend`` (the half-open probe, if it is half-open)."""
+        allowed, transitions = self.breaker(backend).acquire(now)
+        self._emit(backend, transitions)
+        return allowed
+
+    def _pick(self, role: str, candidates: list[Backend], now: float) -> Backend | None:
+        while candidates:
+            chosen = self._least_loaded(role, candidates)
+            assert chosen is not None
+            if self._take(chosen, now):
+                return chosen
+            candidates = [b for b in candidates if b is not chosen]
+        return None
+
+    def _pick_affine(self, key: RequestKey, eligible: list[Backend], now: float) -> Backend | None:
+        affinity = affinity_key(key, self.policy.prefix_chars)
+        if affinity is None or len(eligible) < 2:
+            return None
+        least = min(self.score(b) for b in eligible)
+        for candidate in rendezvous_order(affinity, eligible):
+            if self.score(candidate) - least > self.policy.prefix_overload:
+                return None  # the affine P is busy: least loaded instead
+            if self._take(candidate, now):
+                return candidate
+            eligible = [b for b in eligible if b is not candidate]  # its probe is taken
+        return None
+
+    def pick_prefill(
+        self, key: RequestKey, exclude: Collection[str] = (), now: float | None = None
+    ) -> Backend | None:
         """A P for this request, or None when no P is configured or healthy."""
-        return self._least_loaded("prefill", self.prefill, exclude)
+        now = self.clock() if now is None else now
+        eligible = self._eligible(self.prefill, exclude, now)
+        affine = self._pick_affine(key, eligible, now)
+        if affine is not None:
+            return affine
+        return self._pick("prefill", eligible, now)
 
-    def pick_decode(self, key: RequestKey, exclude: Collection[str] = ()) -> Backend:
+    def pick_decode(
+        self, key: RequestKey, exclude: Collection[str] = (), now: float | None = None
+    ) -> Backend:
         """A D for this request; raises NoBackend when none is left."""
-        backend = self._least_loaded("decode", self.decode, exclude)
+        now = self.clock() if now is None else now
+        backend = self._pick("decode", self._eligible(self.decode, exclude, now), now)
         if backend is None:
             raise NoBackend("decode")
         return backend
+
+    # -- bypass -----------------------------------------------------------------------------
+    def cached_tail(self, key: RequestKey, decode: Backend) -> int:
+        """Estimated prompt tokens ``decode`` would prefill itself (what its cache lacks)."""
+        lru = self._cached.get(decode.key)
+        matched = 0
+        if lru is not None and len(lru):
+            for units, digest in prefix_hashes(key):
+                if digest not in lru:
+                    break
+                matched = units
+        total = len(key.prompt_token_ids) if key.prompt_token_ids else len(key.prompt_text)
+        return _tokens_of(key, total - matched) if key.prompt_token_ids or key.prompt_text else 0
+
+    def _pick_cached_decode(
+        self, key: RequestKey, eligible: list[Backend], now: float
+    ) -> Backend | None:
+        threshold = self.policy.bypass_below_tokens
+        if self.policy.decode_prefix_entries <= 0 or key.empty or not eligible:
+            return None
+        total = key.tokens
+        if total < threshold:
+            return None  # short anyway: any D will do (least loaded)
+        least = min(self.score(b) for b in eligible)
+        best: tuple[int, Backend] | None = None
+        for backend in eligible:
+            tail = self.cached_tail(key, backend)
+            if tail < threshold and tail < total and (best is None or tail < best[0]):
+                best = (tail, backend)
+        if best is None or self.score(best[1]) - least > self.policy.prefix_overload:
+            return None
+        return best[1] if self._take(best[1], now) else None
 
     def route(
         self,
@@ -110,24 +406,47 @@ class Router:
         *,
         exclude_prefill: Collection[str] = (),
         exclude_decode: Collection[str] = (),
+        now: float | None = None,
     ) -> Route:
-        decode = self.pick_decode(key, exclude_decode)
+        now = self.clock() if now is None else now
+        eligible_d = self._eligible(self.decode, exclude_decode, now)
+        if self.policy.bypass_below_tokens > 0 and not key.empty:
+            cached = self._pick_cached_decode(key, eligible_d, now)
+            if cached is not None:
+                return Route(decode=cached, prefill=None, bypass_reason="prefix_cached")
+        decode = self._pick("decode", eligible_d, now)
+        if decode is None:
+            raise NoBackend("decode")
         if not self.prefill:
             return Route(decode=decode, prefill=None, bypass_reason="no_prefill")
-        prefill = self.pick_prefill(key, exclude_prefill)
+        if 0 < key.tokens < self.policy.bypass_below_tokens and not key.empty:
+            return Route(decode=decode, prefill=None, bypass_reason="short_prompt")
+        prefill = self.pick_prefill(key, exclude_prefill, now)
         if prefill is None:
             return Route(decode=decode, prefill=None, bypass_reason="no_healthy_prefill")
         return Route(decode=decode, prefill=prefill)
 
     # -- events ---------------------------------------------------------------------------
     def record_success(self, backend: Backend, now: float) -> None:
-        """A call to ``backend`` succeeded (passive health)."""
+        """A call to ``backend`` succeeded (passive health), or its active probe did."""
+        self._emit(backend, self.breaker(backend).on_success(now))
 
-    def record_failure(self, backend: Backend, now: float, why: str) -> None:
-        """A call to ``backend`` failed: connection refused/reset, 5xx, timeout (not a 4xx)."""
+    def record_failure(
+        self, backend: Backend, now: float, why: str, kind: FailureKind | str = FailureKind.ERROR
+    ) -> None:
+        """A call to ``backend`` failed: connection refused/reset, 5xx, timeout (not a 4xx).
+        ``kind``: a :class:`~pd_serving.health.FailureKind` (``health.failure_kind(exc)``)."""
+        self._emit(backend, self.breaker(backend).on_failure(now, why, FailureKind(kind)))
 
     def record_routed(self, key: RequestKey, route: Route) -> None:
-        """The request was served along ``route`` (prefix affinity and D's prefix cache)."""
+        """The request was served along ``route``: its prompt is now in D's prefix cache (with
+        a P the KV was transferred into D's blocks, without one D computed it)."""
+        lru = self._cached.get(route.decode.key)
+        if lru is None or lru.capacity <= 0 or key.empty:
+            return
+        # Longest first, so the short prefixes (which every longer match needs) are the freshest.
+        for _units_covered, digest in reversed(list(prefix_hashes(key))):
+            lru.add(digest)
 
     def update_load(self, backend: Backend, load: InstanceLoad) -> None:
         backend.load = load
