@@ -148,3 +148,24 @@ def bench(session: nox.Session) -> None:
     for bench in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
         if only is None or bench.parent.parent.name in only:
             session.run("python", str(bench))
+
+
+@nox.session(python=PYTHON)
+def chaos(session: nox.Session) -> None:
+    """The chaos suite (tests/chaos): 2P2D in network namespaces under 8 streaming clients while
+    a P and a D are killed, restarted and cut off; P, D and the proxy in three namespaces. Needs
+    root (`ip netns`) and starts vLLM, so it holds /tmp/bench.lock for the whole run. About 5
+    minutes (`-- -k three_hosts` or `-k chaos` for one); the counts go to the JSON below."""
+    _sync(session, None)
+    report = ROOT / "packages" / "pd-serving" / "benchmarks" / "results" / "chaos.json"
+    env = {"PDSERVE_CHAOS": "1", "PDSERVE_CHAOS_REPORT": str(report)}
+    session.run(
+        "flock",
+        "/tmp/bench.lock",
+        "pytest",
+        str(ROOT / "tests" / "chaos"),
+        "-v",
+        *session.posargs,
+        env=env,
+        external=True,
+    )

@@ -132,8 +132,14 @@ class NetnsLab:
             _ip("link", "set", host.veth, "master", self.bridge, "up")
             _ip("link", "set", "lo", "up", netns=host.netns)  # vLLM's own processes talk on lo
             _ip("link", "set", peer, "name", "eth0", netns=host.netns)
-            _ip("addr", "add", f"{host.address}/{self.subnet.prefixlen}", "dev", "eth0",
-                netns=host.netns)  # fmt: skip
+            _ip(
+                "addr",
+                "add",
+                f"{host.address}/{self.subnet.prefixlen}",
+                "dev",
+                "eth0",
+                netns=host.netns,
+            )
             _ip("link", "set", "eth0", "up", netns=host.netns)
             # A default route: code that asks "what is my address" (a UDP connect) gets eth0's.
             _ip("route", "add", "default", "via", self.gateway, netns=host.netns)
@@ -155,8 +161,13 @@ class NetnsLab:
         if pair in self._cuts:
             return
         for src, dst in ((a, b), (b, a)):
-            _ip("route", "add", "blackhole", f"{self.hosts[dst].address}/32",
-                netns=self.hosts[src].netns)  # fmt: skip
+            _ip(
+                "route",
+                "add",
+                "blackhole",
+                f"{self.hosts[dst].address}/32",
+                netns=self.hosts[src].netns,
+            )
         self._cuts.add(pair)
         log.info("netns lab %s: cut %s <-> %s", self.tag, a, b)
 
@@ -165,8 +176,13 @@ class NetnsLab:
         if pair not in self._cuts:
             return
         for src, dst in ((a, b), (b, a)):
-            _ip("route", "del", "blackhole", f"{self.hosts[dst].address}/32",
-                netns=self.hosts[src].netns)  # fmt: skip
+            _ip(
+                "route",
+                "del",
+                "blackhole",
+                f"{self.hosts[dst].address}/32",
+                netns=self.hosts[src].netns,
+            )
         self._cuts.discard(pair)
         log.info("netns lab %s: restored %s <-> %s", self.tag, a, b)
 
@@ -199,6 +215,9 @@ class NetnsLab:
         netns = _ip("netns", "list", check=False)
         links = _ip("-o", "link", check=False)
         found = [h.netns for h in self.hosts.values() if h.netns in netns]
-        found += [name for name in (self.bridge, *(h.veth for h in self.hosts.values()))
-                  if f" {name}:" in links or f" {name}@" in links]  # fmt: skip
+        found += [
+            name
+            for name in (self.bridge, *(h.veth for h in self.hosts.values()))
+            if f" {name}:" in links or f" {name}@" in links
+        ]
         return found
