@@ -81,11 +81,12 @@ def _batch(client, index: int, rng) -> tuple[list[Batch], np.ndarray]:
     return micro, expected
 
 
-def test_prefetch_delivers_each_batch_its_own_rows_in_order(store):
+@pytest.mark.parametrize("replay", ["inline", "alongside"])
+def test_prefetch_delivers_each_batch_its_own_rows_in_order(store, replay):
     """Batches prefetched one and two ahead (as the overlapped schedule does): every step trains
-    on exactly its batch's rows, in the micro-batches' order."""
+    on exactly its batch's rows, in the micro-batches' order (the CRC chains them in order)."""
     rng = np.random.default_rng(7)
-    trainer = Trainer(_config(prefetch_slots=2))
+    trainer = Trainer(_config(prefetch_slots=2, replay=replay))
     seen: list[np.ndarray] = []
     try:
         batches = [_batch(store, i, rng) for i in range(8)]
