@@ -41,6 +41,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="runs per width, each reported")
     parser.add_argument("--modes", default="off,value,ref")
     parser.add_argument(
+        "--replay",
+        choices=["inline", "alongside"],
+        default="inline",
+        help="replay stand-in: read the rows before the compute, or on a thread alongside it",
+    )
+    parser.add_argument(
         "--overlap",
         default="off,ref",
         help="modes to run a second time in the overlapped schedule (prefetch), '' for none",
@@ -62,12 +68,20 @@ def main() -> int:
     formats = list(R3Format) if args.r3_format == "both" else [R3Format(args.r3_format)]
     if args.smoke:
         configs = [
-            PipelineConfig(samples=8, group_size=4, mean_len=64, layers=4, topk=4, hidden=64)
+            PipelineConfig(
+                samples=8,
+                group_size=4,
+                mean_len=64,
+                layers=4,
+                topk=4,
+                hidden=64,
+                replay=args.replay,
+            )
         ]
         steps, warmup, store_gib, pool = 1, 0, 0.5, "64M"
     else:
         configs = [
-            PipelineConfig(train_passes=args.train_passes, hidden=int(h))
+            PipelineConfig(train_passes=args.train_passes, hidden=int(h), replay=args.replay)
             for h in args.hidden.split(",")
         ]
         steps, warmup, store_gib, pool = args.steps, 1, 3.0, "1536M"

@@ -37,6 +37,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,10 @@ class PipelineConfig(msgspec.Struct, frozen=True):
     verify: bool = False  # replay stand-in: crc32 of the recordings (tests) instead of a sum
     r3_format: str = R3Format.TORCH.value  # the rollout's recordings: "torch" or "numpy"
     prefetch_slots: int = 3  # trainer buffers for prefetched batches (0: no prefetch)
+    # Replay stand-in: "inline" reads a micro-batch's rows before its compute, on the step's
+    # thread; "alongside" reads them on a second thread while the compute runs (as a router reads
+    # its indices inside the forward pass, on a GPU host).
+    replay: str = "inline"
 
     @property
     def row_bytes(self) -> int:
@@ -347,6 +352,11 @@ class Trainer:
                 pinned=torch.cuda.is_available(),
             )
         self._memcpy_buffers: tuple[np.ndarray, np.ndarray] | None = None
+        if config.replay not in ("inline", "alongside"):
+            raise ValueError(f"replay must be 'inline' or 'alongside', got {config.replay!r}")
+        self._replayer: ThreadPoolExecutor | None = None
+        if config.replay == "alongside":
+            self._replayer = ThreadPoolExecutor(1, thread_name_prefix="rl-dataflow-replay")
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, key: Any, micro_batches: list[Batch]) -> None:
@@ -373,6 +383,8 @@ class Trainer:
 
     def close(self) -> None:
         """End the prefetch thread and release what was prefetched but never trained."""
+        if self._replayer is not None:
+            self._replayer.shutdown(wait=True)
         if self.prefetcher is None:
             return
         for key in self.prefetcher.pending():
@@ -453,14 +465,24 @@ class Trainer:
                 r3_rows = None
             t1 = time.perf_counter()
             materialise_s += t1 - t0
+            replaying = None
             if r3_rows is not None:
-                r3_checksum = _replay(r3_rows, r3_checksum, self.config.verify)
+                if self._replayer is not None:
+                    replaying = self._replayer.submit(
+                        _replay, r3_rows, r3_checksum, self.config.verify
+                    )
+                else:
+                    r3_checksum = _replay(r3_rows, r3_checksum, self.config.verify)
             t2 = time.perf_counter()
             replay_s += t2 - t1
             hidden = self.embed[torch.from_numpy(tokens).long()]
             for _ in range(self.config.train_passes):
                 hidden = torch.tanh(hidden @ self.weight)
-            compute_s += time.perf_counter() - t2
+            t3 = time.perf_counter()
+            compute_s += t3 - t2
+            if replaying is not None:  # the rows must stay valid until the replay has read them
+                r3_checksum = replaying.result()
+                replay_s += time.perf_counter() - t3
             tokens_seen += n
         t0 = time.perf_counter()
         if key is not None:
