@@ -123,7 +123,7 @@ def pd_serving(session: nox.Session) -> None:
 def pd_serving_vllm(session: nox.Session) -> None:
     """The pd-serving tests that need `pd-serving[vllm]` (making the tiny model, `pdserve up`)."""
     _test_package(
-        session, "pd-serving", extras=("vllm",), pytest_args=("-m", "needs_vllm"), smoke=False
+        session, "pd-serving", extras=("vllm", "ray"), pytest_args=("-m", "needs_vllm"), smoke=False
     )
 
 
