@@ -277,7 +277,7 @@ async def test_decode_failing_before_the_first_token_fails_over_to_another_d(
     else:
         for attr, value in DECODE_FAILURES[mode].items():
             setattr(d0, attr, value)
-    await rig.start_proxy(dispatch=dispatch, attempt_timeout_s=0.5 if stream else 60)
+    await rig.start_proxy(dispatch=dispatch, attempt_timeout_s=1.0 if stream else 60)
     status, answer = await rig.post({"stream": stream})
     assert status == 200, answer
     text = "".join(_texts(answer)) if stream else answer["choices"][0]["text"]
@@ -365,7 +365,7 @@ async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
             {"5xx": "fail_status", "hang": "hang"}.get(mode, mode),
             500 if mode == "5xx" else True,
         )
-    await rig.start_proxy(dispatch=dispatch, attempt_timeout_s=0.5)
+    await rig.start_proxy(dispatch=dispatch, attempt_timeout_s=1.0)
     status, lines = await rig.post({"stream": True})
     assert status == 200
     assert "".join(_texts(lines)) == " a b c d e f"
@@ -443,8 +443,8 @@ async def test_a_request_never_outlives_its_deadline(
 async def test_a_deadline_mid_stream_is_an_error_event(rig_factory: Any) -> None:
     rig: Rig = await rig_factory(n_decode=1)
     rig.ds[0].tokens = [f" t{i}" for i in range(1000)]
-    rig.ds[0].token_delay_s = 0.01
-    await rig.start_proxy(request_timeout_s=0.3)
+    rig.ds[0].token_delay_s = 0.05  # 50 s in all
+    await rig.start_proxy(request_timeout_s=1.0)
     status, lines = await rig.post({"stream": True, "max_tokens": 1000})
     assert status == 200
     assert 0 < len(_texts(lines)) < 1000
