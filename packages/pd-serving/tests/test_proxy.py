@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -34,12 +33,13 @@ async def upstreams() -> AsyncIterator[dict[str, FakeUpstream]]:
 async def make_proxy(upstreams: dict[str, FakeUpstream]) -> AsyncIterator[Factory]:
     runners = []
 
-    async def factory(
+    async def factory(  # noqa: PLR0917 -- keyword use in the tests
         connector: Connector = Connector.HYBRID,
         dispatch: Dispatch = Dispatch.SEQUENTIAL,
         prefill: bool = True,
         decode_urls: list[str] | None = None,
         model_names: list[str] | None = None,
+        max_retries: int = 2,
     ) -> tuple[str, PdProxy]:
         config = ProxyConfig(
             prefill=[Backend(upstreams["P"].url, rpc_address="127.0.0.1:7777", name="p0")]
@@ -51,6 +51,7 @@ async def make_proxy(upstreams: dict[str, FakeUpstream]) -> AsyncIterator[Factor
             connector=connector,
             dispatch=dispatch,
             model_names=model_names or [],  # empty: asked from the first D at startup
+            max_retries=max_retries,
         )
         proxy = PdProxy(config)
         port = free_port()
@@ -153,14 +154,20 @@ async def test_nixl_passes_p_params_verbatim(
     assert upstreams["D"].received[0]["kv_transfer_params"] == upstreams["P"].kv_params
 
 
-async def test_nixl_without_p_params_is_a_502(
+async def test_nixl_without_p_params_is_a_failed_prefill(
     make_proxy: Factory, upstreams: dict[str, FakeUpstream]
 ) -> None:
     upstreams["P"].kv_params = None
-    url, _ = await make_proxy(connector=Connector.NIXL)
+    url, _ = await make_proxy(connector=Connector.NIXL, max_retries=0)
     status, body = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert status == 502
     assert "kv_transfer_params" in body["error"]["message"]
+    # With retries, the only P is out for this request: D prefills itself.
+    url, proxy = await make_proxy(connector=Connector.NIXL)
+    status, _ = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 200
+    assert "kv_transfer_params" not in upstreams["D"].received[-1]
+    assert proxy.metrics.retries.labels("local_prefill")._value.get() == 1
 
 
 def test_parallel_dispatch_needs_the_hybrid_connector(upstreams: dict[str, FakeUpstream]) -> None:
@@ -197,7 +204,7 @@ async def test_parallel_prefill_failure_cancels_decode(
     upstreams["P"].fail_status = 500
     upstreams["P"].answer_delay_s = 0.1
     upstreams["D"].answer_delay_s = 30.0  # D waits for KV that will never come
-    url, _ = await make_proxy(dispatch=Dispatch.PARALLEL)
+    url, _ = await make_proxy(dispatch=Dispatch.PARALLEL, max_retries=0)
     status, body = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
     assert status == 502
     assert "prefill" in body["error"]["message"]
@@ -316,22 +323,24 @@ async def test_client_disconnect_mid_stream_closes_the_decode_call(
     assert proxy.metrics.upstream_errors.labels("decode")._value.get() == 0
 
 
-async def test_decode_dying_mid_stream_ends_the_stream_without_done(
+async def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(
     make_proxy: Factory, upstreams: dict[str, FakeUpstream]
 ) -> None:
+    """Before: the stream just stopped (no [DONE]), which clients read as a short answer."""
     upstreams["D"].break_after = 2
     url, proxy = await make_proxy()
     body = {"model": MODEL, "prompt": "x", "stream": True}
-    lines = []
     async with (
         aiohttp.ClientSession() as session,
         session.post(f"{url}/v1/completions", json=body) as resp,
     ):
         assert resp.status == 200
-        with contextlib.suppress(aiohttp.ClientPayloadError):
-            lines = [line async for line in resp.content if line.startswith(b"data:")]
-    assert len(lines) == 2
-    assert b"[DONE]" not in b"".join(lines)
+        lines = [line.strip() async for line in resp.content if line.startswith(b"data:")]
+    events = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [e["choices"][0]["text"] for e in events[:2]] == [" a", " b"]
+    assert "decode" in events[2]["error"]["message"]
+    assert events[3]["choices"][0]["finish_reason"] == "error"
+    assert lines[-1] == b"data: [DONE]"
     assert proxy.metrics.upstream_errors.labels("decode")._value.get() == 1
     assert proxy.metrics.client_disconnects._value.get() == 0
 

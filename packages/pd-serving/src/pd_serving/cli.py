@@ -214,6 +214,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     with Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
+        for name, value in _failover_settings(args).items():
+            setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
         return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
 
@@ -273,6 +275,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         connector=Connector(args.connector),
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
+        **_failover_settings(args),
     )
     config.routing, config.health = routing_from_args(args)
     if config.connector is Connector.HYBRID and any(not b.rpc_address for b in config.prefill):
@@ -292,6 +295,37 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pd_serving.bench import run_bench
 
     return run_bench(args)
+
+
+def _add_failover_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "failover", "deadlines and retries of the proxy (pd-serving README, 'Failover')"
+    )
+    group.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one request, retries included (a client lowers it with the "
+        "x-request-timeout-s header); default 600",
+    )
+    group.add_argument(
+        "--attempt-timeout-s",
+        type=float,
+        default=60.0,
+        help="P's answer, or a streaming D's first token, within this or the call fails over; "
+        "default 60",
+    )
+    group.add_argument(
+        "--max-retries", type=int, default=2, help="failed calls retried per request; default 2"
+    )
+
+
+def _failover_settings(args: argparse.Namespace) -> dict[str, float | int]:
+    return {
+        "request_timeout_s": args.request_timeout_s,
+        "attempt_timeout_s": args.attempt_timeout_s,
+        "max_retries": args.max_retries,
+    }
 
 
 def _add_sweep_options(parser: argparse.ArgumentParser) -> None:
@@ -354,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_failover_options(p)
     _add_routing_options(p)
     p.set_defaults(func=cmd_up)
 
@@ -365,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    _add_failover_options(p)
     _add_routing_options(p)
     p.set_defaults(func=cmd_proxy)
 

@@ -43,6 +43,16 @@ class UpstreamHttpError(RuntimeError):
         self.body = body
 
 
+class StreamError(UpstreamHttpError):
+    """The stream began (HTTP 200) and ended with an error event (``data: {"error": ...}``, as
+    the proxy sends when D fails mid-stream or the deadline passes); ``partial`` has what came
+    before it."""
+
+    def __init__(self, status: int, message: str, partial: Completion) -> None:
+        super().__init__(status, message)
+        self.partial = partial
+
+
 async def complete(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -98,6 +108,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
     first_token_at: float | None = None
     last_token_at = started
     texts: list[str] = []
+    error: dict[str, Any] | None = None
     async for raw_line in resp.content:
         line = raw_line.strip()
         if not line.startswith(b"data:"):
@@ -106,6 +117,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
         if payload == b"[DONE]":
             continue  # read to the end: closing early would look like a client disconnect
         event = json.loads(payload)
+        if isinstance(event.get("error"), dict):
+            error = event["error"]
+            continue
         if event.get("usage"):
             out.completion_tokens = event["usage"]["completion_tokens"]
             out.prompt_tokens = event["usage"]["prompt_tokens"]
@@ -127,6 +141,9 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
     n = out.completion_tokens or len(out.token_ids)
     out.completion_tokens = n
     out.tpot_s = (last_token_at - (first_token_at or last_token_at)) / (n - 1) if n > 1 else 0.0
+    if error is not None:
+        code = error.get("code")
+        raise StreamError(code if isinstance(code, int) else 502, str(error.get("message")), out)
     return out
 
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible PD proxy: one request in, a prefill call to P and a decode call to D out.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming and not) go through P then D (or to D
-alone when no P is configured); ``/v1/models`` is relayed from a D; ``/health`` describes the
-deployment; ``/metrics`` is prometheus text.
+alone when the Router gives no P); ``/v1/models`` is relayed from a D; ``/health`` describes the
+deployment and each instance; ``/metrics`` is prometheus text.
 
 Dispatch (``--dispatch``):
 
@@ -11,13 +11,20 @@ Dispatch (``--dispatch``):
 - ``parallel`` (HybridConnector only): P and D are called at once with a proxy-chosen
   ``transfer_id``; D's connector asks P for the KV while P is still prefilling (P holds an early
   ``transfer_kv`` until the request appears). D's answer is forwarded only once P answered 200, so a
-  failed prefill never leaks a half answer; a P failure cancels the D call (vLLM aborts it and
-  frees its blocks).
+  failed prefill never leaks a half answer.
+
+Failover: what to do after a failed call is decided by ``failover.AttemptPlan`` (pure; its
+docstring has the diagram); this module is its I/O shell. A D that fails before a byte reached the
+client is replaced by another D pulling the same transfer from P; a failed P by another P or a
+local prefill on D; once bytes went to the client a failure ends the stream with an SSE error
+event (never a silent end, never a resumed stream). Every request has a deadline
+(``request_timeout_s``, lowered per request by the ``x-request-timeout-s`` header); when it
+passes the upstream calls are closed (vLLM aborts), P's transfer released, the client gets 504 or
+an error event. A client that goes away cancels the handler, which closes both calls and releases
+the transfer on P.
 
 Client mistakes (malformed JSON, unknown model, missing or bad fields) get a 4xx with an
-OpenAI-style error body and a WARNING log line; an upstream failure gets 502 (or the upstream's own
-4xx). Client disconnects cancel the handler, which closes the upstream connections, which makes
-vLLM abort the request and free its blocks.
+OpenAI-style error body and a WARNING log line; an instance's 4xx is relayed as is.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,8 +47,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
-from pd_serving.health import HealthCheckConfig, HealthChecker, failure_kind
-from pd_serving.routing import Backend, NoBackend, Router, RoutingPolicy, request_key
+from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, Transfer
+from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
+from pd_serving.routing import Backend, NoBackend, Route, Router, RoutingPolicy, request_key
 from pd_serving.servers import Connector
 
 log = logging.getLogger(__name__)
@@ -51,8 +59,21 @@ READY_LINE = "pdserve: proxy ready on"
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+# A client may lower its request's deadline (seconds, > 0); it can never raise it.
+DEADLINE_HEADER = "x-request-timeout-s"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_SSE_DONE = b"data: [DONE]"
+# How the breaker hears of a failed call (health.FailureKind).
+_BREAKER_KIND = {
+    Failure.REFUSED: FailureKind.REFUSED,
+    Failure.HTTP_5XX: FailureKind.HTTP_5XX,
+    Failure.TIMEOUT: FailureKind.TIMEOUT,
+    Failure.BROKE: FailureKind.BROKEN,
+    Failure.BROKE_MID_STREAM: FailureKind.BROKEN,
+}
+# /metrics' pdserve_breaker_state values.
+_BREAKER_LEVEL = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
 
 
 class Dispatch(enum.StrEnum):
@@ -79,14 +100,43 @@ class ClientGone(Exception):
 
 
 class UpstreamError(Exception):
-    """A P or D instance failed (connection, 5xx, or a 4xx relayed as is)."""
+    """The request failed upstream: answered with ``status`` (or the instance's 4xx ``body``)."""
 
-    def __init__(self, status: int, message: str, body: bytes | None = None, stage: str = "decode"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        body: bytes | None = None,
+        stage: str = "decode",
+        error_type: str = "upstream_error",
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.body = body
         self.stage = stage
+        self.error_type = error_type
+
+
+class CallFailed(Exception):
+    """One call to one instance failed; the AttemptPlan decides what happens next."""
+
+    def __init__(  # noqa: PLR0917 -- raised in a dozen places, positionally
+        self,
+        stage: Stage,
+        backend: Backend,
+        failure: Failure,
+        message: str,
+        status: int = 502,
+        body: bytes | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.backend = backend
+        self.failure = failure
+        self.message = message
+        self.status = status
+        self.body = body
 
 
 @dataclass
@@ -99,7 +149,15 @@ class ProxyConfig:
     model_names: list[str] = field(default_factory=list)
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 600.0
-    # routing-wiring: the Router's policy and the active health checks (None: none).
+    # Whole request, retries included; the x-request-timeout-s header may lower it.
+    request_timeout_s: float = 600.0
+    # One call: P's answer, or D's first streamed event; past it the call counts as failed
+    # (timeout) and the request fails over. Non-streaming D calls have only the deadline (vLLM
+    # sends nothing before the whole answer).
+    attempt_timeout_s: float = 60.0
+    # Failed calls after the first one before the client gets the error.
+    max_retries: int = 2
+    # The Router's policy and the active health checks (None: none); see routing.py, health.py.
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     health: HealthCheckConfig | None = field(default_factory=HealthCheckConfig)
 
@@ -116,6 +174,37 @@ class _Metrics:
         self.upstream_errors = Counter(
             "pdserve_upstream_errors",
             "Failed calls to vLLM instances",
+            ["stage"],
+            registry=self.registry,
+        )
+        self.call_failures = Counter(
+            "pdserve_call_failures",
+            "Failed calls per instance, by stage and how they failed",
+            ["backend", "stage", "reason"],
+            registry=self.registry,
+        )
+        self.failovers = Counter(
+            "pdserve_failovers",
+            "Failed calls after which the request went on elsewhere, by stage and reason",
+            ["stage", "reason"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "pdserve_retries",
+            "Further attempts: same_transfer (another D pulls P's KV), new_prefill, "
+            "local_prefill (D prefills itself)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.stream_errors = Counter(
+            "pdserve_stream_errors",
+            "Streams ended with an SSE error event (after bytes went to the client)",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.deadline_expiries = Counter(
+            "pdserve_deadline_expiries",
+            "Requests whose deadline passed, by the stage they were in",
             ["stage"],
             registry=self.registry,
         )
@@ -142,15 +231,21 @@ class _Metrics:
             ["released"],
             registry=self.registry,
         )
-        self.breaker_transitions = Counter(  # routing-wiring
+        self.breaker_transitions = Counter(
             "pdserve_breaker_transitions",
             "Circuit breaker transitions per backend",
             ["backend", "from_state", "to_state"],
             registry=self.registry,
         )
-        self.bypasses = Counter(  # routing-wiring
+        self.breaker_state = Gauge(
+            "pdserve_breaker_state",
+            "Circuit breaker state per backend: 0 closed, 1 half open, 2 open",
+            ["backend", "role"],
+            registry=self.registry,
+        )
+        self.bypasses = Counter(
             "pdserve_bypass",
-            "Requests served by D alone, by reason",
+            "Requests routed to D alone, by reason",
             ["reason"],
             registry=self.registry,
         )
@@ -165,6 +260,19 @@ class _Metrics:
 def _openai_error(status: int, message: str, error_type: str) -> web.Response:
     body = {"error": {"message": message, "type": error_type, "code": status}}
     return web.json_response(body, status=status)
+
+
+def _deadline_s(request: web.Request, configured: float) -> float:
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return configured
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise ClientRequestError(400, f"{DEADLINE_HEADER} must be a positive number of seconds")
+    return min(value, configured)
 
 
 def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
@@ -223,7 +331,6 @@ class PdProxy:
             raise ValueError("at least one decode instance is required")
         self.config = config
         self.metrics = _Metrics()
-        # routing-wiring
         self.router = Router(
             config.prefill, config.decode, config.routing, on_transition=self._on_transition
         )
@@ -257,13 +364,13 @@ class PdProxy:
             self._session = aiohttp.ClientSession(
                 timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
             )
-        if self.config.health is not None and self.health is None:  # routing-wiring
+        if self.config.health is not None and self.health is None:
             self.health = HealthChecker(self.router, self._session, self.config.health)
             self.health.start()
         if not self.config.model_names:
             self.config.model_names = await self._fetch_model_names()
 
-    def _on_transition(self, backend: Backend, transition: Any) -> None:  # routing-wiring
+    def _on_transition(self, backend: Backend, transition: Any) -> None:
         self.metrics.breaker_transitions.labels(
             backend.key, transition.old.value, transition.new.value
         ).inc()
@@ -276,7 +383,7 @@ class PdProxy:
         )
 
     async def close(self) -> None:
-        if self.health is not None:  # routing-wiring
+        if self.health is not None:
             await self.health.close()
             self.health = None
         for task in list(self._background):
@@ -288,6 +395,11 @@ class PdProxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def drain_background(self) -> None:
+        """Wait for the release calls in flight (tests, orderly shutdown)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
 
     async def _fetch_model_names(self) -> list[str]:
         backend = self.config.decode[0]
@@ -314,9 +426,12 @@ class PdProxy:
             return _openai_error(502, f"{backend.url}/v1/models failed: {exc}", "upstream_error")
 
     async def _handle_health(self, _request: web.Request) -> web.Response:
+        decode_allowed = any(
+            self.router.breaker_state(b) is not BreakerState.OPEN for b in self.config.decode
+        )
         return web.json_response(
             {
-                "status": "ok",
+                "status": "ok" if decode_allowed else "degraded",
                 "connector": self.config.connector.value,
                 "dispatch": self.config.dispatch.value,
                 "models": self.config.model_names,
@@ -326,6 +441,10 @@ class PdProxy:
         )
 
     async def _handle_metrics(self, _request: web.Request) -> web.Response:
+        for role, backends in (("prefill", self.config.prefill), ("decode", self.config.decode)):
+            for backend in backends:
+                level = _BREAKER_LEVEL[self.router.breaker_state(backend)]
+                self.metrics.breaker_state.labels(backend.key, role).set(level)
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
@@ -344,7 +463,8 @@ class PdProxy:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ClientRequestError(400, f"malformed JSON body: {exc}") from None
             body = _validate(path, body, self.config.model_names)
-            response = await self._generate(request, path, body, started)
+            timeout_s = _deadline_s(request, self.config.request_timeout_s)
+            response = await _Flow(self, request, path, body, started).run(timeout_s)
             status = response.status
             return response
         except ClientRequestError as exc:
@@ -358,7 +478,7 @@ class PdProxy:
                 return web.Response(
                     body=exc.body, status=exc.status, content_type="application/json"
                 )
-            return _openai_error(exc.status, exc.message, "upstream_error")
+            return _openai_error(exc.status, exc.message, exc.error_type)
         except ClientGone as gone:
             self.metrics.client_disconnects.inc()
             status = 499
@@ -372,63 +492,9 @@ class PdProxy:
         finally:
             self.metrics.requests.labels(path, str(status)).inc()
 
-    async def _generate(
-        self, request: web.Request, path: str, body: dict[str, Any], started: float
-    ) -> web.StreamResponse:
-        key = request_key(body)  # routing-wiring
-        try:
-            route = self.router.route(key)
-        except NoBackend as exc:
-            raise UpstreamError(503, str(exc)) from None
-        decode, prefill = route.decode, route.prefill
-        if prefill is None:  # no disaggregation: a plain load balancer over D's
-            if route.bypass_reason is not None:
-                self.metrics.bypasses.labels(route.bypass_reason).inc()
-            async with self._open(decode, path, body, "decode") as d_resp:
-                response = await self._relay(request, d_resp, body, started)
-            self.router.record_routed(key, route)
-            return response
-
-        transfer_id = uuid.uuid4().hex
-        p_body = self._prefill_body(path, body, transfer_id)
-        if self.config.dispatch is Dispatch.SEQUENTIAL:
-            p_params = await self._prefill_call(prefill, path, p_body)
-            d_body = {
-                **body,
-                "kv_transfer_params": self._decode_params(prefill, transfer_id, p_params),
-            }
-            try:
-                async with self._open(decode, path, d_body, "decode") as d_resp:
-                    response = await self._relay(request, d_resp, body, started)
-                self.router.record_routed(key, route)
-                return response
-            except UpstreamError as exc:
-                # D never pulled: tell P to free the blocks now rather than at its lease's end.
-                self._release_on_prefill(prefill, transfer_id, exc.message)
-                raise
-
-        d_body = {**body, "kv_transfer_params": self._decode_params(prefill, transfer_id, None)}
-        p_task = asyncio.create_task(self._prefill_call(prefill, path, p_body))
-        try:
-            async with self._open(decode, path, d_body, "decode", gate=p_task) as d_resp:
-                response = await self._relay(request, d_resp, body, started)
-            self.router.record_routed(key, route)
-            return response
-        except UpstreamError as exc:
-            # D failed. A P still prefilling is cancelled below (vLLM aborts it, freeing its
-            # blocks); a P that already answered holds blocks for a pull that will not come.
-            finished = p_task.done() and not p_task.cancelled() and p_task.exception() is None
-            if exc.stage == "decode" and finished:
-                self._release_on_prefill(prefill, transfer_id, exc.message)
-            raise
-        finally:
-            if not p_task.done():
-                p_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, UpstreamError):
-                await p_task
-
+    # -- P's transfer ----------------------------------------------------------------------
     def _release_on_prefill(self, prefill: Backend, transfer_id: str, why: str) -> None:
-        """Best effort, in the background: the client's error answer does not wait for it."""
+        """Best effort, in the background: the client's answer does not wait for it."""
         if self.config.connector is not Connector.HYBRID or not prefill.rpc_address:
             return
         task = asyncio.create_task(self._release(prefill.rpc_address, transfer_id, why))
@@ -480,8 +546,11 @@ class PdProxy:
     ) -> dict[str, Any]:
         if self.config.connector is Connector.NIXL:
             if not p_params:
-                raise UpstreamError(
-                    502, f"prefill {prefill.url} returned no kv_transfer_params", stage="prefill"
+                raise CallFailed(
+                    Stage.PREFILL,
+                    prefill,
+                    Failure.BROKE,
+                    f"prefill {prefill.url} returned no kv_transfer_params",
                 )
             return p_params
         return {
@@ -492,60 +561,38 @@ class PdProxy:
             "remote_rpc_address": prefill.rpc_address,
         }
 
-    async def _prefill_call(
-        self, prefill: Backend, path: str, p_body: dict[str, Any]
-    ) -> dict[str, Any] | None:
-        t0 = time.perf_counter()
-        async with self._open(prefill, path, p_body, "prefill") as resp:
-            try:
-                data = await resp.json(content_type=None)
-            except (aiohttp.ClientError, json.JSONDecodeError) as exc:
-                self.metrics.upstream_errors.labels("prefill").inc()
-                raise UpstreamError(
-                    502, f"prefill {prefill.url}: bad answer: {exc}", stage="prefill"
-                ) from exc
-        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
-        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-        return params if isinstance(params, dict) else None
-
+    # -- one call --------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def _open(
         self,
         backend: Backend,
         path: str,
         body: dict[str, Any],
-        stage: str,
+        stage: Stage,
         gate: asyncio.Task[Any] | None = None,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST to a backend; yields the 200 response. Leaving early closes the connection, which
         is what makes vLLM abort the request. With ``gate`` (parallel dispatch) the response is
         yielded only after the gate (the prefill call) succeeded; if the gate fails first, the
-        call is cancelled."""
+        call is cancelled and the gate's CallFailed raised."""
         backend.inflight += 1
-        self.metrics.inflight.labels(backend.name or backend.url).inc()
+        self.metrics.inflight.labels(backend.key).inc()
         resp: aiohttp.ClientResponse | None = None
         try:
-            try:  # routing-wiring: passive health
-                resp = await self._post(backend, path, body, stage, gate)
-            except UpstreamError as exc:
-                if exc.status >= 500 and exc.stage == stage:
-                    kind = failure_kind(exc.__cause__) if exc.__cause__ else "http_5xx"
-                    self.router.record_failure(backend, time.monotonic(), exc.message, kind=kind)
-                raise
-            self.router.record_success(backend, time.monotonic())
+            resp = await self._post(backend, path, body, stage, gate)
             yield resp
         finally:
             if resp is not None:
                 resp.close()
             backend.inflight -= 1
-            self.metrics.inflight.labels(backend.name or backend.url).dec()
+            self.metrics.inflight.labels(backend.key).dec()
 
     async def _post(
         self,
         backend: Backend,
         path: str,
         body: dict[str, Any],
-        stage: str,
+        stage: Stage,
         gate: asyncio.Task[Any] | None,
     ) -> aiohttp.ClientResponse:
         post = asyncio.ensure_future(self._client.post(f"{backend.url}{path}", json=body))
@@ -553,11 +600,20 @@ class PdProxy:
             if gate is not None:
                 await asyncio.wait({post, gate}, return_when=asyncio.FIRST_COMPLETED)
                 if gate.done():
-                    gate.result()  # raises the prefill's error: the D call is cancelled below
+                    gate.result()  # raises the prefill's failure: the D call is cancelled below
             resp = await post
-        except aiohttp.ClientError as exc:
-            self.metrics.upstream_errors.labels(stage).inc()
-            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}", stage=stage) from exc
+        except aiohttp.ServerTimeoutError as exc:  # sock_connect / sock_read
+            raise CallFailed(
+                stage, backend, Failure.TIMEOUT, f"{stage} {backend.url} timed out: {exc!r}"
+            ) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise CallFailed(
+                stage, backend, Failure.REFUSED, f"{stage} {backend.url} failed: {exc!r}"
+            ) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise CallFailed(
+                stage, backend, Failure.BROKE, f"{stage} {backend.url} failed: {exc!r}"
+            ) from exc
         except BaseException:
             await _cancel_post(post)
             raise
@@ -566,64 +622,416 @@ class PdProxy:
                 await gate
             if resp.status != 200:
                 err_body = await resp.read()
-                self.metrics.upstream_errors.labels(stage).inc()
                 detail = err_body[:500].decode(errors="replace")
-                status = resp.status if 400 <= resp.status < 500 else 502
-                raise UpstreamError(
-                    status,
-                    f"{stage} {backend.url} answered {resp.status}: {detail}",
-                    err_body,
-                    stage=stage,
-                )
-        except aiohttp.ClientError as exc:
+                message = f"{stage} {backend.url} answered {resp.status}: {detail}"
+                if 400 <= resp.status < 500:
+                    raise CallFailed(
+                        stage, backend, Failure.REJECTED, message, resp.status, err_body
+                    )
+                raise CallFailed(stage, backend, Failure.HTTP_5XX, message)
+        except (aiohttp.ClientError, TimeoutError) as exc:
             resp.close()
-            self.metrics.upstream_errors.labels(stage).inc()
-            raise UpstreamError(502, f"{stage} {backend.url} failed: {exc!r}", stage=stage) from exc
+            raise CallFailed(
+                stage, backend, Failure.BROKE, f"{stage} {backend.url} failed: {exc!r}"
+            ) from exc
         except BaseException:
             resp.close()
             raise
         return resp
 
-    async def _relay(
+
+class _SseEvents:
+    """Splits an SSE byte stream into whole events (``...\\n\\n``), so that a stream cut off by
+    a failing instance never leaves half an event at the client before the error event."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buffer += chunk
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        return [e + b"\n\n" for e in events if e.strip()]
+
+
+class _Flow:
+    """One request's I/O: makes the calls the AttemptPlan asks for and feeds it their outcomes.
+
+    Owns the request's deadline (``asyncio.timeout``: when it passes, every call in flight is
+    closed, which makes vLLM abort), the parallel prefill task (cancelled on every exit) and the
+    client's stream once prepared (``out``: from then on a failure is an SSE error event)."""
+
+    def __init__(
         self,
+        proxy: PdProxy,
         request: web.Request,
-        d_resp: aiohttp.ClientResponse,
+        path: str,
         body: dict[str, Any],
         started: float,
-    ) -> web.StreamResponse:
-        decode_url = str(d_resp.url.origin())
-        if not body.get("stream", False):
+    ) -> None:
+        self.proxy = proxy
+        self.config = proxy.config
+        self.metrics = proxy.metrics
+        self.router = proxy.router
+        self.request = request
+        self.path = path
+        self.body = body
+        self.started = started
+        self.key = request_key(body)
+        self.plan = AttemptPlan(
+            hybrid=self.config.connector is Connector.HYBRID, max_retries=self.config.max_retries
+        )
+        self.route: Route | None = None
+        self.decode: Backend | None = None
+        self.prefill: Backend | None = None
+        self.p_params: dict[str, Any] | None = None
+        self.p_task: asyncio.Task[None] | None = None
+        self.out: web.StreamResponse | None = None
+        self.first_event: dict[str, Any] = {}
+
+    async def run(self, timeout_s: float) -> web.StreamResponse:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await self._attempts()
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            return await self._deadline_passed(timeout_s)
+        except (asyncio.CancelledError, ClientGone):
+            self._settle(self.plan.client_gone(), "client went away")
+            raise
+        finally:
+            await self._stop_prefill()
+
+    # -- the loop --------------------------------------------------------------------------
+    async def _attempts(self) -> web.StreamResponse:
+        self._new_route(None)
+        while True:
             try:
-                data = await d_resp.read()
-            except aiohttp.ClientError as exc:
-                self.metrics.upstream_errors.labels("decode").inc()
-                raise UpstreamError(502, f"decode {decode_url} broke off: {exc!r}") from exc
-            self.metrics.first_byte_seconds.observe(time.perf_counter() - started)
+                return await self._attempt()
+            except CallFailed as failed:
+                decision = self._failed(failed)
+                if decision.action is Action.RETRY_DECODE:
+                    self._next_decode(failed)
+                    continue
+                if decision.action is Action.REROUTE:
+                    await self._stop_prefill()
+                    self._settle(decision, failed.message)
+                    self._new_route(failed)
+                    continue
+                self._settle(decision, failed.message)
+                if decision.action is Action.RELAY:
+                    raise UpstreamError(
+                        failed.status, failed.message, failed.body, stage=failed.stage
+                    ) from failed
+                if self.out is not None:
+                    return await self._end_stream_in_error(failed.message, "upstream_error", 502)
+                message = failed.message
+                if decision.message and decision.message not in message:
+                    message = f"{message} ({decision.message})"
+                raise UpstreamError(decision.status, message, stage=failed.stage) from failed
+
+    def _failed(self, failed: CallFailed) -> Decision:
+        stage, backend, failure = failed.stage, failed.backend, failed.failure
+        self.metrics.upstream_errors.labels("prefill" if stage is Stage.PREFILL else "decode").inc()
+        self.metrics.call_failures.labels(backend.key, stage.value, failure.value).inc()
+        if failure is not Failure.REJECTED:
+            # A 4xx says the request is wrong, not the instance.
+            why, kind = failed.message[:300], _BREAKER_KIND[failure]
+            self.router.record_failure(backend, time.monotonic(), why, kind=kind)
+        decision = self.plan.failed(stage, backend.key, failure)
+        if decision.action in (Action.RETRY_DECODE, Action.REROUTE):
+            self.metrics.failovers.labels(stage.value, failure.value).inc()
+        log.warning(
+            "%s %s: %s failed (%s): %s -> %s",
+            self.path,
+            self._transfer_id(),
+            stage,
+            failure,
+            failed.message,
+            decision.action,
+        )
+        return decision
+
+    def _new_route(self, after: CallFailed | None) -> None:
+        try:
+            route = self.router.route(
+                self.key,
+                exclude_prefill=self.plan.failed_prefill,
+                exclude_decode=self.plan.failed_decode,
+            )
+        except NoBackend as exc:
+            self._no_backend(exc.role, after)
+        self.route, self.decode, self.prefill, self.p_params = route, route.decode, None, None
+        self.prefill = route.prefill
+        self.plan.begin(route.decode.key, route.prefill.key if route.prefill else None)
+        if after is not None:
+            self.metrics.retries.labels("new_prefill" if route.prefill else "local_prefill").inc()
+        elif route.bypass_reason is not None:
+            self.metrics.bypasses.labels(route.bypass_reason).inc()
+
+    def _next_decode(self, after: CallFailed) -> None:
+        try:
+            self.decode = self.router.pick_decode(self.key, self.plan.failed_decode)
+        except NoBackend as exc:
+            self._no_backend(exc.role, after)
+        self.plan.retry_decode(self.decode.key)
+        self.metrics.retries.labels("same_transfer").inc()
+
+    def _no_backend(self, role: str, after: CallFailed | None) -> None:
+        decision = self.plan.no_backend(role)
+        self._settle(decision, decision.message)
+        message = decision.message if after is None else f"{after.message} ({decision.message})"
+        raise UpstreamError(decision.status, message, stage=role)
+
+    def _transfer_id(self) -> str:
+        transfer = self.plan.transfer
+        return f"transfer {transfer.transfer_id}" if transfer else "(local prefill)"
+
+    def _settle(self, decision: Decision, why: str) -> None:
+        """Carry out the decision's side effect on P: release the transfer no D will pull."""
+        transfer = self.plan.transfer
+        if decision.release and transfer is not None and self.prefill is not None:
+            self.proxy._release_on_prefill(self.prefill, transfer.transfer_id, why)
+
+    async def _stop_prefill(self) -> None:
+        """Cancel a prefill call still in flight (vLLM aborts it) and reap the task."""
+        task, self.p_task = self.p_task, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, CallFailed):
+            await task
+
+    # -- one attempt -----------------------------------------------------------------------
+    async def _attempt(self) -> web.StreamResponse:
+        decode, prefill, transfer = self.decode, self.prefill, self.plan.transfer
+        assert decode is not None
+        if transfer is None or prefill is None:
+            async with (
+                self._first_token(Stage.LOCAL, decode, None) as timer,
+                self.proxy._open(decode, self.path, self.body, Stage.LOCAL) as resp,
+            ):
+                return await self._relay(resp, decode, Stage.LOCAL, timer)
+        gate = None
+        if self.config.dispatch is Dispatch.SEQUENTIAL:
+            if not transfer.prefill_answered:
+                await self._prefill(prefill, transfer)
+            d_params = self.proxy._decode_params(prefill, transfer.transfer_id, self.p_params)
+        else:
+            if self.p_task is None:
+                self.p_task = asyncio.create_task(self._prefill(prefill, transfer))
+            d_params = self.proxy._decode_params(prefill, transfer.transfer_id, None)
+            gate = self.p_task
+        d_body = {**self.body, "kv_transfer_params": d_params}
+        async with (
+            self._first_token(Stage.DECODE, decode, gate) as timer,
+            self.proxy._open(decode, self.path, d_body, Stage.DECODE, gate=gate) as resp,
+        ):
+            return await self._relay(resp, decode, Stage.DECODE, timer)
+
+    @contextlib.asynccontextmanager
+    async def _first_token(
+        self, stage: Stage, decode: Backend, gate: asyncio.Task[None] | None
+    ) -> AsyncIterator[asyncio.Timeout]:
+        """Bounds a streaming D call from its start (or, parallel, from P's answer) to its
+        first event by ``attempt_timeout_s``; ``_relay`` disarms it at the first event. A
+        non-streaming D sends nothing before its whole answer: only the deadline bounds it."""
+        timer = asyncio.timeout(None)
+        limit = self.config.attempt_timeout_s
+        loop = asyncio.get_running_loop()
+
+        def arm(_task: object = None) -> None:
+            if not timer.expired():
+                timer.reschedule(loop.time() + limit)
+
+        streaming = bool(self.body.get("stream", False))
+        try:
+            async with timer:
+                if streaming and (gate is None or gate.done()):
+                    arm()
+                elif streaming and gate is not None:
+                    gate.add_done_callback(arm)
+                yield timer
+        except TimeoutError as exc:
+            if not timer.expired():
+                raise
+            message = f"{stage} {decode.url} sent no token within {limit:g} s"
+            raise CallFailed(stage, decode, Failure.TIMEOUT, message) from exc
+        finally:
+            if gate is not None:
+                gate.remove_done_callback(arm)
+
+    async def _prefill(self, prefill: Backend, transfer: Transfer) -> None:
+        p_body = self.proxy._prefill_body(self.path, self.body, transfer.transfer_id)
+        t0 = time.perf_counter()
+        limit = self.config.attempt_timeout_s
+        try:
+            async with (
+                asyncio.timeout(limit),
+                self.proxy._open(prefill, self.path, p_body, Stage.PREFILL) as resp,
+            ):
+                try:
+                    data = await resp.json(content_type=None)
+                except (aiohttp.ClientError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise CallFailed(
+                        Stage.PREFILL, prefill, Failure.BROKE, f"prefill {prefill.url}: bad answer"
+                    ) from exc
+        except TimeoutError as exc:
+            raise CallFailed(
+                Stage.PREFILL,
+                prefill,
+                Failure.TIMEOUT,
+                f"prefill {prefill.url} did not answer within {limit:g} s",
+            ) from exc
+        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        self.router.record_success(prefill, time.monotonic())
+        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
+        self.p_params = params if isinstance(params, dict) else None
+        self.plan.prefill_answered()
+
+    # -- D's answer to the client ----------------------------------------------------------
+    async def _relay(
+        self,
+        resp: aiohttp.ClientResponse,
+        backend: Backend,
+        stage: Stage,
+        first_token: asyncio.Timeout,
+    ) -> web.StreamResponse:
+        if not self.body.get("stream", False):
+            try:
+                data = await resp.read()
+                json.loads(data)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raise CallFailed(
+                    stage, backend, Failure.BROKE, f"{stage} {backend.url} broke off: {exc!r}"
+                ) from exc
+            self._succeeded(backend)
             return web.Response(body=data, status=200, content_type="application/json")
+
+        events = _SseEvents()
+        chunks = resp.content.iter_any()
+        try:
+            first = await _next_events(chunks, events)
+        except aiohttp.ClientError as exc:
+            message = f"{stage} {backend.url} broke off before its first token: {exc!r}"
+            raise CallFailed(stage, backend, Failure.BROKE, message) from exc
+        if not first:
+            message = f"{stage} {backend.url} closed its stream before the first token"
+            raise CallFailed(stage, backend, Failure.BROKE, message)
+        first_token.reschedule(None)  # from here on only the deadline bounds the stream
+        self.router.record_success(backend, time.monotonic())
+        self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
+        self.first_event = _event_json(first[0])
         out = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
         )
-        await out.prepare(request)
-        first = True
         try:
-            async for chunk in d_resp.content.iter_any():
-                if first:
-                    self.metrics.first_byte_seconds.observe(time.perf_counter() - started)
-                    first = False
-                try:
-                    await out.write(chunk)
-                except ConnectionResetError as exc:  # the client went away
-                    raise ClientGone(out) from exc
-        except aiohttp.ClientError as exc:
-            # Headers are sent: the client learns of the failure from the connection closing
-            # without the stream's final "data: [DONE]".
-            self.metrics.upstream_errors.labels("decode").inc()
-            log.warning("decode %s broke off a stream: %r", decode_url, exc)
-            out.force_close()
-            return out
+            await out.prepare(self.request)
+        except ConnectionResetError as exc:  # the client went away before its first token
+            raise ClientGone(out) from exc
+        self.out = out
+        self.plan.sent_to_client()
+        done = await self._write(first)
+        try:
+            while batch := await _next_events(chunks, events):
+                done = await self._write(batch) or done
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if not done:
+                message = f"{stage} {backend.url} broke off a stream: {exc!r}"
+                raise CallFailed(stage, backend, Failure.BROKE_MID_STREAM, message) from exc
+        if not done:
+            message = f"{stage} {backend.url} ended its stream without [DONE]"
+            raise CallFailed(stage, backend, Failure.BROKE_MID_STREAM, message)
         await out.write_eof()
+        self._succeeded(None)
         return out
+
+    def _succeeded(self, backend: Backend | None) -> None:
+        if backend is not None:
+            self.router.record_success(backend, time.monotonic())
+            self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
+        self.plan.succeeded()
+        if self.route is not None:
+            self.router.record_routed(self.key, self.route)
+
+    async def _write(self, batch: list[bytes]) -> bool:
+        """Forward whole events; True when ``[DONE]`` was among them."""
+        assert self.out is not None
+        try:
+            await self.out.write(b"".join(batch))
+        except ConnectionResetError as exc:  # the client went away
+            raise ClientGone(self.out) from exc
+        return any(event.rstrip() == _SSE_DONE for event in batch)
+
+    async def _end_stream_in_error(
+        self, message: str, error_type: str, code: int
+    ) -> web.StreamResponse:
+        """Headers and tokens went out already: an OpenAI-style error event (the openai client
+        raises APIError on it), a last chunk with ``finish_reason: "error"`` for clients that
+        only read choices, then ``[DONE]``."""
+        out = self.out
+        assert out is not None
+        self.metrics.stream_errors.labels(error_type).inc()
+        error = {"error": {"message": message, "type": error_type, "code": code}}
+        tail = (
+            f"data: {json.dumps(error)}\n\n"
+            f"data: {json.dumps(self._final_chunk())}\n\n"
+            "data: [DONE]\n\n"
+        )
+        with contextlib.suppress(ConnectionResetError):
+            await out.write(tail.encode())
+            await out.write_eof()
+        return out
+
+    def _final_chunk(self) -> dict[str, Any]:
+        first = self.first_event
+        chat = self.path == CHAT_COMPLETIONS
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": "error"}
+        if chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        return {
+            "id": first.get("id", ""),
+            "object": first.get("object", "chat.completion.chunk" if chat else "text_completion"),
+            "created": first.get("created", int(time.time())),
+            "model": first.get("model", self.body.get("model", "")),
+            "choices": [choice],
+        }
+
+    async def _deadline_passed(self, timeout_s: float) -> web.StreamResponse:
+        transfer = self.plan.transfer
+        if transfer is not None and not transfer.prefill_answered:
+            stage = Stage.PREFILL
+        else:
+            stage = Stage.DECODE if transfer is not None else Stage.LOCAL
+        self.metrics.deadline_expiries.labels(stage.value).inc()
+        self._settle(self.plan.deadline_passed(), "deadline passed")
+        message = f"the request's deadline of {timeout_s:g} s passed (in {stage})"
+        log.warning("%s %s: %s", self.path, self._transfer_id(), message)
+        if self.out is not None:
+            return await self._end_stream_in_error(message, "timeout", 504)
+        raise UpstreamError(504, message, stage=stage.value, error_type="timeout")
+
+
+async def _next_events(chunks: AsyncIterator[bytes], events: _SseEvents) -> list[bytes]:
+    """The next whole events of the stream; [] at its end."""
+    async for chunk in chunks:
+        batch = events.feed(chunk)
+        if batch:
+            return batch
+    return []
+
+
+def _event_json(event: bytes) -> dict[str, Any]:
+    data = event.strip().removeprefix(b"data:").strip()
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
 
 
 async def _cancel_post(post: asyncio.Future[aiohttp.ClientResponse]) -> None:

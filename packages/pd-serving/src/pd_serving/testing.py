@@ -21,8 +21,14 @@ MODEL = "tiny"
 class FakeUpstream:
     """Answers /v1/completions and /v1/chat/completions; streams ``tokens`` as SSE when asked.
 
-    ``fail_status`` makes every generation answer that status; ``token_delay_s`` slows the stream;
-    ``kv_params`` is returned as the answer's ``kv_transfer_params`` (what a P does).
+    ``kv_params`` is returned as the answer's ``kv_transfer_params`` (what a P does). Failure
+    modes (for the next ``fail_times`` generation requests, or all when None):
+    ``fail_status`` answers that status; ``hang`` never answers (until the caller gives up);
+    ``die_before_answer`` drops the connection without a byte; ``break_after`` drops it after
+    that many streamed tokens; ``token_delay_s`` slows the stream. ``refuse()`` stops listening
+    (connection refused) and ``start()`` again listens on the same port. ``/health`` answers
+    ``health_status``; ``/metrics`` vLLM's load gauges from ``waiting``, ``running``, ``kv_usage``.
+    ``active`` counts generation requests being handled (0 once every call was closed).
     """
 
     name: str
@@ -33,27 +39,64 @@ class FakeUpstream:
     answer_delay_s: float = 0.0
     # Drop the connection after this many streamed tokens (an instance dying mid-answer).
     break_after: int | None = None
+    hang: bool = False
+    die_before_answer: bool = False
+    fail_times: int | None = None
+    health_status: int = 200
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    active: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
     runner: web.AppRunner | None = None
     url: str = ""
+    port: int = 0
 
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.idle.set()
 
     async def close(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
+            self.runner = None
+
+    async def refuse(self) -> None:
+        """Stop listening: calls are refused (``start()`` listens on the same port again)."""
+        await self.close()
+
+    def _failing(self) -> bool:
+        if self.fail_times is None:
+            return True
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            return True
+        return False
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({}, status=self.health_status)
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        text = (
+            f'vllm:num_requests_waiting{{model_name="{MODEL}"}} {self.waiting}\n'
+            f'vllm:num_requests_running{{model_name="{MODEL}"}} {self.running}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {self.kv_usage}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
 
     async def _models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -62,10 +105,19 @@ class FakeUpstream:
         body = await request.json()
         self.received.append(body)
         self.started.set()
+        self.active += 1
+        self.idle.clear()
+        failing = self._failing()
         try:
             if self.answer_delay_s:
                 await asyncio.sleep(self.answer_delay_s)
-            if self.fail_status is not None:
+            if failing and self.hang:
+                await asyncio.Event().wait()  # until the caller closes the connection
+            if failing and self.die_before_answer:
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            if failing and self.fail_status is not None:
                 return web.json_response(
                     {"error": {"message": f"{self.name} fails", "type": "BadRequestError"}},
                     status=self.fail_status,
@@ -87,13 +139,18 @@ class FakeUpstream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i, tok in enumerate(tokens):
-                if self.break_after is not None and i == self.break_after:
+                if failing and self.break_after is not None and i == self.break_after:
                     assert request.transport is not None
                     request.transport.close()
                     return resp
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                event = {"choices": [{"index": 0, "text": tok, "finish_reason": None}]}
+                event = {
+                    "id": f"cmpl-{self.name}",
+                    "object": "text_completion",
+                    "model": MODEL,
+                    "choices": [{"index": 0, "text": tok, "finish_reason": None}],
+                }
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
             usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens)}}
             await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
@@ -102,6 +159,10 @@ class FakeUpstream:
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled.set()
             raise
+        finally:
+            self.active -= 1
+            if not self.active:
+                self.idle.set()
 
 
 def wait_all_gone(pids: Iterable[int], timeout: float) -> set[int]:
