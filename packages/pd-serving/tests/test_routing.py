@@ -58,6 +58,21 @@ def test_open_breakers_take_instances_out_until_one_probe_closes_them() -> None:
     assert router.describe(d[0])["state"] == "closed"
 
 
+def test_an_unused_route_gives_its_half_open_probe_back() -> None:
+    p, d = _backends("p", 1), _backends("d", 1)
+    router = Router(p, d, RoutingPolicy(breaker_failures=1, breaker_cooldown_s=10))
+    key = RequestKey(prompt_text=_text(12, 400))
+    router.record_failure(d[0], 0, "refused")
+    route = router.route(key, now=10)  # takes d0's probe
+    assert route.decode is d[0]
+    with pytest.raises(NoBackend):
+        router.route(key, now=11)
+    router.record_unused(route.decode)  # P failed; D was never called
+    assert router.route(key, now=11).decode is d[0]
+    router.record_unused(p[0])  # a closed breaker: nothing to give back, nothing changes
+    assert router.breaker_state(p[0]) is BreakerState.CLOSED
+
+
 def test_no_decode_left_raises_and_no_prefill_left_means_local_prefill() -> None:
     p, d = _backends("p", 1), _backends("d", 1)
     router = Router(p, d, RoutingPolicy(breaker_failures=1))

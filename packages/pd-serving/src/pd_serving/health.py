@@ -164,6 +164,12 @@ class CircuitBreaker:
             return True, out
         return False, out
 
+    def release(self) -> None:
+        """The request that ``acquire`` let through was never sent (e.g. its P failed before its
+        D was called): a half-open probe it held is free again. Nothing else changes."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.probe_since = None
+
     def on_success(self, now: float) -> list[Transition]:
         out: list[Transition] = []
         self._advance(now, out)

@@ -438,6 +438,11 @@ class Router:
         ``kind``: a :class:`~pd_serving.health.FailureKind` (``health.failure_kind(exc)``)."""
         self._emit(backend, self.breaker(backend).on_failure(now, why, FailureKind(kind)))
 
+    def record_unused(self, backend: Backend) -> None:
+        """``route`` chose ``backend`` but no call went to it (P failed before D was called):
+        if that took its half-open probe, the probe is free for the next request."""
+        self.breaker(backend).release()
+
     def record_routed(self, key: RequestKey, route: Route) -> None:
         """The request was served along ``route``: its prompt is now in D's prefix cache (with
         a P the KV was transferred into D's blocks, without one D computed it)."""
