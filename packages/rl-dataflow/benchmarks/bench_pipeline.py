@@ -146,9 +146,16 @@ def summarise(config: PipelineConfig, results: dict) -> dict:
             # memcpys of the bytes the step read (the limit is one copy).
             base = by_mode.get("off+overlap" if label == "ref+overlap" else "off", off)
             facts[f"{label}_over_same_schedule_off"] = ref["step_s"] / base["step_s"]
+            # Step by step (the two ran next to each other in every round): less noise from
+            # other jobs on the box than a ratio of medians.
+            pairs = zip(ref["steps"], base["steps"], strict=True)
+            paired = [r["step_s"] / b["step_s"] for r, b in pairs]
+            facts[f"{label}_over_same_schedule_off_paired"] = float(np.median(paired))
             extra = ref["data_path_s"] - base["data_path_s"]
             facts[f"{label}_extra_data_path_s"] = extra
             facts[f"{label}_extra_data_path_memcpys"] = extra / ref["memcpy_s"]
+            # The same, as a share of the step: what R3 by ref costs without the compute's noise.
+            facts[f"{label}_extra_data_path_share"] = extra / base["step_s"]
             facts["memcpy_s"] = ref["memcpy_s"]
             assert ref.get("objects_left", 0) == 0, (fmt, label)
         if "ref+overlap" in by_mode:
