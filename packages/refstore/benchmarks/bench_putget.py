@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import refstore
 import torch
+from refstore import _fastpath
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -111,6 +112,15 @@ def actor_classes(ray):
 
         def put_refstore(self):
             t, ref = timed(lambda: self.client.put(self.obj))
+            return ref, t
+
+        def put_refstore_split(self):
+            """The same put with its copy split over two threads (``set_copy_threads(2)``)."""
+            previous = _fastpath.set_copy_threads(2)
+            try:
+                t, ref = timed(lambda: self.client.put(self.obj))
+            finally:
+                _fastpath.set_copy_threads(previous)
             return ref, t
 
         def put_ray(self):
@@ -213,6 +223,8 @@ def case(ray, pairs, kind: str, nbytes: int, *, reps: int, warmup: int) -> dict[
         add("memcpy_warm", ray.get(rs_producer.memcpy_warm.remote()))
         add("memcpy_fresh", ray.get(rs_producer.memcpy_fresh.remote()))
         a2a("rs", rs_producer.put_refstore, rs_consumer.get_refstore)
+        if nbytes >= _fastpath.SPLIT_MIN * 2:
+            a2a("rs2", rs_producer.put_refstore_split, rs_consumer.get_refstore)
         same("rs", rs_producer.same_refstore)
         for mode, (producer, consumer) in pairs.items():
             a2a(mode, producer.put_ray, consumer.get_ray)
@@ -233,6 +245,8 @@ def ratios(row: dict[str, Any]) -> None:
     for where in ("same", "a2a"):
         rs = row[f"{where}_rs_put"] + row[f"{where}_rs_get"]
         row[f"{where}_put_over_memcpy"] = row[f"{where}_rs_put"] / row["memcpy_warm"]
+        if f"{where}_rs2_put" in row:
+            row[f"{where}_split_put_over_memcpy"] = row[f"{where}_rs2_put"] / row["memcpy_warm"]
         for mode in RAY_MODES:
             ray_total = row[f"{where}_{mode}_put"] + row[f"{where}_{mode}_get"]
             row[f"{where}_{mode}_over_rs"] = ray_total / rs
@@ -252,6 +266,7 @@ def print_table(console: Console, rows: list[dict[str, Any]]) -> None:
         "rs put",
         "rs get",
         "put/memcpy",
+        "2-thread put/memcpy",
         "Ray put+get",
         "Ray zc put",
         "Ray zc get",
@@ -269,6 +284,9 @@ def print_table(console: Console, rows: list[dict[str, Any]]) -> None:
                 ms(row[f"{where}_rs_put"]),
                 ms(row[f"{where}_rs_get"]),
                 f"{row[f'{where}_put_over_memcpy']:.2f}",
+                f"{row[f'{where}_split_put_over_memcpy']:.2f}"
+                if f"{where}_split_put_over_memcpy" in row
+                else "",
                 ms(row[f"{where}_ray_put"] + row[f"{where}_ray_get"]),
                 ms(row[f"{where}_rayzc_put"]),
                 ms(row[f"{where}_rayzc_get"]),
@@ -289,25 +307,27 @@ def start_ray(workdir: str):
         "object_store_memory": 4 << 30,
         "runtime_env": {"env_vars": {"REFSTORE_DIR": workdir}},
     }
-    try:
-        ray.init(**kwargs)
-    except Exception as err:  # Ray allows its raylet a fixed 30 s: not always enough here
-        if "timed out during startup" not in str(err):
-            raise
-        ray.shutdown()
-        ray.init(**kwargs)
+    for attempt in range(3):  # Ray allows its raylet a fixed 30 s: not always enough here
+        try:
+            ray.init(**kwargs)
+            break
+        except Exception as err:
+            if "timed out during startup" not in str(err) or attempt == 2:
+                raise
+            ray.shutdown()
     return ray
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, two rounds each")
-    parser.add_argument("--sizes-mib", default=SIZES_MIB)
+    parser.add_argument("--sizes-mib", default=None, help=f"default {SIZES_MIB} (smoke: 0.25,1)")
     parser.add_argument("--kinds", default="torch,numpy")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     smoke = args.smoke
-    sizes = [MIB // 4, MIB] if smoke else [int(s) * MIB for s in args.sizes_mib.split(",")]
+    sizes_mib = args.sizes_mib or ("0.25,1" if smoke else SIZES_MIB)
+    sizes = [int(float(s) * MIB) for s in sizes_mib.split(",")]
     kinds = args.kinds.split(",")
     pool = 3 * max(sizes) + (256 * MIB)
     console = Console(stderr=True)
@@ -349,7 +369,8 @@ def main() -> int:
                 ratios(row)
                 rows.append(row)
                 progress.console.log(
-                    f"{kind} {nbytes / MIB:g} MiB: put/memcpy {row['a2a_put_over_memcpy']:.2f}, "
+                    f"{kind} {nbytes / MIB:g} MiB: put/memcpy {row['a2a_put_over_memcpy']:.2f} "
+                    f"(2 threads {row.get('a2a_split_put_over_memcpy', float('nan')):.2f}), "
                     f"Ray zero-copy/refstore {row['a2a_rayzc_over_rs']:.2f}x (actor to actor)"
                 )
                 progress.advance(task)

@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -30,6 +31,12 @@
 #define FLAG_MASTER_PATH 1u
 /* Below this a copy's destination is likely to be read soon (or fits in cache anyway). */
 #define STREAM_MIN (256 * 1024)
+/* From here a copy runs without the GIL (a few ms and more: other threads of the caller go on);
+ * below, getting the GIL back in a busy process (a Ray actor's threads) costs more than the copy. */
+#define RELEASE_GIL_MIN (8 * 1024 * 1024)
+/* Each helper thread of a split copy gets at least this much (a thread start is ~30 us). */
+#define SPLIT_MIN (8 * 1024 * 1024)
+#define MAX_COPY_THREADS 8
 
 static const char MAGIC[4] = {'R', 'S', 'o', '1'};
 
@@ -67,7 +74,7 @@ __attribute__((target("avx2"))) static void copy_streaming(char *dst, const char
 }
 #endif
 
-static void copy_bytes(char *dst, const char *src, size_t n)
+static void copy_one(char *dst, const char *src, size_t n)
 {
 #ifdef HAVE_STREAMING
     if (have_avx2 && n >= STREAM_MIN) {
@@ -77,6 +84,68 @@ static void copy_bytes(char *dst, const char *src, size_t n)
 #endif
     memcpy(dst, src, n);
 }
+
+struct copy_part {
+    char *dst;
+    const char *src;
+    size_t n;
+};
+
+static void *copy_part_run(void *arg)
+{
+    struct copy_part *part = arg;
+    copy_one(part->dst, part->src, part->n);
+    return NULL;
+}
+
+/* Copy n bytes with up to `threads` threads (the caller's included), each on a contiguous,
+ * page-aligned part; the caller's part is copied by the caller. If a helper thread cannot be
+ * started its part is copied by the caller too. Called without the GIL for large copies. */
+static void copy_split(char *dst, const char *src, size_t n, int threads)
+{
+    if (threads > MAX_COPY_THREADS)
+        threads = MAX_COPY_THREADS;
+    if (threads > 1 && n / SPLIT_MIN < (size_t)threads)
+        threads = (int)(n / SPLIT_MIN) > 1 ? (int)(n / SPLIT_MIN) : 1;
+    if (threads <= 1) {
+        copy_one(dst, src, n);
+        return;
+    }
+    struct copy_part parts[MAX_COPY_THREADS];
+    pthread_t helpers[MAX_COPY_THREADS];
+    int started[MAX_COPY_THREADS] = {0};
+    size_t share = (n / (size_t)threads) & ~(size_t)4095, at = 0;
+    for (int i = 0; i < threads; i++) {
+        parts[i].dst = dst + at;
+        parts[i].src = src + at;
+        parts[i].n = i == threads - 1 ? n - at : share;
+        at += share;
+    }
+    for (int i = 1; i < threads; i++)
+        started[i] = pthread_create(&helpers[i], NULL, copy_part_run, &parts[i]) == 0;
+    copy_one(parts[0].dst, parts[0].src, parts[0].n);
+    for (int i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(helpers[i], NULL);
+        else
+            copy_one(parts[i].dst, parts[i].src, parts[i].n);
+    }
+}
+
+/* The copy of a payload: without the GIL from RELEASE_GIL_MIN (the buffers stay exported, so
+ * neither side can be unmapped meanwhile), split over `threads` threads when asked. */
+static void copy_bytes(char *dst, const char *src, size_t n, int threads)
+{
+    if (n < RELEASE_GIL_MIN) {
+        copy_one(dst, src, n);
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    copy_split(dst, src, n, threads);
+    Py_END_ALLOW_THREADS
+}
+
+static int copy_threads = 1;
 
 static int get_u64(PyObject *obj, uint64_t *out)
 {
@@ -135,7 +204,7 @@ static int copy_into_view(PyObject *view_obj, Py_ssize_t offset, const char *src
         PyBuffer_Release(&view);
         return -1;
     }
-    copy_bytes((char *)view.buf + offset, src, (size_t)nbytes);
+    copy_bytes((char *)view.buf + offset, src, (size_t)nbytes, copy_threads);
     PyBuffer_Release(&view);
     return 0;
 }
@@ -318,7 +387,7 @@ static PyObject *put_sealed(PyObject *module, PyObject *const *args, Py_ssize_t 
         PyBuffer_Release(&source);
         return NULL;
     }
-    copy_bytes((char *)view.buf + at + hlen, from, (size_t)nbytes);
+    copy_bytes((char *)view.buf + at + hlen, from, (size_t)nbytes, copy_threads);
     PyBuffer_Release(&source);
     write_header((char *)view.buf + at, args[5], oid, key, (uint64_t)nbytes, deadline, flags);
     PyBuffer_Release(&view);
@@ -502,7 +571,28 @@ static PyObject *tensor_capsule(PyObject *module, PyObject *const *args, Py_ssiz
     return capsule;
 }
 
+PyDoc_STRVAR(set_copy_threads_doc,
+             "set_copy_threads(n) -> previous\n\n"
+             "How many threads copy a payload of SPLIT_MIN bytes and more (each gets at least "
+             "SPLIT_MIN); 1, the default, copies on the caller's thread alone.");
+
+static PyObject *set_copy_threads(PyObject *module, PyObject *arg)
+{
+    long threads = PyLong_AsLong(arg);
+    if (threads == -1 && PyErr_Occurred())
+        return NULL;
+    if (threads < 1 || threads > MAX_COPY_THREADS) {
+        PyErr_Format(PyExc_ValueError, "copy threads must be in [1, %d], got %ld",
+                     MAX_COPY_THREADS, threads);
+        return NULL;
+    }
+    int previous = copy_threads;
+    copy_threads = (int)threads;
+    return PyLong_FromLong(previous);
+}
+
 static PyMethodDef methods[] = {
+    {"set_copy_threads", (PyCFunction)set_copy_threads, METH_O, set_copy_threads_doc},
     {"tensor_capsule", (PyCFunction)(void (*)(void))tensor_capsule, METH_FASTCALL,
      tensor_capsule_doc},
     {"copy_in", (PyCFunction)(void (*)(void))copy_in, METH_FASTCALL, copy_in_doc},
@@ -528,6 +618,8 @@ PyMODINIT_FUNC PyInit__fastpath(void)
     if (module == NULL)
         return NULL;
     if (PyModule_AddIntConstant(module, "STREAM_MIN", STREAM_MIN) < 0 ||
+        PyModule_AddIntConstant(module, "RELEASE_GIL_MIN", RELEASE_GIL_MIN) < 0 ||
+        PyModule_AddIntConstant(module, "SPLIT_MIN", SPLIT_MIN) < 0 ||
         PyModule_AddIntConstant(module, "streaming", have_avx2) < 0) {
         Py_DECREF(module);
         return NULL;

@@ -186,7 +186,6 @@ class Client(PutGet):
                     protocol.RELEASE, protocol.OidList(current.epoch, unused), timeout=self.timeout
                 )
         self._link.close()
-        self._copier.close()
 
     def __enter__(self) -> Client:
         return self

@@ -34,7 +34,6 @@ from .protocol import (
 
 ALIGN = 64
 LAYOUT_CACHE_MAX = 1024
-PARALLEL_COPY_MIN = 32 << 20  # smaller copies run on the caller's thread alone
 
 
 def dtype_to_str(dtype: np.dtype) -> str:
@@ -122,9 +121,9 @@ class Encoded:
         self.header = Writer(encode_layout(layout))
         self.block = size_class(self.header.hlen + nbytes)  # header + payload, rounded up
         # The kind of a lone item that one native call puts, payload and header
-        # (``_fastpath.put_sealed``), or None: several items, none, or one copied in parallel.
+        # (``_fastpath.put_sealed``), or None: several items or none.
         items = layout.items
-        lone = len(items) == 1 and 0 < items[0].nbytes < PARALLEL_COPY_MIN
+        lone = len(items) == 1 and items[0].nbytes > 0
         self.direct = items[0].kind if lone else None
         self.complex = lone and items[0].dtype.startswith("complex")
 
@@ -148,41 +147,28 @@ def encode_cached(obj: Any, cache: dict[Any, Encoded]) -> tuple[Encoded, list[An
     return Encoded(layout, nbytes), sources
 
 
-def copy_into(view: memoryview, start: int, source: Any, item: Item, copier: Any) -> None:
+def copy_into(view: memoryview, start: int, source: Any, item: Item) -> None:
     """The one copy of a put: from ``source`` (a numpy array or a torch tensor) into ``view``
-    (the pool) at ``start``. A contiguous payload under ``PARALLEL_COPY_MIN`` is one native call
-    (non-temporal stores for large ones) holding the GIL: on a busy process (a Ray actor's own
-    threads) getting the GIL back costs more than a sub-millisecond copy."""
+    (the pool) at ``start``. A contiguous payload is one native call (non-temporal stores for
+    large ones; without the GIL from ``_fastpath.RELEASE_GIL_MIN``, split over threads when
+    ``_fastpath.set_copy_threads`` asks for it); a strided one is copied by numpy or torch."""
     if item.nbytes == 0:
         return
     if item.kind != KIND_TORCH:
-        if item.nbytes < PARALLEL_COPY_MIN and _fastpath.copy_in(view, start, source):
+        if _fastpath.copy_in(view, start, source):
             return  # False: not C-contiguous
         dst = view[start : start + item.nbytes]
         target = np.frombuffer(dst, dtype=source.dtype, count=source.size).reshape(source.shape)
-        copier.copy_numpy(target, source)
+        np.copyto(target, source, casting="no")
         return
-    if (
-        item.nbytes < PARALLEL_COPY_MIN
-        and source.is_contiguous()
-        and not source.is_conj()
-        and not source.is_neg()
-    ):
+    if source.is_contiguous() and not source.is_conj() and not source.is_neg():
         _fastpath.copy_from(view, start, source.data_ptr(), item.nbytes)
         return
     import torch
 
     dst = view[start : start + item.nbytes]
-    tensor = source.detach()
-    if tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg():
-        # Bytes through numpy: torch's copy_ runs on its OpenMP pool, whose spinning barriers cost
-        # milliseconds per call on a loaded 2-core box; numpy plus one helper thread copies at
-        # memory speed without that.
-        src_bytes = tensor.reshape(-1).view(torch.uint8).numpy()
-        copier.copy_numpy(np.frombuffer(dst, dtype=np.uint8), src_bytes)
-        return
     target = torch.frombuffer(dst, dtype=getattr(torch, item.dtype), count=source.numel())
-    copier.copy_torch(target.view(source.shape), tensor)
+    target.view(source.shape).copy_(source.detach())
 
 
 def _torch_view(buf: memoryview, item: Item) -> Any:

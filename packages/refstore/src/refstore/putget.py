@@ -32,15 +32,12 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from time import monotonic_ns
 from typing import Any
 
-import numpy as np
 from simple_rpc import SyncClient
 
 from . import _fastpath, codec, header, protocol
-from .codec import PARALLEL_COPY_MIN
 from .connection import Attachment, MasterLink
 from .errors import CallerError, MasterUnavailable
 from .header import OBJECT_PINNED
@@ -54,44 +51,6 @@ DEFAULT_TTL_S = float(os.environ.get("REFSTORE_TTL", "300"))
 MAX_REMEMBERED_COPIES = 100_000
 
 
-class Copier:
-    """Copies large contiguous payloads with the caller's thread plus one helper thread."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self.threads = max(1, min(2, os.cpu_count() or 1))
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.threads - 1, thread_name_prefix="refstore-copy"
-                )
-            return self._pool
-
-    def copy_numpy(self, target: np.ndarray, source: np.ndarray) -> None:
-        contiguous = source.flags.c_contiguous and target.flags.c_contiguous and source.ndim > 0
-        if self.threads < 2 or source.nbytes < PARALLEL_COPY_MIN or not contiguous:
-            np.copyto(target, source, casting="no")
-            return
-        flat_dst = target.reshape(-1).view(np.uint8)
-        flat_src = source.reshape(-1).view(np.uint8)
-        half = (flat_src.nbytes // 2) & ~4095
-        helper = self._executor().submit(np.copyto, flat_dst[half:], flat_src[half:])
-        np.copyto(flat_dst[:half], flat_src[:half])
-        helper.result()
-
-    def copy_torch(self, target: Any, source: Any) -> None:
-        target.copy_(source)  # torch's own intra-op threads split large copies
-
-    def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)  # joins its thread: not under the lock
-
-
 class PutGet:
     """put and get of a ``Client`` (its base class); thread-safe."""
 
@@ -103,7 +62,6 @@ class PutGet:
         # call, because the RPC loop thread takes it in its callbacks.
         self._book = threading.Lock()
         self._reservation_landed = threading.Condition(self._book)
-        self._copier = Copier()
         self._layouts: dict[Any, Any] = {}  # (type, dtype, shape) -> layout (codec.encode_cached)
         self._pending_calls: set[concurrent.futures.Future] = set()  # seals, reservations
         # remote (pool, oid) -> (local pool, oid) of the copy a remote get made here
@@ -265,7 +223,7 @@ class PutGet:
         if reserved and (sealed is None or view[4] & header.FLAG_MASTER_PATH):
             return False
         for item, source in zip(encoded.layout.items, sources, strict=True):
-            codec.copy_into(view, at + writer.hlen + item.offset, source, item, self._copier)
+            codec.copy_into(view, at + writer.hlen + item.offset, source, item)
         _fastpath.seal(view, at, writer.template, oid, key, encoded.nbytes, deadline_ns, flags)
         return True
 
