@@ -331,6 +331,51 @@ static int64_t intern_frame(PyCodeObject *co, int line, int have_gil) {
     return g_nframes++;
 }
 
+/* sites: (code object, instruction offset) -> frame id, a cache in front of intern_frame.
+ * The line number costs a scan of the code's line table (PyCode_Addr2Line: ~3K instructions,
+ * most of what a sample cost); this way it is computed once per allocating instruction, not
+ * once per sample. The key also holds what the line depends on (the line table object and
+ * co_firstlineno) and the validating filename/qualname objects: a recycled code-object
+ * address only hits if it maps this offset to the same line of the same function. */
+typedef struct {
+    const void *code, *linetable, *file_obj, *name_obj;
+    int32_t firstlineno, lasti;
+} site_key;
+typedef struct {
+    site_key key;
+    uint32_t frame;
+} site_t;
+static site_t *g_sites;
+static uint32_t g_nsites, g_capsites;
+static imap_t g_site_map;
+static int site_eq(uint32_t idx, const void *k) { return memcmp(&g_sites[idx].key, k, sizeof(site_key)) == 0; }
+static int64_t intern_frame_at(PyCodeObject *co, int lasti, int have_gil) {
+    site_key key;
+    memset(&key, 0, sizeof(key)); /* compared with memcmp: no stray padding bytes */
+    key.code = co;
+    key.linetable = co->co_linetable;
+    key.file_obj = co->co_filename;
+    key.name_obj = co->co_qualname;
+    key.firstlineno = co->co_firstlineno;
+    key.lasti = lasti;
+    uint64_t h = hash_bytes(&key, sizeof(key), 7);
+    int64_t found = imap_find(&g_site_map, h, site_eq, &key);
+    if (found >= 0) return g_sites[found].frame;
+    int line = PyCode_Addr2Line(co, lasti * (int)sizeof(_Py_CODEUNIT));
+    int64_t fid = intern_frame(co, line < 0 ? 0 : line, have_gil);
+    if (fid < 0) return -1;
+    if (g_nsites == g_capsites) {
+        uint32_t nc = g_capsites ? g_capsites * 2 : 256;
+        site_t *n = realloc(g_sites, nc * sizeof(site_t));
+        if (!n) return fid; /* no cache entry: correct, just slower next time */
+        g_sites = n;
+        g_capsites = nc;
+    }
+    g_sites[g_nsites] = (site_t){key, (uint32_t)fid};
+    if (imap_insert(&g_site_map, h, g_nsites) == 0) g_nsites++;
+    return fid;
+}
+
 /* stacks: thread id + frame ids, innermost first */
 typedef struct {
     uint32_t tid, n, off, flags;
@@ -392,7 +437,7 @@ static PyObject *g_find_and_load_code;
 
 static int64_t capture_stack(void) {
     PyCodeObject *codes[MAX_FRAMES];
-    int lines[MAX_FRAMES];
+    int lastis[MAX_FRAMES];
     uint32_t ids[MAX_FRAMES];
     int n = 0;
     int have_gil = 0;
@@ -411,9 +456,8 @@ static int64_t capture_stack(void) {
                 if (!import_code || (flags & STACK_IN_IMPORT)) break;
                 continue;
             }
-            int line = PyCode_Addr2Line(co, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
             codes[n] = co;
-            lines[n] = line < 0 ? 0 : line;
+            lastis[n] = _PyInterpreterFrame_LASTI(f); /* the line comes from intern_frame_at */
             n++;
         }
     }
@@ -431,7 +475,7 @@ static int64_t capture_stack(void) {
     } else {
         int ok = 1;
         for (int i = 0; i < n; i++) {
-            int64_t fid = intern_frame(codes[i], lines[i], have_gil);
+            int64_t fid = intern_frame_at(codes[i], lastis[i], have_gil);
             if (fid < 0) {
                 ok = 0;
                 break;
