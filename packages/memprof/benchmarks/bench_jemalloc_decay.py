@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_overhead import PY, run_one
+from bench_overhead import PY, _progress, run_one
 
 RESULTS = Path(__file__).parent / "results" / "jemalloc_decay.json"
 # plain jemalloc (no profiling): MALLOC_CONF as given
@@ -63,12 +63,16 @@ def main() -> None:
         variants[name] = ([*cmd, "--malloc-conf", conf, "--", PY], {})
     runs: dict[str, list[dict]] = {}
     rng = random.Random(2)
-    for _ in range(reps):
-        order = list(variants)
-        rng.shuffle(order)
-        for name in order:
-            prefix, env = variants[name]
-            runs.setdefault(name, []).append(run_one(prefix, env, "numpy_churn", scale))
+    with _progress() as progress:
+        task = progress.add_task("runs", total=reps * len(variants))
+        for rep in range(reps):
+            order = list(variants)
+            rng.shuffle(order)
+            for name in order:
+                progress.update(task, description=f"rep {rep + 1}/{reps} {name[:26]}")
+                prefix, env = variants[name]
+                runs.setdefault(name, []).append(run_one(prefix, env, "numpy_churn", scale))
+                progress.advance(task)
     shutil.rmtree("/tmp/memprof-decay", ignore_errors=True)
     base = {k: statistics.median(r[k] for r in runs["glibc malloc"]) for k in ("wall", "cpu")}
     rows = {}

@@ -36,8 +36,13 @@ def _memray() -> str | None:
     return str(cand) if cand.exists() else shutil.which("memray")
 
 
-def variants(tmp: Path, smoke: bool) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """name -> (command prefix before the workload script, extra environment)."""
+def variants(
+    tmp: Path, smoke: bool, baseline: str | None = None
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """name -> (command prefix before the workload script, extra environment).
+
+    baseline: the Python of another checkout (e.g. the starting commit's .venv/bin/python):
+    its `memprof run` is measured too, as `memprof_baseline`, for a before/after in one run."""
     from memprof.native import DEFAULT_MALLOC_CONF, find_jemalloc
 
     memprof_run = [PY, "-m", "memprof.cli", "run", "--out", str(tmp / "mp"), "--"]
@@ -45,6 +50,9 @@ def variants(tmp: Path, smoke: bool) -> dict[str, tuple[list[str], dict[str, str
         "plain": ([PY], {}),
         "memprof": ([*memprof_run[:-1], "--", PY], {}),
     }
+    if baseline:
+        base_run = [baseline, "-m", "memprof.cli", "run", "--out", str(tmp / "mp"), "--"]
+        out["memprof_baseline"] = ([*base_run, baseline], {})
     jem = find_jemalloc()
     if jem is not None:
         out["memprof_native"] = ([*memprof_run[:-1], "--native", "--", PY], {})
@@ -156,6 +164,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--workloads", default="dict_list_str,object_graph,numpy_churn,threaded_mix")
+    ap.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="also measure `memprof run` of another checkout (its .venv/bin/python)",
+    )
     args = ap.parse_args()
     reps, scale = (1, 0.03) if args.smoke else (args.reps, args.scale)
     workloads = args.workloads.split(",")
@@ -167,7 +180,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {}
     with tempfile.TemporaryDirectory(prefix="memprof-bench-") as tmpdir, _progress() as progress:
         tmp = Path(tmpdir)
-        var = variants(tmp, args.smoke)
+        var = variants(tmp, args.smoke, args.baseline)
         rng = random.Random(1)
         task = progress.add_task("runs", total=reps * len(workloads) * len(var))
         for rep in range(reps):

@@ -4,6 +4,7 @@ import-time flag, on a script that allocates through numpy, a stdlib call and an
 from __future__ import annotations
 
 import shutil
+import struct
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -110,3 +111,40 @@ def test_native_ones_is_grouped_under_its_caller(tmp_path):
     assert ones, inner
     assert "numpy" in ones[0]
     assert not any(ln.endswith(" make_ones") for ln in inner), inner
+
+
+def _as_v1(data: bytes) -> bytes:
+    """Rewrite a v2 snapshot as v1 (no per-stack flags), the layout in the README."""
+    off = struct.calcsize("<8sIIQddQ")
+    out = bytearray(data[:off])
+    out[8:12] = struct.pack("<I", 1)
+    (n,) = struct.unpack_from("<I", data, off)
+    start, off = off, off + 4
+    for _ in range(n):
+        (ln,) = struct.unpack_from("<I", data, off)
+        off += 4 + ln
+    (n,) = struct.unpack_from("<I", data, off)
+    off += 4 + 12 * n
+    out += data[start:off]  # strings and frames as they are
+    (n,) = struct.unpack_from("<I", data, off)
+    out += data[off : off + 4]
+    off += 4
+    for _ in range(n):
+        tid, _flags, nf = struct.unpack_from("<III", data, off)
+        out += struct.pack("<II", tid, nf) + data[off + 12 : off + 12 + 4 * nf]
+        off += 12 + 4 * nf
+    out += data[off:-8]  # records and the trailer's magic
+    return bytes(out + struct.pack("<Q", len(out) + 8))
+
+
+def test_v1_snapshots_still_load(snaps):
+    data = Path(snaps[1]).read_bytes()
+    new = memprof.Snapshot.from_bytes(data)
+    old = memprof.Snapshot.from_bytes(_as_v1(data))
+    assert old.version == 1
+    assert [s.frames for s in old.stacks] == [s.frames for s in new.stacks]
+    # v1 knows an import from importlib's frame (when the stack was not cut off above it)
+    for a, b in zip(old.stacks, new.stacks, strict=True):
+        if not b.truncated:
+            assert a.in_import == b.in_import, b.frames
+    assert old.sites(group="user")[0].site == new.sites(group="user")[0].site

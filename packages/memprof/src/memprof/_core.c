@@ -92,14 +92,26 @@ static uint64_t splitmix64(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-static int64_t draw_countdown(void) {
+static int64_t draw_countdown_from(uint64_t *rng) {
     /* exponential with the configured mean: the bytes between samples of a Poisson process */
-    uint64_t x = splitmix64(&tls.rng);
+    uint64_t x = splitmix64(rng);
     double u = ((double)(x >> 11) + 1.0) * (1.0 / 9007199254740993.0); /* (0, 1] */
     double c = -log(u) * g_mean;
     if (c > 9.0e18) c = 9.0e18;
     return (int64_t)c;
 }
+
+static int64_t draw_countdown(void) { return draw_countdown_from(&tls.rng); }
+
+/* The object and mem domains are only ever called with the GIL held (the C API requires it),
+ * so their allocations are serialised and share one countdown in a plain global: the fast
+ * path is then `sub size, g_gil.countdown(%rip)` instead of a GOT load plus an %fs-relative
+ * access. Thread-local state is still used by the raw domain (called without the GIL) and
+ * for the busy/internal flags. Sampling by bytes stays a Poisson process either way. */
+static struct {
+    int64_t countdown;
+    uint64_t rng;
+} g_gil;
 
 static void tls_init(void) {
     uint64_t s = g_seed + 0x2545F4914F6CDD1DULL * (uint64_t)(atomic_fetch_add(&g_thread_counter, 1) + 1);
@@ -319,6 +331,51 @@ static int64_t intern_frame(PyCodeObject *co, int line, int have_gil) {
     return g_nframes++;
 }
 
+/* sites: (code object, instruction offset) -> frame id, a cache in front of intern_frame.
+ * The line number costs a scan of the code's line table (PyCode_Addr2Line: ~3K instructions,
+ * most of what a sample cost); this way it is computed once per allocating instruction, not
+ * once per sample. The key also holds what the line depends on (the line table object and
+ * co_firstlineno) and the validating filename/qualname objects: a recycled code-object
+ * address only hits if it maps this offset to the same line of the same function. */
+typedef struct {
+    const void *code, *linetable, *file_obj, *name_obj;
+    int32_t firstlineno, lasti;
+} site_key;
+typedef struct {
+    site_key key;
+    uint32_t frame;
+} site_t;
+static site_t *g_sites;
+static uint32_t g_nsites, g_capsites;
+static imap_t g_site_map;
+static int site_eq(uint32_t idx, const void *k) { return memcmp(&g_sites[idx].key, k, sizeof(site_key)) == 0; }
+static int64_t intern_frame_at(PyCodeObject *co, int lasti, int have_gil) {
+    site_key key;
+    memset(&key, 0, sizeof(key)); /* compared with memcmp: no stray padding bytes */
+    key.code = co;
+    key.linetable = co->co_linetable;
+    key.file_obj = co->co_filename;
+    key.name_obj = co->co_qualname;
+    key.firstlineno = co->co_firstlineno;
+    key.lasti = lasti;
+    uint64_t h = hash_bytes(&key, sizeof(key), 7);
+    int64_t found = imap_find(&g_site_map, h, site_eq, &key);
+    if (found >= 0) return g_sites[found].frame;
+    int line = PyCode_Addr2Line(co, lasti * (int)sizeof(_Py_CODEUNIT));
+    int64_t fid = intern_frame(co, line < 0 ? 0 : line, have_gil);
+    if (fid < 0) return -1;
+    if (g_nsites == g_capsites) {
+        uint32_t nc = g_capsites ? g_capsites * 2 : 256;
+        site_t *n = realloc(g_sites, nc * sizeof(site_t));
+        if (!n) return fid; /* no cache entry: correct, just slower next time */
+        g_sites = n;
+        g_capsites = nc;
+    }
+    g_sites[g_nsites] = (site_t){key, (uint32_t)fid};
+    if (imap_insert(&g_site_map, h, g_nsites) == 0) g_nsites++;
+    return fid;
+}
+
 /* stacks: thread id + frame ids, innermost first */
 typedef struct {
     uint32_t tid, n, off, flags;
@@ -380,7 +437,7 @@ static PyObject *g_find_and_load_code;
 
 static int64_t capture_stack(void) {
     PyCodeObject *codes[MAX_FRAMES];
-    int lines[MAX_FRAMES];
+    int lastis[MAX_FRAMES];
     uint32_t ids[MAX_FRAMES];
     int n = 0;
     int have_gil = 0;
@@ -399,9 +456,8 @@ static int64_t capture_stack(void) {
                 if (!import_code || (flags & STACK_IN_IMPORT)) break;
                 continue;
             }
-            int line = PyCode_Addr2Line(co, _PyInterpreterFrame_LASTI(f) * (int)sizeof(_Py_CODEUNIT));
             codes[n] = co;
-            lines[n] = line < 0 ? 0 : line;
+            lastis[n] = _PyInterpreterFrame_LASTI(f); /* the line comes from intern_frame_at */
             n++;
         }
     }
@@ -419,7 +475,7 @@ static int64_t capture_stack(void) {
     } else {
         int ok = 1;
         for (int i = 0; i < n; i++) {
-            int64_t fid = intern_frame(codes[i], lines[i], have_gil);
+            int64_t fid = intern_frame_at(codes[i], lastis[i], have_gil);
             if (fid < 0) {
                 ok = 0;
                 break;
@@ -578,6 +634,9 @@ static void table_clear(void) {
 
 /* ------------------------------------------------------------------ the sampled path */
 
+static void record_sample(void *p, size_t size);
+
+/* a raw-domain countdown went negative (thread-local: the raw domain runs without the GIL) */
 static void __attribute__((noinline)) sample_slow(void *p, size_t size) {
     if (!tls.initialized) {
         /* first allocation seen on this thread: draw its countdown, then decide fairly */
@@ -586,6 +645,16 @@ static void __attribute__((noinline)) sample_slow(void *p, size_t size) {
         if (tls.countdown >= 0) return;
     }
     tls.countdown = draw_countdown();
+    record_sample(p, size);
+}
+
+/* the shared countdown of the object/mem domains went negative (GIL held) */
+static void __attribute__((noinline)) sample_slow_gil(void *p, size_t size) {
+    g_gil.countdown = draw_countdown_from(&g_gil.rng);
+    record_sample(p, size);
+}
+
+static void record_sample(void *p, size_t size) {
     if (!atomic_load_explicit(&g_sampling, memory_order_relaxed) || tls.internal) return;
     uint8_t was_busy = tls.busy;
     tls.busy = tls.internal = 1;
@@ -602,6 +671,13 @@ static void __attribute__((noinline)) sample_slow(void *p, size_t size) {
 static inline void account(void *p, size_t size) {
     if (UNLIKELY((tls.countdown -= (int64_t)size) < 0) && p) sample_slow(p, size);
 }
+static inline void account_gil(void *p, size_t size) {
+    if (UNLIKELY((g_gil.countdown -= (int64_t)size) < 0) && p) sample_slow_gil(p, size);
+}
+/* the countdown, slow path and accounting of a domain: shared under the GIL, else per thread */
+#define COUNTDOWN(NESTS) (*((NESTS) ? &g_gil.countdown : &tls.countdown))
+#define SAMPLE_SLOW(NESTS) ((NESTS) ? sample_slow_gil : sample_slow)
+#define ACCOUNT(NESTS) ((NESTS) ? account_gil : account)
 
 /* ------------------------------------------------------------------ allocator hooks
  * One set of functions per domain, each reading its own static `prev`: a thread that races
@@ -630,26 +706,26 @@ static int g_free_unhooked;
     static __attribute__((noinline)) void *NAME##_##SUFFIX##_sampled PARAMS {                         \
         size_t size = SIZE_EXPR;                                                                      \
         void *p = (NESTS && g_free_unhooked) ? g_prev[D_RAW].SUFFIX RAW_ARGS : g_prev[D].SUFFIX ARGS;  \
-        if (p) sample_slow(p, size);                                                                  \
+        if (p) SAMPLE_SLOW(NESTS)(p, size);                                                           \
         return p;                                                                                     \
     }                                                                                                 \
     static __attribute__((noinline)) void *NAME##_##SUFFIX##_other PARAMS {                           \
         size_t size = SIZE_EXPR;                                                                      \
         if (tls.busy || size > g_small_limit[D]) return g_prev[D].SUFFIX ARGS;                        \
         if (!NESTS) {                                                                                 \
-            if ((tls.countdown -= (int64_t)size) >= 0) return g_prev[D].SUFFIX ARGS;                  \
+            if ((COUNTDOWN(NESTS) -= (int64_t)size) >= 0) return g_prev[D].SUFFIX ARGS;               \
             return NAME##_##SUFFIX##_sampled ARGS;                                                    \
         }                                                                                             \
         tls.busy = 1; /* pymalloc forwards this one to the raw domain: count it once, here */        \
         void *p = g_prev[D].SUFFIX ARGS;                                                              \
         tls.busy = 0;                                                                                 \
-        account(p, size);                                                                             \
+        ACCOUNT(NESTS)(p, size);                                                                      \
         return p;                                                                                     \
     }                                                                                                 \
     static void *NAME##_##SUFFIX PARAMS {                                                             \
         size_t size = SIZE_EXPR;                                                                      \
         if (NESTS && LIKELY(size <= PYMALLOC_SMALL_MAX)) {                                            \
-            if (LIKELY((tls.countdown -= (int64_t)size) >= 0)) return g_prev[D].SUFFIX ARGS;          \
+            if (LIKELY((COUNTDOWN(NESTS) -= (int64_t)size) >= 0)) return g_prev[D].SUFFIX ARGS;       \
             return NAME##_##SUFFIX##_sampled ARGS;                                                    \
         }                                                                                             \
         return NAME##_##SUFFIX##_other ARGS;                                                          \
@@ -667,7 +743,7 @@ static int g_free_unhooked;
         if (NESTS) tls.busy = 1;                                                                      \
         void *p = g_prev[D].realloc(g_prev[D].ctx, old, size);                                        \
         if (NESTS) tls.busy = 0;                                                                      \
-        if (size <= g_small_limit[D]) account(p, size);                                               \
+        if (size <= g_small_limit[D]) ACCOUNT(NESTS)(p, size);                                        \
         return p;                                                                                     \
     }                                                                                                 \
     static void NAME##_free(void *ctx, void *p) {                                                     \
@@ -1102,6 +1178,11 @@ static PyObject *py_start(PyObject *self, PyObject *args, PyObject *kw) {
     /* existing threads re-draw their countdown with the new mean on their next allocation */
     tls.initialized = 0;
     tls.countdown = 0;
+    {
+        uint64_t s = g_seed ^ 0x676c6f62616cULL;
+        g_gil.rng = splitmix64(&s);
+        g_gil.countdown = draw_countdown_from(&g_gil.rng);
+    }
     g_native = native;
     for (int d = 0; d < D_COUNT; d++) g_small_limit[d] = SIZE_MAX;
     if (native) {
