@@ -580,3 +580,16 @@ async def test_a_chat_stream_broken_mid_way_ends_with_a_chat_error_chunk(rig_fac
         "delta": {},
     }
     assert lines[3] == b"data: [DONE]"
+
+
+async def test_a_decode_never_called_gives_its_probe_back(rig_factory: Any) -> None:
+    """Sequential: P fails before D is called; D's half-open probe must not stay taken."""
+    rig: Rig = await rig_factory(n_decode=1)
+    rig.ps[0].fail_status = 500
+    proxy = await rig.start_proxy(health=None, max_retries=0)
+    unused: list[str] = []
+    proxy.router.record_unused = lambda b: unused.append(b.key)  # type: ignore[method-assign]
+    status, _ = await rig.post({})
+    assert status == 502
+    assert unused == ["d0"]
+    assert rig.ds[0].received == []

@@ -685,6 +685,7 @@ class _Flow:
         self.prefill: Backend | None = None
         self.p_params: dict[str, Any] | None = None
         self.p_task: asyncio.Task[None] | None = None
+        self.decode_called = False  # the route's D got a call (else its probe is unused)
         self.out: web.StreamResponse | None = None
         self.first_event: dict[str, Any] = {}
 
@@ -702,6 +703,7 @@ class _Flow:
             raise
         finally:
             await self._stop_prefill()
+            self._unused_decode()
 
     # -- the loop --------------------------------------------------------------------------
     async def _attempts(self) -> web.StreamResponse:
@@ -716,6 +718,7 @@ class _Flow:
                     continue
                 if decision.action is Action.REROUTE:
                     await self._stop_prefill()
+                    self._unused_decode()
                     self._settle(decision, failed.message)
                     self._new_route(failed)
                     continue
@@ -762,8 +765,8 @@ class _Flow:
             )
         except NoBackend as exc:
             self._no_backend(exc.role, after)
-        self.route, self.decode, self.prefill, self.p_params = route, route.decode, None, None
-        self.prefill = route.prefill
+        self.route, self.decode, self.prefill = route, route.decode, route.prefill
+        self.p_params, self.decode_called = None, False
         self.plan.begin(route.decode.key, route.prefill.key if route.prefill else None)
         if after is not None:
             self.metrics.retries.labels("new_prefill" if route.prefill else "local_prefill").inc()
@@ -775,6 +778,7 @@ class _Flow:
             self.decode = self.router.pick_decode(self.key, self.plan.failed_decode)
         except NoBackend as exc:
             self._no_backend(exc.role, after)
+        self.decode_called = False
         self.plan.retry_decode(self.decode.key)
         self.metrics.retries.labels("same_transfer").inc()
 
@@ -783,6 +787,12 @@ class _Flow:
         self._settle(decision, decision.message)
         message = decision.message if after is None else f"{after.message} ({decision.message})"
         raise UpstreamError(decision.status, message, stage=role)
+
+    def _unused_decode(self) -> None:
+        """The route's D was never called (P failed first): give back a half-open probe."""
+        if self.decode is not None and not self.decode_called:
+            self.router.record_unused(self.decode)
+            self.decode_called = True
 
     def _transfer_id(self) -> str:
         transfer = self.plan.transfer
@@ -808,6 +818,7 @@ class _Flow:
         decode, prefill, transfer = self.decode, self.prefill, self.plan.transfer
         assert decode is not None
         if transfer is None or prefill is None:
+            self.decode_called = True
             async with (
                 self._first_token(Stage.LOCAL, decode, None) as timer,
                 self.proxy._open(decode, self.path, self.body, Stage.LOCAL) as resp,
@@ -824,6 +835,7 @@ class _Flow:
             d_params = self.proxy._decode_params(prefill, transfer.transfer_id, None)
             gate = self.p_task
         d_body = {**self.body, "kv_transfer_params": d_params}
+        self.decode_called = True
         async with (
             self._first_token(Stage.DECODE, decode, gate) as timer,
             self.proxy._open(decode, self.path, d_body, Stage.DECODE, gate=gate) as resp,
