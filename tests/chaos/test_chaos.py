@@ -39,6 +39,7 @@ MAX_TOKENS = 16
 DEADLINE_S = 60.0
 # D gives up a pull after this long and recomputes (the default, 60 s, is the whole deadline).
 TRANSFER_TIMEOUT_S = 10.0
+ATTEMPT_TIMEOUT_S = 20.0
 PROMPT_LENGTHS = (40, 90, 130, 200, 260, 300, 350, 420)
 
 
@@ -75,7 +76,10 @@ async def test_2p2d_survives_kills_restarts_and_a_cut(
     try:
         t0 = time.monotonic()
         await asyncio.to_thread(cluster.start)
-        proxy_url = await asyncio.to_thread(cluster.start_proxy)
+        # An attempt that hangs (a cut link) fails over well inside the request's deadline.
+        proxy_url = await asyncio.to_thread(
+            cluster.start_proxy, ["--attempt-timeout-s", str(ATTEMPT_TIMEOUT_S)]
+        )
         started_s = time.monotonic() - t0
         tokenizer = load_tokenizer(tiny_model)
         prompts = [
