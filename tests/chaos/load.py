@@ -267,6 +267,7 @@ def report(
         "errors": kinds["http_error"] + kinds["error_event"],
         **{f"{k}": v for k, v in kinds.items() if k != "completed"},
         "violations": sum(kinds[k] for k in VIOLATIONS),
+        "requests_during_faults": len(in_faults),
         "ttft_p99_ms_during_faults": ttft_p99(in_faults),
         "ttft_p99_ms_outside_faults": ttft_p99(calm),
         "per_fault": per_fault,

@@ -1,7 +1,7 @@
 """The chaos suite: 2P2D HybridConnector, every instance and the proxy on a host (network
 namespace) of its own, under a steady load of 8 streaming clients, while a P and then a D are
-killed (``kill -9``), both are restarted, and the network between a P and the D's is cut and
-restored.
+killed (``kill -9``; each time the busiest one, so requests are on it), both are restarted,
+and the network between the other P and both D's is cut and restored.
 
 Every request must complete token for token like the single instance or end with a clear error
 (an HTTP error status or an SSE error event with finish_reason "error"), none past its deadline
@@ -39,6 +39,7 @@ MAX_TOKENS = 16
 DEADLINE_S = 60.0
 # D gives up a pull after this long and recomputes (the default, 60 s, is the whole deadline).
 TRANSFER_TIMEOUT_S = 10.0
+ATTEMPT_TIMEOUT_S = 20.0
 PROMPT_LENGTHS = (40, 90, 130, 200, 260, 300, 350, 420)
 
 
@@ -54,6 +55,22 @@ async def _failovers(session: aiohttp.ClientSession, proxy_url: str) -> float:
         for s in family.samples
         if s.name.startswith("pdserve_failover") and not s.name.endswith("_created")
     )
+
+
+async def _busiest(
+    session: aiohttp.ClientSession, cluster: HostedCluster, role: Role, within_s: float
+) -> str:
+    """The instance of ``role`` with the most running requests (waiting up to ``within_s`` for
+    one to have any; then the last reading's busiest, ties to the first)."""
+
+    async def running() -> dict[str, float]:
+        return {
+            inst.name: await metric_sum(session, inst.url, "vllm:num_requests_running")
+            for inst in cluster.by_role(role)
+        }
+
+    reading = await wait_until(running, lambda r: max(r.values()) > 0, within_s=within_s)
+    return max(reading, key=lambda name: reading[name])
 
 
 @needs_chaos_session
@@ -75,7 +92,10 @@ async def test_2p2d_survives_kills_restarts_and_a_cut(
     try:
         t0 = time.monotonic()
         await asyncio.to_thread(cluster.start)
-        proxy_url = await asyncio.to_thread(cluster.start_proxy)
+        # An attempt that hangs (a cut link) fails over well inside the request's deadline.
+        proxy_url = await asyncio.to_thread(
+            cluster.start_proxy, ["--attempt-timeout-s", str(ATTEMPT_TIMEOUT_S)]
+        )
         started_s = time.monotonic() - t0
         tokenizer = load_tokenizer(tiny_model)
         prompts = [
@@ -104,19 +124,23 @@ async def test_2p2d_survives_kills_restarts_and_a_cut(
                 ), "the load never got going"
                 await asyncio.sleep(PHASE_S)
 
-                kill_p = FaultWindow("kill -9 prefill0", time.monotonic())
+                # Kill the instance that is busiest right now (routing may keep one idle:
+                # a kill there would test nothing), a D with streams in flight.
+                victim_p = await _busiest(session, cluster, Role.PREFILL, within_s=10)
+                kill_p = FaultWindow(f"kill -9 {victim_p}", time.monotonic())
                 windows.append(kill_p)
-                await asyncio.to_thread(cluster.kill, "prefill0")
+                await asyncio.to_thread(cluster.kill, victim_p)
                 await asyncio.sleep(PHASE_S)
 
-                kill_d = FaultWindow("kill -9 decode0", time.monotonic())
+                victim_d = await _busiest(session, cluster, Role.DECODE, within_s=30)
+                kill_d = FaultWindow(f"kill -9 {victim_d}", time.monotonic())
                 windows.append(kill_d)
-                await asyncio.to_thread(cluster.kill, "decode0")
+                await asyncio.to_thread(cluster.kill, victim_d)
                 await asyncio.sleep(PHASE_S)
 
-                restart = FaultWindow("restart prefill0 + decode0", time.monotonic())
+                restart = FaultWindow(f"restart {victim_p} + {victim_d}", time.monotonic())
                 windows.append(restart)
-                restarted = [cluster.restart("prefill0"), cluster.restart("decode0")]
+                restarted = [cluster.restart(victim_p), cluster.restart(victim_d)]
                 await asyncio.to_thread(wait_all_ready, restarted, 600.0)
                 restart.ended = kill_p.ended = kill_d.ended = time.monotonic()
                 restart_s = restart.ended - restart.started
@@ -128,20 +152,23 @@ async def test_2p2d_survives_kills_restarts_and_a_cut(
                         name: await metric_sum(
                             session, cluster.instances[name].url, "vllm:request_success_total"
                         )
-                        for name in ("prefill0", "decode0")
+                        for name in (victim_p, victim_d)
                     }
 
                 rotation = await wait_until(
                     served, lambda s: all(v > 0 for v in s.values()), within_s=60
                 )
 
-                cut = FaultWindow("cut prefill1 <-> decode0, decode1", time.monotonic())
+                # The P that was not killed, cut off from both D's.
+                (other_p,) = (i for i in cluster.by_role(Role.PREFILL) if i.name != victim_p)
+                cut_host = other_p.host
+                cut = FaultWindow(f"cut {other_p.name} <-> decode0, decode1", time.monotonic())
                 windows.append(cut)
                 for d in ("d0", "d1"):
-                    lab.cut("p1", d)
+                    lab.cut(cut_host, d)
                 await asyncio.sleep(max(PHASE_S, TRANSFER_TIMEOUT_S + 2))
                 for d in ("d0", "d1"):
-                    lab.restore("p1", d)
+                    lab.restore(cut_host, d)
                 cut.ended = time.monotonic()
                 await asyncio.sleep(PHASE_S)
             failed_over = await _failovers(session, proxy_url) - failovers_before
@@ -192,7 +219,8 @@ async def test_2p2d_survives_kills_restarts_and_a_cut(
             assert all(v == 0.0 for v in gauges.values()), (url, gauges)
         assert summary["completed"] > 0
     finally:
-        for d in ("d0", "d1"):
-            lab.restore("p1", d)
+        for p in ("p0", "p1"):
+            for d in ("d0", "d1"):
+                lab.restore(p, d)
         await asyncio.to_thread(cluster.stop)
     assert cluster.survivors() == []
