@@ -94,11 +94,10 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
     )
     single_process = single.make_process()
     before = {p.pid for p in _descendants()}
-    single_process.start()  # starts while Ray comes up
     started: list = []
     try:
-        # P and D reserve a bundle of 2 logical CPUs each, the ingress one: logical, not cores.
-        ray.init(num_cpus=8, log_to_driver=False)
+        _start_ray(ray)
+        single_process.start()  # after Ray: its raylet must register within 30 s (see below)
         port, metrics_port = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_pd_openai_app(
@@ -129,6 +128,20 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
         for proc in alive:
             proc.kill()
         assert not leftover, f"processes left after serve/ray shutdown: {leftover}"
+
+
+def _start_ray(ray) -> None:
+    """A local cluster. P and D reserve a bundle of 2 logical CPUs each, the ingress one:
+    logical, not cores. Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py,
+    ``raylet_start_wait_time_s``); on this shared 2-core box that can run out, so once more."""
+    for attempt in (1, 2):
+        try:
+            ray.init(num_cpus=8, log_to_driver=False)
+            return
+        except Exception as err:
+            if attempt == 2 or "timed out during startup" not in str(err):
+                raise
+            ray.shutdown()
 
 
 async def _answers(url: str, model: str, prompts: list[str], *, stream: bool) -> list[list[int]]:
