@@ -545,14 +545,73 @@ PackMicroBatchesActor = ray.remote(num_cpus=0)(PackMicroBatches)
 TrainerActor = ray.remote(num_cpus=0, max_concurrency=4)(Trainer)
 
 
-class Pipeline:
-    """Owns the pipeline's actors, shared by the R3 modes (the box has two cores); ``close()``
-    ends them.
+class _Driver:
+    """The schedules, for actors (``Pipeline``) or plain objects (``LocalPipeline``) alike:
+    ``_call`` starts a method, ``_wait`` gets its result.
 
     Two schedules per step: serial (``overlap=False``: rollout, stages, trainer, one after the
     other) and overlapped (``overlap=True``: while batch N trains, batch N+1 goes through the
     rollout and the stages and is handed to the trainer's prefetch; each label is its own stream
     of batches, so other labels' steps in between do not disturb it)."""
+
+    rollout: Any
+    stages: list[Any]
+    pack: Any
+    trainer: Any
+
+    def _call(self, obj: Any, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def _wait(self, handle: Any) -> Any:
+        raise NotImplementedError
+
+    def _start(self) -> None:
+        self._next: dict[str, tuple[str, Any]] = {}  # label -> the prefetched next batch
+        self._serial = itertools.count()
+
+    def _chain(self, mode: R3Mode, fmt: str | None, sequence: str | None = None) -> Any:
+        batch = self._call(self.rollout, "generate", mode.value, fmt, sequence)
+        for stage in self.stages:
+            batch = self._call(stage, "run", batch)
+        return self._call(self.pack, "run", batch)
+
+    def _launch(self, mode: R3Mode, fmt: str | None, label: str) -> tuple[str, Any]:
+        key = f"{label}#{next(self._serial)}"
+        packed = self._chain(mode, fmt, label)
+        self._call(self.trainer, "prefetch", key, packed)
+        return key, packed
+
+    def step(
+        self, mode: R3Mode | str, r3_format: R3Format | str | None = None, *, overlap: bool = False
+    ) -> dict[str, Any]:
+        """One step end to end; with actors the driver only passes ObjectRefs along."""
+        started = time.perf_counter()
+        mode = R3Mode(mode)
+        fmt = R3Format(r3_format).value if r3_format else None
+        if not overlap:
+            train = self._call(self.trainer, "step", self._chain(mode, fmt))
+        else:
+            label = _label(mode, fmt, overlap)
+            key, packed = self._next.pop(label, None) or self._launch(mode, fmt, label)
+            train = self._call(self.trainer, "step", packed, key)
+            self._next[label] = self._launch(mode, fmt, label)  # runs while this batch trains
+        result = self._wait(train)
+        result["step_s"] = time.perf_counter() - started
+        return result
+
+    def memcpy(self, nbytes: int) -> float:
+        return self._wait(self._call(self.trainer, "memcpy", nbytes))
+
+    def drain(self) -> None:
+        """Drop the batches prefetched for steps that will not come (their refs are released)."""
+        pending, self._next = list(self._next.values()), {}
+        for handle in [self._call(self.trainer, "discard", *batch) for batch in pending]:
+            self._wait(handle)
+
+
+class Pipeline(_Driver):
+    """Owns the pipeline's actors, shared by the R3 modes (the box has two cores); ``close()``
+    ends them."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.config = config
@@ -560,46 +619,13 @@ class Pipeline:
         self.stages = [GroupBySampleActor.remote(), SortByLengthActor.remote()]
         self.pack = PackMicroBatchesActor.remote(config.micro_batch_tokens)
         self.trainer = TrainerActor.remote(config)
-        self._next: dict[str, tuple[str, Any]] = {}  # label -> the prefetched next batch
-        self._serial = itertools.count()
+        self._start()
 
-    def _chain(self, mode: R3Mode, fmt: str | None, sequence: str | None = None) -> Any:
-        batch = self.rollout.generate.remote(mode.value, fmt, sequence)
-        for stage in self.stages:
-            batch = stage.run.remote(batch)
-        return self.pack.run.remote(batch)
+    def _call(self, obj: Any, method: str, *args: Any) -> Any:
+        return getattr(obj, method).remote(*args)
 
-    def _launch(self, mode: R3Mode, fmt: str | None, label: str) -> tuple[str, Any]:
-        key = f"{label}#{next(self._serial)}"
-        packed = self._chain(mode, fmt, label)
-        self.trainer.prefetch.remote(key, packed)
-        return key, packed
-
-    def step(
-        self, mode: R3Mode | str, r3_format: R3Format | str | None = None, *, overlap: bool = False
-    ) -> dict[str, Any]:
-        """One step end to end; the driver only passes ObjectRefs along (never the batches)."""
-        started = time.perf_counter()
-        mode = R3Mode(mode)
-        fmt = R3Format(r3_format).value if r3_format else None
-        if not overlap:
-            train = self.trainer.step.remote(self._chain(mode, fmt))
-        else:
-            label = _label(mode, fmt, overlap)
-            key, packed = self._next.pop(label, None) or self._launch(mode, fmt, label)
-            train = self.trainer.step.remote(packed, key)
-            self._next[label] = self._launch(mode, fmt, label)  # runs while this batch trains
-        result = ray.get(train)
-        result["step_s"] = time.perf_counter() - started
-        return result
-
-    def memcpy(self, nbytes: int) -> float:
-        return ray.get(self.trainer.memcpy.remote(nbytes))
-
-    def drain(self) -> None:
-        """Drop the batches prefetched for steps that will not come (their refs are released)."""
-        pending, self._next = list(self._next.values()), {}
-        ray.get([self.trainer.discard.remote(key, packed) for key, packed in pending])
+    def _wait(self, handle: Any) -> Any:
+        return ray.get(handle)
 
     def close(self) -> None:
         try:
@@ -610,54 +636,23 @@ class Pipeline:
                 ray.kill(actor)
 
 
-class LocalPipeline:
+class LocalPipeline(_Driver):
     """The same stages called in this process, without Ray (smoke runs: exercises every stage's
     code; "by value" then passes arrays by Python reference, so it measures nothing). Overlapped
-    steps gather the next batch on the trainer's prefetch thread while this one trains."""
+    steps gather the next batch on the trainer's prefetch thread during the following steps."""
 
     def __init__(self, config: PipelineConfig) -> None:
         self.rollout = Rollout(config)
         self.stages = [GroupBySample(), SortByLength()]
         self.pack = PackMicroBatches(config.micro_batch_tokens)
         self.trainer = Trainer(config)
-        self._next: dict[str, tuple[str, list[Batch]]] = {}
-        self._serial = itertools.count()
+        self._start()
 
-    def _chain(self, mode: R3Mode, fmt: str | None, sequence: str | None = None) -> list[Batch]:
-        batch = self.rollout.generate(mode.value, fmt, sequence)
-        for stage in self.stages:
-            batch = stage.run(batch)
-        return self.pack.run(batch)
+    def _call(self, obj: Any, method: str, *args: Any) -> Any:
+        return getattr(obj, method)(*args)
 
-    def _launch(self, mode: R3Mode, fmt: str | None, label: str) -> tuple[str, list[Batch]]:
-        key = f"{label}#{next(self._serial)}"
-        packed = self._chain(mode, fmt, label)
-        self.trainer.prefetch(key, packed)
-        return key, packed
-
-    def step(
-        self, mode: R3Mode | str, r3_format: R3Format | str | None = None, *, overlap: bool = False
-    ) -> dict[str, Any]:
-        started = time.perf_counter()
-        mode = R3Mode(mode)
-        fmt = R3Format(r3_format).value if r3_format else None
-        if not overlap:
-            result = self.trainer.step(self._chain(mode, fmt))
-        else:
-            label = _label(mode, fmt, overlap)
-            key, packed = self._next.pop(label, None) or self._launch(mode, fmt, label)
-            self._next[label] = self._launch(mode, fmt, label)  # gathers while this one trains
-            result = self.trainer.step(packed, key)
-        result["step_s"] = time.perf_counter() - started
-        return result
-
-    def memcpy(self, nbytes: int) -> float:
-        return self.trainer.memcpy(nbytes)
-
-    def drain(self) -> None:
-        pending, self._next = list(self._next.values()), {}
-        for key, packed in pending:
-            self.trainer.discard(key, packed)
+    def _wait(self, handle: Any) -> Any:
+        return handle
 
     def close(self) -> None:
         try:
