@@ -296,6 +296,33 @@ def print_table(console: Console, rows: list[dict[str, Any]]) -> None:
     console.print(table)
 
 
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The README's table: actor to actor, then one process."""
+    lines = [
+        "| case | payload | memcpy warm ms | memcpy fresh ms | rs put ms | rs get ms "
+        "| put/memcpy | Ray put+get ms | Ray zc put ms | Ray zc get ms | Ray/rs | Ray zc/rs |",
+        "|---|---|" + "---:|" * 10,
+    ]
+    for where, label in (("a2a", "actor to actor"), ("same", "one process")):
+        for row in rows:
+            cells = [
+                label,
+                f"{row['kind']} {row['mib']:g} MiB",
+                ms(row["memcpy_warm"]),
+                ms(row["memcpy_fresh"]),
+                ms(row[f"{where}_rs_put"]),
+                ms(row[f"{where}_rs_get"]),
+                f"{row[f'{where}_put_over_memcpy']:.2f}",
+                ms(row[f"{where}_ray_put"] + row[f"{where}_ray_get"]),
+                ms(row[f"{where}_rayzc_put"]),
+                ms(row[f"{where}_rayzc_get"]),
+                f"{row[f'{where}_ray_over_rs']:.2f}x",
+                f"**{row[f'{where}_rayzc_over_rs']:.2f}x**",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def start_ray(workdir: str):
     os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
     import ray
@@ -324,7 +351,11 @@ def main() -> int:
     parser.add_argument("--sizes-mib", default=None, help=f"default {SIZES_MIB} (smoke: 0.25,1)")
     parser.add_argument("--kinds", default="torch,numpy")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--markdown", type=Path, help="print the README table of a results file")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())["rows"]))
+        return 0
     smoke = args.smoke
     sizes_mib = args.sizes_mib or ("0.25,1" if smoke else SIZES_MIB)
     sizes = [int(float(s) * MIB) for s in sizes_mib.split(",")]
