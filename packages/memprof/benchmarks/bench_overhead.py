@@ -165,6 +165,9 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--workloads", default="dict_list_str,object_graph,numpy_churn,threaded_mix")
     ap.add_argument(
+        "--variants", help="comma-separated subset of the variants (default: all available)"
+    )
+    ap.add_argument(
         "--baseline",
         metavar="PYTHON",
         help="also measure `memprof run` of another checkout (its .venv/bin/python)",
@@ -181,6 +184,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memprof-bench-") as tmpdir, _progress() as progress:
         tmp = Path(tmpdir)
         var = variants(tmp, args.smoke, args.baseline)
+        if args.variants:
+            keep = {"plain", *args.variants.split(",")}
+            var = {name: v for name, v in var.items() if name in keep}
         rng = random.Random(1)
         task = progress.add_task("runs", total=reps * len(workloads) * len(var))
         for rep in range(reps):
