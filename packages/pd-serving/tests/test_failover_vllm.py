@@ -7,10 +7,8 @@ One deployment for the module. Run under the lock: ``flock /tmp/bench.lock uv ru
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,7 @@ from pd_serving.launcher import free_port
 from pd_serving.model import default_model_dir, make_model
 from pd_serving.proxy import PdProxy, serve
 from pd_serving.servers import Connector, Role, VllmServer, plan_servers
+from pd_serving.testing import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.timeout(900)]
@@ -82,17 +81,6 @@ async def _sum(session: aiohttp.ClientSession, url: str, name: str, **labels: st
     )
 
 
-async def _eventually(read, done, within_s: float = 30.0):
-    """vLLM's counters and gauges trail the HTTP answer by a step: re-read with backoff."""
-    delay, deadline = 0.01, time.monotonic() + within_s
-    while True:
-        value = await read()
-        if done(value) or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
-
-
 async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: OnePTwoD) -> None:
     rig = one_p_two_d
     model = str(rig.model)
@@ -113,7 +101,7 @@ async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: 
             ]
             _kill(rig.deployment, dead)
             requests = "vllm:request_success_total"
-            p_before = await _eventually(
+            p_before = await wait_until(
                 lambda: _sum(session, p_url, requests), lambda v: v >= len(prompts)
             )
             pulled_before = await _sum(
@@ -124,7 +112,7 @@ async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: 
             )
             # Round robin over two idle D's: of two requests, at least one meets the dead D first.
             got = [await complete(session, url, model, p, max_tokens=MAX_TOKENS) for p in prompts]
-            p_after = await _eventually(
+            p_after = await wait_until(
                 lambda: _sum(session, p_url, requests), lambda v: v >= p_before + len(prompts)
             )
             pulled = (
@@ -142,7 +130,7 @@ async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: 
                 await complete(session, p_url, model, "nudge", max_tokens=1)
                 return await _sum(session, p_url, "vllm:kv_cache_usage_perc")
 
-            usage = await _eventually(p_kv_usage, lambda v: v == 0.0)
+            usage = await wait_until(p_kv_usage, lambda v: v == 0.0)
         failovers = proxy.metrics.registry.get_sample_value(
             "pdserve_failovers_total", {"stage": "decode", "reason": "refused"}
         )

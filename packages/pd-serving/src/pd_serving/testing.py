@@ -8,13 +8,14 @@ import json
 import os
 import select
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 MODEL = "tiny"
+T = TypeVar("T")
 
 
 @dataclass
@@ -187,3 +188,19 @@ def wait_all_gone(pids: Iterable[int], timeout: float) -> set[int]:
     finally:
         for fd in fds:
             os.close(fd)
+
+
+async def wait_until(
+    read: Callable[[], Awaitable[T]], done: Callable[[T], bool], within_s: float = 30.0
+) -> T:
+    """For state that has no event (vLLM shows its counters and KV usage only as metrics, a
+    step after the HTTP answer): re-read with backoff (10 ms, doubling up to 1 s) until ``done``
+    holds or ``within_s`` passed; returns the last reading either way."""
+    deadline = time.monotonic() + within_s
+    delay = 0.01
+    while True:
+        reading = await read()
+        if done(reading) or time.monotonic() > deadline:
+            return reading
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
