@@ -256,56 +256,31 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f}"
 
 
-def print_table(console: Console, rows: list[dict[str, Any]]) -> None:
-    table = Table(title="put+get, ms (medians); ratios within this run")
-    for col in (
-        "case",
-        "payload",
-        "memcpy warm",
-        "memcpy fresh",
-        "rs put",
-        "rs get",
-        "put/memcpy",
-        "2-thread put/memcpy",
-        "Ray put+get",
-        "Ray zc put",
-        "Ray zc get",
-        "Ray/rs",
-        "Ray zc/rs",
-    ):
-        table.add_column(col, justify="left" if col in ("case", "payload") else "right")
-    for where, label in (("a2a", "actor to actor"), ("same", "one process")):
-        for row in rows:
-            table.add_row(
-                label,
-                f"{row['kind']} {row['mib']} MiB",
-                ms(row["memcpy_warm"]),
-                ms(row["memcpy_fresh"]),
-                ms(row[f"{where}_rs_put"]),
-                ms(row[f"{where}_rs_get"]),
-                f"{row[f'{where}_put_over_memcpy']:.2f}",
-                f"{row[f'{where}_split_put_over_memcpy']:.2f}"
-                if f"{where}_split_put_over_memcpy" in row
-                else "",
-                ms(row[f"{where}_ray_put"] + row[f"{where}_ray_get"]),
-                ms(row[f"{where}_rayzc_put"]),
-                ms(row[f"{where}_rayzc_get"]),
-                f"{row[f'{where}_ray_over_rs']:.2f}x",
-                f"{row[f'{where}_rayzc_over_rs']:.2f}x",
-            )
-    console.print(table)
+COLUMNS = (
+    "case",
+    "payload",
+    "memcpy warm ms",
+    "memcpy fresh ms",
+    "rs put ms",
+    "rs get ms",
+    "put/memcpy",
+    "2-thread put/memcpy",
+    "Ray put+get ms",
+    "Ray zc put ms",
+    "Ray zc get ms",
+    "Ray/rs",
+    "Ray zc/rs",
+)
+MARKDOWN_SKIPS = {"2-thread put/memcpy"}  # in the JSON; the README says it in words
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
-    """The README's table: actor to actor, then one process."""
-    lines = [
-        "| case | payload | memcpy warm ms | memcpy fresh ms | rs put ms | rs get ms "
-        "| put/memcpy | Ray put+get ms | Ray zc put ms | Ray zc get ms | Ray/rs | Ray zc/rs |",
-        "|---|---|" + "---:|" * 10,
-    ]
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """One dict per line of the table (COLUMNS -> text): actor to actor, then one process."""
+    out = []
     for where, label in (("a2a", "actor to actor"), ("same", "one process")):
         for row in rows:
-            cells = [
+            split = row.get(f"{where}_split_put_over_memcpy")
+            cells = (
                 label,
                 f"{row['kind']} {row['mib']:g} MiB",
                 ms(row["memcpy_warm"]),
@@ -313,13 +288,33 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 ms(row[f"{where}_rs_put"]),
                 ms(row[f"{where}_rs_get"]),
                 f"{row[f'{where}_put_over_memcpy']:.2f}",
+                "" if split is None else f"{split:.2f}",
                 ms(row[f"{where}_ray_put"] + row[f"{where}_ray_get"]),
                 ms(row[f"{where}_rayzc_put"]),
                 ms(row[f"{where}_rayzc_get"]),
                 f"{row[f'{where}_ray_over_rs']:.2f}x",
-                f"**{row[f'{where}_rayzc_over_rs']:.2f}x**",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
+                f"{row[f'{where}_rayzc_over_rs']:.2f}x",
+            )
+            out.append(dict(zip(COLUMNS, cells, strict=True)))
+    return out
+
+
+def print_table(console: Console, rows: list[dict[str, Any]]) -> None:
+    table = Table(title="put+get, ms (medians); ratios within this run")
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("case", "payload") else "right")
+    for line in table_rows(rows):
+        table.add_row(*line.values())
+    console.print(table)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The README's table."""
+    columns = [c for c in COLUMNS if c not in MARKDOWN_SKIPS]
+    lines = ["| " + " | ".join(columns) + " |", "|---|---|" + "---:|" * (len(columns) - 2)]
+    for line in table_rows(rows):
+        line["Ray zc/rs"] = f"**{line['Ray zc/rs']}**"
+        lines.append("| " + " | ".join(line[c] for c in columns) + " |")
     return "\n".join(lines)
 
 
@@ -399,9 +394,11 @@ def main() -> int:
                 row.update(case(ray, pairs, kind, nbytes, reps=reps, warmup=warmup))
                 ratios(row)
                 rows.append(row)
+                split = row.get("a2a_split_put_over_memcpy")
+                split_note = "" if split is None else f" (2 threads {split:.2f})"
                 progress.console.log(
-                    f"{kind} {nbytes / MIB:g} MiB: put/memcpy {row['a2a_put_over_memcpy']:.2f} "
-                    f"(2 threads {row.get('a2a_split_put_over_memcpy', float('nan')):.2f}), "
+                    f"{kind} {nbytes / MIB:g} MiB: put/memcpy {row['a2a_put_over_memcpy']:.2f}"
+                    f"{split_note}, "
                     f"Ray zero-copy/refstore {row['a2a_rayzc_over_rs']:.2f}x (actor to actor)"
                 )
                 progress.advance(task)
