@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,11 @@ def _start_ray(ray) -> None:
     """A local cluster. P and D reserve a bundle of 2 logical CPUs each, the ingress one:
     logical, not cores. Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py,
     ``raylet_start_wait_time_s``); on this shared 2-core box that can run out, so once more."""
+    # Under `uv run` (an ancestor of this process), Ray starts its workers with `uv run` in a
+    # packaged copy of the working tree; under `--no-sync` they never register (the Serve
+    # controller waits forever). Ray read the variable at import, so the constant too.
+    os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+    ray._private.ray_constants.RAY_ENABLE_UV_RUN_RUNTIME_ENV = False
     for attempt in (1, 2):
         try:
             ray.init(num_cpus=8, log_to_driver=False)
