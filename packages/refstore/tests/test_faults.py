@@ -90,7 +90,14 @@ import numpy as np
 from refstore import Client
 c = Client("test")
 refs = [c.put(np.full(1 << 16, i, np.uint8), ttl=1.0) for i in range(16)]
-sys.stdout.buffer.write(pickle.dumps((refs, c.counters["fast_puts"])))
+# Its last reserve calls may not have reached the master yet: wait for their answers, so that
+# the master holds every block it reserved, and count those no put used.
+assert c.flush(timeout=30)
+stock = c._link.current.reservations
+with c._reservation_landed:  # a reserve call's future is done before its blocks are stocked
+    assert c._reservation_landed.wait_for(lambda: not any(stock.in_flight.values()), 30)
+    unused = sum(map(len, stock.stock.values()))
+sys.stdout.buffer.write(pickle.dumps((refs, c.counters["fast_puts"], unused)))
 sys.stdout.flush()
 os._exit(0)  # dies holding leases on objects in reserved blocks, and unused reservations
 """
@@ -104,10 +111,11 @@ def test_dead_client_reserved_blocks_come_back_after_its_disconnect(clock, clien
     out = subprocess.run(
         [sys.executable, "-c", DYING_FAST_CLIENT], capture_output=True, check=True, timeout=60
     ).stdout
-    refs, fast_puts = pickle.loads(out)
+    refs, fast_puts, unused = pickle.loads(out)
     assert fast_puts >= 8
+    assert unused >= 1  # a put leaves the stock (or its refill on the way) never empty
     assert disconnects.acquire(timeout=30)
-    assert client.stats().reserved >= 1  # blocks it reserved and never used
+    assert client.stats().reserved == unused  # blocks it reserved and never used
     # Past its leases (on the real clock, in its process) and the grace, not the write deadline.
     clock.catch_up(refstore.state.DISCONNECT_GRACE_S + 1.0)
     assert clock.now - started < refstore.state.WRITE_TIMEOUT_S
