@@ -217,3 +217,44 @@ def test_prefetcher_close_fails_waiting_batches():
     with pytest.raises(PrefetchClosed):
         prefetcher.take("b")
     assert not any(t.name == "rl-dataflow-prefetch" for t in threading.enumerate())
+
+
+def test_a_prefetch_arriving_after_its_step_gathers_nothing(store):
+    """A threaded actor runs calls in no set order: a step may train (and release) its batch
+    before the batch's prefetch call runs. That late prefetch must not gather the released refs
+    or hold a buffer: with one buffer, the next batch would wait for it forever."""
+    rng = np.random.default_rng(5)
+    trainer = Trainer(_config(prefetch_slots=1))
+    try:
+        (a, a_rows), (b, b_rows) = (_batch(store, i, rng) for i in range(2))
+        assert trainer.step(a, "a")["r3_checksum"] == zlib.crc32(a_rows)
+        trainer.prefetch("a", a)  # late: its step is over
+        assert trainer.prefetcher.pending() == []
+        trainer.prefetch("b", b)
+        assert trainer.step(b, "b")["r3_checksum"] == zlib.crc32(b_rows)
+        assert store.stats().objects == 0
+    finally:
+        trainer.close()
+
+
+def test_a_failed_step_gives_its_buffer_back(store):
+    """A step whose compute raises still releases its buffer and its refs."""
+    rng = np.random.default_rng(6)
+    trainer = Trainer(_config(prefetch_slots=1))
+    try:
+        (a, _), (b, b_rows) = (_batch(store, i, rng) for i in range(2))
+        trainer.prefetch("a", a)
+        train = trainer._train
+
+        def failing(*args):
+            raise RuntimeError("the model failed")
+
+        trainer._train = failing
+        with pytest.raises(RuntimeError, match="the model failed"):
+            trainer.step(a, "a")
+        trainer._train = train
+        trainer.prefetch("b", b)  # takes the one buffer: a gave it back
+        assert trainer.step(b, "b")["r3_checksum"] == zlib.crc32(b_rows)
+        assert store.stats().objects == 0
+    finally:
+        trainer.close()

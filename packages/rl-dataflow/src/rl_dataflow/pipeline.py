@@ -341,6 +341,9 @@ class Trainer:
         self._lock = threading.Lock()  # the two dicts below (prefetch and step run on two threads)
         self._held: dict[Any, list[Batch]] = {}  # prefetched batches: their refs are ours
         self._dropped: set[Any] = set()  # keys discarded before their prefetch arrived
+        # Keys a step trained before their prefetch arrived (a threaded actor runs calls in no
+        # set order): the late prefetch must not gather (or hold a buffer for) a finished batch.
+        self._trained_early: set[Any] = set()
         self.prefetcher: Prefetcher | None = None
         if config.prefetch_slots:
             self.prefetcher = Prefetcher(
@@ -363,12 +366,17 @@ class Trainer:
         """Start gathering a batch that trains later (returns at once)."""
         assert self.prefetcher is not None, "prefetch_slots = 0"
         with self._lock:
+            if key in self._trained_early:  # its step ran first and released its refs
+                self._trained_early.discard(key)
+                return
             if key in self._dropped:  # discarded before it got here
                 self._dropped.discard(key)
                 self._release_refs(micro_batches)
                 return
             self._held.setdefault(key, micro_batches)
-        self.prefetcher.submit(key, micro_batches, _r3_rows(micro_batches))
+            # Under the lock: a discard landing in between must not free refs being gathered
+            # (submit only queues).
+            self.prefetcher.submit(key, micro_batches, _r3_rows(micro_batches))
 
     def discard(self, key: Any, micro_batches: list[Batch]) -> None:
         """A prefetched batch that will not train: free its buffer and its refs."""
@@ -437,19 +445,62 @@ class Trainer:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self, micro_batches: list[Batch], key: Any = None) -> dict[str, Any]:
-        import torch
 
         started = time.perf_counter()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         materialise_s = replay_s = compute_s = gather_s = 0.0
         prefetched: list[np.ndarray | None] | None = None
+        prefetch_came = True
         if key is not None:  # prefetched (or, if the prefetch is late, submitted now)
             assert self.prefetcher is not None, "prefetch_slots = 0"
             with self._lock:
+                prefetch_came = key in self._held
                 self._held.setdefault(key, micro_batches)
-            self.prefetcher.submit(key, micro_batches, _r3_rows(micro_batches))
-            prefetched, gather_s = self.prefetcher.take(key)
-            materialise_s = time.perf_counter() - started  # the wait for the gather
+                self.prefetcher.submit(key, micro_batches, _r3_rows(micro_batches))
+        try:
+            if key is not None:
+                prefetched, gather_s = self.prefetcher.take(key)
+                materialise_s = time.perf_counter() - started  # the wait for the gather
+            r3_checksum, tokens_seen, materialise_s, replay_s, compute_s = self._train(
+                micro_batches, prefetched, materialise_s
+            )
+        finally:
+            # Also when the gather or the compute failed: else the buffer is held until close.
+            t0 = time.perf_counter()
+            if key is not None:
+                assert self.prefetcher is not None
+                with self._lock:
+                    self._held.pop(key, None)
+                    if not prefetch_came:
+                        self._trained_early.add(key)
+                self.prefetcher.release(key)  # the buffer may take the next batch now
+            self._release_refs(micro_batches)
+        timings = dict(micro_batches[0].timings) if micro_batches else {}
+        timings["materialise"] = materialise_s
+        timings["gather"] = gather_s  # prefetched: on the background thread, overlapped
+        timings["replay"] = replay_s
+        timings["compute"] = compute_s
+        timings["release"] = time.perf_counter() - t0
+        timings["train"] = time.perf_counter() - started
+        timings["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        return {
+            "tokens": tokens_seen,
+            "r3_bytes": _r3_rows(micro_batches) * self.config.row_bytes,
+            "r3_checksum": r3_checksum,
+            "timings": timings,
+            "memprof": self.memprof,
+        }
+
+    def _train(
+        self,
+        micro_batches: list[Batch],
+        prefetched: list[np.ndarray | None] | None,
+        materialise_s: float,
+    ) -> tuple[int, int, float, float, float]:
+        """The step's micro-batches: (checksum, tokens, materialise s, replay s, compute s)."""
+        import torch
+
+        replay_s = compute_s = 0.0
         r3_checksum = 0
         tokens_seen = 0
         for i, mb in enumerate(micro_batches):
@@ -484,28 +535,7 @@ class Trainer:
                 r3_checksum = replaying.result()
                 replay_s += time.perf_counter() - t3
             tokens_seen += n
-        t0 = time.perf_counter()
-        if key is not None:
-            assert self.prefetcher is not None
-            with self._lock:
-                self._held.pop(key, None)
-            self.prefetcher.release(key)  # the buffer may take the next batch now
-        self._release_refs(micro_batches)
-        timings = dict(micro_batches[0].timings) if micro_batches else {}
-        timings["materialise"] = materialise_s
-        timings["gather"] = gather_s  # prefetched: on the background thread, overlapped
-        timings["replay"] = replay_s
-        timings["compute"] = compute_s
-        timings["release"] = time.perf_counter() - t0
-        timings["train"] = time.perf_counter() - started
-        timings["page_faults"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-        return {
-            "tokens": tokens_seen,
-            "r3_bytes": _r3_rows(micro_batches) * self.config.row_bytes,
-            "r3_checksum": r3_checksum,
-            "timings": timings,
-            "memprof": self.memprof,
-        }
+        return r3_checksum, tokens_seen, materialise_s, replay_s, compute_s
 
     def memcpy(self, nbytes: int, repeats: int = 3) -> float:
         """The baseline: seconds of one numpy copy of ``nbytes`` into a warm buffer (median)."""

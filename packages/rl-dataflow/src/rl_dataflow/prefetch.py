@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 import numpy as np
@@ -190,7 +190,8 @@ class Prefetcher:
         self._jobs.put(None)
         self._thread.join()
         for future in futures:
-            if not future.done():
+            # A release() on another thread may cancel it between a done() check and the set.
+            with contextlib.suppress(InvalidStateError):
                 future.set_exception(PrefetchClosed("prefetcher closed before the gather"))
 
     def _run(self) -> None:
