@@ -201,10 +201,11 @@ def main() -> None:
                     shutil.rmtree(tmp / "mp", ignore_errors=True)
                     (tmp / "memray.bin").unlink(missing_ok=True)
                     progress.advance(task)
-            so_far = ", ".join(
-                f"{wl} {_median_ratio(runs[wl], 'memprof', 'cpu'):.3f}" for wl in workloads
-            )
-            progress.console.print(f"rep {rep + 1}/{reps}: memprof CPU x plain so far {so_far}")
+            if "memprof" in var and "plain" in var:
+                so_far = ", ".join(
+                    f"{wl} {_median_ratio(runs[wl], 'memprof', 'cpu'):.3f}" for wl in workloads
+                )
+                progress.console.print(f"rep {rep + 1}/{reps}: memprof CPU x plain so far {so_far}")
         progress.update(task, description="snapshot write time")
         snap = snapshot_write_time(10_000 if args.smoke else 100_000, 3 if args.smoke else 15)
 

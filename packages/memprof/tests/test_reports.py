@@ -148,3 +148,21 @@ def test_v1_snapshots_still_load(snaps):
         if not b.truncated:
             assert a.in_import == b.in_import, b.frames
     assert old.sites(group="user")[0].site == new.sites(group="user")[0].site
+
+
+def test_flame_graph_page_survives_markup_in_frame_names():
+    """A frame or file name may hold "</script>" or "<!--<script>": embedded raw, either would
+    change how the browser parses the page's script element (the data would be cut short)."""
+    import json
+
+    from memprof.flamegraph import flamegraph_html
+    from memprof.snapfile import Frame, Record, Snapshot, Stack
+
+    evil = "</script><!--<script>alert(1)</script>"
+    stack = Stack(1, (Frame(f"/tmp/{evil}.py", f"f{evil}", 3),))
+    snap = Snapshot(2, False, 1, 0.0, 1.0, 0, (stack,), (Record(0, 0, 1, 64, 1.0, 4096.0),))
+    page = flamegraph_html(snap)
+    data_at = page.index('{"')
+    data, data_end = json.JSONDecoder().raw_decode(page, data_at)
+    assert "<" not in page[data_at:data_end]  # the whole name survives, escaped
+    assert evil in json.dumps(data)

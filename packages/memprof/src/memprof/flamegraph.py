@@ -72,8 +72,9 @@ _PAGE = (Path(__file__).parent / "flamegraph_page.html").read_text(encoding="utf
 
 def flamegraph_html(snap: Snapshot, title: str | None = None) -> str:
     title = title or f"memprof: live memory of pid {snap.pid}"
-    # "</" inside the JSON would end the script element; "\\u2028" is fine in JSON and JS
-    data = json.dumps(flamegraph_data(snap), separators=(",", ":")).replace("</", "<\\/")
+    # Every "<" escaped: "</script" would end the script element and "<!--" would change how
+    # the browser parses it (a frame or file name may hold either); "\\u003c" is "<" in JSON.
+    data = json.dumps(flamegraph_data(snap), separators=(",", ":")).replace("<", "\\u003c")
     head, _, tail = _PAGE.partition("@DATA@")
     title = html.escape(title)
     return head.replace("@TITLE@", title) + data + tail.replace("@TITLE@", title)
