@@ -14,8 +14,9 @@ A ref owned by another node's master is fetched into the local pool by the local
 (``remote.py``) first.
 
 Threads: the client owns a ``SyncClient`` (its loop thread), lazily one per other node whose refs
-it releases, and lazily one copy thread for large puts; ``close()`` stops them all and unmaps the
-pool once no view is left. The client is thread-safe, and holds no lock across a blocking call.
+it releases (a large put's copy runs on the calling thread, in C, without the GIL); ``close()``
+stops them all and unmaps the pool once no view is left. The client is thread-safe, and holds no
+lock across a blocking call.
 
 Master restarts: when the connection to the master is lost the client re-reads the discovery file;
 if a new master (new epoch) is running it re-attaches to the new pool, gives refs of the old epoch a
