@@ -593,3 +593,40 @@ async def test_a_decode_never_called_gives_its_probe_back(rig_factory: Any) -> N
     assert status == 502
     assert unused == ["d0"]
     assert rig.ds[0].received == []
+
+
+async def test_a_decode_streaming_an_error_first_fails_over_to_another_d(rig_factory: Any) -> None:
+    """vLLM's engine failing: a 200 whose first event is an error. Nothing reached the client,
+    so it is a failed call: D1 pulls the same transfer, d0 is recorded as failed."""
+    rig: Rig = await rig_factory(n_decode=2)
+    rig.ds[0].error_after = 0
+    proxy = await rig.start_proxy(health=None)
+    events: list[tuple[str, str]] = []
+    proxy.router.record_success = lambda b, now: events.append(("ok", b.key))  # type: ignore[method-assign]
+    proxy.router.record_failure = lambda b, now, why, **_: events.append(("fail", b.key))  # type: ignore[method-assign]
+    status, lines = await rig.post({"stream": True})
+    assert status == 200
+    assert "".join(_texts(lines)) == " a b c d e f"
+    assert all(b'"error"' not in line for line in lines)
+    assert events == [("ok", "p0"), ("fail", "d0"), ("ok", "d1")]
+    tid = rig.ps[0].received[0]["kv_transfer_params"]["transfer_id"]
+    assert _d_params(rig.ds[1])["transfer_id"] == tid
+    assert rig.releases == []
+    assert rig.metric("pdserve_failovers_total", stage="decode", reason="broke") == 1
+
+
+async def test_a_decode_streaming_an_error_after_tokens_is_recorded_as_failed(
+    rig_factory: Any,
+) -> None:
+    rig: Rig = await rig_factory(n_decode=1)
+    rig.ds[0].error_after = 2
+    proxy = await rig.start_proxy(health=None)
+    events: list[tuple[str, str]] = []
+    proxy.router.record_success = lambda b, now: events.append(("ok", b.key))  # type: ignore[method-assign]
+    proxy.router.record_failure = lambda b, now, why, **_: events.append(("fail", b.key))  # type: ignore[method-assign]
+    status, lines = await rig.post({"stream": True})
+    assert status == 200
+    assert _texts(lines) == [" a", " b"]
+    assert "engine error" in json.loads(lines[2][6:])["error"]["message"]  # relayed as is
+    assert lines[-1] == b"data: [DONE]"
+    assert events[-1] == ("fail", "d0")

@@ -931,6 +931,10 @@ class _Flow:
         if not first:
             message = f"{stage} {backend.url} closed its stream before the first token"
             raise CallFailed(stage, backend, Failure.BROKE, message)
+        if _is_error_event(first[0]):  # vLLM's engine failed: a 200 carrying only an error
+            detail = first[0].strip()[:300].decode(errors="replace")
+            message = f"{stage} {backend.url} streamed an error before the first token: {detail}"
+            raise CallFailed(stage, backend, Failure.BROKE, message)
         first_token.reschedule(None)  # from here on only the deadline bounds the stream
         self.router.record_success(backend, time.monotonic())
         self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
@@ -946,8 +950,10 @@ class _Flow:
         self.out = out
         self.plan.sent_to_client()
         done = await self._write(first)
+        upstream_error = next(filter(_is_error_event, first), None)  # after tokens: relayed
         try:
             while batch := await _next_events(chunks, events):
+                upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
                 done = await self._write(batch) or done
         except (aiohttp.ClientError, TimeoutError) as exc:
             if not done:
@@ -957,6 +963,12 @@ class _Flow:
             message = f"{stage} {backend.url} ended its stream without [DONE]"
             raise CallFailed(stage, backend, Failure.BROKE_MID_STREAM, message)
         await out.write_eof()
+        if upstream_error is not None:  # relayed to the client; D failed it all the same
+            why = upstream_error.strip()[:300].decode(errors="replace")
+            self.metrics.call_failures.labels(
+                backend.key, stage.value, Failure.BROKE_MID_STREAM
+            ).inc()
+            self.router.record_failure(backend, time.monotonic(), why, kind=FailureKind.BROKEN)
         self._succeeded(None)
         return out
 
@@ -1035,6 +1047,10 @@ async def _next_events(chunks: AsyncIterator[bytes], events: _SseEvents) -> list
         if batch:
             return batch
     return []
+
+
+def _is_error_event(event: bytes) -> bool:
+    return "error" in _event_json(event)
 
 
 def _event_json(event: bytes) -> dict[str, Any]:

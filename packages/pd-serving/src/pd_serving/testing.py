@@ -26,7 +26,9 @@ class FakeUpstream:
     modes (for the next ``fail_times`` generation requests, or all when None):
     ``fail_status`` answers that status; ``hang`` never answers (until the caller gives up);
     ``die_before_answer`` drops the connection without a byte; ``break_after`` drops it after
-    that many streamed tokens; ``token_delay_s`` slows the stream. ``refuse()`` stops listening
+    that many streamed tokens; ``error_after`` streams vLLM's error event (then ``[DONE]``, in
+    the 200) after that many tokens, as vLLM does when its engine fails; ``token_delay_s``
+    slows the stream. ``refuse()`` stops listening
     (connection refused) and ``start()`` again listens on the same port. ``/health`` answers
     ``health_status``; ``/metrics`` vLLM's load gauges from ``waiting``, ``running``, ``kv_usage``.
     ``active`` counts generation requests being handled (0 once every call was closed).
@@ -40,6 +42,8 @@ class FakeUpstream:
     answer_delay_s: float = 0.0
     # Drop the connection after this many streamed tokens (an instance dying mid-answer).
     break_after: int | None = None
+    # Stream vLLM's error event and [DONE] after this many tokens (its engine failing).
+    error_after: int | None = None
     hang: bool = False
     die_before_answer: bool = False
     fail_times: int | None = None
@@ -143,6 +147,12 @@ class FakeUpstream:
                 if failing and self.break_after is not None and i == self.break_after:
                     assert request.transport is not None
                     request.transport.close()
+                    return resp
+                if failing and self.error_after is not None and i == self.error_after:
+                    error = {"message": f"{self.name} engine error", "type": "InternalServerError"}
+                    payload = {"error": {**error, "param": None, "code": 500}}
+                    await resp.write(f"data: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode())
+                    await resp.write_eof()
                     return resp
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
