@@ -630,3 +630,17 @@ async def test_a_decode_streaming_an_error_after_tokens_is_recorded_as_failed(
     assert "engine error" in json.loads(lines[2][6:])["error"]["message"]  # relayed as is
     assert lines[-1] == b"data: [DONE]"
     assert events[-1] == ("fail", "d0")
+
+
+async def test_after_a_decode_retry_the_router_credits_the_d_that_served(
+    rig_factory: Any,
+) -> None:
+    """The prompt's prefix is in D1's cache, not in the failed D0's."""
+    rig: Rig = await rig_factory(n_decode=2)
+    rig.ds[0].fail_status = 500
+    proxy = await rig.start_proxy(health=None)
+    credited: list[str] = []
+    proxy.router.record_routed = lambda key, route: credited.append(route.decode.key)  # type: ignore[method-assign]
+    status, _ = await rig.post({})
+    assert status == 200
+    assert credited == ["d1"]

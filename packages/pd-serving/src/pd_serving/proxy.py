@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -778,6 +778,8 @@ class _Flow:
             self.decode = self.router.pick_decode(self.key, self.plan.failed_decode)
         except NoBackend as exc:
             self._no_backend(exc.role, after)
+        if self.route is not None:  # record_routed credits the prefix to the D that serves it
+            self.route = replace(self.route, decode=self.decode)
         self.decode_called = False
         self.plan.retry_decode(self.decode.key)
         self.metrics.retries.labels("same_transfer").inc()
