@@ -299,6 +299,9 @@ def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
             raise ClientRequestError(
                 400, "'prompt' is required: one string or one list of token ids per request"
             )
+        ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+        if isinstance(ids, list) and not all(_is_token_id(t) for t in ids):
+            raise ClientRequestError(400, "'prompt' token ids must be integers in [0, 2**31)")
     else:
         messages = body.get("messages")
         if not (
@@ -319,6 +322,11 @@ def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
     if "kv_transfer_params" in body:
         raise ClientRequestError(400, "'kv_transfer_params' is set by the proxy, not by clients")
     return body
+
+
+def _is_token_id(value: object) -> bool:
+    # The Router hashes ids as int32 (routing.prefix_hashes); vLLM's vocabularies fit.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 class PdProxy:
