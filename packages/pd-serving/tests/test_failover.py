@@ -61,13 +61,23 @@ def test_nixl_decode_failure_reroutes_to_a_new_prefill() -> None:
     assert plan.begin("d1", "p0").transfer_id == "t1"
 
 
-@pytest.mark.parametrize("failure", [Failure.REFUSED, Failure.HTTP_5XX, Failure.TIMEOUT])
-def test_a_failed_prefill_reroutes_without_release(failure: Failure) -> None:
+@pytest.mark.parametrize(
+    ("failure", "release"),
+    [
+        (Failure.REFUSED, False),  # P never saw it: it holds nothing
+        (Failure.HTTP_5XX, True),  # P may hold blocks: a release of nothing is harmless
+        (Failure.TIMEOUT, True),  # P may have done the work
+        (Failure.BROKE, True),  # e.g. a 200 with an unparseable body
+    ],
+)
+def test_a_failed_prefill_reroutes_releasing_unless_p_never_saw_it(
+    failure: Failure, release: bool
+) -> None:
     plan = _plan()
     plan.begin("d0", "p0")
     decision = plan.failed(Stage.PREFILL, "p0", failure)
     assert decision.action is Action.REROUTE
-    assert not decision.release  # P failed: it holds nothing
+    assert decision.release is release
     assert plan.failed_prefill == {"p0"}
     assert plan.failed_decode == set()
     assert plan.begin("d0", None) is None  # no P left: D prefills itself
@@ -350,7 +360,7 @@ async def test_decode_dying_mid_answer_without_stream_is_a_502_not_a_200(
     ]
 
 
-@pytest.mark.parametrize("mode", ["refuse", "5xx", "hang", "die_before_answer"])
+@pytest.mark.parametrize("mode", ["refuse", "5xx", "hang", "die_before_answer", "bad_body"])
 @pytest.mark.parametrize("dispatch", list(Dispatch))
 async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
     rig_factory: Any, mode: str, dispatch: Dispatch
@@ -359,6 +369,8 @@ async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
     p0, p1 = rig.ps
     if mode == "refuse":
         await p0.refuse()
+    elif mode == "bad_body":
+        p0.bad_body = True
     else:
         setattr(
             p0,
@@ -375,9 +387,11 @@ async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
     assert d_tids[-1] == tid
     if p0.received:
         assert p0.received[0]["kv_transfer_params"]["transfer_id"] != tid
-    # Only a P call still running when it was abandoned (parallel) is released; a failed P
-    # holds nothing.
     assert all(r.transfer_id != tid for r in rig.releases)
+    await rig.proxy.drain_background()  # type: ignore[union-attr]
+    # Only a P that never saw the call holds nothing; any other may hold P0's transfer.
+    abandoned = [r["kv_transfer_params"]["transfer_id"] for r in p0.received]
+    assert [r.transfer_id for r in rig.releases] == ([] if mode == "refuse" else abandoned)
     assert rig.metric("pdserve_retries_total", kind="new_prefill") == 1
 
 

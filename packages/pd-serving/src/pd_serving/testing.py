@@ -25,7 +25,8 @@ class FakeUpstream:
     ``kv_params`` is returned as the answer's ``kv_transfer_params`` (what a P does). Failure
     modes (for the next ``fail_times`` generation requests, or all when None):
     ``fail_status`` answers that status; ``hang`` never answers (until the caller gives up);
-    ``die_before_answer`` drops the connection without a byte; ``break_after`` drops it after
+    ``die_before_answer`` drops the connection without a byte; ``bad_body`` answers 200 with a
+    body that is not JSON; ``break_after`` drops it after
     that many streamed tokens; ``error_after`` streams vLLM's error event (then ``[DONE]``, in
     the 200) after that many tokens, as vLLM does when its engine fails; ``token_delay_s``
     slows the stream. ``refuse()`` stops listening
@@ -45,6 +46,8 @@ class FakeUpstream:
     # Stream vLLM's error event and [DONE] after this many tokens (its engine failing).
     error_after: int | None = None
     hang: bool = False
+    # Answer 200 with a body that is not JSON.
+    bad_body: bool = False
     die_before_answer: bool = False
     fail_times: int | None = None
     health_status: int = 200
@@ -122,6 +125,8 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.close()
                 return web.Response()
+            if failing and self.bad_body:
+                return web.Response(body=b"{not json", content_type="application/json")
             if failing and self.fail_status is not None:
                 return web.json_response(
                     {"error": {"message": f"{self.name} fails", "type": "BadRequestError"}},
