@@ -658,3 +658,20 @@ async def test_after_a_decode_retry_the_router_credits_the_d_that_served(
     status, _ = await rig.post({})
     assert status == 200
     assert credited == ["d1"]
+
+
+@pytest.mark.parametrize("max_retries", [0, 1], ids=["fail", "reroute"])
+async def test_a_decode_call_cancelled_by_a_failed_prefill_gives_its_probe_back(
+    rig_factory: Any, max_retries: int
+) -> None:
+    """Parallel: D's call is cancelled when P fails, with no outcome for D: its half-open
+    probe must not stay taken."""
+    rig: Rig = await rig_factory(n_prefill=2, n_decode=1)
+    rig.ps[0].fail_status = 500
+    rig.ps[1].fail_status = 500
+    proxy = await rig.start_proxy(health=None, dispatch=Dispatch.PARALLEL, max_retries=max_retries)
+    unused: list[str] = []
+    proxy.router.record_unused = lambda b: unused.append(b.key)  # type: ignore[method-assign]
+    status, _ = await rig.post({})
+    assert status == 502
+    assert unused == ["d0"] * (max_retries + 1)  # once per route whose P failed

@@ -744,6 +744,10 @@ class _Flow:
 
     def _failed(self, failed: CallFailed) -> Decision:
         stage, backend, failure = failed.stage, failed.backend, failed.failure
+        if stage is Stage.PREFILL:
+            # Parallel: P's failure cancelled D's call before it had an outcome, so D's probe
+            # is given back like that of a D never called (_unused_decode).
+            self.decode_called = False
         self.metrics.upstream_errors.labels("prefill" if stage is Stage.PREFILL else "decode").inc()
         self.metrics.call_failures.labels(backend.key, stage.value, failure.value).inc()
         if failure is not Failure.REJECTED:
