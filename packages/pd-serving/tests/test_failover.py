@@ -609,16 +609,22 @@ async def test_a_decode_never_called_gives_its_probe_back(rig_factory: Any) -> N
     assert rig.ds[0].received == []
 
 
-async def test_a_decode_streaming_an_error_first_fails_over_to_another_d(rig_factory: Any) -> None:
-    """vLLM's engine failing: a 200 whose first event is an error. Nothing reached the client,
-    so it is a failed call: D1 pulls the same transfer, d0 is recorded as failed."""
-    rig: Rig = await rig_factory(n_decode=2)
-    rig.ds[0].error_after = 0
+async def _stream_recording_outcomes(rig: Rig) -> tuple[int, Any, list[tuple[str, str]]]:
+    """A streaming request; with the Router's outcomes in order: ("ok"|"fail", backend)."""
     proxy = await rig.start_proxy(health=None)
     events: list[tuple[str, str]] = []
     proxy.router.record_success = lambda b, now: events.append(("ok", b.key))  # type: ignore[method-assign]
     proxy.router.record_failure = lambda b, now, why, **_: events.append(("fail", b.key))  # type: ignore[method-assign]
     status, lines = await rig.post({"stream": True})
+    return status, lines, events
+
+
+async def test_a_decode_streaming_an_error_first_fails_over_to_another_d(rig_factory: Any) -> None:
+    """vLLM's engine failing: a 200 whose first event is an error. Nothing reached the client,
+    so it is a failed call: D1 pulls the same transfer, d0 is recorded as failed."""
+    rig: Rig = await rig_factory(n_decode=2)
+    rig.ds[0].error_after = 0
+    status, lines, events = await _stream_recording_outcomes(rig)
     assert status == 200
     assert "".join(_texts(lines)) == " a b c d e f"
     assert all(b'"error"' not in line for line in lines)
@@ -634,11 +640,7 @@ async def test_a_decode_streaming_an_error_after_tokens_is_recorded_as_failed(
 ) -> None:
     rig: Rig = await rig_factory(n_decode=1)
     rig.ds[0].error_after = 2
-    proxy = await rig.start_proxy(health=None)
-    events: list[tuple[str, str]] = []
-    proxy.router.record_success = lambda b, now: events.append(("ok", b.key))  # type: ignore[method-assign]
-    proxy.router.record_failure = lambda b, now, why, **_: events.append(("fail", b.key))  # type: ignore[method-assign]
-    status, lines = await rig.post({"stream": True})
+    status, lines, events = await _stream_recording_outcomes(rig)
     assert status == 200
     assert _texts(lines) == [" a", " b"]
     assert "engine error" in json.loads(lines[2][6:])["error"]["message"]  # relayed as is
