@@ -61,13 +61,23 @@ def test_nixl_decode_failure_reroutes_to_a_new_prefill() -> None:
     assert plan.begin("d1", "p0").transfer_id == "t1"
 
 
-@pytest.mark.parametrize("failure", [Failure.REFUSED, Failure.HTTP_5XX, Failure.TIMEOUT])
-def test_a_failed_prefill_reroutes_without_release(failure: Failure) -> None:
+@pytest.mark.parametrize(
+    ("failure", "release"),
+    [
+        (Failure.REFUSED, False),  # P never saw it: it holds nothing
+        (Failure.HTTP_5XX, True),  # P may hold blocks: a release of nothing is harmless
+        (Failure.TIMEOUT, True),  # P may have done the work
+        (Failure.BROKE, True),  # e.g. a 200 with an unparseable body
+    ],
+)
+def test_a_failed_prefill_reroutes_releasing_unless_p_never_saw_it(
+    failure: Failure, release: bool
+) -> None:
     plan = _plan()
     plan.begin("d0", "p0")
     decision = plan.failed(Stage.PREFILL, "p0", failure)
     assert decision.action is Action.REROUTE
-    assert not decision.release  # P failed: it holds nothing
+    assert decision.release is release
     assert plan.failed_prefill == {"p0"}
     assert plan.failed_decode == set()
     assert plan.begin("d0", None) is None  # no P left: D prefills itself
@@ -350,7 +360,7 @@ async def test_decode_dying_mid_answer_without_stream_is_a_502_not_a_200(
     ]
 
 
-@pytest.mark.parametrize("mode", ["refuse", "5xx", "hang", "die_before_answer"])
+@pytest.mark.parametrize("mode", ["refuse", "5xx", "hang", "die_before_answer", "bad_body"])
 @pytest.mark.parametrize("dispatch", list(Dispatch))
 async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
     rig_factory: Any, mode: str, dispatch: Dispatch
@@ -359,6 +369,8 @@ async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
     p0, p1 = rig.ps
     if mode == "refuse":
         await p0.refuse()
+    elif mode == "bad_body":
+        p0.bad_body = True
     else:
         setattr(
             p0,
@@ -375,9 +387,11 @@ async def test_prefill_failing_moves_to_another_p_with_a_new_transfer(
     assert d_tids[-1] == tid
     if p0.received:
         assert p0.received[0]["kv_transfer_params"]["transfer_id"] != tid
-    # Only a P call still running when it was abandoned (parallel) is released; a failed P
-    # holds nothing.
     assert all(r.transfer_id != tid for r in rig.releases)
+    await rig.proxy.drain_background()  # type: ignore[union-attr]
+    # Only a P that never saw the call holds nothing; any other may hold P0's transfer.
+    abandoned = [r["kv_transfer_params"]["transfer_id"] for r in p0.received]
+    assert [r.transfer_id for r in rig.releases] == ([] if mode == "refuse" else abandoned)
     assert rig.metric("pdserve_retries_total", kind="new_prefill") == 1
 
 
@@ -593,3 +607,73 @@ async def test_a_decode_never_called_gives_its_probe_back(rig_factory: Any) -> N
     assert status == 502
     assert unused == ["d0"]
     assert rig.ds[0].received == []
+
+
+async def _stream_recording_outcomes(rig: Rig) -> tuple[int, Any, list[tuple[str, str]]]:
+    """A streaming request; with the Router's outcomes in order: ("ok"|"fail", backend)."""
+    proxy = await rig.start_proxy(health=None)
+    events: list[tuple[str, str]] = []
+    proxy.router.record_success = lambda b, now: events.append(("ok", b.key))  # type: ignore[method-assign]
+    proxy.router.record_failure = lambda b, now, why, **_: events.append(("fail", b.key))  # type: ignore[method-assign]
+    status, lines = await rig.post({"stream": True})
+    return status, lines, events
+
+
+async def test_a_decode_streaming_an_error_first_fails_over_to_another_d(rig_factory: Any) -> None:
+    """vLLM's engine failing: a 200 whose first event is an error. Nothing reached the client,
+    so it is a failed call: D1 pulls the same transfer, d0 is recorded as failed."""
+    rig: Rig = await rig_factory(n_decode=2)
+    rig.ds[0].error_after = 0
+    status, lines, events = await _stream_recording_outcomes(rig)
+    assert status == 200
+    assert "".join(_texts(lines)) == " a b c d e f"
+    assert all(b'"error"' not in line for line in lines)
+    assert events == [("ok", "p0"), ("fail", "d0"), ("ok", "d1")]
+    tid = rig.ps[0].received[0]["kv_transfer_params"]["transfer_id"]
+    assert _d_params(rig.ds[1])["transfer_id"] == tid
+    assert rig.releases == []
+    assert rig.metric("pdserve_failovers_total", stage="decode", reason="broke") == 1
+
+
+async def test_a_decode_streaming_an_error_after_tokens_is_recorded_as_failed(
+    rig_factory: Any,
+) -> None:
+    rig: Rig = await rig_factory(n_decode=1)
+    rig.ds[0].error_after = 2
+    status, lines, events = await _stream_recording_outcomes(rig)
+    assert status == 200
+    assert _texts(lines) == [" a", " b"]
+    assert "engine error" in json.loads(lines[2][6:])["error"]["message"]  # relayed as is
+    assert lines[-1] == b"data: [DONE]"
+    assert events[-1] == ("fail", "d0")
+
+
+async def test_after_a_decode_retry_the_router_credits_the_d_that_served(
+    rig_factory: Any,
+) -> None:
+    """The prompt's prefix is in D1's cache, not in the failed D0's."""
+    rig: Rig = await rig_factory(n_decode=2)
+    rig.ds[0].fail_status = 500
+    proxy = await rig.start_proxy(health=None)
+    credited: list[str] = []
+    proxy.router.record_routed = lambda key, route: credited.append(route.decode.key)  # type: ignore[method-assign]
+    status, _ = await rig.post({})
+    assert status == 200
+    assert credited == ["d1"]
+
+
+@pytest.mark.parametrize("max_retries", [0, 1], ids=["fail", "reroute"])
+async def test_a_decode_call_cancelled_by_a_failed_prefill_gives_its_probe_back(
+    rig_factory: Any, max_retries: int
+) -> None:
+    """Parallel: D's call is cancelled when P fails, with no outcome for D: its half-open
+    probe must not stay taken."""
+    rig: Rig = await rig_factory(n_prefill=2, n_decode=1)
+    rig.ps[0].fail_status = 500
+    rig.ps[1].fail_status = 500
+    proxy = await rig.start_proxy(health=None, dispatch=Dispatch.PARALLEL, max_retries=max_retries)
+    unused: list[str] = []
+    proxy.router.record_unused = lambda b: unused.append(b.key)  # type: ignore[method-assign]
+    status, _ = await rig.post({})
+    assert status == 502
+    assert unused == ["d0"] * (max_retries + 1)  # once per route whose P failed

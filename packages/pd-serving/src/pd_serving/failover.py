@@ -24,7 +24,9 @@ One request, transfer id X, P's KV held under its lease on P (HybridConnector)::
 ``release`` on a decision: the proxy must send hybrid-connector's RELEASE for X to P, because no
 D will pull X any more (a new X, a local prefill, an error) while P answered or may still be
 running it. Never on RETRY_DECODE (D' pulls X), never once D streamed (D pulled X), never when P
-itself failed (it holds nothing).
+refused the call or rejected it (a 4xx: it never ran it). A P that failed otherwise (5xx,
+timeout, a broken or unparseable answer) may have done the work and hold X's blocks: it gets the
+release (a release of a transfer P does not hold is harmless).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Transfer:
     transfer_id: str
     prefill: str  # the P's key
     prefill_answered: bool = False  # P answered 200: it holds the KV under its lease
-    prefill_failed: bool = False
+    prefill_failed: bool = False  # P refused or rejected the call: it holds nothing
     released: bool = False  # a release was decided (once per transfer)
 
 
@@ -120,7 +122,10 @@ class AttemptPlan:
         """A call of ``stage`` to ``backend`` failed; what now."""
         if stage is Stage.PREFILL:
             assert self.transfer is not None
-            self.transfer.prefill_failed = True  # P holds nothing (a 4xx: it never ran it)
+            # Refused or a 4xx: P never ran it. A 5xx, timeout or bad answer may come from a P
+            # that did the work and holds blocks: those keep the release.
+            if failure in (Failure.REFUSED, Failure.REJECTED):
+                self.transfer.prefill_failed = True
             if failure is not Failure.REJECTED:
                 self.failed_prefill.add(backend)
         if failure is Failure.REJECTED:
@@ -144,7 +149,7 @@ class AttemptPlan:
             assert self.transfer is not None
             return Decision(Action.RETRY_DECODE)
         # A new route: the abandoned transfer (NIXL's D failed; or P failed) is released unless
-        # P failed (it holds nothing).
+        # P never ran it (refused).
         return Decision(Action.REROUTE, release=self._holds_transfer())
 
     def no_backend(self, role: str) -> Decision:

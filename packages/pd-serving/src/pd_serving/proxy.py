@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -299,6 +299,9 @@ def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
             raise ClientRequestError(
                 400, "'prompt' is required: one string or one list of token ids per request"
             )
+        ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+        if isinstance(ids, list) and not all(_is_token_id(t) for t in ids):
+            raise ClientRequestError(400, "'prompt' token ids must be integers in [0, 2**31)")
     else:
         messages = body.get("messages")
         if not (
@@ -319,6 +322,11 @@ def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
     if "kv_transfer_params" in body:
         raise ClientRequestError(400, "'kv_transfer_params' is set by the proxy, not by clients")
     return body
+
+
+def _is_token_id(value: object) -> bool:
+    # The Router hashes ids as int32 (routing.prefix_hashes); vLLM's vocabularies fit.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 class PdProxy:
@@ -736,6 +744,10 @@ class _Flow:
 
     def _failed(self, failed: CallFailed) -> Decision:
         stage, backend, failure = failed.stage, failed.backend, failed.failure
+        if stage is Stage.PREFILL:
+            # Parallel: P's failure cancelled D's call before it had an outcome, so D's probe
+            # is given back like that of a D never called (_unused_decode).
+            self.decode_called = False
         self.metrics.upstream_errors.labels("prefill" if stage is Stage.PREFILL else "decode").inc()
         self.metrics.call_failures.labels(backend.key, stage.value, failure.value).inc()
         if failure is not Failure.REJECTED:
@@ -778,6 +790,8 @@ class _Flow:
             self.decode = self.router.pick_decode(self.key, self.plan.failed_decode)
         except NoBackend as exc:
             self._no_backend(exc.role, after)
+        if self.route is not None:  # record_routed credits the prefix to the D that serves it
+            self.route = replace(self.route, decode=self.decode)
         self.decode_called = False
         self.plan.retry_decode(self.decode.key)
         self.metrics.retries.labels("same_transfer").inc()
@@ -931,6 +945,10 @@ class _Flow:
         if not first:
             message = f"{stage} {backend.url} closed its stream before the first token"
             raise CallFailed(stage, backend, Failure.BROKE, message)
+        if _is_error_event(first[0]):  # vLLM's engine failed: a 200 carrying only an error
+            detail = first[0].strip()[:300].decode(errors="replace")
+            message = f"{stage} {backend.url} streamed an error before the first token: {detail}"
+            raise CallFailed(stage, backend, Failure.BROKE, message)
         first_token.reschedule(None)  # from here on only the deadline bounds the stream
         self.router.record_success(backend, time.monotonic())
         self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
@@ -946,8 +964,10 @@ class _Flow:
         self.out = out
         self.plan.sent_to_client()
         done = await self._write(first)
+        upstream_error = next(filter(_is_error_event, first), None)  # after tokens: relayed
         try:
             while batch := await _next_events(chunks, events):
+                upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
                 done = await self._write(batch) or done
         except (aiohttp.ClientError, TimeoutError) as exc:
             if not done:
@@ -957,6 +977,12 @@ class _Flow:
             message = f"{stage} {backend.url} ended its stream without [DONE]"
             raise CallFailed(stage, backend, Failure.BROKE_MID_STREAM, message)
         await out.write_eof()
+        if upstream_error is not None:  # relayed to the client; D failed it all the same
+            why = upstream_error.strip()[:300].decode(errors="replace")
+            self.metrics.call_failures.labels(
+                backend.key, stage.value, Failure.BROKE_MID_STREAM
+            ).inc()
+            self.router.record_failure(backend, time.monotonic(), why, kind=FailureKind.BROKEN)
         self._succeeded(None)
         return out
 
@@ -1035,6 +1061,10 @@ async def _next_events(chunks: AsyncIterator[bytes], events: _SseEvents) -> list
         if batch:
             return batch
     return []
+
+
+def _is_error_event(event: bytes) -> bool:
+    return "error" in _event_json(event)
 
 
 def _event_json(event: bytes) -> dict[str, Any]:

@@ -344,7 +344,6 @@ class Router:
                 return None  # the affine P is busy: least loaded instead
             if self._take(candidate, now):
                 return candidate
-            eligible = [b for b in eligible if b is not candidate]  # its probe is taken
         return None
 
     def pick_prefill(

@@ -25,8 +25,11 @@ class FakeUpstream:
     ``kv_params`` is returned as the answer's ``kv_transfer_params`` (what a P does). Failure
     modes (for the next ``fail_times`` generation requests, or all when None):
     ``fail_status`` answers that status; ``hang`` never answers (until the caller gives up);
-    ``die_before_answer`` drops the connection without a byte; ``break_after`` drops it after
-    that many streamed tokens; ``token_delay_s`` slows the stream. ``refuse()`` stops listening
+    ``die_before_answer`` drops the connection without a byte; ``bad_body`` answers 200 with a
+    body that is not JSON; ``break_after`` drops it after
+    that many streamed tokens; ``error_after`` streams vLLM's error event (then ``[DONE]``, in
+    the 200) after that many tokens, as vLLM does when its engine fails; ``token_delay_s``
+    slows the stream. ``refuse()`` stops listening
     (connection refused) and ``start()`` again listens on the same port. ``/health`` answers
     ``health_status``; ``/metrics`` vLLM's load gauges from ``waiting``, ``running``, ``kv_usage``.
     ``active`` counts generation requests being handled (0 once every call was closed).
@@ -40,7 +43,11 @@ class FakeUpstream:
     answer_delay_s: float = 0.0
     # Drop the connection after this many streamed tokens (an instance dying mid-answer).
     break_after: int | None = None
+    # Stream vLLM's error event and [DONE] after this many tokens (its engine failing).
+    error_after: int | None = None
     hang: bool = False
+    # Answer 200 with a body that is not JSON.
+    bad_body: bool = False
     die_before_answer: bool = False
     fail_times: int | None = None
     health_status: int = 200
@@ -118,6 +125,8 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.close()
                 return web.Response()
+            if failing and self.bad_body:
+                return web.Response(body=b"{not json", content_type="application/json")
             if failing and self.fail_status is not None:
                 return web.json_response(
                     {"error": {"message": f"{self.name} fails", "type": "BadRequestError"}},
@@ -143,6 +152,12 @@ class FakeUpstream:
                 if failing and self.break_after is not None and i == self.break_after:
                     assert request.transport is not None
                     request.transport.close()
+                    return resp
+                if failing and self.error_after is not None and i == self.error_after:
+                    error = {"message": f"{self.name} engine error", "type": "InternalServerError"}
+                    payload = {"error": {**error, "param": None, "code": 500}}
+                    await resp.write(f"data: {json.dumps(payload)}\n\ndata: [DONE]\n\n".encode())
+                    await resp.write_eof()
                     return resp
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
