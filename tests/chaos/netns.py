@@ -160,14 +160,7 @@ class NetnsLab:
         pair = frozenset((a, b))
         if pair in self._cuts:
             return
-        for src, dst in ((a, b), (b, a)):
-            _ip(
-                "route",
-                "add",
-                "blackhole",
-                f"{self.hosts[dst].address}/32",
-                netns=self.hosts[src].netns,
-            )
+        self._blackhole("add", a, b)
         self._cuts.add(pair)
         log.info("netns lab %s: cut %s <-> %s", self.tag, a, b)
 
@@ -175,16 +168,20 @@ class NetnsLab:
         pair = frozenset((a, b))
         if pair not in self._cuts:
             return
+        self._blackhole("del", a, b)
+        self._cuts.discard(pair)
+        log.info("netns lab %s: restored %s <-> %s", self.tag, a, b)
+
+    def _blackhole(self, action: str, a: str, b: str) -> None:
+        """``ip route add|del blackhole`` of each host's address in the other's namespace."""
         for src, dst in ((a, b), (b, a)):
             _ip(
                 "route",
-                "del",
+                action,
                 "blackhole",
                 f"{self.hosts[dst].address}/32",
                 netns=self.hosts[src].netns,
             )
-        self._cuts.discard(pair)
-        log.info("netns lab %s: restored %s <-> %s", self.tag, a, b)
 
     def link_down(self, host: str) -> None:
         _ip("link", "set", self.hosts[host].veth, "down")

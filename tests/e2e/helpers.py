@@ -7,13 +7,12 @@ and requests only as metrics); processes are waited for on pidfds
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
+from pd_serving.testing import wait_until as _wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
@@ -60,16 +59,8 @@ async def prompt_tokens_by_source(
 async def wait_until(
     read: Callable[[], Awaitable[T]], done: Callable[[T], bool], within_s: float = 60.0
 ) -> T:
-    """Re-read ``read()`` with backoff (10 ms, doubling up to 1 s) until ``done`` holds of the
-    reading or ``within_s`` passed; returns the last reading either way."""
-    deadline = time.monotonic() + within_s
-    delay = 0.01
-    while True:
-        reading = await read()
-        if done(reading) or time.monotonic() > deadline:
-            return reading
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, 1.0)
+    """pd_serving.testing's, with the longer default these end-to-end waits need."""
+    return await _wait_until(read, done, within_s)
 
 
 async def wait_idle(
