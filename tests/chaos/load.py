@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import aiohttp
+from pd_serving.client import greedy_body
 
 CLEAR = ("completed", "http_error", "error_event")
 VIOLATIONS = ("mismatch", "silent", "hang", "unreachable")
@@ -66,15 +67,7 @@ async def stream_once(
     prompt_index: int = 0,
 ) -> Outcome:
     """One greedy streaming completion through the proxy, judged (see the module docstring)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-    }
+    body = greedy_body(model, prompt, max_tokens=max_tokens, stream=True)
     # The proxy's own deadline for this request, a little inside ours: past it the proxy must
     # answer with an error (504 or an error event) before the client gives up.
     headers = {"x-request-timeout-s": str(max(1.0, deadline_s - 10.0))}

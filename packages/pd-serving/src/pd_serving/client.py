@@ -53,6 +53,22 @@ class StreamError(UpstreamHttpError):
         self.partial = partial
 
 
+def greedy_body(
+    model: str, prompt: str | list[int], *, max_tokens: int, stream: bool, **extra: Any
+) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body of exactly ``max_tokens`` tokens, with their ids."""
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        **extra,
+    }
+
+
 async def complete(
     session: aiohttp.ClientSession,
     base_url: str,
@@ -67,16 +83,7 @@ async def complete(
     """Greedy ``/v1/completions``; streaming gives TTFT and TPOT, non-streaming only latency.
 
     ``logprobs=k`` also returns each output token's top k (``Completion.top_logprobs``)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-        **(extra or {}),
-    }
+    body = greedy_body(model, prompt, max_tokens=max_tokens, stream=stream, **(extra or {}))
     if logprobs is not None:
         body["logprobs"] = logprobs
         body["return_tokens_as_token_ids"] = True
