@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.metadata import HybridConnectorMetadata, PrefillSpec, RecvSpec, SendSpec
+from hybrid_connector.metadata import FinalPrefill, HybridConnectorMetadata, OfferSpec, RecvSpec
 from hybrid_connector.worker_side import WorkerSide
 
 RESULTS = Path(__file__).parent / "results" / "pull.json"
@@ -99,8 +99,8 @@ class _Bench:
                 raise TimeoutError("the pull did not reach P")
         start = time.perf_counter()
         if rapid:
-            done = PrefillSpec("p", tid, [src], tokens)
-            p.handle_metadata(HybridConnectorMetadata(prefill_done=[done]))
+            done = FinalPrefill("p", tid, [src], tokens)
+            p.handle_metadata(HybridConnectorMetadata(final_prefills=[done]))
         for layer, name in enumerate(self.names):  # the forward pass
             if layer == pull_at:
                 d.handle_metadata(HybridConnectorMetadata(to_recv=[pull]))
@@ -110,7 +110,7 @@ class _Bench:
         if rapid:
             p.step_done()
         # The request finished at the end of the step: its blocks are offered.
-        p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p", tid, [src], tokens)]))
+        p.handle_metadata(HybridConnectorMetadata(to_offer=[OfferSpec("p", tid, [src], tokens)]))
         _wait_recv(d, "d")
         elapsed = time.perf_counter() - start
         _wait_sent(p, "p")

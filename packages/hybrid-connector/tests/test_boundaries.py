@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.metadata import SendSpec
+from hybrid_connector.metadata import OfferSpec
 from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec, TransferKvRequest
 from hybrid_connector.scheduler_side import SchedulerSide
 from kvt import AbortCode, AbortOrigin, Completion, TransferStatus
@@ -28,7 +28,9 @@ PURE_MODULES = [
     "hybrid_connector.control",
     "hybrid_connector.metadata",
     "hybrid_connector.scheduler_side",
-    "hybrid_connector.state",
+    "hybrid_connector.consumer",
+    "hybrid_connector.common",
+    "hybrid_connector.producer",
     "hybrid_connector.worker_side",
 ]
 
@@ -75,7 +77,7 @@ def test_rapid_send_only_for_requests_that_finish_with_their_prompt() -> None:
         side.update_state_after_alloc(request, None, 0)  # type: ignore[arg-type]
     output = SimpleNamespace(num_scheduled_tokens={"one": 6, "many": 6})
     meta = side.build_connector_meta(output)  # type: ignore[arg-type]
-    assert [p.request_id for p in meta.prefill_done] == ["one"]
+    assert [p.request_id for p in meta.final_prefills] == ["one"]
     # The one that keeps decoding is offered (plain path) once it finished.
     many.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     many.num_computed_tokens = 13
@@ -84,8 +86,8 @@ def test_rapid_send_only_for_requests_that_finish_with_their_prompt() -> None:
     assert params is not None
     assert params["transfer_id"] == "t-many"
     meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))  # type: ignore[arg-type]
-    assert [s.request_id for s in meta.to_send] == ["many"]
-    assert not meta.to_send[0].aborted
+    assert [s.request_id for s in meta.to_offer] == ["many"]
+    assert not meta.to_offer[0].aborted
 
 
 # ------------------------------------------------------------------ P's shell with a fake kvt
@@ -136,7 +138,7 @@ def test_send_guard_returns_blocks_only_after_kvt_completion() -> None:
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
         producer = shell_class(config, engine, SPEC, results, loop)
-        producer.offer(SendSpec("p-req", "t-1", [[3, 5]], 6))
+        producer.offer(OfferSpec("p-req", "t-1", [[3, 5]], 6))
         pull = TransferKvRequest("t-1", "d-req", "127.0.0.1:2", SPEC, [[0, 1]], [0], 6)
         await producer._on_transfer_kv(pull, SimpleNamespace(peer="d:1"))
         await loop.run_in_executor(None, engine.aborted.wait, 10)  # the guard fired

@@ -120,7 +120,7 @@ def test_hybrid_groups_share_buffers_and_state_layers_are_two_segments() -> None
     assert state.layer_offsets == attention.layer_offsets == (0, 0)
     assert state.buffer_index == attention.buffer_index == (0, 1)
     spec = geo.spec([7, 8])
-    assert [g.group for g in spec.groups] == ["state", "attention"]
+    assert [g.family for g in spec.groups] == ["state", "attention"]
     assert spec.groups[0].region_ids == [7, 8]
     assert spec.groups[0].dtype == "bfloat16"
     state_then_attention = ("layers.0.linear_attn", "layers.2.linear_attn", "layers.1.attn")

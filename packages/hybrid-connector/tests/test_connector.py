@@ -35,7 +35,7 @@ def test_plain_metadata_is_vllm_metadata() -> None:
 
 
 def test_vllm_groups_become_kv_groups() -> None:
-    """Each vLLM KV-cache spec maps to a group kind, its block size, dtype and this rank's heads;
+    """Each vLLM KV-cache spec maps to a group family, its block size, dtype and this rank's heads;
     a kind the connector cannot move is refused at startup."""
     import torch
     from hybrid_connector.connector import kv_groups
@@ -63,7 +63,7 @@ def test_vllm_groups_become_kv_groups() -> None:
     )
     groups = kv_groups(config, 16, total_kv_heads=4, tp_size=2, tp_rank=1)  # type: ignore[arg-type]
     assert groups is not None
-    assert [(g.kind, g.block_size, g.dtype) for g in groups] == [
+    assert [(g.family, g.block_size, g.dtype) for g in groups] == [
         ("state", 256, "bfloat16,bfloat16"),
         ("attention", 256, "bfloat16"),
         ("mla", 16, "bfloat16"),

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hybrid_connector.errors import UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup, describe_kv_cache_groups
-from hybrid_connector.metadata import HybridConnectorMetadata, PrefillSpec
+from hybrid_connector.metadata import FinalPrefill, HybridConnectorMetadata
 from test_worker_side import Pair, _layer_blocks, _wait, pair  # noqa: F401 (fixture)
 
 NOTHING = (set(), set(), set())
@@ -47,7 +47,7 @@ def test_rapid_transfer_waits_for_each_layers_cuda_event(pair: Pair) -> None:  #
     pair.pull("d-req", tid, dst, num_tokens=6)
     assert _wait(pair.d, timeout=0.3) == NOTHING
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [src], 6)])
     )
     names = list(pair.p_kv)
     # save_kv_layer: records the layer's event on the compute stream and returns at once (the

@@ -22,7 +22,7 @@ import torch
 from hybrid_connector import send_done as send_done_module
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.holds import MAX_EARLY, BlockHolds
-from hybrid_connector.metadata import HybridConnectorMetadata, PrefillSpec
+from hybrid_connector.metadata import FinalPrefill, HybridConnectorMetadata
 from hybrid_connector.protocol import SEND_DONE, SendDoneRequest
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.send_done import SendDoneClient, SendDoneServer
@@ -253,7 +253,7 @@ def test_announced_request_is_freed_by_vllm_at_once_and_its_blocks_held() -> Non
     side, manager, holds = _scheduler(pool)
     request = _p_request("p-1", 6)
     meta = _run_to_finish(side, manager, request, "FINISHED_LENGTH_CAPPED")
-    (spec,) = meta.prefill_done
+    (spec,) = meta.final_prefills
     assert spec.scheduler_holds is True
     assert meta.scheduler_address == "127.0.0.1:9999"
     blocks = manager.owned["p-1"]
@@ -264,7 +264,7 @@ def test_announced_request_is_freed_by_vllm_at_once_and_its_blocks_held() -> Non
     assert params["remote_block_ids"] == [[b.block_id for b in blocks]]
     pool.free_blocks(blocks)  # what vLLM does after delay_free=False
     assert all(b.ref_cnt == 1 for b in blocks)
-    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_send == []
+    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_offer == []
     # The worker's SEND_DONE, then any hook: the blocks go back.
     holds.send_done("p-1", 0)
     side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
@@ -291,8 +291,8 @@ def test_aborted_announced_request_is_held_too_but_offers_nothing() -> None:
     delay, params = side.request_finished(request, ([b.block_id for b in blocks],))
     assert (delay, params) == (False, None)
     meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
-    assert meta.to_send == [], "the worker decides (step end)"
-    assert meta.cancel_send == []
+    assert meta.to_offer == [], "the worker decides (step end)"
+    assert meta.cancel_offer == []
     assert holds.held_blocks == 2
 
 
@@ -301,11 +301,11 @@ def test_request_that_keeps_decoding_takes_the_old_path() -> None:
     side, manager, holds = _scheduler(pool)
     request = _p_request("p-1", 6, max_tokens=16)
     meta = _run_to_finish(side, manager, request, "FINISHED_LENGTH_CAPPED")
-    assert meta.prefill_done == []
+    assert meta.final_prefills == []
     blocks = manager.owned["p-1"]
     delay, _ = side.request_finished(request, ([b.block_id for b in blocks],))
     assert delay is True
-    (send,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_send
+    (send,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_offer
     assert send.request_id == "p-1"
     assert holds.held_blocks == 0
 
@@ -399,9 +399,9 @@ class HoldingPair(Pair):
         self.held = self.pool.allocate(len(src))
         self.holds.hold(request_id, tid, [self.held])
         self.pool.free_blocks(self.held)  # vLLM forgot the request
-        spec = PrefillSpec(request_id, tid, [src], num_tokens, scheduler_holds=True)
+        spec = FinalPrefill(request_id, tid, [src], num_tokens, scheduler_holds=True)
         self.p.handle_metadata(
-            HybridConnectorMetadata(prefill_done=[spec], scheduler_address=self.server.address)
+            HybridConnectorMetadata(final_prefills=[spec], scheduler_address=self.server.address)
         )
 
     def released(self) -> bool:
@@ -434,7 +434,7 @@ def test_announced_request_is_offered_at_step_end_and_sent_done_not_reported(
     holding.announce("p-req", tid, src, 6)
     for name in holding.p_kv:
         holding.p.layer_saved(name)
-    holding.p.step_done()  # the request finished in this step: offered now, no SendSpec
+    holding.p.step_done()  # the request finished in this step: offered now, no OfferSpec
     assert holding.p.wait_count("offers", 1, timeout_s=10)
     holding.pull("d-req", tid, dst, num_tokens=6)
     assert _wait(holding.d)[1:] == ({"d-req"}, set())

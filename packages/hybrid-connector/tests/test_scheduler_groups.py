@@ -69,7 +69,7 @@ def test_p_holds_every_group_and_offers_only_the_state_slot() -> None:
     request = _p_request(600)
     delay, params = side.request_finished(request, ([0, 0, 31], [11, 12, 13]))
     assert delay is True, "every group's blocks stay until the worker reports the request"
-    (send,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_send
+    (send,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_offer
     assert send.block_ids == [[31], [11, 12, 13]]
     assert params is not None
     assert params["remote_block_ids"] == [[31], [11, 12, 13]]

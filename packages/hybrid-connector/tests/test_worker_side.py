@@ -19,11 +19,11 @@ import torch
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.metadata import (
+    FinalPrefill,
     HybridConnectorMetadata,
-    PrefillSpec,
+    OfferSpec,
     RecvSpec,
     ReleaseSpec,
-    SendSpec,
 )
 from hybrid_connector.worker_side import WorkerSide
 
@@ -66,7 +66,7 @@ class Pair:
     def offer(self, request_id: str, transfer_id: str, block_ids: list[int], num_tokens: int):
         self.p.handle_metadata(
             HybridConnectorMetadata(
-                to_send=[SendSpec(request_id, transfer_id, [block_ids], num_tokens)]
+                to_offer=[OfferSpec(request_id, transfer_id, [block_ids], num_tokens)]
             )
         )
 
@@ -232,7 +232,7 @@ def test_prefill_abort_fails_a_waiting_pull_at_once(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.pull("d-req", tid, [1], num_tokens=2)
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
-    pair.p.handle_metadata(HybridConnectorMetadata(cancel_send=[tid]))
+    pair.p.handle_metadata(HybridConnectorMetadata(cancel_offer=[tid]))
     assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
 
 
@@ -339,7 +339,7 @@ def test_rapid_transfer_sends_layers_as_written_and_frees_after_finish(pair: Pai
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
     # P's scheduler: this step completes the prompt (the pull is parked already).
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [src], 6)])
     )
     names = list(pair.p_kv)
     pair.p.layer_saved(names[0])
@@ -362,11 +362,11 @@ def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair
     pair.pull("d-req", tid, [1], num_tokens=3)
     assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [[2]], 3)])
     )
     # The request is aborted on P while its layers are still pending: blocks stay with us...
     pair.p.handle_metadata(
-        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [[2]], 0, aborted=True)])
+        HybridConnectorMetadata(to_offer=[OfferSpec("p-req", tid, [[2]], 0, aborted=True)])
     )
     assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
     pair.p.step_done()
@@ -443,7 +443,7 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
     received = _ReceivedBytes(pair.d, monkeypatch)
     # P's step begins: its scheduler announced the request (no pull is parked).
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [src], 6)])
     )
     assert pair.p.wait_count("offers", 1)
     forward = _SlowForwardPass(pair.p, names)
@@ -489,7 +489,7 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
 def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [[2]], 3)])
     )
     pair.p.step_done()
     pair.offer("p-req", tid, [2], num_tokens=3)
@@ -575,7 +575,7 @@ class GroupPair:
 
     def transfer(self, src: list[list[int]], dst: list[list[int]], first: list[int], n: int):
         tid = str(uuid.uuid4())
-        self.p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, src, n)]))
+        self.p.handle_metadata(HybridConnectorMetadata(to_offer=[OfferSpec("p-req", tid, src, n)]))
         self.d.handle_metadata(
             HybridConnectorMetadata(
                 to_recv=[RecvSpec("d-req", tid, self.rpc_address, dst, first, n)]

@@ -115,22 +115,22 @@ def kv_groups(
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            kind, dtype = "state", ",".join(_dtype_name(d) for d in spec.dtypes)
+            family, dtype = "state", ",".join(_dtype_name(d) for d in spec.dtypes)
         elif isinstance(spec, SlidingWindowMLASpec):
             raise UnsupportedLayoutError("sliding-window MLA KV-cache groups are not supported")
         elif isinstance(spec, SlidingWindowSpec):
-            kind, dtype = "sliding_window", _dtype_name(spec.dtype)
+            family, dtype = "sliding_window", _dtype_name(spec.dtype)
         elif isinstance(spec, MLAAttentionSpec):
-            kind, dtype = "mla", _dtype_name(spec.dtype)
+            family, dtype = "mla", _dtype_name(spec.dtype)
         elif isinstance(spec, FullAttentionSpec):
-            kind, dtype = "attention", _dtype_name(spec.dtype)
+            family, dtype = "attention", _dtype_name(spec.dtype)
         else:
             raise UnsupportedLayoutError(
                 f"KV-cache group of {type(spec).__name__} (layers {group.layer_names[:2]}...) "
                 "is not supported"
             )
         heads = {}
-        if kind in ("attention", "sliding_window") and total_kv_heads > 0:
+        if family in ("attention", "sliding_window") and total_kv_heads > 0:
             ranks = rank_heads(total_kv_heads, tp_size, tp_rank)
             heads = {
                 "total_heads": total_kv_heads,
@@ -139,7 +139,7 @@ def kv_groups(
             }
         groups.append(
             KvGroup(
-                kind,
+                family,
                 tuple(group.layer_names),
                 int(getattr(spec, "block_size", block_size)),
                 dtype,

@@ -4,7 +4,7 @@ Why: with ``delay_free=True`` a finished request stays in vLLM's scheduler until
 reports it in ``finished_sending``; while any such request exists ``Scheduler.has_requests()``
 is true and the engine core runs empty steps at about 1 kHz (26-36% of a core here), only to
 ask the worker "done yet?". Instead, for a request the worker knows finished in its step (one
-announced in ``prefill_done``), the scheduler half takes its own reference on the request's
+announced in ``final_prefills``), the scheduler half takes its own reference on the request's
 ``KVCacheBlock``s and lets vLLM free the request at once (``delay_free=False``). The blocks can
 not be reallocated while the reference lasts (vLLM reuses a block only at ``ref_cnt`` 0), and the
 engine core sleeps on its input queue. The worker says when it no longer needs them with one

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 
-GROUP_KINDS = ("attention", "mla", "state", "sliding_window")
+FAMILIES = ("attention", "mla", "state", "sliding_window")
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class KvGroup:
     """One vLLM KV-cache group, as the connector sees it (built from vLLM's KVCacheGroupSpec in
     ``connector.py``, so that nothing else imports vLLM)."""
 
-    kind: str  # one of GROUP_KINDS
+    family: str  # one of FAMILIES
     layer_names: tuple[str, ...]
     block_size: int
     dtype: str = ""
@@ -83,7 +83,7 @@ class KvCacheGeometry:
     block_size: int
     segments: tuple[Segment, ...]
     kind: str
-    group: str = "attention"
+    family: str = "attention"
     dtype: str = ""
     total_heads: int = 0
     head_start: int = 0
@@ -101,7 +101,7 @@ class KvCacheGeometry:
                 SegmentSpec(s.name, s.offset, s.block_stride, s.nbytes) for s in self.segments
             ],
             kind=self.kind,
-            group=self.group,
+            family=self.family,
             dtype=self.dtype,
             total_heads=self.total_heads,
             head_start=self.head_start,
@@ -224,11 +224,11 @@ def describe_kv_cache_groups(
     by_base: dict[int, int] = {}
     described: list[KvCacheGeometry] = []
     for group in groups:
-        if group.kind not in GROUP_KINDS:
-            raise UnsupportedLayoutError(f"KV-cache group kind {group.kind!r} is not supported")
+        if group.family not in FAMILIES:
+            raise UnsupportedLayoutError(f"KV-cache group family {group.family!r} is not supported")
         missing = [n for n in group.layer_names if n not in kv_caches]
         if missing or not group.layer_names:
-            raise UnsupportedLayoutError(f"{group.kind} group: no KV cache for layers {missing}")
+            raise UnsupportedLayoutError(f"{group.family} group: no KV cache for layers {missing}")
         segments: tuple[Segment, ...] | None = None
         kind = ""
         offsets: list[int] = []
@@ -240,7 +240,7 @@ def describe_kv_cache_groups(
             elif seg != segments:
                 raise UnsupportedLayoutError(
                     f"layer {name} has a different block geometry than the rest of its "
-                    f"{group.kind} group"
+                    f"{group.family} group"
                 )
             storage = tensor.untyped_storage()
             base = storage.data_ptr()
@@ -260,7 +260,7 @@ def describe_kv_cache_groups(
                 block_size=group.block_size,
                 segments=segments,
                 kind=kind,
-                group=group.kind,
+                family=group.family,
                 dtype=group.dtype,
                 total_heads=group.total_heads,
                 head_start=group.head_start,

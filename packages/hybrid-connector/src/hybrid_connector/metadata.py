@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 
 @dataclass(frozen=True)
-class SendSpec:
+class OfferSpec:
     """P: request ``request_id`` finished; hold its blocks for transfer ``transfer_id``."""
 
     request_id: str
@@ -23,21 +23,21 @@ class SendSpec:
     block_ids: list[list[int]]
     num_tokens: int
     # The request ended without usable KV (aborted); only sent for requests announced in
-    # ``prefill_done`` (a rapid send may be reading their blocks), which vLLM must keep until then.
+    # ``final_prefills`` (a rapid send may be reading their blocks): vLLM keeps them until then.
     aborted: bool = False
 
 
 @dataclass(frozen=True)
-class PrefillSpec:
+class FinalPrefill:
     """P: this step completes the prompt of ``request_id`` (rapid transfer_kv): a pull parked for
     ``transfer_id`` may send each layer as soon as the forward pass has written it."""
 
     request_id: str
     transfer_id: str
-    block_ids: list[list[int]]  # per group, as in SendSpec
+    block_ids: list[list[int]]  # per group, as in OfferSpec
     num_tokens: int
     # The scheduler half holds the request's blocks itself once vLLM finishes it (no
-    # delay_free, no SendSpec follows): the request finishes in this step, so the worker offers
+    # delay_free, no OfferSpec follows): the request finishes in this step, so the worker offers
     # it at the step's end and tells the scheduler by SEND_DONE when the blocks may go back.
     scheduler_holds: bool = False
 
@@ -72,26 +72,26 @@ class ReleaseSpec:
 
 @dataclass
 class HybridConnectorMetadata:
-    to_send: list[SendSpec] = field(default_factory=list)
+    to_offer: list[OfferSpec] = field(default_factory=list)
     to_recv: list[RecvSpec] = field(default_factory=list)
     # D: requests finished (aborted) while their pull was in flight: abort the pull.
     cancel_recv: list[str] = field(default_factory=list)
     # P: transfer ids whose request ended without KV to offer (aborted): fail early pulls.
-    cancel_send: list[str] = field(default_factory=list)
+    cancel_offer: list[str] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
-    prefill_done: list[PrefillSpec] = field(default_factory=list)
+    final_prefills: list[FinalPrefill] = field(default_factory=list)
     # P: where the scheduler half takes SEND_DONE ("host:port"; "" = it holds no blocks itself,
     # the worker reports in finished_sending). Set in every metadata, read by the worker.
     scheduler_address: str = ""
 
     def is_empty(self) -> bool:
         return not (
-            self.to_send
+            self.to_offer
             or self.to_recv
             or self.cancel_recv
-            or self.cancel_send
+            or self.cancel_offer
             or self.to_release
-            or self.prefill_done
+            or self.final_prefills
         )
 
 

@@ -25,11 +25,11 @@ from hybrid_connector.config import HybridConfig
 from hybrid_connector.holds import BlockHolds
 from hybrid_connector.layout import KvGroup, state_slot
 from hybrid_connector.metadata import (
+    FinalPrefill,
     HybridConnectorMetadata,
-    PrefillSpec,
+    OfferSpec,
     RecvSpec,
     ReleaseSpec,
-    SendSpec,
 )
 
 if TYPE_CHECKING:
@@ -112,12 +112,12 @@ class SchedulerSide:
         self._block_size = block_size
         # vLLM's KV-cache groups (None: one attention group of ``block_size``).
         self._groups = groups or [KvGroup("attention", (), block_size)]
-        self._has_state = any(g.kind == "state" for g in self._groups)
+        self._has_state = any(g.family == "state" for g in self._groups)
         self._meta = HybridConnectorMetadata()
         self._kv_cache_manager: KVCacheManager | None = None
         # P: do_remote_decode requests still prefilling (announced once their last chunk runs).
         self._prefilling: dict[str, Request] = {}
-        # P: requests announced in prefill_done: a rapid send may read their blocks, so they
+        # P: requests announced in final_prefills: a rapid send may read their blocks, so they
         # stay held (by ``_holds``, else delay_free) whatever way they finish.
         self._announced: set[str] = set()
         # D: requests whose pull is in flight (between update_state_after_alloc and the worker
@@ -258,7 +258,7 @@ class SchedulerSide:
         block_ids: list[list[int]] = []
         first_block: list[int] = []
         for group, held in zip(self._groups, blocks.blocks, strict=True):
-            if group.kind == "state":
+            if group.family == "state":
                 # As NixlConnector: the last new slot (a hashed one is D's cached checkpoint).
                 ids = [b.block_id for b in held if b.block_hash is None and not b.is_null]
                 block_ids.append(state_slot(ids, group.num_speculative_blocks))
@@ -275,7 +275,7 @@ class SchedulerSide:
     def _held(self, block_ids: tuple[list[int], ...] | list[list[int]]) -> list[list[int]]:
         """P's blocks per group as offered: a state group keeps only its running state's slot."""
         return [
-            state_slot(list(ids), g.num_speculative_blocks) if g.kind == "state" else list(ids)
+            state_slot(list(ids), g.num_speculative_blocks) if g.family == "state" else list(ids)
             for g, ids in zip(self._groups, block_ids, strict=True)
         ]
 
@@ -325,7 +325,7 @@ class SchedulerSide:
         finished_normally = request.status.name in _FINISHED_NORMALLY
         held = self._held(block_ids)
         if announced and self._holds is not None:
-            # The worker offered it at the end of its step (PrefillSpec.scheduler_holds) and
+            # The worker offered it at the end of its step (FinalPrefill.scheduler_holds) and
             # will SEND_DONE it; vLLM may forget the request now, its blocks stay referenced.
             assert self._kv_cache_manager is not None
             blocks = self._kv_cache_manager.get_blocks(request_id).blocks
@@ -337,12 +337,14 @@ class SchedulerSide:
             # Aborted (or nothing computed): no KV to offer; fail any early pull at once.
             if announced:
                 # A rapid send may be reading these blocks: the worker frees them after it.
-                self._meta.to_send.append(SendSpec(request_id, transfer_id, held, 0, aborted=True))
+                self._meta.to_offer.append(
+                    OfferSpec(request_id, transfer_id, held, 0, aborted=True)
+                )
                 return True, None
-            self._meta.cancel_send.append(transfer_id)
+            self._meta.cancel_offer.append(transfer_id)
             return False, None
         num_tokens = request.num_computed_tokens
-        self._meta.to_send.append(SendSpec(request_id, transfer_id, held, num_tokens))
+        self._meta.to_offer.append(OfferSpec(request_id, transfer_id, held, num_tokens))
         return True, self._params(request_id, transfer_id, held, num_tokens)
 
     def _params(
@@ -383,11 +385,11 @@ class SchedulerSide:
             num_tokens = request.num_prompt_tokens
             all_ids = self._held(self._kv_cache_manager.get_block_ids(request_id))
             held = [
-                ids if g.kind == "state" else ids[: -(-num_tokens // g.block_size)]
+                ids if g.family == "state" else ids[: -(-num_tokens // g.block_size)]
                 for g, ids in zip(self._groups, all_ids, strict=True)
             ]
-            self._meta.prefill_done.append(
-                PrefillSpec(
+            self._meta.final_prefills.append(
+                FinalPrefill(
                     request_id,
                     _transfer_id(request),
                     held,

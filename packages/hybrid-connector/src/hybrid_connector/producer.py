@@ -1,9 +1,10 @@
-"""P's and D's transfer logic as pure state machines: events in, actions out. No I/O.
+"""P's transfer logic as a pure state machine: events in, actions out. No I/O.
 
-The worker shell (``worker_side.py``) feeds these machines what happened (vLLM's metadata, an
-RPC that arrived, a kvt completion, a deadline it armed) and carries out what they decide (start
-a kvt send and answer the pull, fail a pull, abort, report blocks to vLLM, arm a deadline). They
-own no thread, socket, timer or clock; the tests drive them event by event.
+The worker shell (``worker_side.ProducerShell``) feeds it what happened (vLLM's metadata, a
+transfer_kv or release RPC that arrived, a kvt completion, a deadline it armed) and carries out
+what it decides (start a kvt send and answer the pull, fail a pull, abort, give the blocks back,
+arm a deadline). It owns no thread, socket, timer or clock; the tests drive it event by event.
+D's side is ``consumer.py``.
 
 P (``Producer``), one record per transfer id::
 
@@ -29,9 +30,9 @@ P (``Producer``), one record per transfer id::
     SENDING --send deadline--> SENDING (kvt told to abort; its completion still decides)
 
   CANCELLED: a pull fails at once and a late "request finished" is reported at once.
-  ``*``: the request still runs (its prompt's forward pass, announced by ``PrefillDone``).
+  ``*``: the request still runs (its prompt's forward pass, announced by ``FinalPrefillStarts``).
 
-- **Rapid transfer_kv** (``PrefillDone``: this step's forward pass completes the prompt): the
+- **Rapid transfer_kv** (``FinalPrefillStarts``: this step's forward pass completes the prompt): the
   record holds the step's layer events, so a pull parked before the step, one that arrives
   at any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by
   those events: kvt sends the layers already written at once and each other one as the pass
@@ -63,40 +64,20 @@ P (``Producer``), one record per transfer id::
   D rank (``TransferKvRequest.layout.tp_rank``); how many D ranks pull from this P rank follows
   from D's TP size (``pulling_ranks``), learnt from the first pull. Each pull is its own send,
   under its own kvt id (``kvt_transfer_id``: one per rank pair) and send guard; the record's
-  lease (armed under the transfer id) runs until every expected D rank has pulled. SENDING
-  holds while any send runs; when the last one is over the record goes back to HELD if D
-  ranks are still to pull, else it is reported. The lease passing, a release or a refused
-  pull *closes* the record (no further pull is taken): it is reported once its sends are
-  over, exactly once. A second pull from the same D rank fails alone.
-
-D (``Consumer``), one record per D request::
-
-    (none) --pull requested--> PULLING --every part's kvt completion--> reported
-       \\                        |       (failed if any part failed)
-        \\                       |  RPC failed / a part failed / request aborted: abort
-         \\                      '  every running part, wait for their completions
-          '--kvt refused expect (every part) / TP cannot map--> reported failed
-
-- Tensor parallelism (fan-out): a pull has one *part* per P rank this D rank takes bytes from
-  (``pull_sources``: every P rank holding one of its KV heads; MLA: one rank, spread), each its
-  own kvt receive and transfer_kv call to ``config.rank_address(remote_rpc_address, p)``, with
-  the block lists of the groups that rank serves. D's rank 0 also releases P ranks nobody
-  pulls from (MLA with P TP > D TP). Each TP rank reports the request itself; vLLM counts a
-  request as received (or sent) once every TP worker has reported it (KVOutputAggregator).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybrid_connector.config import rank_address
+from hybrid_connector.common import Abort, Count, ShuttingDown, describe
 from hybrid_connector.errors import ConfigError, LeaseExpired, PeerError, TransferError
-from hybrid_connector.mapping import check_compatible, source_ranks
-from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
-from hybrid_connector.protocol import CacheSpec, LayoutSpec, TransferKvRequest
+from hybrid_connector.mapping import check_cache_compatible, kvt_transfer_id, pulling_ranks
+from hybrid_connector.metadata import FinalPrefill, OfferSpec
+from hybrid_connector.protocol import CacheSpec, TransferKvRequest
 
 if TYPE_CHECKING:
     from kvt import Completion, LayerEvents
@@ -104,63 +85,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def describe(completion: Completion) -> str:
-    """One log-friendly line for a kvt completion."""
-    origin = completion.origin.name if completion.origin is not None else None
-    code = completion.code.name if completion.code is not None else None
-    return f"{completion.status.name} origin={origin} code={code} reason={completion.reason!r}"
-
-
-def check_cache_compatible(local: CacheSpec, remote: CacheSpec) -> None:
-    """Raise PeerError unless every KV-cache group of ``remote`` matches ``local``'s, in order
-    (count, kind, dtype; then ``mapping.check_compatible`` per group)."""
-    if len(local.groups) != len(remote.groups):
-        raise PeerError(
-            f"KV-cache groups differ: local {[g.group for g in local.groups]}, "
-            f"peer {[g.group for g in remote.groups]}"
-        )
-    for index, (mine, theirs) in enumerate(zip(local.groups, remote.groups, strict=True)):
-        if mine.group != theirs.group:
-            raise PeerError(f"group {index}: kind differs: local {mine.group}, peer {theirs.group}")
-        if mine.dtype and theirs.dtype and mine.dtype != theirs.dtype:
-            raise PeerError(
-                f"group {index}: dtype differs: local {mine.dtype}, peer {theirs.dtype}"
-            )
-        try:
-            check_compatible(mine, theirs)
-        except PeerError as err:
-            raise PeerError(f"group {index} ({mine.group}): {err}") from err
-
-
-# ============================================================================== shared actions
-@dataclass(frozen=True, slots=True)
-class Count:
-    """Add ``n`` to event counter ``name`` (metrics, ``transfer_counters()``)."""
-
-    name: str
-    n: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Abort kvt's side of ``transfer_id`` (P's send, D's receive); its completion follows."""
-
-    transfer_id: str
-    reason: str
-
-
-# ============================================================================== shared events
-@dataclass(frozen=True, slots=True)
-class ShuttingDown:
-    """The worker closes: P's parked pulls fail, D's pulls are aborted; nothing is reported."""
-
-
 # ============================================================================== P: events
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
     """vLLM finished the request on P (``request_finished`` delayed the free of its blocks)."""
 
-    spec: SendSpec
+    spec: OfferSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +101,12 @@ class RequestCancelled:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillDone:
+class FinalPrefillStarts:
     """This step's forward pass completes the prompt (rapid transfer_kv); ``layer_events`` are
     marked as the pass writes each layer (passed through to ``StartSend`` untouched). Fed
     before the pass starts; the request is not finished until ``RequestFinished``."""
 
-    spec: PrefillSpec
+    spec: FinalPrefill
     layer_events: LayerEvents | None = None
 
 
@@ -236,7 +166,7 @@ class DeadlineReached:
 ProducerEvent = (
     RequestFinished
     | RequestCancelled
-    | PrefillDone
+    | FinalPrefillStarts
     | PullArrived
     | PullGone
     | ReleaseArrived
@@ -315,34 +245,6 @@ class Phase(enum.Enum):
     CANCELLED = "cancelled"  # nothing will be offered, or nobody will pull
 
 
-def kvt_transfer_id(transfer_id: str, p_rank: int, p_tp: int, d_rank: int, d_tp: int) -> str:
-    """kvt's request id for the bytes P rank ``p_rank`` sends D rank ``d_rank``: the transfer id
-    itself with one rank on each side, else one id per rank pair (a kvt id is unique per engine,
-    and one P rank may serve several D ranks, one D rank pull from several P ranks)."""
-    if p_tp == 1 and d_tp == 1:
-        return transfer_id
-    return f"{transfer_id}/p{p_rank}d{d_rank}"
-
-
-def pull_sources(
-    p_tp: int, d_tp: int, d_rank: int, groups: list[LayoutSpec]
-) -> dict[int, list[int]]:
-    """The P ranks D rank ``d_rank`` pulls from, each with the KV-cache groups (indices) it takes
-    from that rank (``mapping.source_ranks`` per group). PeerError/ConfigError if impossible."""
-    sources: dict[int, list[int]] = {}
-    for index, group in enumerate(groups):
-        for source in source_ranks(p_tp, d_tp, d_rank, group):
-            taken = sources.setdefault(source.p_rank, [])
-            if index not in taken:
-                taken.append(index)
-    return dict(sorted(sources.items()))
-
-
-def pulling_ranks(p_rank: int, p_tp: int, d_tp: int, groups: list[LayoutSpec]) -> list[int]:
-    """The D ranks that pull from P rank ``p_rank`` (P's fan-in)."""
-    return [d for d in range(d_tp) if p_rank in pull_sources(p_tp, d_tp, d, groups)]
-
-
 @dataclass(slots=True)
 class _Send:
     """One D rank's pull being sent (kvt may read the blocks until its completion)."""
@@ -356,7 +258,7 @@ class _Send:
 class _Transfer:
     phase: Phase
     # The request whose blocks are involved (HELD, SENDING, SENT).
-    spec: SendSpec | None = None
+    spec: OfferSpec | None = None
     # vLLM has finished the request and waits for our report.
     finished: bool = False
     # PARKED: the waiting pulls by D rank (their transfer_kv calls are not answered yet).
@@ -417,8 +319,8 @@ class Producer:
                 self._request_finished(spec, out)
             case RequestCancelled(tid):
                 self._request_cancelled(tid, out)
-            case PrefillDone(spec, layer_events):
-                self._prefill_done(spec, layer_events, out)
+            case FinalPrefillStarts(spec, layer_events):
+                self._final_prefill_starts(spec, layer_events, out)
             case PullArrived():
                 self._pull_arrived(event, out)
             case PullGone(tid, pull):
@@ -446,7 +348,7 @@ class Producer:
         return out
 
     # -- vLLM ------------------------------------------------------------------------------
-    def _request_finished(self, spec: SendSpec, out: list[ProducerAction]) -> None:
+    def _request_finished(self, spec: OfferSpec, out: list[ProducerAction]) -> None:
         tid = spec.transfer_id
         record = self._transfers.get(tid)
         phase = None if record is None else record.phase
@@ -502,12 +404,12 @@ class Producer:
         if record is None or record.phase is Phase.PARKED:
             self._cancel(tid, "prefill request aborted on P", out)
 
-    def _prefill_done(
-        self, spec: PrefillSpec, layer_events: LayerEvents | None, out: list[ProducerAction]
+    def _final_prefill_starts(
+        self, spec: FinalPrefill, layer_events: LayerEvents | None, out: list[ProducerAction]
     ) -> None:
         tid = spec.transfer_id
         record = self._transfers.get(tid)
-        held = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
+        held = OfferSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
         if record is None:
             # No pull yet: one that arrives during the forward pass (HELD*, under a lease) or
             # later is sent layer by layer as the step's events say the layers are written.
@@ -684,7 +586,7 @@ class Producer:
             out.append(Count("rapid_sends"))
         out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, events, kvt_id))
 
-    def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[list[int]]:
+    def _source_blocks(self, spec: OfferSpec, request: TransferKvRequest) -> list[list[int]]:
         """P's blocks per group; what can be checked without the layouts (plan_copy does the
         per-group block counts, which depend on each side's block size)."""
         groups = len(self._spec.groups)
@@ -855,310 +757,3 @@ class Producer:
     def _forget(self, tid: str, out: list[ProducerAction]) -> None:
         del self._transfers[tid]
         out.append(CancelDeadline(tid))
-
-
-# ============================================================================== D: events
-@dataclass(frozen=True, slots=True)
-class PullRequested:
-    """vLLM allocated blocks for a request whose prompt's KV is on P."""
-
-    spec: RecvSpec
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectRefused:
-    """kvt refused ``expect`` (``StartPull`` could not start): nothing will be written.
-    ``kvt_id``: the part's (``StartPull.kvt_id``); "" = the request's only part."""
-
-    request_id: str
-    error: Exception
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PullCallFailed:
-    """The transfer_kv RPC to P failed (unreachable, rejected, timed out)."""
-
-    request_id: str
-    error: Exception
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RecvCompleted:
-    """kvt's (one) completion of the receive of one part."""
-
-    request_id: str
-    completion: Completion
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PullCancelled:
-    """The D request finished (aborted) while its pull was in flight."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseRequested:
-    """D will not pull: tell P to free the transfer."""
-
-    spec: ReleaseSpec
-
-
-ConsumerEvent = (
-    PullRequested
-    | ExpectRefused
-    | PullCallFailed
-    | RecvCompleted
-    | PullCancelled
-    | ReleaseRequested
-    | ShuttingDown
-)
-
-
-# ============================================================================== D: actions
-@dataclass(frozen=True, slots=True)
-class StartPull:
-    """kvt ``expect`` ``kvt_id`` (feeding ``RecvCompleted`` on completion, ``ExpectRefused``
-    if refused), then call transfer_kv on ``spec.remote_rpc_address`` (feeding
-    ``PullCallFailed`` if it fails). ``spec`` is this part's: one P rank's address and the
-    block lists of the groups that rank serves (empty for the others)."""
-
-    spec: RecvSpec
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class StopCall:
-    """Stop waiting for the transfer_kv answer of ``kvt_id`` (the completion decided)."""
-
-    request_id: str
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class CallRelease:
-    """Send the release RPC to P (best effort: P's lease frees it otherwise)."""
-
-    spec: ReleaseSpec
-
-
-@dataclass(frozen=True, slots=True)
-class ReportRecv:
-    """Put ``request_id`` into vLLM's ``finished_recving`` (and ``failed_recving`` if failed)."""
-
-    request_id: str
-    failed: bool
-
-
-ConsumerAction = StartPull | StopCall | Abort | CallRelease | ReportRecv | Count
-
-
-@dataclass(slots=True)
-class _Part:
-    """One P rank's share of a pull."""
-
-    spec: RecvSpec
-    done: bool = False
-    aborting: bool = False
-
-
-@dataclass(slots=True)
-class _Receive:
-    spec: RecvSpec
-    parts: dict[str, _Part]  # by kvt id
-    failed: bool = False
-
-
-class Consumer:
-    """D's pulls, for one TP rank. Pure: a request is reported exactly once, after kvt's
-    completion of every part (kvt then no longer writes into its blocks), or at once if kvt
-    never accepted any; failed if any part failed.
-
-    With TP on either side a pull fans out: one part per P rank this rank takes bytes from
-    (``pull_sources``), each its own kvt receive and transfer_kv call. A failed part aborts
-    the others (vLLM recomputes the request anyway).
-    """
-
-    def __init__(self, local_spec: CacheSpec | None = None) -> None:
-        self._local = local_spec
-        self._pulls: dict[str, _Receive] = {}
-
-    def __len__(self) -> int:
-        return len(self._pulls)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._pulls
-
-    def handle(self, event: ConsumerEvent) -> list[ConsumerAction]:
-        out: list[ConsumerAction] = []
-        match event:
-            case PullRequested(spec):
-                if spec.request_id in self._pulls:
-                    log.warning(
-                        "request %s: pull already in flight; ignoring a second one",
-                        spec.request_id,
-                    )
-                else:
-                    self._start(spec, out)
-            case ExpectRefused(request_id, error, kvt_id):
-                found = self._part(request_id, kvt_id)
-                if found is not None:
-                    pull, part = found
-                    log.warning(
-                        "request %s: cannot expect %s from %s: %s; recomputing locally",
-                        request_id,
-                        kvt_id or pull.spec.transfer_id,
-                        part.spec.remote_rpc_address,
-                        error,
-                    )
-                    part.done = True
-                    self._part_failed(pull, f"expect refused: {error}", out)
-            case PullCallFailed(request_id, error, kvt_id):
-                found = self._part(request_id, kvt_id)
-                if found is not None:
-                    self._abort(found[0], f"transfer_kv failed: {error}", out)
-            case RecvCompleted(request_id, completion, kvt_id):
-                found = self._part(request_id, kvt_id)
-                if found is not None:
-                    self._completed(*found, completion, out)
-            case PullCancelled(request_id):
-                pull = self._pulls.get(request_id)
-                if pull is not None:
-                    for address in self._addresses(pull):
-                        out.append(
-                            CallRelease(
-                                ReleaseSpec(request_id, pull.spec.transfer_id, address, "aborted")
-                            )
-                        )
-                    self._abort(pull, "decode request aborted", out)
-            case ReleaseRequested(spec):
-                for p in range(max(1, spec.remote_tp_size)):
-                    address = spec.remote_rpc_address
-                    if spec.remote_tp_size > 1:
-                        address = rank_address(address, p)
-                    out.append(CallRelease(replace(spec, remote_rpc_address=address)))
-            case ShuttingDown():
-                # Their completions are not reported: the worker is closing.
-                for pull in self._pulls.values():
-                    for kvt_id, part in pull.parts.items():
-                        if not part.done:
-                            out.append(Abort(kvt_id, "decode instance shutting down"))
-                self._pulls.clear()
-            case _:
-                raise TypeError(f"not a consumer event: {event!r}")
-        return out
-
-    # -- fan-out ----------------------------------------------------------------------------
-    def _ranks(self) -> tuple[int, int]:
-        local = self._local
-        return (0, 1) if local is None else (local.tp_rank, local.tp_size)
-
-    def _plan(self, spec: RecvSpec) -> dict[str, _Part]:
-        """One part per P rank this rank pulls from (PeerError/ConfigError: TP cannot map)."""
-        d_rank, d_tp = self._ranks()
-        p_tp = spec.remote_tp_size
-        if p_tp == 1 and d_tp == 1:
-            return {spec.transfer_id: _Part(spec)}
-        assert self._local is not None
-        parts: dict[str, _Part] = {}
-        for p_rank, groups in pull_sources(p_tp, d_tp, d_rank, self._local.groups).items():
-            block_ids = [ids if g in groups else [] for g, ids in enumerate(spec.block_ids)]
-            address = rank_address(spec.remote_rpc_address, p_rank)
-            kvt_id = kvt_transfer_id(spec.transfer_id, p_rank, p_tp, d_rank, d_tp)
-            parts[kvt_id] = _Part(replace(spec, remote_rpc_address=address, block_ids=block_ids))
-        return parts
-
-    def _idle_p_ranks(self, spec: RecvSpec) -> list[int]:
-        """P ranks no D rank pulls from (MLA, P TP > D TP): rank 0 releases them."""
-        d_rank, d_tp = self._ranks()
-        p_tp = spec.remote_tp_size
-        if d_rank != 0 or p_tp == 1 or self._local is None:
-            return []
-        used: set[int] = set()
-        for d in range(d_tp):
-            used.update(pull_sources(p_tp, d_tp, d, self._local.groups))
-        return [p for p in range(p_tp) if p not in used]
-
-    def _start(self, spec: RecvSpec, out: list[ConsumerAction]) -> None:
-        try:
-            parts = self._plan(spec)
-            idle = self._idle_p_ranks(spec)
-        except (PeerError, ConfigError) as err:
-            log.warning(
-                "request %s: cannot pull transfer %s from %s (P TP %d, D TP %d): %s; "
-                "recomputing locally",
-                spec.request_id,
-                spec.transfer_id,
-                spec.remote_rpc_address,
-                spec.remote_tp_size,
-                self._ranks()[1],
-                err,
-            )
-            out.append(Count("pulls_failed"))
-            out.append(ReportRecv(spec.request_id, failed=True))
-            return
-        self._pulls[spec.request_id] = _Receive(spec, parts)
-        out.append(Count("pulls_started"))
-        for kvt_id, part in parts.items():
-            out.append(StartPull(part.spec, kvt_id))
-        for p in idle:
-            address = rank_address(spec.remote_rpc_address, p)
-            reason = "no decode rank pulls from this rank"
-            out.append(CallRelease(ReleaseSpec(spec.request_id, spec.transfer_id, address, reason)))
-
-    def _addresses(self, pull: _Receive) -> list[str]:
-        return [part.spec.remote_rpc_address for part in pull.parts.values()]
-
-    def _part(self, request_id: str, kvt_id: str) -> tuple[_Receive, _Part] | None:
-        """The running part ``kvt_id`` of ``request_id``'s pull ("": its first running one)."""
-        pull = self._pulls.get(request_id)
-        if pull is None:
-            return None
-        if kvt_id:
-            part = pull.parts.get(kvt_id)
-        else:
-            part = next((p for p in pull.parts.values() if not p.done), None)
-        return None if part is None or part.done else (pull, part)
-
-    def _abort(self, pull: _Receive, reason: str, out: list[ConsumerAction]) -> None:
-        """Abort every part still running (each one's completion, ABORTED, reports it)."""
-        for kvt_id, part in pull.parts.items():
-            if not part.done and not part.aborting:
-                part.aborting = True
-                out.append(Abort(kvt_id, reason))
-
-    def _part_failed(self, pull: _Receive, reason: str, out: list[ConsumerAction]) -> None:
-        pull.failed = True
-        self._abort(pull, reason, out)
-        self._maybe_done(pull, out)
-
-    def _completed(
-        self, pull: _Receive, part: _Part, completion: Completion, out: list[ConsumerAction]
-    ) -> None:
-        spec = part.spec
-        part.done = True
-        kvt_id = next(k for k, p in pull.parts.items() if p is part)
-        out.append(StopCall(spec.request_id, kvt_id))
-        if completion.ok:
-            out.append(Count("bytes_received", int(completion.nbytes)))
-            self._maybe_done(pull, out)
-            return
-        log.warning(
-            "request %s: pulling %s from %s failed (%s); vLLM recomputes it",
-            spec.request_id,
-            kvt_id,
-            spec.remote_rpc_address,
-            describe(completion),
-        )
-        self._part_failed(pull, f"another part failed: {completion.reason}", out)
-
-    def _maybe_done(self, pull: _Receive, out: list[ConsumerAction]) -> None:
-        """Report the request once every part is over."""
-        if not all(part.done for part in pull.parts.values()):
-            return
-        del self._pulls[pull.spec.request_id]
-        out.append(Count("pulls_failed" if pull.failed else "pulls_done"))
-        out.append(ReportRecv(pull.spec.request_id, failed=pull.failed))
