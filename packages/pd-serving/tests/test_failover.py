@@ -22,8 +22,8 @@ from pd_serving.failover import Action, AttemptPlan, Failure, Stage
 from pd_serving.launcher import free_port
 from pd_serving.proxy import DEADLINE_HEADER, Backend, Dispatch, PdProxy, ProxyConfig, serve
 from pd_serving.servers import Connector
-from pd_serving.testing import MODEL, FakeUpstream
 from simple_rpc import CallContext, Server
+from stand_ins import MODEL, FakeUpstream
 
 # ============================================================================ the plan, pure
 

@@ -13,7 +13,7 @@ from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
 from pd_serving.routing import RequestKey, Router
 from pd_serving.servers import Connector
-from pd_serving.testing import MODEL, FakeUpstream
+from stand_ins import MODEL, FakeUpstream
 
 Factory = Callable[..., Coroutine[Any, Any, tuple[str, PdProxy]]]
 
