@@ -12,7 +12,7 @@ base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 class _Worker:
     def drain(self) -> TransferResults:
-        return TransferResults({"p-1"}, {"d-ok", "d-bad"}, {"d-bad"})
+        return TransferResults({"d-ok", "d-bad"}, {"d-bad"})
 
 
 def test_failed_receives_reach_vllm() -> None:
@@ -21,7 +21,7 @@ def test_failed_receives_reach_vllm() -> None:
     connector = object.__new__(HybridConnector)  # the worker role without a vLLM engine
     connector._worker = _Worker()  # type: ignore[assignment]
     results = connector.get_transfer_results(set())
-    assert results.finished_sending == {"p-1"}
+    assert results.finished_sending == set(), "P's blocks go back by SEND_DONE, never here"
     assert results.finished_recving == {"d-ok", "d-bad"}
     assert results.failed_recving == {"d-bad"}
     # No override of the older get_finished hook, which has no place for failed receives.

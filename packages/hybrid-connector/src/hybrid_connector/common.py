@@ -1,5 +1,6 @@
-"""What P's (``producer.py``) and D's (``consumer.py``) state machines share: the actions and
-events both emit or take, and how a kvt completion reads in a log line. Pure: no I/O.
+"""What the connector's pure cores share: P's (``producer.py``) and D's (``consumer.py``) state
+machines and the owner of P's blocks (``holds.py``): the actions and events more than one of them
+emits or takes, and how a kvt completion reads in a log line. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -38,4 +39,18 @@ class Abort:
 # ============================================================================== shared events
 @dataclass(frozen=True, slots=True)
 class ShuttingDown:
-    """The worker closes: P's parked pulls fail, D's pulls are aborted; nothing is reported."""
+    """The worker closes: P's parked pulls fail, D's pulls are aborted; nothing is reported
+    (the scheduler half's owner gives P's held blocks back at its own shutdown)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    """Write one log line: ``logging`` ``level``, ``message`` %-formatted with ``args``. Pure cores
+    return what to log; their shell writes it (to the logger named after the core's module)."""
+
+    level: int
+    message: str
+    args: tuple[object, ...] = ()
+
+    def text(self) -> str:
+        return self.message % self.args if self.args else self.message

@@ -31,7 +31,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from hybrid_connector.common import Abort, Count, ShuttingDown, describe
+from hybrid_connector.common import Abort, Count, Log, ShuttingDown, describe
 from hybrid_connector.config import rank_address
 from hybrid_connector.errors import ConfigError, PeerError
 from hybrid_connector.mapping import kvt_transfer_id, pull_sources
@@ -40,8 +40,6 @@ from hybrid_connector.protocol import CacheSpec
 
 if TYPE_CHECKING:
     from kvt import Completion
-
-log = logging.getLogger(__name__)
 
 
 # ============================================================================== D: events
@@ -184,9 +182,12 @@ class Consumer:
         match event:
             case PullRequested(spec):
                 if spec.request_id in self._pulls:
-                    log.warning(
-                        "request %s: pull already in flight; ignoring a second one",
-                        spec.request_id,
+                    out.append(
+                        Log(
+                            logging.WARNING,
+                            "request %s: pull already in flight; ignoring a second one",
+                            (spec.request_id,),
+                        )
                     )
                 else:
                     self._start(spec, out)
@@ -194,12 +195,17 @@ class Consumer:
                 found = self._part(request_id, kvt_id)
                 if found is not None:
                     pull, part = found
-                    log.warning(
-                        "request %s: cannot expect %s from %s: %s; recomputing locally",
-                        request_id,
-                        kvt_id or pull.spec.transfer_id,
-                        part.spec.remote_rpc_address,
-                        error,
+                    out.append(
+                        Log(
+                            logging.WARNING,
+                            "request %s: cannot expect %s from %s: %s; recomputing locally",
+                            (
+                                request_id,
+                                kvt_id or pull.spec.transfer_id,
+                                part.spec.remote_rpc_address,
+                                error,
+                            ),
+                        )
                     )
                     part.done = True
                     self._part_failed(pull, f"expect refused: {error}", out)
@@ -274,15 +280,20 @@ class Consumer:
             parts = self._plan(spec)
             idle = self._idle_p_ranks(spec)
         except (PeerError, ConfigError) as err:
-            log.warning(
-                "request %s: cannot pull transfer %s from %s (P TP %d, D TP %d): %s; "
-                "recomputing locally",
-                spec.request_id,
-                spec.transfer_id,
-                spec.remote_rpc_address,
-                spec.remote_tp_size,
-                self._ranks()[1],
-                err,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: cannot pull transfer %s from %s (P TP %d, D TP %d): %s; "
+                    "recomputing locally",
+                    (
+                        spec.request_id,
+                        spec.transfer_id,
+                        spec.remote_rpc_address,
+                        spec.remote_tp_size,
+                        self._ranks()[1],
+                        err,
+                    ),
+                )
             )
             out.append(Count("pulls_failed"))
             out.append(ReportRecv(spec.request_id, failed=True))
@@ -333,12 +344,12 @@ class Consumer:
             out.append(Count("bytes_received", int(completion.nbytes)))
             self._maybe_done(pull, out)
             return
-        log.warning(
-            "request %s: pulling %s from %s failed (%s); vLLM recomputes it",
-            spec.request_id,
-            kvt_id,
-            spec.remote_rpc_address,
-            describe(completion),
+        out.append(
+            Log(
+                logging.WARNING,
+                "request %s: pulling %s from %s failed (%s); vLLM recomputes it",
+                (spec.request_id, kvt_id, spec.remote_rpc_address, describe(completion)),
+            )
         )
         self._part_failed(pull, f"another part failed: {completion.reason}", out)
 

@@ -15,37 +15,37 @@ P (``Producer``), one record per transfer id::
       |--prefill done (rapid)--> HELD* --pull arrives (mid-forward)--------------> SENDING*
       |                            |  '--request finished--> HELD (then as below)
       |                            '--lease passes / release / bad pull--> SENT
-      |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> reported
-      |                        '--lease passes / release / bad pull--------------> reported
+      |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> given back
+      |                        '--lease passes / release / bad pull--------------> given back
       '--release / abort---> CANCELLED --one lease later--> (none)
 
-    reported: the blocks go back to vLLM and a CANCELLED tombstone stays for one lease, so a
+    given back: ``ReturnBlocks`` (the worker's SEND_DONE to the owner of P's blocks, the
+    scheduler half's ``holds.BlockHolds``), and a CANCELLED tombstone stays for one lease, so a
     later pull for the transfer (a second D the proxy failed over to) fails at once.
 
-    SENDING* --kvt completion--> SENT --request finished--> reported
+    SENDING* --kvt completion--> SENT --request finished--> given back
     SENDING* --request finished--> SENDING (then as above)
-    HELD*, SENDING*, SENT --request finished, aborted--> no more pulls; reported once the
-                                                         sends are over, then CANCELLED
 
     SENDING --send deadline--> SENDING (kvt told to abort; its completion still decides)
 
-  CANCELLED: a pull fails at once and a late "request finished" is reported at once.
+  CANCELLED: a pull fails at once and a late "request finished" is given back at once.
   ``*``: the request still runs (its prompt's forward pass, announced by ``FinalPrefillStarts``).
 
-- **Rapid transfer_kv** (``FinalPrefillStarts``: this step's forward pass completes the prompt): the
-  record holds the step's layer events, so a pull parked before the step, one that arrives
-  at any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by
-  those events: kvt sends the layers already written at once and each other one as the pass
-  marks it. A pull after the request finished still waits on those events (all marked by
-  then): on a GPU the step's CUDA events, not vLLM's report that the request finished, say
-  when the pass's kernels have written the KV.
+- **Rapid transfer_kv** (``FinalPrefillStarts``: this step's forward pass completes the prompt):
+  the record holds the step's layer events, so a pull parked before the step, one that arrives at
+  any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by those
+  events: kvt sends the layers already written at once and each other one as the pass marks it. A
+  pull after the request finished still waits on those events (all marked by then): on a GPU the
+  step's CUDA events, not vLLM's report that the request finished, say when the pass's kernels
+  have written the KV.
 
-- **Reported** (``ReportSent``: the request id goes into vLLM's ``finished_sending``, so vLLM
-  frees its blocks) happens exactly once per finished request, and never while kvt may still read
-  the blocks: from SENDING only on kvt's completion, or when kvt refused the send without taking
-  any batch. The send deadline (``transfer_timeout_s``) only aborts the send; the blocks come back
-  with the completion that the abort produces (kvt delivers exactly one, after its I/O stopped).
-- Blocks of a request that is still running belong to vLLM: a rapid send's request is reported
+- **Given back** (``ReturnBlocks``: this rank no longer needs the blocks; the owner gives them to
+  vLLM once every rank did) happens exactly once per finished request, and never while kvt may
+  still read the blocks: from SENDING only on kvt's completion, or when kvt refused the send
+  without taking any batch. The send deadline (``transfer_timeout_s``) only aborts the send; the
+  blocks come back with the completion that the abort produces (kvt delivers exactly one, after
+  its I/O stopped).
+- Blocks of a request that is still running belong to vLLM: a rapid send's request is given back
   only once it has finished (SENT waits for it). A running request must not be preempted under a
   rapid send: the scheduler announces only requests that finish in the step that completes their
   prompt (``max_tokens=1``), see ``scheduler_side``.
@@ -54,8 +54,8 @@ P (``Producer``), one record per transfer id::
 
 - Per KV-cache group: a record holds one block list per group (vLLM's hybrid KV-cache manager:
   full attention plus linear-attention state, sliding window plus full, ...). The groups share
-  the record's one lease, one send and one report: vLLM frees every group's blocks when the
-  request is reported. A pull must name P's groups (count, kind, geometry, dtype:
+  the record's one lease, one send and one give-back: the owner frees every group's blocks
+  together. A pull must name P's groups (count, family, geometry, dtype:
   ``check_cache_compatible``) or it fails at once with ``PeerError``, before any byte moves;
   which block goes where inside a group (D's prefix hit, block counts) is decided by
   ``mapping.plan_copy`` when the send starts.
@@ -73,7 +73,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybrid_connector.common import Abort, Count, ShuttingDown, describe
+from hybrid_connector.common import Abort, Count, Log, ShuttingDown, describe
 from hybrid_connector.errors import ConfigError, LeaseExpired, PeerError, TransferError
 from hybrid_connector.mapping import check_cache_compatible, kvt_transfer_id, pulling_ranks
 from hybrid_connector.metadata import FinalPrefill, OfferSpec
@@ -81,8 +81,6 @@ from hybrid_connector.protocol import CacheSpec, TransferKvRequest
 
 if TYPE_CHECKING:
     from kvt import Completion, LayerEvents
-
-log = logging.getLogger(__name__)
 
 
 # ============================================================================== P: events
@@ -204,10 +202,13 @@ class FailPull:
 
 
 @dataclass(frozen=True, slots=True)
-class ReportSent:
-    """Put ``request_id`` into vLLM's ``finished_sending``: its blocks may be reused now."""
+class ReturnBlocks:
+    """This rank no longer needs ``request_id``'s blocks (SEND_DONE to the owner of P's blocks,
+    ``holds.py``); ``outcome`` says why, for logs."""
 
     request_id: str
+    transfer_id: str
+    outcome: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +233,15 @@ class CancelDeadline:
 
 
 ProducerAction = (
-    StartSend | FailPull | Abort | ReportSent | AnswerRelease | ArmDeadline | CancelDeadline | Count
+    StartSend
+    | FailPull
+    | Abort
+    | ReturnBlocks
+    | AnswerRelease
+    | ArmDeadline
+    | CancelDeadline
+    | Count
+    | Log
 )
 
 
@@ -259,7 +268,7 @@ class _Transfer:
     phase: Phase
     # The request whose blocks are involved (HELD, SENDING, SENT).
     spec: OfferSpec | None = None
-    # vLLM has finished the request and waits for our report.
+    # vLLM has finished the request (its blocks are the owner's, waiting for our give-back).
     finished: bool = False
     # PARKED: the waiting pulls by D rank (their transfer_kv calls are not answered yet).
     parked: dict[int, PullArrived] = field(default_factory=dict)
@@ -273,9 +282,9 @@ class _Transfer:
     closed: bool = False
     # Rapid: the layer events of the step that computes the prompt (for late D ranks too).
     layer_events: LayerEvents | None = None
-    # The request was aborted: no usable KV, later pulls fail at once (a tombstone follows).
-    aborted: bool = False
-    # CANCELLED: why later pulls fail (a tombstone after an abort, a release or a report).
+    # Why the blocks are given back (ReturnBlocks.outcome): the last send's, the lease's, ...
+    outcome: str = "sent"
+    # CANCELLED: why later pulls fail (a tombstone after an abort, a release or a give-back).
     reason: str = ""
 
     def waits_for_pulls(self) -> bool:
@@ -354,45 +363,42 @@ class Producer:
         phase = None if record is None else record.phase
         rapid = record is not None and record.spec is not None and not record.finished
         if rapid and record.spec.request_id == spec.request_id:
-            # An announced request finished: report it once every send is over.
+            # An announced request finished: give it back once every send is over.
             record.finished = True
-            if spec.aborted:
-                # No usable KV: no more pulls; the sends in flight end first.
-                record.closed = record.aborted = True
-                if not record.sends:
-                    self._settle(tid, record, out)
-            elif phase is Phase.SENT:
-                self._report(tid, out)
+            if phase is Phase.SENT:
+                self._give_back(tid, out)
             elif phase is Phase.HELD:
                 out.append(ArmDeadline(tid, self._settings.lease_s))  # the lease, from now
             return
         if phase is Phase.CANCELLED:
-            if not spec.aborted:
-                out.append(Count("released_by_peer"))
-            out.append(ReportSent(spec.request_id))
+            out.append(Count("released_by_peer"))
+            out.append(ReturnBlocks(spec.request_id, tid, record.reason or "cancelled"))
             return
         if record is not None and phase is not Phase.PARKED:
             assert record.spec is not None
-            log.warning(
-                "request %s: transfer_id %s is already held for request %s; releasing the "
-                "new request's blocks at once",
-                spec.request_id,
-                tid,
-                record.spec.request_id,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: transfer_id %s is already held for request %s; releasing the "
+                    "new request's blocks at once",
+                    (spec.request_id, tid, record.spec.request_id),
+                )
             )
             if record.spec.request_id != spec.request_id:
-                out.append(ReportSent(spec.request_id))
-            return
-        if spec.aborted:
-            self._request_cancelled(tid, out)
-            out.append(ReportSent(spec.request_id))
+                out.append(ReturnBlocks(spec.request_id, tid, "duplicate transfer id"))
             return
         out.append(Count("offers"))
         if record is None:
             # No pull yet: hold the blocks for one lease.
             self._transfers[tid] = _Transfer(Phase.HELD, spec=spec, finished=True)
             out.append(ArmDeadline(tid, self._settings.lease_s))
-            log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "request %s: holding blocks for transfer %s",
+                    (spec.request_id, tid),
+                )
+            )
             return
         record.phase, record.spec, record.finished = Phase.HELD, spec, True
         if record.waits_for_pulls():
@@ -416,10 +422,16 @@ class Producer:
             self._transfers[tid] = _Transfer(Phase.HELD, spec=held, layer_events=layer_events)
             out.append(Count("offers"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
-            log.debug("request %s: transfer %s offered during its prefill", spec.request_id, tid)
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "request %s: transfer %s offered during its prefill",
+                    (spec.request_id, tid),
+                )
+            )
             return
         if record.phase is not Phase.PARKED:
-            # CANCELLED (released, aborted): the request is reported once it finished; any
+            # CANCELLED (released, aborted): the request is given back once it finished; any
             # other record is a repeat, or another request's (request_finished warns).
             return
         record.phase = Phase.HELD
@@ -463,18 +475,18 @@ class Producer:
             expected = self._fan_in(request)
         except PeerError as err:
             who = record.spec.request_id if record and record.spec else "(not finished on P)"
-            log.warning(
-                "request %s: transfer_kv from %s for transfer %s (D request %s) rejected: %s",
-                who,
-                peer,
-                tid,
-                request.request_id,
-                err,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: transfer_kv from %s for transfer %s (D request %s) rejected: %s",
+                    (who, peer, tid, request.request_id, err),
+                )
             )
             out.append(FailPull(pull, err))
             if record is not None and record.phase is Phase.HELD:
                 # D recomputes: its other ranks' pulls are of no use any more.
                 record.closed = True
+                record.outcome = "pull refused"
                 self._settle(tid, record, out)
             return
         if record is None:
@@ -484,7 +496,13 @@ class Producer:
             )
             out.append(Count("early_pulls"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
-            log.debug("transfer %s: transfer_kv from %s waits for the request", tid, peer)
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "transfer %s: transfer_kv from %s waits for the request",
+                    (tid, peer),
+                )
+            )
             return
         if record.phase is Phase.CANCELLED:
             why = record.reason or "cancelled on P"
@@ -527,15 +545,16 @@ class Producer:
         record = self._transfers.get(tid)
         if record is not None and record.phase is Phase.HELD:
             assert record.spec is not None
-            log.debug(
-                "request %s: transfer %s released by %s (%s)",
-                record.spec.request_id,
-                tid,
-                event.peer,
-                event.reason,
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "request %s: transfer %s released by %s (%s)",
+                    (record.spec.request_id, tid, event.peer, event.reason),
+                )
             )
             out.append(Count("released_by_peer"))
             record.closed = True
+            record.outcome = f"released by {event.peer}"
             self._settle(tid, record, out)
             # A running request's blocks (HELD*) come back only once it finished.
             out.append(AnswerRelease(tid, record.finished))
@@ -559,16 +578,16 @@ class Producer:
         try:
             src_block_ids = self._source_blocks(spec, request)
         except PeerError as err:
-            log.warning(
-                "request %s: transfer %s for %s (D request %s) rejected: %s",
-                spec.request_id,
-                tid,
-                peer,
-                request.request_id,
-                err,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: transfer %s for %s (D request %s) rejected: %s",
+                    (spec.request_id, tid, peer, request.request_id, err),
+                )
             )
             out.append(FailPull(pull, err))
             record.closed = True
+            record.outcome = "pull refused"
             if not record.sends:
                 self._settle(tid, record, out)
             return
@@ -621,13 +640,21 @@ class Producer:
             return
         tid, record, send = found
         assert record.spec is not None
-        log.warning(
-            "request %s: kvt refused to send transfer %s: %s; %s",
-            record.spec.request_id,
-            kvt_id,
-            error,
-            "aborting it, blocks back after its completion" if kvt_has_blocks else "releasing",
+        out.append(
+            Log(
+                logging.WARNING,
+                "request %s: kvt refused to send transfer %s: %s; %s",
+                (
+                    record.spec.request_id,
+                    kvt_id,
+                    error,
+                    "aborting it, blocks back after its completion"
+                    if kvt_has_blocks
+                    else "releasing",
+                ),
+            )
         )
+        record.outcome = "send refused"
         if kvt_has_blocks:
             if not send.aborting:
                 send.aborting = True
@@ -643,11 +670,13 @@ class Producer:
         assert record.spec is not None
         out.append(Count("sends_done" if completion.ok else "sends_failed"))
         if not completion.ok:
-            log.warning(
-                "request %s: sending transfer %s failed (%s)",
-                record.spec.request_id,
-                kvt_id,
-                describe(completion),
+            record.outcome = "send failed"
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: sending transfer %s failed (%s)",
+                    (record.spec.request_id, kvt_id, describe(completion)),
+                )
             )
         self._send_over(tid, record, kvt_id, out)
 
@@ -667,12 +696,13 @@ class Producer:
             tid, record, send = found
             if not send.aborting:
                 assert record.spec is not None
-                log.warning(
-                    "request %s: transfer %s not confirmed within %.1fs; aborting it (its "
-                    "blocks come back with kvt's completion)",
-                    record.spec.request_id,
-                    key,
-                    self._settings.transfer_timeout_s,
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        "request %s: transfer %s not confirmed within %.1fs; aborting it (its "
+                        "blocks come back with kvt's completion)",
+                        (record.spec.request_id, key, self._settings.transfer_timeout_s),
+                    )
                 )
                 send.aborting = True
                 out.append(Count("sends_timed_out"))
@@ -685,34 +715,43 @@ class Producer:
         if record.phase in (Phase.HELD, Phase.SENDING):
             assert record.spec is not None
             out.append(Count("leases_expired"))
-            log.warning(
-                "request %s: %d of %s decode rank(s) pulled transfer %s within the %.1fs "
-                "lease; releasing its blocks%s",
-                record.spec.request_id,
-                len(record.pulled),
-                record.expected or "the",
-                tid,
-                self._settings.lease_s,
-                " once the sends are over" if record.sends else "",
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: %d of %s decode rank(s) pulled transfer %s within the %.1fs "
+                    "lease; releasing its blocks%s",
+                    (
+                        record.spec.request_id,
+                        len(record.pulled),
+                        record.expected or "the",
+                        tid,
+                        self._settings.lease_s,
+                        " once the sends are over" if record.sends else "",
+                    ),
+                )
             )
             if not record.finished:
-                log.warning(
-                    "request %s: still running on P; its blocks go back once it finished",
-                    record.spec.request_id,
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        "request %s: still running on P; its blocks go back once it finished",
+                        (record.spec.request_id,),
+                    )
                 )
             record.closed = True
+            record.outcome = "lease passed"
             if not record.sends:
                 self._settle(tid, record, out)
         elif record.phase is Phase.PARKED:
             for parked in record.parked.values():
                 out.append(Count("early_pulls_expired"))
-                log.warning(
-                    "transfer %s: transfer_kv from %s (D request %s) expired: the request did "
-                    "not finish on P within the %.1fs lease",
-                    tid,
-                    parked.peer,
-                    parked.request.request_id,
-                    self._settings.lease_s,
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        "transfer %s: transfer_kv from %s (D request %s) expired: the request did "
+                        "not finish on P within the %.1fs lease",
+                        (tid, parked.peer, parked.request.request_id, self._settings.lease_s),
+                    )
                 )
                 error = LeaseExpired(f"transfer {tid} not on P in time")
                 out.append(FailPull(parked.pull, error))
@@ -726,9 +765,9 @@ class Producer:
         if record.waits_for_pulls():
             record.phase = Phase.HELD  # the lease (armed under tid) still runs
         elif record.finished:
-            self._report(tid, out)
+            self._give_back(tid, out)
         else:
-            # Rapid: the request still runs; report it when vLLM finishes it.
+            # Rapid: the request still runs; give it back when vLLM finishes it.
             out.append(CancelDeadline(tid))
             record.phase = Phase.SENT
 
@@ -742,17 +781,16 @@ class Producer:
         self._transfers[tid] = _Transfer(Phase.CANCELLED, reason=reason)
         out.append(ArmDeadline(tid, self._settings.lease_s))
 
-    def _report(self, tid: str, out: list[ProducerAction]) -> None:
-        """Give the blocks back to vLLM (the record ends)."""
+    def _give_back(self, tid: str, out: list[ProducerAction]) -> None:
+        """Give the blocks back (the record ends)."""
         record = self._transfers.pop(tid)
         assert record.spec is not None
         assert not record.sends
         out.append(CancelDeadline(tid))
-        out.append(ReportSent(record.spec.request_id))
+        out.append(ReturnBlocks(record.spec.request_id, tid, record.outcome))
         # A tombstone for one lease: a later pull (a proxy failing over to a second D after the
         # first one pulled) fails at once, so that D recomputes now, not after a parked lease.
-        reason = "prefill request aborted on P" if record.aborted else "already sent, blocks freed"
-        self._cancel(tid, reason, out)
+        self._cancel(tid, "already sent, blocks freed", out)
 
     def _forget(self, tid: str, out: list[ProducerAction]) -> None:
         del self._transfers[tid]

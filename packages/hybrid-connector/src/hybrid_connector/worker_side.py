@@ -64,11 +64,11 @@ ActionT = TypeVar("ActionT")
 
 
 class _Results:
-    """Finished request ids reported by the loop thread, drained by vLLM's step thread."""
+    """D's finished request ids reported by the loop thread, drained by vLLM's step thread, and
+    the worker's event counters."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._counters: collections.Counter[str] = collections.Counter()
@@ -87,11 +87,6 @@ class _Results:
         with self._cond:
             return dict(self._counters)
 
-    def sent(self, request_id: str) -> None:
-        with self._cond:
-            self._sending.add(request_id)
-            self._cond.notify_all()
-
     def received(self, request_id: str, *, failed: bool) -> None:
         with self._cond:
             self._recving.add(request_id)
@@ -103,10 +98,10 @@ class _Results:
         """Take what finished; with ``wait_s`` > 0 first wait that long for anything to finish
         (vLLM's step never waits; tests and tools outside a step may)."""
         with self._cond:
-            if wait_s > 0 and not (self._sending or self._recving):
+            if wait_s > 0 and not self._recving:
                 self._cond.wait(wait_s)
-            out = TransferResults(self._sending, self._recving, self._failed)
-            self._sending, self._recving, self._failed = set(), set(), set()
+            out = TransferResults(self._recving, self._failed)
+            self._recving, self._failed = set(), set()
         return out
 
 
@@ -186,6 +181,9 @@ class _Shell(Generic[EventT, ActionT]):
                     self._engine.abort(tid, reason)
             case common.Count(name, n):
                 self._results.count(name, n)
+            case common.Log(level, message, args):
+                # Under the machine's module name (hybrid_connector.producer, ...).
+                logging.getLogger(type(self.core).__module__).log(level, message, *args)
 
     def _post(self, event: EventT) -> None:
         """From a kvt thread: feed ``event`` on the loop thread (nothing else happens here)."""
@@ -223,37 +221,34 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
         self._server = Server(name="hybrid-connector")
         self._server.register(TRANSFER_KV, self._on_transfer_kv)
         self._server.register(RELEASE, self._on_release)
-        # Requests whose blocks the scheduler half holds (FinalPrefill.scheduler_holds): their
-        # ReportSent is a SEND_DONE to it, not finished_sending (vLLM forgot them already).
-        self._scheduler_holds: dict[str, str] = {}  # request id -> transfer id
+        # To the owner of P's blocks (the scheduler half, holds.py): the one way they go back.
         self._send_done: SendDoneClient | None = None
 
     async def start(self) -> str:
         return await self._server.start(self._config.rpc_host, self._config.rpc_port)
 
     # -- from vLLM (via metadata) ----------------------------------------------------------
+    def use_scheduler(self, address: str) -> None:
+        """Where SEND_DONE goes (the metadata's ``scheduler_address``): one scheduler half for
+        the worker's whole life, so the first address stays."""
+        if self._send_done is None and address:
+            self._send_done = SendDoneClient(
+                address,
+                self._spec.tp_rank,
+                on_delivered=lambda: self._results.count("send_done_delivered"),
+            )
+
     def offer(self, spec: OfferSpec) -> None:
         self.feed(producer.RequestFinished(spec))
 
-    def final_prefill_starts(
-        self, spec: FinalPrefill, events: LayerEvents | None, scheduler_address: str = ""
-    ) -> None:
-        if spec.scheduler_holds:
-            if self._send_done is None:  # one scheduler half for the worker's whole life
-                self._send_done = SendDoneClient(
-                    scheduler_address,
-                    self._spec.tp_rank,
-                    on_delivered=lambda: self._results.count("send_done_delivered"),
-                )
-            self._scheduler_holds[spec.request_id] = spec.transfer_id
+    def final_prefill_starts(self, spec: FinalPrefill, events: LayerEvents | None) -> None:
         self.feed(producer.FinalPrefillStarts(spec, events))
 
     def final_prefill_ended(self, spec: FinalPrefill) -> None:
-        """End of the step that completed ``spec``'s prompt: with ``scheduler_holds`` the
-        request finished in it (``max_tokens=1``), and no OfferSpec will follow: offer it now."""
-        if spec.scheduler_holds:
-            send = OfferSpec(spec.request_id, spec.transfer_id, spec.block_ids, spec.num_tokens)
-            self.feed(producer.RequestFinished(send))
+        """End of the step that completed ``spec``'s prompt: the request finished in it
+        (``max_tokens=1``) and no OfferSpec will follow: offer it now."""
+        offer = OfferSpec(spec.request_id, spec.transfer_id, spec.block_ids, spec.num_tokens)
+        self.feed(producer.RequestFinished(offer))
 
     def cancel(self, transfer_id: str) -> None:
         self.feed(producer.RequestCancelled(transfer_id))
@@ -284,14 +279,16 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
                 future = self._pulls.pop(pull, None)
                 if future is not None and not future.done():
                     future.set_exception(error)
-            case producer.ReportSent(request_id):
-                transfer_id = self._scheduler_holds.pop(request_id, None)
-                if transfer_id is None:
-                    self._results.sent(request_id)
-                else:
-                    assert self._send_done is not None
-                    self._send_done.report(request_id, transfer_id, "released")
-                    self._results.count("send_done_reports")
+            case producer.ReturnBlocks(request_id, transfer_id, outcome):
+                if self._send_done is None:  # every metadata names the scheduler half
+                    log.error(
+                        "request %s: no scheduler address to give transfer %s's blocks back to",
+                        request_id,
+                        transfer_id,
+                    )
+                    return
+                self._send_done.report(request_id, transfer_id, outcome)
+                self._results.count("send_done_reports")
             case producer.ArmDeadline(tid, delay_s):
                 old = self._timers.pop(tid, None)
                 if old is not None:
@@ -409,7 +406,6 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
                 future.set_exception(TransferError("prefill instance shutting down"))
         self._pulls.clear()
         # Blocks still held by the scheduler half are released by its own shutdown.
-        self._scheduler_holds.clear()
         if self._send_done is not None:
             await self._send_done.close()
             self._send_done = None
@@ -569,6 +565,8 @@ class WorkerSide:
         # prompt of some do_remote_decode request, and those requests (offered at the step's end).
         self._step_events: CpuLayerEvents | CudaLayerEvents | None = None
         self._step_prefills: list[FinalPrefill] = []
+        # P: the scheduler half's SEND_DONE address, as the last metadata named it.
+        self._scheduler_address = ""
         # KV cache on a GPU: per-layer CUDA events, waited on by one kvt thread (never vLLM's).
         self._kv_device = "cpu"
         self._event_waiter: EventWaiter | None = None
@@ -689,14 +687,18 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
-        if meta.is_empty():
-            return
-        if self._loop is None:
-            raise TransferError("register_kv_caches was not called before the first step")
         producer, consumer = self._producer, self._consumer
         # One hand-over (one wake-up of the loop thread) per step, however many items.
         batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         post = batch.append
+        if producer is not None and meta.scheduler_address != self._scheduler_address:
+            # Where P's blocks go back (every metadata names it; the first one counts).
+            self._scheduler_address = meta.scheduler_address
+            post((producer.use_scheduler, (meta.scheduler_address,)))
+        elif meta.is_empty():
+            return
+        if self._loop is None:
+            raise TransferError("register_kv_caches was not called before the first step")
         if meta.final_prefills and producer is not None:
             # Called before the forward pass (bind_connector_metadata): save_kv_layer marks
             # each layer ready as the pass writes it (GPU: records its CUDA event), wait_for_save
@@ -705,12 +707,10 @@ class WorkerSide:
             self._step_events = events
             self._step_prefills = list(meta.final_prefills)
             for spec in meta.final_prefills:
-                post((producer.final_prefill_starts, (spec, events, meta.scheduler_address)))
-        for send in meta.to_offer:
-            if producer is None:
-                self._results.sent(send.request_id)
-            else:
-                post((producer.offer, (send,)))
+                post((producer.final_prefill_starts, (spec, events)))
+        for offer in meta.to_offer:
+            if producer is not None:
+                post((producer.offer, (offer,)))
         for tid in meta.cancel_offer:
             if producer is not None:
                 post((producer.cancel, (tid,)))
