@@ -19,10 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-from ipcblock import PagedKVLayout, Segment
+from ipcblock import Segment
 
-from hybrid_connector.errors import PeerError, UnsupportedLayoutError
+from hybrid_connector.errors import UnsupportedLayoutError
 from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec
 
 if TYPE_CHECKING:
@@ -274,36 +273,3 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index or 0}"
     return device.type
-
-
-def describe_kv_caches(
-    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int | None = None
-) -> KvCacheGeometry:
-    """One attention group holding every layer of ``kv_caches`` (a model with one KV-cache
-    group); see :func:`describe_kv_cache_groups`."""
-    group = KvGroup("attention", tuple(kv_caches), block_size)
-    cache = describe_kv_cache_groups(kv_caches, [group], num_blocks)
-    (geometry,) = cache.groups
-    return KvCacheGeometry(
-        buffers=cache.buffers,
-        layer_names=geometry.layer_names,
-        layer_offsets=geometry.layer_offsets,
-        buffer_index=geometry.buffer_index,
-        num_blocks=geometry.num_blocks,
-        block_size=block_size,
-        segments=geometry.segments,
-        kind=geometry.kind,
-    )
-
-
-def layout_from_spec(spec: LayoutSpec) -> PagedKVLayout:
-    """The ipcblock layout of a (possibly remote) LayoutSpec; PeerError if it is malformed."""
-    try:
-        return PagedKVLayout.from_segments(
-            np.asarray(spec.layer_offsets, dtype=np.int64),
-            spec.num_blocks,
-            [Segment(s.name, s.offset, s.block_stride, s.nbytes) for s in spec.segments],
-            kind=spec.kind,
-        )
-    except Exception as err:
-        raise PeerError(f"invalid KV layout from peer: {err}") from err
