@@ -464,6 +464,20 @@ def test_request_aborted_before_its_prompt_completed_withdraws_its_offer() -> No
     assert holds.held_blocks == 0, "vLLM frees them itself"
 
 
+def test_the_connectors_marks_stay_out_of_vllms_dict() -> None:
+    """P without a transfer id from the proxy: one is made up, announced and returned, and
+    neither it nor any other mark is written into the request's kv_transfer_params."""
+    pool = FakePool(16)
+    side, manager, _ = _scheduler(pool)
+    request = _p_request("p-1", 6)
+    request.kv_transfer_params = {"do_remote_decode": True}
+    (spec,) = _run_to_finish(side, manager, request, "FINISHED_LENGTH_CAPPED").final_prefills
+    _, params = side.request_finished(request, ([b.block_id for b in manager.owned["p-1"]],))
+    assert params is not None
+    assert params["transfer_id"] == spec.transfer_id != ""
+    assert request.kv_transfer_params == {"do_remote_decode": True}
+
+
 def test_release_holds_at_shutdown() -> None:
     side, _, blocks = _held_request(FakePool(16))
     assert side.release_holds() == 2

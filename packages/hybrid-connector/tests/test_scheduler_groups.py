@@ -158,3 +158,17 @@ def test_d_does_not_ask_for_the_block_of_the_token_it_computes() -> None:
     (recv,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_recv
     assert recv.block_ids == [[40], [1, 2]]
     assert recv.first_block == [0, 0]
+
+
+def test_d_pulls_once_and_leaves_vllms_dict_alone() -> None:
+    """D's request is dispatched once, even if vLLM allocates for it again (preempted and
+    rescheduled); the mark is the connector's, vLLM's kv_transfer_params stay as sent."""
+    side = _side(producer=False, groups=[ATTENTION])
+    request = _d_request(600)
+    sent = dict(request.kv_transfer_params)
+    blocks = SimpleNamespace(blocks=([_block(1), _block(2), _block(3)],))
+    side.update_state_after_alloc(request, blocks, 600)  # type: ignore[arg-type]
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False), "dispatched already"
+    side.update_state_after_alloc(request, blocks, 600)  # type: ignore[arg-type]
+    assert len(side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_recv) == 1
+    assert request.kv_transfer_params == sent

@@ -143,14 +143,15 @@ class SchedulerSide:
                 if _asks(raw, "do_remote_prefill")
                 else "serving it without a transfer",
             )
-            params = None
+            tracked = _Tracked(None)
         else:
             if params is None:
                 return None
-        tracked = self._tracked[request.request_id] = _Tracked(params)
-        if isinstance(params, PrefillParams):
-            # D must then use the id P returns.
-            tracked.transfer_id = params.transfer_id or str(uuid.uuid4())
+            tracked = _Tracked(params)
+            if isinstance(params, PrefillParams):
+                # No id from the proxy: one made up here, which D must then take from P's answer.
+                tracked.transfer_id = params.transfer_id or str(uuid.uuid4())
+        self._tracked[request.request_id] = tracked
         return tracked
 
     def _pull_of(self, request: Request) -> tuple[_Tracked, PullParams] | None:
