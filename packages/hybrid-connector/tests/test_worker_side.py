@@ -521,7 +521,7 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
     assert pair.returned(timeout=0.1) == set(), "given back once"
 
 
-def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
+def test_final_prefill_without_a_parked_pull_is_offered_at_the_steps_end(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.p.handle_metadata(
         HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [[2]], 3)])

@@ -9,12 +9,12 @@ D's side is ``consumer.py``.
 P (``Producer``), one record per transfer id::
 
     (none) --pull arrives-------> PARKED --request finished-----------------> SENDING
-      |                             |  '--prefill done (rapid: request still running)--> SENDING*
+      |                             |  '--final prefill starts (rapid: it still runs)--> SENDING*
       |                             '--lease passes / release / abort: pull fails--> (none) or
       |                                                                              CANCELLED
-      |--prefill done (rapid)--> HELD* --pull arrives (mid-forward)--------------> SENDING*
-      |                            |  '--request finished--> HELD (then as below)
-      |                            '--lease passes / release / bad pull--> SENT
+      |--final prefill starts (rapid)--> HELD* --pull arrives (mid-forward)------> SENDING*
+      |                                    |  '--request finished--> HELD (then as below)
+      |                                    '--lease passes / release / bad pull--> SENT
       |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> given back
       |                        '--lease passes / release / bad pull--------------> given back
       '--release / abort---> CANCELLED --one lease later--> (none)

@@ -765,7 +765,7 @@ class WorkerSide:
             events.when_ready(len(self._layer_index) - 1, finished)
 
     def drain(self, wait_s: float = 0.0) -> TransferResults:
-        """(finished_sending, finished_recving, failed_recving) since the last drain."""
+        """D's (finished_recving, failed_recving) since the last drain."""
         return self._results.drain(wait_s)
 
     def wait_count(self, name: str, at_least: int, timeout_s: float = 30.0) -> bool:
