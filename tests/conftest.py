@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+# pd-serving's test helpers (stand_ins: waiting for processes and metrics) serve these tests too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "pd-serving" / "tests"))
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from pd_serving.client import complete
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
 from pd_serving.proxy import READY_LINE
 from pd_serving.servers import Connector, CpuSettings, Role, VllmServer
-from pd_serving.testing import wait_all_gone
+from stand_ins import wait_all_gone
 
 from .netns import NetnsLab
 

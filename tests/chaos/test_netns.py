@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pd_serving.launcher import ManagedProcess, free_port
-from pd_serving.testing import wait_all_gone
+from stand_ins import wait_all_gone
 
 from .netns import NetnsLab, unavailable_reason
 

@@ -2,7 +2,8 @@
 
 ``wait_until`` is this tree's one way to wait for a state that has no event (vLLM shows KV usage
 and requests only as metrics); processes are waited for on pidfds
-(``pd_serving.testing.wait_all_gone``), readiness on the launcher's futures.
+(``stand_ins.wait_all_gone``, pd-serving's test helpers), readiness on the launcher's
+futures.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
-from pd_serving.testing import wait_until as _wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from stand_ins import wait_until as _wait_until
 
 T = TypeVar("T")
 
@@ -59,7 +60,7 @@ async def prompt_tokens_by_source(
 async def wait_until(
     read: Callable[[], Awaitable[T]], done: Callable[[T], bool], within_s: float = 60.0
 ) -> T:
-    """pd_serving.testing's, with the longer default these end-to-end waits need."""
+    """stand_ins', with the longer default these end-to-end waits need."""
     return await _wait_until(read, done, within_s)
 
 

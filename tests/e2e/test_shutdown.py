@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from pd_serving.launcher import ManagedProcess, stop_all, wait_all_ready
-from pd_serving.testing import wait_all_gone
+from stand_ins import wait_all_gone
 
 from .conftest import STARTUP_TIMEOUT_S, pdserve_up
 from .helpers import descendants

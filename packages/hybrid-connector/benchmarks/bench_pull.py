@@ -33,13 +33,15 @@ import os
 import platform
 import socket
 import statistics
+import threading
 import time
 import uuid
 from pathlib import Path
 
 import torch
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.metadata import HybridConnectorMetadata, PrefillSpec, RecvSpec, SendSpec
+from hybrid_connector.metadata import FinalPrefill, HybridConnectorMetadata, OfferSpec, RecvSpec
+from hybrid_connector.send_done import SendDoneServer
 from hybrid_connector.worker_side import WorkerSide
 
 RESULTS = Path(__file__).parent / "results" / "pull.json"
@@ -60,7 +62,7 @@ def _caches(layers: int, blocks: int, heads: int, head_dim: int) -> dict[str, to
 def _wait_recv(side: WorkerSide, request_id: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        _, recving, failed = side.drain(wait_s=deadline - time.monotonic())
+        recving, failed = side.drain(wait_s=deadline - time.monotonic())
         if request_id in recving:
             if failed:
                 raise RuntimeError(f"pull {request_id} failed")
@@ -68,18 +70,32 @@ def _wait_recv(side: WorkerSide, request_id: str, timeout: float = 60.0) -> None
     raise TimeoutError(request_id)
 
 
-def _wait_sent(side: WorkerSide, request_id: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sending, _, _ = side.drain(wait_s=deadline - time.monotonic())
-        if request_id in sending:
-            return
-    raise TimeoutError(request_id)
+class _GivenBack:
+    """P's scheduler half as its worker sees it: where SEND_DONE (P's blocks back) arrives."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._requests: set[str] = set()
+
+    def send_done(self, request_id: str, tp_rank: int, outcome: str = "") -> bool:
+        with self._cond:
+            self._requests.add(request_id)
+            self._cond.notify_all()
+        return True
+
+    def wait(self, request_id: str, timeout: float = 60.0) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: request_id in self._requests, timeout):
+                raise TimeoutError(request_id)
+            self._requests.discard(request_id)
 
 
 class _Bench:
     def __init__(self, p: WorkerSide, d: WorkerSide, rpc: str, names: list[str], n_blocks: int):
         self.p, self.d, self.rpc, self.names, self.n_blocks = p, d, rpc, names, n_blocks
+        self.given_back = _GivenBack()
+        self.scheduler = SendDoneServer(self.given_back, host="127.0.0.1", advertise_host=None)
+        p.handle_metadata(HybridConnectorMetadata(scheduler_address=self.scheduler.address))
 
     def once(self, layer_ms: float, *, rapid: bool, mid_forward: bool = False) -> float:
         """One prefill + pull; ``mid_forward``: D's pull is sent once half the layers are
@@ -99,8 +115,8 @@ class _Bench:
                 raise TimeoutError("the pull did not reach P")
         start = time.perf_counter()
         if rapid:
-            done = PrefillSpec("p", tid, [src], tokens)
-            p.handle_metadata(HybridConnectorMetadata(prefill_done=[done]))
+            done = FinalPrefill("p", tid, [src], tokens)
+            p.handle_metadata(HybridConnectorMetadata(final_prefills=[done]))
         for layer, name in enumerate(self.names):  # the forward pass
             if layer == pull_at:
                 d.handle_metadata(HybridConnectorMetadata(to_recv=[pull]))
@@ -108,12 +124,13 @@ class _Bench:
             if rapid:
                 p.layer_saved(name)
         if rapid:
-            p.step_done()
-        # The request finished at the end of the step: its blocks are offered.
-        p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p", tid, [src], tokens)]))
+            p.step_done()  # the request finished in its step: offered now
+        else:  # the request finished at the end of the step: its blocks are offered
+            offer = OfferSpec("p", tid, [src], tokens)
+            p.handle_metadata(HybridConnectorMetadata(to_offer=[offer]))
         _wait_recv(d, "d")
         elapsed = time.perf_counter() - start
-        _wait_sent(p, "p")
+        self.given_back.wait("p")
         return elapsed
 
     def median_ms(self, layer_ms: float, repeats: int, **variant: bool) -> float:
@@ -148,6 +165,7 @@ def main() -> None:
     names = list(p_kv)
     kv_bytes = n_blocks * layers * heads * BLOCK_SIZE * 2 * head_dim * 2
     rows = []
+    bench = None
     try:
         bench = _Bench(p, d, rpc, names, n_blocks)
         bench.once(0.0, rapid=False)  # warm up the connections
@@ -170,6 +188,8 @@ def main() -> None:
             )
             rows.append(row)
     finally:
+        if bench is not None:
+            bench.scheduler.close()
         d.close()
         p.close()
 

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.metadata import SendSpec
+from hybrid_connector.metadata import OfferSpec
 from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec, TransferKvRequest
 from hybrid_connector.scheduler_side import SchedulerSide
 from kvt import AbortCode, AbortOrigin, Completion, TransferStatus
@@ -25,10 +25,14 @@ from kvt import AbortCode, AbortOrigin, Completion, TransferStatus
 PURE_MODULES = [
     "hybrid_connector",
     "hybrid_connector.config",
+    "hybrid_connector.contract",
     "hybrid_connector.control",
+    "hybrid_connector.holds",
     "hybrid_connector.metadata",
     "hybrid_connector.scheduler_side",
-    "hybrid_connector.state",
+    "hybrid_connector.consumer",
+    "hybrid_connector.common",
+    "hybrid_connector.producer",
     "hybrid_connector.worker_side",
 ]
 
@@ -58,9 +62,20 @@ def _request(request_id: str, *, max_tokens: int, prompt_tokens: int = 6) -> Any
     )
 
 
+class _Pool:
+    def touch(self, blocks: Any) -> None: ...
+
+    def free_blocks(self, ordered_blocks: Any) -> None: ...
+
+
 class _Manager:
+    block_pool = _Pool()
+
     def get_block_ids(self, request_id: str) -> tuple[list[int]]:
         return ([1, 2],)
+
+    def get_blocks(self, request_id: str) -> Any:
+        return SimpleNamespace(blocks=([SimpleNamespace(block_id=i) for i in (1, 2, 3, 4)],))
 
 
 def test_rapid_send_only_for_requests_that_finish_with_their_prompt() -> None:
@@ -75,17 +90,16 @@ def test_rapid_send_only_for_requests_that_finish_with_their_prompt() -> None:
         side.update_state_after_alloc(request, None, 0)  # type: ignore[arg-type]
     output = SimpleNamespace(num_scheduled_tokens={"one": 6, "many": 6})
     meta = side.build_connector_meta(output)  # type: ignore[arg-type]
-    assert [p.request_id for p in meta.prefill_done] == ["one"]
-    # The one that keeps decoding is offered (plain path) once it finished.
+    assert [p.request_id for p in meta.final_prefills] == ["one"]
+    # The one that keeps decoding is offered (in the next step's metadata) once it finished.
     many.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     many.num_computed_tokens = 13
     delay, params = side.request_finished(many, ([1, 2, 3, 4],))
-    assert delay is True
+    assert delay is False, "the scheduler half holds its blocks, as for an announced one"
     assert params is not None
     assert params["transfer_id"] == "t-many"
     meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))  # type: ignore[arg-type]
-    assert [s.request_id for s in meta.to_send] == ["many"]
-    assert not meta.to_send[0].aborted
+    assert [s.request_id for s in meta.to_offer] == ["many"]
 
 
 # ------------------------------------------------------------------ P's shell with a fake kvt
@@ -120,6 +134,21 @@ class FakeEngine:
         threading.Thread(target=self.callbacks.pop(request_id), args=(completion,)).start()
 
 
+class _Returns:
+    """Stands for the SEND_DONE client: records which requests' blocks were given back."""
+
+    def __init__(self) -> None:
+        self.requests: list[str] = []
+        self.given = threading.Event()
+
+    def report(self, request_id: str, transfer_id: str, outcome: str) -> None:
+        self.requests.append(request_id)
+        self.given.set()
+
+    async def close(self) -> None:
+        pass
+
+
 SPEC = CacheSpec([LayoutSpec(["l0"], [0], [1], 8, 4, [SegmentSpec("kv", 0, 64, 64)])])
 
 
@@ -128,23 +157,24 @@ def test_send_guard_returns_blocks_only_after_kvt_completion() -> None:
     vLLM only with kvt's completion, never while kvt may still read them."""
     from hybrid_connector import worker_side
 
-    shell_class = getattr(worker_side, "ProducerShell", None) or worker_side.Producer
     engine = FakeEngine()
+    returned = _Returns()
     results = worker_side._Results()
     config = HybridConfig(rpc_port=8200, lease_s=30, transfer_timeout_s=0.05)
 
     async def scenario() -> None:
         loop = asyncio.get_running_loop()
-        producer = shell_class(config, engine, SPEC, results, loop)
-        producer.offer(SendSpec("p-req", "t-1", [[3, 5]], 6))
+        producer = worker_side.ProducerShell(config, engine, SPEC, results, loop)
+        producer._send_done = returned  # type: ignore[assignment]  # the owner's SEND_DONE
+        producer.offer(OfferSpec("p-req", "t-1", [[3, 5]], 6))
         pull = TransferKvRequest("t-1", "d-req", "127.0.0.1:2", SPEC, [[0, 1]], [0], 6)
         await producer._on_transfer_kv(pull, SimpleNamespace(peer="d:1"))
         await loop.run_in_executor(None, engine.aborted.wait, 10)  # the guard fired
         await asyncio.sleep(0)  # let anything the guard scheduled run
-        assert "p-req" not in results.drain()[0], "blocks back while kvt reads"
+        assert returned.requests == [], "blocks back while kvt reads"
         engine.complete("t-1")
-        sending = await loop.run_in_executor(None, lambda: results.drain(wait_s=10)[0])
-        assert sending == {"p-req"}
+        assert await loop.run_in_executor(None, returned.given.wait, 10)
+        assert returned.requests == ["p-req"]
         await producer.close()
 
     asyncio.run(scenario())

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, PeerError, UnsupportedLayoutError
-from hybrid_connector.layout import KvGroup, describe_kv_cache_groups, describe_kv_caches
+from hybrid_connector.layout import KvCacheGeometry, KvGroup, describe_kv_cache_groups
 from hybrid_connector.mapping import check_compatible
+
+
+def describe_kv_caches(
+    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int | None = None
+) -> KvCacheGeometry:
+    """One attention group holding every layer (a model with one KV-cache group)."""
+    group = KvGroup("attention", tuple(kv_caches), block_size)
+    cache = describe_kv_cache_groups(kv_caches, [group], num_blocks)
+    (geometry,) = cache.groups
+    return dataclasses.replace(geometry, buffers=cache.buffers)
 
 
 def test_config_defaults_and_address() -> None:
@@ -120,7 +132,7 @@ def test_hybrid_groups_share_buffers_and_state_layers_are_two_segments() -> None
     assert state.layer_offsets == attention.layer_offsets == (0, 0)
     assert state.buffer_index == attention.buffer_index == (0, 1)
     spec = geo.spec([7, 8])
-    assert [g.group for g in spec.groups] == ["state", "attention"]
+    assert [g.family for g in spec.groups] == ["state", "attention"]
     assert spec.groups[0].region_ids == [7, 8]
     assert spec.groups[0].dtype == "bfloat16"
     state_then_attention = ("layers.0.linear_attn", "layers.2.linear_attn", "layers.1.attn")

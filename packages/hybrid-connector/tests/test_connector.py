@@ -12,7 +12,7 @@ base = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 class _Worker:
     def drain(self) -> TransferResults:
-        return TransferResults({"p-1"}, {"d-ok", "d-bad"}, {"d-bad"})
+        return TransferResults({"d-ok", "d-bad"}, {"d-bad"})
 
 
 def test_failed_receives_reach_vllm() -> None:
@@ -21,7 +21,7 @@ def test_failed_receives_reach_vllm() -> None:
     connector = object.__new__(HybridConnector)  # the worker role without a vLLM engine
     connector._worker = _Worker()  # type: ignore[assignment]
     results = connector.get_transfer_results(set())
-    assert results.finished_sending == {"p-1"}
+    assert results.finished_sending == set(), "P's blocks go back by SEND_DONE, never here"
     assert results.finished_recving == {"d-ok", "d-bad"}
     assert results.failed_recving == {"d-bad"}
     # No override of the older get_finished hook, which has no place for failed receives.
@@ -35,7 +35,7 @@ def test_plain_metadata_is_vllm_metadata() -> None:
 
 
 def test_vllm_groups_become_kv_groups() -> None:
-    """Each vLLM KV-cache spec maps to a group kind, its block size, dtype and this rank's heads;
+    """Each vLLM KV-cache spec maps to a group family, its block size, dtype and this rank's heads;
     a kind the connector cannot move is refused at startup."""
     import torch
     from hybrid_connector.connector import kv_groups
@@ -63,7 +63,7 @@ def test_vllm_groups_become_kv_groups() -> None:
     )
     groups = kv_groups(config, 16, total_kv_heads=4, tp_size=2, tp_rank=1)  # type: ignore[arg-type]
     assert groups is not None
-    assert [(g.kind, g.block_size, g.dtype) for g in groups] == [
+    assert [(g.family, g.block_size, g.dtype) for g in groups] == [
         ("state", 256, "bfloat16,bfloat16"),
         ("attention", 256, "bfloat16"),
         ("mla", 16, "bfloat16"),

@@ -14,10 +14,10 @@ import pytest
 import torch
 from hybrid_connector.errors import UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup, describe_kv_cache_groups
-from hybrid_connector.metadata import HybridConnectorMetadata, PrefillSpec
+from hybrid_connector.metadata import FinalPrefill, HybridConnectorMetadata
 from test_worker_side import Pair, _layer_blocks, _wait, pair  # noqa: F401 (fixture)
 
-NOTHING = (set(), set(), set())
+NOTHING = (set(), set())
 
 
 class FakeCudaEvent:
@@ -47,7 +47,7 @@ def test_rapid_transfer_waits_for_each_layers_cuda_event(pair: Pair) -> None:  #
     pair.pull("d-req", tid, dst, num_tokens=6)
     assert _wait(pair.d, timeout=0.3) == NOTHING
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [src], 6)])
     )
     names = list(pair.p_kv)
     # save_kv_layer: records the layer's event on the compute stream and returns at once (the
@@ -62,11 +62,11 @@ def test_rapid_transfer_waits_for_each_layers_cuda_event(pair: Pair) -> None:  #
     assert len(made) == 3
     assert _wait(pair.d, timeout=0.3) == NOTHING  # the GPU has not finished layer 2
     made[2].done.set()
-    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    assert _wait(pair.d) == ({"d-req"}, set())
     for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
         assert torch.equal(got, want)
-    pair.offer("p-req", tid, src, num_tokens=6)
-    assert _wait(pair.p)[0] == {"p-req"}
+    # Offered once the step's last layer was on the GPU; given back once its send is over.
+    assert pair.returned() == {"p-req"}
 
 
 def test_kv_caches_on_other_devices_are_refused() -> None:

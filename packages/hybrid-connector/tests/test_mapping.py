@@ -77,7 +77,7 @@ class RankCache:
             block_size=block_size,
             segments=segments,
             kind="blocks_major" if mla else kind,
-            group="mla" if mla else "attention",
+            family="mla" if mla else "attention",
             dtype="bfloat16",
             total_heads=0 if mla else total_heads,
             head_start=0 if mla else heads.start,
@@ -328,7 +328,7 @@ def state_spec(num_slots: int, slot_bytes: int, block_size: int = 256) -> Layout
         block_size=block_size,
         segments=[SegmentSpec("state", 0, slot_bytes, slot_bytes)],
         kind="blocks_major",
-        group="state",
+        family="state",
     )
 
 
@@ -352,7 +352,7 @@ def test_state_slots_are_copied_one_to_one_without_token_arithmetic() -> None:
         (cpu_spec(4, 2, 4, 8), cpu_spec(4, 2, 6, 8), "not integer multiples"),
         (state_spec(4, 40, 32), state_spec(4, 40, 64), "state group block sizes differ"),
         (state_spec(4, 40), state_spec(4, 48), "geometry"),
-        (cpu_spec(4, 2, 4, 8), cpu_spec(4, 2, 4, 8, kind="mla"), "group kind"),
+        (cpu_spec(4, 2, 4, 8), cpu_spec(4, 2, 4, 8, kind="mla"), "group family"),
         (cpu_spec(4, 2, 4, 8), cpu_spec(4, 2, 4, 8, layers=3), "layers differ"),
         (cpu_spec(4, 2, 4, 8), cpu_spec(4, 2, 4, 16), "geometry"),
         (cpu_spec(4, 4, 4, 8), cpu_spec(4, 2, 4, 8), "KV heads differ"),
@@ -455,7 +455,7 @@ def test_state_slot_with_two_tensors_and_padded_stride_moves_only_that_slot() ->
         block_size=256,
         segments=[SegmentSpec("state0", 0, page, conv), SegmentSpec("state1", conv, page, ssm)],
         kind="blocks_major",
-        group="state",
+        family="state",
     )
     rng = np.random.default_rng(3)
     p_mem = rng.integers(0, 256, 12 * page, dtype=np.uint8)

@@ -3,6 +3,7 @@ holds and offers, which D asks for after its prefix hit, and the state group's l
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,14 +15,40 @@ STATE = KvGroup("state", ("l0",), 256, "bfloat16,bfloat16")
 ATTENTION = KvGroup("attention", ("l1",), 256, "bfloat16")
 
 
-def _side(*, producer: bool, groups: list[KvGroup]) -> SchedulerSide:
-    return SchedulerSide(
+class Manager:
+    """vLLM's KV-cache manager as the scheduler half uses it: ``block_ids[request]`` per group
+    become KVCacheBlock-like objects (id 0 is vLLM's null block) on a pool that counts."""
+
+    def __init__(self) -> None:
+        self.block_ids: dict[str, tuple[list[int], ...]] = {}
+        self.block_pool = SimpleNamespace(refs=Counter())
+        self.block_pool.touch = lambda blocks: self.block_pool.refs.update(
+            b.block_id for b in blocks
+        )
+        self.block_pool.free_blocks = lambda blocks: self.block_pool.refs.subtract(
+            b.block_id for b in blocks
+        )
+
+    def get_blocks(self, request_id: str) -> Any:
+        return SimpleNamespace(
+            blocks=tuple([_block(i) for i in ids] for ids in self.block_ids[request_id])
+        )
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.block_ids[request_id]
+
+
+def _side(*, producer: bool, groups: list[KvGroup], tp_size: int = 1) -> SchedulerSide:
+    side = SchedulerSide(
         HybridConfig(rpc_port=8200) if producer else HybridConfig(),
         is_producer=producer,
         is_consumer=not producer,
         block_size=256,
         groups=groups,
+        tp_size=tp_size,
     )
+    side.bind_kv_cache_manager(Manager())  # type: ignore[arg-type]
+    return side
 
 
 def _block(block_id: int, *, cached: bool = False) -> Any:
@@ -67,9 +94,11 @@ def test_state_slot_is_the_last_slot_before_the_scratch_ones() -> None:
 def test_p_holds_every_group_and_offers_only_the_state_slot() -> None:
     side = _side(producer=True, groups=[STATE, ATTENTION])
     request = _p_request(600)
+    side._kv_cache_manager.block_ids["p-1"] = ([0, 0, 31], [11, 12, 13])  # type: ignore[union-attr]
     delay, params = side.request_finished(request, ([0, 0, 31], [11, 12, 13]))
-    assert delay is True, "every group's blocks stay until the worker reports the request"
-    (send,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_send
+    assert delay is False, "the owner references every group's blocks (vLLM may forget it)"
+    assert side.holds.held_blocks == 4, "the state slot and the attention blocks, no null block"
+    (send,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_offer
     assert send.block_ids == [[31], [11, 12, 13]]
     assert params is not None
     assert params["remote_block_ids"] == [[31], [11, 12, 13]]
@@ -129,3 +158,17 @@ def test_d_does_not_ask_for_the_block_of_the_token_it_computes() -> None:
     (recv,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_recv
     assert recv.block_ids == [[40], [1, 2]]
     assert recv.first_block == [0, 0]
+
+
+def test_d_pulls_once_and_leaves_vllms_dict_alone() -> None:
+    """D's request is dispatched once, even if vLLM allocates for it again (preempted and
+    rescheduled); the mark is the connector's, vLLM's kv_transfer_params stay as sent."""
+    side = _side(producer=False, groups=[ATTENTION])
+    request = _d_request(600)
+    sent = dict(request.kv_transfer_params)
+    blocks = SimpleNamespace(blocks=([_block(1), _block(2), _block(3)],))
+    side.update_state_after_alloc(request, blocks, 600)  # type: ignore[arg-type]
+    assert side.get_num_new_matched_tokens(request, 0) == (0, False), "dispatched already"
+    side.update_state_after_alloc(request, blocks, 600)  # type: ignore[arg-type]
+    assert len(side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).to_recv) == 1
+    assert request.kv_transfer_params == sent

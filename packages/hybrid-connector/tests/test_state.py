@@ -1,4 +1,4 @@
-"""P's and D's state machines (hybrid_connector.state), event by event: no sockets, threads or vLLM.
+"""P's and D's state machines (hybrid_connector.producer, .consumer), event by event: no I/O.
 
 A simulator plays everything around a machine (vLLM, D's RPCs, kvt, the timers) and checks the
 rules after every action:
@@ -17,15 +17,16 @@ transfers at once.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Iterable
 
 import hypothesis.strategies as st
 import msgspec
 import pytest
-from hybrid_connector import state
+from hybrid_connector import common, consumer, producer
 from hybrid_connector.errors import LeaseExpired, PeerError, TransferError
-from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
+from hybrid_connector.metadata import FinalPrefill, OfferSpec, RecvSpec, ReleaseSpec
 from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec, TransferKvRequest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, rule
@@ -50,7 +51,7 @@ STATE = LayoutSpec(
     block_size=BLOCK_SIZE,
     segments=[SegmentSpec("state0", 0, 256, 16), SegmentSpec("state1", 16, 256, 128)],
     kind="state_slots",
-    group="state",
+    family="state",
     dtype="bfloat16,bfloat16",
 )
 MLA = LayoutSpec(
@@ -60,7 +61,7 @@ MLA = LayoutSpec(
     num_blocks=16,
     block_size=BLOCK_SIZE,
     segments=[SegmentSpec("kv", 0, 256, 192)],
-    group="mla",
+    family="mla",
     dtype="bfloat16",
 )
 SPEC = CacheSpec([ATTENTION])
@@ -72,12 +73,12 @@ STATE_SLOT = [9]
 
 def _held(spec: CacheSpec) -> list[list[int]]:
     """P's blocks per group: the prompt's blocks, or the state slot."""
-    return [STATE_SLOT if g.group == "state" else PROMPT_BLOCKS for g in spec.groups]
+    return [STATE_SLOT if g.family == "state" else PROMPT_BLOCKS for g in spec.groups]
 
 
 def _pull_request(tid: str = T, *, num_tokens: int = PROMPT_TOKENS, layout=SPEC):
     blocks = -(-num_tokens // BLOCK_SIZE)
-    ids = [[0] if g.group == "state" else list(range(blocks)) for g in layout.groups]
+    ids = [[0] if g.family == "state" else list(range(blocks)) for g in layout.groups]
     return TransferKvRequest(
         tid, "d-1", "127.0.0.1:9", layout, ids, [0] * len(layout.groups), num_tokens
     )
@@ -102,12 +103,14 @@ def _completion(tid: str, ok: bool, role: str = "send") -> Completion:
 
 # ================================================================================ P simulator
 class PSim:
-    """Plays vLLM, D, kvt and the timers around ``state.Producer``; asserts the rules."""
+    """Plays vLLM, D, kvt and the timers around ``producer.Producer``; asserts the rules."""
 
     def __init__(self, refuse: str | None = None, spec: CacheSpec = SPEC) -> None:
         self.spec = spec
-        self.core = state.Producer(spec, state.ProducerSettings(lease_s=30, transfer_timeout_s=60))
-        self.sends: list[state.StartSend] = []
+        self.core = producer.Producer(
+            spec, producer.ProducerSettings(lease_s=30, transfer_timeout_s=60)
+        )
+        self.sends: list[producer.StartSend] = []
         self.refuse = refuse  # kvt refuses StartSend: None, "first" batch, or a "later" one
         self.finished: set[str] = set()  # requests vLLM finished (it waits for our report)
         self.reported: Counter[str] = Counter()
@@ -121,28 +124,33 @@ class PSim:
         self.tid_of: dict[str, str] = {}
         self.announced: set[str] = set()
         self.layer_events: dict[str, StepEvents] = {}  # tid -> its prefill step's events
-        self.actions: list[state.ProducerAction] = []
+        self.actions: list[producer.ProducerAction] = []
+        self.logs: list[common.Log] = []
         self.step = 0
         self.reported_at: dict[str, int] = {}
 
     # -- what the world does -------------------------------------------------------------
-    def feed(self, event: state.ProducerEvent) -> None:
+    def feed(self, event: producer.ProducerEvent) -> None:
         queue = [event]
         while queue:
             for action in self.core.handle(queue.pop(0)):
+                if isinstance(action, common.Log):
+                    self.logs.append(action)  # what the shell would log
+                    continue
                 self.actions.append(action)
                 queue.extend(self._do(action))
 
-    def _do(self, action: state.ProducerAction) -> list[state.ProducerEvent]:
+    def _do(self, action: producer.ProducerAction) -> list[producer.ProducerEvent]:
         match action:
-            case state.ReportSent(rid):
+            case producer.ReturnBlocks(rid, tid):
+                assert self.tid_of[rid] == tid
                 assert rid in self.finished, f"{rid} reported while vLLM still runs it"
                 reading = {self.kvt_tid[k] for k in self.kvt_reading}
                 assert self.tid_of[rid] not in reading, f"{rid}: kvt may still read"
                 self.reported[rid] += 1
                 assert self.reported[rid] == 1, f"{rid} reported twice"
                 self.reported_at[rid] = self.step
-            case state.StartSend(tid, pull, rid):
+            case producer.StartSend(tid, pull, rid):
                 self.sends.append(action)
                 self._answer(pull, "sent")
                 assert self.tid_of.get(rid) == tid
@@ -157,17 +165,17 @@ class PSim:
                 kvt_id = action.kvt_id or tid
                 self.kvt_tid[kvt_id] = tid
                 if self.refuse == "first":
-                    return [state.SendRefused(kvt_id, TransferError("refused"), False)]
+                    return [producer.SendRefused(kvt_id, TransferError("refused"), False)]
                 self.kvt_reading.add(kvt_id)
                 if self.refuse == "later":
-                    return [state.SendRefused(kvt_id, TransferError("refused"), True)]
-            case state.FailPull(pull, error):
+                    return [producer.SendRefused(kvt_id, TransferError("refused"), True)]
+            case producer.FailPull(pull, error):
                 self._answer(pull, error)
-            case state.Abort(tid):
+            case common.Abort(tid):
                 self.aborts[tid] += 1
-            case state.ArmDeadline(tid):
+            case producer.ArmDeadline(tid):
                 self.armed.add(tid)
-            case state.CancelDeadline(tid):
+            case producer.CancelDeadline(tid):
                 self.armed.discard(tid)
         return []
 
@@ -179,43 +187,44 @@ class PSim:
     def pull(self, pull: int = 1, tid: str = T, **kw) -> None:
         self.arrived.add(pull)
         kw.setdefault("layout", self.spec)
-        self.feed(state.PullArrived(pull, _pull_request(tid, **kw), "d:1"))
+        self.feed(producer.PullArrived(pull, _pull_request(tid, **kw), "d:1"))
 
     def prefill(self, rid: str = P_REQ, tid: str = T) -> None:
         self.tid_of[rid] = tid
         self.announced.add(rid)
         events = self.layer_events.setdefault(tid, StepEvents(tid))
-        spec = PrefillSpec(rid, tid, _held(self.spec), PROMPT_TOKENS)
-        self.feed(state.PrefillDone(spec, events))  # type: ignore[arg-type]
+        spec = FinalPrefill(rid, tid, _held(self.spec), PROMPT_TOKENS)
+        self.feed(producer.FinalPrefillStarts(spec, events))  # type: ignore[arg-type]
 
     def finish(self, rid: str = P_REQ, tid: str = T, *, aborted: bool = False, tokens=None):
-        """vLLM finished the request; an aborted one is delayed (and offered) only if it was
-        announced (scheduler_side's rule), else vLLM frees its blocks itself."""
+        """vLLM finished the request. Not announced and aborted: nothing is offered (the
+        scheduler half's ``cancel_offer``). Announced: the worker offers it at its step's end,
+        whatever way vLLM finishes it afterwards (the owner holds its blocks either way)."""
         self.tid_of.setdefault(rid, tid)
         if aborted and rid not in self.announced:
-            self.feed(state.RequestCancelled(tid))
+            self.feed(producer.RequestCancelled(tid))
             return
         self.finished.add(rid)
-        spec = SendSpec(rid, tid, _held(self.spec), tokens or PROMPT_TOKENS, aborted=aborted)
-        self.feed(state.RequestFinished(spec))
+        spec = OfferSpec(rid, tid, _held(self.spec), tokens or PROMPT_TOKENS)
+        self.feed(producer.RequestFinished(spec))
 
     def release(self, tid: str = T) -> None:
-        self.feed(state.ReleaseArrived(tid, "proxy", "test"))
+        self.feed(producer.ReleaseArrived(tid, "proxy", "test"))
 
     def complete(self, tid: str = T, ok: bool = True) -> None:
         if tid in self.kvt_reading:  # kvt completes only what it accepted, once
             self.kvt_reading.discard(tid)
-            self.feed(state.SendCompleted(tid, _completion(tid, ok)))
+            self.feed(producer.SendCompleted(tid, _completion(tid, ok)))
 
     def deadline(self, tid: str = T) -> None:
         if tid in self.armed:
             self.armed.discard(tid)
-            self.feed(state.DeadlineReached(tid))
+            self.feed(producer.DeadlineReached(tid))
 
     def gone(self, pull: int = 1, tid: str = T) -> None:
         if pull in self.arrived and pull not in self.answers:  # only a waiting call can leave
             self.left.add(pull)
-            self.feed(state.PullGone(tid, pull))
+            self.feed(producer.PullGone(tid, pull))
 
     def settle(self) -> None:
         """Time passes: kvt completes what it accepted, armed deadlines fire, until quiet."""
@@ -255,7 +264,7 @@ class PSim:
         return self
 
     def shutdown(self) -> None:
-        self.feed(state.ShuttingDown())
+        self.feed(common.ShuttingDown())
 
     def finish_reports_once(self) -> None:
         """vLLM finishes the request: its blocks come back now, once; nothing is left."""
@@ -403,7 +412,9 @@ NAMED_RACES = {
         ["prefill", "deadline", "finish"],
         2,
     ),
-    "announced, aborted with no pull: back at once": (["prefill", "abort"], 1),
+    # vLLM may abort an announced request after its step (async scheduling): its KV is whole
+    # and offered from the step's end; the proxy's release (client gone) or the lease ends it.
+    "announced, aborted after its step, no pull: held for the lease": (["prefill", "abort"], None),
 }
 
 
@@ -431,17 +442,17 @@ def test_pull_during_the_forward_pass_starts_a_rapid_send_at_once() -> None:
     finished the request."""
     sim = PSim()
     sim.prefill()
-    assert sim.core.phase(T) is state.Phase.HELD
+    assert sim.core.phase(T) is producer.Phase.HELD
     assert T in sim.armed, "a lease covers the record while nobody pulls"
     sim.pull()
     (send,) = sim.sends
     assert sim.answers[1] == "sent"
     assert send.layer_events is sim.layer_events[T]
     assert (send.src_block_ids, send.kvt_id) == ([PROMPT_BLOCKS], T)
-    assert state.Count("rapid_sends") in sim.actions
+    assert common.Count("rapid_sends") in sim.actions
     sim.complete()
     assert not sim.reported, "the request still runs: its blocks are vLLM's"
-    assert sim.core.phase(T) is state.Phase.SENT
+    assert sim.core.phase(T) is producer.Phase.SENT
     sim.finish_reports_once()
 
 
@@ -450,11 +461,11 @@ def test_announced_request_without_a_pull_is_held_under_its_lease() -> None:
     sim.prefill()
     sim.finish()
     assert not sim.reported
-    assert sim.core.phase(T) is state.Phase.HELD
+    assert sim.core.phase(T) is producer.Phase.HELD
     assert T in sim.armed
     sim.deadline()  # nobody pulled within the lease
     assert sim.reported[P_REQ] == 1
-    assert state.Count("leases_expired") in sim.actions
+    assert common.Count("leases_expired") in sim.actions
     sim.settle()
 
 
@@ -462,20 +473,24 @@ def test_release_during_the_pass_answers_not_released_and_frees_at_the_finish() 
     sim = PSim()
     sim.prefill()
     sim.release()
-    assert state.AnswerRelease(T, False) in sim.actions, "nothing was freed yet"
+    assert producer.AnswerRelease(T, False) in sim.actions, "nothing was freed yet"
     sim.pull()
     assert isinstance(sim.answers[1], TransferError), "released: no pull is taken"
     assert not sim.reported
     sim.finish_reports_once()
 
 
-def test_aborted_mid_forward_refuses_later_pulls_at_once() -> None:
+def test_an_announced_request_aborted_after_its_step_is_still_served() -> None:
+    """Its step ran the whole prompt: the worker offered it at the step's end, so a pull gets
+    its KV, and the blocks go back once, after the send."""
     sim = PSim()
     sim.prefill()
     sim.finish(aborted=True)
-    assert sim.reported[P_REQ] == 1
+    assert not sim.reported
     sim.pull()
-    assert isinstance(sim.answers[1], TransferError), "no usable KV: fails, not parked"
+    assert sim.answers[1] == "sent"
+    sim.complete()
+    assert sim.reported[P_REQ] == 1
     sim.settle()
 
 
@@ -498,8 +513,8 @@ def test_send_guard_aborts_and_waits_for_the_completion() -> None:
     sim.actions.clear()
     sim.deadline()  # transfer_timeout_s passed without kvt's completion
     assert sim.actions == [
-        state.Count("sends_timed_out"),
-        state.Abort(T, "send timed out on P"),
+        common.Count("sends_timed_out"),
+        common.Abort(T, "send timed out on P"),
     ]
     assert not sim.reported, "blocks handed back while kvt may still read them"
     sim.deadline()  # nothing armed any more: no second abort
@@ -574,7 +589,7 @@ def test_prefix_hit_in_one_group_passes_every_p_block_to_the_planner() -> None:
     sim.finish()
     request = TransferKvRequest(T, "d-1", "127.0.0.1:9", HYBRID, [[4], [7]], [0, 1], 6)
     sim.arrived.add(1)
-    sim.feed(state.PullArrived(1, request, "d:1"))
+    sim.feed(producer.PullArrived(1, request, "d:1"))
     (send,) = sim.sends
     assert send.src_block_ids == [STATE_SLOT, PROMPT_BLOCKS]
     assert send.request.first_block == [0, 1]
@@ -585,11 +600,11 @@ def test_prefix_hit_in_one_group_passes_every_p_block_to_the_planner() -> None:
 
 def _mismatch(family: LayoutSpec, how: str) -> CacheSpec:
     """D's cache for a P whose cache is ``CacheSpec([family, ATTENTION])``, wrong in one way."""
-    other = {"attention": MLA, "mla": STATE, "state": ATTENTION}[family.group]
+    other = {"attention": MLA, "mla": STATE, "state": ATTENTION}[family.family]
     match how:
         case "group-count":
             return CacheSpec([family])
-        case "group-kind":
+        case "group-family":
             return CacheSpec(
                 [msgspec.structs.replace(other, layer_names=family.layer_names), ATTENTION]
             )
@@ -601,10 +616,10 @@ def _mismatch(family: LayoutSpec, how: str) -> CacheSpec:
     raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["group-count", "group-kind", "segments", "dtype"])
-@pytest.mark.parametrize("family", [ATTENTION, MLA, STATE], ids=lambda f: f.group)
+@pytest.mark.parametrize("how", ["group-count", "group-family", "segments", "dtype"])
+@pytest.mark.parametrize("family", [ATTENTION, MLA, STATE], ids=lambda f: f.family)
 def test_a_layout_mismatch_fails_the_pull_before_any_byte_moves(
-    family: LayoutSpec, how: str, caplog: pytest.LogCaptureFixture
+    family: LayoutSpec, how: str
 ) -> None:
     """Each layout family: D's cache differs from P's (groups, kind, segments, dtype): the pull
     fails with PeerError and no send starts (D then recomputes), P's held blocks are freed
@@ -614,13 +629,13 @@ def test_a_layout_mismatch_fails_the_pull_before_any_byte_moves(
     sim.finish()
     request = _pull_request(layout=_mismatch(family, how))
     sim.arrived.add(1)
-    with caplog.at_level("WARNING", logger="hybrid_connector.state"):
-        sim.feed(state.PullArrived(1, request, "d:1"))
+    sim.feed(producer.PullArrived(1, request, "d:1"))
     assert isinstance(sim.answers[1], PeerError)
     assert not sim.sends
     assert sim.reported[P_REQ] == 1
-    assert P_REQ in caplog.text
-    assert "d:1" in caplog.text
+    (warning,) = [line for line in sim.logs if line.level >= logging.WARNING]
+    assert P_REQ in warning.text()
+    assert "d:1" in warning.text()
     sim.settle()
 
 
@@ -629,7 +644,7 @@ def test_a_pull_naming_the_wrong_number_of_block_lists_fails() -> None:
     sim.finish()
     request = TransferKvRequest(T, "d-1", "127.0.0.1:9", HYBRID, [[0, 1]], [0], 6)
     sim.arrived.add(1)
-    sim.feed(state.PullArrived(1, request, "d:1"))
+    sim.feed(producer.PullArrived(1, request, "d:1"))
     assert isinstance(sim.answers[1], PeerError)
     assert "2 KV-cache groups" in str(sim.answers[1])
     assert not sim.sends
@@ -640,7 +655,7 @@ def test_a_pull_naming_the_wrong_number_of_block_lists_fails() -> None:
 def test_pull_after_cancel_fails_at_once_and_tombstone_is_forgotten() -> None:
     sim = PSim()
     sim.finish(aborted=True)  # unannounced abort: RequestCancelled
-    assert sim.core.phase(T) is state.Phase.CANCELLED
+    assert sim.core.phase(T) is producer.Phase.CANCELLED
     sim.pull()
     assert isinstance(sim.answers[1], TransferError)
     sim.deadline()
@@ -653,7 +668,7 @@ def test_parked_pull_lease_fails_it_with_lease_expired() -> None:
     sim.pull()
     sim.deadline()
     assert isinstance(sim.answers[1], LeaseExpired)
-    assert state.Count("early_pulls_expired") in sim.actions
+    assert common.Count("early_pulls_expired") in sim.actions
 
 
 def test_second_request_with_a_held_transfer_id_is_released_at_once() -> None:
@@ -670,7 +685,7 @@ def test_second_request_with_a_held_transfer_id_is_released_at_once() -> None:
 def test_shutdown_fails_parked_pulls() -> None:
     sim = PSim()
     sim.pull()
-    sim.feed(state.ShuttingDown())
+    sim.feed(common.ShuttingDown())
     assert isinstance(sim.answers[1], TransferError)
     assert len(sim.core) == 0
 
@@ -697,7 +712,9 @@ class ManyTransfers(RuleBasedStateMachine):
     def pull(self, tid: str) -> None:
         rid, pull = "r" + tid, next(self.pulls)
         # HELD while its request runs (one D rank): announced, nobody pulled, nothing closed.
-        mid_forward = self.sim.core.phase(tid) is state.Phase.HELD and rid not in self.sim.finished
+        mid_forward = (
+            self.sim.core.phase(tid) is producer.Phase.HELD and rid not in self.sim.finished
+        )
         self.sim.pull(pull, tid)
         if mid_forward:
             assert self.sim.answers[pull] == "sent", "a mid-forward pull waited"
@@ -737,10 +754,10 @@ TestManyTransfers.settings = settings(max_examples=100, stateful_step_count=25, 
 
 # ================================================================================ D simulator
 class DSim:
-    """Plays vLLM, P and kvt around ``state.Consumer``; asserts the rules."""
+    """Plays vLLM, P and kvt around ``consumer.Consumer``; asserts the rules."""
 
     def __init__(self, expect_refused: bool = False) -> None:
-        self.core = state.Consumer()
+        self.core = consumer.Consumer()
         self.expect_refused = expect_refused
         self.kvt_writing: set[str] = set()
         self.reported: Counter[str] = Counter()
@@ -750,24 +767,26 @@ class DSim:
         self.calls: set[str] = set()
         self.spec = RecvSpec("d-1", T, "127.0.0.1:8200", [[0, 1]], [0], PROMPT_TOKENS)
 
-    def feed(self, event: state.ConsumerEvent) -> None:
+    def feed(self, event: consumer.ConsumerEvent) -> None:
         queue = [event]
         while queue:
             for action in self.core.handle(queue.pop(0)):
                 match action:
-                    case state.StartPull(spec):
+                    case consumer.StartPull(spec):
                         if self.expect_refused:
-                            queue.append(state.ExpectRefused(spec.request_id, TransferError("x")))
+                            queue.append(
+                                consumer.ExpectRefused(spec.request_id, TransferError("x"))
+                            )
                         else:
                             self.kvt_writing.add(spec.transfer_id)
                             self.calls.add(spec.request_id)
-                    case state.StopCall(rid):
+                    case consumer.StopCall(rid):
                         self.calls.discard(rid)
-                    case state.Abort(tid):
+                    case common.Abort(tid):
                         self.aborts[tid] += 1  # kvt decides ABORTED (unless already done)
-                    case state.CallRelease(spec):
+                    case consumer.CallRelease(spec):
                         self.releases.append(spec)
-                    case state.ReportRecv(rid, failed):
+                    case consumer.ReportRecv(rid, failed):
                         assert T not in self.kvt_writing, "reported while kvt may still write"
                         self.reported[rid] += 1
                         assert self.reported[rid] == 1, "reported twice"
@@ -775,21 +794,21 @@ class DSim:
                             self.failed.add(rid)
 
     def start(self) -> None:
-        self.feed(state.PullRequested(self.spec))
+        self.feed(consumer.PullRequested(self.spec))
 
     def complete(self, ok: bool = True) -> None:
         if T in self.kvt_writing:
             self.kvt_writing.discard(T)
             ok = ok and not self.aborts[T]
-            self.feed(state.RecvCompleted("d-1", _completion(T, ok, "recv")))
+            self.feed(consumer.RecvCompleted("d-1", _completion(T, ok, "recv")))
 
     def call_failed(self) -> None:
         if "d-1" in self.calls:
             self.calls.discard("d-1")
-            self.feed(state.PullCallFailed("d-1", TransferError("unreachable")))
+            self.feed(consumer.PullCallFailed("d-1", TransferError("unreachable")))
 
     def cancel(self) -> None:
-        self.feed(state.PullCancelled("d-1"))
+        self.feed(consumer.PullCancelled("d-1"))
 
     def dup_start(self) -> None:
         if "d-1" in self.core:  # the scheduler plans one pull per request: a repeat can only
@@ -845,14 +864,14 @@ def test_expect_refused_reports_failed_at_once() -> None:
 def test_release_request_is_passed_on() -> None:
     sim = DSim()
     spec = ReleaseSpec("d-2", "t-2", "127.0.0.1:8200", "full local hit")
-    sim.feed(state.ReleaseRequested(spec))
+    sim.feed(consumer.ReleaseRequested(spec))
     assert sim.releases == [spec]
 
 
 def test_shutdown_aborts_pulls_without_reporting_them() -> None:
     sim = DSim()
     sim.start()
-    sim.feed(state.ShuttingDown())
+    sim.feed(common.ShuttingDown())
     assert sim.aborts[T] == 1
     assert not sim.reported  # the worker is closing: nobody reads the results any more
     assert len(sim.core) == 0
@@ -913,7 +932,7 @@ def test_fan_in_one_p_rank_serves_every_d_rank_then_reports_once() -> None:
     assert T in sim.armed, "the lease still runs for D rank 1"
     sim.complete_for(0)
     assert not sim.reported, "D rank 1 has not pulled yet"
-    assert sim.core.phase(T) is state.Phase.HELD
+    assert sim.core.phase(T) is producer.Phase.HELD
     sim.pull_from(1)
     assert [s.kvt_id for s in sim.sends] == [_kvt(0, 0), _kvt(0, 1)]
     assert T not in sim.armed, "every D rank pulled: no lease any more"
@@ -957,7 +976,7 @@ def test_fan_in_lease_passes_with_one_of_two_pulls_done() -> None:
     assert not sim.reported
     sim.deadline()  # the lease: D rank 1 never pulled
     assert sim.reported[P_REQ] == 1
-    assert sim.core.phase(T) is state.Phase.CANCELLED  # a late pull of rank 1 fails at once
+    assert sim.core.phase(T) is producer.Phase.CANCELLED  # a late pull of rank 1 fails at once
     assert len(sim.core) == 0
     sim.settle()
 
@@ -1057,67 +1076,73 @@ def _recv(remote_tp: int) -> RecvSpec:
     return RecvSpec("d-1", T, "127.0.0.1:8200", [[0, 1]], [0], PROMPT_TOKENS, remote_tp)
 
 
-def _run(core: state.Consumer, event: state.ConsumerEvent) -> list[state.ConsumerAction]:
+def _run(core: consumer.Consumer, event: consumer.ConsumerEvent) -> list[consumer.ConsumerAction]:
     return core.handle(event)
 
 
 def test_fan_out_d_rank_pulls_each_p_rank_and_reports_once() -> None:
     """P TP=2, D TP=1: D's rank pulls head 0 from P rank 0 and head 1 from P rank 1."""
-    core = state.Consumer(_rank_cache(0, 1))
-    actions = _run(core, state.PullRequested(_recv(2)))
-    starts = [a for a in actions if isinstance(a, state.StartPull)]
+    core = consumer.Consumer(_rank_cache(0, 1))
+    actions = _run(core, consumer.PullRequested(_recv(2)))
+    starts = [a for a in actions if isinstance(a, consumer.StartPull)]
     assert [(s.kvt_id, s.spec.remote_rpc_address) for s in starts] == [
         (_kvt(0, 0), "127.0.0.1:8200"),
         (_kvt(1, 0), "127.0.0.1:8201"),
     ]
     assert all(s.spec.transfer_id == T for s in starts)
-    done = _run(core, state.RecvCompleted("d-1", _completion(_kvt(0, 0), True, "recv"), _kvt(0, 0)))
-    assert not [a for a in done if isinstance(a, state.ReportRecv)], "P rank 1 still writes"
-    done = _run(core, state.RecvCompleted("d-1", _completion(_kvt(1, 0), True, "recv"), _kvt(1, 0)))
-    assert state.ReportRecv("d-1", failed=False) in done
+    done = _run(
+        core, consumer.RecvCompleted("d-1", _completion(_kvt(0, 0), True, "recv"), _kvt(0, 0))
+    )
+    assert not [a for a in done if isinstance(a, consumer.ReportRecv)], "P rank 1 still writes"
+    done = _run(
+        core, consumer.RecvCompleted("d-1", _completion(_kvt(1, 0), True, "recv"), _kvt(1, 0))
+    )
+    assert consumer.ReportRecv("d-1", failed=False) in done
     assert len(core) == 0
 
 
 def test_fan_out_one_part_fails_aborts_the_other_and_reports_failed_after_both() -> None:
-    core = state.Consumer(_rank_cache(0, 1))
-    _run(core, state.PullRequested(_recv(2)))
+    core = consumer.Consumer(_rank_cache(0, 1))
+    _run(core, consumer.PullRequested(_recv(2)))
     failed = _completion(_kvt(0, 0), False, "recv")
-    actions = _run(core, state.RecvCompleted("d-1", failed, _kvt(0, 0)))
-    assert state.Abort(_kvt(1, 0), "another part failed: test") in actions
-    assert not [a for a in actions if isinstance(a, state.ReportRecv)], "kvt may still write"
+    actions = _run(core, consumer.RecvCompleted("d-1", failed, _kvt(0, 0)))
+    assert common.Abort(_kvt(1, 0), "another part failed: test") in actions
+    assert not [a for a in actions if isinstance(a, consumer.ReportRecv)], "kvt may still write"
     aborted = _completion(_kvt(1, 0), False, "recv")
-    actions = _run(core, state.RecvCompleted("d-1", aborted, _kvt(1, 0)))
-    assert [a for a in actions if isinstance(a, state.ReportRecv)] == [
-        state.ReportRecv("d-1", failed=True)
+    actions = _run(core, consumer.RecvCompleted("d-1", aborted, _kvt(1, 0)))
+    assert [a for a in actions if isinstance(a, consumer.ReportRecv)] == [
+        consumer.ReportRecv("d-1", failed=True)
     ]
     assert len(core) == 0
 
 
 def test_fan_out_call_failure_aborts_every_part() -> None:
-    core = state.Consumer(_rank_cache(0, 1))
-    _run(core, state.PullRequested(_recv(2)))
-    actions = _run(core, state.PullCallFailed("d-1", TransferError("down"), _kvt(1, 0)))
-    assert {a.transfer_id for a in actions if isinstance(a, state.Abort)} == {
+    core = consumer.Consumer(_rank_cache(0, 1))
+    _run(core, consumer.PullRequested(_recv(2)))
+    actions = _run(core, consumer.PullCallFailed("d-1", TransferError("down"), _kvt(1, 0)))
+    assert {a.transfer_id for a in actions if isinstance(a, common.Abort)} == {
         _kvt(0, 0),
         _kvt(1, 0),
     }
 
 
 def test_fan_out_expect_refused_on_one_part() -> None:
-    core = state.Consumer(_rank_cache(0, 1))
-    _run(core, state.PullRequested(_recv(2)))
-    actions = _run(core, state.ExpectRefused("d-1", TransferError("x"), _kvt(1, 0)))
-    assert state.Abort(_kvt(0, 0), "expect refused: x") in actions
+    core = consumer.Consumer(_rank_cache(0, 1))
+    _run(core, consumer.PullRequested(_recv(2)))
+    actions = _run(core, consumer.ExpectRefused("d-1", TransferError("x"), _kvt(1, 0)))
+    assert common.Abort(_kvt(0, 0), "expect refused: x") in actions
     aborted = _completion(_kvt(0, 0), False, "recv")
-    actions = _run(core, state.RecvCompleted("d-1", aborted, _kvt(0, 0)))
-    assert state.ReportRecv("d-1", failed=True) in actions
+    actions = _run(core, consumer.RecvCompleted("d-1", aborted, _kvt(0, 0)))
+    assert consumer.ReportRecv("d-1", failed=True) in actions
 
 
 def test_fan_out_each_d_rank_of_two_pulls_from_the_one_p_rank() -> None:
     for d_rank in (0, 1):
-        core = state.Consumer(_rank_cache(d_rank, 2))
+        core = consumer.Consumer(_rank_cache(d_rank, 2))
         (start,) = [
-            a for a in _run(core, state.PullRequested(_recv(1))) if isinstance(a, state.StartPull)
+            a
+            for a in _run(core, consumer.PullRequested(_recv(1)))
+            if isinstance(a, consumer.StartPull)
         ]
         assert (start.kvt_id, start.spec.remote_rpc_address) == (_kvt(0, d_rank), "127.0.0.1:8200")
 
@@ -1125,33 +1150,33 @@ def test_fan_out_each_d_rank_of_two_pulls_from_the_one_p_rank() -> None:
 def test_fan_out_mla_spreads_d_ranks_and_releases_an_idle_p_rank() -> None:
     """MLA's latent is on every P rank: D rank r pulls from P rank r % P TP; with one D rank
     and two P ranks, D rank 0 releases P rank 1 (it would hold the blocks for a lease)."""
-    core = state.Consumer(_rank_cache(1, 2, "mla"))
+    core = consumer.Consumer(_rank_cache(1, 2, "mla"))
     starts = [
-        a for a in _run(core, state.PullRequested(_recv(2))) if isinstance(a, state.StartPull)
+        a for a in _run(core, consumer.PullRequested(_recv(2))) if isinstance(a, consumer.StartPull)
     ]
     assert [s.spec.remote_rpc_address for s in starts] == ["127.0.0.1:8201"]
-    core = state.Consumer(_rank_cache(0, 1, "mla"))
-    actions = _run(core, state.PullRequested(_recv(2)))
-    assert [a.spec.remote_rpc_address for a in actions if isinstance(a, state.StartPull)] == [
+    core = consumer.Consumer(_rank_cache(0, 1, "mla"))
+    actions = _run(core, consumer.PullRequested(_recv(2)))
+    assert [a.spec.remote_rpc_address for a in actions if isinstance(a, consumer.StartPull)] == [
         "127.0.0.1:8200"
     ]
-    (release,) = [a for a in actions if isinstance(a, state.CallRelease)]
+    (release,) = [a for a in actions if isinstance(a, consumer.CallRelease)]
     assert release.spec.remote_rpc_address == "127.0.0.1:8201"
 
 
 def test_fan_out_cancel_and_release_reach_every_p_rank() -> None:
-    core = state.Consumer(_rank_cache(0, 1))
-    _run(core, state.PullRequested(_recv(2)))
-    actions = _run(core, state.PullCancelled("d-1"))
-    releases = [a.spec.remote_rpc_address for a in actions if isinstance(a, state.CallRelease)]
+    core = consumer.Consumer(_rank_cache(0, 1))
+    _run(core, consumer.PullRequested(_recv(2)))
+    actions = _run(core, consumer.PullCancelled("d-1"))
+    releases = [a.spec.remote_rpc_address for a in actions if isinstance(a, consumer.CallRelease)]
     assert releases == ["127.0.0.1:8200", "127.0.0.1:8201"]
     spec = ReleaseSpec("d-2", "t-2", "127.0.0.1:8200", "full local hit", remote_tp_size=2)
-    actions = _run(core, state.ReleaseRequested(spec))
+    actions = _run(core, consumer.ReleaseRequested(spec))
     assert [a.spec.remote_rpc_address for a in actions] == ["127.0.0.1:8200", "127.0.0.1:8201"]
 
 
 def test_fan_out_state_groups_with_different_tp_recompute() -> None:
-    core = state.Consumer(CacheSpec([STATE], tp_rank=0, tp_size=1))
+    core = consumer.Consumer(CacheSpec([STATE], tp_rank=0, tp_size=1))
     spec = RecvSpec("d-1", T, "127.0.0.1:8200", [[0]], [0], PROMPT_TOKENS, 2)
-    assert _run(core, state.PullRequested(spec))[-1] == state.ReportRecv("d-1", failed=True)
+    assert _run(core, consumer.PullRequested(spec))[-1] == consumer.ReportRecv("d-1", failed=True)
     assert len(core) == 0

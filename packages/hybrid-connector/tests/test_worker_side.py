@@ -12,19 +12,22 @@ import socket
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.metadata import (
+    FinalPrefill,
     HybridConnectorMetadata,
-    PrefillSpec,
+    OfferSpec,
     RecvSpec,
     ReleaseSpec,
-    SendSpec,
 )
+from hybrid_connector.send_done import SendDoneServer
 from hybrid_connector.worker_side import WorkerSide
 
 BLOCK_SIZE = 4
@@ -50,8 +53,57 @@ def _kv_caches(fill: float | None, heads: int = HEADS) -> dict[str, torch.Tensor
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(LAYERS)}
 
 
+class Returns:
+    """The owner of P's blocks as P's worker sees it (``holds.BlockHolds`` without vLLM's pool):
+    the SEND_DONE reports, recorded. A request's blocks must come back exactly once per rank."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.reports: Counter[tuple[str, int]] = Counter()
+        self._new: set[str] = set()
+
+    def send_done(self, request_id: str, tp_rank: int, outcome: str = "") -> bool:
+        with self._cond:
+            self.reports[request_id, tp_rank] += 1
+            self._new.add(request_id)
+            self._cond.notify_all()
+        return True
+
+    def take(self, timeout: float) -> set[str]:
+        """The requests given back since the last call, after waiting up to ``timeout`` for one."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._new, timeout)
+            out, self._new = self._new, set()
+        return out
+
+    def twice(self) -> list[tuple[str, int]]:
+        return [key for key, n in self.reports.items() if n > 1]
+
+
+class SchedulerHalf:
+    """P's scheduler half as far as its worker knows it: the SEND_DONE server over ``owner``
+    (default: a ``Returns`` recorder), named to the worker in its first metadata."""
+
+    def __init__(self, p: WorkerSide, owner: Any = None) -> None:
+        self.returns = Returns()
+        self.server = SendDoneServer(
+            self.returns if owner is None else owner, host="127.0.0.1", advertise_host=None
+        )
+        p.handle_metadata(HybridConnectorMetadata(scheduler_address=self.server.address))
+
+    def returned(self, timeout: float = 10.0) -> set[str]:
+        """P requests whose blocks P's worker gave back (SEND_DONE) since the last call."""
+        return self.returns.take(timeout)
+
+    def close(self) -> None:
+        self.server.close()
+        assert not self.returns.twice(), f"blocks given back twice: {self.returns.twice()}"
+
+
 class Pair:
-    def __init__(self, lease_s: float = 5.0, transfer_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, lease_s: float = 5.0, transfer_timeout_s: float = 5.0, owner: Any = None
+    ) -> None:
         port = _free_port()
         self.rpc_address = f"127.0.0.1:{port}"
         self.p_cfg = HybridConfig(rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0)
@@ -62,11 +114,15 @@ class Pair:
         self.d = WorkerSide(self.d_cfg, is_producer=False, is_consumer=True, name="D")
         self.p.register_kv_caches(self.p_kv, BLOCK_SIZE)
         self.d.register_kv_caches(self.d_kv, BLOCK_SIZE)
+        self.scheduler = SchedulerHalf(self.p, owner)
+
+    def returned(self, timeout: float = 10.0) -> set[str]:
+        return self.scheduler.returned(timeout)
 
     def offer(self, request_id: str, transfer_id: str, block_ids: list[int], num_tokens: int):
         self.p.handle_metadata(
             HybridConnectorMetadata(
-                to_send=[SendSpec(request_id, transfer_id, [block_ids], num_tokens)]
+                to_offer=[OfferSpec(request_id, transfer_id, [block_ids], num_tokens)]
             )
         )
 
@@ -98,10 +154,11 @@ class Pair:
     def close(self) -> None:
         self.d.close()
         self.p.close()
+        self.scheduler.close()
 
 
-def _wait(side: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str], set[str]]:
-    """Collect results until something arrives (event-driven wait inside drain)."""
+def _wait(side: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str]]:
+    """D's (finished_recving, failed_recving) once something arrives (the wait is in drain)."""
     deadline = time.monotonic() + timeout
     while True:
         out = side.drain(wait_s=max(0.0, deadline - time.monotonic()))
@@ -129,10 +186,10 @@ def test_pull_copies_exactly_the_requested_blocks(pair: Pair) -> None:
     pair.offer("p-req", tid, src, num_tokens=3 * BLOCK_SIZE - 1)
     pair.pull("d-req", tid, dst, num_tokens=3 * BLOCK_SIZE - 1)
     sending, recving, failed = set(), set(), set()
-    recving, failed = _wait(pair.d)[1:]
+    recving, failed = _wait(pair.d)
     assert recving == {"d-req"}
     assert failed == set()
-    sending = _wait(pair.p)[0]
+    sending = pair.returned()
     assert sending == {"p-req"}
     for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
         assert torch.equal(got, want)
@@ -148,23 +205,23 @@ def test_first_block_skips_what_decode_already_holds(pair: Pair) -> None:
     pair.offer("p-req", tid, [4, 5, 6], num_tokens=10)
     # D holds P's first block already (local prefix hit): it asks only for blocks 1 and 2.
     pair.pull("d-req", tid, [11, 12], num_tokens=10, first_block=1)
-    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    assert _wait(pair.d) == ({"d-req"}, set())
     for got, want in zip(
         _layer_blocks(pair.d_kv, [11, 12]), _layer_blocks(pair.p_kv, [5, 6]), strict=True
     ):
         assert torch.equal(got, want)
-    assert _wait(pair.p)[0] == {"p-req"}
+    assert pair.returned() == {"p-req"}
 
 
 def test_pull_before_the_request_finishes_waits_for_it(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.pull("d-req", tid, [0, 1], num_tokens=8)
     # The pull is parked on P: nothing completes until P's request finishes.
-    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    assert _wait(pair.d, timeout=0.3) == (set(), set())
     assert pair.p.counters().get("early_pulls") == 1
     pair.offer("p-req", tid, [8, 9], num_tokens=8)
-    assert _wait(pair.d)[1:] == ({"d-req"}, set())
-    assert _wait(pair.p)[0] == {"p-req"}
+    assert _wait(pair.d) == ({"d-req"}, set())
+    assert pair.returned() == {"p-req"}
     for got, want in zip(
         _layer_blocks(pair.d_kv, [0, 1]), _layer_blocks(pair.p_kv, [8, 9]), strict=True
     ):
@@ -177,12 +234,12 @@ def test_lease_expiry_releases_blocks_nobody_pulled(caplog: pytest.LogCaptureFix
         tid = str(uuid.uuid4())
         with caplog.at_level(logging.WARNING, logger="hybrid_connector"):
             pair.offer("p-req", tid, [1], num_tokens=3)
-            assert _wait(pair.p)[0] == {"p-req"}
+            assert pair.returned() == {"p-req"}
         assert pair.p.counters()["leases_expired"] == 1
         assert any("p-req" in r.message and tid in r.message for r in caplog.records)
         # A pull after the lease finds nothing to wait for... and fails within the next lease.
         pair.pull("d-req", tid, [1], num_tokens=3)
-        assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+        assert _wait(pair.d) == ({"d-req"}, {"d-req"})
     finally:
         pair.close()
 
@@ -202,14 +259,14 @@ def test_mismatched_layout_is_rejected_and_server_survives(
                     to_recv=[RecvSpec("d-bad", bad_tid, pair.rpc_address, [[2]], [0], 2)]
                 )
             )
-            assert _wait(other)[1:] == ({"d-bad"}, {"d-bad"})
+            assert _wait(other) == ({"d-bad"}, {"d-bad"})
         # P frees the blocks of a pull that failed for good and keeps serving.
-        assert _wait(pair.p)[0] == {"p-bad"}
+        assert pair.returned() == {"p-bad"}
         assert any("p-bad" in r.message and bad_tid in r.message for r in caplog.records)
         good_tid = str(uuid.uuid4())
         pair.offer("p-good", good_tid, [3], num_tokens=2)
         pair.pull("d-good", good_tid, [4], num_tokens=2)
-        assert _wait(pair.d)[1:] == ({"d-good"}, set())
+        assert _wait(pair.d) == ({"d-good"}, set())
     finally:
         other.close()
 
@@ -218,22 +275,22 @@ def test_decode_asking_for_more_tokens_than_prefill_computed_fails(pair: Pair) -
     tid = str(uuid.uuid4())
     pair.offer("p-req", tid, [1, 2], num_tokens=5)
     pair.pull("d-req", tid, [3, 4, 5], num_tokens=9)
-    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
-    assert _wait(pair.p)[0] == {"p-req"}
+    assert _wait(pair.d) == ({"d-req"}, {"d-req"})
+    assert pair.returned() == {"p-req"}
 
 
 def test_unreachable_prefill_fails_the_pull(pair: Pair) -> None:
     pair.pull("d-req", str(uuid.uuid4()), [1], num_tokens=2, address=f"127.0.0.1:{_free_port()}")
-    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+    assert _wait(pair.d) == ({"d-req"}, {"d-req"})
     assert pair.d.counters()["pulls_failed"] == 1
 
 
 def test_prefill_abort_fails_a_waiting_pull_at_once(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.pull("d-req", tid, [1], num_tokens=2)
-    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
-    pair.p.handle_metadata(HybridConnectorMetadata(cancel_send=[tid]))
-    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+    assert _wait(pair.d, timeout=0.3) == (set(), set())
+    pair.p.handle_metadata(HybridConnectorMetadata(cancel_offer=[tid]))
+    assert _wait(pair.d) == ({"d-req"}, {"d-req"})
 
 
 def test_release_frees_held_blocks_without_sending(pair: Pair) -> None:
@@ -244,7 +301,7 @@ def test_release_frees_held_blocks_without_sending(pair: Pair) -> None:
             to_release=[ReleaseSpec("d-req", tid, pair.rpc_address, "full local hit")]
         )
     )
-    assert _wait(pair.p)[0] == {"p-req"}
+    assert pair.returned() == {"p-req"}
     assert pair.p.counters()["released_by_peer"] == 1
 
 
@@ -253,15 +310,15 @@ def test_decode_abort_while_pull_waits_reports_once() -> None:
     try:
         tid = str(uuid.uuid4())
         pair.pull("d-req", tid, [1], num_tokens=2)
-        assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+        assert _wait(pair.d, timeout=0.3) == (set(), set())
         pair.d.handle_metadata(HybridConnectorMetadata(cancel_recv=["d-req"]))
-        assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})
+        assert _wait(pair.d) == ({"d-req"}, {"d-req"})
         # Whether P sees D's release before the request finishes (blocks held, then the lease
         # frees them) or after (the send meets D's abort), P's blocks come back exactly once.
         pair.offer("p-req", tid, [1], num_tokens=2)
-        assert _wait(pair.p)[0] == {"p-req"}
-        assert _wait(pair.p, timeout=0.8) == (set(), set(), set())
-        assert _wait(pair.d, timeout=0.1) == (set(), set(), set())
+        assert pair.returned() == {"p-req"}
+        assert pair.returned(timeout=0.8) == set()
+        assert _wait(pair.d, timeout=0.1) == (set(), set())
     finally:
         pair.close()
 
@@ -292,7 +349,7 @@ def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
                 to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [[1]], [0], 2)]
             )
         )
-        assert _wait(side)[1:] == ({"d-req"}, {"d-req"})
+        assert _wait(side) == ({"d-req"}, {"d-req"})
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             text = resp.read().decode()
         assert 'hybrid_connector_events_total{connector="M",event="pulls_failed"} 1.0' in text
@@ -308,10 +365,10 @@ def test_decode_gone_while_pull_parked_does_not_strand_blocks() -> None:
     try:
         tid = str(uuid.uuid4())
         pair.pull("d-req", tid, [1], num_tokens=2)
-        assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+        assert _wait(pair.d, timeout=0.3) == (set(), set())
         pair.d.close()  # D's connection to P goes away with the pull still parked
         pair.offer("p-req", tid, [1], num_tokens=2)
-        assert _wait(pair.p)[0] == {"p-req"}  # by the lease at the latest, never stranded
+        assert pair.returned() == {"p-req"}  # by the lease at the latest, never stranded
     finally:
         pair.close()
 
@@ -323,12 +380,12 @@ def test_proxy_release_fails_a_parked_pull_and_frees_a_late_request(pair: Pair) 
 
     tid = str(uuid.uuid4())
     pair.pull("d-req", tid, [1], num_tokens=2)
-    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    assert _wait(pair.d, timeout=0.3) == (set(), set())
     released = asyncio.run(release_transfer(pair.rpc_address, tid, reason="prefill failed"))
     assert released is False  # nothing was held yet
-    assert _wait(pair.d)[1:] == ({"d-req"}, {"d-req"})  # D recomputes at once
+    assert _wait(pair.d) == ({"d-req"}, {"d-req"})  # D recomputes at once
     pair.offer("p-req", tid, [1], num_tokens=2)  # the request finishes on P after all
-    assert _wait(pair.p)[0] == {"p-req"}  # released at once, not held for the lease
+    assert pair.returned() == {"p-req"}  # released at once, not held for the lease
     assert pair.p.counters()["released_by_peer"] == 1
 
 
@@ -336,43 +393,23 @@ def test_rapid_transfer_sends_layers_as_written_and_frees_after_finish(pair: Pai
     tid = str(uuid.uuid4())
     src, dst = [3, 4], [9, 10]
     pair.pull("d-req", tid, dst, num_tokens=6)
-    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    assert _wait(pair.d, timeout=0.3) == (set(), set())
     # P's scheduler: this step completes the prompt (the pull is parked already).
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [src], 6)])
     )
     names = list(pair.p_kv)
     pair.p.layer_saved(names[0])
     pair.p.layer_saved(names[1])
     # One layer is still being computed: the pull cannot be complete yet.
-    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
+    assert _wait(pair.d, timeout=0.3) == (set(), set())
     pair.p.step_done()  # end of the forward pass
-    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    assert _wait(pair.d) == ({"d-req"}, set())
     for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
         assert torch.equal(got, want)
     assert pair.p.counters()["rapid_sends"] == 1
-    # vLLM still runs the request on P: its blocks are not reported before it finished.
-    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
-    pair.offer("p-req", tid, src, num_tokens=6)
-    assert _wait(pair.p)[0] == {"p-req"}
-
-
-def test_rapid_transfer_of_an_aborted_request_frees_once_send_is_over(pair: Pair) -> None:
-    tid = str(uuid.uuid4())
-    pair.pull("d-req", tid, [1], num_tokens=3)
-    assert _wait(pair.d, timeout=0.3) == (set(), set(), set())
-    pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
-    )
-    # The request is aborted on P while its layers are still pending: blocks stay with us...
-    pair.p.handle_metadata(
-        HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, [[2]], 0, aborted=True)])
-    )
-    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
-    pair.p.step_done()
-    # ...until the send is over.
-    assert _wait(pair.p)[0] == {"p-req"}
-    assert _wait(pair.d)[1] == {"d-req"}
+    # The request finished in its step (max_tokens=1): offered at the step's end, back once.
+    assert pair.returned() == {"p-req"}
 
 
 class _ReceivedBytes:
@@ -435,7 +472,7 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
     """Issue 15: D's transfer_kv reaches P after layer k of the forward pass that completes the
     prompt was written (no pull was parked when the step began). Layers 0..k are in D's cache
     before the pass goes on, each later layer follows once it is marked, D has exactly P's
-    bytes at the end, and P reports its blocks only after the request finished."""
+    bytes at the end, and P gives its blocks back once, after the step's end."""
     tid = str(uuid.uuid4())
     src, dst = [3, 4], [9, 10]
     names = list(pair.p_kv)
@@ -443,7 +480,7 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
     received = _ReceivedBytes(pair.d, monkeypatch)
     # P's step begins: its scheduler announced the request (no pull is parked).
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [src], 6)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [src], 6)])
     )
     assert pair.p.wait_count("offers", 1)
     forward = _SlowForwardPass(pair.p, names)
@@ -463,7 +500,7 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
                 assert bool((got == 0).all()), f"layer {layer} sent before it was written"
         assert pair.p.counters()["rapid_sends"] == 1
         assert "early_pulls" not in pair.p.counters(), "the pull waited for the request"
-        assert _wait(pair.d, timeout=0.1) == (set(), set(), set())
+        assert _wait(pair.d, timeout=0.1) == (set(), set())
         for layer in range(k + 1, len(names)):  # the pass goes on, one layer at a time
             forward.go_on[layer - 1].set()
             assert received.wait_for((layer + 1) * layer_bytes) == (layer + 1) * layer_bytes
@@ -472,30 +509,27 @@ def test_pull_arriving_mid_forward_gets_the_written_layers_at_once(
         assert forward.ended.wait(10)
     finally:
         forward.close()
-    assert _wait(pair.d)[1:] == ({"d-req"}, set())
+    assert _wait(pair.d) == ({"d-req"}, set())
     for got, want in zip(_layer_blocks(pair.d_kv, dst), _layer_blocks(pair.p_kv, src), strict=True):
         assert torch.equal(got, want)
     untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
     assert all(bool((t[untouched] == 0).all()) for t in pair.d_kv.values())
     assert pair.d.counters()["bytes_received"] == len(names) * layer_bytes
     assert pair.p.wait_count("sends_done", 1)
-    # The send is over but vLLM has not finished the request: its blocks are still vLLM's.
-    assert _wait(pair.p, timeout=0.3) == (set(), set(), set())
-    pair.offer("p-req", tid, src, num_tokens=6)  # the request finished at the step's end
-    assert _wait(pair.p)[0] == {"p-req"}
-    assert _wait(pair.p, timeout=0.1) == (set(), set(), set()), "reported once"
+    # The request finished at the step's end (offered then): its blocks go back once.
+    assert pair.returned() == {"p-req"}
+    assert pair.returned(timeout=0.1) == set(), "given back once"
 
 
-def test_prefill_done_without_parked_pull_uses_the_plain_path(pair: Pair) -> None:
+def test_final_prefill_without_a_parked_pull_is_offered_at_the_steps_end(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     pair.p.handle_metadata(
-        HybridConnectorMetadata(prefill_done=[PrefillSpec("p-req", tid, [[2]], 3)])
+        HybridConnectorMetadata(final_prefills=[FinalPrefill("p-req", tid, [[2]], 3)])
     )
-    pair.p.step_done()
-    pair.offer("p-req", tid, [2], num_tokens=3)
+    pair.p.step_done()  # offered at the step's end
     pair.pull("d-req", tid, [5], num_tokens=3)
-    assert _wait(pair.d)[1:] == ({"d-req"}, set())
-    assert _wait(pair.p)[0] == {"p-req"}
+    assert _wait(pair.d) == ({"d-req"}, set())
+    assert pair.returned() == {"p-req"}
     assert "rapid_sends" not in pair.p.counters()
 
 
@@ -572,20 +606,22 @@ class GroupPair:
         self.d = WorkerSide(HybridConfig(), is_producer=False, is_consumer=True, name="D")
         self.p.register_kv_caches(self.p_kv, BLOCK_SIZE, NUM_BLOCKS, p_groups)  # type: ignore[arg-type]
         self.d.register_kv_caches(self.d_kv, BLOCK_SIZE, NUM_BLOCKS, d_groups)  # type: ignore[arg-type]
+        self.scheduler = SchedulerHalf(self.p)
 
     def transfer(self, src: list[list[int]], dst: list[list[int]], first: list[int], n: int):
         tid = str(uuid.uuid4())
-        self.p.handle_metadata(HybridConnectorMetadata(to_send=[SendSpec("p-req", tid, src, n)]))
+        self.p.handle_metadata(HybridConnectorMetadata(to_offer=[OfferSpec("p-req", tid, src, n)]))
         self.d.handle_metadata(
             HybridConnectorMetadata(
                 to_recv=[RecvSpec("d-req", tid, self.rpc_address, dst, first, n)]
             )
         )
-        return _wait(self.d)[1:], _wait(self.p)[0]
+        return _wait(self.d), self.scheduler.returned()
 
     def close(self) -> None:
         self.d.close()
         self.p.close()
+        self.scheduler.close()
 
 
 def _state(kv: dict[str, object], slot: int) -> list[torch.Tensor]:

@@ -33,6 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+# The smoke run's stand-in upstreams are the tests' (stand_ins.py there).
+TESTS = Path(__file__).resolve().parents[1] / "tests"
 SYSTEMS = ("bypass off", "bypass on")
 SCENARIOS = ("short", "follow-up", "long")
 
@@ -169,7 +171,9 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _smoke(args: argparse.Namespace) -> int:
     from pd_serving.routing import Backend
-    from pd_serving.testing import MODEL, FakeUpstream
+
+    sys.path.insert(0, str(TESTS))
+    from stand_ins import MODEL, FakeUpstream
 
     p, d = FakeUpstream("P", kv_params={}), FakeUpstream("D")
     await p.start()

@@ -36,9 +36,12 @@ from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
 from pd_serving.servers import Connector
 from pd_serving.sweep import Slo, sweep_systems
-from pd_serving.testing import MODEL, FakeUpstream
 from pd_serving.workload import LengthDist, plan_rate
 from rich.console import Console
+
+# The smoke run's stand-in upstreams are the tests' (packages/pd-serving/tests/stand_ins.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from stand_ins import MODEL, FakeUpstream
 
 RESULTS = Path(__file__).parent / "results" / "pd_ttft.json"
 TRANSPORT_RESULTS = Path(__file__).parent / "results" / "pd_transports.json"

@@ -7,7 +7,7 @@ from pathlib import Path
 from pd_serving import bench
 from pd_serving.cli import build_parser
 from pd_serving.servers import plan_servers
-from pd_serving.testing import MODEL, FakeUpstream
+from stand_ins import MODEL, FakeUpstream
 
 
 async def test_systems_on_a_shared_pair_get_prompts_of_their_own() -> None:

@@ -25,7 +25,7 @@ from pd_serving.launcher import ManagedProcess, free_port
 from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
 from pd_serving.servers import Connector, CpuSettings, connector_extra, plan_servers
-from pd_serving.testing import MODEL, FakeUpstream
+from stand_ins import MODEL, FakeUpstream
 
 
 @pytest.fixture(scope="module")

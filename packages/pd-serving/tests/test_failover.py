@@ -22,8 +22,8 @@ from pd_serving.failover import Action, AttemptPlan, Failure, Stage
 from pd_serving.launcher import free_port
 from pd_serving.proxy import DEADLINE_HEADER, Backend, Dispatch, PdProxy, ProxyConfig, serve
 from pd_serving.servers import Connector
-from pd_serving.testing import MODEL, FakeUpstream
 from simple_rpc import CallContext, Server
+from stand_ins import MODEL, FakeUpstream
 
 # ============================================================================ the plan, pure
 
@@ -40,7 +40,7 @@ def test_a_decode_failing_before_its_first_token_retries_on_another_d_same_trans
     failure: Failure,
 ) -> None:
     plan = _plan()
-    transfer = plan.begin("d0", "p0")
+    transfer = plan.begin("p0")
     plan.prefill_answered()
     decision = plan.failed(Stage.DECODE, "d0", failure)
     assert decision.action is Action.RETRY_DECODE
@@ -53,12 +53,12 @@ def test_a_decode_failing_before_its_first_token_retries_on_another_d_same_trans
 
 def test_nixl_decode_failure_reroutes_to_a_new_prefill() -> None:
     plan = _plan(hybrid=False)
-    plan.begin("d0", "p0")
+    plan.begin("p0")
     plan.prefill_answered()
     decision = plan.failed(Stage.DECODE, "d0", Failure.HTTP_5XX)
     assert decision.action is Action.REROUTE  # NIXL's KV read is one-shot: prefill again
     assert decision.release  # (the shell sends RELEASE only with the HybridConnector)
-    assert plan.begin("d1", "p0").transfer_id == "t1"
+    assert plan.begin("p0").transfer_id == "t1"
 
 
 @pytest.mark.parametrize(
@@ -74,19 +74,19 @@ def test_a_failed_prefill_reroutes_releasing_unless_p_never_saw_it(
     failure: Failure, release: bool
 ) -> None:
     plan = _plan()
-    plan.begin("d0", "p0")
+    plan.begin("p0")
     decision = plan.failed(Stage.PREFILL, "p0", failure)
     assert decision.action is Action.REROUTE
     assert decision.release is release
     assert plan.failed_prefill == {"p0"}
     assert plan.failed_decode == set()
-    assert plan.begin("d0", None) is None  # no P left: D prefills itself
+    assert plan.begin(None) is None  # no P left: D prefills itself
     assert plan.transfer is None
 
 
 def test_no_retry_once_bytes_reached_the_client() -> None:
     plan = _plan()
-    plan.begin("d0", "p0")
+    plan.begin("p0")
     plan.prefill_answered()
     plan.sent_to_client()
     decision = plan.failed(Stage.DECODE, "d0", Failure.BROKE_MID_STREAM)
@@ -97,7 +97,7 @@ def test_no_retry_once_bytes_reached_the_client() -> None:
 
 def test_retries_are_bounded_and_the_last_failure_releases_once() -> None:
     plan = _plan(max_retries=1)
-    plan.begin("d0", "p0")
+    plan.begin("p0")
     plan.prefill_answered()
     assert plan.failed(Stage.DECODE, "d0", Failure.REFUSED).action is Action.RETRY_DECODE
     plan.retry_decode("d1")
@@ -110,14 +110,14 @@ def test_retries_are_bounded_and_the_last_failure_releases_once() -> None:
 
 def test_a_4xx_is_relayed_and_releases_only_what_p_holds() -> None:
     plan = _plan()
-    plan.begin("d0", "p0")
+    plan.begin("p0")
     plan.prefill_answered()
     decision = plan.failed(Stage.DECODE, "d0", Failure.REJECTED)
     assert decision.action is Action.RELAY
     assert decision.release
     assert plan.failed_decode == set()  # not the instance's fault
     plan = _plan()
-    plan.begin("d0", "p0")
+    plan.begin("p0")
     decision = plan.failed(Stage.PREFILL, "p0", Failure.REJECTED)
     assert decision.action is Action.RELAY
     assert not decision.release  # P rejected it: it never ran it
@@ -132,7 +132,7 @@ def test_deadline_and_client_gone_release_unless_d_streamed(
 ) -> None:
     for end in ("deadline_passed", "client_gone"):
         plan = _plan()
-        plan.begin("d0", "p0")  # parallel dispatch: P may still run when the request ends
+        plan.begin("p0")  # parallel dispatch: P may still run when the request ends
         if answered:
             plan.prefill_answered()
         if sent:
@@ -147,7 +147,7 @@ def test_no_backend_is_503_before_any_failure_and_502_after() -> None:
     plan = _plan()
     assert plan.no_backend("decode").status == 503
     plan = _plan()
-    plan.begin("d0", None)
+    plan.begin(None)
     plan.failed(Stage.LOCAL, "d0", Failure.REFUSED)
     assert plan.no_backend("decode").status == 502
 

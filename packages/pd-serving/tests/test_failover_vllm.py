@@ -22,8 +22,8 @@ from pd_serving.launcher import free_port
 from pd_serving.model import default_model_dir, make_model
 from pd_serving.proxy import PdProxy, serve
 from pd_serving.servers import Connector, Role, VllmServer, plan_servers
-from pd_serving.testing import wait_until
 from prometheus_client.parser import text_string_to_metric_families
+from stand_ins import wait_until
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.timeout(900)]
 

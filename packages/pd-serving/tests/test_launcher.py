@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pd_serving.launcher import ChildFailed, ManagedProcess, free_port, stop_all, wait_all_ready
-from pd_serving.testing import wait_all_gone
+from stand_ins import wait_all_gone
 
 # A server that, like vLLM, forks a helper (its "engine"), prints the ready marker and answers
 # /health. It writes the helper's pid to a file so the test can check the helper died too.

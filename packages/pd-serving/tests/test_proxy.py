@@ -9,11 +9,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from hybrid_connector.contract import PullParams, decode_params, encode_params
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
 from pd_serving.routing import RequestKey, Router
 from pd_serving.servers import Connector
-from pd_serving.testing import MODEL, FakeUpstream
+from stand_ins import MODEL, FakeUpstream
 
 Factory = Callable[..., Coroutine[Any, Any, tuple[str, PdProxy]]]
 
@@ -144,9 +145,111 @@ async def test_sequential_hybrid_sends_prefill_then_decode_with_transfer_params(
     assert d_params["do_remote_decode"] is False
     assert d_params["transfer_id"] == p_params["transfer_id"]
     assert d_params["remote_rpc_address"] == "127.0.0.1:7777"  # the proxy's P address wins
-    assert d_params["from_p"] == 1  # whatever else P returned travels to D
+    # P answered nothing D could pull from (no do_remote_prefill): the proxy's own PullParams,
+    # as with parallel dispatch; keys outside the contract do not travel.
+    assert d_params == encode_params(
+        PullParams(transfer_id=p_params["transfer_id"], remote_rpc_address="127.0.0.1:7777")
+    )
     assert d_req["max_tokens"] == 3
     assert d_req["min_tokens"] == 2
+
+
+def _p_answer(**fields: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A HybridConnector P's answered kv_transfer_params (its transfer id echoed), changed by
+    ``fields``."""
+
+    def answer(asked: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": asked["transfer_id"],
+            "remote_rpc_address": "10.9.9.9:8200",
+            "remote_request_id": "cmpl-p",
+            "remote_block_ids": [[3, 5]],
+            "remote_num_tokens": 6,
+            "remote_tp_size": 2,
+            "lease_s": 30.0,
+            "contract_version": 1,
+            "not_in_the_contract": True,
+            **fields,
+        }
+
+    return answer
+
+
+async def test_p_answered_pull_params_go_to_d_with_the_proxys_p_address(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    upstreams["P"].kv_params = _p_answer()
+    url, _ = await make_proxy()
+    status, _ = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 200
+    tid = upstreams["P"].received[0]["kv_transfer_params"]["transfer_id"]
+    d_params = upstreams["D"].received[0]["kv_transfer_params"]
+    assert decode_params(d_params) == PullParams(
+        transfer_id=tid,
+        remote_rpc_address="127.0.0.1:7777",
+        remote_tp_size=2,  # D pulls from each of P's ranks
+        remote_request_id="cmpl-p",
+        remote_block_ids=[[3, 5]],
+        remote_num_tokens=6,
+        lease_s=30.0,
+    )
+    assert "not_in_the_contract" not in d_params
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"remote_tp_size": "2"}, "kv_transfer_params.remote_tp_size"),
+        ({"contract_version": 99}, "kv_transfer_params.contract_version"),
+        ({"transfer_id": "made-up-by-p"}, "kv_transfer_params.transfer_id"),
+    ],
+    ids=["bad-type", "newer-version", "another-transfer"],
+)
+async def test_p_params_that_break_the_contract_fail_the_prefill(
+    make_proxy: Factory,
+    upstreams: dict[str, FakeUpstream],
+    caplog: pytest.LogCaptureFixture,
+    fields: dict[str, Any],
+    field: str,
+) -> None:
+    """Checked where they enter the proxy: a typed failure naming the field and P, logged with
+    the transfer; the request fails over (here: D prefills itself)."""
+    upstreams["P"].kv_params = _p_answer(**fields)
+    url, proxy = await make_proxy(max_retries=0)
+    with caplog.at_level("WARNING", logger="pd_serving.proxy"):
+        status, body = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 502
+    assert field in body["error"]["message"]
+    assert upstreams["P"].url in body["error"]["message"]
+    tid = upstreams["P"].received[0]["kv_transfer_params"]["transfer_id"]
+    assert any(tid in r.getMessage() and field in r.getMessage() for r in caplog.records)
+    url, proxy = await make_proxy()
+    status, _ = await _post(url, "/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 200
+    assert "kv_transfer_params" not in upstreams["D"].received[-1]
+    assert proxy.metrics.retries.labels("local_prefill")._value.get() == 1
+
+
+async def test_a_p_without_a_configured_rpc_address_is_pulled_where_it_says(
+    upstreams: dict[str, FakeUpstream],
+) -> None:
+    upstreams["P"].kv_params = _p_answer()
+    config = ProxyConfig(
+        prefill=[Backend(upstreams["P"].url, name="p0")], decode=[Backend(upstreams["D"].url)]
+    )
+    proxy = PdProxy(config)
+    port = free_port()
+    runner = await serve(proxy, "127.0.0.1", port)
+    try:
+        body = {"model": MODEL, "prompt": "x"}
+        status, _ = await _post(f"http://127.0.0.1:{port}", "/v1/completions", body)
+    finally:
+        await runner.cleanup()
+    assert status == 200
+    d_params = upstreams["D"].received[0]["kv_transfer_params"]
+    assert d_params["remote_rpc_address"] == "10.9.9.9:8200"
 
 
 async def test_nixl_passes_p_params_verbatim(

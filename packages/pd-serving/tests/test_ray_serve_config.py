@@ -87,6 +87,21 @@ def test_importing_the_module_loads_no_ray() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_p_answer_is_checked_against_the_contract(caplog: pytest.LogCaptureFixture) -> None:
+    answered = {"do_remote_prefill": True, "transfer_id": "t-1", "remote_rpc_address": "h:1"}
+    pull = ray_serve.answered_pull(answered, "p-replica")
+    assert pull is not None
+    assert (pull.transfer_id, pull.remote_rpc_address) == ("t-1", "h:1")
+    with caplog.at_level("WARNING", logger="pd_serving.ray_serve"):
+        assert ray_serve.answered_pull({**answered, "remote_tp_size": 0}, "p-replica") is None
+        assert ray_serve.answered_pull(None, "p-replica") is None
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "'t-1'" in first
+    assert "p-replica" in first
+    assert "kv_transfer_params.remote_tp_size" in first
+    assert "no PullParams" in second
+
+
 @pytest.mark.needs_vllm
 def test_backend_shapes_p_and_d_requests_for_the_connector() -> None:
     """P is asked to hold the KV under a transfer id; D gets exactly what P answered."""

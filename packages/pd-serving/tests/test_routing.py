@@ -293,7 +293,7 @@ async def _proxy_with(p_url: str, d_urls: list[str], policy: RoutingPolicy):
 
 async def test_proxy_bypasses_short_prompts_and_reports_states_and_metrics() -> None:
     import aiohttp
-    from pd_serving.testing import MODEL, FakeUpstream
+    from stand_ins import MODEL, FakeUpstream
 
     p, d = FakeUpstream("P", kv_params={}), FakeUpstream("D")
     await p.start()
@@ -323,7 +323,7 @@ async def test_proxy_bypasses_short_prompts_and_reports_states_and_metrics() -> 
 
 async def test_proxy_failures_open_the_breaker_and_count_the_transition() -> None:
     import aiohttp
-    from pd_serving.testing import MODEL, FakeUpstream
+    from stand_ins import MODEL, FakeUpstream
 
     p, bad, good = (
         FakeUpstream("P", kv_params={}),

@@ -1,6 +1,6 @@
 """The load sweep (`pdserve bench --rates`): schedule, lengths, maths, plots, open-loop sending.
 
-No vLLM: the sending is tested against stand-in upstreams (`pd_serving.testing.FakeUpstream`).
+No vLLM: the sending is tested against stand-in upstreams (`stand_ins.FakeUpstream`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pd_serving.sweep import (
     sweep_systems,
     write_plots,
 )
-from pd_serving.testing import MODEL, FakeUpstream
 from pd_serving.workload import (
     LengthDist,
     SweepRequest,
@@ -44,6 +43,7 @@ from pd_serving.workload import (
     plan_rate,
     poisson_arrivals,
 )
+from stand_ins import MODEL, FakeUpstream
 
 # --- the schedule ---------------------------------------------------------------------------
 

@@ -25,7 +25,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
-from hybrid_connector.holds import BlockHolds
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.mapping import rank_heads
 from hybrid_connector.metadata import HybridConnectorMetadata
@@ -115,22 +114,22 @@ def kv_groups(
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            kind, dtype = "state", ",".join(_dtype_name(d) for d in spec.dtypes)
+            family, dtype = "state", ",".join(_dtype_name(d) for d in spec.dtypes)
         elif isinstance(spec, SlidingWindowMLASpec):
             raise UnsupportedLayoutError("sliding-window MLA KV-cache groups are not supported")
         elif isinstance(spec, SlidingWindowSpec):
-            kind, dtype = "sliding_window", _dtype_name(spec.dtype)
+            family, dtype = "sliding_window", _dtype_name(spec.dtype)
         elif isinstance(spec, MLAAttentionSpec):
-            kind, dtype = "mla", _dtype_name(spec.dtype)
+            family, dtype = "mla", _dtype_name(spec.dtype)
         elif isinstance(spec, FullAttentionSpec):
-            kind, dtype = "attention", _dtype_name(spec.dtype)
+            family, dtype = "attention", _dtype_name(spec.dtype)
         else:
             raise UnsupportedLayoutError(
                 f"KV-cache group of {type(spec).__name__} (layers {group.layer_names[:2]}...) "
                 "is not supported"
             )
         heads = {}
-        if kind in ("attention", "sliding_window") and total_kv_heads > 0:
+        if family in ("attention", "sliding_window") and total_kv_heads > 0:
             ranks = rank_heads(total_kv_heads, tp_size, tp_rank)
             heads = {
                 "total_heads": total_kv_heads,
@@ -139,7 +138,7 @@ def kv_groups(
             }
         groups.append(
             KvGroup(
-                kind,
+                family,
                 tuple(group.layer_names),
                 int(getattr(spec, "block_size", block_size)),
                 dtype,
@@ -268,7 +267,10 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         # would then count as loaded).
         assert self._worker is not None
         results = self._worker.drain()
-        return KVConnectorTransferResults(**results._asdict())
+        # P's requests are never in finished_sending: their blocks go back by SEND_DONE.
+        return KVConnectorTransferResults(
+            finished_recving=results.finished_recving, failed_recving=results.failed_recving
+        )
 
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""
@@ -311,13 +313,14 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
         if self.is_producer and self._send_done_server is None:
-            # P holds finished requests' blocks itself (so vLLM's engine core can sleep while D
-            # pulls) and takes SEND_DONE from its workers on an ephemeral port.
-            holds = BlockHolds(kv_cache_manager.block_pool, self.tp_size)
+            # P's blocks are owned by the scheduler half (so vLLM's engine core can sleep while D
+            # pulls); its workers give them back by SEND_DONE, on an ephemeral port.
             self._send_done_server = SendDoneServer(
-                holds, host=self.config.rpc_host, advertise_host=self.config.advertise_host
+                self._scheduler.holds,
+                host=self.config.rpc_host,
+                advertise_host=self.config.advertise_host,
             )
-            self._scheduler.use_holds(holds, self._send_done_server.address)
+            self._scheduler.send_done_address = self._send_done_server.address
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None

@@ -19,17 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-from ipcblock import PagedKVLayout, Segment
+from ipcblock import Segment
 
-from hybrid_connector.errors import PeerError, UnsupportedLayoutError
+from hybrid_connector.errors import UnsupportedLayoutError
 from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec
 
 if TYPE_CHECKING:
     import torch
 
 
-GROUP_KINDS = ("attention", "mla", "state", "sliding_window")
+FAMILIES = ("attention", "mla", "state", "sliding_window")
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class KvGroup:
     """One vLLM KV-cache group, as the connector sees it (built from vLLM's KVCacheGroupSpec in
     ``connector.py``, so that nothing else imports vLLM)."""
 
-    kind: str  # one of GROUP_KINDS
+    family: str  # one of FAMILIES
     layer_names: tuple[str, ...]
     block_size: int
     dtype: str = ""
@@ -83,7 +82,7 @@ class KvCacheGeometry:
     block_size: int
     segments: tuple[Segment, ...]
     kind: str
-    group: str = "attention"
+    family: str = "attention"
     dtype: str = ""
     total_heads: int = 0
     head_start: int = 0
@@ -101,7 +100,7 @@ class KvCacheGeometry:
                 SegmentSpec(s.name, s.offset, s.block_stride, s.nbytes) for s in self.segments
             ],
             kind=self.kind,
-            group=self.group,
+            family=self.family,
             dtype=self.dtype,
             total_heads=self.total_heads,
             head_start=self.head_start,
@@ -224,11 +223,11 @@ def describe_kv_cache_groups(
     by_base: dict[int, int] = {}
     described: list[KvCacheGeometry] = []
     for group in groups:
-        if group.kind not in GROUP_KINDS:
-            raise UnsupportedLayoutError(f"KV-cache group kind {group.kind!r} is not supported")
+        if group.family not in FAMILIES:
+            raise UnsupportedLayoutError(f"KV-cache group family {group.family!r} is not supported")
         missing = [n for n in group.layer_names if n not in kv_caches]
         if missing or not group.layer_names:
-            raise UnsupportedLayoutError(f"{group.kind} group: no KV cache for layers {missing}")
+            raise UnsupportedLayoutError(f"{group.family} group: no KV cache for layers {missing}")
         segments: tuple[Segment, ...] | None = None
         kind = ""
         offsets: list[int] = []
@@ -240,7 +239,7 @@ def describe_kv_cache_groups(
             elif seg != segments:
                 raise UnsupportedLayoutError(
                     f"layer {name} has a different block geometry than the rest of its "
-                    f"{group.kind} group"
+                    f"{group.family} group"
                 )
             storage = tensor.untyped_storage()
             base = storage.data_ptr()
@@ -260,7 +259,7 @@ def describe_kv_cache_groups(
                 block_size=group.block_size,
                 segments=segments,
                 kind=kind,
-                group=group.kind,
+                family=group.family,
                 dtype=group.dtype,
                 total_heads=group.total_heads,
                 head_start=group.head_start,
@@ -274,36 +273,3 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{device.index or 0}"
     return device.type
-
-
-def describe_kv_caches(
-    kv_caches: dict[str, torch.Tensor], block_size: int, num_blocks: int | None = None
-) -> KvCacheGeometry:
-    """One attention group holding every layer of ``kv_caches`` (a model with one KV-cache
-    group); see :func:`describe_kv_cache_groups`."""
-    group = KvGroup("attention", tuple(kv_caches), block_size)
-    cache = describe_kv_cache_groups(kv_caches, [group], num_blocks)
-    (geometry,) = cache.groups
-    return KvCacheGeometry(
-        buffers=cache.buffers,
-        layer_names=geometry.layer_names,
-        layer_offsets=geometry.layer_offsets,
-        buffer_index=geometry.buffer_index,
-        num_blocks=geometry.num_blocks,
-        block_size=block_size,
-        segments=geometry.segments,
-        kind=geometry.kind,
-    )
-
-
-def layout_from_spec(spec: LayoutSpec) -> PagedKVLayout:
-    """The ipcblock layout of a (possibly remote) LayoutSpec; PeerError if it is malformed."""
-    try:
-        return PagedKVLayout.from_segments(
-            np.asarray(spec.layer_offsets, dtype=np.int64),
-            spec.num_blocks,
-            [Segment(s.name, s.offset, s.block_stride, s.nbytes) for s in spec.segments],
-            kind=spec.kind,
-        )
-    except Exception as err:
-        raise PeerError(f"invalid KV layout from peer: {err}") from err

@@ -38,7 +38,7 @@ from ipcblock import (
 )
 
 from hybrid_connector.errors import ConfigError, PeerError
-from hybrid_connector.protocol import LayoutSpec, SegmentSpec
+from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec
 
 STATE = "state"
 MLA = "mla"
@@ -62,7 +62,7 @@ def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
     nothing more than LayoutSpec. A segment of an unknown kind is opaque: it is copied whole, to
     the same geometry only.
     """
-    replicated = spec.group in {STATE, MLA} or spec.total_heads == 0
+    replicated = spec.family in {STATE, MLA} or spec.total_heads == 0
     try:
         cpu = None if replicated else _cpu_layout(spec)
         if cpu is not None:
@@ -72,12 +72,12 @@ def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
             spec.num_blocks,
             [_segment(spec, s) for s in spec.segments],
             kind=spec.kind,
-            block_size=0 if spec.group == STATE else spec.block_size,
+            block_size=0 if spec.family == STATE else spec.block_size,
             head_start=0 if replicated else spec.head_start,
             total_heads=0 if replicated else spec.total_heads,
         )
     except IpcBlockError as err:
-        raise PeerError(f"invalid {spec.group} KV layout: {err}") from err
+        raise PeerError(f"invalid {spec.family} KV layout: {err}") from err
 
 
 def _cpu_layout(spec: LayoutSpec) -> PagedKVLayout | None:
@@ -109,10 +109,10 @@ def _segment(spec: LayoutSpec, seg: SegmentSpec) -> Segment:
 def _derived_dims(spec: LayoutSpec, nbytes: int) -> tuple[tuple[Dim, ...], bool]:
     """(axes of one segment, whether they include a head axis) from the layout's kind."""
     bs = spec.block_size
-    if spec.group == STATE or bs <= 0:
+    if spec.family == STATE or bs <= 0:
         return (), False
     known = spec.kind in HEAD_MAJOR_KINDS or spec.kind in TOKEN_MAJOR_KINDS
-    if spec.group == MLA:
+    if spec.family == MLA:
         # One latent row per token ([nb, 1, bs, row] on CPU, [nb, bs, row] on GPU).
         if not known or nbytes % bs:
             return (), False
@@ -137,8 +137,8 @@ class _Pair:
 
 def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
     """P's and D's layouts narrowed to the bytes they share, ready for parse_blocks(_resized)."""
-    if src.group != dst.group:
-        raise PeerError(f"KV-cache group kind differs: P {src.group}, D {dst.group}")
+    if src.family != dst.family:
+        raise PeerError(f"KV-cache group family differs: P {src.family}, D {dst.family}")
     if src.layer_names != dst.layer_names:
         raise PeerError(
             f"layers differ: P {len(src.layer_names)} ({src.layer_names[:2]}...), "
@@ -150,7 +150,7 @@ def _pair(src: LayoutSpec, dst: LayoutSpec) -> _Pair:
     s, d = ipc_layout(src), ipc_layout(dst)
     s, d = _shared_heads(src, dst, s, d)
     resized = src.block_size != dst.block_size
-    if resized and src.group == STATE:
+    if resized and src.family == STATE:
         raise PeerError(
             f"state group block sizes differ (P {src.block_size}, D {dst.block_size}): in a "
             "hybrid model vLLM aligns state slots to the block size, so P and D would disagree "
@@ -241,7 +241,7 @@ def plan_copy(
     dst_ids = np.asarray(dst_block_ids, dtype=np.int64).reshape(-1)
     if dst_ids.size == 0:
         raise PeerError("transfer_kv names no destination block")
-    if src.group == STATE:
+    if src.family == STATE:
         if src_ids.size != dst_ids.size:
             raise PeerError(
                 f"state group: P holds {src_ids.size} state slots, D gave {dst_ids.size}"
@@ -343,12 +343,12 @@ def source_ranks(p_tp: int, d_tp: int, d_rank: int, group: LayoutSpec) -> list[S
     if p_tp <= 0 or d_tp <= 0:
         raise ConfigError(f"tensor parallel sizes must be positive, got P {p_tp}, D {d_tp}")
     rank_heads(0, d_tp, d_rank)  # validates d_rank
-    if group.group == STATE:
+    if group.family == STATE:
         # Linear-attention state is sharded by heads too, and its layout does not say how.
         if p_tp != d_tp:
             raise PeerError(f"state groups need equal TP on P and D, got P {p_tp}, D {d_tp}")
         return [Source(d_rank, range(0))]
-    total = 0 if group.group == MLA else group.total_heads
+    total = 0 if group.family == MLA else group.total_heads
     if total <= 0:
         return [Source(d_rank % p_tp, range(0))]
     p_ranges = [rank_heads(total, p_tp, p) for p in range(p_tp)]
@@ -362,3 +362,55 @@ def source_ranks(p_tp: int, d_tp: int, d_rank: int, group: LayoutSpec) -> list[S
         else:
             sources.append(Source(p_rank, range(head, head + 1)))
     return sources
+
+
+# ------------------------------------------------------------------ whole caches, TP pairs
+def check_cache_compatible(local: CacheSpec, remote: CacheSpec) -> None:
+    """Raise PeerError unless every KV-cache group of ``remote`` matches ``local``'s, in order
+    (count, family, dtype; then ``mapping.check_compatible`` per group)."""
+    if len(local.groups) != len(remote.groups):
+        raise PeerError(
+            f"KV-cache groups differ: local {[g.family for g in local.groups]}, "
+            f"peer {[g.family for g in remote.groups]}"
+        )
+    for index, (mine, theirs) in enumerate(zip(local.groups, remote.groups, strict=True)):
+        if mine.family != theirs.family:
+            raise PeerError(
+                f"group {index}: family differs: local {mine.family}, peer {theirs.family}"
+            )
+        if mine.dtype and theirs.dtype and mine.dtype != theirs.dtype:
+            raise PeerError(
+                f"group {index}: dtype differs: local {mine.dtype}, peer {theirs.dtype}"
+            )
+        try:
+            check_compatible(mine, theirs)
+        except PeerError as err:
+            raise PeerError(f"group {index} ({mine.family}): {err}") from err
+
+
+def kvt_transfer_id(transfer_id: str, p_rank: int, p_tp: int, d_rank: int, d_tp: int) -> str:
+    """kvt's request id for the bytes P rank ``p_rank`` sends D rank ``d_rank``: the transfer id
+    itself with one rank on each side, else one id per rank pair (a kvt id is unique per engine,
+    and one P rank may serve several D ranks, one D rank pull from several P ranks)."""
+    if p_tp == 1 and d_tp == 1:
+        return transfer_id
+    return f"{transfer_id}/p{p_rank}d{d_rank}"
+
+
+def pull_sources(
+    p_tp: int, d_tp: int, d_rank: int, groups: list[LayoutSpec]
+) -> dict[int, list[int]]:
+    """The P ranks D rank ``d_rank`` pulls from, each with the KV-cache groups (indices) it takes
+    from that rank (``mapping.source_ranks`` per group). PeerError/ConfigError if impossible."""
+    sources: dict[int, list[int]] = {}
+    for index, group in enumerate(groups):
+        for source in source_ranks(p_tp, d_tp, d_rank, group):
+            taken = sources.setdefault(source.p_rank, [])
+            if index not in taken:
+                taken.append(index)
+    return dict(sorted(sources.items()))
+
+
+def pulling_ranks(p_rank: int, p_tp: int, d_tp: int, groups: list[LayoutSpec]) -> list[int]:
+    """The D ranks that pull from P rank ``p_rank`` (P's fan-in)."""
+    return [d for d in range(d_tp) if p_rank in pull_sources(p_tp, d_tp, d, groups)]

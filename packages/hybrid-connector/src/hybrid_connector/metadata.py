@@ -13,8 +13,10 @@ from typing import NamedTuple
 
 
 @dataclass(frozen=True)
-class SendSpec:
-    """P: request ``request_id`` finished; hold its blocks for transfer ``transfer_id``."""
+class OfferSpec:
+    """P: request ``request_id`` finished (it was not announced in ``final_prefills``); its
+    blocks are offered for transfer ``transfer_id``: serve D's pulls, then give them back
+    (SEND_DONE) once done with them."""
 
     request_id: str
     transfer_id: str
@@ -22,24 +24,19 @@ class SendSpec:
     # group only the slot that holds the request's final state.
     block_ids: list[list[int]]
     num_tokens: int
-    # The request ended without usable KV (aborted); only sent for requests announced in
-    # ``prefill_done`` (a rapid send may be reading their blocks), which vLLM must keep until then.
-    aborted: bool = False
 
 
 @dataclass(frozen=True)
-class PrefillSpec:
-    """P: this step completes the prompt of ``request_id`` (rapid transfer_kv): a pull parked for
-    ``transfer_id`` may send each layer as soon as the forward pass has written it."""
+class FinalPrefill:
+    """P: this step runs the final prefill of ``request_id`` (its forward pass completes the
+    prompt, and the request finishes in the step: ``max_tokens=1``). Rapid transfer_kv: a pull
+    for ``transfer_id`` may send each layer as soon as the pass has written it; at the step's
+    end the worker offers the request (no OfferSpec follows)."""
 
     request_id: str
     transfer_id: str
-    block_ids: list[list[int]]  # per group, as in SendSpec
+    block_ids: list[list[int]]  # per group, as in OfferSpec
     num_tokens: int
-    # The scheduler half holds the request's blocks itself once vLLM finishes it (no
-    # delay_free, no SendSpec follows): the request finishes in this step, so the worker offers
-    # it at the step's end and tells the scheduler by SEND_DONE when the blocks may go back.
-    scheduler_holds: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,36 +69,38 @@ class ReleaseSpec:
 
 @dataclass
 class HybridConnectorMetadata:
-    to_send: list[SendSpec] = field(default_factory=list)
+    # P: finished requests whose blocks are offered (requests not in final_prefills).
+    to_offer: list[OfferSpec] = field(default_factory=list)
     to_recv: list[RecvSpec] = field(default_factory=list)
     # D: requests finished (aborted) while their pull was in flight: abort the pull.
     cancel_recv: list[str] = field(default_factory=list)
     # P: transfer ids whose request ended without KV to offer (aborted): fail early pulls.
-    cancel_send: list[str] = field(default_factory=list)
+    cancel_offer: list[str] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
-    prefill_done: list[PrefillSpec] = field(default_factory=list)
-    # P: where the scheduler half takes SEND_DONE ("host:port"; "" = it holds no blocks itself,
-    # the worker reports in finished_sending). Set in every metadata, read by the worker.
+    final_prefills: list[FinalPrefill] = field(default_factory=list)
+    # P: where the scheduler half (the owner of P's blocks) takes SEND_DONE ("host:port"). Set
+    # in every metadata, read by the worker.
     scheduler_address: str = ""
 
     def is_empty(self) -> bool:
         return not (
-            self.to_send
+            self.to_offer
             or self.to_recv
             or self.cancel_recv
-            or self.cancel_send
+            or self.cancel_offer
             or self.to_release
-            or self.prefill_done
+            or self.final_prefills
         )
 
 
 class TransferResults(NamedTuple):
-    """Worker -> scheduler, every step: request ids whose transfer ended since the last step.
+    """Worker -> scheduler, every step: D's request ids whose pull ended since the last step.
 
     A failed pull is in both ``finished_recving`` and ``failed_recving`` (vLLM 0.32's
-    request-level failure report: the scheduler releases the request and recomputes it).
+    request-level failure report: the scheduler releases the request and recomputes it). P's
+    requests are never here (vLLM's ``finished_sending`` stays empty): their blocks go back to
+    the scheduler half's owner by SEND_DONE (``holds.py``).
     """
 
-    finished_sending: set[str]
     finished_recving: set[str]
     failed_recving: set[str]

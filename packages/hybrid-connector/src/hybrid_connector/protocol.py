@@ -32,10 +32,11 @@ class LayoutSpec(msgspec.Struct, frozen=True):
     num_blocks: int
     block_size: int
     segments: list[SegmentSpec]
+    # ipcblock's layout kind (``ipcblock.LayoutSpec.kind``): how a block's bytes are arranged.
     kind: str = "custom"
     # What a block of this group is: "attention" (paged K/V), "mla" (paged latent), "state" (a
     # request's linear-attention/SSM state slot: only the final state moves), "sliding_window".
-    group: str = "attention"
+    family: str = "attention"
     # Element type of the cache as vLLM names it ("bfloat16", "fp8_e4m3", ...); "" = unknown.
     dtype: str = ""
     # Tensor parallelism: this rank holds KV heads [head_start, head_start + num_heads) of

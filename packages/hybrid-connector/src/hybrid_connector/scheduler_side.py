@@ -1,10 +1,15 @@
 """Scheduler-side half of HybridConnector: decides, records, never touches the network.
 
 Every hook returns at once. What the worker must do is queued here and handed over in the next
-``build_connector_meta``; what the worker finished comes back through ``get_transfer_results``
-(``update_connector_output``), or, for the blocks of P requests this half holds itself
-(``holds.BlockHolds``: announced requests, see ``request_finished``), through SEND_DONE, applied
-at the start of every hook (``_drain``). Imports no vLLM (only its types, for checking).
+``build_connector_meta``; what D's worker finished comes back through ``get_transfer_results``
+(``update_connector_output``). P's blocks have one owner, ``holds.BlockHolds``: it references a
+finished P request's blocks and gives them back when every worker rank sent SEND_DONE, at the
+start of the next hook (``_drain``). Imports no vLLM (only its types, for checking).
+
+``kv_transfer_params`` is decoded once per request at this half's first hook that sees it
+(``contract.decode_params``); what this half does with a request is kept in its own record
+(``_Tracked``), never in vLLM's dict. Params that break the contract are logged (WARNING, the
+request, the peer, the field) and the request runs without a transfer.
 
 KV-cache groups (vLLM's hybrid KV-cache manager): every block list is one list per group, in
 vLLM's group order. Token groups (attention, mla, sliding window) carry the request's blocks from
@@ -19,17 +24,25 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hybrid_connector.config import HybridConfig
-from hybrid_connector.holds import BlockHolds
+from hybrid_connector.contract import (
+    ContractError,
+    PrefillParams,
+    PullParams,
+    decode_params,
+    encode_params,
+)
+from hybrid_connector.holds import BlockHolds, Offer, Withdraw
 from hybrid_connector.layout import KvGroup, state_slot
 from hybrid_connector.metadata import (
+    FinalPrefill,
     HybridConnectorMetadata,
-    PrefillSpec,
+    OfferSpec,
     RecvSpec,
     ReleaseSpec,
-    SendSpec,
 )
 
 if TYPE_CHECKING:
@@ -40,39 +53,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Set in a D request's kv_transfer_params once its pull is planned: one pull per request, even if
-# the request is preempted and scheduled again.
-_DISPATCHED = "_hc_dispatched"
-# Set in a P request's kv_transfer_params once its prompt lost its last token (state groups).
-_SHORTENED = "_hc_shortened"
 # vLLM RequestStatus names of a request that finished with its KV computed (not aborted).
 _FINISHED_NORMALLY = frozenset({"FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"})
 
 
-def _pull_params(request: Request) -> tuple[str, str] | None:
-    """(transfer_id, remote_rpc_address) if ``request`` asks to pull its prompt's KV."""
-    params = request.kv_transfer_params
-    if not params or not params.get("do_remote_prefill") or params.get(_DISPATCHED):
-        return None
-    transfer_id = params.get("transfer_id")
-    address = params.get("remote_rpc_address")
-    if not isinstance(transfer_id, str) or not transfer_id:
-        return None
-    if not isinstance(address, str) or ":" not in address:
-        return None
-    return transfer_id, address
+@dataclass(slots=True)
+class _Tracked:
+    """The connector's own record of a request with ``kv_transfer_params`` (vLLM's dict stays
+    as the proxy sent it): its decoded params, and what this half did with it."""
 
-
-def _remote_tp_size(request: Request) -> int:
-    """P's TP size from its kv_transfer_params (1 if absent or not a positive int)."""
-    params = request.kv_transfer_params or {}
-    size = params.get("remote_tp_size", 1)
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
-
-
-def _wants_remote_decode(request: Request) -> bool:
-    params = request.kv_transfer_params
-    return bool(params and params.get("do_remote_decode"))
+    params: PrefillParams | PullParams | None  # None: the params broke the contract
+    # P: the transfer id (the proxy's, or one made up when it gave none).
+    transfer_id: str = ""
+    # P, a model with a state group: the prompt lost its last token (once).
+    shortened: bool = False
+    # D: its pull (or release) is planned: one per request, even if it is preempted and
+    # scheduled again.
+    dispatched: bool = False
 
 
 def _finishes_with_its_prompt(request: Request) -> bool:
@@ -80,17 +77,6 @@ def _finishes_with_its_prompt(request: Request) -> bool:
     the proxy contract for P). Only such requests get a rapid send: vLLM may preempt a request
     that keeps decoding and reuse its blocks at once, while kvt is still reading them."""
     return request.max_tokens == 1
-
-
-def _transfer_id(request: Request) -> str:
-    """The proxy's transfer id, or one made up (and stored) when the proxy gave none."""
-    params = request.kv_transfer_params
-    assert params is not None
-    transfer_id = params.get("transfer_id")
-    if not isinstance(transfer_id, str) or not transfer_id:
-        transfer_id = str(uuid.uuid4())  # D must then use the id P returns
-        params["transfer_id"] = transfer_id
-    return transfer_id
 
 
 class SchedulerSide:
@@ -112,38 +98,79 @@ class SchedulerSide:
         self._block_size = block_size
         # vLLM's KV-cache groups (None: one attention group of ``block_size``).
         self._groups = groups or [KvGroup("attention", (), block_size)]
-        self._has_state = any(g.kind == "state" for g in self._groups)
+        self._has_state = any(g.family == "state" for g in self._groups)
         self._meta = HybridConnectorMetadata()
         self._kv_cache_manager: KVCacheManager | None = None
+        # Requests with kv_transfer_params, from their first hook to request_finished.
+        self._tracked: dict[str, _Tracked] = {}
         # P: do_remote_decode requests still prefilling (announced once their last chunk runs).
         self._prefilling: dict[str, Request] = {}
-        # P: requests announced in prefill_done: a rapid send may read their blocks, so they
-        # stay held (by ``_holds``, else delay_free) whatever way they finish.
-        self._announced: set[str] = set()
         # D: requests whose pull is in flight (between update_state_after_alloc and the worker
         # reporting them in finished_recving).
         self._recv_in_flight: set[str] = set()
-        self._warned: set[str] = set()
-        # P: the blocks of announced requests, held here after vLLM freed the request (None:
-        # the old way, delay_free until finished_sending), and where SEND_DONE reaches us.
-        self._holds: BlockHolds | None = None
-        self._send_done_address = ""
-
-    def use_holds(self, holds: BlockHolds, send_done_address: str) -> None:
-        """P: hold announced requests' blocks in ``holds`` (released by SEND_DONE to
-        ``send_done_address``) instead of delaying vLLM's free: the engine core can then sleep
-        while D pulls. Before the first step."""
-        self._holds = holds
-        self._send_done_address = send_done_address
+        # P: the one owner of P's blocks (bound to vLLM's pool in bind_kv_cache_manager), and
+        # where the workers' SEND_DONE reaches it (every metadata carries the address).
+        self.holds = BlockHolds(tp_size=tp_size)
+        self.send_done_address = ""
 
     def _drain(self) -> None:
         """Give vLLM back the blocks whose SEND_DONE arrived (engine-core thread, every hook)."""
-        if self._holds is not None:
-            self._holds.drain()
+        self.holds.drain()
 
     def release_holds(self) -> int:
         """Shutdown: every block still held goes back to vLLM (once). Returns how many."""
-        return 0 if self._holds is None else self._holds.release_all()
+        return self.holds.release_all()
+
+    # ------------------------------------------------------------------ the contract
+    def _track(self, request: Request) -> _Tracked | None:
+        """The connector's record of ``request`` (None: no transfer asked). Decodes vLLM's
+        ``kv_transfer_params`` the first time; a contract breach is logged once."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None:
+            return tracked
+        raw = request.kv_transfer_params
+        if raw is None:
+            return None
+        try:
+            params = decode_params(raw)
+        except ContractError as err:
+            log.warning(
+                "request %s: kv_transfer_params from %s rejected (%s); %s",
+                request.request_id,
+                _peer(raw),
+                err,
+                "computing the prompt locally"
+                if _asks(raw, "do_remote_prefill")
+                else "serving it without a transfer",
+            )
+            tracked = _Tracked(None)
+        else:
+            if params is None:
+                return None
+            tracked = _Tracked(params)
+            if isinstance(params, PrefillParams):
+                # No id from the proxy: one made up here, which D must then take from P's answer.
+                tracked.transfer_id = params.transfer_id or str(uuid.uuid4())
+        self._tracked[request.request_id] = tracked
+        return tracked
+
+    def _pull_of(self, request: Request) -> tuple[_Tracked, PullParams] | None:
+        """D: the request's record and pull params, if it still has to pull."""
+        if not self._is_consumer:
+            return None
+        tracked = self._track(request)
+        if tracked is None or tracked.dispatched or not isinstance(tracked.params, PullParams):
+            return None
+        return tracked, tracked.params
+
+    def _offer_of(self, request: Request) -> _Tracked | None:
+        """P: the request's record, if D will pull its KV."""
+        if not self._is_producer:
+            return None
+        tracked = self._track(request)
+        if tracked is None or not isinstance(tracked.params, PrefillParams):
+            return None
+        return tracked
 
     # ------------------------------------------------------------------ D: pulling
     def get_num_new_matched_tokens(
@@ -151,24 +178,7 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         # First hook of a schedule() that admits a request: released blocks count for it.
         self._drain()
-        if not self._is_consumer:
-            return 0, False
-        pull = _pull_params(request)
-        if pull is None:
-            params = request.kv_transfer_params
-            if (
-                params
-                and params.get("do_remote_prefill")
-                and not params.get(_DISPATCHED)
-                and request.request_id not in self._warned
-            ):
-                self._warned.add(request.request_id)
-                log.warning(
-                    "request %s: do_remote_prefill without a valid transfer_id and "
-                    "remote_rpc_address (%s); computing the prompt locally",
-                    request.request_id,
-                    {k: params.get(k) for k in ("transfer_id", "remote_rpc_address")},
-                )
+        if self._pull_of(request) is None:
             return 0, False
         # Every prompt token P computed; vLLM itself recomputes the last one locally once the
         # load is done (so it can sample), as with NixlConnector.
@@ -187,13 +197,12 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         """P with a state group: drop the prompt's last token (D computes it, see the module
         docstring); once, and only for requests that will be pulled."""
-        params = request.kv_transfer_params
+        if not self._has_state:
+            return
+        tracked = self._offer_of(request)
         if (
-            not self._is_producer
-            or not self._has_state
-            or not params
-            or not params.get("do_remote_decode")
-            or params.get(_SHORTENED)
+            tracked is None
+            or tracked.shortened
             or request.num_prompt_tokens <= 1
             or request.prompt_token_ids is None
         ):
@@ -202,36 +211,35 @@ class SchedulerSide:
         del request._all_token_ids[-1]
         request.num_prompt_tokens -= 1
         request.max_tokens = 1
-        params[_SHORTENED] = True
+        tracked.shortened = True
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
+        self.holds.bind_pool(manager.block_pool)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        if self._is_producer and _wants_remote_decode(request):
-            _transfer_id(request)
+        request_id = request.request_id
+        if self._offer_of(request) is not None:
             # Not again after a preemption; never for a request that keeps decoding.
-            if request.request_id not in self._announced and _finishes_with_its_prompt(request):
-                self._prefilling[request.request_id] = request
+            if not self.holds.is_announced(request_id) and _finishes_with_its_prompt(request):
+                self._prefilling[request_id] = request
             return
-        pull = _pull_params(request)
+        pull = self._pull_of(request)
         if pull is None:
             return
-        transfer_id, address = pull
-        assert request.kv_transfer_params is not None
-        request.kv_transfer_params[_DISPATCHED] = True
-        request_id = request.request_id
+        tracked, params = pull
+        tracked.dispatched = True
         if num_external_tokens <= 0:
             # Everything is already here (local prefix cache): let P free its blocks now.
             self._meta.to_release.append(
                 ReleaseSpec(
                     request_id,
-                    transfer_id,
-                    address,
+                    params.transfer_id,
+                    params.remote_rpc_address,
                     "decode instance has a full local hit",
-                    _remote_tp_size(request),
+                    params.remote_tp_size,
                 )
             )
             return
@@ -240,12 +248,12 @@ class SchedulerSide:
         self._meta.to_recv.append(
             RecvSpec(
                 request_id=request_id,
-                transfer_id=transfer_id,
-                remote_rpc_address=address,
+                transfer_id=params.transfer_id,
+                remote_rpc_address=params.remote_rpc_address,
                 block_ids=block_ids,
                 first_block=first_block,
                 num_tokens=num_tokens,
-                remote_tp_size=_remote_tp_size(request),
+                remote_tp_size=params.remote_tp_size,
             )
         )
         self._recv_in_flight.add(request_id)
@@ -258,7 +266,7 @@ class SchedulerSide:
         block_ids: list[list[int]] = []
         first_block: list[int] = []
         for group, held in zip(self._groups, blocks.blocks, strict=True):
-            if group.kind == "state":
+            if group.family == "state":
                 # As NixlConnector: the last new slot (a hashed one is D's cached checkpoint).
                 ids = [b.block_id for b in held if b.block_hash is None and not b.is_null]
                 block_ids.append(state_slot(ids, group.num_speculative_blocks))
@@ -275,7 +283,7 @@ class SchedulerSide:
     def _held(self, block_ids: tuple[list[int], ...] | list[list[int]]) -> list[list[int]]:
         """P's blocks per group as offered: a state group keeps only its running state's slot."""
         return [
-            state_slot(list(ids), g.num_speculative_blocks) if g.kind == "state" else list(ids)
+            state_slot(list(ids), g.num_speculative_blocks) if g.family == "state" else list(ids)
             for g, ids in zip(self._groups, block_ids, strict=True)
         ]
 
@@ -289,84 +297,76 @@ class SchedulerSide:
         self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM finished ``request``; ``block_ids``: its blocks per KV-cache group. Returns
-        (hold every group's blocks until the worker reports the request, params for D)."""
+        (keep every group's blocks until the worker reports the request, params for D)."""
         request_id = request.request_id
-        params = request.kv_transfer_params
-        self._warned.discard(request_id)
         self._prefilling.pop(request_id, None)
-        announced = request_id in self._announced
-        self._announced.discard(request_id)
         self._drain()
         if request_id in self._recv_in_flight:
             # D request finished (aborted) while P may still be writing into its blocks: keep
             # them until the worker has aborted the pull and reports it in finished_recving.
             self._meta.cancel_recv.append(request_id)
+            self._tracked.pop(request_id, None)
             return True, None
-        pull = _pull_params(request) if self._is_consumer else None
+        pull = self._pull_of(request)
+        tracked = self._offer_of(request)
+        self._tracked.pop(request_id, None)
         if pull is not None:
             # Finished before it was ever scheduled: P holds blocks for nobody; release them.
-            transfer_id, address = pull
-            assert params is not None
-            params[_DISPATCHED] = True
+            params = pull[1]
             self._meta.to_release.append(
                 ReleaseSpec(
                     request_id,
-                    transfer_id,
-                    address,
+                    params.transfer_id,
+                    params.remote_rpc_address,
                     "decode request ended before pull",
-                    _remote_tp_size(request),
+                    params.remote_tp_size,
                 )
             )
             return False, None
-        if not self._is_producer or not params or not params.get("do_remote_decode"):
+        if tracked is None:
             return False, None
-        transfer_id = _transfer_id(request)
+        transfer_id = tracked.transfer_id
         # By name: vLLM's RequestStatus enum would import vLLM into this pure module.
-        finished_normally = request.status.name in _FINISHED_NORMALLY
         held = self._held(block_ids)
-        if announced and self._holds is not None:
-            # The worker offered it at the end of its step (PrefillSpec.scheduler_holds) and
-            # will SEND_DONE it; vLLM may forget the request now, its blocks stay referenced.
-            assert self._kv_cache_manager is not None
-            blocks = self._kv_cache_manager.get_blocks(request_id).blocks
-            self._holds.hold(request_id, transfer_id, blocks)
-            if not finished_normally or not any(held):
-                return False, None
-            return False, self._params(request_id, transfer_id, held, request.num_computed_tokens)
-        if not finished_normally or not any(held):
-            # Aborted (or nothing computed): no KV to offer; fail any early pull at once.
-            if announced:
-                # A rapid send may be reading these blocks: the worker frees them after it.
-                self._meta.to_send.append(SendSpec(request_id, transfer_id, held, 0, aborted=True))
-                return True, None
-            self._meta.cancel_send.append(transfer_id)
-            return False, None
+        has_kv = request.status.name in _FINISHED_NORMALLY and any(held)
         num_tokens = request.num_computed_tokens
-        self._meta.to_send.append(SendSpec(request_id, transfer_id, held, num_tokens))
-        return True, self._params(request_id, transfer_id, held, num_tokens)
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager comes first"
+        blocks = self._kv_cache_manager.get_blocks(request_id).blocks
+        # vLLM may forget the request now (delay_free=False): the owner references its blocks
+        # while a worker may read them, and gives them back after every rank's SEND_DONE.
+        for action in self.holds.finish(request_id, transfer_id, blocks, has_kv=has_kv):
+            match action:
+                case Offer():
+                    self._meta.to_offer.append(OfferSpec(request_id, transfer_id, held, num_tokens))
+                case Withdraw():
+                    # No KV to offer (aborted, nothing computed): early pulls fail at once.
+                    self._meta.cancel_offer.append(transfer_id)
+        if not has_kv:
+            return False, None
+        return False, self._params(request_id, transfer_id, held, num_tokens)
 
     def _params(
         self, request_id: str, transfer_id: str, held: list[list[int]], num_tokens: int
     ) -> dict[str, Any]:
-        """P's kv_transfer_params for the proxy and D."""
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_id": transfer_id,
-            "remote_rpc_address": self._config.rpc_address,
-            "remote_request_id": request_id,
-            "remote_block_ids": held,
-            "remote_num_tokens": num_tokens,
-            "remote_tp_size": self._tp_size,
-            "lease_s": self._config.lease_s,
-        }
+        """P's kv_transfer_params for the proxy and D (``contract.PullParams``)."""
+        return encode_params(
+            PullParams(
+                transfer_id=transfer_id,
+                remote_rpc_address=self._config.rpc_address,
+                remote_tp_size=self._tp_size,
+                remote_request_id=request_id,
+                remote_block_ids=held,
+                remote_num_tokens=num_tokens,
+                lease_s=self._config.lease_s,
+            )
+        )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridConnectorMetadata:
         self._drain()
         if self._prefilling:
             self._announce_prefills(scheduler_output)
         meta, self._meta = self._meta, HybridConnectorMetadata()
-        meta.scheduler_address = self._send_done_address
+        meta.scheduler_address = self.send_done_address
         return meta
 
     def _announce_prefills(self, scheduler_output: SchedulerOutput) -> None:
@@ -380,19 +380,29 @@ class SchedulerSide:
             if request.num_computed_tokens + scheduled[request_id] < request.num_prompt_tokens:
                 continue  # an earlier chunk of a chunked prefill
             del self._prefilling[request_id]
+            tracked = self._offer_of(request)
+            assert tracked is not None
             num_tokens = request.num_prompt_tokens
             all_ids = self._held(self._kv_cache_manager.get_block_ids(request_id))
             held = [
-                ids if g.kind == "state" else ids[: -(-num_tokens // g.block_size)]
+                ids if g.family == "state" else ids[: -(-num_tokens // g.block_size)]
                 for g, ids in zip(self._groups, all_ids, strict=True)
             ]
-            self._meta.prefill_done.append(
-                PrefillSpec(
-                    request_id,
-                    _transfer_id(request),
-                    held,
-                    num_tokens,
-                    scheduler_holds=self._holds is not None,
-                )
+            self._meta.final_prefills.append(
+                FinalPrefill(request_id, tracked.transfer_id, held, num_tokens)
             )
-            self._announced.add(request_id)
+            # From the step's end a worker may read the blocks: the owner keeps them.
+            self.holds.announce(request_id, tracked.transfer_id)
+
+
+def _asks(raw: object, flag: str) -> bool:
+    return isinstance(raw, dict) and raw.get(flag) is True
+
+
+def _peer(raw: object) -> str:
+    """Who the params are from, for the log line: D's come with P's address, P's from the
+    proxy (vLLM does not say which client sent the request)."""
+    if _asks(raw, "do_remote_prefill"):
+        address = raw.get("remote_rpc_address")  # type: ignore[union-attr]
+        return f"the proxy (P at {repr(address)[:80]})"
+    return "the proxy"

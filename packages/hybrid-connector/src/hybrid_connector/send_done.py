@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from simple_rpc import CallContext, Client, LoopThread, Server
 
-from hybrid_connector.holds import BlockHolds
 from hybrid_connector.protocol import SEND_DONE, SendDoneRequest, SendDoneResponse
 
 log = logging.getLogger(__name__)
@@ -29,10 +29,16 @@ RETRIES = 6
 RETRY_FIRST_S = 0.05
 
 
+class SendDoneSink(Protocol):
+    """Where SEND_DONE reports go: ``holds.BlockHolds`` (tests: a recorder). True if counted."""
+
+    def send_done(self, request_id: str, tp_rank: int, outcome: str = "") -> bool: ...
+
+
 class SendDoneServer:
     """Scheduler half: takes SEND_DONE reports into ``holds``; owns its thread and socket."""
 
-    def __init__(self, holds: BlockHolds, *, host: str, advertise_host: str | None) -> None:
+    def __init__(self, holds: SendDoneSink, *, host: str, advertise_host: str | None) -> None:
         self._holds = holds
         self._server = Server(name="hybrid-connector-scheduler")
         self._server.register(SEND_DONE, self._on_send_done)
@@ -48,7 +54,7 @@ class SendDoneServer:
         log.info("hybrid-connector: scheduler half takes SEND_DONE at %s", self.address)
 
     async def _on_send_done(self, req: SendDoneRequest, ctx: CallContext) -> SendDoneResponse:
-        held = self._holds.send_done(req.request_id, req.tp_rank)
+        held = self._holds.send_done(req.request_id, req.tp_rank, req.outcome)
         log.debug(
             "request %s: SEND_DONE (%s) from worker rank %d at %s for transfer %s%s",
             req.request_id,

@@ -4,11 +4,12 @@ vLLM calls the worker hooks from its step; they only hand work to the connector'
 thread (``LoopThread``) and drain a completion set, so no step ever waits on the network.
 
 The decisions (what to send, when blocks go back, which pull fails) are made by the pure
-machines in ``hybrid_connector.state``; this module only translates: vLLM's metadata, RPCs, kvt
-completions and timers become events, and the machines' actions become kvt calls, RPC answers,
-timers and reports. Everything here runs on the loop thread, except kvt completion callbacks,
-which arrive on kvt threads and are forwarded with ``call_soon_threadsafe``; the loop reports
-finished request ids into a lock-protected set that ``get_transfer_results`` swaps out each step.
+machines ``producer.Producer`` and ``consumer.Consumer``; this module only translates: vLLM's
+metadata, RPCs, kvt completions and timers become events, and the machines' actions become kvt
+calls, RPC answers, timers and reports. Everything here runs on the loop thread, except kvt
+completion callbacks, which arrive on kvt threads and are forwarded with
+``call_soon_threadsafe``; the loop reports finished request ids into a lock-protected set that
+``get_transfer_results`` swaps out each step.
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import numpy as np
 from simple_rpc import CallContext, Client, LoopThread, Server
 
-from hybrid_connector import state
+from hybrid_connector import common, consumer, producer
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.errors import PeerError, TransferError
 from hybrid_connector.layout import KvGroup, describe_kv_cache_groups
 from hybrid_connector.mapping import plan_copy
 from hybrid_connector.metadata import (
+    FinalPrefill,
     HybridConnectorMetadata,
-    PrefillSpec,
+    OfferSpec,
     RecvSpec,
     ReleaseSpec,
-    SendSpec,
     TransferResults,
 )
 from hybrid_connector.protocol import (
@@ -63,11 +64,11 @@ ActionT = TypeVar("ActionT")
 
 
 class _Results:
-    """Finished request ids reported by the loop thread, drained by vLLM's step thread."""
+    """D's finished request ids reported by the loop thread, drained by vLLM's step thread, and
+    the worker's event counters."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._sending: set[str] = set()
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._counters: collections.Counter[str] = collections.Counter()
@@ -86,11 +87,6 @@ class _Results:
         with self._cond:
             return dict(self._counters)
 
-    def sent(self, request_id: str) -> None:
-        with self._cond:
-            self._sending.add(request_id)
-            self._cond.notify_all()
-
     def received(self, request_id: str, *, failed: bool) -> None:
         with self._cond:
             self._recving.add(request_id)
@@ -102,10 +98,10 @@ class _Results:
         """Take what finished; with ``wait_s`` > 0 first wait that long for anything to finish
         (vLLM's step never waits; tests and tools outside a step may)."""
         with self._cond:
-            if wait_s > 0 and not (self._sending or self._recving):
+            if wait_s > 0 and not self._recving:
                 self._cond.wait(wait_s)
-            out = TransferResults(self._sending, self._recving, self._failed)
-            self._sending, self._recving, self._failed = set(), set(), set()
+            out = TransferResults(self._recving, self._failed)
+            self._recving, self._failed = set(), set()
         return out
 
 
@@ -131,13 +127,13 @@ class _CountersCollector:
 
 # ---------------------------------------------------------------------------------- the shells
 class _Machine(Protocol[EventT, ActionT]):
-    """``state.Producer`` or ``state.Consumer``: events in, actions out."""
+    """``producer.Producer`` or ``consumer.Consumer``: events in, actions out."""
 
     def handle(self, event: EventT) -> list[ActionT]: ...
 
 
 class _Shell(Generic[EventT, ActionT]):
-    """Feeds one pure machine (``hybrid_connector.state``) and carries out its actions.
+    """Feeds one pure machine (``producer.Producer``, ``consumer.Consumer``), does its actions.
 
     Runs on the loop thread. Events that arise while actions are carried out (a kvt refusal, a
     deadline) are queued and handed to the machine right after, in order, so the machine never
@@ -180,11 +176,14 @@ class _Shell(Generic[EventT, ActionT]):
     def _do(self, action: ActionT) -> None:
         """The actions both machines emit; each shell matches its own first."""
         match action:
-            case state.Abort(tid, reason):
+            case common.Abort(tid, reason):
                 with contextlib.suppress(Exception):
                     self._engine.abort(tid, reason)
-            case state.Count(name, n):
+            case common.Count(name, n):
                 self._results.count(name, n)
+            case common.Log(level, message, args):
+                # Under the machine's module name (hybrid_connector.producer, ...).
+                logging.getLogger(type(self.core).__module__).log(level, message, *args)
 
     def _post(self, event: EventT) -> None:
         """From a kvt thread: feed ``event`` on the loop thread (nothing else happens here)."""
@@ -192,8 +191,8 @@ class _Shell(Generic[EventT, ActionT]):
             self._loop.call_soon_threadsafe(self.feed, event)
 
 
-class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
-    """P: the transfer_kv/release RPC server, kvt sends and timers around ``state.Producer``."""
+class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"]):
+    """P: the transfer_kv/release RPC server, kvt sends and timers around ``producer.Producer``."""
 
     def __init__(
         self,
@@ -206,8 +205,8 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         super().__init__(engine, results, loop)
         self._config = config
         self._spec = local_spec
-        self.core = state.Producer(
-            local_spec, state.ProducerSettings(config.lease_s, config.transfer_timeout_s)
+        self.core = producer.Producer(
+            local_spec, producer.ProducerSettings(config.lease_s, config.transfer_timeout_s)
         )
         # Rapid sends: a layer's batch waits on the layer's event, numbered across all groups.
         self._layer_base: list[int] = []
@@ -222,94 +221,93 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         self._server = Server(name="hybrid-connector")
         self._server.register(TRANSFER_KV, self._on_transfer_kv)
         self._server.register(RELEASE, self._on_release)
-        # Requests whose blocks the scheduler half holds (PrefillSpec.scheduler_holds): their
-        # ReportSent is a SEND_DONE to it, not finished_sending (vLLM forgot them already).
-        self._scheduler_holds: dict[str, str] = {}  # request id -> transfer id
+        # To the owner of P's blocks (the scheduler half, holds.py): the one way they go back.
         self._send_done: SendDoneClient | None = None
 
     async def start(self) -> str:
         return await self._server.start(self._config.rpc_host, self._config.rpc_port)
 
     # -- from vLLM (via metadata) ----------------------------------------------------------
-    def offer(self, spec: SendSpec) -> None:
-        self.feed(state.RequestFinished(spec))
+    def use_scheduler(self, address: str) -> None:
+        """Where SEND_DONE goes (the metadata's ``scheduler_address``): one scheduler half for
+        the worker's whole life, so the first address stays."""
+        if self._send_done is None and address:
+            self._send_done = SendDoneClient(
+                address,
+                self._spec.tp_rank,
+                on_delivered=lambda: self._results.count("send_done_delivered"),
+            )
 
-    def prefill_done(
-        self, spec: PrefillSpec, events: LayerEvents | None, scheduler_address: str = ""
-    ) -> None:
-        if spec.scheduler_holds:
-            if self._send_done is None:  # one scheduler half for the worker's whole life
-                self._send_done = SendDoneClient(
-                    scheduler_address,
-                    self._spec.tp_rank,
-                    on_delivered=lambda: self._results.count("send_done_delivered"),
-                )
-            self._scheduler_holds[spec.request_id] = spec.transfer_id
-        self.feed(state.PrefillDone(spec, events))
+    def offer(self, spec: OfferSpec) -> None:
+        self.feed(producer.RequestFinished(spec))
 
-    def prefill_finished(self, spec: PrefillSpec) -> None:
-        """End of the step that completed ``spec``'s prompt: with ``scheduler_holds`` the
-        request finished in it (``max_tokens=1``), and no SendSpec will follow: offer it now."""
-        if spec.scheduler_holds:
-            send = SendSpec(spec.request_id, spec.transfer_id, spec.block_ids, spec.num_tokens)
-            self.feed(state.RequestFinished(send))
+    def final_prefill_starts(self, spec: FinalPrefill, events: LayerEvents | None) -> None:
+        self.feed(producer.FinalPrefillStarts(spec, events))
+
+    def final_prefill_ended(self, spec: FinalPrefill) -> None:
+        """End of the step that completed ``spec``'s prompt: the request finished in it
+        (``max_tokens=1``) and no OfferSpec will follow: offer it now."""
+        offer = OfferSpec(spec.request_id, spec.transfer_id, spec.block_ids, spec.num_tokens)
+        self.feed(producer.RequestFinished(offer))
 
     def cancel(self, transfer_id: str) -> None:
-        self.feed(state.RequestCancelled(transfer_id))
+        self.feed(producer.RequestCancelled(transfer_id))
 
     # -- from D and the proxy (RPC handlers) -----------------------------------------------
     async def _on_transfer_kv(self, req: TransferKvRequest, ctx: CallContext) -> TransferKvResponse:
         pull = next(self._pull_ids)
         future: asyncio.Future[TransferKvResponse] = self._loop.create_future()
         self._pulls[pull] = future
-        self.feed(state.PullArrived(pull, req, ctx.peer))
+        self.feed(producer.PullArrived(pull, req, ctx.peer))
         try:
             return await future
         finally:
             if self._pulls.pop(pull, None) is not None:  # never answered: D went away
-                self.feed(state.PullGone(req.transfer_id, pull))
+                self.feed(producer.PullGone(req.transfer_id, pull))
 
     async def _on_release(self, req: ReleaseRequest, ctx: CallContext) -> ReleaseResponse:
-        actions = self.feed(state.ReleaseArrived(req.transfer_id, ctx.peer, req.reason))
-        released = any(isinstance(a, state.AnswerRelease) and a.released for a in actions)
+        actions = self.feed(producer.ReleaseArrived(req.transfer_id, ctx.peer, req.reason))
+        released = any(isinstance(a, producer.AnswerRelease) and a.released for a in actions)
         return ReleaseResponse(req.transfer_id, released=released)
 
     # -- the machine's decisions -----------------------------------------------------------
-    def _do(self, action: state.ProducerAction) -> None:
+    def _do(self, action: producer.ProducerAction) -> None:
         match action:
-            case state.StartSend():
+            case producer.StartSend():
                 self._start_send(action)
-            case state.FailPull(pull, error):
+            case producer.FailPull(pull, error):
                 future = self._pulls.pop(pull, None)
                 if future is not None and not future.done():
                     future.set_exception(error)
-            case state.ReportSent(request_id):
-                transfer_id = self._scheduler_holds.pop(request_id, None)
-                if transfer_id is None:
-                    self._results.sent(request_id)
-                else:
-                    assert self._send_done is not None
-                    self._send_done.report(request_id, transfer_id, "released")
-                    self._results.count("send_done_reports")
-            case state.ArmDeadline(tid, delay_s):
+            case producer.ReturnBlocks(request_id, transfer_id, outcome):
+                if self._send_done is None:  # every metadata names the scheduler half
+                    log.error(
+                        "request %s: no scheduler address to give transfer %s's blocks back to",
+                        request_id,
+                        transfer_id,
+                    )
+                    return
+                self._send_done.report(request_id, transfer_id, outcome)
+                self._results.count("send_done_reports")
+            case producer.ArmDeadline(tid, delay_s):
                 old = self._timers.pop(tid, None)
                 if old is not None:
                     old.cancel()
                 self._timers[tid] = self._loop.call_later(delay_s, self._deadline_passed, tid)
-            case state.CancelDeadline(tid):
+            case producer.CancelDeadline(tid):
                 timer = self._timers.pop(tid, None)
                 if timer is not None:
                     timer.cancel()
-            case state.AnswerRelease():
+            case producer.AnswerRelease():
                 pass  # read by _on_release from feed()'s result
             case _:
                 super()._do(action)
 
     def _deadline_passed(self, tid: str) -> None:
         self._timers.pop(tid, None)
-        self.feed(state.DeadlineReached(tid))
+        self.feed(producer.DeadlineReached(tid))
 
-    def _start_send(self, action: state.StartSend) -> None:
+    def _start_send(self, action: producer.StartSend) -> None:
         """Parse the blocks, hand them to kvt (one batch, or one per layer held by the layer
         events) and answer the pull; kvt's completion comes back as ``SendCompleted``."""
         tid, req = action.transfer_id, action.request
@@ -317,7 +315,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         future = self._pulls.pop(action.pull, None)
         if future is None or future.done():
             # D's call went away just before the send could start: kvt has nothing.
-            self._inbox.append(state.SendRefused(kvt_id, TransferError("pull gone"), False))
+            self._inbox.append(producer.SendRefused(kvt_id, TransferError("pull gone"), False))
             return
         try:
             with self._engine.timed_stage("parse"):  # kvt_stage_seconds{stage="parse"}
@@ -332,11 +330,11 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
                 err,
             )
             future.set_exception(err if isinstance(err, PeerError) else PeerError(str(err)))
-            self._inbox.append(state.SendRefused(kvt_id, err, False))
+            self._inbox.append(producer.SendRefused(kvt_id, err, False))
             return
 
         def on_complete(completion: Completion) -> None:  # kvt thread
-            self._post(state.SendCompleted(kvt_id, completion))
+            self._post(producer.SendCompleted(kvt_id, completion))
 
         events = action.layer_events
         if events is not None:
@@ -362,7 +360,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         except Exception as err:  # kvt refused (closed, bad blocks, reused id)
             future.set_exception(TransferError(f"transfer {tid}: send refused on P: {err}"))
             # Once kvt took a batch it may read the blocks until its completion.
-            self._inbox.append(state.SendRefused(kvt_id, err, kvt_has_blocks=accepted > 0))
+            self._inbox.append(producer.SendRefused(kvt_id, err, kvt_has_blocks=accepted > 0))
             return
         nbytes = int(blocks["length"].sum())
         log.debug(
@@ -377,7 +375,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
         num_blocks = sum(len(ids) for ids in req.block_ids)
         future.set_result(TransferKvResponse(tid, num_blocks, int(blocks.size), nbytes))
 
-    def _plan(self, action: state.StartSend, req: TransferKvRequest) -> np.ndarray:
+    def _plan(self, action: producer.StartSend, req: TransferKvRequest) -> np.ndarray:
         """IpcBlocks of every group D asked for; each record's tag is its layer's index across
         all groups (the rapid send's layer events)."""
         plans = []
@@ -399,7 +397,7 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
 
     async def close(self) -> None:
         await self._server.close()
-        self.feed(state.ShuttingDown())
+        self.feed(common.ShuttingDown())
         for timer in self._timers.values():
             timer.cancel()
         self._timers.clear()
@@ -408,14 +406,13 @@ class ProducerShell(_Shell["state.ProducerEvent", "state.ProducerAction"]):
                 future.set_exception(TransferError("prefill instance shutting down"))
         self._pulls.clear()
         # Blocks still held by the scheduler half are released by its own shutdown.
-        self._scheduler_holds.clear()
         if self._send_done is not None:
             await self._send_done.close()
             self._send_done = None
 
 
-class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
-    """D: kvt expects, the transfer_kv/release RPC calls to P, around ``state.Consumer``."""
+class ConsumerShell(_Shell["consumer.ConsumerEvent", "consumer.ConsumerAction"]):
+    """D: kvt expects, the transfer_kv/release RPC calls to P, around ``consumer.Consumer``."""
 
     def __init__(
         self,
@@ -428,33 +425,33 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         super().__init__(engine, results, loop)
         self._config = config
         self._spec = local_spec
-        self.core = state.Consumer(local_spec)
+        self.core = consumer.Consumer(local_spec)
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._clients: dict[str, Client] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- from vLLM (via metadata) ----------------------------------------------------------
     def start(self, spec: RecvSpec) -> None:
-        self.feed(state.PullRequested(spec))
+        self.feed(consumer.PullRequested(spec))
 
     def cancel(self, request_id: str) -> None:
-        self.feed(state.PullCancelled(request_id))
+        self.feed(consumer.PullCancelled(request_id))
 
     def release(self, spec: ReleaseSpec) -> None:
-        self.feed(state.ReleaseRequested(spec))
+        self.feed(consumer.ReleaseRequested(spec))
 
     # -- the machine's decisions -----------------------------------------------------------
-    def _do(self, action: state.ConsumerAction) -> None:
+    def _do(self, action: consumer.ConsumerAction) -> None:
         match action:
-            case state.StartPull(spec, kvt_id):
+            case consumer.StartPull(spec, kvt_id):
                 self._start_pull(spec, kvt_id or spec.transfer_id)
-            case state.StopCall(request_id, kvt_id):
+            case consumer.StopCall(request_id, kvt_id):
                 task = self._calls.pop(kvt_id or request_id, None)
                 if task is not None and not task.done():
                     task.cancel()
-            case state.CallRelease(spec):
+            case consumer.CallRelease(spec):
                 self._spawn(self._release(spec))
-            case state.ReportRecv(request_id, failed):
+            case consumer.ReportRecv(request_id, failed):
                 self._results.received(request_id, failed=failed)
             case _:
                 super()._do(action)
@@ -464,7 +461,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         request_id = spec.request_id
 
         def on_complete(completion: Completion) -> None:  # kvt thread
-            self._post(state.RecvCompleted(request_id, completion, kvt_id))
+            self._post(consumer.RecvCompleted(request_id, completion, kvt_id))
 
         try:
             self._engine.expect(
@@ -473,7 +470,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
                 on_complete=on_complete,
             )
         except Exception as err:
-            self._inbox.append(state.ExpectRefused(request_id, err, kvt_id))
+            self._inbox.append(consumer.ExpectRefused(request_id, err, kvt_id))
             return
         self._calls[kvt_id] = self._spawn(self._ask(spec, kvt_id))
 
@@ -507,7 +504,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
         except asyncio.CancelledError:
             raise
         except Exception as err:
-            self.feed(state.PullCallFailed(spec.request_id, err, kvt_id))
+            self.feed(consumer.PullCallFailed(spec.request_id, err, kvt_id))
 
     async def _release(self, spec: ReleaseSpec) -> None:
         try:
@@ -526,7 +523,7 @@ class ConsumerShell(_Shell["state.ConsumerEvent", "state.ConsumerAction"]):
             )
 
     async def close(self) -> None:
-        self.feed(state.ShuttingDown())
+        self.feed(common.ShuttingDown())
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -567,7 +564,9 @@ class WorkerSide:
         # Rapid transfer_kv: readiness of this step's layers, only while a step completes the
         # prompt of some do_remote_decode request, and those requests (offered at the step's end).
         self._step_events: CpuLayerEvents | CudaLayerEvents | None = None
-        self._step_prefills: list[PrefillSpec] = []
+        self._step_prefills: list[FinalPrefill] = []
+        # P: the scheduler half's SEND_DONE address, as the last metadata named it.
+        self._scheduler_address = ""
         # KV cache on a GPU: per-layer CUDA events, waited on by one kvt thread (never vLLM's).
         self._kv_device = "cpu"
         self._event_waiter: EventWaiter | None = None
@@ -641,7 +640,7 @@ class WorkerSide:
             "hybrid-connector %s: %s in %d region(s), %d blocks; rpc %s, data %s",
             self._name,
             ", ".join(
-                f"{g.group} group of {len(g.layer_names)} layers (block {g.block_size})"
+                f"{g.family} group of {len(g.layer_names)} layers (block {g.block_size})"
                 for g in self.local_spec.groups
             ),
             len(geometry.buffers),
@@ -688,29 +687,31 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
-        if meta.is_empty():
-            return
-        if self._loop is None:
-            raise TransferError("register_kv_caches was not called before the first step")
         producer, consumer = self._producer, self._consumer
         # One hand-over (one wake-up of the loop thread) per step, however many items.
         batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
         post = batch.append
-        if meta.prefill_done and producer is not None:
+        if producer is not None and meta.scheduler_address != self._scheduler_address:
+            # Where P's blocks go back (every metadata names it; the first one counts).
+            self._scheduler_address = meta.scheduler_address
+            post((producer.use_scheduler, (meta.scheduler_address,)))
+        elif meta.is_empty():
+            return
+        if self._loop is None:
+            raise TransferError("register_kv_caches was not called before the first step")
+        if meta.final_prefills and producer is not None:
             # Called before the forward pass (bind_connector_metadata): save_kv_layer marks
             # each layer ready as the pass writes it (GPU: records its CUDA event), wait_for_save
             # marks the rest.
             events = self._new_step_events()
             self._step_events = events
-            self._step_prefills = list(meta.prefill_done)
-            for spec in meta.prefill_done:
-                post((producer.prefill_done, (spec, events, meta.scheduler_address)))
-        for send in meta.to_send:
-            if producer is None:
-                self._results.sent(send.request_id)
-            else:
-                post((producer.offer, (send,)))
-        for tid in meta.cancel_send:
+            self._step_prefills = list(meta.final_prefills)
+            for spec in meta.final_prefills:
+                post((producer.final_prefill_starts, (spec, events)))
+        for offer in meta.to_offer:
+            if producer is not None:
+                post((producer.offer, (offer,)))
+        for tid in meta.cancel_offer:
             if producer is not None:
                 post((producer.cancel, (tid,)))
         for recv in meta.to_recv:
@@ -741,7 +742,7 @@ class WorkerSide:
 
     def step_done(self) -> None:
         """End of the step's forward pass (wait_for_save): every layer is written, and the
-        requests whose prompt it completed are finished (offered now, see ``prefill_finished``)."""
+        requests whose prompt it completed are finished (offered now: ``final_prefill_ended``)."""
         events, self._step_events = self._step_events, None
         prefills, self._step_prefills = self._step_prefills, []
         if events is None:
@@ -753,7 +754,7 @@ class WorkerSide:
                 events.mark_ready(index)
         producer, loop = self._producer, self._loop
         if prefills and producer is not None and loop is not None:
-            batch = [(producer.prefill_finished, (spec,)) for spec in prefills]
+            batch = [(producer.final_prefill_ended, (spec,)) for spec in prefills]
 
             # The blocks are final once the last layer is (GPU: its CUDA event completed, on
             # kvt's waiter thread; layers complete in stream order). CPU: at once.
@@ -764,7 +765,7 @@ class WorkerSide:
             events.when_ready(len(self._layer_index) - 1, finished)
 
     def drain(self, wait_s: float = 0.0) -> TransferResults:
-        """(finished_sending, finished_recving, failed_recving) since the last drain."""
+        """D's (finished_recving, failed_recving) since the last drain."""
         return self._results.drain(wait_s)
 
     def wait_count(self, name: str, at_least: int, timeout_s: float = 30.0) -> bool:

@@ -92,23 +92,21 @@ class AttemptPlan:
     failed_prefill: set[str] = field(default_factory=set)
     failed_decode: set[str] = field(default_factory=set)
     transfer: Transfer | None = None
-    decode: str | None = None
     failures: int = 0
     bytes_sent: bool = False  # something reached the client: no retry from then on
     finished: bool = False
 
     # -- attempts --------------------------------------------------------------------------
-    def begin(self, decode: str, prefill: str | None) -> Transfer | None:
-        """A new route: PD with a new transfer when it has a P, else LOCAL on ``decode``."""
-        self.decode = decode
+    def begin(self, prefill: str | None) -> Transfer | None:
+        """A new route: PD with a new transfer when it has a P (``prefill``: its key), else
+        LOCAL (the route's D prefills). Which D serves is the proxy's (its route)."""
         self.transfer = None if prefill is None else Transfer(self.new_transfer_id(), prefill)
         return self.transfer
 
     def retry_decode(self, decode: str) -> None:
-        """The same transfer, another D (after RETRY_DECODE)."""
+        """The same transfer, another D (after RETRY_DECODE): one that has not failed it."""
         assert self.transfer is not None
         assert decode not in self.failed_decode
-        self.decode = decode
 
     def prefill_answered(self) -> None:
         assert self.transfer is not None
@@ -150,7 +148,7 @@ class AttemptPlan:
             return Decision(Action.RETRY_DECODE)
         # A new route: the abandoned transfer (NIXL's D failed; or P failed) is released unless
         # P never ran it (refused).
-        return Decision(Action.REROUTE, release=self._holds_transfer())
+        return Decision(Action.REROUTE, release=self._take_release())
 
     def no_backend(self, role: str) -> Decision:
         """The Router has no eligible instance of ``role`` left for this request."""
@@ -168,8 +166,10 @@ class AttemptPlan:
         self.finished = True
 
     # -- internals -------------------------------------------------------------------------
-    def _holds_transfer(self) -> bool:
-        """P answered (or may still be running: parallel) and no D pulled for the client yet."""
+    def _take_release(self) -> bool:
+        """Decide, once per transfer, whether P must get a release: True (and the transfer is
+        marked released) when P answered or may still run it (parallel) and no D pulled it for
+        the client yet."""
         t = self.transfer
         if t is None or t.prefill_failed or t.released or self.bytes_sent:
             return False
@@ -179,5 +179,5 @@ class AttemptPlan:
     def _end(self, action: Action, *, release: bool | None = None, **kw: object) -> Decision:
         self.finished = True
         if release is None:
-            release = self._holds_transfer()
+            release = self._take_release()
         return Decision(action, release=release, **kw)  # type: ignore[arg-type]

@@ -38,10 +38,18 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
+import msgspec
 from aiohttp import web
+from hybrid_connector.contract import (
+    ContractError,
+    PrefillParams,
+    PullParams,
+    decode_params,
+    encode_params,
+)
 from hybrid_connector.control import release_transfer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -324,6 +332,28 @@ def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
     return body
 
 
+def _answered_pull(prefill: Backend, transfer_id: str, raw: object) -> PullParams | None:
+    """P's answered ``kv_transfer_params``, checked at the boundary: the PullParams D gets (P's
+    TP size and what it held travel on), None when P said nothing D could pull (no connector
+    params: the proxy's own are used, as with parallel dispatch). A dict that breaks the
+    contract, or names another transfer, is a broken answer from P (``CallFailed``: the
+    request fails over, P's transfer is released)."""
+    try:
+        params = decode_params(raw)
+    except ContractError as err:
+        message = f"prefill {prefill.url} answered transfer {transfer_id} with {err}"
+        raise CallFailed(Stage.PREFILL, prefill, Failure.BROKE, message) from err
+    if not isinstance(params, PullParams):
+        return None
+    if params.transfer_id != transfer_id:
+        message = (
+            f"prefill {prefill.url} answered transfer {transfer_id} with "
+            f"kv_transfer_params.transfer_id {params.transfer_id!r}"
+        )
+        raise CallFailed(Stage.PREFILL, prefill, Failure.BROKE, message)
+    return params
+
+
 def _is_token_id(value: object) -> bool:
     # The Router hashes ids as int32 (routing.prefix_hashes); vLLM's vocabularies fit.
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
@@ -546,28 +576,31 @@ class PdProxy:
                 "remote_port": None,
             }
         else:
-            p_body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+            p_body["kv_transfer_params"] = encode_params(PrefillParams(transfer_id=transfer_id))
         return p_body
 
     def _decode_params(
-        self, prefill: Backend, transfer_id: str, p_params: dict[str, Any] | None
+        self, prefill: Backend, transfer_id: str, p_answer: object
     ) -> dict[str, Any]:
+        """D's ``kv_transfer_params``: NIXL's are P's answer as it is; HybridConnector's are the
+        contract's PullParams for ``transfer_id`` on ``prefill`` (``p_answer``: P's answered
+        ``kv_transfer_params``, None when P has not answered: parallel dispatch)."""
         if self.config.connector is Connector.NIXL:
-            if not p_params:
+            if not isinstance(p_answer, dict) or not p_answer:
                 raise CallFailed(
                     Stage.PREFILL,
                     prefill,
                     Failure.BROKE,
                     f"prefill {prefill.url} returned no kv_transfer_params",
                 )
-            return p_params
-        return {
-            **(p_params or {}),
-            "do_remote_decode": False,
-            "do_remote_prefill": True,
-            "transfer_id": transfer_id,
-            "remote_rpc_address": prefill.rpc_address,
-        }
+            return p_answer
+        answered = _answered_pull(prefill, transfer_id, p_answer)
+        # The proxy's P address wins (P may advertise one D cannot reach); P's own is the
+        # fallback for a P configured without one.
+        address = prefill.rpc_address or (answered.remote_rpc_address if answered else "")
+        if answered is None:
+            return encode_params(PullParams(transfer_id=transfer_id, remote_rpc_address=address))
+        return encode_params(msgspec.structs.replace(answered, remote_rpc_address=address))
 
     # -- one call --------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -688,10 +721,10 @@ class _Flow:
         self.plan = AttemptPlan(
             hybrid=self.config.connector is Connector.HYBRID, max_retries=self.config.max_retries
         )
+        # The instances serving the request now: the only record of its D and P (a retry on
+        # another D replaces route.decode).
         self.route: Route | None = None
-        self.decode: Backend | None = None
-        self.prefill: Backend | None = None
-        self.p_params: dict[str, Any] | None = None
+        self.p_answer: object = None  # P's answered kv_transfer_params (this route's)
         self.p_task: asyncio.Task[None] | None = None
         self.decode_called = False  # the route's D got a call (else its probe is unused)
         self.out: web.StreamResponse | None = None
@@ -777,26 +810,27 @@ class _Flow:
             )
         except NoBackend as exc:
             self._no_backend(exc.role, after)
-        self.route, self.decode, self.prefill = route, route.decode, route.prefill
-        self.p_params, self.decode_called = None, False
-        self.plan.begin(route.decode.key, route.prefill.key if route.prefill else None)
+        self.route = route
+        self.p_answer, self.decode_called = None, False
+        self.plan.begin(route.prefill.key if route.prefill else None)
         if after is not None:
             self.metrics.retries.labels("new_prefill" if route.prefill else "local_prefill").inc()
         elif route.bypass_reason is not None:
             self.metrics.bypasses.labels(route.bypass_reason).inc()
 
     def _next_decode(self, after: CallFailed) -> None:
+        assert self.route is not None  # RETRY_DECODE: the route's P keeps the transfer
         try:
-            self.decode = self.router.pick_decode(self.key, self.plan.failed_decode)
+            decode = self.router.pick_decode(self.key, self.plan.failed_decode)
         except NoBackend as exc:
             self._no_backend(exc.role, after)
-        if self.route is not None:  # record_routed credits the prefix to the D that serves it
-            self.route = replace(self.route, decode=self.decode)
+        # record_routed credits the prefix to the D that serves it.
+        self.route = replace(self.route, decode=decode)
         self.decode_called = False
-        self.plan.retry_decode(self.decode.key)
+        self.plan.retry_decode(decode.key)
         self.metrics.retries.labels("same_transfer").inc()
 
-    def _no_backend(self, role: str, after: CallFailed | None) -> None:
+    def _no_backend(self, role: str, after: CallFailed | None) -> NoReturn:
         decision = self.plan.no_backend(role)
         self._settle(decision, decision.message)
         message = decision.message if after is None else f"{after.message} ({decision.message})"
@@ -804,8 +838,8 @@ class _Flow:
 
     def _unused_decode(self) -> None:
         """The route's D was never called (P failed first): give back a half-open probe."""
-        if self.decode is not None and not self.decode_called:
-            self.router.record_unused(self.decode)
+        if self.route is not None and not self.decode_called:
+            self.router.record_unused(self.route.decode)
             self.decode_called = True
 
     def _transfer_id(self) -> str:
@@ -814,9 +848,9 @@ class _Flow:
 
     def _settle(self, decision: Decision, why: str) -> None:
         """Carry out the decision's side effect on P: release the transfer no D will pull."""
-        transfer = self.plan.transfer
-        if decision.release and transfer is not None and self.prefill is not None:
-            self.proxy._release_on_prefill(self.prefill, transfer.transfer_id, why)
+        transfer, route = self.plan.transfer, self.route
+        if decision.release and transfer is not None and route and route.prefill is not None:
+            self.proxy._release_on_prefill(route.prefill, transfer.transfer_id, why)
 
     async def _stop_prefill(self) -> None:
         """Cancel a prefill call still in flight (vLLM aborts it) and reap the task."""
@@ -829,8 +863,8 @@ class _Flow:
 
     # -- one attempt -----------------------------------------------------------------------
     async def _attempt(self) -> web.StreamResponse:
-        decode, prefill, transfer = self.decode, self.prefill, self.plan.transfer
-        assert decode is not None
+        assert self.route is not None
+        decode, prefill, transfer = self.route.decode, self.route.prefill, self.plan.transfer
         if transfer is None or prefill is None:
             self.decode_called = True
             async with (
@@ -842,7 +876,7 @@ class _Flow:
         if self.config.dispatch is Dispatch.SEQUENTIAL:
             if not transfer.prefill_answered:
                 await self._prefill(prefill, transfer)
-            d_params = self.proxy._decode_params(prefill, transfer.transfer_id, self.p_params)
+            d_params = self.proxy._decode_params(prefill, transfer.transfer_id, self.p_answer)
         else:
             if self.p_task is None:
                 self.p_task = asyncio.create_task(self._prefill(prefill, transfer))
@@ -912,8 +946,7 @@ class _Flow:
             ) from exc
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
         self.router.record_success(prefill, time.monotonic())
-        params = data.get("kv_transfer_params") if isinstance(data, dict) else None
-        self.p_params = params if isinstance(params, dict) else None
+        self.p_answer = data.get("kv_transfer_params") if isinstance(data, dict) else None
         self.plan.prefill_answered()
 
     # -- D's answer to the client ----------------------------------------------------------

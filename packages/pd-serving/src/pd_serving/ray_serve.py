@@ -18,9 +18,12 @@ vLLM starts, it fills ``kv_connector_extra_config``:
 - ``rpc_port`` of a producer: the configured base plus the replica's offset (Ray's replica rank
   times its devices, or the DP rank), so several P replicas on one node do not collide.
 
-The requests: P gets ``{"do_remote_decode": true, "transfer_id": <uuid>}``; D gets what P
-returned, ``{"do_remote_prefill": true, "transfer_id", "remote_rpc_address", ...}`` (Ray's
-default sequential hand-off: D starts once P answered, as ``pdserve``'s default dispatch).
+The requests (``hybrid_connector.contract``): P gets ``PrefillParams`` (``{"do_remote_decode":
+true, "transfer_id": <uuid>, ...}``); D gets what P returned, its ``PullParams``
+(``{"do_remote_prefill": true, "transfer_id", "remote_rpc_address", ...}``; Ray's default
+sequential hand-off: D starts once P answered, as ``pdserve``'s default dispatch). P's answer is
+checked against the contract: one that breaks it is logged (naming the transfer and P) and D
+computes the prompt itself.
 
 Nothing here imports ray at module level (pd-serving installs without the ``ray`` extra);
 :data:`HybridConnectorBackend` is built on first access (module ``__getattr__``), in the replica
@@ -37,6 +40,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from hybrid_connector.contract import PullParams
     from ray.serve.deployment import Application
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,7 @@ __all__ = [
     "BACKEND_PATH",
     "CONNECTOR_NAME",
     "DEFAULT_RPC_PORT_BASE",
+    "answered_pull",
     "build_pd_openai_app",
     "hybrid_kv_transfer_config",
     "node_connector_config",
@@ -146,33 +151,52 @@ def _backend_class() -> type:
             )
 
         def prepare_prefill_request(self, *, request, peer):
+            from hybrid_connector.contract import PrefillParams, encode_params
+
             prefill_request = super().prepare_prefill_request(request=request, peer=peer)
             # The id both ends log; P would make one up otherwise (and return it).
-            prefill_request.kv_transfer_params = {
-                "do_remote_decode": True,
-                "transfer_id": uuid.uuid4().hex,
-            }
+            params = PrefillParams(transfer_id=uuid.uuid4().hex)
+            prefill_request.kv_transfer_params = encode_params(params)
             return prefill_request
 
         def prepare_decode_request(self, *, request, peer, prefill_response):
             decode_request = super().prepare_decode_request(
                 request=request, peer=peer, prefill_response=prefill_response
             )
-            params = decode_request.kv_transfer_params or {}
-            if prefill_response is not None and not (
-                params.get("transfer_id") and params.get("remote_rpc_address")
-            ):
-                # D computes the prompt itself: correct, but the transfer was lost.
-                log.warning(
-                    "P answered without transfer_id/remote_rpc_address (%s); "
-                    "D will compute the prompt itself",
-                    params,
-                )
+            if prefill_response is not None:
+                pull = answered_pull(decode_request.kv_transfer_params, peer)
+                if pull is None:
+                    decode_request.kv_transfer_params = None  # D computes the prompt itself
             return decode_request
 
     HybridConnectorBackend.__module__ = __name__
     HybridConnectorBackend.__qualname__ = "HybridConnectorBackend"
     return HybridConnectorBackend
+
+
+def answered_pull(raw: object, peer: object = None) -> PullParams | None:
+    """P's answered ``kv_transfer_params`` as the contract's PullParams, or None (logged, naming
+    the transfer and P ``peer``: D then computes the prompt itself, correct but without the
+    transfer)."""
+    from hybrid_connector.contract import ContractError, PullParams, decode_params
+
+    transfer = raw.get("transfer_id") if isinstance(raw, dict) else None
+    try:
+        pull = decode_params(raw)
+    except ContractError as err:
+        log.warning(
+            "transfer %r: P %s answered %s; D will compute the prompt itself", transfer, peer, err
+        )
+        return None
+    if not isinstance(pull, PullParams):
+        log.warning(
+            "transfer %r: P %s answered no PullParams (%r); D will compute the prompt itself",
+            transfer,
+            peer,
+            raw,
+        )
+        return None
+    return pull
 
 
 def __getattr__(name: str) -> Any:

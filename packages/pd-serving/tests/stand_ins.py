@@ -22,7 +22,8 @@ T = TypeVar("T")
 class FakeUpstream:
     """Answers /v1/completions and /v1/chat/completions; streams ``tokens`` as SSE when asked.
 
-    ``kv_params`` is returned as the answer's ``kv_transfer_params`` (what a P does). Failure
+    ``kv_params`` is returned as the answer's ``kv_transfer_params`` (what a P does; a callable
+    is given the request's ``kv_transfer_params`` and returns them, to echo a transfer id). Failure
     modes (for the next ``fail_times`` generation requests, or all when None):
     ``fail_status`` answers that status; ``hang`` never answers (until the caller gives up);
     ``die_before_answer`` drops the connection without a byte; ``bad_body`` answers 200 with a
@@ -37,7 +38,7 @@ class FakeUpstream:
 
     name: str
     tokens: list[str] = field(default_factory=lambda: [" a", " b", " c", " d"])
-    kv_params: dict[str, Any] | None = None
+    kv_params: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None
     fail_status: int | None = None
     token_delay_s: float = 0.0
     answer_delay_s: float = 0.0
@@ -142,7 +143,9 @@ class FakeUpstream:
                             {"index": 0, "text": "".join(tokens), "finish_reason": "length"}
                         ],
                         "usage": {"prompt_tokens": 3, "completion_tokens": len(tokens)},
-                        "kv_transfer_params": self.kv_params,
+                        "kv_transfer_params": self.kv_params(body.get("kv_transfer_params", {}))
+                        if callable(self.kv_params)
+                        else self.kv_params,
                         "served_by": self.name,
                     }
                 )

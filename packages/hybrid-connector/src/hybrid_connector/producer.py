@@ -1,50 +1,51 @@
-"""P's and D's transfer logic as pure state machines: events in, actions out. No I/O.
+"""P's transfer logic as a pure state machine: events in, actions out. No I/O.
 
-The worker shell (``worker_side.py``) feeds these machines what happened (vLLM's metadata, an
-RPC that arrived, a kvt completion, a deadline it armed) and carries out what they decide (start
-a kvt send and answer the pull, fail a pull, abort, report blocks to vLLM, arm a deadline). They
-own no thread, socket, timer or clock; the tests drive them event by event.
+The worker shell (``worker_side.ProducerShell``) feeds it what happened (vLLM's metadata, a
+transfer_kv or release RPC that arrived, a kvt completion, a deadline it armed) and carries out
+what it decides (start a kvt send and answer the pull, fail a pull, abort, give the blocks back,
+arm a deadline). It owns no thread, socket, timer or clock; the tests drive it event by event.
+D's side is ``consumer.py``.
 
 P (``Producer``), one record per transfer id::
 
     (none) --pull arrives-------> PARKED --request finished-----------------> SENDING
-      |                             |  '--prefill done (rapid: request still running)--> SENDING*
+      |                             |  '--final prefill starts (rapid: it still runs)--> SENDING*
       |                             '--lease passes / release / abort: pull fails--> (none) or
       |                                                                              CANCELLED
-      |--prefill done (rapid)--> HELD* --pull arrives (mid-forward)--------------> SENDING*
-      |                            |  '--request finished--> HELD (then as below)
-      |                            '--lease passes / release / bad pull--> SENT
-      |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> reported
-      |                        '--lease passes / release / bad pull--------------> reported
+      |--final prefill starts (rapid)--> HELD* --pull arrives (mid-forward)------> SENDING*
+      |                                    |  '--request finished--> HELD (then as below)
+      |                                    '--lease passes / release / bad pull--> SENT
+      |--request finished--> HELD --pull arrives--> SENDING --kvt completion--> given back
+      |                        '--lease passes / release / bad pull--------------> given back
       '--release / abort---> CANCELLED --one lease later--> (none)
 
-    reported: the blocks go back to vLLM and a CANCELLED tombstone stays for one lease, so a
+    given back: ``ReturnBlocks`` (the worker's SEND_DONE to the owner of P's blocks, the
+    scheduler half's ``holds.BlockHolds``), and a CANCELLED tombstone stays for one lease, so a
     later pull for the transfer (a second D the proxy failed over to) fails at once.
 
-    SENDING* --kvt completion--> SENT --request finished--> reported
+    SENDING* --kvt completion--> SENT --request finished--> given back
     SENDING* --request finished--> SENDING (then as above)
-    HELD*, SENDING*, SENT --request finished, aborted--> no more pulls; reported once the
-                                                         sends are over, then CANCELLED
 
     SENDING --send deadline--> SENDING (kvt told to abort; its completion still decides)
 
-  CANCELLED: a pull fails at once and a late "request finished" is reported at once.
-  ``*``: the request still runs (its prompt's forward pass, announced by ``PrefillDone``).
+  CANCELLED: a pull fails at once and a late "request finished" is given back at once.
+  ``*``: the request still runs (its prompt's forward pass, announced by ``FinalPrefillStarts``).
 
-- **Rapid transfer_kv** (``PrefillDone``: this step's forward pass completes the prompt): the
-  record holds the step's layer events, so a pull parked before the step, one that arrives
-  at any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by
-  those events: kvt sends the layers already written at once and each other one as the pass
-  marks it. A pull after the request finished still waits on those events (all marked by
-  then): on a GPU the step's CUDA events, not vLLM's report that the request finished, say
-  when the pass's kernels have written the KV.
+- **Rapid transfer_kv** (``FinalPrefillStarts``: this step's forward pass completes the prompt):
+  the record holds the step's layer events, so a pull parked before the step, one that arrives at
+  any moment of the forward pass, and a late D rank's (TP) all get a ``StartSend`` held by those
+  events: kvt sends the layers already written at once and each other one as the pass marks it. A
+  pull after the request finished still waits on those events (all marked by then): on a GPU the
+  step's CUDA events, not vLLM's report that the request finished, say when the pass's kernels
+  have written the KV.
 
-- **Reported** (``ReportSent``: the request id goes into vLLM's ``finished_sending``, so vLLM
-  frees its blocks) happens exactly once per finished request, and never while kvt may still read
-  the blocks: from SENDING only on kvt's completion, or when kvt refused the send without taking
-  any batch. The send deadline (``transfer_timeout_s``) only aborts the send; the blocks come back
-  with the completion that the abort produces (kvt delivers exactly one, after its I/O stopped).
-- Blocks of a request that is still running belong to vLLM: a rapid send's request is reported
+- **Given back** (``ReturnBlocks``: this rank no longer needs the blocks; the owner gives them to
+  vLLM once every rank did) happens exactly once per finished request, and never while kvt may
+  still read the blocks: from SENDING only on kvt's completion, or when kvt refused the send
+  without taking any batch. The send deadline (``transfer_timeout_s``) only aborts the send; the
+  blocks come back with the completion that the abort produces (kvt delivers exactly one, after
+  its I/O stopped).
+- Blocks of a request that is still running belong to vLLM: a rapid send's request is given back
   only once it has finished (SENT waits for it). A running request must not be preempted under a
   rapid send: the scheduler announces only requests that finish in the step that completes their
   prompt (``max_tokens=1``), see ``scheduler_side``.
@@ -53,8 +54,8 @@ P (``Producer``), one record per transfer id::
 
 - Per KV-cache group: a record holds one block list per group (vLLM's hybrid KV-cache manager:
   full attention plus linear-attention state, sliding window plus full, ...). The groups share
-  the record's one lease, one send and one report: vLLM frees every group's blocks when the
-  request is reported. A pull must name P's groups (count, kind, geometry, dtype:
+  the record's one lease, one send and one give-back: the owner frees every group's blocks
+  together. A pull must name P's groups (count, family, geometry, dtype:
   ``check_cache_compatible``) or it fails at once with ``PeerError``, before any byte moves;
   which block goes where inside a group (D's prefix hit, block counts) is decided by
   ``mapping.plan_copy`` when the send starts.
@@ -63,96 +64,23 @@ P (``Producer``), one record per transfer id::
   D rank (``TransferKvRequest.layout.tp_rank``); how many D ranks pull from this P rank follows
   from D's TP size (``pulling_ranks``), learnt from the first pull. Each pull is its own send,
   under its own kvt id (``kvt_transfer_id``: one per rank pair) and send guard; the record's
-  lease (armed under the transfer id) runs until every expected D rank has pulled. SENDING
-  holds while any send runs; when the last one is over the record goes back to HELD if D
-  ranks are still to pull, else it is reported. The lease passing, a release or a refused
-  pull *closes* the record (no further pull is taken): it is reported once its sends are
-  over, exactly once. A second pull from the same D rank fails alone.
-
-D (``Consumer``), one record per D request::
-
-    (none) --pull requested--> PULLING --every part's kvt completion--> reported
-       \\                        |       (failed if any part failed)
-        \\                       |  RPC failed / a part failed / request aborted: abort
-         \\                      '  every running part, wait for their completions
-          '--kvt refused expect (every part) / TP cannot map--> reported failed
-
-- Tensor parallelism (fan-out): a pull has one *part* per P rank this D rank takes bytes from
-  (``pull_sources``: every P rank holding one of its KV heads; MLA: one rank, spread), each its
-  own kvt receive and transfer_kv call to ``config.rank_address(remote_rpc_address, p)``, with
-  the block lists of the groups that rank serves. D's rank 0 also releases P ranks nobody
-  pulls from (MLA with P TP > D TP). Each TP rank reports the request itself; vLLM counts a
-  request as received (or sent) once every TP worker has reported it (KVOutputAggregator).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from hybrid_connector.config import rank_address
+from hybrid_connector.common import Abort, Count, Log, ShuttingDown, describe
 from hybrid_connector.errors import ConfigError, LeaseExpired, PeerError, TransferError
-from hybrid_connector.mapping import check_compatible, source_ranks
-from hybrid_connector.metadata import PrefillSpec, RecvSpec, ReleaseSpec, SendSpec
-from hybrid_connector.protocol import CacheSpec, LayoutSpec, TransferKvRequest
+from hybrid_connector.mapping import check_cache_compatible, kvt_transfer_id, pulling_ranks
+from hybrid_connector.metadata import FinalPrefill, OfferSpec
+from hybrid_connector.protocol import CacheSpec, TransferKvRequest
 
 if TYPE_CHECKING:
     from kvt import Completion, LayerEvents
-
-log = logging.getLogger(__name__)
-
-
-def describe(completion: Completion) -> str:
-    """One log-friendly line for a kvt completion."""
-    origin = completion.origin.name if completion.origin is not None else None
-    code = completion.code.name if completion.code is not None else None
-    return f"{completion.status.name} origin={origin} code={code} reason={completion.reason!r}"
-
-
-def check_cache_compatible(local: CacheSpec, remote: CacheSpec) -> None:
-    """Raise PeerError unless every KV-cache group of ``remote`` matches ``local``'s, in order
-    (count, kind, dtype; then ``mapping.check_compatible`` per group)."""
-    if len(local.groups) != len(remote.groups):
-        raise PeerError(
-            f"KV-cache groups differ: local {[g.group for g in local.groups]}, "
-            f"peer {[g.group for g in remote.groups]}"
-        )
-    for index, (mine, theirs) in enumerate(zip(local.groups, remote.groups, strict=True)):
-        if mine.group != theirs.group:
-            raise PeerError(f"group {index}: kind differs: local {mine.group}, peer {theirs.group}")
-        if mine.dtype and theirs.dtype and mine.dtype != theirs.dtype:
-            raise PeerError(
-                f"group {index}: dtype differs: local {mine.dtype}, peer {theirs.dtype}"
-            )
-        try:
-            check_compatible(mine, theirs)
-        except PeerError as err:
-            raise PeerError(f"group {index} ({mine.group}): {err}") from err
-
-
-# ============================================================================== shared actions
-@dataclass(frozen=True, slots=True)
-class Count:
-    """Add ``n`` to event counter ``name`` (metrics, ``transfer_counters()``)."""
-
-    name: str
-    n: int = 1
-
-
-@dataclass(frozen=True, slots=True)
-class Abort:
-    """Abort kvt's side of ``transfer_id`` (P's send, D's receive); its completion follows."""
-
-    transfer_id: str
-    reason: str
-
-
-# ============================================================================== shared events
-@dataclass(frozen=True, slots=True)
-class ShuttingDown:
-    """The worker closes: P's parked pulls fail, D's pulls are aborted; nothing is reported."""
 
 
 # ============================================================================== P: events
@@ -160,7 +88,7 @@ class ShuttingDown:
 class RequestFinished:
     """vLLM finished the request on P (``request_finished`` delayed the free of its blocks)."""
 
-    spec: SendSpec
+    spec: OfferSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +99,12 @@ class RequestCancelled:
 
 
 @dataclass(frozen=True, slots=True)
-class PrefillDone:
+class FinalPrefillStarts:
     """This step's forward pass completes the prompt (rapid transfer_kv); ``layer_events`` are
     marked as the pass writes each layer (passed through to ``StartSend`` untouched). Fed
     before the pass starts; the request is not finished until ``RequestFinished``."""
 
-    spec: PrefillSpec
+    spec: FinalPrefill
     layer_events: LayerEvents | None = None
 
 
@@ -236,7 +164,7 @@ class DeadlineReached:
 ProducerEvent = (
     RequestFinished
     | RequestCancelled
-    | PrefillDone
+    | FinalPrefillStarts
     | PullArrived
     | PullGone
     | ReleaseArrived
@@ -274,10 +202,13 @@ class FailPull:
 
 
 @dataclass(frozen=True, slots=True)
-class ReportSent:
-    """Put ``request_id`` into vLLM's ``finished_sending``: its blocks may be reused now."""
+class ReturnBlocks:
+    """This rank no longer needs ``request_id``'s blocks (SEND_DONE to the owner of P's blocks,
+    ``holds.py``); ``outcome`` says why, for logs."""
 
     request_id: str
+    transfer_id: str
+    outcome: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -302,7 +233,15 @@ class CancelDeadline:
 
 
 ProducerAction = (
-    StartSend | FailPull | Abort | ReportSent | AnswerRelease | ArmDeadline | CancelDeadline | Count
+    StartSend
+    | FailPull
+    | Abort
+    | ReturnBlocks
+    | AnswerRelease
+    | ArmDeadline
+    | CancelDeadline
+    | Count
+    | Log
 )
 
 
@@ -313,34 +252,6 @@ class Phase(enum.Enum):
     SENDING = "sending"  # kvt may be reading the blocks (one send per pulling D rank)
     SENT = "sent"  # rapid: every send is over, the request still runs
     CANCELLED = "cancelled"  # nothing will be offered, or nobody will pull
-
-
-def kvt_transfer_id(transfer_id: str, p_rank: int, p_tp: int, d_rank: int, d_tp: int) -> str:
-    """kvt's request id for the bytes P rank ``p_rank`` sends D rank ``d_rank``: the transfer id
-    itself with one rank on each side, else one id per rank pair (a kvt id is unique per engine,
-    and one P rank may serve several D ranks, one D rank pull from several P ranks)."""
-    if p_tp == 1 and d_tp == 1:
-        return transfer_id
-    return f"{transfer_id}/p{p_rank}d{d_rank}"
-
-
-def pull_sources(
-    p_tp: int, d_tp: int, d_rank: int, groups: list[LayoutSpec]
-) -> dict[int, list[int]]:
-    """The P ranks D rank ``d_rank`` pulls from, each with the KV-cache groups (indices) it takes
-    from that rank (``mapping.source_ranks`` per group). PeerError/ConfigError if impossible."""
-    sources: dict[int, list[int]] = {}
-    for index, group in enumerate(groups):
-        for source in source_ranks(p_tp, d_tp, d_rank, group):
-            taken = sources.setdefault(source.p_rank, [])
-            if index not in taken:
-                taken.append(index)
-    return dict(sorted(sources.items()))
-
-
-def pulling_ranks(p_rank: int, p_tp: int, d_tp: int, groups: list[LayoutSpec]) -> list[int]:
-    """The D ranks that pull from P rank ``p_rank`` (P's fan-in)."""
-    return [d for d in range(d_tp) if p_rank in pull_sources(p_tp, d_tp, d, groups)]
 
 
 @dataclass(slots=True)
@@ -356,8 +267,8 @@ class _Send:
 class _Transfer:
     phase: Phase
     # The request whose blocks are involved (HELD, SENDING, SENT).
-    spec: SendSpec | None = None
-    # vLLM has finished the request and waits for our report.
+    spec: OfferSpec | None = None
+    # vLLM has finished the request (its blocks are the owner's, waiting for our give-back).
     finished: bool = False
     # PARKED: the waiting pulls by D rank (their transfer_kv calls are not answered yet).
     parked: dict[int, PullArrived] = field(default_factory=dict)
@@ -371,9 +282,9 @@ class _Transfer:
     closed: bool = False
     # Rapid: the layer events of the step that computes the prompt (for late D ranks too).
     layer_events: LayerEvents | None = None
-    # The request was aborted: no usable KV, later pulls fail at once (a tombstone follows).
-    aborted: bool = False
-    # CANCELLED: why later pulls fail (a tombstone after an abort, a release or a report).
+    # Why the blocks are given back (ReturnBlocks.outcome): the last send's, the lease's, ...
+    outcome: str = "sent"
+    # CANCELLED: why later pulls fail (a tombstone after an abort, a release or a give-back).
     reason: str = ""
 
     def waits_for_pulls(self) -> bool:
@@ -417,8 +328,8 @@ class Producer:
                 self._request_finished(spec, out)
             case RequestCancelled(tid):
                 self._request_cancelled(tid, out)
-            case PrefillDone(spec, layer_events):
-                self._prefill_done(spec, layer_events, out)
+            case FinalPrefillStarts(spec, layer_events):
+                self._final_prefill_starts(spec, layer_events, out)
             case PullArrived():
                 self._pull_arrived(event, out)
             case PullGone(tid, pull):
@@ -446,51 +357,48 @@ class Producer:
         return out
 
     # -- vLLM ------------------------------------------------------------------------------
-    def _request_finished(self, spec: SendSpec, out: list[ProducerAction]) -> None:
+    def _request_finished(self, spec: OfferSpec, out: list[ProducerAction]) -> None:
         tid = spec.transfer_id
         record = self._transfers.get(tid)
         phase = None if record is None else record.phase
         rapid = record is not None and record.spec is not None and not record.finished
         if rapid and record.spec.request_id == spec.request_id:
-            # An announced request finished: report it once every send is over.
+            # An announced request finished: give it back once every send is over.
             record.finished = True
-            if spec.aborted:
-                # No usable KV: no more pulls; the sends in flight end first.
-                record.closed = record.aborted = True
-                if not record.sends:
-                    self._settle(tid, record, out)
-            elif phase is Phase.SENT:
-                self._report(tid, out)
+            if phase is Phase.SENT:
+                self._give_back(tid, out)
             elif phase is Phase.HELD:
                 out.append(ArmDeadline(tid, self._settings.lease_s))  # the lease, from now
             return
         if phase is Phase.CANCELLED:
-            if not spec.aborted:
-                out.append(Count("released_by_peer"))
-            out.append(ReportSent(spec.request_id))
+            out.append(Count("released_by_peer"))
+            out.append(ReturnBlocks(spec.request_id, tid, record.reason or "cancelled"))
             return
         if record is not None and phase is not Phase.PARKED:
             assert record.spec is not None
-            log.warning(
-                "request %s: transfer_id %s is already held for request %s; releasing the "
-                "new request's blocks at once",
-                spec.request_id,
-                tid,
-                record.spec.request_id,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: transfer_id %s is already held for request %s; releasing the "
+                    "new request's blocks at once",
+                    (spec.request_id, tid, record.spec.request_id),
+                )
             )
             if record.spec.request_id != spec.request_id:
-                out.append(ReportSent(spec.request_id))
-            return
-        if spec.aborted:
-            self._request_cancelled(tid, out)
-            out.append(ReportSent(spec.request_id))
+                out.append(ReturnBlocks(spec.request_id, tid, "duplicate transfer id"))
             return
         out.append(Count("offers"))
         if record is None:
             # No pull yet: hold the blocks for one lease.
             self._transfers[tid] = _Transfer(Phase.HELD, spec=spec, finished=True)
             out.append(ArmDeadline(tid, self._settings.lease_s))
-            log.debug("request %s: holding blocks for transfer %s", spec.request_id, tid)
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "request %s: holding blocks for transfer %s",
+                    (spec.request_id, tid),
+                )
+            )
             return
         record.phase, record.spec, record.finished = Phase.HELD, spec, True
         if record.waits_for_pulls():
@@ -502,22 +410,28 @@ class Producer:
         if record is None or record.phase is Phase.PARKED:
             self._cancel(tid, "prefill request aborted on P", out)
 
-    def _prefill_done(
-        self, spec: PrefillSpec, layer_events: LayerEvents | None, out: list[ProducerAction]
+    def _final_prefill_starts(
+        self, spec: FinalPrefill, layer_events: LayerEvents | None, out: list[ProducerAction]
     ) -> None:
         tid = spec.transfer_id
         record = self._transfers.get(tid)
-        held = SendSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
+        held = OfferSpec(spec.request_id, tid, spec.block_ids, spec.num_tokens)
         if record is None:
             # No pull yet: one that arrives during the forward pass (HELD*, under a lease) or
             # later is sent layer by layer as the step's events say the layers are written.
             self._transfers[tid] = _Transfer(Phase.HELD, spec=held, layer_events=layer_events)
             out.append(Count("offers"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
-            log.debug("request %s: transfer %s offered during its prefill", spec.request_id, tid)
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "request %s: transfer %s offered during its prefill",
+                    (spec.request_id, tid),
+                )
+            )
             return
         if record.phase is not Phase.PARKED:
-            # CANCELLED (released, aborted): the request is reported once it finished; any
+            # CANCELLED (released, aborted): the request is given back once it finished; any
             # other record is a repeat, or another request's (request_finished warns).
             return
         record.phase = Phase.HELD
@@ -561,18 +475,18 @@ class Producer:
             expected = self._fan_in(request)
         except PeerError as err:
             who = record.spec.request_id if record and record.spec else "(not finished on P)"
-            log.warning(
-                "request %s: transfer_kv from %s for transfer %s (D request %s) rejected: %s",
-                who,
-                peer,
-                tid,
-                request.request_id,
-                err,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: transfer_kv from %s for transfer %s (D request %s) rejected: %s",
+                    (who, peer, tid, request.request_id, err),
+                )
             )
             out.append(FailPull(pull, err))
             if record is not None and record.phase is Phase.HELD:
                 # D recomputes: its other ranks' pulls are of no use any more.
                 record.closed = True
+                record.outcome = "pull refused"
                 self._settle(tid, record, out)
             return
         if record is None:
@@ -582,7 +496,13 @@ class Producer:
             )
             out.append(Count("early_pulls"))
             out.append(ArmDeadline(tid, self._settings.lease_s))
-            log.debug("transfer %s: transfer_kv from %s waits for the request", tid, peer)
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "transfer %s: transfer_kv from %s waits for the request",
+                    (tid, peer),
+                )
+            )
             return
         if record.phase is Phase.CANCELLED:
             why = record.reason or "cancelled on P"
@@ -625,15 +545,16 @@ class Producer:
         record = self._transfers.get(tid)
         if record is not None and record.phase is Phase.HELD:
             assert record.spec is not None
-            log.debug(
-                "request %s: transfer %s released by %s (%s)",
-                record.spec.request_id,
-                tid,
-                event.peer,
-                event.reason,
+            out.append(
+                Log(
+                    logging.DEBUG,
+                    "request %s: transfer %s released by %s (%s)",
+                    (record.spec.request_id, tid, event.peer, event.reason),
+                )
             )
             out.append(Count("released_by_peer"))
             record.closed = True
+            record.outcome = f"released by {event.peer}"
             self._settle(tid, record, out)
             # A running request's blocks (HELD*) come back only once it finished.
             out.append(AnswerRelease(tid, record.finished))
@@ -657,16 +578,16 @@ class Producer:
         try:
             src_block_ids = self._source_blocks(spec, request)
         except PeerError as err:
-            log.warning(
-                "request %s: transfer %s for %s (D request %s) rejected: %s",
-                spec.request_id,
-                tid,
-                peer,
-                request.request_id,
-                err,
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: transfer %s for %s (D request %s) rejected: %s",
+                    (spec.request_id, tid, peer, request.request_id, err),
+                )
             )
             out.append(FailPull(pull, err))
             record.closed = True
+            record.outcome = "pull refused"
             if not record.sends:
                 self._settle(tid, record, out)
             return
@@ -684,7 +605,7 @@ class Producer:
             out.append(Count("rapid_sends"))
         out.append(StartSend(tid, pull, spec.request_id, src_block_ids, request, events, kvt_id))
 
-    def _source_blocks(self, spec: SendSpec, request: TransferKvRequest) -> list[list[int]]:
+    def _source_blocks(self, spec: OfferSpec, request: TransferKvRequest) -> list[list[int]]:
         """P's blocks per group; what can be checked without the layouts (plan_copy does the
         per-group block counts, which depend on each side's block size)."""
         groups = len(self._spec.groups)
@@ -719,13 +640,21 @@ class Producer:
             return
         tid, record, send = found
         assert record.spec is not None
-        log.warning(
-            "request %s: kvt refused to send transfer %s: %s; %s",
-            record.spec.request_id,
-            kvt_id,
-            error,
-            "aborting it, blocks back after its completion" if kvt_has_blocks else "releasing",
+        out.append(
+            Log(
+                logging.WARNING,
+                "request %s: kvt refused to send transfer %s: %s; %s",
+                (
+                    record.spec.request_id,
+                    kvt_id,
+                    error,
+                    "aborting it, blocks back after its completion"
+                    if kvt_has_blocks
+                    else "releasing",
+                ),
+            )
         )
+        record.outcome = "send refused"
         if kvt_has_blocks:
             if not send.aborting:
                 send.aborting = True
@@ -741,11 +670,13 @@ class Producer:
         assert record.spec is not None
         out.append(Count("sends_done" if completion.ok else "sends_failed"))
         if not completion.ok:
-            log.warning(
-                "request %s: sending transfer %s failed (%s)",
-                record.spec.request_id,
-                kvt_id,
-                describe(completion),
+            record.outcome = "send failed"
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: sending transfer %s failed (%s)",
+                    (record.spec.request_id, kvt_id, describe(completion)),
+                )
             )
         self._send_over(tid, record, kvt_id, out)
 
@@ -765,12 +696,13 @@ class Producer:
             tid, record, send = found
             if not send.aborting:
                 assert record.spec is not None
-                log.warning(
-                    "request %s: transfer %s not confirmed within %.1fs; aborting it (its "
-                    "blocks come back with kvt's completion)",
-                    record.spec.request_id,
-                    key,
-                    self._settings.transfer_timeout_s,
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        "request %s: transfer %s not confirmed within %.1fs; aborting it (its "
+                        "blocks come back with kvt's completion)",
+                        (record.spec.request_id, key, self._settings.transfer_timeout_s),
+                    )
                 )
                 send.aborting = True
                 out.append(Count("sends_timed_out"))
@@ -783,34 +715,43 @@ class Producer:
         if record.phase in (Phase.HELD, Phase.SENDING):
             assert record.spec is not None
             out.append(Count("leases_expired"))
-            log.warning(
-                "request %s: %d of %s decode rank(s) pulled transfer %s within the %.1fs "
-                "lease; releasing its blocks%s",
-                record.spec.request_id,
-                len(record.pulled),
-                record.expected or "the",
-                tid,
-                self._settings.lease_s,
-                " once the sends are over" if record.sends else "",
+            out.append(
+                Log(
+                    logging.WARNING,
+                    "request %s: %d of %s decode rank(s) pulled transfer %s within the %.1fs "
+                    "lease; releasing its blocks%s",
+                    (
+                        record.spec.request_id,
+                        len(record.pulled),
+                        record.expected or "the",
+                        tid,
+                        self._settings.lease_s,
+                        " once the sends are over" if record.sends else "",
+                    ),
+                )
             )
             if not record.finished:
-                log.warning(
-                    "request %s: still running on P; its blocks go back once it finished",
-                    record.spec.request_id,
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        "request %s: still running on P; its blocks go back once it finished",
+                        (record.spec.request_id,),
+                    )
                 )
             record.closed = True
+            record.outcome = "lease passed"
             if not record.sends:
                 self._settle(tid, record, out)
         elif record.phase is Phase.PARKED:
             for parked in record.parked.values():
                 out.append(Count("early_pulls_expired"))
-                log.warning(
-                    "transfer %s: transfer_kv from %s (D request %s) expired: the request did "
-                    "not finish on P within the %.1fs lease",
-                    tid,
-                    parked.peer,
-                    parked.request.request_id,
-                    self._settings.lease_s,
+                out.append(
+                    Log(
+                        logging.WARNING,
+                        "transfer %s: transfer_kv from %s (D request %s) expired: the request did "
+                        "not finish on P within the %.1fs lease",
+                        (tid, parked.peer, parked.request.request_id, self._settings.lease_s),
+                    )
                 )
                 error = LeaseExpired(f"transfer {tid} not on P in time")
                 out.append(FailPull(parked.pull, error))
@@ -824,9 +765,9 @@ class Producer:
         if record.waits_for_pulls():
             record.phase = Phase.HELD  # the lease (armed under tid) still runs
         elif record.finished:
-            self._report(tid, out)
+            self._give_back(tid, out)
         else:
-            # Rapid: the request still runs; report it when vLLM finishes it.
+            # Rapid: the request still runs; give it back when vLLM finishes it.
             out.append(CancelDeadline(tid))
             record.phase = Phase.SENT
 
@@ -840,325 +781,17 @@ class Producer:
         self._transfers[tid] = _Transfer(Phase.CANCELLED, reason=reason)
         out.append(ArmDeadline(tid, self._settings.lease_s))
 
-    def _report(self, tid: str, out: list[ProducerAction]) -> None:
-        """Give the blocks back to vLLM (the record ends)."""
+    def _give_back(self, tid: str, out: list[ProducerAction]) -> None:
+        """Give the blocks back (the record ends)."""
         record = self._transfers.pop(tid)
         assert record.spec is not None
         assert not record.sends
         out.append(CancelDeadline(tid))
-        out.append(ReportSent(record.spec.request_id))
+        out.append(ReturnBlocks(record.spec.request_id, tid, record.outcome))
         # A tombstone for one lease: a later pull (a proxy failing over to a second D after the
         # first one pulled) fails at once, so that D recomputes now, not after a parked lease.
-        reason = "prefill request aborted on P" if record.aborted else "already sent, blocks freed"
-        self._cancel(tid, reason, out)
+        self._cancel(tid, "already sent, blocks freed", out)
 
     def _forget(self, tid: str, out: list[ProducerAction]) -> None:
         del self._transfers[tid]
         out.append(CancelDeadline(tid))
-
-
-# ============================================================================== D: events
-@dataclass(frozen=True, slots=True)
-class PullRequested:
-    """vLLM allocated blocks for a request whose prompt's KV is on P."""
-
-    spec: RecvSpec
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectRefused:
-    """kvt refused ``expect`` (``StartPull`` could not start): nothing will be written.
-    ``kvt_id``: the part's (``StartPull.kvt_id``); "" = the request's only part."""
-
-    request_id: str
-    error: Exception
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PullCallFailed:
-    """The transfer_kv RPC to P failed (unreachable, rejected, timed out)."""
-
-    request_id: str
-    error: Exception
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class RecvCompleted:
-    """kvt's (one) completion of the receive of one part."""
-
-    request_id: str
-    completion: Completion
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class PullCancelled:
-    """The D request finished (aborted) while its pull was in flight."""
-
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseRequested:
-    """D will not pull: tell P to free the transfer."""
-
-    spec: ReleaseSpec
-
-
-ConsumerEvent = (
-    PullRequested
-    | ExpectRefused
-    | PullCallFailed
-    | RecvCompleted
-    | PullCancelled
-    | ReleaseRequested
-    | ShuttingDown
-)
-
-
-# ============================================================================== D: actions
-@dataclass(frozen=True, slots=True)
-class StartPull:
-    """kvt ``expect`` ``kvt_id`` (feeding ``RecvCompleted`` on completion, ``ExpectRefused``
-    if refused), then call transfer_kv on ``spec.remote_rpc_address`` (feeding
-    ``PullCallFailed`` if it fails). ``spec`` is this part's: one P rank's address and the
-    block lists of the groups that rank serves (empty for the others)."""
-
-    spec: RecvSpec
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class StopCall:
-    """Stop waiting for the transfer_kv answer of ``kvt_id`` (the completion decided)."""
-
-    request_id: str
-    kvt_id: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class CallRelease:
-    """Send the release RPC to P (best effort: P's lease frees it otherwise)."""
-
-    spec: ReleaseSpec
-
-
-@dataclass(frozen=True, slots=True)
-class ReportRecv:
-    """Put ``request_id`` into vLLM's ``finished_recving`` (and ``failed_recving`` if failed)."""
-
-    request_id: str
-    failed: bool
-
-
-ConsumerAction = StartPull | StopCall | Abort | CallRelease | ReportRecv | Count
-
-
-@dataclass(slots=True)
-class _Part:
-    """One P rank's share of a pull."""
-
-    spec: RecvSpec
-    done: bool = False
-    aborting: bool = False
-
-
-@dataclass(slots=True)
-class _Receive:
-    spec: RecvSpec
-    parts: dict[str, _Part]  # by kvt id
-    failed: bool = False
-
-
-class Consumer:
-    """D's pulls, for one TP rank. Pure: a request is reported exactly once, after kvt's
-    completion of every part (kvt then no longer writes into its blocks), or at once if kvt
-    never accepted any; failed if any part failed.
-
-    With TP on either side a pull fans out: one part per P rank this rank takes bytes from
-    (``pull_sources``), each its own kvt receive and transfer_kv call. A failed part aborts
-    the others (vLLM recomputes the request anyway).
-    """
-
-    def __init__(self, local_spec: CacheSpec | None = None) -> None:
-        self._local = local_spec
-        self._pulls: dict[str, _Receive] = {}
-
-    def __len__(self) -> int:
-        return len(self._pulls)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self._pulls
-
-    def handle(self, event: ConsumerEvent) -> list[ConsumerAction]:
-        out: list[ConsumerAction] = []
-        match event:
-            case PullRequested(spec):
-                if spec.request_id in self._pulls:
-                    log.warning(
-                        "request %s: pull already in flight; ignoring a second one",
-                        spec.request_id,
-                    )
-                else:
-                    self._start(spec, out)
-            case ExpectRefused(request_id, error, kvt_id):
-                found = self._part(request_id, kvt_id)
-                if found is not None:
-                    pull, part = found
-                    log.warning(
-                        "request %s: cannot expect %s from %s: %s; recomputing locally",
-                        request_id,
-                        kvt_id or pull.spec.transfer_id,
-                        part.spec.remote_rpc_address,
-                        error,
-                    )
-                    part.done = True
-                    self._part_failed(pull, f"expect refused: {error}", out)
-            case PullCallFailed(request_id, error, kvt_id):
-                found = self._part(request_id, kvt_id)
-                if found is not None:
-                    self._abort(found[0], f"transfer_kv failed: {error}", out)
-            case RecvCompleted(request_id, completion, kvt_id):
-                found = self._part(request_id, kvt_id)
-                if found is not None:
-                    self._completed(*found, completion, out)
-            case PullCancelled(request_id):
-                pull = self._pulls.get(request_id)
-                if pull is not None:
-                    for address in self._addresses(pull):
-                        out.append(
-                            CallRelease(
-                                ReleaseSpec(request_id, pull.spec.transfer_id, address, "aborted")
-                            )
-                        )
-                    self._abort(pull, "decode request aborted", out)
-            case ReleaseRequested(spec):
-                for p in range(max(1, spec.remote_tp_size)):
-                    address = spec.remote_rpc_address
-                    if spec.remote_tp_size > 1:
-                        address = rank_address(address, p)
-                    out.append(CallRelease(replace(spec, remote_rpc_address=address)))
-            case ShuttingDown():
-                # Their completions are not reported: the worker is closing.
-                for pull in self._pulls.values():
-                    for kvt_id, part in pull.parts.items():
-                        if not part.done:
-                            out.append(Abort(kvt_id, "decode instance shutting down"))
-                self._pulls.clear()
-            case _:
-                raise TypeError(f"not a consumer event: {event!r}")
-        return out
-
-    # -- fan-out ----------------------------------------------------------------------------
-    def _ranks(self) -> tuple[int, int]:
-        local = self._local
-        return (0, 1) if local is None else (local.tp_rank, local.tp_size)
-
-    def _plan(self, spec: RecvSpec) -> dict[str, _Part]:
-        """One part per P rank this rank pulls from (PeerError/ConfigError: TP cannot map)."""
-        d_rank, d_tp = self._ranks()
-        p_tp = spec.remote_tp_size
-        if p_tp == 1 and d_tp == 1:
-            return {spec.transfer_id: _Part(spec)}
-        assert self._local is not None
-        parts: dict[str, _Part] = {}
-        for p_rank, groups in pull_sources(p_tp, d_tp, d_rank, self._local.groups).items():
-            block_ids = [ids if g in groups else [] for g, ids in enumerate(spec.block_ids)]
-            address = rank_address(spec.remote_rpc_address, p_rank)
-            kvt_id = kvt_transfer_id(spec.transfer_id, p_rank, p_tp, d_rank, d_tp)
-            parts[kvt_id] = _Part(replace(spec, remote_rpc_address=address, block_ids=block_ids))
-        return parts
-
-    def _idle_p_ranks(self, spec: RecvSpec) -> list[int]:
-        """P ranks no D rank pulls from (MLA, P TP > D TP): rank 0 releases them."""
-        d_rank, d_tp = self._ranks()
-        p_tp = spec.remote_tp_size
-        if d_rank != 0 or p_tp == 1 or self._local is None:
-            return []
-        used: set[int] = set()
-        for d in range(d_tp):
-            used.update(pull_sources(p_tp, d_tp, d, self._local.groups))
-        return [p for p in range(p_tp) if p not in used]
-
-    def _start(self, spec: RecvSpec, out: list[ConsumerAction]) -> None:
-        try:
-            parts = self._plan(spec)
-            idle = self._idle_p_ranks(spec)
-        except (PeerError, ConfigError) as err:
-            log.warning(
-                "request %s: cannot pull transfer %s from %s (P TP %d, D TP %d): %s; "
-                "recomputing locally",
-                spec.request_id,
-                spec.transfer_id,
-                spec.remote_rpc_address,
-                spec.remote_tp_size,
-                self._ranks()[1],
-                err,
-            )
-            out.append(Count("pulls_failed"))
-            out.append(ReportRecv(spec.request_id, failed=True))
-            return
-        self._pulls[spec.request_id] = _Receive(spec, parts)
-        out.append(Count("pulls_started"))
-        for kvt_id, part in parts.items():
-            out.append(StartPull(part.spec, kvt_id))
-        for p in idle:
-            address = rank_address(spec.remote_rpc_address, p)
-            reason = "no decode rank pulls from this rank"
-            out.append(CallRelease(ReleaseSpec(spec.request_id, spec.transfer_id, address, reason)))
-
-    def _addresses(self, pull: _Receive) -> list[str]:
-        return [part.spec.remote_rpc_address for part in pull.parts.values()]
-
-    def _part(self, request_id: str, kvt_id: str) -> tuple[_Receive, _Part] | None:
-        """The running part ``kvt_id`` of ``request_id``'s pull ("": its first running one)."""
-        pull = self._pulls.get(request_id)
-        if pull is None:
-            return None
-        if kvt_id:
-            part = pull.parts.get(kvt_id)
-        else:
-            part = next((p for p in pull.parts.values() if not p.done), None)
-        return None if part is None or part.done else (pull, part)
-
-    def _abort(self, pull: _Receive, reason: str, out: list[ConsumerAction]) -> None:
-        """Abort every part still running (each one's completion, ABORTED, reports it)."""
-        for kvt_id, part in pull.parts.items():
-            if not part.done and not part.aborting:
-                part.aborting = True
-                out.append(Abort(kvt_id, reason))
-
-    def _part_failed(self, pull: _Receive, reason: str, out: list[ConsumerAction]) -> None:
-        pull.failed = True
-        self._abort(pull, reason, out)
-        self._maybe_done(pull, out)
-
-    def _completed(
-        self, pull: _Receive, part: _Part, completion: Completion, out: list[ConsumerAction]
-    ) -> None:
-        spec = part.spec
-        part.done = True
-        kvt_id = next(k for k, p in pull.parts.items() if p is part)
-        out.append(StopCall(spec.request_id, kvt_id))
-        if completion.ok:
-            out.append(Count("bytes_received", int(completion.nbytes)))
-            self._maybe_done(pull, out)
-            return
-        log.warning(
-            "request %s: pulling %s from %s failed (%s); vLLM recomputes it",
-            spec.request_id,
-            kvt_id,
-            spec.remote_rpc_address,
-            describe(completion),
-        )
-        self._part_failed(pull, f"another part failed: {completion.reason}", out)
-
-    def _maybe_done(self, pull: _Receive, out: list[ConsumerAction]) -> None:
-        """Report the request once every part is over."""
-        if not all(part.done for part in pull.parts.values()):
-            return
-        del self._pulls[pull.spec.request_id]
-        out.append(Count("pulls_failed" if pull.failed else "pulls_done"))
-        out.append(ReportRecv(pull.spec.request_id, failed=pull.failed))
