@@ -32,6 +32,7 @@ P_ANSWER = {
     "remote_num_tokens": 6,
     "remote_tp_size": 2,
     "lease_s": 30.0,
+    "remote_prefill_cached_tokens": 4,  # vLLM's own, for D's usage report
 }
 
 
@@ -55,6 +56,7 @@ P_ANSWER = {
                 remote_block_ids=[[3, 5]],
                 remote_num_tokens=6,
                 lease_s=30.0,
+                remote_prefill_cached_tokens=4,
             ),
         ),
         # NixlConnector-style extras and unknown fields are ignored.
@@ -96,6 +98,7 @@ def test_decodes(raw: Any, expected: Any) -> None:
         ({**PULL, "remote_block_ids": [1, 2]}, "remote_block_ids"),
         ({**PULL, "lease_s": float("nan")}, "lease_s"),
         ({**PULL, "lease_s": -1}, "lease_s"),
+        ({**PULL, "remote_prefill_cached_tokens": "4"}, "remote_prefill_cached_tokens"),
         ({**PULL, "contract_version": 0}, "contract_version"),
         ({**PULL, "contract_version": "1"}, "contract_version"),
     ],
@@ -151,6 +154,8 @@ def test_the_wire_keys_are_the_ones_vllm_and_other_proxies_read() -> None:
     }
     wire = encode_params(decode_params(P_ANSWER))
     assert {k: wire[k] for k in P_ANSWER} == P_ANSWER
+    # An optional field that is not set is not sent (vLLM reads it only if it is an int).
+    assert "remote_prefill_cached_tokens" not in encode_params(decode_params(PULL))
 
 
 # ------------------------------------------------------------------ fuzzing the decoder
@@ -170,6 +175,7 @@ _keys = st.sampled_from(
         "remote_block_ids",
         "remote_num_tokens",
         "lease_s",
+        "remote_prefill_cached_tokens",
         "contract_version",
     ]
 )

@@ -169,6 +169,7 @@ def _p_answer(**fields: Any) -> Callable[[dict[str, Any]], dict[str, Any]]:
             "remote_num_tokens": 6,
             "remote_tp_size": 2,
             "lease_s": 30.0,
+            "remote_prefill_cached_tokens": 4,  # vLLM adds it; D's usage report reads it
             "contract_version": 1,
             "not_in_the_contract": True,
             **fields,
@@ -194,6 +195,7 @@ async def test_p_answered_pull_params_go_to_d_with_the_proxys_p_address(
         remote_block_ids=[[3, 5]],
         remote_num_tokens=6,
         lease_s=30.0,
+        remote_prefill_cached_tokens=4,
     )
     assert "not_in_the_contract" not in d_params
 

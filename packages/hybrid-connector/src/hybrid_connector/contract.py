@@ -84,6 +84,9 @@ class PullParams(msgspec.Struct, kw_only=True, frozen=True):
     remote_block_ids: list[list[_Count]] = []
     remote_num_tokens: _Count = 0
     lease_s: _Seconds = 0.0
+    # Added by vLLM itself to P's answer (P's own prefix-cache hit); D's vLLM reports it in
+    # usage.prompt_tokens_details. None: not set (and not sent).
+    remote_prefill_cached_tokens: _Count | None = None
     contract_version: _Version = CONTRACT_VERSION
 
 
@@ -135,5 +138,6 @@ def decode_params(raw: object) -> Params | None:
 
 
 def encode_params(params: Params) -> dict[str, Any]:
-    """The JSON-ready dict for a request body's (or a response's) ``kv_transfer_params``."""
-    return msgspec.to_builtins(params)
+    """The JSON-ready dict for a request body's (or a response's) ``kv_transfer_params``
+    (optional fields that are None are left out)."""
+    return {k: v for k, v in msgspec.to_builtins(params).items() if v is not None}
