@@ -201,12 +201,12 @@ def _pd(p: Node, d: Node, prompts: list[list[int]]) -> list[Gen]:
 
 
 def _assert_same_greedy(arch: str, got: list[Gen], want: list[Gen]) -> None:
-    """qwen2: identical tokens. mla (random weights, near-ties): as vLLM's own tests compare,
-    equal up to the first divergence, and there each side's token is in the other's top
-    logprobs."""
+    """As vLLM's own TP tests compare: equal up to the first divergence, and there each side's
+    token is in the other's top logprobs. A TP=2 instance sums partial products in another
+    order than TP=1, and random weights have near-ties, so even qwen2 may flip there."""
+    del arch
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
-        if arch == "qwen2" or tokens == ref_tokens:
-            assert tokens == ref_tokens
+        if tokens == ref_tokens:
             continue
         i = next(i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b)
         assert tokens[i] in ref_logprobs[i], (i, tokens, ref_tokens)
