@@ -86,17 +86,25 @@ async def _complete_all(
         return await asyncio.gather(*(one(p) for _, p in prompts))
 
 
+async def _decode_tokens_by_source(cluster: Cluster) -> dict[str, float]:
+    """vLLM's prompt tokens by source, summed over every D."""
+    total: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session:
+        for url in cluster.decode_urls:
+            for source, n in (await prompt_tokens_by_source(session, url)).items():
+                total[source] = total.get(source, 0.0) + n
+    return total
+
+
 async def _check_equal_and_transferred(
     cluster: Cluster, proxy_url: str, prompts: list[tuple[int, Any]], *, stream: bool
 ) -> None:
     """The proxy's answers equal the single instance's (the ground truth), and D loaded the
     prompts' KV through the connector instead of computing it."""
     reference = await _complete_all(cluster.single_url, cluster.model_name, prompts, stream=False)
-    async with aiohttp.ClientSession() as session:
-        before = await prompt_tokens_by_source(session, cluster.decode_urls[0])
+    before = await _decode_tokens_by_source(cluster)
     got = await _complete_all(proxy_url, cluster.model_name, prompts, stream=stream)
-    async with aiohttp.ClientSession() as session:
-        after = await prompt_tokens_by_source(session, cluster.decode_urls[0])
+    after = await _decode_tokens_by_source(cluster)
     for (n, _), ref, out in zip(prompts, reference, got, strict=True):
         assert ref.prompt_tokens == n
         assert out.prompt_tokens == n

@@ -205,7 +205,8 @@ def engine_gdn(engine_pool: EnginePool) -> Any:
 
 @dataclass
 class Xpyd:
-    """``pdserve up --prefill 2 --decode 2`` (parallel dispatch) on the tiny Qwen2."""
+    """``pdserve up --prefill 2 --decode 2`` (HybridConnector, parallel dispatch) on the tiny
+    Qwen2."""
 
     model: Path
     proxy_url: str
@@ -213,6 +214,7 @@ class Xpyd:
     log_dir: Path
     prefill: list[dict[str, Any]] = field(default_factory=list)  # /health entries: url, rpc
     decode: list[dict[str, Any]] = field(default_factory=list)
+    connector: str = "hybrid"
 
     @property
     def model_name(self) -> str:
@@ -231,15 +233,24 @@ class Xpyd:
         """A plain request to P1 (no transfer parameters) is a single instance's answer."""
         return self.prefill_urls[-1]
 
-    def proxy_config(self, *, dispatch: str = "parallel", decode_urls: list[str] | None = None):
+    def proxy_config(
+        self,
+        *,
+        dispatch: str = "sequential",
+        prefill_count: int | None = None,
+        decode_urls: list[str] | None = None,
+    ):
         """A proxy configuration for an in-process proxy in front of these instances."""
         from pd_serving.proxy import Backend, Dispatch, ProxyConfig
         from pd_serving.servers import Connector
 
         return ProxyConfig(
-            prefill=[Backend(b["url"], rpc_address=b["rpc_address"]) for b in self.prefill],
+            prefill=[
+                Backend(b["url"], rpc_address=b["rpc_address"])
+                for b in self.prefill[:prefill_count]
+            ],
             decode=[Backend(url) for url in decode_urls or self.decode_urls],
-            connector=Connector.HYBRID,
+            connector=Connector(self.connector),
             dispatch=Dispatch(dispatch),
             model_names=[self.model_name],
         )
@@ -278,10 +289,13 @@ def xpyd(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
     model = tiny_model_dir(models_dir, "qwen2")
     log_dir = tmp_path_factory.mktemp("xpyd-logs")
+    # HybridConnector by default; PDSERVE_E2E_CONNECTOR=nixl runs the same tests on NIXL.
+    connector = os.environ.get("PDSERVE_E2E_CONNECTOR", "hybrid")
+    dispatch = "parallel" if connector == "hybrid" else "sequential"
     pdserve = pdserve_up(
         model,
         log_dir,
-        *("--prefill", "2", "--decode", "2", "--dispatch", "parallel"),
+        *("--prefill", "2", "--decode", "2", "--connector", connector, "--dispatch", dispatch),
     )
     count_vllm_start("xpyd", 4)
     started = time.monotonic()
@@ -299,6 +313,7 @@ def xpyd(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             log_dir=log_dir,
             prefill=health["prefill"],
             decode=health["decode"],
+            connector=connector,
         )
     finally:
         stop_all([pdserve])

@@ -1,27 +1,21 @@
-"""Failover on real vLLM (1P2D, HybridConnector): a D killed before the request, the proxy moves
-the transfer to the other D, which pulls the KV P still holds; no second prefill.
+"""Failover on real vLLM (HybridConnector): a D that refuses connections, the proxy moves the
+transfer to the other D, which pulls the KV P still holds; no second prefill.
 
-One deployment for the module. Run under the lock: ``flock /tmp/bench.lock uv run --frozen
---no-sync pytest packages/pd-serving/tests/test_failover_vllm.py``.
+The session's xPyD deployment, behind an in-process proxy that knows P0 only and two D's: a dead
+address first (what a killed D looks like to the proxy: connection refused) and D0.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+from harness.pool import Xpyd
+from harness.ports import dead_address
 from pd_serving.client import complete, exact_length_prompt, load_tokenizer
-from pd_serving.deploy import Deployment
 from pd_serving.launcher import free_port
-from pd_serving.model import default_model_dir, make_model
 from pd_serving.proxy import PdProxy, serve
-from pd_serving.servers import Connector, Role, VllmServer, plan_servers
 from prometheus_client.parser import text_string_to_metric_families
 from stand_ins import wait_until
 
@@ -29,42 +23,6 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 12
 PROMPT_TOKENS = 200
-
-
-@dataclass
-class OnePTwoD:
-    model: Path
-    deployment: Deployment
-    prefill: VllmServer
-    decode: list[VllmServer]
-
-
-@pytest.fixture(scope="module")
-def one_p_two_d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OnePTwoD]:
-    model = make_model(default_model_dir("qwen2"), "qwen2")
-    servers = plan_servers(
-        model,
-        log_dir=tmp_path_factory.mktemp("failover-logs"),
-        connector=Connector.HYBRID,
-        prefill=1,
-        decode=2,
-    )
-    with Deployment(servers) as deployment:
-        deployment.start(timeout=600)
-        yield OnePTwoD(
-            model=model,
-            deployment=deployment,
-            prefill=deployment.by_role(Role.PREFILL)[0],
-            decode=deployment.by_role(Role.DECODE),
-        )
-
-
-def _kill(deployment: Deployment, server: VllmServer) -> None:
-    """SIGKILL the server's whole process group (API server, engine core, worker)."""
-    proc = deployment._processes[deployment.servers.index(server)]
-    assert proc.pid is not None
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.exited.result(timeout=30)
 
 
 async def _samples(session: aiohttp.ClientSession, url: str) -> list[Any]:
@@ -81,13 +39,13 @@ async def _sum(session: aiohttp.ClientSession, url: str, name: str, **labels: st
     )
 
 
-async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: OnePTwoD) -> None:
-    rig = one_p_two_d
-    model = str(rig.model)
-    tokenizer = load_tokenizer(rig.model)
+async def test_a_dead_decode_fails_over_without_a_second_prefill(xpyd: Xpyd) -> None:
+    model = xpyd.model_name
+    tokenizer = load_tokenizer(xpyd.model)
     prompts = [exact_length_prompt(tokenizer, PROMPT_TOKENS, seed=7100 + i) for i in range(2)]
-    p_url, (dead, alive) = rig.prefill.url, rig.decode
-    config = rig.deployment.proxy_config(Connector.HYBRID, model_names=[model])
+    p_url, alive_url = xpyd.prefill_urls[0], xpyd.decode_urls[0]
+    dead_url = f"http://{dead_address()}"
+    config = xpyd.proxy_config(prefill_count=1, decode_urls=[dead_url, alive_url])
     config.health = None  # no active checks: the request itself must meet the dead D
     proxy = PdProxy(config)
     port = free_port()
@@ -95,18 +53,19 @@ async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: 
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
+            requests = "vllm:request_success_total"
+            served_before = await _sum(session, p_url, requests)
             # The reference: the same model computing it all by itself (P, without a transfer).
             reference = [
                 await complete(session, p_url, model, p, max_tokens=MAX_TOKENS) for p in prompts
             ]
-            _kill(rig.deployment, dead)
-            requests = "vllm:request_success_total"
             p_before = await wait_until(
-                lambda: _sum(session, p_url, requests), lambda v: v >= len(prompts)
+                lambda: _sum(session, p_url, requests),
+                lambda v: v >= served_before + len(prompts),
             )
             pulled_before = await _sum(
                 session,
-                alive.url,
+                alive_url,
                 "vllm:prompt_tokens_by_source_total",
                 source="external_kv_transfer",
             )
@@ -118,7 +77,7 @@ async def test_a_killed_decode_fails_over_without_a_second_prefill(one_p_two_d: 
             pulled = (
                 await _sum(
                     session,
-                    alive.url,
+                    alive_url,
                     "vllm:prompt_tokens_by_source_total",
                     source="external_kv_transfer",
                 )

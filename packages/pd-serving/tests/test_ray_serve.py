@@ -1,9 +1,10 @@
 """1P1D on Ray Serve LLM with HybridConnector, token for token a single vLLM instance's answers.
 
 A local Ray cluster (logical CPUs only: Ray Serve LLM reserves a placement-group bundle per
-engine), ``pd_serving.ray_serve.build_pd_openai_app`` on the tiny model, and next to it one plain
-vLLM server started by pd-serving's launcher with the same engine settings. Afterwards Serve and
-Ray are shut down and no process the test started is left.
+engine), ``pd_serving.ray_serve.build_pd_openai_app`` on the tiny model; the single instance it
+is compared with is the session's xPyD deployment's P1 asked directly (the same model and engine
+settings, no transfer). Afterwards Serve and Ray are shut down and no process the test started
+is left.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from harness.pool import Xpyd, count_vllm_start
 from pd_serving.client import complete, exact_length_prompt, load_tokenizer
-from pd_serving.launcher import free_port, stop_all, wait_all_ready
-from pd_serving.model import make_model
-from pd_serving.servers import CpuSettings, Role, VllmServer
+from pd_serving.launcher import free_port
+from pd_serving.servers import CpuSettings
 
 pytestmark = [
     pytest.mark.needs_vllm,
@@ -39,7 +40,6 @@ CPU = CpuSettings()
 ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
@@ -81,24 +81,18 @@ def _descendants() -> list:
 
 
 @pytest.fixture(scope="module")
-def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
+def deployed(xpyd: Xpyd) -> Iterator[Deployed]:
     pytest.importorskip("ray.serve.llm", reason="needs pd-serving[ray]")
     import psutil
     import ray
     from pd_serving.ray_serve import build_pd_openai_app
     from ray import serve
 
-    model = make_model(tmp_path_factory.mktemp("models") / "tiny-qwen2")
-    log_dir = tmp_path_factory.mktemp("ray-serve-logs")
-    single = VllmServer(
-        name="single0", model=model, role=Role.SINGLE, connector=None, log_dir=log_dir, cpu=CPU
-    )
-    single_process = single.make_process()
+    model = xpyd.model
     before = {p.pid for p in _descendants()}
     started: list = []
     try:
         _start_ray(ray)
-        single_process.start()  # after Ray: its raylet must register within 30 s (see below)
         port, metrics_port = free_port(), free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_pd_openai_app(
@@ -108,13 +102,13 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
                 "decode_config": _llm_config(model, "decode", metrics_port=metrics_port),
             }
         )
+        count_vllm_start("ray-serve", 2)
         serve.run(app, name="pd", route_prefix="/")  # returns once every deployment is ready
-        wait_all_ready([single_process], 600)
         started = [p for p in _descendants() if p.pid not in before]
         yield Deployed(
             pd_url=f"http://127.0.0.1:{port}",
-            single_url=single.url,
-            single_model=str(model),
+            single_url=xpyd.reference_url,
+            single_model=xpyd.model_name,
             model=model,
             decode_metrics_url=f"http://{ray.util.get_node_ip_address()}:{metrics_port}/metrics",
         )
@@ -123,7 +117,6 @@ def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
             started = started or [p for p in _descendants() if p.pid not in before]
             serve.shutdown()
             ray.shutdown()
-        stop_all([single_process])
         _gone, alive = psutil.wait_procs(started, timeout=60)
         leftover = [f"{p.pid} {p.name()}" for p in alive if p.is_running()]
         for proc in alive:

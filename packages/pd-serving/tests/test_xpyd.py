@@ -1,30 +1,26 @@
 """2P2D on the tiny model (HybridConnector): token-identical to one instance, load spread over
 both P's and both D's, prompts sharing a prefix on one P.
 
-One deployment for the module (2 P + 2 D + the single instance, started in parallel); every test
-makes its own proxy in front of it, with the active health checker on. Instances' request
-counters (``vllm:request_success_total``) say who served what. Run under the lock:
-``flock /tmp/bench.lock uv run --frozen --no-sync pytest packages/pd-serving/tests/test_xpyd.py``.
+The session's xPyD deployment (``harness.pool``'s ``xpyd``: ``pdserve up --prefill 2 --decode
+2``); every test makes its own in-process proxy in front of its instances, with the active health
+checker on, and compares with P1 asked directly (a plain request, no transfer: one instance's
+answer). Instances' request counters (``vllm:request_success_total``) say who served what.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from harness.pool import Xpyd
 from pd_serving.client import complete, exact_length_prompt, load_tokenizer
-from pd_serving.deploy import Deployment
 from pd_serving.health import HealthCheckConfig
 from pd_serving.launcher import free_port
-from pd_serving.model import default_model_dir, make_model
 from pd_serving.proxy import PdProxy, serve
 from pd_serving.routing import RoutingPolicy
-from pd_serving.servers import Connector, Role, VllmServer, plan_servers
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.needs_vllm, pytest.mark.timeout(900)]
@@ -32,40 +28,9 @@ pytestmark = [pytest.mark.needs_vllm, pytest.mark.timeout(900)]
 MAX_TOKENS = 12
 
 
-@dataclass
-class XpYd:
-    model: Path
-    deployment: Deployment
-    prefill: list[VllmServer]
-    decode: list[VllmServer]
-    single: VllmServer
-
-
-@pytest.fixture(scope="module")
-def xpyd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[XpYd]:
-    model = make_model(default_model_dir("qwen2"), "qwen2")
-    servers = plan_servers(
-        model,
-        log_dir=tmp_path_factory.mktemp("xpyd-logs"),
-        connector=Connector.HYBRID,
-        prefill=2,
-        decode=2,
-        single=1,
-    )
-    with Deployment(servers) as deployment:
-        deployment.start(timeout=600)
-        yield XpYd(
-            model=model,
-            deployment=deployment,
-            prefill=deployment.by_role(Role.PREFILL),
-            decode=deployment.by_role(Role.DECODE),
-            single=deployment.by_role(Role.SINGLE)[0],
-        )
-
-
 @pytest.fixture
-async def proxy(xpyd: XpYd) -> AsyncIterator[tuple[str, PdProxy]]:
-    config = xpyd.deployment.proxy_config(Connector.HYBRID, model_names=[str(xpyd.model)])
+async def proxy(xpyd: Xpyd) -> AsyncIterator[tuple[str, PdProxy]]:
+    config = xpyd.proxy_config()
     config.routing = RoutingPolicy()  # prefix affinity on (256 chars), no bypass
     config.health = HealthCheckConfig(interval_s=0.5, timeout_s=5)
     pd_proxy = PdProxy(config)
@@ -89,18 +54,18 @@ async def _served(session: aiohttp.ClientSession, url: str) -> float:
     )
 
 
-async def _counts(session: aiohttp.ClientSession, servers: list[VllmServer]) -> list[float]:
-    return [await _served(session, s.url) for s in servers]
+async def _counts(session: aiohttp.ClientSession, urls: list[str]) -> list[float]:
+    return [await _served(session, url) for url in urls]
 
 
 async def _settled_counts(
-    session: aiohttp.ClientSession, servers: list[VllmServer], total: float
+    session: aiohttp.ClientSession, urls: list[str], total: float
 ) -> list[float]:
     """vLLM counts a request once its output is processed, which may trail the HTTP answer by a
     moment; re-read (backoff, up to 30 s) until ``total`` requests are counted."""
     delay, deadline = 0.01, time.monotonic() + 30
     while True:
-        counts = await _counts(session, servers)
+        counts = await _counts(session, urls)
         if sum(counts) >= total or time.monotonic() > deadline:
             return counts
         await asyncio.sleep(delay)
@@ -117,18 +82,18 @@ async def _answers(session, url: str, model: str, prompts: list[str], concurrenc
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-async def test_2p2d_is_token_identical_and_spreads_load(xpyd: XpYd, proxy) -> None:
+async def test_2p2d_is_token_identical_and_spreads_load(xpyd: Xpyd, proxy) -> None:
     url, pd_proxy = proxy
     tokenizer = load_tokenizer(xpyd.model)
     prompts = [exact_length_prompt(tokenizer, 200, seed=1000 + i) for i in range(12)]
     model = str(xpyd.model)
     async with aiohttp.ClientSession() as session:
-        reference = await _answers(session, xpyd.single.url, model, prompts, 4)
-        p_before = await _counts(session, xpyd.prefill)
-        d_before = await _counts(session, xpyd.decode)
+        reference = await _answers(session, xpyd.reference_url, model, prompts, 4)
+        p_before = await _counts(session, xpyd.prefill_urls)
+        d_before = await _counts(session, xpyd.decode_urls)
         got = await _answers(session, url, model, prompts, 4)
-        p_after = await _settled_counts(session, xpyd.prefill, sum(p_before) + len(prompts))
-        d_after = await _settled_counts(session, xpyd.decode, sum(d_before) + len(prompts))
+        p_after = await _settled_counts(session, xpyd.prefill_urls, sum(p_before) + len(prompts))
+        d_after = await _settled_counts(session, xpyd.decode_urls, sum(d_before) + len(prompts))
         await asyncio.wait_for(pd_proxy.health.round_done.wait(), 30)
         async with session.get(f"{url}/health") as resp:
             health = await resp.json()
@@ -147,7 +112,7 @@ async def test_2p2d_is_token_identical_and_spreads_load(xpyd: XpYd, proxy) -> No
         assert set(entry["load"]) == {"waiting", "running", "kv_usage"}
 
 
-async def test_shared_prefix_prompts_land_on_one_prefill(xpyd: XpYd, proxy) -> None:
+async def test_shared_prefix_prompts_land_on_one_prefill(xpyd: Xpyd, proxy) -> None:
     url, _ = proxy
     tokenizer = load_tokenizer(xpyd.model)
     model = str(xpyd.model)
@@ -162,10 +127,10 @@ async def test_shared_prefix_prompts_land_on_one_prefill(xpyd: XpYd, proxy) -> N
     ]
     async with aiohttp.ClientSession() as session:
         for prompts in groups:
-            reference = await _answers(session, xpyd.single.url, model, prompts, 1)
-            before = await _counts(session, xpyd.prefill)
+            reference = await _answers(session, xpyd.reference_url, model, prompts, 1)
+            before = await _counts(session, xpyd.prefill_urls)
             got = await _answers(session, url, model, prompts, 1)
-            after = await _settled_counts(session, xpyd.prefill, sum(before) + len(prompts))
+            after = await _settled_counts(session, xpyd.prefill_urls, sum(before) + len(prompts))
             for ref, out in zip(reference, got, strict=True):
                 assert out.token_ids == ref.token_ids
             served = sorted(a - b for a, b in zip(after, before, strict=True))
