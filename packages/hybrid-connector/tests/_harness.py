@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from hybrid_connector.tiny_model import OFFLINE_VLLM_ENV
+from hybrid_connector.tiny_model import OFFLINE_KV_CACHE_BYTES, OFFLINE_VLLM_ENV
 
 ENV = OFFLINE_VLLM_ENV
 
@@ -103,6 +103,7 @@ def _instance_main(conn: Any, model: str, kv_config: dict[str, Any] | None, opts
             "max_num_seqs": 8,
             "seed": 0,
             "enable_prefix_caching": opts.get("enable_prefix_caching", False),
+            "kv_cache_memory_bytes": OFFLINE_KV_CACHE_BYTES,
         }
         if kv_config is not None:
             from vllm.config import KVTransferConfig

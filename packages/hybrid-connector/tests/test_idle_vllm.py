@@ -25,7 +25,7 @@ from typing import Any
 import _harness
 import pytest
 from _harness import Instance
-from hybrid_connector.tiny_model import make_tiny_model
+from hybrid_connector.tiny_model import OFFLINE_KV_CACHE_BYTES, make_tiny_model
 from test_pd_vllm import CONNECTOR, _free_port, _wait_for
 
 pytestmark = pytest.mark.timeout(600)
@@ -93,6 +93,7 @@ def _p_main(conn: Any, model: str, kv_config: dict[str, Any], opts: dict) -> Non
             max_num_seqs=8,
             seed=0,
             enable_prefix_caching=False,
+            kv_cache_memory_bytes=OFFLINE_KV_CACHE_BYTES,
             disable_log_stats=False,  # the block-pool gauges
             kv_transfer_config=KVTransferConfig(**kv_config),
         )

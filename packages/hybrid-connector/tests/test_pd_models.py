@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 from _harness import ENV, Instance, _core, _stats
-from hybrid_connector.tiny_model import TINY_ENGINE_ARGS, make_tiny_model
+from hybrid_connector.tiny_model import OFFLINE_KV_CACHE_BYTES, TINY_ENGINE_ARGS, make_tiny_model
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -108,6 +108,7 @@ def _model_instance_main(
             max_model_len=MAX_MODEL_LEN,
             max_num_seqs=8,
             seed=0,
+            kv_cache_memory_bytes=OFFLINE_KV_CACHE_BYTES,
             disable_log_stats=False,  # for vllm:prompt_tokens_by_source
             kv_transfer_config=KVTransferConfig(**kv_config),
             **opts,

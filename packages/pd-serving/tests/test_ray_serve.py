@@ -39,7 +39,6 @@ CPU = CpuSettings()
 ENGINE_ENV = {
     "OMP_NUM_THREADS": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
