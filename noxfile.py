@@ -7,6 +7,7 @@ a package that imports something it does not declare fails here.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nox
@@ -30,6 +31,9 @@ nox.options.sessions = [
 
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
+# The benchmarks' heavy competitors (NIXL with its CUDA builds, Mooncake's transfer engine): only
+# the sessions that run them install this group.
+TRANSFER_COMPETITORS = ("dev", "bench", "transfer-competitors")
 
 
 def _sync(
@@ -111,7 +115,7 @@ def pd_serving(session: nox.Session) -> None:
     """pd-serving without its vllm extra: the proxy, the launcher, `pdserve proxy` and the bench's
     harness must work where vLLM is not installed. Then pd_serving_vllm runs the rest.
 
-    No bench group either: the competitors there (nixl) pull in torch."""
+    No bench group either: nothing there is needed without vLLM."""
     _test_package(session, "pd-serving", groups=("dev",), pytest_args=("-m", "not needs_vllm"))
     heavy = ("vllm", "torch", "transformers")
     absent = f"import importlib.util as u, sys; sys.exit(any(map(u.find_spec, {heavy!r})))"
@@ -135,15 +139,17 @@ def rl_dataflow(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def e2e(session: nox.Session) -> None:
     """Cross-package and end-to-end tests (real vLLM instances), run once, in random order (the
-    seed is in pytest's header; `-- --random-order-seed=N` replays an order)."""
-    _sync(session, None)
+    seed is in pytest's header; `-- --random-order-seed=N` replays an order).
+    PDSERVE_E2E_CONNECTOR=nixl runs them on vLLM's NixlConnector, which needs NIXL."""
+    nixl = os.environ.get("PDSERVE_E2E_CONNECTOR") == "nixl"
+    _sync(session, None, groups=TRANSFER_COMPETITORS if nixl else ("dev", "bench"))
     session.run("pytest", str(ROOT / "tests"), "--random-order", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Full benchmarks, side by side with the competitors; results go to benchmarks/results/."""
-    _sync(session, None)
+    _sync(session, None, groups=TRANSFER_COMPETITORS)
     only = session.posargs or None
     for bench in sorted(ROOT.glob("packages/*/benchmarks/bench_*.py")):
         if only is None or bench.parent.parent.name in only:
