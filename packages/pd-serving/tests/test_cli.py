@@ -113,6 +113,24 @@ def test_bench_compare_transports_plans_samehost_and_tcp_pairs() -> None:
     ) == [(Connector.NIXL, None)]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [["bench", "--compare"], ["bench", "--connector", "nixl"], ["up", "--connector", "nixl"]],
+)
+def test_nixl_without_its_group_is_a_clear_error(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pd_serving import cli
+
+    monkeypatch.setitem(sys.modules, "nixl", None)  # as if not installed: import fails
+    monkeypatch.setitem(sys.modules, "nixl._api", None)
+    args = build_parser().parse_args(argv)
+    with pytest.raises(SystemExit, match=r"uv run --group transfer-competitors pdserve"):
+        cli._require_nixl(args)
+    for others in (["bench"], ["bench", "--compare-transports"], ["up"], ["demo"]):
+        cli._require_nixl(build_parser().parse_args(others))  # hybrid only: no NIXL needed
+
+
 def test_make_model_takes_an_arch() -> None:
     args = build_parser().parse_args(["make-model", "--arch", "mla", "some/dir"])
     assert (args.arch, args.dir) == ("mla", Path("some/dir"))

