@@ -96,12 +96,18 @@ class SchedulerHalf:
 
 class Pair:
     def __init__(
-        self, lease_s: float = 5.0, transfer_timeout_s: float = 5.0, owner: Any = None
+        self,
+        lease_s: float = 5.0,
+        transfer_timeout_s: float = 5.0,
+        owner: Any = None,
+        transport: str = "auto",
     ) -> None:
         port = free_port()
         self.rpc_address = f"127.0.0.1:{port}"
-        self.p_cfg = HybridConfig(rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0)
-        self.d_cfg = HybridConfig(transfer_timeout_s=transfer_timeout_s)
+        self.p_cfg = HybridConfig(
+            rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0, kvt_transport=transport
+        )
+        self.d_cfg = HybridConfig(transfer_timeout_s=transfer_timeout_s, kvt_transport=transport)
         self.p_kv = _kv_caches(None)
         self.d_kv = _kv_caches(0.0)
         self.p = WorkerSide(self.p_cfg, is_producer=True, is_consumer=False, name="P")
@@ -160,10 +166,10 @@ def _wait(side: WorkerSide, timeout: float = 10.0) -> tuple[set[str], set[str]]:
             return out
 
 
-@pytest.fixture
-def pair() -> Iterator[Pair]:
+@pytest.fixture(params=["auto"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     threads_before = set(threading.enumerate())
-    pair = Pair()
+    pair = Pair(transport=request.param)
     yield pair
     pair.close()
     leaked = [t.name for t in set(threading.enumerate()) - threads_before if t.is_alive()]
@@ -174,6 +180,9 @@ def _layer_blocks(kv: dict[str, torch.Tensor], block_ids: list[int]) -> list[tor
     return [t[block_ids] for t in kv.values()]
 
 
+# auto picks the same-host copy here; tcp forced through kv_connector_extra_config's
+# kvt_transport moves the same bytes over a socket.
+@pytest.mark.parametrize("pair", ["auto", "tcp"], indirect=True)
 def test_pull_copies_exactly_the_requested_blocks(pair: Pair) -> None:
     tid = str(uuid.uuid4())
     src, dst = [5, 2, 9], [1, 7, 3]
@@ -192,6 +201,8 @@ def test_pull_copies_exactly_the_requested_blocks(pair: Pair) -> None:
     assert pair.d.counters()["pulls_done"] == 1
     assert pair.p.counters()["sends_done"] == 1
     assert pair.p._engine.stats().stage("parse", "none").count == 1  # P timed its plan
+    want = "samehost" if pair.p_cfg.kvt_transport == "auto" else pair.p_cfg.kvt_transport
+    assert {link.path for link in pair.d._engine.backend.links()} == {want}
 
 
 def test_first_block_skips_what_decode_already_holds(pair: Pair) -> None:
