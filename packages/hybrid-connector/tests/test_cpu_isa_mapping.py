@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hybrid_connector.mapping import plan_copy, rank_heads, source_ranks
+from hybrid_connector.errors import PeerError
+from hybrid_connector.mapping import check_compatible, plan_copy, rank_heads, source_ranks
 from hybrid_connector.protocol import LayoutSpec, SegmentSpec
 from test_mapping import apply
 
@@ -64,6 +65,7 @@ class IsaCache:
             total_heads=TOTAL_HEADS,
             head_start=heads.start,
             num_heads=len(heads),
+            attn_isa=isa,
         )
 
     def byte_index(self, block_ids: list[int], first_block: int, num_tokens: int) -> np.ndarray:
@@ -158,3 +160,60 @@ def test_whole_prompt_lands_in_d_ranks_layout(isa: str, p, d, num_tokens: int) -
 def test_d_prefix_hit_pulls_the_tail_into_d_ranks_layout(isa: str, p, d) -> None:
     num_tokens = 2 * 64 + 45  # D holds 2 blocks of 64 or 5 of 32
     pull(isa, p, d, num_tokens, first_block=num_tokens // d[1])
+
+
+@pytest.mark.parametrize(("p_bs", "d_bs"), [(32, 32), (32, 64), (64, 32)])
+def test_a_vec_cache_and_an_amx_cache_are_refused_before_any_byte(p_bs: int, d_bs: int) -> None:
+    """Same shape, other byte order: even a whole-block copy would hand D scrambled KV."""
+    rng = np.random.default_rng(0)
+    for p_isa, d_isa in (("vec", "amx"), ("amx", "vec"), ("", "amx"), ("amx", "neon")):
+        p = IsaCache(p_isa, num_blocks=4, block_size=p_bs, heads=range(2), rng=rng)
+        d = IsaCache(d_isa, num_blocks=4, block_size=d_bs, heads=range(1, 2), rng=rng)
+        with pytest.raises(PeerError, match="differ"):
+            check_compatible(p.spec, d.spec)
+
+
+def test_a_kernel_of_unknown_byte_order_moves_whole_blocks_only() -> None:
+    rng = np.random.default_rng(0)
+    p = IsaCache("neon", num_blocks=4, block_size=32, heads=range(2), rng=rng)
+    check_compatible(
+        p.spec, IsaCache("neon", num_blocks=6, block_size=32, heads=range(1, 2), rng=rng).spec
+    )
+    with pytest.raises(PeerError, match="does not say where each token lies"):
+        check_compatible(
+            p.spec, IsaCache("neon", num_blocks=4, block_size=64, heads=range(2), rng=rng).spec
+        )
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_the_byte_order_is_the_kernels(isa: str) -> None:
+    """``element_offsets`` against vLLM's own cache write (no engine: the op on a tensor)."""
+    torch = pytest.importorskip("torch")
+    ops = pytest.importorskip("vllm._custom_ops")
+    if isa == "amx" and not (torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()):
+        pytest.skip("no AMX tiles on this CPU")
+    heads, bs, nb = 2, 64, 2
+    n = nb * bs
+    cache = torch.zeros(nb, heads, bs, 2 * HD, dtype=torch.bfloat16)
+    key_cache, value_cache = cache.view(nb, heads, 2 * bs, HD).chunk(2, dim=2)
+    # Small integers are exact in bf16: one write per coordinate, token and dim.
+    token = torch.arange(n).view(n, 1, 1).expand(n, heads, HD)
+    dim = torch.arange(HD).view(1, 1, HD).expand(n, heads, HD)
+    written = []
+    for value in (token, dim):
+        cache.zero_()
+        x = value.to(torch.bfloat16).contiguous()
+        ops.cpu_attn_reshape_and_cache(x, x, key_cache, value_cache, torch.arange(n), isa)
+        written.append(cache.float().numpy().astype(np.int64).reshape(nb, heads, -1))
+    k, v = element_offsets(isa, bs, HD)
+    t, d = np.arange(bs)[:, None], np.arange(HD)[None, :]
+    for block in range(nb):
+        for offsets in (k, v):
+            np.testing.assert_array_equal(
+                written[0][block][:, offsets],
+                np.broadcast_to(block * bs + t, offsets.shape)[None].repeat(heads, 0),
+            )
+            np.testing.assert_array_equal(
+                written[1][block][:, offsets],
+                np.broadcast_to(d, offsets.shape)[None].repeat(heads, 0),
+            )
