@@ -7,7 +7,8 @@ when the send starts; ``source_ranks`` tells a D rank which P ranks to pull from
 How a pair is mapped (each step refuses with PeerError what it cannot do)::
 
     LayoutSpec (P rank)           LayoutSpec (D rank)
-         |  ipc_layout: segments with head/token axes, derived from kind and head fields
+         |  ipc_layout: segments with head/token axes, derived from kind, head fields and
+         |  attn_isa (the CPU kernel's byte order: vec, or AMX tiles)
          v                             v
     heads: both narrowed to the KV heads they share (TP split or merge); replicated groups
            (MLA latent, state slots) are taken whole
