@@ -148,3 +148,10 @@ def test_unsupported_groups_and_state_tensors_are_refused() -> None:
     split = {"l0": [torch.zeros(6, 4), torch.zeros(6, 4)]}
     with pytest.raises(UnsupportedLayoutError, match="separate buffers"):
         describe_kv_cache_groups(split, [KvGroup("state", ("l0",), 16)], 6)
+
+
+def test_the_cpu_attention_isa_reaches_the_wire() -> None:
+    kv = {f"l{i}": torch.zeros(6, 2, 32, 64, dtype=torch.bfloat16) for i in range(2)}
+    group = KvGroup("attention", tuple(kv), 32, "bfloat16", attn_isa="amx")
+    cache = describe_kv_cache_groups(kv, [group], 6)
+    assert [g.attn_isa for g in cache.spec([0, 1]).groups] == ["amx"]

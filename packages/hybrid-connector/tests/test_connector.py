@@ -80,3 +80,34 @@ def test_vllm_groups_become_kv_groups() -> None:
     )
     with pytest.raises(UnsupportedLayoutError, match="ChunkedLocalAttentionSpec"):
         kv_groups(SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(["c"], chunked)]), 16)  # type: ignore[arg-type]
+
+
+def test_attention_groups_carry_the_cpu_kernel_that_stores_them() -> None:
+    """The ISA is asked as vLLM's CPU backend asks it: AMX only for bf16 at multiples of 32 on a
+    CPU with AMX tiles; it travels to the peer in the group's LayoutSpec."""
+    import torch
+    from hybrid_connector.connector import cpu_attn_isa, kv_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
+
+    def isa_of(dtype: torch.dtype, block_size: int) -> str:
+        config = SimpleNamespace(
+            model_config=SimpleNamespace(dtype=dtype),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+        )
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=32, dtype=dtype)
+        return cpu_attn_isa(config)(spec)  # type: ignore[arg-type]
+
+    amx = torch.cpu._is_amx_tile_supported()
+    assert isa_of(torch.bfloat16, 64) == ("amx" if amx else "vec")
+    assert isa_of(torch.float32, 64) == "vec"
+
+    specs = [
+        FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16),
+        MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
+    ]
+    config = SimpleNamespace(
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)]
+    )
+    groups = kv_groups(config, 32, attn_isa=lambda spec: f"isa{spec.block_size}")  # type: ignore[arg-type]
+    assert groups is not None
+    assert [g.attn_isa for g in groups] == ["isa32", ""]

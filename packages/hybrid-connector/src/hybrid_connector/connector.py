@@ -13,6 +13,7 @@ and ``WorkerSide`` and the connector's plain metadata/results onto vLLM's classe
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,6 +91,36 @@ def _total_kv_heads(vllm_config: VllmConfig) -> int:
         return 0
 
 
+def cpu_attn_isa(vllm_config: VllmConfig) -> Callable[[Any], str]:
+    """The ISA vLLM's CPU attention backend picks for an attention spec ("" off the CPU).
+
+    It decides the byte order inside a CPU block (the AMX kernel tiles K and V), so it is asked
+    exactly as the backend's metadata builder asks it. "unknown" if vLLM no longer answers: such
+    a cache is then copied only whole, between ranks that say the same."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return lambda spec: ""
+
+    def isa(spec: Any) -> str:
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            return str(
+                _get_attn_isa(
+                    vllm_config.model_config.dtype,
+                    int(spec.block_size),
+                    int(spec.head_size),
+                    vllm_config.cache_config.cache_dtype,
+                )
+            )
+        except Exception:
+            log.warning("vLLM's CPU attention ISA unknown: resized pulls of this cache refused")
+            return "unknown"
+
+    return isa
+
+
 def kv_groups(
     kv_cache_config: KVCacheConfig | None,
     block_size: int,
@@ -97,9 +128,11 @@ def kv_groups(
     total_kv_heads: int = 0,
     tp_size: int = 1,
     tp_rank: int = 0,
+    attn_isa: Callable[[Any], str] | None = None,
 ) -> list[KvGroup] | None:
     """vLLM's KV-cache groups as plain ``KvGroup``s (None: no config, one attention group).
-    Attention groups carry this rank's KV heads out of the model's ``total_kv_heads``."""
+    Attention groups carry this rank's KV heads out of the model's ``total_kv_heads`` and the
+    CPU attention kernel ``attn_isa(spec)`` says stores them."""
     if kv_cache_config is None:
         return None
     from vllm.v1.kv_cache_interface import (
@@ -128,7 +161,7 @@ def kv_groups(
                 f"KV-cache group of {type(spec).__name__} (layers {group.layer_names[:2]}...) "
                 "is not supported"
             )
-        heads = {}
+        heads: dict[str, Any] = {}
         if family in ("attention", "sliding_window") and total_kv_heads > 0:
             ranks = rank_heads(total_kv_heads, tp_size, tp_rank)
             heads = {
@@ -136,6 +169,8 @@ def kv_groups(
                 "head_start": ranks.start,
                 "num_heads": int(getattr(spec, "num_kv_heads", len(ranks))),
             }
+        if family in ("attention", "sliding_window") and attn_isa is not None:
+            heads["attn_isa"] = attn_isa(spec)
         groups.append(
             KvGroup(
                 family,
@@ -192,6 +227,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
             total_kv_heads=_total_kv_heads(vllm_config),
             tp_size=tp_size,
             tp_rank=self.tp_rank,
+            attn_isa=cpu_attn_isa(vllm_config),
         )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

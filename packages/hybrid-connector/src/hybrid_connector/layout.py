@@ -47,6 +47,9 @@ class KvGroup:
     total_heads: int = 0
     head_start: int = 0
     num_heads: int = 0
+    # vLLM's CPU attention kernel ISA for the group ("amx", "vec", ...): where each token lies in
+    # a CPU block depends on it. "" = not a CPU attention group, or not known.
+    attn_isa: str = ""
 
 
 def state_slot(block_ids: list[int], num_speculative_blocks: int = 0) -> list[int]:
@@ -87,6 +90,7 @@ class KvCacheGeometry:
     total_heads: int = 0
     head_start: int = 0
     num_heads: int = 0
+    attn_isa: str = ""
 
     def spec(self, region_ids: list[int]) -> LayoutSpec:
         """The wire description, with buffer indexes replaced by registered region ids."""
@@ -105,6 +109,7 @@ class KvCacheGeometry:
             total_heads=self.total_heads,
             head_start=self.head_start,
             num_heads=self.num_heads,
+            attn_isa=self.attn_isa,
         )
 
 
@@ -264,6 +269,7 @@ def describe_kv_cache_groups(
                 total_heads=group.total_heads,
                 head_start=group.head_start,
                 num_heads=group.num_heads,
+                attn_isa=group.attn_isa if device == "cpu" else "",
             )
         )
     return CacheGeometry(tuple(buffers), tuple(described), tp_rank, tp_size)

@@ -7,7 +7,8 @@ when the send starts; ``source_ranks`` tells a D rank which P ranks to pull from
 How a pair is mapped (each step refuses with PeerError what it cannot do)::
 
     LayoutSpec (P rank)           LayoutSpec (D rank)
-         |  ipc_layout: segments with head/token axes, derived from kind and head fields
+         |  ipc_layout: segments with head/token axes, derived from kind, head fields and
+         |  attn_isa (the CPU kernel's byte order: vec, or AMX tiles)
          v                             v
     heads: both narrowed to the KV heads they share (TP split or merge); replicated groups
            (MLA latent, state slots) are taken whole
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from ipcblock import (
+    CPU_ISAS,
     BlockSizeRatioError,
     Dim,
     HeadRangeError,
@@ -43,8 +45,11 @@ from hybrid_connector.protocol import CacheSpec, LayoutSpec, SegmentSpec
 STATE = "state"
 MLA = "mla"
 # vLLM's CPU backend ([nb, kv_heads, block_size, 2*head_dim] per layer): PagedKVLayout.cpu
-# knows what its bytes are (heads outermost, K transposed inside each head).
+# knows what its bytes are per attention ISA (heads outermost; inside each head K transposed for
+# "vec", K and V in tiles for "amx").
 HEAD_MAJOR_KINDS = frozenset({"blocks_major", "cpu"})
+# CPU attention ISAs that store a block in the "vec" byte order ("" = not said).
+VEC_ISAS = frozenset({"", "vec", "vec16"})
 # Element sizes of the cache dtypes whose CPU layout was measured (dtype as LayoutSpec names it).
 CPU_ITEMSIZE = {"bfloat16": 2, "float16": 2, "half": 2, "float32": 4, "float": 4}
 # FlashAttention [2, nb, bs, H, hd] / FlashInfer [nb, 2, bs, H, hd]: a K or V block is [bs, H, hd].
@@ -81,11 +86,15 @@ def ipc_layout(spec: LayoutSpec) -> PagedKVLayout:
 
 
 def _cpu_layout(spec: LayoutSpec) -> PagedKVLayout | None:
-    """PagedKVLayout.cpu for a CPU attention group described as one whole-block segment; None
-    when the spec does not say enough (dtype not in CPU_ITEMSIZE, heads unknown)."""
+    """PagedKVLayout.cpu for a CPU attention group described as one whole-block segment, in the
+    byte order of its attention ISA (unsaid: "vec"); None when the spec does not say enough
+    (dtype not in CPU_ITEMSIZE, heads unknown, an ISA whose byte order is not known)."""
     itemsize = CPU_ITEMSIZE.get(spec.dtype, 0)
     heads, bs = spec.num_heads, spec.block_size
+    isa = spec.attn_isa or "vec"
     if spec.kind not in HEAD_MAJOR_KINDS or not itemsize or len(spec.segments) != 1:
+        return None
+    if isa not in CPU_ISAS:
         return None
     seg = spec.segments[0]
     if heads <= 0 or bs <= 0 or seg.offset or seg.nbytes % (2 * itemsize * bs * heads):
@@ -93,13 +102,16 @@ def _cpu_layout(spec: LayoutSpec) -> PagedKVLayout | None:
     return PagedKVLayout.cpu(
         np.asarray(spec.layer_offsets, dtype=np.int64), spec.num_blocks, heads, bs,
         seg.nbytes // (2 * itemsize * bs * heads), itemsize, head_start=spec.head_start,
-        total_heads=spec.total_heads, block_stride=seg.block_stride,
+        total_heads=spec.total_heads, block_stride=seg.block_stride, isa=isa,
     )  # fmt: skip
 
 
 def _segment(spec: LayoutSpec, seg: SegmentSpec) -> Segment:
     dims, has_heads = _derived_dims(spec, seg.nbytes)
     name = seg.name
+    if spec.kind in HEAD_MAJOR_KINDS and spec.attn_isa not in VEC_ISAS:
+        # Bytes in another kernel's order (AMX fp8, an ISA not measured): equal only to its own.
+        name = f"{name}_{spec.attn_isa}"
     if has_heads:
         stop = spec.head_start + spec.num_heads
         name = head_name(seg.name, spec.head_start, stop, spec.total_heads)

@@ -44,6 +44,9 @@ class LayoutSpec(msgspec.Struct, frozen=True):
     total_heads: int = 0
     head_start: int = 0
     num_heads: int = 0
+    # vLLM's CPU attention kernel for this group ("vec", "vec16", "amx", ...): it decides where
+    # each token lies inside a CPU block. "" = not said (GPU kinds; CPU: taken as "vec").
+    attn_isa: str = ""
 
 
 class CacheSpec(msgspec.Struct, frozen=True):

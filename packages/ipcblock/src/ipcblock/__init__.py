@@ -20,6 +20,7 @@ from ipcblock.errors import (
     TokenRangeError,
 )
 from ipcblock.layouts import (
+    CPU_ISAS,
     CompositeLayout,
     Dim,
     PagedKVLayout,
@@ -43,6 +44,7 @@ from ipcblock.record import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CPU_ISAS",
     "IPCBLOCK_DTYPE",
     "IPCBLOCK_SIZE",
     "BlockIdOutOfRangeError",

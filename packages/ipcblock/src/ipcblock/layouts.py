@@ -62,6 +62,9 @@ from ipcblock.errors import (
 HEAD = "head"
 TOKEN = "token"
 DIM = "dim"  # an element index inside a row, outside the token axis (CPU's transposed K)
+# vLLM CPU attention kernels whose cache bytes PagedKVLayout.cpu knows ("amx" has its own tiles).
+CPU_ISAS = frozenset({"vec", "vec16", "amx"})
+AMX_TILE = 16  # tokens per K tile and dims per V tile of vLLM's AMX CPU cache
 _HEAD_SUFFIX = re.compile(r"\[h\d+:\d+\]$")
 
 
@@ -115,6 +118,15 @@ class Segment:
             if d.axis == axis:
                 return i
         return None
+
+    def token_unit(self, block_size: int) -> int:
+        """Tokens per index of the ``token`` axis in a block of ``block_size`` tokens: 1 when each
+        token has its own row, more when the kernel packs tokens in tiles (CPU AMX: 16 for K, 2
+        for V). A resize moves whole units only."""
+        i = self.dim(TOKEN)
+        if i is None:
+            raise InvalidLayoutError(f"segment {self.name!r} has no {TOKEN!r} axis")
+        return block_size // self.dims[i].size
 
     @property
     def token_major(self) -> bool:
@@ -264,8 +276,10 @@ class PagedKVLayout:
                 raise InvalidLayoutError(f"segment {seg.name!r}: bad dims {seg.dims}")
             if self.num_blocks > 1 and seg.block_stride < seg.extent:
                 raise InvalidLayoutError(f"segment {seg.name!r}: blocks overlap ({seg})")
-        if tokens - {self.block_size}:
-            raise InvalidLayoutError(f"token axes {sorted(tokens)} != block_size {self.block_size}")
+        if any(not self.block_size or self.block_size % n for n in tokens):
+            raise InvalidLayoutError(
+                f"token axes {sorted(tokens)} do not divide block_size {self.block_size}"
+            )
         heads = {s.dims[i].size for s in self.segments if (i := s.dim(HEAD)) is not None}
         if len(heads) > 1:
             raise InvalidLayoutError(f"segments disagree on the number of heads: {sorted(heads)}")
@@ -306,6 +320,7 @@ class PagedKVLayout:
         head_start: int = 0,
         total_heads: int | None = None,
         block_stride: int | None = None,
+        isa: str = "vec",
     ) -> PagedKVLayout:
         """vLLM's CPU backend: a ``[num_blocks, kv_heads, block_size, 2*head_dim]`` tensor a layer.
 
@@ -322,7 +337,27 @@ class PagedKVLayout:
         buffer, so the region is that buffer and ``layer_offsets`` locate each layer in it. The
         layout holds global heads ``[head_start, head_start + kv_heads)`` of ``total_heads``
         (default: all of them); ``block_stride`` defaults to the dense block.
+
+        ``isa`` is the attention kernel vLLM picked for the group (``cpu_attn._get_attn_isa``):
+        the bytes above are ``vec``'s and ``vec16``'s. ``amx`` (bf16, block size a multiple of 32,
+        CPUs with AMX tiles) packs each head for its tile loads instead, measured the same way::
+
+            K [block_size/16, head_dim/2, 16, 2]  16-token tiles, (token, dim pair) inside
+            V [head_dim/16, block_size/2, 16, 2]  16-dim tiles, (token pair, dim) inside
+
+        Its segments are ``k_amx`` (axes head, token in units of 16) and ``v_amx`` (head, dim
+        tile, token in units of 2): a resize moves whole tiles, and a vec cache on the other side
+        is refused by name.
         """
+        if isa == "amx":
+            return cls._cpu_amx(
+                layer_offsets, num_blocks, kv_heads, block_size, head_dim, itemsize,
+                head_start, total_heads, block_stride,
+            )  # fmt: skip
+        if isa not in CPU_ISAS:
+            raise InvalidLayoutError(
+                f"CPU attention ISA {isa!r}: byte order known for {sorted(CPU_ISAS)} only"
+            )
         row = _positive(head_dim, itemsize)  # one token of K or of V
         head = 2 * _positive(block_size) * row
         block = _positive(kv_heads) * head
@@ -342,6 +377,43 @@ class PagedKVLayout:
         return cls(
             np.asarray(layer_offsets), num_blocks, segments, "cpu", block_size, head_start, total
         )
+
+    @classmethod
+    def _cpu_amx(  # noqa: PLR0917
+        cls, layer_offsets, num_blocks, kv_heads, block_size, head_dim, itemsize, head_start,
+        total_heads, block_stride,
+    ) -> PagedKVLayout:  # fmt: skip
+        """``cpu(..., isa="amx")``: see there."""
+        row = _positive(head_dim, itemsize)
+        if block_size % AMX_TILE or head_dim % AMX_TILE:
+            raise InvalidLayoutError(
+                f"AMX CPU cache: block_size {block_size} and head_dim {head_dim} must be "
+                f"multiples of {AMX_TILE}"
+            )
+        head = 2 * _positive(block_size) * row
+        block = _positive(kv_heads) * head
+        stride = block if block_stride is None else int(block_stride)
+        total = _total(head_start, kv_heads, total_heads)
+        stop = head_start + kv_heads
+        heads = Dim(HEAD, kv_heads, head)
+        k_dims = (heads, Dim(TOKEN, block_size // AMX_TILE, AMX_TILE * row))
+        pair = 2 * AMX_TILE * itemsize  # two tokens of one 16-dim tile of V
+        v_dims = (
+            heads,
+            Dim(DIM, head_dim // AMX_TILE, block_size * AMX_TILE * itemsize),
+            Dim(TOKEN, block_size // 2, pair),
+        )
+        segments = (
+            Segment(head_name("k_amx", head_start, stop, total), 0, stride, block // 2, k_dims),
+            Segment(
+                head_name("v_amx", head_start, stop, total), block_size * row, stride,
+                block // 2, v_dims,
+            ),
+        )  # fmt: skip
+        return cls(
+            np.asarray(layer_offsets), num_blocks, segments, "cpu_amx", block_size, head_start,
+            total,
+        )  # fmt: skip
 
     @classmethod
     def kv_first(  # noqa: PLR0917 - the contract allows positional dims

@@ -197,9 +197,18 @@ def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_b
     src_regions = _regions(src_region, src_layout, layer_idx, "source")
     dst_regions = _regions(dst_region, dst_layout, layer_idx, "destination")
     g = min(s_bs, d_bs)
+    units = []  # per segment: tokens per token index (tiled kernels pack several)
+    for s, d in zip(src_layout.segments, dst_layout.segments, strict=True):
+        unit = s.token_unit(s_bs)
+        if unit != d.token_unit(d_bs) or g % unit:
+            raise LayoutMismatchError(
+                f"segment {s.name!r}: tokens packed {unit} and {d.token_unit(d_bs)} per index; "
+                f"copy units of {g} tokens must hold whole ones"
+            )
+        units.append(unit)
     narrowed = [
-        (s.narrow(TOKEN, 0, g), d.narrow(TOKEN, 0, g))
-        for s, d in zip(src_layout.segments, dst_layout.segments, strict=True)
+        (s.narrow(TOKEN, 0, g // u), d.narrow(TOKEN, 0, g // u))
+        for s, d, u in zip(src_layout.segments, dst_layout.segments, units, strict=True)
     ]
     pairs = [pair_pieces(s, d) for s, d in narrowed]
     if layer_idx.size == 0 or end == start:
@@ -210,11 +219,11 @@ def parse_blocks_resized(  # noqa: PLR0917 - same positional contract as parse_b
     d_blocks = dst_ids[tokens // d_bs - dst_first_block]
     s_sub, d_sub = (tokens % s_bs) // g, (tokens % d_bs) // g
     rel_src, rel_dst, length = [], [], []
-    for s_seg, d_seg, (s_in, d_in, piece) in zip(
-        src_layout.segments, dst_layout.segments, pairs, strict=True
+    for s_seg, d_seg, (s_in, d_in, piece), unit in zip(
+        src_layout.segments, dst_layout.segments, pairs, units, strict=True
     ):
-        s_tok = s_seg.dims[s_seg.dim(TOKEN)].stride * g
-        d_tok = d_seg.dims[d_seg.dim(TOKEN)].stride * g
+        s_tok = s_seg.dims[s_seg.dim(TOKEN)].stride * (g // unit)
+        d_tok = d_seg.dims[d_seg.dim(TOKEN)].stride * (g // unit)
         s_base = s_seg.offset + s_blocks * s_seg.block_stride + s_sub * s_tok
         d_base = d_seg.offset + d_blocks * d_seg.block_stride + d_sub * d_tok
         _append(rel_src, rel_dst, length, s_base, d_base, s_in, d_in, piece)
