@@ -137,6 +137,11 @@ def pd_serving(session: nox.Session) -> None:
     session.run("python", "-c", absent)  # the tests above ran without any of them
 
 
+@nox.session(python=PYTHON, name="rl_dataflow", tags=["fast"])
+def rl_dataflow(session: nox.Session) -> None:
+    _test_package(session, "rl-dataflow")
+
+
 @nox.session(python=PYTHON, tags=["fast"])
 def cross(session: nox.Session) -> None:
     """The whole workspace, no vLLM started: the cross-package tests (tests/, in random order:

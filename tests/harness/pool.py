@@ -39,7 +39,7 @@ from harness.ports import free_port
 ENGINES = ("engine_qwen2", "engine_qwen2_tp2", "engine_mla", "engine_mla_tp2", "engine_gdn")
 DEPLOYMENTS = ("xpyd",)
 RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
-LEASE_S = 8.0  # long enough for D to pull on a loaded box, short enough to wait out once
+LEASE_S = 15.0  # long enough for D to pull on a loaded box, short enough to wait out once
 STARTUP_TIMEOUT_S = 900.0
 
 _starts: list[str] = []
