@@ -9,7 +9,8 @@ Resources, one per session:
   own transfers (D's pull is served by the same engine's producer side): ``engine_qwen2`` (TP 1,
   block 32), ``engine_qwen2_tp2`` (TP 2, block 64), ``engine_mla`` and ``engine_mla_tp2`` (MLA),
   ``engine_gdn`` (Gated DeltaNet hybrid). The first test that asks for any engine starts every
-  engine the session's selected tests use, all at once, so their start-ups overlap.
+  engine the session's selected tests use, all at once, so their start-ups overlap, and waits
+  for all of them.
 - ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
   proxy included) for the xPyD, failover and end-to-end tests.
 
@@ -160,9 +161,11 @@ class EnginePool:
                 if other not in self.engines:
                     self.engines[other] = OfflineEngine(_engine_spec(other, self.models_dir))
                     count_vllm_start(other)
-        engine = self.engines[name]
-        engine.wait_ready(STARTUP_TIMEOUT_S)
-        return engine
+        # Every engine started, not only this one: a test must not run its transfers while the
+        # others' start-ups take both cores (a pull can then miss P's lease).
+        for engine in self.engines.values():
+            engine.wait_ready(STARTUP_TIMEOUT_S)
+        return self.engines[name]
 
     def close(self) -> dict[str, list[str]]:
         """Close every engine; the connector or kvt threads each one left behind."""
