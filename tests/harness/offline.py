@@ -380,15 +380,9 @@ class _Child:
 
 
 def socket_fds() -> list[str]:
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            fds.add(target)
-    return sorted(fds)
+    from harness.fds import fd_targets
+
+    return sorted({target for target in fd_targets() if target.startswith("socket:")})
 
 
 def worker_shutdown_connector(worker: Any) -> dict[str, Any]:

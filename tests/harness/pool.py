@@ -187,29 +187,20 @@ def engine_pool(request: pytest.FixtureRequest, models_dir: Path) -> Iterator[En
     assert not leaked, f"threads left after close: {leaked}"
 
 
-@pytest.fixture(scope="session")
-def engine_qwen2(engine_pool: EnginePool) -> Any:
-    return engine_pool.get("engine_qwen2")
+def _engine_fixture(name: str) -> Any:
+    @pytest.fixture(scope="session", name=name)
+    def engine(engine_pool: EnginePool) -> Any:
+        return engine_pool.get(name)
+
+    engine.__doc__ = f"The session's {name} (see the module docstring)."
+    return engine
 
 
-@pytest.fixture(scope="session")
-def engine_qwen2_tp2(engine_pool: EnginePool) -> Any:
-    return engine_pool.get("engine_qwen2_tp2")
-
-
-@pytest.fixture(scope="session")
-def engine_mla(engine_pool: EnginePool) -> Any:
-    return engine_pool.get("engine_mla")
-
-
-@pytest.fixture(scope="session")
-def engine_mla_tp2(engine_pool: EnginePool) -> Any:
-    return engine_pool.get("engine_mla_tp2")
-
-
-@pytest.fixture(scope="session")
-def engine_gdn(engine_pool: EnginePool) -> Any:
-    return engine_pool.get("engine_gdn")
+engine_qwen2 = _engine_fixture("engine_qwen2")
+engine_qwen2_tp2 = _engine_fixture("engine_qwen2_tp2")
+engine_mla = _engine_fixture("engine_mla")
+engine_mla_tp2 = _engine_fixture("engine_mla_tp2")
+engine_gdn = _engine_fixture("engine_gdn")
 
 
 # ------------------------------------------------------------------ the xPyD deployment

@@ -12,17 +12,7 @@ block must be back in both pools afterwards.
 from __future__ import annotations
 
 import pytest
-from harness.checks import (
-    KV_BYTES_PER_TOKEN,
-    MAX_TOKENS,
-    assert_idle,
-    assert_same_greedy,
-    delta,
-    prefill,
-    prompts,
-    reference,
-    salt,
-)
+from harness import checks
 from test_tp_vllm import copied_tokens
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engines("engine_qwen2", "engine_qwen2_tp2")]
@@ -34,19 +24,22 @@ def test_prefix_hit_on_d_pulls_the_rest_across_block_sizes(
 ) -> None:
     p = request.getfixturevalue(f"engine_{p_name}")
     d = request.getfixturevalue(f"engine_{d_name}")
-    (prompt,) = prompts(p.block_size, (2 * 64 + 45,))  # D holds 2 blocks of 64 or 5 of 32
-    expected = reference(p, [prompt])
-    d_salt = salt()
-    d.generate([prompt], MAX_TOKENS, salt=d_salt)  # D computes it once, caching its blocks
+    (prompt,) = checks.prompts(p.block_size, (2 * 64 + 45,))  # D holds 2 blocks of 64 or 5 of 32
+    expected = checks.reference(p, [prompt])
+    d_salt = checks.salt()
+    d.generate([prompt], checks.MAX_TOKENS, salt=d_salt)  # D computes it once, caching its blocks
     d_before = d.counters()
 
-    got = d.generate([prompt], MAX_TOKENS, prefill(p, [prompt]), salt=d_salt)
+    got = d.generate([prompt], checks.MAX_TOKENS, checks.prefill(p, [prompt]), salt=d_salt)
 
     # P at TP 2 sums partial products in another order than one TP 1 engine: near-ties flip.
-    assert_same_greedy(got, expected, near_tie=True)
+    checks.assert_same_greedy(got, expected, near_tie=True)
     d_after = d.counters()
-    assert delta(d_after, d_before, "pulls_done") == d.tp
+    assert checks.delta(d_after, d_before, "pulls_done") == d.tp
     first_block = len(prompt) // d.block_size
     copied = copied_tokens(len(prompt), p.block_size, d.block_size, first_block)
-    assert delta(d_after, d_before, "bytes_received") == copied * KV_BYTES_PER_TOKEN["qwen2"]
-    assert_idle(p, d)
+    assert (
+        checks.delta(d_after, d_before, "bytes_received")
+        == copied * checks.KV_BYTES_PER_TOKEN["qwen2"]
+    )
+    checks.assert_idle(p, d)

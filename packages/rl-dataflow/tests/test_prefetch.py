@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import refstore
 import refstore.ray as rsray
+from harness.fds import fd_targets
 from rl_dataflow import pipeline
 from rl_dataflow.pipeline import Batch, PipelineConfig, Trainer
 from rl_dataflow.prefetch import PrefetchClosed, Prefetcher, SlotRing
@@ -152,15 +153,7 @@ def _memfd_maps() -> int:
 
 
 def _open_shm_fds() -> set[str]:
-    out = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(("/dev/shm/", "/memfd:")):
-            out.add(target)
-    return out
+    return {t for t in fd_targets() if t.startswith(("/dev/shm/", "/memfd:"))}
 
 
 def test_shutdown_with_a_gather_in_flight_leaks_nothing(tmp_path, monkeypatch):

@@ -358,13 +358,9 @@ class PagedKVLayout:
             raise InvalidLayoutError(
                 f"CPU attention ISA {isa!r}: byte order known for {sorted(CPU_ISAS)} only"
             )
-        row = _positive(head_dim, itemsize)  # one token of K or of V
-        head = 2 * _positive(block_size) * row
-        block = _positive(kv_heads) * head
-        stride = block if block_stride is None else int(block_stride)
-        total = _total(head_start, kv_heads, total_heads)
-        stop = head_start + kv_heads
-        heads = Dim(HEAD, kv_heads, head)
+        row, block, stride, total, stop, heads = _cpu_geometry(
+            kv_heads, block_size, head_dim, itemsize, head_start, total_heads, block_stride
+        )
         k_rows = Dim(DIM, head_dim, block_size * itemsize)
         k_dims = (heads, k_rows, Dim(TOKEN, block_size, itemsize))
         segments = (
@@ -384,18 +380,14 @@ class PagedKVLayout:
         total_heads, block_stride,
     ) -> PagedKVLayout:  # fmt: skip
         """``cpu(..., isa="amx")``: see there."""
-        row = _positive(head_dim, itemsize)
         if block_size % AMX_TILE or head_dim % AMX_TILE:
             raise InvalidLayoutError(
                 f"AMX CPU cache: block_size {block_size} and head_dim {head_dim} must be "
                 f"multiples of {AMX_TILE}"
             )
-        head = 2 * _positive(block_size) * row
-        block = _positive(kv_heads) * head
-        stride = block if block_stride is None else int(block_stride)
-        total = _total(head_start, kv_heads, total_heads)
-        stop = head_start + kv_heads
-        heads = Dim(HEAD, kv_heads, head)
+        row, block, stride, total, stop, heads = _cpu_geometry(
+            kv_heads, block_size, head_dim, itemsize, head_start, total_heads, block_stride
+        )
         k_dims = (heads, Dim(TOKEN, block_size // AMX_TILE, AMX_TILE * row))
         pair = 2 * AMX_TILE * itemsize  # two tokens of one 16-dim tile of V
         v_dims = (
@@ -823,6 +815,25 @@ class CompositeLayout:
 def stacked_layer_offsets(num_layers: int, layer_nbytes: int, base: int = 0) -> np.ndarray:
     """Offsets of ``num_layers`` layers laid end to end (e.g. views of one ``[L, ...]`` buffer)."""
     return base + np.arange(num_layers, dtype=np.int64) * int(layer_nbytes)
+
+
+def _cpu_geometry(  # noqa: PLR0917
+    kv_heads: int,
+    block_size: int,
+    head_dim: int,
+    itemsize: int,
+    head_start: int,
+    total_heads: int | None,
+    block_stride: int | None,
+) -> tuple[int, int, int, int, int, Dim]:
+    """A vLLM CPU block's sizes: (one token row of K or V, block, stride, total heads, last head
+    + 1, the head dim): each head holds K then V for ``block_size`` tokens."""
+    row = _positive(head_dim, itemsize)
+    head = 2 * _positive(block_size) * row
+    block = _positive(kv_heads) * head
+    stride = block if block_stride is None else int(block_stride)
+    total = _total(head_start, kv_heads, total_heads)
+    return row, block, stride, total, head_start + kv_heads, Dim(HEAD, kv_heads, head)
 
 
 def _total(head_start: int, heads: int, total_heads: int | None) -> int:
