@@ -46,8 +46,8 @@ from kvt.paths import (
     PathCandidate,
     PathProvider,
     PayloadPath,
+    TcpPathProvider,
     choose_path,
-    default_providers,
     local_boot_id,
     transport_setting,
 )
@@ -67,6 +67,8 @@ from kvt.protocol import (
     encode_hello,
     encode_verdict,
 )
+from kvt.rdma import RdmaPathProvider
+from kvt.samehost import SamehostProvider
 
 log = logging.getLogger(__name__)
 
@@ -609,6 +611,12 @@ class TcpLink:
         log.info("kvt %s: link %s uses the %s path", self.backend.name, self.peer, name)
 
 
+def default_providers() -> list[PathProvider]:
+    """The payload paths a TcpBackend offers, best first (each checks its own availability;
+    rdma opens its device, through pyverbs, only on first use)."""
+    return [RdmaPathProvider(), SamehostProvider(), TcpPathProvider()]
+
+
 class TcpBackend(DataPlaneBackend):
     """Listener + links. ``link_to`` shares one outbound link per peer address."""
 
@@ -627,7 +635,7 @@ class TcpBackend(DataPlaneBackend):
     ) -> None:
         """``transport``: "auto" (default; env ``KVT_TRANSPORT``), "tcp", "samehost" or "rdma"
         (forced: a link that cannot use it fails). ``providers``: the payload paths offered
-        (default :func:`kvt.paths.default_providers`). ``boot_id``: override this host's boot id
+        (default :func:`default_providers`). ``boot_id``: override this host's boot id
         (tests: a peer "on another host")."""
         self.name = name
         self.faults = faults  # kvt.faults: misbehave on purpose (tests); None costs one check
