@@ -576,7 +576,7 @@ def test_a_closing_senders_abort_reaches_a_receiver_caught_mid_pull(no_leaks) ->
     when D's read finds P's epoch word cleared; D must end with P's reason (PEER, ENGINE_CLOSED),
     not a lost link, and never DONE (what landed in an aborted destination is undefined)."""
     from kvt.faults import Fault, FaultKind, Rule, ScriptedFaults
-    from kvt.soak import new_engine
+    from soak import new_engine
 
     stall = Fault(FaultKind.STALL)
     p = new_engine("samehost", "P")
