@@ -66,7 +66,7 @@ def main() -> int:
         print("abort storm:", end=" ")
         leaks = _report(report, fds_before)
         print(f"  crossed aborts with two answers: {report.two_answers} of {report.crossed}")
-        failed |= bool(report.violations or leaks)
+        failed |= bool(report.violations or report.two_answers or leaks)
         storms.append({
             "transport": transport, "transfers": report.transfers,
             "seconds": round(report.seconds, 2), "outcomes": dict(report.outcomes),

@@ -82,6 +82,8 @@ def disagreement(
             return f"{side} ABORTED(LOCAL) without abort() on that side"
         if c.origin is AbortOrigin.TRANSPORT and not link_hit:
             return f"{side} ABORTED(TRANSPORT) on a link no fault hit"
+    if crossed_two_answers(send, recv):
+        return f"both sides say they aborted first ({send.origin.name}/{recv.origin.name})"
     if send.origin is recv.origin is AbortOrigin.PEER and send.code is recv.code in REFUSALS:
         return None
     if send.origin is AbortOrigin.PEER and recv.origin not in INITIATORS:
