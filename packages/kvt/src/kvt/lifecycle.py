@@ -18,13 +18,13 @@ States (:class:`Phase`), one machine per request and side::
        |        --receiver confirms the sender's ABORT came first--> ABORTED(LOCAL / TIMEOUT)
        |        --receiver's own ABORT (it aborted first)----------> ABORTED(PEER)
        |        --link lost--> ask again on a fresh link (3 links at most, then TRANSPORT)
-       |        --deadline (the request's, or the grace a deadline armed)--> ABORTED(LOCAL /
-       |                                                              TIMEOUT), peer told again
+       |        --deadline--> one grace (VERDICT_GRACE_S) more, then ABORTED(LOCAL / TIMEOUT),
+       |                      the peer told again
        '--(sender) link lost once the last batch began--> VERDICT_ASK: ABORT(CONNECTION_LOST)
                 --receiver's DONE--> DONE                               on a fresh link
                 --receiver's ABORT--> ABORTED(TRANSPORT, or PEER if it aborted first)
                 --the fresh link lost too--> ask again, or ABORTED(TRANSPORT) after 3 links
-                --no fresh link / deadline--> ABORTED(TRANSPORT / TIMEOUT)
+                --no fresh link / deadline and one grace--> ABORTED(TRANSPORT)
 
     any decision while the backend is inside a frame of the request --> DRAINING
         --the backend lets go (frame ended)--> COMPLETE (the completion is delivered)
@@ -43,9 +43,10 @@ the sender's ABORT was the first thing that ended the request there, which compl
 So crossed aborts (both callers abort within a millisecond) get one answer on both sides: the
 one whose abort reached the receiver's lock first says LOCAL, the other PEER. The same holds
 for a sender's deadline crossing a receiver's abort. The wait is bounded: a lost link asks again
-on a fresh one (3 links at most), and a deadline decides (the request's own, or, when the
-deadline started the abort, a grace of :data:`VERDICT_GRACE_S`). Only ``close()`` decides at
-once (it cannot wait), and a sender that cannot reach the receiver at all.
+on a fresh one (3 links at most), and a deadline ends it: the request's deadline gives the
+verdict one grace of :data:`VERDICT_GRACE_S` more (it may be crossing the deadline), then the
+sender's own abort stands. Only ``close()`` decides at once (it cannot wait), and a sender that
+cannot reach the receiver at all.
 
 Also kept here: the sender waits for the verdict when its link dies once its last batch began
 (the receiver may be DONE, its DONE lost with the link), and a request is never COMPLETE while
@@ -264,6 +265,7 @@ class Lifecycle:
 
     __slots__ = (
         "by_peer",
+        "grace_armed",
         "io_active",
         "key",
         "last_begun",
@@ -294,6 +296,7 @@ class Lifecycle:
         self.last_left = False  # sender: every byte of the last batch left
         self.wanted: _Wanted | None = None  # sender, VERDICT_*: the outcome a confirmation gives
         self.verdict_asks = 0  # sender: fresh links asked for the verdict
+        self.grace_armed = False  # sender: a deadline passed while waiting; one grace more
         self.by_peer = False  # receiver: the sender's ABORT decided the outcome (it confirms)
         self.late_data_answered = False  # receiver: frames after the abort were answered once
 
@@ -420,20 +423,27 @@ class Lifecycle:
                     # Its ABORT was queued on the link just closed: tell the peer on a fresh one.
                     self._tell_peer(self.outcome.code, self.outcome.reason, out, fresh=True)
             return
-        if self.phase is Phase.VERDICT_WAIT:  # no verdict in time: this side's abort stands
+        if self.phase in WAITING and not self.grace_armed:
+            # The verdict may be on its way (the deadline and the receiver's answer crossed):
+            # wait one grace more, then what this side knows stands.
+            self.grace_armed = True
+            out.append(ArmDeadline(VERDICT_GRACE_S))
+            if stuck:
+                out.append(CloseLink(link, f"request {rid!r} timed out mid-frame"))
+            return
+        if self.phase in WAITING:  # no verdict in time: this side's abort, or the lost link
             assert self.wanted is not None
             origin, code, why = self.wanted
             self._decide(origin, code, why, out)
             if stuck:
                 out.append(CloseLink(link, f"request {rid!r} timed out mid-frame"))
-            self._tell_peer(code, why, out, fresh=True)  # the first ABORT may not have got there
-            return
-        if self.phase is Phase.VERDICT_ASK:  # no link to ask on in time
-            self._decide(AbortOrigin.TIMEOUT, AbortCode.TIMEOUT, reason, out)
+            if origin is not AbortOrigin.TRANSPORT:  # the first ABORT may not have got there
+                self._tell_peer(code, why, out, fresh=True)
             return
         if self.key.side is Side.SEND and link is not None:
             # The receiver decides this abort too; a stuck link's loss asks on a fresh one.
             self._abort(AbortOrigin.TIMEOUT, AbortCode.TIMEOUT, reason, out)
+            self.grace_armed = True
             out.append(ArmDeadline(VERDICT_GRACE_S))
             if stuck:
                 out.append(CloseLink(link, f"request {rid!r} timed out mid-frame"))

@@ -260,13 +260,21 @@ class TcpLink:
         self._queue.put(_FLUSH)
 
     def join_writer(self, timeout: float) -> None:
-        if self._threads and self._threads[0] is not threading.current_thread():
-            self._threads[0].join(timeout)
+        threads = self._started_threads()
+        if threads and threads[0] is not threading.current_thread():
+            threads[0].join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
-        for thread in list(self._threads):
+        for thread in self._started_threads():
             if thread is not threading.current_thread():
                 thread.join(timeout)
+
+    def _started_threads(self) -> list[threading.Thread]:
+        # Under the lock _spawn appends and starts in: read without it, a thread another thread
+        # is still starting (a link made on an I/O thread to tell a peer, racing with close())
+        # shows up before it started, and joining it raises.
+        with self._lock:
+            return list(self._threads)
 
     def _report_lost(self, reason: str, *, connect_failed: bool) -> None:
         with self._lock:
