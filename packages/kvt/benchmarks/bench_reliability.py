@@ -27,9 +27,8 @@ import sys
 import threading
 from pathlib import Path
 
-from kvt.faults import FaultRates
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the soak lives there
+from fault_plans import FaultRates
 from soak import SOAK_TRANSPORTS, SoakReport, soak
 
 RATES = FaultRates(drop=0.002, drop_mid=0.002, corrupt=0.002, stall=0.02)

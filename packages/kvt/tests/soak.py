@@ -27,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from fault_plans import FaultRates, RandomFaults
 from ipcblock import make_blocks
 from kvt.engine import Engine
-from kvt.faults import FaultKind, FaultPlan, FaultRates, RandomFaults
+from kvt.faults import FaultKind, FaultPlan
 from kvt.memory import InMemoryBackend
 from kvt.outcome import AbortCode, AbortOrigin, Completion
 from kvt.tcp import TcpBackend

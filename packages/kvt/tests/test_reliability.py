@@ -13,11 +13,12 @@ import logging
 import numpy as np
 import pytest
 from conftest import Completions
+from fault_plans import FaultRates, Rule, ScriptedFaults
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferStatus
 from kvt.backend import DataPlaneBackend
 from kvt.engine import Engine
-from kvt.faults import CORRUPT_FIELDS, Fault, FaultKind, FaultRates, Rule, ScriptedFaults
+from kvt.faults import CORRUPT_FIELDS, Fault, FaultKind
 from kvt.outcome import Completion
 from soak import SOAK_TRANSPORTS, crossed_two_answers, disagreement, new_engine, soak
 
