@@ -50,7 +50,7 @@ def main() -> int:
     for transport in args.transport:
         report = soak(transport, transfers, seed=args.seed, rates=RATES)
         leaks = _report(report, fds_before)
-        failed |= bool(report.violations or leaks)
+        failed |= bool(report.violations or any(leaks.values()))
         rows.append({
             "transport": transport, "transfers": report.transfers, "done": report.done,
             "seconds": round(report.seconds, 2),
@@ -65,7 +65,7 @@ def main() -> int:
         print("abort storm:", end=" ")
         leaks = _report(report, fds_before)
         print(f"  crossed aborts with two answers: {report.two_answers} of {report.crossed}")
-        failed |= bool(report.violations or report.two_answers or leaks)
+        failed |= bool(report.violations or report.two_answers or any(leaks.values()))
         storms.append({
             "transport": transport, "transfers": report.transfers,
             "seconds": round(report.seconds, 2), "outcomes": dict(report.outcomes),
@@ -93,8 +93,7 @@ def _report(report: SoakReport, fds_before: int) -> dict[str, int]:
         print("  VIOLATION", violation)
     if leaked_threads or leaked_fds:
         print(f"  LEAK: threads {leaked_threads}, fds {leaked_fds:+d}")
-    leaks = {"leaked_threads": len(leaked_threads), "leaked_fds": leaked_fds}
-    return {k: v for k, v in leaks.items() if v} | leaks
+    return {"leaked_threads": len(leaked_threads), "leaked_fds": leaked_fds}
 
 
 if __name__ == "__main__":
