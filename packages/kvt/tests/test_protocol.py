@@ -24,6 +24,7 @@ from kvt.protocol import (
     PayloadEnd,
     Verdict,
     encode_abort,
+    encode_control,
     encode_data_head,
     encode_desc,
     encode_done,
@@ -97,6 +98,14 @@ def test_round_trip_byte_by_byte() -> None:
     for i in range(len(wire)):
         events += decoder.feed(wire[i : i + 1])
     check_events(events, blocks, payload)
+
+
+@pytest.mark.parametrize("target", list(AbortTarget))
+@pytest.mark.parametrize("confirms", [False, True])
+def test_abort_round_trips_its_confirmation(target, confirms) -> None:
+    """The verdict that confirms the sender's own abort rides bit 7 of ABORT's target byte."""
+    message = Abort("r", AbortCode.CALLER_ABORT, target, "why", confirms)
+    assert FrameDecoder().feed(encode_control(message)) == [message]
 
 
 def test_payload_reported_by_io_layer() -> None:

@@ -1,8 +1,9 @@
 """Faults on purpose (kvt.faults): link drops, stalled writes, corrupt headers, racing aborts.
 
 Each test runs on every backend that takes a fault plan. The scripted tests pin one race each;
-the soak at the end (kvt.soak, CI-sized; benchmarks/bench_reliability.py runs the full 10,000)
-mixes them at random and checks the rule of agreement from the README's "Faults on purpose".
+the soak at the end (soak.py here, CI-sized; benchmarks/bench_reliability.py runs the full
+10,000) mixes them at random and checks the rule of agreement from the README's "Faults on
+purpose"; the abort storm aborts every request from both sides at once (crossed aborts).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import logging
 import numpy as np
 import pytest
 from conftest import Completions
+from fault_plans import FaultRates, Rule, ScriptedFaults
 from ipcblock import make_blocks
 from kvt import AbortCode, AbortOrigin, TransferStatus
 from kvt.backend import DataPlaneBackend
 from kvt.engine import Engine
-from kvt.faults import CORRUPT_FIELDS, Fault, FaultKind, FaultRates, Rule, ScriptedFaults
+from kvt.faults import CORRUPT_FIELDS, Fault, FaultKind
 from kvt.outcome import Completion
-from kvt.soak import SOAK_TRANSPORTS, disagreement, new_engine, soak
+from soak import SOAK_TRANSPORTS, crossed_two_answers, disagreement, new_engine, soak
 
 BLOCK = 64 << 10
 
@@ -222,6 +224,31 @@ def test_soak_ci_sized(transport, no_leaks) -> None:
     # The faults hit the frames of the transport under test (samehost: descriptors and pulls).
     expected = {"memory": {"batch"}, "tcp": {"DATA"}, "samehost": {"DESC", "pull"}}[transport]
     assert set(report.frames) == expected, report.frames
+
+
+def test_abort_storm_crossed_aborts_name_one_first_aborter(transport, no_leaks) -> None:
+    """Every request aborted from both sides within about a millisecond: each pair of
+    completions names the same side as the first aborter (never LOCAL on both)."""
+    report = soak(transport, transfers=320, seed=7, storm=True)
+    assert report.violations == [], "\n".join(report.violations[:20])
+    assert report.crossed >= 5, report.outcomes
+    assert report.two_answers == 0, report.outcomes
+
+
+def test_two_sides_claiming_the_first_abort_break_the_rule() -> None:
+    for send_origin, recv_origin in [
+        (AbortOrigin.LOCAL, AbortOrigin.LOCAL),
+        (AbortOrigin.LOCAL, AbortOrigin.TIMEOUT),
+        (AbortOrigin.TIMEOUT, AbortOrigin.LOCAL),
+    ]:
+        send = _aborted("send", send_origin, AbortCode.CALLER_ABORT)
+        recv = _aborted("recv", recv_origin, AbortCode.CALLER_ABORT)
+        assert crossed_two_answers(send, recv)
+        assert disagreement(send, recv, {"send", "recv"}, link_hit=False) is not None
+    send = _aborted("send", AbortOrigin.PEER, AbortCode.CALLER_ABORT)
+    recv = _aborted("recv", AbortOrigin.LOCAL, AbortCode.CALLER_ABORT)
+    assert not crossed_two_answers(send, recv)
+    assert disagreement(send, recv, {"send", "recv"}, link_hit=False) is None
 
 
 class _FakeLink:

@@ -575,8 +575,9 @@ def test_a_closing_senders_abort_reaches_a_receiver_caught_mid_pull(no_leaks) ->
     """P closes while D is between its descriptor and its pull: P's ABORT is already in the stream
     when D's read finds P's epoch word cleared; D must end with P's reason (PEER, ENGINE_CLOSED),
     not a lost link, and never DONE (what landed in an aborted destination is undefined)."""
-    from kvt.faults import Fault, FaultKind, Rule, ScriptedFaults
-    from kvt.soak import new_engine
+    from fault_plans import Rule, ScriptedFaults
+    from kvt.faults import Fault, FaultKind
+    from soak import new_engine
 
     stall = Fault(FaultKind.STALL)
     p = new_engine("samehost", "P")

@@ -1,7 +1,8 @@
 """What the control layer shares with backends: its peer messages and its I/O-thread marker.
 
 Two engines' control layers talk in two messages: :class:`Done` (receiver to sender: every byte of
-the request is written) and :class:`Abort` (either way: give the request up). They are the
+the request is written) and :class:`Abort` (either way: give the request up; receiver to sender
+also as the verdict that confirms the sender's own abort). They are the
 control layer's decisions; a backend carries them to the peer engine in order with the data it
 already carries on that link (TCP encodes them as frames, an in-memory backend hands the object
 over) and never looks inside.
@@ -36,12 +37,18 @@ class Done(msgspec.Struct, frozen=True):
 
 
 class Abort(msgspec.Struct, frozen=True):
-    """Give up ``request_id`` on the ``target`` side, for ``code`` (``reason`` for the logs)."""
+    """Give up ``request_id`` on the ``target`` side, for ``code`` (``reason`` for the logs).
+
+    ``confirms``: the receiver's verdict on the sender's own ABORT, which reached it first (it
+    completed ABORTED(PEER)): the sender completes with the origin it asked for (LOCAL, TIMEOUT;
+    see :mod:`kvt.lifecycle`). False: the side that sends it aborted (or refused, or lost the
+    link) on its own."""
 
     request_id: str
     code: AbortCode
     target: AbortTarget
     reason: str
+    confirms: bool = False
 
 
 ControlMessage = Done | Abort

@@ -1,38 +1,18 @@
-"""Control layer: the Engine, per-request state machines, timeouts, notifications.
+"""Control layer: the Engine, its request tables, timeouts, notifications.
 
-State machine (one per request and side)::
+Each request, on each side, is a :class:`kvt.lifecycle.Lifecycle`: a pure state machine (its
+diagram, its states and the rule that decides who aborted first are in :mod:`kvt.lifecycle`).
+The engine is its I/O shell: it keeps the tables (open requests by id, tombstones of finished
+ones), the lock and the threads; it feeds each lifecycle what happened under the engine lock
+and carries out the actions that come back outside it (control frames to the peer, the
+verdict, a fresh link to ask on, the completion, deadlines, closing a stalled link, logs).
 
-    PENDING --first byte moves--> TRANSFERRING --receiver wrote last byte--> DONE
-       \\________________________________\\______ abort / timeout / link lost __> ABORTED(origin)
-
-The sender has two more states, entered from TRANSFERRING once its last batch is in play
-(``last_begun``: its frames began; ``last_left``: every byte of it left), where the receiver may
-already be DONE. Deciding there at once could split DONE/ABORTED, so the sender waits::
-
-    TRANSFERRING --abort() once the last batch is submitted, a frame in flight or last_left-->
-    VERDICT_WAIT (abort_wanted set)
-        --receiver's DONE--> DONE                  (the abort came too late)
-        --receiver's ABORT / deadline--> ABORTED(PEER / TIMEOUT)
-        --link lost--> VERDICT_ASK below (or ABORTED(TRANSPORT) when it cannot ask)
-        --the frame in flight was not the last one (end_frame)--> ABORTED(LOCAL), peer told
-
-    TRANSFERRING --link lost once last_begun, no frame in flight, verdict_asks < 3-->
-    VERDICT_ASK (verdict_asks += 1; ABORT(CONNECTION_LOST) on a fresh link, see _ask_verdict)
-        --receiver's DONE--> DONE
-        --receiver's ABORT--> ABORTED(PEER, or TRANSPORT for CONNECTION_LOST)
-        --the fresh link lost too--> VERDICT_ASK again, or ABORTED(TRANSPORT) after 3 links
-        --connect failed / deadline--> ABORTED(TRANSPORT / TIMEOUT)
-
-A receiving request is bound to the link its first batch came on: batches of its id on any
-other link are refused there (ABORT(PROTOCOL_ERROR) to that link only), and ABORTs from another
-peer are ignored. The sender has no such binding: it hears the verdict on fresh links.
-
-Exactly one completion per request and side: every path goes through :meth:`_finish`, which
-decides under the engine lock and is a no-op once a completion exists. If the backend is touching
-the request's memory at that moment (``io_active``), delivery waits until it stops, so callers may
-free or reuse the blocks as soon as their callback runs. Callbacks run on a kvt thread, never
-under a lock: right on the I/O or timer thread that completed the request, or on the notifier
-thread when the completion was decided on a caller's thread (abort(), close(), a late send()).
+Exactly one completion per request and side: a lifecycle decides its outcome once, and the
+engine delivers it when the lifecycle says ``Complete``, which it says only once the backend has
+stopped touching the request's memory, so callers may free or reuse the blocks as soon as their
+callback runs. Callbacks run on a kvt thread, never under a lock: right on the I/O or timer
+thread that completed the request, or on the notifier thread when the completion was decided on
+a caller's thread (abort(), close(), a late send()).
 
 The engine is given its data plane (a :class:`~kvt.backend.DataPlaneBackend`) and talks to it
 only through the neutral interface of :mod:`kvt.backend`: it hands over send jobs, answers
@@ -66,6 +46,33 @@ from kvt.control import (
     mark_io_thread,
 )
 from kvt.errors import EngineClosedError, InvalidBlocksError, RequestStateError
+from kvt.lifecycle import (
+    WAITING,
+    Action,
+    ArmDeadline,
+    AskVerdict,
+    CallerAbort,
+    CloseLink,
+    Complete,
+    DeadlinePassed,
+    EngineClosing,
+    Event,
+    FrameEnded,
+    LastBatchSubmitted,
+    LastBatchWritten,
+    Lifecycle,
+    LinkLost,
+    Log,
+    PeerAbort,
+    PeerDone,
+    Phase,
+    Refused,
+    RequestKey,
+    SendFrame,
+    SendVerdict,
+    Side,
+    VerdictAskFailed,
+)
 from kvt.metrics import CALLER_STAGES, NO_PATH, EngineMetrics, EngineStats
 from kvt.outcome import AbortCode, AbortOrigin, Completion, TransferStatus
 from kvt.staging import (
@@ -81,36 +88,30 @@ from kvt.timers import TimerHandle, TimerScheduler
 log = logging.getLogger(__name__)
 
 CompletionCallback = Callable[[Completion], None]
-SEND, RECV = "send", "recv"
-UNTOLD = "send-untold"  # tombstone key: aborted before its first send(), receiver not told yet
+SEND, RECV = Side.SEND.value, Side.RECV.value  # the role strings of Completion and the API
 _TOMBSTONES = 65536  # finished request ids remembered (late frames, abort-before-start)
-_VERDICT_ASKS = 3  # fresh links a sender tries for the verdict once its last batch began
 
 
 @dataclass(eq=False)
 class _Request:
-    request_id: str
-    role: str
+    """An open request: its lifecycle, and what the engine keeps around it (callbacks, the
+    deadline's timer, the sender's batches waiting for their layer and its staging space)."""
+
+    lifecycle: Lifecycle
     created: float
     callbacks: list[CompletionCallback] = field(default_factory=list)
-    status: TransferStatus = TransferStatus.PENDING
-    link: Link | None = None
-    peer: str | None = None
-    peer_address: str | None = None  # where to send an abort while no link is bound yet
-    nbytes: int = 0
-    last_submitted: bool = False
-    batches_waiting: int = 0  # sender: batches waiting for their layer event
-    parked_last: Any = None  # sender: the last batch, held until earlier batches are queued
-    io_active: int = 0
-    pending: Completion | None = None
-    final: Completion | None = None
     timer: TimerHandle | None = None
-    abort_replied: bool = False
-    last_begun: bool = False  # sender: the last batch's frames began (the peer may get them all)
-    last_left: bool = False  # sender: every byte of the last batch has left (DONE may follow)
-    abort_wanted: tuple[AbortCode, str] | None = None  # sender: abort() waiting on the verdict
-    verdict_asks: int = 0  # sender: links lost once the last batch began, each asked on a new one
+    batches_waiting: int = 0  # sender: batches waiting for their layer event (or staging copy)
+    parked_last: Any = None  # sender: the last batch, held until earlier batches are queued
     staging: _Staging | None = None  # device batches: pool space held or waited for
+
+    @property
+    def request_id(self) -> str:
+        return self.lifecycle.key.request_id
+
+    @property
+    def link(self) -> Link | None:
+        return self.lifecycle.link
 
 
 @dataclass(eq=False)
@@ -140,15 +141,17 @@ class _SendJob:
         "engine",
         "frame_start",
         "last",
+        "link",
         "req",
         "request_id",
         "submitted",
         "unsent",
     )
 
-    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, host, last):
+    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, host, last, link):  # noqa: PLR0917
         # host: the checked HostSpans of host memory, None for device memory (read by address)
         self.engine, self.req, self.blocks, self.last = engine, req, blocks, last
+        self.link: Link = link
         self._host: HostSpans | None = host
         self._views: list[memoryview] | None = None
         self.request_id = req.request_id
@@ -175,59 +178,21 @@ class _SendJob:
         return self.engine.regions.addresses(self.blocks, "src")
 
     def begin_frame(self) -> bool:
-        if self.req.abort_wanted is not None:
-            # abort() is waiting on a frame in flight (paths with several outstanding frames):
-            # start no more. Read without the lock: a frame that slips in is decided the same way.
-            return False
         self.frame_start = time.monotonic()
         self._observe_compute_wait()
-        if not self.engine._begin_io(self.req, queued_since=self.submitted):
-            return False
-        if self.last:
-            with self.engine._lock:
-                self.req.last_begun = True
-        return True
+        return self.engine._begin_io(self.req, queued_since=self.submitted, last=self.last)
 
     def end_frame(self, nbytes: int) -> None:
         if nbytes:
             self.engine.metrics.observe(
                 "wire", _path(self.req.link), time.monotonic() - self.frame_start
             )
-        engine, req = self.engine, self.req
-        with engine._lock:
-            self.unsent -= nbytes  # two link threads may end frames of one job (samehost)
-            # Before the frame is let go (io_active drops): an abort() from now on must wait for
-            # the receiver's verdict, which may well be DONE.
-            if self.last and self.unsent <= 0:
-                req.last_left = True
-            # So must a link loss once the last batch began: the receiver may have it all (on
-            # samehost it pulls the bytes, and only its lost ACK would have said so).
-            lost = req.pending
-            if (
-                lost is None
-                or lost.code is not AbortCode.CONNECTION_LOST
-                or not req.last_begun
-                or req.io_active != 1
-                or req.verdict_asks >= _VERDICT_ASKS
-            ):
-                lost = None
-            else:
-                req.pending = None
-        engine._end_io(req, nbytes, "sent")
-        if lost is not None:
-            engine._finish(req, lost.origin, lost.code, lost.reason, notify_peer=False)
-            return
-        with engine._lock:
-            wanted = req.abort_wanted
-            if wanted is None or req.last_left or req.io_active:
-                return
-            req.abort_wanted = None  # the last frame never left: the abort() holds after all
-        engine._finish(req, AbortOrigin.LOCAL, wanted[0], wanted[1], notify_peer=True)
+        self.engine._end_io(self.req, nbytes, "sent", job=self)
 
     def fail(self, reason: str, connect_failed: bool) -> None:
         self._observe_compute_wait()
         code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
-        self.engine._finish(self.req, AbortOrigin.TRANSPORT, code, reason, notify_peer=False)
+        self.engine._link_lost(self.req, self.link, code, reason)
 
     def _observe_compute_wait(self) -> None:
         # Observed when the backend first takes the job, not when the event fired: only then has
@@ -284,8 +249,8 @@ class _StagedSendJob(_SendJob):
 
     __slots__ = ("device", "device_addresses", "lease", "nbytes", "sent")
 
-    def __init__(self, engine: Engine, req: _Request, blocks: np.ndarray, last: bool, device: str):
-        super().__init__(engine, req, blocks, None, last)
+    def __init__(self, engine: Engine, req: _Request, blocks, last: bool, device: str, link):  # noqa: PLR0917
+        super().__init__(engine, req, blocks, None, last, link)
         self.device = device
         self.device_addresses = engine.regions.addresses(blocks, "src")
         self.nbytes = int(blocks["length"].sum())
@@ -388,9 +353,12 @@ class Engine:
         self._lock = threading.Lock()
         self._send: dict[str, _Request] = {}
         self._recv: dict[str, _Request] = {}
-        self._tombstones: collections.OrderedDict[tuple[str, str], Completion] = (
-            collections.OrderedDict()
-        )
+        # Finished requests, by side and id: what late frames, late ABORTs and a late expect()
+        # or send() of the same id are answered with.
+        self._tombstones: collections.OrderedDict[RequestKey, Lifecycle] = collections.OrderedDict()
+        # Send ids abort()ed before their first send(): that send() tells the receiver, and the
+        # request completes with the receiver's verdict.
+        self._aborted_early: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._closed = False
         self.backend = backend
         self._notify_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -487,22 +455,26 @@ class Engine:
         """
         self._check_open()
         _check_request_id(request_id)
+        key = RequestKey(Side.RECV, request_id)
+        finished: Completion | None = None
         with self._lock:
             if request_id in self._recv:
                 raise RequestStateError(f"expect({request_id!r}) called twice")
-            tomb = self._tombstones.get((RECV, request_id))
-            if tomb is not None and tomb.status is TransferStatus.DONE:
+            tomb = self._tombstones.get(key)
+            if tomb is not None and tomb.outcome is not None and tomb.outcome.ok:
                 raise RequestStateError(f"request {request_id!r} already completed")
-            req = _Request(request_id, RECV, time.monotonic(), peer_address=peer_data_address)
-            if on_complete is not None:
-                req.callbacks.append(on_complete)
             if tomb is not None:  # aborted before it was expected (by the peer or abort())
-                req.final = tomb
+                finished = tomb.outcome
             else:
+                lifecycle = Lifecycle(key, peer_address=peer_data_address)
+                req = _Request(lifecycle, time.monotonic())
+                if on_complete is not None:
+                    req.callbacks.append(on_complete)
                 self._recv[request_id] = req
                 self.metrics.active.labels(role=RECV).inc()
-        if req.final is not None:
-            self._notify(req.callbacks, req.final, time.monotonic())
+        if finished is not None:
+            if on_complete is not None:
+                self._notify([on_complete], finished, time.monotonic())
             return
         self._arm_timer(req, self.default_timeout_s if timeout_s is None else timeout_s)
 
@@ -531,74 +503,89 @@ class Engine:
         if staged:
             self._check_stageable(blocks)
         # Device memory without staging (host None): the backend reads it by address.
+        key = RequestKey(Side.SEND, request_id)
         new = False
         aborted: Completion | None = None
-        tell_receiver = False
+        early_abort: str | None = None  # abort() came before this first send()
         with self._lock:
             req = self._send.get(request_id)
             if req is None:
-                tomb = self._tombstones.get((SEND, request_id))
-                if tomb is not None and tomb.status is TransferStatus.DONE:
+                tomb = self._tombstones.get(key)
+                if tomb is not None and tomb.outcome is not None and tomb.outcome.ok:
                     raise RequestStateError(f"request {request_id!r} already completed")
                 if tomb is not None:
-                    aborted = tomb  # aborted before its first batch (abort(), or by the peer)
-                    # abort() came before the peer was known: now it is, and it waits for data.
-                    tell_receiver = self._tombstones.pop((UNTOLD, request_id), None) is not None
+                    aborted = tomb.outcome  # the receiver aborted it before its first batch
+                    self._aborted_early.pop(request_id, None)
                 else:
-                    req = _Request(
-                        request_id, SEND, time.monotonic(), peer=peer_data_address,
-                        peer_address=peer_data_address,
-                    )  # fmt: skip
+                    lifecycle = Lifecycle(key, peer=peer_data_address,
+                                          peer_address=peer_data_address)  # fmt: skip
+                    req = _Request(lifecycle, time.monotonic())
                     self._send[request_id] = req
                     self.metrics.active.labels(role=SEND).inc()
                     new = True
-            elif req.last_submitted:
+                    early_abort = self._aborted_early.pop(request_id, None)
+            elif req.lifecycle.last_submitted:
                 raise RequestStateError(f"send({request_id!r}) after the last batch")
-            elif req.peer != peer_data_address:
+            elif req.lifecycle.peer_address != peer_data_address:
                 raise RequestStateError(
-                    f"request {request_id!r} goes to {req.peer}, not {peer_data_address}"
+                    f"request {request_id!r} goes to {req.lifecycle.peer_address}, "
+                    f"not {peer_data_address}"
                 )
+            queue_it = False
             if req is not None:
-                aborted = req.final or req.pending
+                lifecycle = req.lifecycle
+                aborted = lifecycle.outcome
                 if aborted is None:
                     if on_complete is not None:
                         req.callbacks.append(on_complete)
-                    req.last_submitted = last
+                    # Waiting for a verdict (or aborted before the start): nothing more is sent.
+                    queue_it = early_abort is None and lifecycle.phase not in WAITING
+                if queue_it:
+                    if last:
+                        lifecycle.handle(LastBatchSubmitted())
                     if after is not None or staged:
                         req.batches_waiting += 1  # staged: until its staging copy is done
                     if staged and req.staging is None:
                         req.staging = _Staging()
                         req.callbacks.insert(0, req.staging.release_all)
         if aborted is not None:  # already finished: nothing to send, tell this caller too
-            if tell_receiver:
-                code = aborted.code or AbortCode.CALLER_ABORT
-                message = Abort(request_id, code, AbortTarget.RECEIVER, aborted.reason)
-                self._send_without_link(peer_data_address, message)
             if on_complete is not None:
                 self._notify([on_complete], aborted, time.monotonic())
             return
         assert req is not None
         if new:
             self._arm_timer(req, self.default_timeout_s if timeout_s is None else timeout_s)
+        if not queue_it and early_abort is None:
+            return
         try:
             link = self.backend.link_to(peer_data_address)
         except (OSError, ValueError) as exc:
-            self._finish(req, AbortOrigin.TRANSPORT, AbortCode.CONNECT_FAILED, str(exc), False)
+            reason = str(exc)
+            self._feed(req, Refused(AbortOrigin.TRANSPORT, AbortCode.CONNECT_FAILED, reason, False))
             return
         with self._lock:
-            previous, req.link = req.link, req.link or link
+            lifecycle = req.lifecycle
+            if lifecycle.decided or lifecycle.phase in WAITING:
+                return  # finished or aborting meanwhile: this batch never goes out
+            previous = lifecycle.link
+            if previous is None:
+                lifecycle.link = link
+        if early_abort is not None:
+            self._feed(req, CallerAbort(early_abort))  # tells the receiver, waits for its verdict
+            return
         if previous is not None and previous is not link:
             # The link that carried this request's earlier batches died (link_to hands out a new
             # one only then): they may be lost, so the rest must not complete it on a fresh link.
             reason = f"link to {previous.peer} lost under the request"
-            self._finish(req, AbortOrigin.TRANSPORT, AbortCode.CONNECTION_LOST, reason, False)
+            code = AbortCode.CONNECTION_LOST
+            self._feed(req, Refused(AbortOrigin.TRANSPORT, code, reason, False))
             return
         job: _SendJob
         if staged:  # device memory: staged once computed (the copy ends in _layer_ready)
-            job = _StagedSendJob(self, req, np.asarray(blocks), last, device)
+            job = _StagedSendJob(self, req, np.asarray(blocks), last, device, link)
             go, ready = self._stage_out, self._stage_out
         else:
-            job = _SendJob(self, req, np.asarray(blocks), host, last)
+            job = _SendJob(self, req, np.asarray(blocks), host, last, link)
             go, ready = self._queue_job, self._layer_ready
         if after is None:
             go(link, job)
@@ -616,27 +603,34 @@ class Engine:
         with self._lock:
             reqs = [r for r in (self._send.get(request_id), self._recv.get(request_id)) if r]
             if not reqs:
-                for role in (SEND, RECV):
-                    key = (role, request_id)
-                    if key not in self._tombstones:
-                        completion = Completion(
-                            request_id, role, TransferStatus.ABORTED, AbortOrigin.LOCAL,
-                            AbortCode.CALLER_ABORT, reason,
-                        )  # fmt: skip
-                        self._remember(key, completion)
-                        if role == SEND:
-                            self._remember((UNTOLD, request_id), completion)
+                key = RequestKey(Side.RECV, request_id)
+                if key not in self._tombstones:
+                    completion = Completion(
+                        request_id, RECV, TransferStatus.ABORTED, AbortOrigin.LOCAL,
+                        AbortCode.CALLER_ABORT, reason,
+                    )  # fmt: skip
+                    self._remember(Lifecycle.finished(key, completion))
+                if RequestKey(Side.SEND, request_id) not in self._tombstones:
+                    self._aborted_early[request_id] = reason
+                    self._aborted_early.move_to_end(request_id)
+                    while len(self._aborted_early) > _TOMBSTONES:
+                        self._aborted_early.popitem(last=False)
         for req in reqs:
-            self._finish(req, AbortOrigin.LOCAL, AbortCode.CALLER_ABORT, reason, notify_peer=True)
+            self._feed(req, CallerAbort(reason))
 
     def status(self, request_id: str, role: str = SEND) -> TransferStatus | None:
         """Current state of a request on this side, None if unknown (or long forgotten)."""
+        side = Side(role)
         with self._lock:
-            req = (self._send if role == SEND else self._recv).get(request_id)
+            req = (self._send if side is Side.SEND else self._recv).get(request_id)
             if req is not None:
-                return req.status
-            tomb = self._tombstones.get((role, request_id))
-            return tomb.status if tomb else None
+                return req.lifecycle.status
+            tomb = self._tombstones.get(RequestKey(side, request_id))
+            if tomb is not None and tomb.outcome is not None:
+                return tomb.outcome.status
+            if side is Side.SEND and request_id in self._aborted_early:
+                return TransferStatus.ABORTED
+            return None
 
     def close(self) -> None:
         """Abort open requests (peers are told), stop all threads, close all sockets. Idempotent."""
@@ -646,9 +640,7 @@ class Engine:
             self._closed = True
             open_requests = [*self._send.values(), *self._recv.values()]
         for req in open_requests:
-            self._finish(
-                req, AbortOrigin.LOCAL, AbortCode.ENGINE_CLOSED, "engine closed", notify_peer=True
-            )
+            self._feed(req, EngineClosing())
         if self._stager is not None:  # wakes batches waiting for pool space, waits for copies
             self._stager.close()
         self.backend.close()
@@ -751,7 +743,7 @@ class Engine:
             self._layer_ready(link, job)
 
         with self._lock:
-            if req.final is not None or req.pending is not None:
+            if req.lifecycle.decided or req.lifecycle.phase in WAITING:
                 return
             if job.last and req.batches_waiting > 1:
                 # Earlier batches are still waiting: stage this one after them, so that it does
@@ -761,7 +753,7 @@ class Engine:
         ticket = stager.pool.request(job.nbytes, granted)
         with self._lock:
             req.staging.tickets.append(ticket)
-        if req.final is not None:  # completed between: its release_all may have missed this one
+        if req.lifecycle.decided:  # completed between: its release_all may have missed this one
             ticket.cancel()
 
     def _stage_in(self, link: Link, req: _Request, batch: Batch, device: str) -> _RecvSink | None:
@@ -777,12 +769,12 @@ class Engine:
         if reason:
             log.warning("kvt %s: request %r from peer %s: %s", self.name, req.request_id,
                         link.peer, reason)  # fmt: skip
-            self._finish(req, AbortOrigin.LOCAL, AbortCode.BAD_BLOCK, reason, notify_peer=True)
+            self._feed(req, Refused(AbortOrigin.LOCAL, AbortCode.BAD_BLOCK, reason, True))
             return None
         assert stager is not None
         got: queue.SimpleQueue[Lease | None] = queue.SimpleQueue()
         with self._lock:
-            if req.final is not None or req.pending is not None:
+            if req.lifecycle.decided:
                 return None
             if req.staging is None:
                 req.staging = _Staging()
@@ -791,7 +783,7 @@ class Engine:
         ticket = stager.pool.request(nbytes, got.put)
         with self._lock:
             staging.tickets.append(ticket)
-            finished = req.final is not None
+            finished = req.lifecycle.decided
         if finished:
             ticket.cancel()
         lease = got.get()  # woken by a release, by the request's completion, or by close()
@@ -799,7 +791,7 @@ class Engine:
             return None
         with self._lock:
             staging.leases.append(lease)
-            finished = req.final is not None
+            finished = req.lifecycle.decided
         if finished:
             lease.release()
             return None
@@ -821,35 +813,28 @@ class Engine:
 
     def on_batch(self, link: Link, batch: Batch) -> _RecvSink | None:
         rid = batch.request_id
+        key = RequestKey(Side.RECV, rid)
         with self._lock:
             req = self._recv.get(rid)
-            finished = None if req is None else (req.final or req.pending)
-            if req is None:
-                finished = self._tombstones.get((RECV, rid))
-                if finished is None:  # never expected: remember it as aborted, tell the sender
-                    reason = f"no expect() for request {rid!r}"
-                    finished = Completion(
-                        rid, RECV, TransferStatus.ABORTED, AbortOrigin.PEER,
-                        AbortCode.UNKNOWN_REQUEST, reason, peer=link.peer,
-                    )  # fmt: skip
-                    self._remember((RECV, rid), finished)
-                    log.warning(
-                        "kvt %s: data for unknown request %r from peer %s; rejected",
-                        self.name, rid, link.peer,
-                    )  # fmt: skip
-            reply = None
-            if finished is not None and finished.status is TransferStatus.ABORTED:
-                # Late data of an aborted request: tell the sender why (once), discard the bytes.
-                replied_key = (RECV + "-replied", rid)
-                if replied_key not in self._tombstones:
-                    self._remember(replied_key, finished)
-                    reply = Abort(
-                        rid, finished.code or AbortCode.CALLER_ABORT, AbortTarget.SENDER,
-                        finished.reason,
-                    )  # fmt: skip
-            stranger = req is not None and finished is None and req.link not in (None, link)
-            bound_peer = req.peer if stranger else None
-        if finished is not None:
+            lifecycle = req.lifecycle if req is not None else self._tombstones.get(key)
+            if lifecycle is None:  # never expected: remember it as aborted, tell the sender
+                reason = f"no expect() for request {rid!r}"
+                completion = Completion(
+                    rid, RECV, TransferStatus.ABORTED, AbortOrigin.PEER,
+                    AbortCode.UNKNOWN_REQUEST, reason, peer=link.peer,
+                )  # fmt: skip
+                lifecycle = Lifecycle.finished(key, completion)
+                self._remember(lifecycle)
+                log.warning(
+                    "kvt %s: data for unknown request %r from peer %s; rejected",
+                    self.name, rid, link.peer,
+                )  # fmt: skip
+            finished = lifecycle.decided
+            # Late data of an aborted request: tell the sender why (once), discard the bytes.
+            reply = lifecycle.late_data_reply() if finished else None
+            stranger = not finished and lifecycle.link not in (None, link)
+            bound_peer = lifecycle.peer if stranger else None
+        if finished:
             if reply is not None:
                 link.send_control(reply)
             return None
@@ -866,29 +851,27 @@ class Engine:
         try:
             device, host = self.regions.locate(batch.blocks, "dst")
             if host is None and not self._backend_moves_device_memory:
-                with self._lock:
-                    if req.link is None:
-                        req.link, req.peer = link, link.peer
+                self._bind(req, link)
                 return self._stage_in(link, req, batch, device)
         except InvalidBlocksError as exc:
             reason = f"bad block from peer: {exc}"
             log.warning("kvt %s: request %r from peer %s: %s", self.name, rid, link.peer, reason)
-            with self._lock:
-                req.link = link
-            self._finish(req, AbortOrigin.PEER, AbortCode.BAD_BLOCK, reason, notify_peer=True)
+            self._bind(req, link, always=True)
+            self._feed(req, Refused(AbortOrigin.PEER, AbortCode.BAD_BLOCK, reason, True))
             return None
-        with self._lock:
-            if req.link is None:
-                req.link, req.peer = link, link.peer
+        self._bind(req, link)
         return _RecvSink(self, req, link, batch, host)  # host None: device memory by address
 
-    def _last_batch_written(self, req: _Request, link: Link) -> None:
+    def _bind(self, req: _Request, link: Link, *, always: bool = False) -> None:
+        """A receiving request is bound to the link its first batch came on."""
         with self._lock:
-            if req.final is not None or req.pending is not None:
-                return
-            nbytes = req.nbytes
-        if self._finish(req, None, None, "", notify_peer=False):
-            link.send_control(Done(req.request_id, nbytes))
+            lifecycle = req.lifecycle
+            if lifecycle.link is None or always:
+                lifecycle.link = link
+                lifecycle.peer = lifecycle.peer or link.peer
+
+    def _last_batch_written(self, req: _Request, link: Link) -> None:
+        self._feed(req, LastBatchWritten())
 
     def on_control(self, link: Link, message: ControlMessage) -> None:
         if isinstance(message, Done):
@@ -902,66 +885,49 @@ class Engine:
         if req is None:
             log.debug("kvt %s: DONE for finished request %r", self.name, done.request_id)
             return
-        if not req.last_submitted:
-            reason = f"peer confirmed {done.request_id!r} before the last batch was sent"
-            log.warning("kvt %s: %s (peer %s)", self.name, reason, link.peer)
-            self._finish(req, AbortOrigin.PEER, AbortCode.PROTOCOL_ERROR, reason, True)
-            return
-        self._finish(req, None, None, "", notify_peer=False, nbytes=done.nbytes)
+        self._feed(req, PeerDone(done.nbytes))
 
     def _on_abort(self, link: Link, abort: Abort) -> None:
-        role = SEND if abort.target is AbortTarget.SENDER else RECV
-        table = self._send if role == SEND else self._recv
-        # CONNECTION_LOST: the peer lost the request's link and says so on a fresh one; neither
-        # side chose to abort, so both say TRANSPORT (the README's rule of agreement).
-        lost = abort.code is AbortCode.CONNECTION_LOST
-        origin = AbortOrigin.TRANSPORT if lost else AbortOrigin.PEER
-        reason = f"peer {link.peer} aborted ({abort.code.name}): {abort.reason}"
+        side = Side.SEND if abort.target is AbortTarget.SENDER else Side.RECV
+        table = self._send if side is Side.SEND else self._recv
+        key = RequestKey(side, abort.request_id)
+        event = PeerAbort(abort.code, abort.reason, link.peer, abort.confirms)
         with self._lock:
             req = table.get(abort.request_id)
+            lifecycle = req.lifecycle if req is not None else self._tombstones.get(key)
             stranger = (
                 req is not None
-                and role == RECV
-                and req.link not in (None, link)
-                and req.peer != link.peer
+                and side is Side.RECV
+                and lifecycle.link not in (None, link)
+                and lifecycle.peer != link.peer
             )
-            if req is None and (role, abort.request_id) not in self._tombstones:
-                self._remember(
-                    (role, abort.request_id),
-                    Completion(
-                        abort.request_id, role, TransferStatus.ABORTED, origin, abort.code,
-                        reason, peer=link.peer,
-                    ),
-                )  # fmt: skip
+            if stranger:
+                actions: list[Action] = []
+            elif lifecycle is None:  # not seen yet: a later expect() or send() completes at once
+                lifecycle = Lifecycle(key, peer=link.peer)
+                actions = lifecycle.handle(event)
+                self._remember(lifecycle)
+            else:
+                actions = lifecycle.handle(event)
+                if req is not None:
+                    self._retire_if_complete(req, actions)
         if stranger:
             # Only the bound sender may abort a receiving request: a fresh link of that same peer
             # is fine (it re-tells an abort, or asks for the verdict), another peer is not. No
             # such check on the sender side: it hears the receiver's verdict on fresh links.
-            assert req is not None
             log.warning("kvt %s: ABORT of request %r from peer %s ignored: bound to peer %s",
-                        self.name, abort.request_id, link.peer, req.peer)  # fmt: skip
+                        self.name, abort.request_id, link.peer, lifecycle.peer)  # fmt: skip
             return
-        if req is not None:
-            log.info("kvt %s: request %r: %s", self.name, abort.request_id, reason)
-            self._finish(req, origin, abort.code, reason, notify_peer=False)
-        if abort.code is AbortCode.CONNECTION_LOST and role == RECV:
-            # The sender lost the request's link and asks what became of it (_ask_verdict).
-            with self._lock:
-                verdict = (req.final or req.pending) if req else None
-                verdict = verdict or self._tombstones.get((RECV, abort.request_id))
-            if verdict is None:
-                return
-            if verdict.status is TransferStatus.DONE:
-                link.send_control(Done(abort.request_id, verdict.nbytes))
-            else:
-                code = verdict.code or AbortCode.CALLER_ABORT
-                link.send_control(Abort(abort.request_id, code, AbortTarget.SENDER, verdict.reason))
+        self._carry_out(req, actions, reply_link=link)
 
     def on_link_lost(self, link: Link, reason: str, connect_failed: bool) -> None:
         code = AbortCode.CONNECT_FAILED if connect_failed else AbortCode.CONNECTION_LOST
         with self._lock:
             victims = [
-                r for table in (self._send, self._recv) for r in table.values() if r.link is link
+                r
+                for table in (self._send, self._recv)
+                for r in table.values()
+                if r.lifecycle.link is link
             ]
         if victims:
             log.warning(
@@ -969,149 +935,118 @@ class Engine:
                 self.name, link.peer, reason, len(victims),
             )  # fmt: skip
         for req in victims:
-            self._finish(req, AbortOrigin.TRANSPORT, code, reason, notify_peer=False)
+            self._link_lost(req, link, code, reason)
 
-    # ================================================================ completion core
-    def _begin_io(self, req: _Request, queued_since: float | None) -> bool:
+    def _link_lost(self, req: _Request, link: Link, code: AbortCode, reason: str) -> None:
+        """``link`` died under ``req`` (ignored once the request moved to another link)."""
         with self._lock:
-            if req.final is not None or req.pending is not None:
-                return False
-            if req.status is TransferStatus.PENDING:
-                req.status = TransferStatus.TRANSFERRING
-                if queued_since is not None:
-                    self.metrics.observe("queue", _path(req.link), time.monotonic() - queued_since)
-            req.io_active += 1
-            return True
+            if req.lifecycle.link is not link:
+                return
+            actions = req.lifecycle.handle(LinkLost(code, reason))
+            self._retire_if_complete(req, actions)
+        self._carry_out(req, actions)
 
-    def _end_io(self, req: _Request, nbytes: int, direction: str) -> None:
+    # ================================================================ the lifecycle's shell
+    def _begin_io(self, req: _Request, queued_since: float | None, last: bool = False) -> bool:
+        with self._lock:
+            lifecycle = req.lifecycle
+            first = lifecycle.phase is Phase.PENDING
+            if not lifecycle.begin_io(last):
+                return False
+            if first and queued_since is not None:
+                waited = time.monotonic() - queued_since
+                self.metrics.observe("queue", _path(lifecycle.link), waited)
+        return True
+
+    def _end_io(
+        self, req: _Request, nbytes: int, direction: str, job: _SendJob | None = None
+    ) -> None:
         if nbytes:
             self.metrics.bytes.labels(direction=direction).inc(nbytes)
         with self._lock:
-            req.nbytes += nbytes
-            req.io_active -= 1
-            deliver = req.io_active == 0 and req.pending is not None and req.final is None
-            if deliver:
-                completion = req.pending
-                self._retire(req, completion)
-        if deliver:
-            self._deliver(req, completion)
+            last_left = False
+            if job is not None:
+                job.unsent -= nbytes  # two link threads may end frames of one job (samehost)
+                last_left = job.last and job.unsent <= 0
+            actions = req.lifecycle.handle(FrameEnded(nbytes, last_left))
+            self._retire_if_complete(req, actions)
+        if actions:
+            self._carry_out(req, actions)
 
-    def _finish(
-        self,
-        req: _Request,
-        origin: AbortOrigin | None,
-        code: AbortCode | None,
-        reason: str,
-        notify_peer: bool,
-        *,
-        nbytes: int | None = None,
-    ) -> bool:
-        """Decide the one completion (DONE if origin is None); False if already decided.
-
-        A sender's abort() that comes once the last frame may have reached the receiver (it has
-        begun, or left) is not decided here: it waits for the receiver's verdict (DONE, or its
-        ABORT), the link's loss or the deadline, so the two sides never split DONE/ABORTED over
-        it. If the frame in flight turns out not to be the last one, ``end_frame`` decides it.
-        """
+    def _feed(self, req: _Request, event: Event, reply_link: Link | None = None) -> None:
+        """Hand ``event`` to the request's lifecycle under the lock; carry out its actions."""
         with self._lock:
-            if req.final is not None or req.pending is not None:
-                return False
-            if (
-                code is AbortCode.CALLER_ABORT
-                and origin is AbortOrigin.LOCAL
-                and req.role == SEND
-                and req.last_submitted
-                and (req.last_left or req.io_active)
-            ):
-                if req.abort_wanted is None:
-                    req.abort_wanted = (code, reason)
-                return False
-            ask = (
-                code is AbortCode.CONNECTION_LOST
-                and req.role == SEND
-                and req.last_begun
-                and not req.io_active
-                and req.verdict_asks < _VERDICT_ASKS
-                and req.peer_address is not None
-                and not self._closed
-            )
-            if ask:
-                req.verdict_asks += 1
-        if ask and self._ask_verdict(req, reason):
-            return False
+            actions = req.lifecycle.handle(event)
+            self._retire_if_complete(req, actions)
+        self._carry_out(req, actions, reply_link)
+
+    def _carry_out(
+        self, req: _Request | None, actions: list[Action], reply_link: Link | None = None
+    ) -> None:
+        """Outside the lock, in order: what a lifecycle decided. ``req`` None: a tombstone."""
+        for action in actions:
+            match action:
+                case Log(level, message, args):
+                    log.log(level, "kvt %s: " + message, self.name, *args)
+                case SendFrame(message, link, address):
+                    if link is not None:
+                        link.send_control(message)
+                    elif address is not None:
+                        self._send_without_link(address, message)
+                case SendVerdict(message):
+                    if reply_link is not None:
+                        reply_link.send_control(message)
+                case AskVerdict():
+                    assert req is not None
+                    self._ask_verdict(req, action)
+                case CloseLink(link, reason):
+                    link.close(reason)
+                case ArmDeadline(delay_s):
+                    if req is not None:
+                        self._arm_timer(req, delay_s)
+                case Complete(completion):
+                    if req is not None:
+                        self._deliver(req, completion)
+
+    def _retire_if_complete(self, req: _Request, actions: list[Action]) -> None:
+        """Under the lock: a completed request leaves the open table and is remembered."""
+        if not any(isinstance(action, Complete) for action in actions):
+            return
+        side, request_id = req.lifecycle.key
+        table = self._send if side is Side.SEND else self._recv
+        if table.get(request_id) is req:
+            del table[request_id]
+            self.metrics.active.labels(role=side.value).dec()
+        self._remember(req.lifecycle)
+
+    def _ask_verdict(self, req: _Request, ask: AskVerdict) -> None:
+        """The link died once the last batch had begun (the receiver may well be DONE, its DONE
+        or, on samehost, its ACK lost with it), or while the sender's abort waited for the
+        receiver's verdict: ask on a fresh link. The fresh link's loss asks again."""
+        reason = ""
+        fresh: Link | None = None
+        if self._closed:
+            reason = "engine closed"
+        else:
+            try:
+                fresh = self.backend.link_to(ask.address)
+            except (OSError, ValueError) as exc:
+                reason = str(exc)
+            if fresh is ask.old_link:
+                fresh, reason = None, f"no fresh link to {ask.address}"
+        if fresh is None:
+            self._feed(req, VerdictAskFailed(reason))
+            return
         with self._lock:
-            if req.final is not None or req.pending is not None:
-                return False
-            status = TransferStatus.DONE if origin is None else TransferStatus.ABORTED
-            completion = Completion(
-                req.request_id, req.role, status, origin, code, reason,
-                max(req.nbytes, nbytes or 0), req.peer,
-            )  # fmt: skip
-            if req.io_active:
-                req.pending = completion  # delivered by _end_io when the backend lets go
-                deliver = False
-            else:
-                self._retire(req, completion)
-                deliver = True
-            link = req.link if notify_peer else None
-            io_busy = req.io_active > 0
-        if status is TransferStatus.ABORTED:
-            level = logging.DEBUG if origin is AbortOrigin.LOCAL else logging.INFO
-            log.log(level, "kvt %s: %s request %r aborted (%s, %s): %s", self.name, req.role,
-                    req.request_id, origin.name, code.name if code else "-", reason)  # fmt: skip
-        if notify_peer:
-            message = self._abort_for_peer(req, code, reason)
-            if link is not None:
-                link.send_control(message)
-            elif req.peer_address:
-                self._send_without_link(req.peer_address, message)
-        elif code is AbortCode.CONNECTION_LOST and req.role == SEND and req.peer_address:
-            # The receiver may not have seen this request on the dead link (nothing of it arrived,
-            # so its loss aborts nothing there): tell it on a fresh one rather than have it hold
-            # its blocks until its own deadline. It completes ABORTED(TRANSPORT) too.
-            message = Abort(req.request_id, code, AbortTarget.RECEIVER, reason)
-            self._send_without_link(req.peer_address, message)
-        if origin is AbortOrigin.TIMEOUT and io_busy and req.link is not None:
-            # The backend is inside a frame of this request past its deadline: the link is stalled
-            # or far too slow. Closing it wakes the I/O thread, which then delivers the completion.
-            req.link.close(f"request {req.request_id!r} timed out mid-frame")
-            if notify_peer:  # the ABORT queued on that link died with it
-                self._tell_peer_on_fresh_link(req, code, reason)
-        if deliver:
-            self._deliver(req, completion)
-        return True
-
-    def _ask_verdict(self, req: _Request, reason: str) -> bool:
-        """The link died once the last batch had begun: the receiver may well be DONE, its DONE
-        (or, on samehost, its ACK) lost with the link. Ask it on a fresh link (an
-        ABORT(CONNECTION_LOST), which it answers with its verdict: DONE, or an ABORT) instead of
-        splitting DONE/ABORTED. False: no way to ask (decide now). The fresh link's loss asks
-        again (up to _VERDICT_ASKS links); a failed connect, or the deadline, ends the wait."""
-        old = req.link
-        try:
-            fresh = self.backend.link_to(req.peer_address)  # type: ignore[arg-type]
-        except (OSError, ValueError):
-            return False
-        if fresh is old:
-            return False
-        with self._lock:
-            req.link = fresh
-        log.info("kvt %s: link to %s lost once the last batch of %r began: asking for the verdict",
-                 self.name, fresh.peer, req.request_id)  # fmt: skip
-        message = Abort(req.request_id, AbortCode.CONNECTION_LOST, AbortTarget.RECEIVER, reason)
-        fresh.send_control(message)
-        return True
-
-    @staticmethod
-    def _abort_for_peer(req: _Request, code: AbortCode | None, reason: str) -> Abort:
-        """The ABORT that tells the other side of ``req`` it ended (code None: caller abort)."""
-        target = AbortTarget.RECEIVER if req.role == SEND else AbortTarget.SENDER
-        return Abort(req.request_id, code or AbortCode.CALLER_ABORT, target, reason)
-
-    def _tell_peer_on_fresh_link(self, req: _Request, code: AbortCode | None, reason: str) -> None:
-        """The request's ABORT died with the link just closed under it: send it on a new one."""
-        if req.peer_address:
-            self._send_without_link(req.peer_address, self._abort_for_peer(req, code, reason))
+            lifecycle = req.lifecycle
+            asking = not lifecycle.decided and lifecycle.link is None
+            if asking:
+                lifecycle.link = fresh
+        if not asking:
+            return  # decided meanwhile (its deadline, close())
+        log.info("kvt %s: link to %s lost while request %r waits for the receiver: asking for "
+                 "its verdict", self.name, fresh.peer, req.request_id)  # fmt: skip
+        fresh.send_control(ask.message)
 
     def _send_without_link(self, peer_address: str, message: ControlMessage) -> None:
         """A control message for a peer no link of the request is bound to yet (best effort)."""
@@ -1123,18 +1058,9 @@ class Engine:
             log.info("kvt %s: could not tell %s about %r: %s", self.name, peer_address,
                      message.request_id, str(exc))  # fmt: skip
 
-    def _retire(self, req: _Request, completion: Completion) -> None:
-        """Under the lock: the request leaves the active table and is remembered."""
-        req.final = completion
-        req.status = completion.status
-        table = self._send if req.role == SEND else self._recv
-        if table.get(req.request_id) is req:
-            del table[req.request_id]
-            self.metrics.active.labels(role=req.role).dec()
-        self._remember((req.role, req.request_id), completion)
-
-    def _remember(self, key: tuple[str, str], completion: Completion) -> None:
-        self._tombstones[key] = completion
+    def _remember(self, lifecycle: Lifecycle) -> None:
+        key = lifecycle.key
+        self._tombstones[key] = lifecycle
         self._tombstones.move_to_end(key)
         while len(self._tombstones) > _TOMBSTONES:
             self._tombstones.popitem(last=False)
@@ -1143,9 +1069,10 @@ class Engine:
         if req.timer is not None:
             req.timer.cancel()
         now = time.monotonic()
-        self.metrics.requests.labels(role=req.role, status=completion.status.value).inc()
+        role = completion.role
+        self.metrics.requests.labels(role=role, status=completion.status.value).inc()
         if completion.origin is not None:
-            self.metrics.aborts.labels(role=req.role, origin=completion.origin.value).inc()
+            self.metrics.aborts.labels(role=role, origin=completion.origin.value).inc()
         path = _path(req.link)
         self.metrics.observe("transfer", path, now - req.created)
         self._notify(req.callbacks, completion, now, path)
@@ -1183,25 +1110,15 @@ class Engine:
             return
         handle = self._timers.call_later(timeout_s, lambda: self._on_deadline(req, timeout_s))
         with self._lock:
-            if req.final is None:
-                req.timer = handle
+            if req.lifecycle.phase is not Phase.COMPLETE:
+                previous, req.timer = req.timer, handle
+                if previous is not None:
+                    previous.cancel()
                 return
         handle.cancel()
 
     def _on_deadline(self, req: _Request, timeout_s: float) -> None:
-        reason = f"no completion within {timeout_s:g}s"
-        if self._finish(req, AbortOrigin.TIMEOUT, AbortCode.TIMEOUT, reason, notify_peer=True):
-            return
-        with self._lock:
-            stuck = req.final is None and req.io_active > 0
-            link, pending = req.link, req.pending
-        if stuck and link is not None:
-            # An earlier abort is waiting for the backend to leave a frame that has not moved
-            # since: the link is stalled, and closing it is the only way to release the memory.
-            link.close(f"request {req.request_id!r} stuck mid-frame past its deadline")
-            if pending is not None and pending.origin in (AbortOrigin.LOCAL, AbortOrigin.TIMEOUT):
-                # Its ABORT was queued on the link just closed: tell the peer on a fresh one.
-                self._tell_peer_on_fresh_link(req, pending.code, pending.reason)
+        self._feed(req, DeadlinePassed(f"no completion within {timeout_s:g}s"))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -12,18 +12,18 @@ per frame. What a plan can ask for (:class:`FaultKind`):
   or ``payload_len``); the receiver must close only that connection with a typed error
   (:class:`~kvt.errors.ProtocolViolation`) and a log line naming the peer.
 
-Plans are :class:`ScriptedFaults` ("the 3rd DATA frame to peer D: drop") or :class:`RandomFaults`
-(seeded rates per kind). Every injected fault is recorded in :attr:`FaultPlan.injected`, so a test
-knows which links were hit. The backends carry the faults out; this module knows no backend.
+A plan subclasses :class:`FaultPlan` (its :meth:`~FaultPlan.decide`); the tests' plans, scripted
+("the 3rd DATA frame to peer D: drop") and seeded random ones, live with the tests
+(``tests/fault_plans.py``). Every injected fault is recorded in :attr:`FaultPlan.injected`, so a
+test knows which links were hit. The backends carry the faults out; this module knows no backend.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import random
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvt.protocol import HEADER
 
@@ -148,82 +148,6 @@ class FaultPlan:
         return fault
 
 
-@dataclass
-class Rule:
-    """Matches DATA frames; every field left None matches anything. Fires ``times`` times."""
-
-    fault: Fault
-    nth: int | None = None  # the n-th DATA frame from the engine to the peer (1-based)
-    peer: str | None = None  # substring of the peer label
-    engine: str | None = None
-    request_id: str | None = None
-    last: bool | None = None
-    times: int = 1
-
-    def matches(self, frame: FrameInfo) -> bool:
-        return (
-            self.times > 0
-            and (self.nth is None or frame.index == self.nth)
-            and (self.peer is None or self.peer in frame.peer)
-            and (self.engine is None or self.engine == frame.engine)
-            and (self.request_id is None or self.request_id == frame.request_id)
-            and (self.last is None or self.last == frame.last)
-        )
-
-
-class ScriptedFaults(FaultPlan):
-    """Faults at frames named in advance: ``ScriptedFaults(Rule(Fault(DROP), nth=3, peer="D"))``."""
-
-    def __init__(self, *rules: Rule) -> None:
-        super().__init__()
-        self.rules = list(rules)
-
-    def decide(self, frame: FrameInfo) -> Fault | None:
-        for rule in self.rules:
-            if rule.matches(frame):
-                rule.times -= 1
-                return rule.fault
-        return None
-
-
-@dataclass
-class FaultRates:
-    """Per-DATA-frame probability of each kind (RandomFaults)."""
-
-    drop: float = 0.0
-    drop_mid: float = 0.0
-    stall: float = 0.0
-    corrupt: float = 0.0
-    stall_s: tuple[float, float] = (0.001, 0.01)
-    corrupt_fields: tuple[str, ...] = field(default=CORRUPT_FIELDS)
-
-
-class RandomFaults(FaultPlan):
-    """Seeded random faults; the same seed and the same frame order give the same faults."""
-
-    def __init__(self, rates: FaultRates, seed: int = 0) -> None:
-        super().__init__()
-        self.rates = rates
-        self._rng = random.Random(seed)
-
-    def decide(self, frame: FrameInfo) -> Fault | None:
-        rates, x = self.rates, self._rng.random()
-        for kind, rate in (
-            (FaultKind.DROP, rates.drop),
-            (FaultKind.DROP_MID, rates.drop_mid),
-            (FaultKind.CORRUPT, rates.corrupt),
-            (FaultKind.STALL, rates.stall),
-        ):
-            if x < rate:
-                if kind is FaultKind.CORRUPT:
-                    return Fault(kind, field=self._rng.choice(rates.corrupt_fields))
-                if kind is FaultKind.STALL:
-                    return Fault(kind, stall_s=self._rng.uniform(*rates.stall_s))
-                return Fault(kind)
-            x -= rate
-        return None
-
-
 def corrupt_header(head: bytes, what: str) -> bytes:
     """``head`` (a frame's 16-byte header and its metadata) with one header field broken so the
     receiver's decoder must reject it at once (never a stream that merely stalls)."""
@@ -260,14 +184,10 @@ __all__ = [
     "Fault",
     "FaultKind",
     "FaultPlan",
-    "FaultRates",
     "FrameInfo",
     "Injected",
     "InjectedFault",
     "LinkWake",
-    "RandomFaults",
-    "Rule",
-    "ScriptedFaults",
     "corrupt_header",
     "first_half",
 ]

@@ -293,11 +293,3 @@ class TcpPathProvider(PathProvider):
 
     def candidate(self, link: LinkIO) -> PathCandidate:
         return _TcpCandidate(link)
-
-
-def default_providers() -> list[PathProvider]:
-    """The payload paths a TcpBackend offers, best first (each checks its own availability)."""
-    from kvt.rdma import RdmaPathProvider  # its device (pyverbs) is opened lazily, on first use
-    from kvt.samehost import SamehostProvider
-
-    return [RdmaPathProvider(), SamehostProvider(), TcpPathProvider()]

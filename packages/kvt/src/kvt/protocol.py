@@ -19,7 +19,8 @@ Metadata (little-endian):
            | n_blocks x 30-byte IpcBlock
            payload = the blocks' bytes, concatenated in record order (sum of lengths == payload_len)
     DONE   u16 rid_len | u16 0 | u64 nbytes | rid          (receiver -> sender: every byte written)
-    ABORT  u16 rid_len | u8 code | u8 target (1 sender side, 2 receiver side) | rid | reason utf-8
+    ABORT  u16 rid_len | u8 code | u8 target (1 sender side, 2 receiver side; bit 7: confirms
+           the target's own abort) | rid | reason utf-8
     DESC   u16 rid_len | u8 flags | u8 0 | u32 n_blocks | u64 seq | u32 ext_len | rid
            | n_blocks x 30-byte IpcBlock | ext (the path's own bytes, e.g. source addresses)
            no payload: the link's payload path moves the bytes (samehost, rdma)
@@ -60,6 +61,7 @@ HEADER_SIZE = HEADER.size  # 16
 DATA_META = struct.Struct("<HBBI")  # rid_len, flags, reserved, n_blocks
 DONE_META = struct.Struct("<HHQ")  # rid_len, reserved, nbytes
 ABORT_META = struct.Struct("<HBB")  # rid_len, code, target
+ABORT_CONFIRMS = 0x80  # in ABORT's target byte: the receiver confirms the sender's own abort
 HELLO_META = struct.Struct("<HH")  # name_len, addr_len
 DESC_META = struct.Struct("<HBBIQI")  # rid_len, flags, reserved, n_blocks, seq, ext_len
 PATH_META = struct.Struct("<BBHIQQ")  # kind, status, reserved, reserved, seq, nbytes
@@ -255,17 +257,22 @@ def encode_done(request_id: str, nbytes: int) -> bytes:
     return _frame(FrameType.DONE, DONE_META.pack(len(rid), 0, nbytes) + rid)
 
 
-def encode_abort(request_id: str, code: AbortCode, target: AbortTarget, reason: str) -> bytes:
+def encode_abort(
+    request_id: str, code: AbortCode, target: AbortTarget, reason: str, confirms: bool = False
+) -> bytes:
     rid = _rid(request_id)
     text = reason.encode(errors="replace")[:4096]
-    return _frame(FrameType.ABORT, ABORT_META.pack(len(rid), int(code), int(target)) + rid + text)
+    target_byte = int(target) | (ABORT_CONFIRMS if confirms else 0)
+    return _frame(FrameType.ABORT, ABORT_META.pack(len(rid), int(code), target_byte) + rid + text)
 
 
 def encode_control(message: ControlMessage) -> bytes:
     """The DONE or ABORT frame that carries a control-layer message."""
     if isinstance(message, Done):
         return encode_done(message.request_id, message.nbytes)
-    return encode_abort(message.request_id, message.code, message.target, message.reason)
+    return encode_abort(
+        message.request_id, message.code, message.target, message.reason, message.confirms
+    )
 
 
 # ------------------------------------------------------------------ decoder
@@ -418,10 +425,11 @@ class FrameDecoder:
             raise ProtocolViolation("ABORT request id runs past the metadata")
         rid = _request_id(meta[ABORT_META.size : ABORT_META.size + rid_len])
         try:
-            abort_code, abort_target = AbortCode(code), AbortTarget(target)
+            abort_code, abort_target = AbortCode(code), AbortTarget(target & ~ABORT_CONFIRMS)
         except ValueError:
             raise ProtocolViolation(f"ABORT with unknown code {code} / target {target}") from None
-        return Abort(rid, abort_code, abort_target, _text(meta[ABORT_META.size + rid_len :]))
+        reason = _text(meta[ABORT_META.size + rid_len :])
+        return Abort(rid, abort_code, abort_target, reason, bool(target & ABORT_CONFIRMS))
 
 
 class _Reader:

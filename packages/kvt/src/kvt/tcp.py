@@ -46,8 +46,8 @@ from kvt.paths import (
     PathCandidate,
     PathProvider,
     PayloadPath,
+    TcpPathProvider,
     choose_path,
-    default_providers,
     local_boot_id,
     transport_setting,
 )
@@ -67,6 +67,8 @@ from kvt.protocol import (
     encode_hello,
     encode_verdict,
 )
+from kvt.rdma import RdmaPathProvider
+from kvt.samehost import SamehostProvider
 
 log = logging.getLogger(__name__)
 
@@ -258,13 +260,21 @@ class TcpLink:
         self._queue.put(_FLUSH)
 
     def join_writer(self, timeout: float) -> None:
-        if self._threads and self._threads[0] is not threading.current_thread():
-            self._threads[0].join(timeout)
+        threads = self._started_threads()
+        if threads and threads[0] is not threading.current_thread():
+            threads[0].join(timeout)
 
     def join(self, timeout: float | None = None) -> None:
-        for thread in list(self._threads):
+        for thread in self._started_threads():
             if thread is not threading.current_thread():
                 thread.join(timeout)
+
+    def _started_threads(self) -> list[threading.Thread]:
+        # Under the lock _spawn appends and starts in: read without it, a thread another thread
+        # is still starting (a link made on an I/O thread to tell a peer, racing with close())
+        # shows up before it started, and joining it raises.
+        with self._lock:
+            return list(self._threads)
 
     def _report_lost(self, reason: str, *, connect_failed: bool) -> None:
         with self._lock:
@@ -609,6 +619,12 @@ class TcpLink:
         log.info("kvt %s: link %s uses the %s path", self.backend.name, self.peer, name)
 
 
+def default_providers() -> list[PathProvider]:
+    """The payload paths a TcpBackend offers, best first (each checks its own availability;
+    rdma opens its device, through pyverbs, only on first use)."""
+    return [RdmaPathProvider(), SamehostProvider(), TcpPathProvider()]
+
+
 class TcpBackend(DataPlaneBackend):
     """Listener + links. ``link_to`` shares one outbound link per peer address."""
 
@@ -627,7 +643,7 @@ class TcpBackend(DataPlaneBackend):
     ) -> None:
         """``transport``: "auto" (default; env ``KVT_TRANSPORT``), "tcp", "samehost" or "rdma"
         (forced: a link that cannot use it fails). ``providers``: the payload paths offered
-        (default :func:`kvt.paths.default_providers`). ``boot_id``: override this host's boot id
+        (default :func:`default_providers`). ``boot_id``: override this host's boot id
         (tests: a peer "on another host")."""
         self.name = name
         self.faults = faults  # kvt.faults: misbehave on purpose (tests); None costs one check

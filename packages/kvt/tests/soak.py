@@ -1,14 +1,19 @@
 """The reliability soak: many transfers under random aborts and injected faults, then checked.
 
-Used by tests/test_reliability.py (CI-sized) and benchmarks/bench_reliability.py (10,000). Two
-senders and one receiver, all in this process, on one transport ("samehost" in one process still
-pulls with ``process_vm_readv``, from its own pid). The transfers go in waves: each
-wave's requests (1-3 batches of 1-3 scattered blocks, each request into its own destination slot)
-are sent in a random interleaving while two threads abort random ones from the sender's and the
-receiver's side at random moments, some before the request starts, and the senders' fault plan
-drops links, stalls writes and corrupts headers. When every request of the wave has completed on
-both sides, each pair of completions is checked against the rule of agreement (README, "Faults on
-purpose", and :func:`disagreement`), and every DONE destination is compared byte for byte.
+Used by test_reliability.py (CI-sized) and benchmarks/bench_reliability.py (10,000), which puts
+this directory on its path. Two senders and one receiver, all in this process, on one transport
+("samehost" in one process still pulls with ``process_vm_readv``, from its own pid). The
+transfers go in waves: each wave's requests (1-3 batches of 1-3 scattered blocks, each request
+into its own destination slot) are sent in a random interleaving while two threads abort random
+ones from the sender's and the receiver's side at random moments, some before the request
+starts, and the senders' fault plan drops links, stalls writes and corrupts headers. When every
+request of the wave has completed on both sides, each pair of completions is checked against the
+rule of agreement (README, "Faults on purpose", and :func:`disagreement`), and every DONE
+destination is compared byte for byte.
+
+The abort storm (``soak(..., storm=True)``) aborts every request from both sides, the two aborts
+of one request within about a millisecond of each other, without link faults: crossed aborts,
+which must still name one side as the first aborter (:func:`crossed_two_answers`).
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from fault_plans import FaultRates, RandomFaults
 from ipcblock import make_blocks
-
 from kvt.engine import Engine
-from kvt.faults import FaultKind, FaultPlan, FaultRates, RandomFaults
+from kvt.faults import FaultKind, FaultPlan
 from kvt.memory import InMemoryBackend
 from kvt.outcome import AbortCode, AbortOrigin, Completion
 from kvt.tcp import TcpBackend
@@ -51,6 +56,12 @@ def new_engine(transport: str, name: str, plan: FaultPlan | None = None, **kwarg
     return Engine(backend, name=name, **kwargs)
 
 
+def crossed_two_answers(send: Completion, recv: Completion) -> bool:
+    """Both sides say they aborted first (LOCAL or TIMEOUT on each): two answers to "who
+    aborted first", where the rule of agreement wants one."""
+    return send.origin in INITIATORS and recv.origin in INITIATORS
+
+
 def disagreement(
     send: Completion, recv: Completion, aborted: set[str], link_hit: bool
 ) -> str | None:
@@ -72,6 +83,8 @@ def disagreement(
             return f"{side} ABORTED(LOCAL) without abort() on that side"
         if c.origin is AbortOrigin.TRANSPORT and not link_hit:
             return f"{side} ABORTED(TRANSPORT) on a link no fault hit"
+    if crossed_two_answers(send, recv):
+        return f"both sides say they aborted first ({send.origin.name}/{recv.origin.name})"
     if send.origin is recv.origin is AbortOrigin.PEER and send.code is recv.code in REFUSALS:
         return None
     if send.origin is AbortOrigin.PEER and recv.origin not in INITIATORS:
@@ -87,6 +100,8 @@ class SoakReport:
     transfers: int = 0
     done: int = 0
     local_aborts: int = 0  # abort() calls made by the soak
+    crossed: int = 0  # requests the soak aborted from both sides, both of which completed ABORTED
+    two_answers: int = 0  # of those, both sides saying they aborted first (must be 0)
     outcomes: collections.Counter = field(default_factory=collections.Counter)
     faults: collections.Counter = field(default_factory=collections.Counter)
     violations: list[str] = field(default_factory=list)
@@ -106,7 +121,8 @@ class SoakReport:
             f"{self.transport}: {self.transfers} transfers in {self.seconds:.1f} s "
             f"({rate:.0f}/s), {self.done} DONE on both sides, {self.local_aborts} abort() calls, "
             f"frames {self.frames}, faults: {faults}; outcomes (sender/receiver): {pairs}; "
-            f"DONE/ABORTED splits: {self.splits}; violations: {len(self.violations)}"
+            f"DONE/ABORTED splits: {self.splits}; crossed aborts {self.crossed}, with two "
+            f"answers: {self.two_answers}; violations: {len(self.violations)}"
         )
 
 
@@ -142,10 +158,12 @@ def soak(
     abort_rate: float = 0.2,
     recv_timeout_s: float = 1.0,
     send_timeout_s: float = 20.0,
+    storm: bool = False,
 ) -> SoakReport:
-    """Run ``transfers`` requests (see the module docstring); returns counts and violations."""
-    plan = RandomFaults(rates or FaultRates(), seed=seed)
-    run = _Soak(transport, plan, seed, wave, abort_rate, recv_timeout_s, send_timeout_s)
+    """Run ``transfers`` requests (see the module docstring); returns counts and violations.
+    ``storm``: every request aborted from both sides at about the same moment, no faults."""
+    plan = RandomFaults(FaultRates() if storm else rates or FaultRates(), seed=seed)
+    run = _Soak(transport, plan, seed, wave, abort_rate, recv_timeout_s, send_timeout_s, storm)
     try:
         start = time.monotonic()
         for w, first in enumerate(range(0, transfers, wave)):
@@ -182,8 +200,11 @@ def soak(
 class _Soak:
     """Two senders, one receiver, their regions, and what the waves found."""
 
-    def __init__(self, transport, plan, seed, wave, abort_rate, recv_timeout_s, send_timeout_s):  # noqa: PLR0917
+    def __init__(  # noqa: PLR0917
+        self, transport, plan, seed, wave, abort_rate, recv_timeout_s, send_timeout_s, storm
+    ):
         self.rng = random.Random(seed)
+        self.storm = storm
         self.abort_rate, self.recv_t, self.send_t = abort_rate, recv_timeout_s, send_timeout_s
         self.report = SoakReport(transport)
         self.collector = _Collector()
@@ -226,7 +247,11 @@ class _Soak:
         early: list[tuple[str, str]] = []
         victims: dict[str, list[str]] = {"send": [], "recv": []}
         for req in reqs:
-            if rng.random() < self.abort_rate:
+            if self.storm:  # both sides, never before the start: the aborts cross
+                for side in ("send", "recv"):
+                    aborted[req.rid].add(side)
+                    victims[side].append((side, req.rid))
+            elif rng.random() < self.abort_rate:
                 sides = rng.choice((("send",), ("recv",), ("send", "recv")))
                 for side in sides:
                     aborted[req.rid].add(side)
@@ -257,20 +282,31 @@ class _Soak:
                     timeout_s=self.send_t,
                 )  # fmt: skip
 
+        # A storm aborts in the order the requests start, close behind their first batches.
+        started = list(dict.fromkeys(req.rid for req in steps))
+        most_pause = 0.0003 if self.storm else 0.002
+
         def abort_some(side: str, seed: float) -> None:
             pace = random.Random(seed)
-            order = list(victims[side])
-            pace.shuffle(order)
+            order = [rid for _, rid in victims[side]]
+            if self.storm:
+                order.sort(key=started.index)
+            else:
+                pace.shuffle(order)
             pause = threading.Event()  # never set: a random pause, not a wait for anything
             go.wait()
-            for _, rid in order:
-                pause.wait(pace.uniform(0, 0.002))
+            for rid in order:
+                pause.wait(pace.uniform(0, most_pause))
                 engine_of[side](by_id[rid]).abort(rid, f"soak: {side} side gave up")
 
+        # In a storm both sides walk the same order at the same pace: each request's two aborts
+        # come within about a millisecond of each other.
+        pace_p = rng.random()
+        pace_d = pace_p if self.storm else rng.random()
         threads = [
             threading.Thread(target=send_all, name="soak-send"),
-            threading.Thread(target=abort_some, args=("send", rng.random()), name="soak-abort-p"),
-            threading.Thread(target=abort_some, args=("recv", rng.random()), name="soak-abort-d"),
+            threading.Thread(target=abort_some, args=("send", pace_p), name="soak-abort-p"),
+            threading.Thread(target=abort_some, args=("recv", pace_d), name="soak-abort-d"),
         ]
         for t in threads:
             t.start()
@@ -298,6 +334,9 @@ class _Soak:
             if send is None or recv is None:
                 continue
             report.outcomes[f"{_label(send)}/{_label(recv)}"] += 1
+            if aborted.get(req.rid) == {"send", "recv"} and not send.ok and not recv.ok:
+                report.crossed += 1
+                report.two_answers += crossed_two_answers(send, recv)
             link_hit = self.senders[req.sender].name in hit
             why = disagreement(send, recv, aborted.get(req.rid, set()), link_hit)
             if why is not None:
@@ -316,4 +355,11 @@ def _label(c: Completion) -> str:
     return "DONE" if c.ok else c.origin.name  # type: ignore[union-attr]
 
 
-__all__ = ["SOAK_TRANSPORTS", "SoakReport", "disagreement", "new_engine", "soak"]
+__all__ = [
+    "SOAK_TRANSPORTS",
+    "SoakReport",
+    "crossed_two_answers",
+    "disagreement",
+    "new_engine",
+    "soak",
+]
