@@ -1,7 +1,7 @@
 """Fixtures of the chaos suite: network-namespace labs and the gate for the vLLM tests.
 
 The tests that start vLLM run only in ``nox -s chaos`` (which sets ``PDSERVE_CHAOS=1``) or by
-hand with that variable: ``nox -s e2e`` collects ``tests/`` too and must not pay minutes of
+hand with that variable: ``nox -s cross`` collects ``tests/`` too and must not pay minutes of
 fault injection. The netns harness tests (no vLLM, seconds) run anywhere root is.
 """
 

@@ -1,10 +1,11 @@
 """kvt under faults on purpose: 10,000 transfers per transport with random aborts and link faults.
 
-Each transport runs kvt.soak: two senders and a receiver in this process, requests in waves,
-random aborts from both sides at random moments, and the senders' fault plan dropping links (at
-a frame boundary and mid-payload), stalling writes and corrupting frame headers. Every request
-must complete exactly once on each side, the two sides must agree (the README's rule of
-agreement), DONE ones must be byte-exact, and no kvt thread or fd may be left afterwards.
+Each transport runs the soak (tests/soak.py): two senders and a receiver in this process,
+requests in waves, random aborts from both sides at random moments, and the senders' fault plan
+dropping links (at a frame boundary and mid-payload), stalling writes and corrupting frame
+headers. Every request must complete exactly once on each side, the two sides must agree (the
+README's rule of agreement), DONE ones must be byte-exact, and no kvt thread or fd may be left
+afterwards.
 
 Then an abort storm per transport (2,240 transfers, 320 with --smoke): every request aborted from
 both sides within about a millisecond, no faults. Crossed aborts must name one first aborter:

@@ -416,7 +416,8 @@ def test_port_in_use_leaves_nothing_behind(no_leaks) -> None:
 
 
 def test_control_layer_imports_no_backend() -> None:
-    """The engine is given its data plane: no control-layer module imports one (DESIGN.md)."""
+    """The engine is given its data plane: no control-layer module imports one (the layering in
+    docs/architecture.md)."""
     import ast
 
     import kvt
