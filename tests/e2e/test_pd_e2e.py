@@ -270,3 +270,12 @@ async def test_client_gone_while_upstream_leaves_no_blocks(cluster: Cluster) -> 
         for url, gauges in readings.items():
             assert all(v == 0.0 for v in gauges.values()), (url, gauges)
         assert await metric_sum(session, cluster.proxy_url, disconnects) == before + 1
+
+
+def test_every_instance_got_the_kv_cache_size_it_was_given(cluster: Cluster) -> None:
+    """`pdserve up`'s default `--kv-cache-mib 64`, read back from each instance's /metrics (a
+    VLLM_CPU_KVCACHE_SPACE in the environment would have made it 1 GiB)."""
+    from kv_cache_readback import assert_served_kv_cache_bytes
+
+    for url in [*cluster.prefill_urls, *cluster.decode_urls]:
+        assert_served_kv_cache_bytes(f"{url}/metrics", 64 << 20)

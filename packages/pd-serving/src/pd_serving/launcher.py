@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -65,8 +66,30 @@ class ChildFailed(RuntimeError):
     """A child process exited (or never became ready); the message carries the tail of its log."""
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PORTS_BELOW_EPHEMERAL = 8192  # how far below the kernel's ephemeral range to pick from
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now (the kernel picks it; a tiny race is accepted)."""
+    """A TCP port that is free right now, for a child to listen on later.
+
+    Picked below the kernel's ephemeral range: a port the kernel hands out for ``bind(0)`` or as
+    a connection's source port may be taken again by any process's next connect between this
+    pick and the child's bind (seen: a vLLM worker failing with "address already in use" while
+    other instances were busy). Falls back to the kernel's pick where no port there is free.
+    """
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    first = max(1024, low - _PORTS_BELOW_EPHEMERAL)
+    for port in random.sample(range(first, low), min(64, low - first)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
