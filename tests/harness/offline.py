@@ -19,7 +19,6 @@ vLLM's gauges.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import multiprocessing as mp
 import os
@@ -193,7 +192,6 @@ class _Child:
             "by_source": _by_source(self.llm),
             "prefix_caching": bool(config.enable_prefix_caching),
             "threads": sorted(t.name for t in threading.enumerate()),
-            "worker_threads": [p["threads"] for p in peeks],
             "worker_socket_fds": [p.get("socket_fds", []) for p in peeks],
             "kv_cache_memory_bytes": getattr(config, "kv_cache_memory_bytes", None),
             "num_gpu_blocks": config.num_gpu_blocks,
@@ -422,10 +420,9 @@ class EngineError(RuntimeError):
 class Batch:
     """Requests submitted together; ``result()`` waits for all of them to finish."""
 
-    def __init__(self, engine: OfflineEngine, batch_id: int, reqs: list[Req]) -> None:
+    def __init__(self, engine: OfflineEngine, batch_id: int) -> None:
         self.engine = engine
         self.batch_id = batch_id
-        self.reqs = reqs
 
     def result(self, timeout: float = 180) -> list[Gen]:
         return self.engine._wait(("batch", self.batch_id), timeout)
@@ -445,8 +442,6 @@ class OfflineEngine:
         self._ids = itertools.count(1)
         self._arrived: dict[tuple[str, int], tuple[bool, Any]] = {}
         self.ready_info: dict[str, Any] = {}
-        self.started_at = time.monotonic()
-        self.ready_s: float | None = None
 
     @property
     def rpc_address(self) -> str:
@@ -483,13 +478,12 @@ class OfflineEngine:
     def wait_ready(self, timeout: float = 600) -> dict[str, Any]:
         if not self.ready_info:
             self.ready_info = self._wait(("reply", 0), timeout)
-            self.ready_s = time.monotonic() - self.started_at
         return self.ready_info
 
     def submit(self, reqs: list[Req]) -> Batch:
         batch_id = next(self._ids)
         self._conn.send(("submit", batch_id, reqs))
-        return Batch(self, batch_id, reqs)
+        return Batch(self, batch_id)
 
     def generate(
         self,
@@ -561,7 +555,3 @@ def abort_while_pulling(child: _Child, prompt: list[int], kv_params: dict) -> bo
             break
     engine.abort_request([request_id], internal=True)
     return reached
-
-
-def spec_with(spec: EngineSpec, **changes: Any) -> EngineSpec:
-    return dataclasses.replace(spec, **changes)

@@ -64,12 +64,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    needed: set[str] = set()
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _resources(item) or item.get_closest_marker("destroys"):
             item.add_marker(pytest.mark.starts_vllm)
-    config.stash[_needed_key] = needed
     # Last: tests that end a shared resource.
     items.sort(key=lambda item: item.get_closest_marker("destroys") is not None)
 
@@ -85,9 +83,9 @@ def _resources(item: pytest.Item) -> set[str]:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     # After -m: only the engines the selected tests use are started.
-    needed = session.config.stash[_needed_key]
-    for item in session.items:
-        needed.update(set(ENGINES) & _resources(item))
+    session.config.stash[_needed_key] = {
+        name for item in session.items for name in set(ENGINES) & _resources(item)
+    }
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
