@@ -70,6 +70,13 @@ def submit_pulls(d: OfflineEngine, batch: list[list[int]], rpc_address: str, tra
     return d.submit(reqs), tids
 
 
+def copied_tokens(num_tokens: int, p_bs: int, d_bs: int, first_block: int = 0) -> int:
+    """Tokens the mapping moves: from D's first new block to num_tokens rounded up to the copy
+    unit, a sub-block of the smaller block size."""
+    unit = min(p_bs, d_bs)
+    return -(-num_tokens // unit) * unit - first_block * d_bs
+
+
 def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
 

@@ -41,6 +41,9 @@ ENGINES = ("engine_qwen2", "engine_qwen2_tp2", "engine_mla", "engine_mla_tp2", "
 DEPLOYMENTS = ("xpyd",)
 RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
 LEASE_S = 15.0  # long enough for D to pull on a loaded box, short enough to wait out once
+# A pull's deadline: generous, since two TP 2 engines' workers spin on the shared-memory queue for
+# a second after each message and can hold both cores (seen: pulls past 20 s under load 14).
+TRANSFER_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 900.0
 
 _starts: list[str] = []
@@ -126,7 +129,7 @@ def _engine_spec(name: str, models_dir: Path) -> Any:
 
     arch = name.removeprefix("engine_").removesuffix("_tp2")
     tp = 2 if name.endswith("_tp2") else 1
-    extra = {"rpc_port": free_port(), "lease_s": LEASE_S, "transfer_timeout_s": 20}
+    extra = {"rpc_port": free_port(), "lease_s": LEASE_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
     block_size = {"qwen2": 32 * tp}.get(arch)
     return EngineSpec(
         name=name,

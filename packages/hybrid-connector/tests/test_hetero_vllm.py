@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 from harness import checks
-from test_tp_vllm import copied_tokens
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.engines("engine_qwen2", "engine_qwen2_tp2")]
 
@@ -37,7 +36,7 @@ def test_prefix_hit_on_d_pulls_the_rest_across_block_sizes(
     d_after = d.counters()
     assert checks.delta(d_after, d_before, "pulls_done") == d.tp
     first_block = len(prompt) // d.block_size
-    copied = copied_tokens(len(prompt), p.block_size, d.block_size, first_block)
+    copied = checks.copied_tokens(len(prompt), p.block_size, d.block_size, first_block)
     assert (
         checks.delta(d_after, d_before, "bytes_received")
         == copied * checks.KV_BYTES_PER_TOKEN["qwen2"]

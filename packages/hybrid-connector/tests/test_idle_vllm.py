@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from harness.checks import MAX_TOKENS, delta, prefill_params, prompts, salt, wait_for
 from harness.offline import OWN_THREADS, EngineSpec, OfflineEngine
-from harness.pool import LEASE_S, count_vllm_start, tiny_model_dir
+from harness.pool import LEASE_S, TRANSFER_TIMEOUT_S, count_vllm_start, tiny_model_dir
 from harness.ports import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,7 +67,11 @@ def holding(models_dir: Path, engine_qwen2: OfflineEngine) -> Iterator[Holding]:
     spec = EngineSpec(
         name="idle-prefill",
         model=str(tiny_model_dir(models_dir, "qwen2")),
-        extra_config={"rpc_port": free_port(), "lease_s": LEASE_S, "transfer_timeout_s": 20},
+        extra_config={
+            "rpc_port": free_port(),
+            "lease_s": LEASE_S,
+            "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+        },
         block_size=32,
         prefix_caching=False,
         multiprocessing=True,

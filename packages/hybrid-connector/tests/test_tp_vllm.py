@@ -24,6 +24,7 @@ from harness.checks import (
     MAX_TOKENS,
     assert_idle,
     assert_same_greedy,
+    copied_tokens,
     delta,
     pd,
     prompts,
@@ -47,13 +48,6 @@ def _arch(engine: OfflineEngine) -> str:
 def _batch(seed: int, block_size: int) -> list[list[int]]:
     # Shorter than a block, one block, several blocks plus a partial one.
     return prompts(seed, (21, block_size, 2 * block_size + 45))
-
-
-def copied_tokens(num_tokens: int, p_bs: int, d_bs: int, first_block: int = 0) -> int:
-    """Tokens the mapping moves: from D's first new block to num_tokens rounded up to the copy
-    unit, a sub-block of the smaller block size."""
-    unit = min(p_bs, d_bs)
-    return -(-num_tokens // unit) * unit - first_block * d_bs
 
 
 def _tp1_reference(tp1: OfflineEngine, batch: list[list[int]]) -> list[Gen]:
