@@ -1,5 +1,5 @@
 """The TCP backend's own duties: its acceptor outlives passing accept() errors, and a link whose
-peer never speaks fails by the connect deadline instead of holding threads (or requests) forever.
+peer never speaks fails by the handshake deadline instead of holding threads (or requests) forever.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def test_the_acceptor_survives_an_accept_error(no_leaks, caplog) -> None:
             d.close()
 
 
-def test_a_peer_that_never_speaks_is_dropped_by_the_connect_deadline(no_leaks) -> None:
-    d = TransferEngine(name="D", backend=TcpBackend(name="D", connect_timeout_s=0.2))
+def test_a_peer_that_never_speaks_is_dropped_by_the_handshake_deadline(no_leaks) -> None:
+    d = TransferEngine(name="D", backend=TcpBackend(name="D", handshake_timeout_s=0.2))
     host, port = d.data_address.rsplit(":", 1)
     try:
         with socket.create_connection((host, int(port))) as silent:
@@ -72,7 +72,9 @@ def test_a_peer_that_never_speaks_is_dropped_by_the_connect_deadline(no_leaks) -
 def test_an_outbound_link_whose_peer_never_speaks_fails_to_connect(no_leaks) -> None:
     with socket.create_server(("127.0.0.1", 0)) as mute:  # the kernel accepts; nobody speaks
         host, port = mute.getsockname()[:2]
-        with TransferEngine(name="P", backend=TcpBackend(name="P", connect_timeout_s=0.2)) as p:
+        with TransferEngine(
+            name="P", backend=TcpBackend(name="P", connect_timeout_s=0.2, handshake_timeout_s=0.2)
+        ) as p:
             rs = p.register_region(np.ones(4096, np.uint8))
             got = Completions()
             blocks = make_blocks(0, 0, 4096, src_region=rs)

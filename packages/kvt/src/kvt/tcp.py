@@ -133,6 +133,7 @@ class TcpLink:
         self._failure: tuple[str, bool] = ("link closed", False)  # (reason, connect_failed)
         self._threads_alive = 0
         self._threads: list[threading.Thread] = []
+        self._handshake_started = time.monotonic()
         self._wake = LinkWake()  # ends injected stalls (kvt.faults) when the link closes
 
     @staticmethod
@@ -494,7 +495,8 @@ class TcpLink:
         try:
             # The handshake has a deadline: a peer that connects and never speaks must not hold
             # this link (its threads, or the requests queued on it) forever. _choose clears it.
-            self._sock.settimeout(self.backend.connect_timeout_s)  # type: ignore[union-attr]
+            self._sock.settimeout(self.backend.handshake_timeout_s)  # type: ignore[union-attr]
+            self._handshake_started = time.monotonic()
             self._send_hello()
             while True:
                 need = decoder.next_read_size()
@@ -520,7 +522,7 @@ class TcpLink:
             reason = f"protocol violation: {exc}"
             log.warning("kvt closing link from %s: %s", self.peer, reason)
         except TimeoutError:
-            timeout_s = self.backend.connect_timeout_s
+            timeout_s = self.backend.handshake_timeout_s
             reason = f"no handshake from {self.peer} within {timeout_s:g}s"
             connect_failed = True
             log.warning("kvt %s: closing link: %s", self.backend.name, reason)
@@ -616,7 +618,9 @@ class TcpLink:
             self._payload = payload
             self._ready = not self._closed
         self._ready_event.set()
-        log.info("kvt %s: link %s uses the %s path", self.backend.name, self.peer, name)
+        took_s = time.monotonic() - self._handshake_started
+        log.info("kvt %s: link %s uses the %s path (handshake %.3fs)", self.backend.name,
+                 self.peer, name, took_s)  # fmt: skip
 
 
 def default_providers() -> list[PathProvider]:
@@ -635,6 +639,7 @@ class TcpBackend(DataPlaneBackend):
         *,
         name: str = "kvt",
         connect_timeout_s: float = 5.0,
+        handshake_timeout_s: float = 30.0,
         max_meta: int = 8 * 1024 * 1024,
         faults: FaultPlan | None = None,
         transport: str | None = None,
@@ -644,10 +649,14 @@ class TcpBackend(DataPlaneBackend):
         """``transport``: "auto" (default; env ``KVT_TRANSPORT``), "tcp", "samehost" or "rdma"
         (forced: a link that cannot use it fails). ``providers``: the payload paths offered
         (default :func:`default_providers`). ``boot_id``: override this host's boot id
-        (tests: a peer "on another host")."""
+        (tests: a peer "on another host"). ``connect_timeout_s`` bounds the TCP connect;
+        ``handshake_timeout_s`` bounds each wait for the peer's handshake bytes, so a peer that
+        connects and never speaks is dropped, while a peer slowed down by a loaded host (a
+        vLLM worker starved of CPU for seconds) still gets through."""
         self.name = name
         self.faults = faults  # kvt.faults: misbehave on purpose (tests); None costs one check
         self.connect_timeout_s = connect_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
         self.max_meta = max_meta
         self.transport = transport_setting(transport)
         self.providers = default_providers() if providers is None else list(providers)
