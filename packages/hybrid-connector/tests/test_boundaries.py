@@ -34,6 +34,9 @@ PURE_MODULES = [
     "hybrid_connector.common",
     "hybrid_connector.producer",
     "hybrid_connector.worker_side",
+    "hybrid_connector.kvs",
+    "hybrid_connector.kvs_keys",
+    "hybrid_connector.kvs_worker",
 ]
 
 

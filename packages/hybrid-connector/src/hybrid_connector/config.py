@@ -12,6 +12,39 @@ from hybrid_connector.errors import ConfigError
 KVT_TRANSPORTS = ("auto", "tcp", "samehost", "rdma")  # kvt.paths.TRANSPORTS (kvt not imported)
 
 
+KVS_VERIFY = ("crc", "header")
+
+
+class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``kv_connector_extra_config["kvs"]``: the shared KV store (see ``kvs.py``)."""
+
+    # The node's refstore master (``refstore serve --name``); pdserve starts one.
+    store: str = "default"
+    # Part of every key: instances share blocks only within one namespace (e.g. a weights
+    # version that the model path does not tell apart).
+    namespace: str = ""
+    save: bool = True
+    load: bool = True
+    # A lookup not answered in this time is a miss (the request is scheduled without it).
+    lookup_timeout_s: float = 2.0
+    # Looked-up objects are kept from eviction this long, for the load to read them.
+    hold_s: float = 30.0
+    # Load only hits of at least this many blocks past vLLM's local prefix hit.
+    min_load_blocks: int = 1
+    # "crc": every loaded block's CRC32 is checked (and its length, key and layout);
+    # "header": length, key and layout only.
+    verify: str = "crc"
+
+    def __post_init__(self) -> None:
+        if self.verify not in KVS_VERIFY:
+            raise ConfigError(f"kvs.verify must be one of {', '.join(KVS_VERIFY)}")
+        for name in ("lookup_timeout_s", "hold_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"kvs.{name} must be positive, got {getattr(self, name)}")
+        if self.min_load_blocks < 1:
+            raise ConfigError("kvs.min_load_blocks must be at least 1")
+
+
 class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Every key of ``kv_connector_extra_config`` the connector understands.
 
@@ -39,6 +72,8 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # a device, else tcp; the KVT_TRANSPORT environment variable, if set, decides instead), or
     # "tcp", "samehost", "rdma" forced: a pull that cannot use it fails (D recomputes).
     kvt_transport: str = "auto"
+    # The shared KV store; None: off.
+    kvs: KvsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kvt_transport not in KVT_TRANSPORTS:

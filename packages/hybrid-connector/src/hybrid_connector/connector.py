@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -45,10 +46,65 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from hybrid_connector.kvs import KvsScheduler
+
 log = logging.getLogger(__name__)
 
 # The metadata is a plain dataclass (metadata.py imports no vLLM); vLLM sees it as its own.
 KVConnectorMetadata.register(HybridConnectorMetadata)
+
+
+class KvsWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: the KVS saves each rank finished (vLLM aggregates the
+    ranks' metadata: the ids of all of them, a save id once per rank)."""
+
+    def __init__(self, saves_done: list[int]) -> None:
+        self.saves_done = saves_done
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KvsWorkerMetadata)
+        return KvsWorkerMetadata(self.saves_done + other.saves_done)
+
+
+def _kvs_scheduler(
+    vllm_config: VllmConfig, config: HybridConfig, groups: list[KvGroup] | None, tp_size: int
+) -> KvsScheduler | None:
+    """The scheduler half of KVS, or None when it is off; ConfigError if this model's cache
+    cannot be stored whole."""
+    kvs = config.kvs
+    if kvs is None:
+        return None
+    from hybrid_connector import kvs_keys
+    from hybrid_connector.kvs import KvsScheduler, Lookups, unsupported_reason
+
+    block_size = int(vllm_config.cache_config.block_size)
+    groups = groups or [KvGroup("attention", (), block_size)]
+    why = unsupported_reason(groups)
+    if why is not None:
+        raise ConfigError(f"kvs: this model's KV cache cannot be stored: {why}")
+    model = vllm_config.model_config
+    identity = kvs_keys.ModelIdentity(
+        model=str(model.model),
+        revision=str(model.revision or ""),
+        dtype=_dtype_name(model.dtype),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        tp_size=tp_size,
+        namespace=kvs.namespace,
+    )
+
+    def connect() -> Any:
+        import refstore
+
+        return refstore.Client(kvs.store, timeout=min(kvs.lookup_timeout_s, 10.0))
+
+    return KvsScheduler(
+        kvs,
+        groups,
+        block_size=block_size,
+        tp_size=tp_size,
+        identity=identity,
+        lookups=Lookups(connect, hold_s=kvs.hold_s) if kvs.load else None,
+    )
 
 
 def _adopt_vllm_logging() -> None:
@@ -184,6 +240,31 @@ def kv_groups(
     return groups
 
 
+def _kv_events(events: list[Any]) -> list[Any]:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from hybrid_connector.kvs import MEDIUM
+
+    out: list[Any] = []
+    for event in events:
+        if event[0] == "stored":
+            _, chains, parent, tokens, block_size = event
+            out.append(
+                BlockStored(
+                    block_hashes=list(chains),
+                    parent_block_hash=parent,
+                    token_ids=list(tokens),
+                    block_size=block_size,
+                    lora_id=None,
+                    medium=MEDIUM,
+                    lora_name=None,
+                )
+            )
+        else:
+            out.append(BlockRemoved(block_hashes=list(event[1]), medium=MEDIUM))
+    return out
+
+
 class HybridConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV migration over simple_rpc (control) and kvt (data).
 
@@ -240,6 +321,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 block_size=self.block_size,
                 groups=self.kv_groups,
                 tp_size=tp_size,
+                kvs=_kvs_scheduler(vllm_config, self.config, self.kv_groups, tp_size),
             )
         else:
             name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"
@@ -308,6 +390,14 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
             finished_recving=results.finished_recving, failed_recving=results.failed_recving
         )
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        kvs = self._worker.kvs
+        if kvs is None:
+            return None
+        done = kvs.take_saves_done()
+        return KvsWorkerMetadata(done) if done else None
+
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""
         assert self._worker is not None
@@ -360,7 +450,15 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        saves = meta.saves_done if isinstance(meta, KvsWorkerMetadata) else []
+        self._scheduler.update_connector_output(connector_output, saves)
+
+    def take_events(self) -> list[Any]:
+        # The store's contents, in vLLM's KV-event vocabulary (vLLM publishes them with its own).
+        if self._scheduler is None or self._scheduler.kvs is None:
+            return []
+        return _kv_events(self._scheduler.kvs.take_events())
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None

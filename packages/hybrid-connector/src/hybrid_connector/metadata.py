@@ -67,6 +67,29 @@ class ReleaseSpec:
     remote_tp_size: int = 1  # P's TP size: every P rank holds the request's blocks
 
 
+@dataclass(frozen=True)
+class KvsLoad:
+    """KVS: copy blocks the store holds into ``block_ids`` (per group, in block order), then
+    report the request like a pull (``TransferResults``)."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    chains: list[bytes]  # each block's chain hash (its objects' keys begin with it)
+    # Per block: the store's (ref, index) of each of its objects, in ``kvs_keys.lookup_keys``
+    # order (group by group, rank by rank; a rank-shared group has one).
+    sources: list[list[tuple[object, int]]]
+
+
+@dataclass(frozen=True)
+class KvsSave:
+    """KVS: after this step's forward pass, store ``block_ids`` (per group, in block order;
+    each block's chain hash in ``chains``), then report ``save_id`` done."""
+
+    save_id: int
+    block_ids: list[list[int]]
+    chains: list[bytes]
+
+
 @dataclass
 class HybridConnectorMetadata:
     # P: finished requests whose blocks are offered (requests not in final_prefills).
@@ -78,6 +101,8 @@ class HybridConnectorMetadata:
     cancel_offer: list[str] = field(default_factory=list)
     to_release: list[ReleaseSpec] = field(default_factory=list)
     final_prefills: list[FinalPrefill] = field(default_factory=list)
+    kvs_loads: list[KvsLoad] = field(default_factory=list)
+    kvs_saves: list[KvsSave] = field(default_factory=list)
     # P: where the scheduler half (the owner of P's blocks) takes SEND_DONE ("host:port"). Set
     # in every metadata, read by the worker.
     scheduler_address: str = ""
@@ -90,6 +115,8 @@ class HybridConnectorMetadata:
             or self.cancel_offer
             or self.to_release
             or self.final_prefills
+            or self.kvs_loads
+            or self.kvs_saves
         )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from hybrid_connector.contract import (
     encode_params,
 )
 from hybrid_connector.holds import BlockHolds, Offer, Withdraw
+from hybrid_connector.kvs import KvsScheduler
 from hybrid_connector.layout import KvGroup, state_slot
 from hybrid_connector.metadata import (
     FinalPrefill,
@@ -89,8 +91,13 @@ class SchedulerSide:
         block_size: int,
         groups: list[KvGroup] | None = None,
         tp_size: int = 1,
+        kvs: KvsScheduler | None = None,
     ) -> None:
         self._config = config
+        # The shared KV store's half (None: off): loads for requests without a PD pull, saves.
+        self.kvs = kvs
+        # KVS loads in flight (the worker reports them like pulls).
+        self._kvs_loading: set[str] = set()
         # This instance's TP size: D needs P's to know which P ranks to pull from.
         self._tp_size = tp_size
         self._is_producer = is_producer
@@ -119,6 +126,8 @@ class SchedulerSide:
 
     def release_holds(self) -> int:
         """Shutdown: every block still held goes back to vLLM (once). Returns how many."""
+        if self.kvs is not None:
+            self.kvs.close()
         return self.holds.release_all()
 
     # ------------------------------------------------------------------ the contract
@@ -179,6 +188,8 @@ class SchedulerSide:
         # First hook of a schedule() that admits a request: released blocks count for it.
         self._drain()
         if self._pull_of(request) is None:
+            if self.kvs is not None:
+                return self.kvs.get_num_new_matched_tokens(request, num_computed_tokens)
             return 0, False
         # Every prompt token P computed; vLLM itself recomputes the last one locally once the
         # load is done (so it can sample), as with NixlConnector.
@@ -216,11 +227,18 @@ class SchedulerSide:
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
         self.holds.bind_pool(manager.block_pool)
+        if self.kvs is not None:
+            self.kvs.bind_kv_cache_manager(manager)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
+        if self.kvs is not None and self._pull_of(request) is None:
+            load = self.kvs.update_state_after_alloc(request, blocks, num_external_tokens)
+            if load is not None:
+                self._meta.kvs_loads.append(load)
+                self._kvs_loading.add(request_id)
         if self._offer_of(request) is not None:
             # Not again after a preemption; never for a request that keeps decoding.
             if not self.holds.is_announced(request_id) and _finishes_with_its_prompt(request):
@@ -287,10 +305,19 @@ class SchedulerSide:
             for g, ids in zip(self._groups, block_ids, strict=True)
         ]
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
+    def update_connector_output(
+        self, output: KVConnectorOutput, saves_done: Sequence[int] = ()
+    ) -> None:
+        """``saves_done``: the KVS save ids the workers reported this step (one per rank)."""
         self._drain()
         for request_id in output.finished_recving or ():
             self._recv_in_flight.discard(request_id)
+            if request_id in self._kvs_loading:
+                self._kvs_loading.discard(request_id)
+                if self.kvs is not None:
+                    self.kvs.load_finished(request_id)
+        if saves_done and self.kvs is not None:
+            self.kvs.saves_reported(saves_done)
 
     # ------------------------------------------------------------------ both
     def request_finished(
@@ -301,6 +328,12 @@ class SchedulerSide:
         request_id = request.request_id
         self._prefilling.pop(request_id, None)
         self._drain()
+        if self.kvs is not None:
+            self.kvs.request_finished(request)
+        if request_id in self._kvs_loading:
+            # The worker is copying into its blocks: vLLM frees them when it reports the load.
+            self._tracked.pop(request_id, None)
+            return True, None
         if request_id in self._recv_in_flight:
             # D request finished (aborted) while P may still be writing into its blocks: keep
             # them until the worker has aborted the pull and reports it in finished_recving.
@@ -365,6 +398,8 @@ class SchedulerSide:
         self._drain()
         if self._prefilling:
             self._announce_prefills(scheduler_output)
+        if self.kvs is not None:
+            self._meta.kvs_saves.extend(self.kvs.plan_saves(scheduler_output))
         meta, self._meta = self._meta, HybridConnectorMetadata()
         meta.scheduler_address = self.send_done_address
         return meta

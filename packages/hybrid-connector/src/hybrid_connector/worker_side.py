@@ -27,9 +27,9 @@ import numpy as np
 from simple_rpc import CallContext, Client, LoopThread, Server
 
 from hybrid_connector import common, consumer, producer
-from hybrid_connector.config import HybridConfig
-from hybrid_connector.errors import PeerError, TransferError
-from hybrid_connector.layout import KvGroup, describe_kv_cache_groups
+from hybrid_connector.config import HybridConfig, KvsConfig
+from hybrid_connector.errors import ConfigError, PeerError, TransferError
+from hybrid_connector.layout import CacheGeometry, KvGroup, describe_kv_cache_groups
 from hybrid_connector.mapping import plan_copy
 from hybrid_connector.metadata import (
     FinalPrefill,
@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from kvt.access import DeviceEvent, EventWaiter
     from prometheus_client import CollectorRegistry
     from prometheus_client.core import Metric
+
+    from hybrid_connector.kvs_worker import KvsWorker
 
 log = logging.getLogger(__name__)
 
@@ -545,6 +547,38 @@ def _region_of(buffer: Any) -> Any:
     return DeviceMemory(buffer.address, buffer.nbytes, buffer.device)
 
 
+def _start_kvs(
+    config: KvsConfig,
+    geometry: CacheGeometry,
+    results: _Results,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    name: str,
+) -> KvsWorker:
+    import refstore
+
+    from hybrid_connector.kvs_worker import KvsWorker
+
+    devices = {b.device for b in geometry.buffers}
+    if devices != {"cpu"}:
+        raise ConfigError(f"KVS stores KV caches in host memory only, not on {sorted(devices)}")
+
+    def report(request_id: str, failed: bool) -> None:
+        results.count("kvs_loads_failed" if failed else "kvs_loads")
+        results.received(request_id, failed=failed)
+
+    return KvsWorker(
+        config,
+        geometry,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        connect=lambda: refstore.Client(config.store, timeout=10.0),
+        report_load=report,
+        name=f"-{name}",
+    )
+
+
 class WorkerSide:
     def __init__(
         self, config: HybridConfig, *, is_producer: bool, is_consumer: bool, name: str
@@ -576,6 +610,7 @@ class WorkerSide:
         self._metrics_thread: threading.Thread | None = None
         self.rpc_address: str | None = None
         self.local_spec: CacheSpec | None = None
+        self.kvs: KvsWorker | None = None
 
     def register_kv_caches(
         self,
@@ -616,6 +651,15 @@ class WorkerSide:
             stream = functools.partial(torch.cuda.current_stream, torch.device(device))
             self._start_device_events(device, current_stream=stream)
         self.local_spec = geometry.spec(region_ids)
+        if self._config.kvs is not None:
+            self.kvs = _start_kvs(
+                self._config.kvs,
+                geometry,
+                self._results,
+                tp_rank=tp_rank,
+                tp_size=tp_size,
+                name=self._name,
+            )
         self._loop = LoopThread(name=f"hybrid-connector-{self._name}")
         loop = self._loop.loop
         if self._is_producer:
@@ -687,6 +731,8 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
+        if self.kvs is not None and (meta.kvs_loads or meta.kvs_saves):
+            self.kvs.handle(meta.kvs_loads, meta.kvs_saves)
         producer, consumer = self._producer, self._consumer
         # One hand-over (one wake-up of the loop thread) per step, however many items.
         batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
@@ -743,6 +789,8 @@ class WorkerSide:
     def step_done(self) -> None:
         """End of the step's forward pass (wait_for_save): every layer is written, and the
         requests whose prompt it completed are finished (offered now: ``final_prefill_ended``)."""
+        if self.kvs is not None:
+            self.kvs.step_done()
         events, self._step_events = self._step_events, None
         prefills, self._step_prefills = self._step_prefills, []
         if events is None:
@@ -800,6 +848,8 @@ class WorkerSide:
             self._metrics_thread.join()
         if self._event_waiter is not None:  # recorded events complete, their layers are sent
             self._event_waiter.close()
+        if self.kvs is not None:
+            self.kvs.close()
         if self._engine is not None:
             self._engine.close()
         self._kv_caches = {}

@@ -1,0 +1,424 @@
+"""KVS, scheduler half: which prefix the shared store has, what to load, what to save.
+
+Per request that KVS serves (no PD pull of its own), in vLLM's scheduler thread::
+
+    (new) --first get_num_new_matched_tokens: lookup sent--> LOOKING --answer or deadline--> KNOWN
+    KNOWN --vLLM allocated, store has blocks past the local hit: KvsLoad--> LOADING
+    LOADING --the worker copied them (finished_recving; failed: vLLM recomputes)--> RUNNING
+    KNOWN --nothing to load--> RUNNING
+    RUNNING --each step: blocks that become full and the store lacks: KvsSave--> RUNNING
+    any --request_finished--> (gone); its saves still hold their block references
+
+- **Nothing waits.** ``get_num_new_matched_tokens`` answers ``None`` (vLLM asks again at its next
+  schedule) while the lookup, on the lookup thread, is out; a lookup not answered within
+  ``lookup_timeout_s`` counts as a miss. A store that is down is a miss, logged once.
+- **Saves hold their blocks.** A save's blocks get a reference in vLLM's pool when it is planned
+  (``block_pool.touch``), so vLLM cannot hand them to another request, even after a preemption
+  or the request's end, while the worker copies them; every TP rank reports the save done in its
+  worker metadata, and the reference goes when all have (or at shut down).
+- **What is saved.** Every full block of a request's tokens (prompt and output, as vLLM's prefix
+  cache keeps them) past the blocks the store already had at lookup. Blocks of a request whose
+  tokens are not plain token ids (prompt embeddings, multimodal input) are never stored: their
+  tokens do not name their bytes.
+- **Events.** A save the workers finished becomes a vLLM ``BlockStored`` (medium ``"KVS"``,
+  blocks named by their chain hash, with their tokens), a key the store dropped a
+  ``BlockRemoved`` (``take_events``; vLLM publishes them with its own KV events).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hybrid_connector import kvs_keys
+from hybrid_connector.config import KvsConfig
+from hybrid_connector.layout import KvGroup
+from hybrid_connector.metadata import KvsLoad, KvsSave
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+MEDIUM = "KVS"
+
+
+def unsupported_reason(groups: Sequence[KvGroup]) -> str | None:
+    """Why these KV-cache groups cannot be stored (None: they can). Checked at start-up: a
+    configuration that cannot be stored whole is refused, never stored in part."""
+    for group in groups:
+        if group.family not in ("attention", "mla"):
+            return (
+                f"a {group.family} KV-cache group ({len(group.layer_names)} layers) cannot be "
+                "stored yet: KVS stores full-attention and MLA caches"
+            )
+    sizes = {g.block_size for g in groups}
+    if len(sizes) > 1:
+        return f"KV-cache groups with different block sizes {sorted(sizes)}"
+    return None
+
+
+# ============================================================================== lookups (I/O)
+@dataclass
+class LookupAnswer:
+    # Per key of the lookup, in order, the leading ones the store holds: (ref, index).
+    found: list[tuple[Any, int]]
+    error: str = ""
+
+
+class Lookups:
+    """The scheduler half's one connection to the store, on its own thread: lookups go in,
+    answers come back into a dict the scheduler thread reads (no waiting on either side).
+
+    ``connect``: makes a refstore client (called on the lookup thread; may raise). After a
+    failure the next lookup reconnects, at most once per ``retry_s``; lookups in between are
+    misses.
+    """
+
+    def __init__(
+        self, connect: Callable[[], Any], *, hold_s: float, retry_s: float = 1.0, name: str = ""
+    ) -> None:
+        self._connect = connect
+        self._hold_s = hold_s
+        self._retry_s = retry_s
+        self._client: Any = None
+        self._down_until = 0.0
+        self._warned = False
+        self._jobs: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
+        self._answers: dict[str, LookupAnswer] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._main, name=f"hybrid-connector-kvs-lookup{name}", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, request_id: str, keys: list[bytes]) -> None:
+        self._jobs.put((request_id, keys))
+
+    def answer(self, request_id: str) -> LookupAnswer | None:
+        with self._lock:
+            return self._answers.pop(request_id, None)
+
+    def forget(self, request_id: str) -> None:
+        with self._lock:
+            self._answers.pop(request_id, None)
+
+    def client(self) -> Any:
+        """The lookup thread's client, connected if possible (None: the store is down)."""
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if now < self._down_until:
+            return None
+        try:
+            self._client = self._connect()
+        except Exception as exc:
+            self._down_until = now + self._retry_s
+            if not self._warned:
+                self._warned = True
+                log.warning("KVS: the store is not reachable (%s); lookups miss until it is", exc)
+            return None
+        if self._warned:
+            log.info("KVS: the store is reachable again")
+            self._warned = False
+        return self._client
+
+    def _lookup(self, keys: list[bytes]) -> LookupAnswer:
+        client = self.client()
+        if client is None:
+            return LookupAnswer([], "store down")
+        try:
+            refs = client.lookup(keys, hold_s=self._hold_s)
+        except Exception as exc:
+            log.warning("KVS: lookup failed (%s); a miss", exc)
+            self._drop_client()
+            return LookupAnswer([], str(exc))
+        return LookupAnswer([(ref, getattr(ref, "index", 0)) for ref in refs])
+
+    def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        self._down_until = time.monotonic() + self._retry_s
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                log.debug("KVS: closing a failed client", exc_info=True)
+
+    def _main(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            request_id, keys = job
+            answer = self._lookup(keys)
+            with self._lock:
+                self._answers[request_id] = answer
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=30)
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:
+                log.debug("KVS: closing the lookup client", exc_info=True)
+
+
+# ============================================================================== the planner
+@dataclass
+class _Request:
+    request: Request
+    chains: list[bytes] = field(default_factory=list)
+    asked_at: float = 0.0
+    answer: LookupAnswer | None = None
+    store_blocks: int = 0  # leading blocks the store held at lookup
+    saved_upto: int = 0  # blocks [0, saved_upto) are in the store or being saved
+    local_tokens: int = 0  # vLLM's local prefix hit, as last told
+    loading: bool = False
+
+
+@dataclass
+class _Save:
+    request_id: str
+    blocks: list[Any]  # vLLM KVCacheBlocks referenced for the save (every group)
+    chains: list[bytes]
+    parent: bytes | None
+    tokens: list[int]
+    reports: int = 0
+
+
+class KvsScheduler:
+    """The scheduler half's KVS decisions (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: KvsConfig,
+        groups: Sequence[KvGroup],
+        *,
+        block_size: int,
+        tp_size: int,
+        identity: kvs_keys.ModelIdentity,
+        lookups: Lookups | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._groups = list(groups)
+        self._block_size = block_size
+        self._tp_size = tp_size
+        self._root = kvs_keys.root_key(identity, self._groups)
+        self._lookups = lookups
+        self._clock = clock
+        self._requests: dict[str, _Request] = {}
+        self._saves: dict[int, _Save] = {}
+        self._next_save = 0
+        self._manager: KVCacheManager | None = None
+        self._events: list[Any] = []
+        self.counters: dict[str, int] = {
+            "lookups": 0,
+            "lookup_misses": 0,
+            "hit_blocks": 0,
+            "loads": 0,
+            "saves": 0,
+            "saved_blocks": 0,
+        }
+
+    @property
+    def root(self) -> bytes:
+        return self._root
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._manager = manager
+
+    # ------------------------------------------------------------------ lookup
+    def _chains(self, tracked: _Request) -> list[bytes]:
+        request = tracked.request
+        tracked.chains = kvs_keys.chain(
+            self._root,
+            request.all_token_ids,
+            self._block_size,
+            start=tracked.chains,
+            cache_salt=getattr(request, "cache_salt", None),
+            lora_name=_lora_name(request),
+        )
+        return tracked.chains
+
+    def _storable(self, request: Request) -> bool:
+        return request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        request_id = request.request_id
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            if not self._storable(request):
+                return 0, False
+            tracked = self._requests[request_id] = _Request(request)
+            chains = self._chains(tracked)
+            # The last prompt token is computed here (to sample), so no lookup for a prompt
+            # of under one block and one token.
+            usable = (request.num_prompt_tokens - 1) // self._block_size
+            if not self._config.load or self._lookups is None or usable == 0:
+                tracked.answer = LookupAnswer([])
+            else:
+                keys, _ = kvs_keys.lookup_keys(chains[:usable], self._groups, self._tp_size)
+                self._lookups.submit(request_id, keys)
+                tracked.asked_at = self._clock()
+                self.counters["lookups"] += 1
+        if tracked.answer is None:
+            assert self._lookups is not None
+            answer = self._lookups.answer(request_id)
+            if answer is None:
+                if self._clock() - tracked.asked_at < self._config.lookup_timeout_s:
+                    return None, False
+                answer = LookupAnswer([], "lookup timed out")
+                self._lookups.forget(request_id)
+            tracked.answer = answer
+            _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
+            tracked.store_blocks = len(answer.found) // max(per_block, 1)
+            tracked.saved_upto = tracked.store_blocks
+            if not tracked.store_blocks:
+                self.counters["lookup_misses"] += 1
+        if tracked.loading:
+            return 0, False
+        tracked.local_tokens = num_computed_tokens
+        hit_tokens = tracked.store_blocks * self._block_size
+        count = hit_tokens - num_computed_tokens
+        if count < self._config.min_load_blocks * self._block_size:
+            return 0, False
+        return count, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> KvsLoad | None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None or num_external_tokens <= 0 or tracked.answer is None:
+            return None
+        first = tracked.local_tokens // self._block_size
+        last = -(-(tracked.local_tokens + num_external_tokens) // self._block_size)
+        last = min(last, tracked.store_blocks)
+        if last <= first:
+            return None
+        _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
+        found = tracked.answer.found
+        block_ids: list[list[int]] = []
+        for held in blocks.blocks:
+            block_ids.append([b.block_id for b in held[first:last]])
+        sources = [found[j * per_block : (j + 1) * per_block] for j in range(first, last)]
+        tracked.loading = True
+        self.counters["loads"] += 1
+        self.counters["hit_blocks"] += last - first
+        return KvsLoad(
+            request_id=request.request_id,
+            block_ids=block_ids,
+            chains=tracked.chains[first:last],
+            sources=sources,
+        )
+
+    def load_finished(self, request_id: str) -> None:
+        tracked = self._requests.get(request_id)
+        if tracked is not None:
+            tracked.loading = False
+
+    # ------------------------------------------------------------------ saves
+    def plan_saves(self, scheduler_output: SchedulerOutput) -> list[KvsSave]:
+        """The blocks this step fills that the store lacks: referenced now, saved by the
+        workers after the step (they read them once the forward pass wrote them)."""
+        if not self._config.save or self._manager is None:
+            return []
+        saves = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, n in scheduled.items():
+            tracked = self._requests.get(request_id)
+            if tracked is None or tracked.answer is None:
+                continue
+            request = tracked.request
+            computed = min(request.num_computed_tokens + n, len(request.all_token_ids))
+            full = computed // self._block_size
+            if full <= tracked.saved_upto:
+                continue
+            chains = self._chains(tracked)
+            full = min(full, len(chains))
+            first = tracked.saved_upto
+            groups = self._manager.get_blocks(request_id).blocks
+            picked = [list(held[first:full]) for held in groups]
+            if any(len(p) != full - first or any(b.is_null for b in p) for p in picked):
+                continue  # not all of them are real blocks (a group dropped some): never save half
+            tracked.saved_upto = full
+            save_id = self._next_save
+            self._next_save += 1
+            flat = [b for p in picked for b in p]
+            self._manager.block_pool.touch(flat)
+            tokens = list(request.all_token_ids[first * self._block_size : full * self._block_size])
+            self._saves[save_id] = _Save(
+                request_id,
+                flat,
+                chains[first:full],
+                chains[first - 1] if first else None,
+                tokens,
+            )
+            saves.append(
+                KvsSave(
+                    save_id=save_id,
+                    block_ids=[[b.block_id for b in p] for p in picked],
+                    chains=chains[first:full],
+                )
+            )
+            self.counters["saves"] += 1
+            self.counters["saved_blocks"] += full - first
+        return saves
+
+    def saves_reported(self, save_ids: Sequence[int]) -> None:
+        """Worker metadata: these saves are done on one TP rank each (a save id once per
+        rank); the last rank's report lets go of the blocks and tells vLLM's event stream."""
+        for save_id in save_ids:
+            save = self._saves.get(save_id)
+            if save is None:
+                continue
+            save.reports += 1
+            if save.reports < self._tp_size:
+                continue
+            del self._saves[save_id]
+            self._unref(save)
+            self._events.append(("stored", save.chains, save.parent, save.tokens, self._block_size))
+
+    def _unref(self, save: _Save) -> None:
+        if self._manager is not None and save.blocks:
+            self._manager.block_pool.free_blocks(reversed(save.blocks))
+        save.blocks = []
+
+    def removed(self, chains: Sequence[bytes]) -> None:
+        """The store dropped these blocks (its key events)."""
+        self._events.append(("removed", list(chains)))
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ end
+    def request_finished(self, request: Request) -> None:
+        self._requests.pop(request.request_id, None)
+        if self._lookups is not None:
+            self._lookups.forget(request.request_id)
+
+    def pending_saves(self) -> int:
+        return len(self._saves)
+
+    def close(self) -> int:
+        """Shut down: every block a save still references goes back. Returns how many saves."""
+        saves, self._saves = self._saves, {}
+        for save in saves.values():
+            self._unref(save)
+        if self._lookups is not None:
+            self._lookups.close()
+        return len(saves)
+
+
+def _lora_name(request: Request) -> str | None:
+    lora = getattr(request, "lora_request", None)
+    return None if lora is None else str(getattr(lora, "lora_name", ""))

@@ -1,0 +1,544 @@
+"""KVS without vLLM: keys, the worker's copies and checks, the scheduler half's plans.
+
+The store here is a dict with refstore's keyed-object API (``FakeStore``): what is under test is
+what the connector writes, reads and refuses; refstore's own keyed objects are tested in its
+package, and the whole path through vLLM in ``test_kvs_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from hybrid_connector import kvs_keys
+from hybrid_connector.config import ConfigError, HybridConfig, KvsConfig, parse_config
+from hybrid_connector.kvs import KvsScheduler, LookupAnswer, Lookups, unsupported_reason
+from hybrid_connector.kvs_worker import TRAILER_BYTES, GroupCopy, KvsWorker, scatter_copy
+from hybrid_connector.layout import Buffer, CacheGeometry, KvCacheGeometry, KvGroup
+from hybrid_connector.metadata import KvsLoad, KvsSave
+from ipcblock import Segment
+
+IDENTITY = kvs_keys.ModelIdentity(model="/models/tiny-qwen2", dtype="bfloat16", tp_size=1)
+GROUP = KvGroup("attention", ("l0", "l1"), 4, "bfloat16", total_heads=2, num_heads=2)
+
+
+# ------------------------------------------------------------------ keys
+def test_the_same_prefix_has_the_same_key_in_another_process() -> None:
+    root = kvs_keys.root_key(IDENTITY, [GROUP])
+    here = [c.hex() for c in kvs_keys.chain(root, list(range(13)), 4, cache_salt="s")]
+    code = (
+        "from hybrid_connector import kvs_keys as k\n"
+        "from hybrid_connector.layout import KvGroup\n"
+        "i = k.ModelIdentity(model='/models/tiny-qwen2', dtype='bfloat16', tp_size=1)\n"
+        "g = KvGroup('attention', ('l0', 'l1'), 4, 'bfloat16', total_heads=2, num_heads=2)\n"
+        "print(' '.join(c.hex() for c in k.chain(k.root_key(i, [g]), list(range(13)), 4,"
+        " cache_salt='s')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345"},
+    )
+    assert out.stdout.split() == here
+    assert len(here) == 3  # full blocks only
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"identity": {"dtype": "float16"}},
+        {"identity": {"namespace": "weights-v2"}},
+        {"identity": {"tp_size": 2}},
+        {"identity": {"cache_dtype": "fp8"}},
+        {"group": {"attn_isa": "amx"}},
+        {"group": {"block_size": 8}},
+        {"group": {"family": "mla"}},
+        {"salt": "tenant-b"},
+        {"lora": "adapter"},
+    ],
+)
+def test_anything_that_changes_the_bytes_changes_the_key(change: dict[str, Any]) -> None:
+    def chains(identity: dict, group: dict, salt: str | None, lora: str | None) -> list[bytes]:
+        ident = kvs_keys.ModelIdentity(**{**IDENTITY.__dict__, **identity})
+        g = KvGroup(**{**GROUP.__dict__, **group})
+        return kvs_keys.chain(
+            kvs_keys.root_key(ident, [g]), list(range(16)), 4, cache_salt=salt, lora_name=lora
+        )
+
+    base = chains({}, {}, None, None)
+    other = chains(
+        change.get("identity", {}), change.get("group", {}), change.get("salt"), change.get("lora")
+    )
+    assert not set(base) & set(other)
+
+
+def test_the_chain_depends_on_every_earlier_token_and_extends_incrementally() -> None:
+    root = kvs_keys.root_key(IDENTITY, [GROUP])
+    a = kvs_keys.chain(root, [1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = kvs_keys.chain(root, [9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert a[1] != b[1]  # same second block, another first one
+    assert kvs_keys.chain(root, [1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9], 4, start=a[:1])[:2] == a
+
+
+def test_lookup_keys_name_every_rank_of_split_groups_and_one_object_of_shared_ones() -> None:
+    mla = KvGroup("mla", ("m0",), 4, "bfloat16")
+    keys, per_block = kvs_keys.lookup_keys([b"x" * 16, b"y" * 16], [GROUP, mla], tp_size=2)
+    assert per_block == 3  # attention on rank 0 and 1, MLA once
+    assert len(keys) == 6 and len(set(keys)) == 6
+    assert keys[2] == kvs_keys.object_key(b"x" * 16, 1, kvs_keys.SHARED_RANK)
+
+
+def test_state_and_sliding_window_groups_are_refused_at_start() -> None:
+    assert unsupported_reason([GROUP]) is None
+    assert "state" in unsupported_reason([GROUP, KvGroup("state", ("s",), 4)])
+    assert "sliding_window" in unsupported_reason([KvGroup("sliding_window", ("w",), 4)])
+
+
+def test_kvs_config_is_validated() -> None:
+    cfg = parse_config({"rpc_port": 1, "kvs": {"store": "s", "hold_s": 5}}, is_producer=True)
+    assert isinstance(cfg, HybridConfig) and cfg.kvs == KvsConfig(store="s", hold_s=5)
+    with pytest.raises(ConfigError, match="verify"):
+        parse_config({"kvs": {"verify": "none"}}, is_producer=False)
+    with pytest.raises(ConfigError, match="kvs"):
+        parse_config({"kvs": {"stroe": "x"}}, is_producer=False)
+
+
+# ------------------------------------------------------------------ a KV cache in numpy
+@dataclass
+class Cache:
+    """Two layers of [num_blocks, heads, block_size, 2*head_dim] bytes in one buffer."""
+
+    num_blocks: int = 16
+    block_bytes: int = 256
+    buffer: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.buffer = np.zeros(2 * self.num_blocks * self.block_bytes, np.uint8)
+
+    def geometry(self, family: str = "attention") -> CacheGeometry:
+        group = KvCacheGeometry(
+            buffers=(),
+            layer_names=("l0", "l1"),
+            layer_offsets=(0, self.num_blocks * self.block_bytes),
+            buffer_index=(0, 0),
+            num_blocks=self.num_blocks,
+            block_size=4,
+            segments=(Segment("kv", 0, self.block_bytes, self.block_bytes),),
+            kind="blocks_major",
+            family=family,
+            dtype="bfloat16",
+            total_heads=2 if family == "attention" else 0,
+            num_heads=2 if family == "attention" else 0,
+        )
+        buffer = Buffer(self.buffer.ctypes.data, self.buffer.nbytes)
+        return CacheGeometry((buffer,), (group,))
+
+    def block(self, layer: int, block_id: int) -> np.ndarray:
+        start = (layer * self.num_blocks + block_id) * self.block_bytes
+        return self.buffer[start : start + self.block_bytes]
+
+
+class Gone(Exception):
+    pass
+
+
+class FakeStore:
+    """refstore's keyed-object calls over a dict (first writer wins, prefix lookups)."""
+
+    def __init__(self) -> None:
+        self.objects: dict[bytes, np.ndarray] = {}
+        self.unheld: list[Any] = []
+        self.closed = 0
+
+    def put_keyed(self, items: list[tuple[bytes, np.ndarray]], ttl: Any = None) -> list[Any]:
+        for key, obj in items:
+            self.objects.setdefault(key, np.array(obj, copy=True))
+        return [SimpleNamespace(key=key, index=0) for key, _ in items]
+
+    def lookup(self, keys: list[bytes], hold_s: float = 0) -> list[Any]:
+        out = []
+        for key in keys:
+            if key not in self.objects:
+                break
+            out.append(SimpleNamespace(key=key, index=0))
+        return out
+
+    def get(self, ref: Any, as_: str = "numpy") -> np.ndarray:
+        if ref.key not in self.objects:
+            raise Gone(f"object {ref.key.hex()[:8]} evicted")
+        view = self.objects[ref.key].view()
+        view.flags.writeable = False
+        return view
+
+    def unhold(self, refs: list[Any]) -> None:
+        self.unheld.extend(refs)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.loads: dict[str, bool] = {}
+
+    def __call__(self, request_id: str, failed: bool) -> None:
+        with self.cond:
+            self.loads[request_id] = failed
+            self.cond.notify_all()
+
+    def wait(self, request_id: str) -> bool:
+        with self.cond:
+            assert self.cond.wait_for(lambda: request_id in self.loads, timeout=30)
+            return self.loads[request_id]
+
+
+def _worker(cache: Cache, store: FakeStore, reports: Reports, **config: Any) -> KvsWorker:
+    return KvsWorker(
+        KvsConfig(**config),
+        cache.geometry(),
+        tp_rank=0,
+        tp_size=1,
+        connect=lambda: store,
+        report_load=reports,
+    )
+
+
+def _chains(n: int, seed: int = 0) -> list[bytes]:
+    root = kvs_keys.root_key(IDENTITY, [GROUP])
+    return kvs_keys.chain(root, list(range(seed, seed + 4 * n)), 4)
+
+
+def _save_and_wait(worker: KvsWorker, block_ids: list[int], chains: list[bytes], save_id: int = 0):
+    worker.handle([], [KvsSave(save_id, [block_ids], chains)])
+    worker.step_done()
+    with worker._cond:
+        assert worker._cond.wait_for(lambda: save_id in worker._saves_done, timeout=30)
+
+
+def _sources(store: FakeStore, chains: list[bytes]) -> list[list[tuple[Any, int]]]:
+    keys, per_block = kvs_keys.lookup_keys(chains, [GROUP], 1)
+    found = store.lookup(keys)
+    return [[(r, 0) for r in found[j * per_block : (j + 1) * per_block]] for j in range(len(chains))]
+
+
+def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    rng = np.random.default_rng(0)
+    cache.buffer[:] = rng.integers(0, 256, cache.buffer.size, dtype=np.uint8)
+    worker = _worker(cache, store, reports)
+    try:
+        chains = _chains(3)
+        _save_and_wait(worker, [5, 2, 9], chains)
+        assert len(store.objects) == 3
+        assert all(len(o) == 2 * cache.block_bytes + TRAILER_BYTES for o in store.objects.values())
+        expected = {(layer, b): cache.block(layer, b).copy() for layer in (0, 1) for b in (5, 2, 9)}
+        worker.handle([KvsLoad("r1", [[11, 12, 13]], chains, _sources(store, chains))], [])
+        assert reports.wait("r1") is False
+        for layer in (0, 1):
+            for src, dst in zip((5, 2, 9), (11, 12, 13), strict=True):
+                assert np.array_equal(cache.block(layer, dst), expected[layer, src])
+        assert len(store.unheld) == 3  # the holds end once the bytes are in
+    finally:
+        worker.close()
+    assert store.closed == 1
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybrid-connector-kvs")]
+
+
+@pytest.mark.parametrize("damage", ["flip", "short", "swap", "layout", "gone"])
+def test_a_damaged_or_missing_block_fails_the_load_and_leaves_the_cache_alone(damage: str) -> None:
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    cache.buffer[:] = 7
+    worker = _worker(cache, store, reports)
+    try:
+        chains = _chains(2)
+        _save_and_wait(worker, [1, 2], chains)
+        keys = list(store.objects)
+        sources = _sources(store, chains)
+        if damage == "flip":
+            store.objects[keys[1]][10] ^= 1
+        elif damage == "short":
+            store.objects[keys[1]] = store.objects[keys[1]][:-1]
+        elif damage == "swap":  # another block's bytes under this key
+            store.objects[keys[1]] = store.objects[keys[0]]
+        elif damage == "layout":
+            store.objects[keys[1]][2 * cache.block_bytes + 8 + kvs_keys.KEY_BYTES] ^= 1
+        else:
+            del store.objects[keys[1]]
+        before = cache.buffer.copy()
+        worker.handle([KvsLoad("r", [[8, 9]], chains, sources)], [])
+        assert reports.wait("r") is True
+        assert np.array_equal(cache.buffer, before)  # nothing half-written
+        assert worker.counters["load_failures"] == 1
+    finally:
+        worker.close()
+
+
+def test_header_verification_skips_only_the_crc() -> None:
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    worker = _worker(cache, store, reports, verify="header")
+    try:
+        chains = _chains(1)
+        _save_and_wait(worker, [1], chains)
+        key = next(iter(store.objects))
+        store.objects[key][0] ^= 1  # payload damage: not seen without the CRC
+        worker.handle([KvsLoad("a", [[3]], chains, _sources(store, chains))], [])
+        assert reports.wait("a") is False
+        store.objects[key] = store.objects[key][:-1]  # a short object still is
+        worker.handle([KvsLoad("b", [[3]], chains, _sources(store, chains))], [])
+        assert reports.wait("b") is True
+    finally:
+        worker.close()
+
+
+def test_a_store_that_fails_puts_reports_the_save_done_anyway() -> None:
+    cache, reports = Cache(), Reports()
+
+    class Broken(FakeStore):
+        def put_keyed(self, items: Any, ttl: Any = None) -> list[Any]:
+            raise ConnectionError("master gone")
+
+    store = Broken()
+    worker = _worker(cache, store, reports)
+    try:
+        _save_and_wait(worker, [1], _chains(1))  # the blocks must go back either way
+        assert worker.counters["save_failures"] == 1
+    finally:
+        worker.close()
+
+
+def test_saves_wait_for_the_end_of_the_forward_pass() -> None:
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    worker = _worker(cache, store, reports)
+    try:
+        worker.handle([], [KvsSave(0, [[1]], _chains(1))])
+        # No step_done yet: the pass may still be writing the block; nothing is queued.
+        assert not worker._saves and not store.objects
+        worker.step_done()
+        with worker._cond:
+            assert worker._cond.wait_for(lambda: worker._saves_done, timeout=30)
+        assert worker.take_saves_done() == [0] and worker.take_saves_done() == []
+    finally:
+        worker.close()
+
+
+def test_scatter_copy_moves_more_segments_than_one_call_takes() -> None:
+    src = np.arange(3000 * 8, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    order = np.random.default_rng(1).permutation(3000).astype(np.uint64)
+    scatter_copy(
+        dst.ctypes.data + order * np.uint64(8),
+        src.ctypes.data + np.arange(3000, dtype=np.uint64) * np.uint64(8),
+        np.full(3000, 8, np.uint64),
+    )
+    assert np.array_equal(dst.reshape(3000, 8)[order], src.reshape(3000, 8))
+
+
+def test_group_copy_places_each_layer_segment_in_the_payload() -> None:
+    cache = Cache()
+    copy = GroupCopy.of(cache.geometry().groups[0], cache.geometry().buffers)
+    addresses, lengths = copy.kv_addresses([3])
+    assert list(lengths) == [cache.block_bytes] * 2
+    assert int(addresses[0]) == cache.block(0, 3).ctypes.data
+    assert int(addresses[1]) == cache.block(1, 3).ctypes.data
+    assert list(copy.offset) == [0, cache.block_bytes]
+
+
+# ------------------------------------------------------------------ the scheduler half
+class FakeLookups:
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+        self.pending: dict[str, list[bytes]] = {}
+        self.closed = False
+        self.slow = False  # True: no answer comes
+
+    def submit(self, request_id: str, keys: list[bytes]) -> None:
+        self.pending[request_id] = keys
+
+    def answer(self, request_id: str) -> LookupAnswer | None:
+        if self.slow:
+            return None
+        keys = self.pending.pop(request_id, None)
+        if keys is None:
+            return None
+        return LookupAnswer([(r, 0) for r in self.store.lookup(keys)])
+
+    def forget(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Block:
+    block_id: int
+    is_null: bool = False
+    ref_cnt: int = 1
+
+
+class Pool:
+    def __init__(self) -> None:
+        self.touched: list[int] = []
+        self.freed: list[int] = []
+
+    def touch(self, blocks: list[Block]) -> None:
+        self.touched += [b.block_id for b in blocks]
+
+    def free_blocks(self, blocks: Any) -> None:
+        self.freed += [b.block_id for b in blocks]
+
+
+class Manager:
+    def __init__(self) -> None:
+        self.block_pool = Pool()
+        self.blocks: dict[str, list[Block]] = {}
+
+    def get_blocks(self, request_id: str) -> Any:
+        return SimpleNamespace(blocks=(self.blocks[request_id],))
+
+
+def _req(request_id: str, tokens: list[int], computed: int = 0) -> Any:
+    return SimpleNamespace(
+        request_id=request_id,
+        prompt_token_ids=list(tokens),
+        all_token_ids=list(tokens),
+        num_prompt_tokens=len(tokens),
+        num_computed_tokens=computed,
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+    )
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _planner(store: FakeStore, clock: Clock | None = None, **config: Any) -> KvsScheduler:
+    planner = KvsScheduler(
+        KvsConfig(**config),
+        [GROUP],
+        block_size=4,
+        tp_size=1,
+        identity=IDENTITY,
+        lookups=FakeLookups(store),  # type: ignore[arg-type]
+        clock=clock or Clock(),
+    )
+    planner.bind_kv_cache_manager(Manager())  # type: ignore[arg-type]
+    return planner
+
+
+def _output(**scheduled: int) -> Any:
+    return SimpleNamespace(num_scheduled_tokens=scheduled)
+
+
+def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
+    store = FakeStore()
+    planner = _planner(store)
+    tokens = list(range(14))
+    chains = kvs_keys.chain(planner.root, tokens, 4)
+    for key in kvs_keys.lookup_keys(chains[:2], [GROUP], 1)[0]:
+        store.objects[key] = np.zeros(1, np.uint8)  # the store has blocks 0 and 1
+    request = _req("r", tokens)
+    assert planner.get_num_new_matched_tokens(request, 4) == (4, True)  # local hit: block 0
+    blocks = SimpleNamespace(blocks=([Block(i) for i in (20, 21, 22, 23)],))
+    load = planner.update_state_after_alloc(request, blocks, 4)
+    assert load is not None and load.block_ids == [[21]] and load.chains == chains[1:2]
+    assert [ref.key for ref, _ in load.sources[0]] == [kvs_keys.object_key(chains[1], 0, 0)]
+
+
+def test_a_lookup_that_does_not_answer_in_time_is_a_miss() -> None:
+    clock = Clock()
+    planner = _planner(FakeStore(), clock, lookup_timeout_s=0.5)
+    lookups: FakeLookups = planner._lookups  # type: ignore[assignment]
+    lookups.slow = True
+    request = _req("r", list(range(12)))
+    assert planner.get_num_new_matched_tokens(request, 0) == (None, False)
+    clock.now = 0.4
+    assert planner.get_num_new_matched_tokens(request, 0) == (None, False)
+    clock.now = 0.6
+    assert planner.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert planner.counters["lookup_misses"] == 1
+
+
+def test_blocks_are_saved_once_as_they_fill_and_held_until_every_rank_reports() -> None:
+    store = FakeStore()
+    planner = _planner(store)
+    manager: Manager = planner._manager  # type: ignore[assignment]
+    request = _req("r", list(range(10)))
+    manager.blocks["r"] = [Block(i) for i in (7, 8, 9)]
+    planner.get_num_new_matched_tokens(request, 0)
+    planner.get_num_new_matched_tokens(request, 0)  # the miss
+    saves = planner.plan_saves(_output(r=6))  # tokens 0..5: one full block
+    assert [(s.block_ids, len(s.chains)) for s in saves] == [([[7]], 1)]
+    request.num_computed_tokens = 6
+    assert planner.plan_saves(_output(r=1)) == []  # 7 tokens: still one full block
+    request.num_computed_tokens = 7
+    request.all_token_ids += [10, 11]
+    saves += planner.plan_saves(_output(r=3))  # decoding filled block 1 too (tokens 0..9)
+    assert [s.block_ids for s in saves] == [[[7]], [[8]]]
+    assert manager.block_pool.touched == [7, 8] and manager.block_pool.freed == []
+    planner.request_finished(request)  # the request ends: its saves keep their blocks
+    planner.saves_reported([saves[0].save_id])
+    assert manager.block_pool.freed == [7]
+    events = planner.take_events()
+    assert events[0][0] == "stored" and events[0][3] == list(range(4))
+    assert planner.close() == 1 and manager.block_pool.freed == [7, 8]
+
+
+def test_blocks_the_store_had_at_lookup_are_not_saved_again() -> None:
+    store = FakeStore()
+    planner = _planner(store)
+    manager: Manager = planner._manager  # type: ignore[assignment]
+    tokens = list(range(13))
+    chains = kvs_keys.chain(planner.root, tokens, 4)
+    for key in kvs_keys.lookup_keys(chains[:2], [GROUP], 1)[0]:
+        store.objects[key] = np.zeros(1, np.uint8)
+    request = _req("r", tokens)
+    manager.blocks["r"] = [Block(i) for i in (1, 2, 3, 4)]
+    planner.get_num_new_matched_tokens(request, 0)
+    planner.get_num_new_matched_tokens(request, 8)  # all of it local already
+    request.num_computed_tokens = 8
+    saves = planner.plan_saves(_output(r=5))
+    assert [s.block_ids for s in saves] == [[[3]]]
+
+
+def test_requests_with_embeddings_or_images_are_neither_looked_up_nor_saved() -> None:
+    planner = _planner(FakeStore())
+    request = _req("r", list(range(12)))
+    request.prompt_token_ids = None
+    assert planner.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert planner.plan_saves(_output(r=12)) == []
+
+
+def test_the_lookup_thread_misses_while_the_store_is_down_and_reconnects() -> None:
+    store = FakeStore()
+    attempts: list[int] = []
+
+    def connect() -> FakeStore:
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise ConnectionRefusedError("no master")
+        return store
+
+    lookups = Lookups(connect, hold_s=1.0, retry_s=0.0)
+    try:
+        assert lookups._lookup([b"k"]).error == "store down"
+        store.objects[b"k"] = np.zeros(1, np.uint8)
+        assert [r.key for r, _ in lookups._lookup([b"k", b"x"]).found] == [b"k"]
+    finally:
+        lookups.close()
+    assert store.closed == 1
