@@ -27,8 +27,9 @@ from .errors import (
 from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
-from .protocol import Stats
+from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, Stats
 from .ref import Ref
+from .subscription import KeySubscription
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,11 @@ __all__ = [
     "CallerError",
     "Client",
     "InjectedFault",
+    "KeyEvent",
+    "KeySubscription",
+    "KeysLost",
+    "KeysRemoved",
+    "KeysStored",
     "Manifest",
     "Master",
     "MasterRestarted",
