@@ -6,7 +6,8 @@
     views = client.get(ref)                           # zero-copy, read-only numpy / torch views
     client.release(ref)                               # free now (or let the lease expire)
 
-See README.md for leases, soft pins, eviction, manifests, remote get, faults and Ray helpers.
+See README.md for leases, soft pins, eviction, keyed objects, manifests, remote get, faults and
+Ray helpers.
 """
 
 from .client import Client, connect
@@ -27,8 +28,9 @@ from .errors import (
 from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
-from .protocol import Stats
+from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, Stats
 from .ref import Ref
+from .subscription import KeySubscription
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,11 @@ __all__ = [
     "CallerError",
     "Client",
     "InjectedFault",
+    "KeyEvent",
+    "KeySubscription",
+    "KeysLost",
+    "KeysRemoved",
+    "KeysStored",
     "Manifest",
     "Master",
     "MasterRestarted",

@@ -8,15 +8,17 @@ Three concerns, three modules:
   (``reservations.py``) that lets a put skip the master; ``PutGet`` is ``Client``'s base class.
 - ``launch.py``: starting a master process (``start_master_process``; ``connect(autostart=True)``).
 
-This module is the rest of the API (release, extend, pin, wait_gone, stats, close) and ``connect``.
+This module is the rest of the API (release, extend, pin, wait_gone, stats, close, the key
+lookups ``lookup`` / ``unhold`` / ``subscribe_keys``) and ``connect``; ``put_keyed`` is in
+``putget.py``, the subscription in ``subscription.py``.
 
 A ref owned by another node's master is fetched into the local pool by the local master
 (``remote.py``) first.
 
-Threads: the client owns a ``SyncClient`` (its loop thread), lazily one per other node whose refs
-it releases (a large put's copy runs on the calling thread, in C, without the GIL); ``close()``
-stops them all and unmaps the pool once no view is left. The client is thread-safe, and holds no
-lock across a blocking call.
+Threads: the client owns a ``SyncClient`` (its loop thread), one reader thread per open key
+subscription, lazily one ``SyncClient`` per other node whose refs it releases (a large put's copy
+runs on the calling thread, in C, without the GIL); ``close()`` stops them all and unmaps the pool
+once no view is left. The client is thread-safe, and holds no lock across a blocking call.
 
 Master restarts: when the connection to the master is lost the client re-reads the discovery file;
 if a new master (new epoch) is running it re-attaches to the new pool, gives refs of the old epoch a
@@ -38,6 +40,8 @@ from .errors import CallerError, MasterUnavailable
 from .launch import start_master_process
 from .putget import DEFAULT_TTL_S, PutGet
 from .ref import Ref
+from .state import check_hold, check_key
+from .subscription import KeySubscription
 
 __all__ = ["DEFAULT_TTL_S", "Client", "connect", "start_master_process"]
 
@@ -66,6 +70,7 @@ class Client(PutGet):
             link.close()
             raise
         self._closing = False
+        self._subscriptions: set[KeySubscription] = set()
 
     # The master instance attached now (a reconnect may change them).
     @property
@@ -156,6 +161,42 @@ class Client(PutGet):
         )
         return (resp.reason, resp.since) if resp.gone else None
 
+    # -- keyed objects ------------------------------------------------------------------------
+    def lookup(self, keys: Iterable[bytes], hold_s: float = 5.0) -> list[Ref]:
+        """Refs of the leading ``keys`` that are bound (the walk stops at the first that is
+        not), in one call. Each found object counts as used (LRU) and, with ``hold_s`` > 0, is
+        kept from eviction until ``hold_s`` from now (a hold, not a lease: when it lapses an
+        unleased object is a cache entry again, not freed); ``unhold`` ends it sooner."""
+        keys = list(keys)
+        check_hold(hold_s)
+        for key in keys:
+            check_key(key)
+        link = self._link
+
+        def call() -> list[Ref]:
+            attached = link.current
+            resp = link.call(protocol.LOOKUP, protocol.Lookup(keys, hold_s), on=attached)
+            return [Ref(resp.epoch, s.oid, s.nbytes, attached.node, s.at) for s in resp.found]
+
+        return link.with_recovery(call)
+
+    def unhold(self, refs: Ref | Iterable[Ref]) -> None:
+        """End this client's holds (from ``lookup``) on these objects."""
+        for pool, oids in self._by_pool(refs, skip_dead=True).items():
+            self._link.call(protocol.UNHOLD, protocol.OidList(pool, oids))
+
+    def subscribe_keys(self) -> KeySubscription:
+        """Key events of the master (``KeysStored``, ``KeysRemoved``, ``KeysLost``), on a
+        connection of their own; ``take()`` them; ``close()`` also comes with this client's."""
+        if self._closing:
+            raise CallerError("refstore client is closed")
+        sub = KeySubscription(
+            self.address, timeout=self.timeout, on_close=self._subscriptions.discard
+        )
+        with self._book:
+            self._subscriptions.add(sub)
+        return sub
+
     def stats(self) -> protocol.Stats:
         return self._link.with_recovery(self._link.call, protocol.STATS, protocol.StatsReq())
 
@@ -179,6 +220,9 @@ class Client(PutGet):
             if self._closing:
                 return
             self._closing = True
+            subscriptions = list(self._subscriptions)
+        for sub in subscriptions:
+            sub.close()
         unused = self._stop_putting()
         current = self._link.current
         if unused:

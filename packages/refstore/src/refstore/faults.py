@@ -3,18 +3,27 @@
 A plan is a ``;``-separated list of rules ``OP:ACTION[=VALUE][@PROBABILITY][#COUNT]``:
 
 - ``OP``: an operation name (``hello alloc seal reserve get release extend pin stats wait_gone
-  fetch send_to read_range describe``) or ``*`` for all of them;
-- ``ACTION``: ``delay=SECONDS`` (answer late), ``drop`` (never answer: the caller times out),
-  ``fail`` (answer with ``InjectedFault``), ``kill`` (the master process dies with SIGKILL, as in a
-  crash: no cleanup, its discovery file stays behind);
+  fetch send_to read_range describe``; for keyed objects ``put_keyed`` (the allocation of a
+  ``Client.put_keyed`` batch), ``seal_keyed``, ``lookup``, ``unhold``, ``subscribe_keys``,
+  ``key_events``) or ``*`` for all of them; and ``hold``, which only takes ``ignore``;
+- ``ACTION``: ``delay=SECONDS`` (answer late), ``drop`` (never answer: the caller times out and
+  raises ``MasterUnavailable``), ``fail`` (answer with ``InjectedFault``), ``kill`` (the master
+  process dies with SIGKILL, as in a crash: no cleanup, its discovery file stays behind),
+  ``ignore`` (``hold:ignore``: lookups grant no holds, so an object may be evicted between a
+  lookup and a get);
 - ``@P`` applies the rule with probability P (default 1), ``#N`` at most N times (default: always).
 
-Examples: ``get:delay=0.05@0.5``, ``alloc:fail#1``, ``seal:kill#1``, ``*:drop@0.01``.
+Examples: ``get:delay=0.05@0.5``, ``alloc:fail#1``, ``seal:kill#1``, ``*:drop@0.01``,
+``lookup:drop#1``, ``put_keyed:fail``, ``hold:ignore``.
+
+``evict_keys(client, keys)`` evicts the objects bound to ``keys`` now (holds and leases
+notwithstanding), for a test that loses an object between a lookup and a get.
 
 Where to set it:
 - environment variable ``REFSTORE_FAULTS`` of the master process (read at start);
 - at run time from any client: ``refstore.faults.inject(client, "get:delay=0.1")``,
-  ``refstore.faults.clear(client)``, ``refstore.faults.kill_master(client)``.
+  ``refstore.faults.clear(client)``, ``refstore.faults.kill_master(client)``,
+  ``refstore.faults.evict_keys(client, keys)``.
 
 Faults are applied by the master before it touches its state, so a dropped or failed operation has
 no effect and can be retried. ``kill`` is meant for a master running in its own process
@@ -35,7 +44,7 @@ import msgspec
 from .errors import CallerError, InjectedFault
 
 ENV_VAR = "REFSTORE_FAULTS"
-ACTIONS = ("delay", "drop", "fail", "kill")
+ACTIONS = ("delay", "drop", "fail", "kill", "ignore")
 
 log = logging.getLogger("refstore.faults")
 
@@ -98,11 +107,22 @@ class FaultPlan:
     def __bool__(self) -> bool:
         return bool(self._rules)
 
-    def _pick(self, op: str) -> FaultRule | None:
+    def ignores(self, what: str) -> bool:
+        """True if an ``ignore`` rule for ``what`` (e.g. ``hold``) applies now."""
+        if not self._rules:
+            return False
+        rule = self._pick(what, "ignore")
+        if rule is not None:
+            log.warning("injecting fault %s:ignore", what)
+        return rule is not None
+
+    def _pick(self, op: str, action: str | None = None) -> FaultRule | None:
         with self._lock:
             for rule in self._rules:
                 if rule.op not in (op, "*") or rule.remaining == 0:
                     continue
+                if (rule.action == "ignore") != (action == "ignore"):
+                    continue  # ignore rules say what a handler skips, not what fails
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
                     continue
                 if rule.remaining > 0:
@@ -138,3 +158,10 @@ def clear(client: object) -> None:
 def kill_master(client: object) -> None:
     """Kill the client's master now (SIGKILL, no cleanup), as a crash would."""
     client._set_faults("kill!")  # type: ignore[attr-defined]
+
+
+def evict_keys(client: object, keys: list[bytes]) -> None:
+    """Evict the objects bound to ``keys`` now (holds and leases notwithstanding)."""
+    from . import protocol
+
+    client._link.call(protocol.EVICT_KEYS, protocol.EvictKeys(list(keys)))  # type: ignore[attr-defined]

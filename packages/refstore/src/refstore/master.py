@@ -9,6 +9,10 @@ Remote get: a client asks its local master to ``fetch`` a ref owned by another n
 local master allocates room in its own pool and pulls the payload from the owner (kvt, or
 simple-rpc raw reads with ``remote="rpc"``; see ``remote.py``), then the client reads it locally.
 
+Keyed objects (``put_keyed``, ``lookup``, holds) live in the state too; the key changes it
+records are handed to the subscribers' bounded queues (``state.KeyFeeds``) once per loop turn,
+and each subscriber's one outstanding ``key_events`` call is answered when its queue has events.
+
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
 actor), or let the first client start one (``refstore.connect(autostart=True)``).
 """
@@ -34,7 +38,7 @@ from .errors import CallerError, PoolFull, RefstoreError, to_info
 from .faults import FaultPlan
 from .pool import SharedPool, listen_fd_socket, send_fd, shmem_hugepages_mode
 from .remote import RemotePuller
-from .state import WRITE_TIMEOUT_S, HeaderCommit, MasterState
+from .state import WRITE_TIMEOUT_S, HeaderCommit, KeyFeeds, MasterState, StoredObject
 
 log = logging.getLogger("refstore.master")
 
@@ -89,6 +93,9 @@ class Master:
             read_commit=self._read_commit,
             on_lease=self._write_lease,
         )
+        self.feeds = KeyFeeds()
+        self._feed_waiters: dict[str, asyncio.Future[None]] = {}
+        self._key_flush_due = False
         self._publish_flags()
         self.server = Server(name=f"refstore-master-{name}", on_disconnect=self._disconnected)
         self._advertise = advertise
@@ -120,6 +127,13 @@ class Master:
             (protocol.FETCH, self._fetch),
             (protocol.SEND_TO, self._send_to),
             (protocol.READ_RANGE, self._read_range),
+            (protocol.PUT_KEYED, self._put_keyed),
+            (protocol.SEAL_KEYED, self._seal_keyed),
+            (protocol.LOOKUP, self._lookup),
+            (protocol.UNHOLD, self._unhold),
+            (protocol.SUBSCRIBE_KEYS, self._subscribe_keys),
+            (protocol.KEY_EVENTS, self._key_events),
+            (protocol.EVICT_KEYS, self._evict_keys),
         ):
             self.server.register(method, self._wrap(method, handler))
 
@@ -241,6 +255,9 @@ class Master:
                 os.unlink(self._fd_socket_path)
         if self._timer is not None:
             self._timer.cancel()
+        for waiter in self._feed_waiters.values():
+            if not waiter.done():
+                waiter.set_result(None)
         await self.server.close()
         if self.remote is not None:
             await self.remote.close()
@@ -280,6 +297,11 @@ class Master:
         if self._closed:
             return
         self.state.owner_gone(peer)
+        if peer in self.feeds:
+            self.feeds.unsubscribe(peer)
+            waiter = self._feed_waiters.pop(peer, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
         self._reschedule_expiry()
 
     def _publish_flags(self) -> None:
@@ -309,8 +331,23 @@ class Master:
 
         return wrapped
 
+    def _schedule_key_flush(self) -> None:
+        """Hand the state's key changes to the subscribers once per loop turn (batched)."""
+        if self.state.key_changes and not self._key_flush_due and not self._closed:
+            self._key_flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush_key_changes)
+
+    def _flush_key_changes(self) -> None:
+        self._key_flush_due = False
+        for subscriber in self.feeds.publish(self.state.drain_key_changes()):
+            waiter = self._feed_waiters.pop(subscriber, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
     def _reschedule_expiry(self) -> None:
-        """Keep exactly one timer, set for the earliest lease deadline."""
+        """Keep exactly one timer, set for the earliest lease deadline (and pass on the key
+        changes whatever changed state)."""
+        self._schedule_key_flush()
         deadline = self.state.next_deadline()
         if deadline == self._timer_deadline or self._closed:
             return
@@ -483,6 +520,59 @@ class Master:
         protocol.check_size(req.dst_offset, "dst_offset")
         protocol.check_size(req.dst_region, "dst_region")
         return await self.remote.send_to(req, ctx.peer)
+
+    def _slot(self, obj: StoredObject, bound: bool = True) -> protocol.Slot:
+        return protocol.Slot(obj.oid, obj.offset, obj.nbytes, bound)
+
+    async def _put_keyed(self, req: protocol.PutKeyed, ctx: CallContext) -> protocol.PutKeyedResp:
+        items = [(i.key, i.nbytes, i.layout, i.header) for i in req.items]
+        got = self.state.alloc_keyed(items, req.ttl_s, req.pin)
+        return protocol.PutKeyedResp([self._slot(obj, bound) for obj, bound in got])
+
+    async def _seal_keyed(
+        self, req: protocol.SealKeyed, ctx: CallContext
+    ) -> protocol.SealKeyedResp:
+        bound = self.state.seal_keyed(req.oids)
+        for oid in req.oids:
+            self._wake_seal_waiters(oid)
+        return protocol.SealKeyedResp([None if o is None else self._slot(o) for o in bound])
+
+    async def _lookup(self, req: protocol.Lookup, ctx: CallContext) -> protocol.LookupResp:
+        hold_s = 0.0 if self.faults.ignores("hold") else req.hold_s
+        found = self.state.lookup_keys(req.keys, hold_s, ctx.peer)
+        return protocol.LookupResp(self.epoch, [self._slot(obj) for obj in found])
+
+    async def _unhold(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
+        self.state.unhold(req.epoch, req.oids, ctx.peer)
+        return protocol.Ack()
+
+    async def _evict_keys(self, req: protocol.EvictKeys, ctx: CallContext) -> protocol.Ack:
+        log.warning("evicting %d keys on request of %s", len(req.keys), ctx.peer)
+        self.state.evict_keys(req.keys)
+        return protocol.Ack()
+
+    async def _subscribe_keys(self, req: protocol.SubscribeKeys, ctx: CallContext) -> protocol.Ack:
+        """Events from now on go to this connection's queue (until it disconnects)."""
+        self.feeds.subscribe(ctx.peer)
+        return protocol.Ack()
+
+    async def _key_events(
+        self, req: protocol.NextKeyEvents, ctx: CallContext
+    ) -> protocol.KeyEventsResp:
+        """Answered once the caller's queue has events: a wait, not a poll."""
+        if ctx.peer not in self.feeds:
+            raise CallerError(f"{ctx.peer} asked for key events without subscribing")
+        if ctx.peer in self._feed_waiters:
+            raise CallerError(f"{ctx.peer} asked for key events twice at once")
+        if not self.feeds.pending(ctx.peer):
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._feed_waiters[ctx.peer] = waiter
+            try:
+                await waiter
+            finally:
+                if self._feed_waiters.get(ctx.peer) is waiter:
+                    del self._feed_waiters[ctx.peer]
+        return protocol.KeyEventsResp(self.feeds.take(ctx.peer))
 
     async def _read_range(self, req: protocol.ReadRange, ctx: CallContext) -> bytes:
         obj = self.state.get(req.epoch, req.oid)

@@ -194,6 +194,11 @@ class Stats(msgspec.Struct, frozen=True):
     releases: int = 0
     remote_fetches: int = 0
     reserves: int = 0
+    keys: int = 0  # keys bound to live objects
+    held: int = 0  # objects a lookup's hold keeps from eviction now
+    key_hits: int = 0  # keys lookups found bound
+    key_misses: int = 0  # keys lookups asked for past the first one not bound
+    key_dedupes: int = 0  # keyed puts that found their key bound already (nothing stored)
     err: ErrorInfo | None = None
 
     @property
@@ -271,6 +276,93 @@ class Describe(msgspec.Struct, frozen=True):
     oid: int
 
 
+class KeyedItem(msgspec.Struct, frozen=True, array_like=True):
+    key: bytes
+    nbytes: int
+    layout: Layout
+    header: int
+
+
+class PutKeyed(msgspec.Struct, frozen=True):
+    """Allocate a batch of keyed objects (``Client.put_keyed``), in order, as many as fit."""
+
+    items: list[KeyedItem]
+    ttl_s: float | None
+    pin: bool = False
+
+
+class Slot(msgspec.Struct, frozen=True, array_like=True):
+    """An object of a keyed batch: ``bound`` (nothing to write: the key's object) or a block
+    to write and seal; ``at`` is the block's offset (the header's)."""
+
+    oid: int
+    at: int
+    nbytes: int
+    bound: bool
+
+
+class PutKeyedResp(msgspec.Struct, frozen=True):
+    slots: list[Slot] = []  # shorter than the batch when the pool was full
+    err: ErrorInfo | None = None
+
+
+class SealKeyed(msgspec.Struct, frozen=True):
+    oids: list[int]
+
+
+class SealKeyedResp(msgspec.Struct, frozen=True):
+    bound: list[Slot | None] = []  # per oid: the object bound to its key; None: gone meanwhile
+    err: ErrorInfo | None = None
+
+
+class Lookup(msgspec.Struct, frozen=True):
+    keys: list[bytes]
+    hold_s: float = 0.0
+
+
+class LookupResp(msgspec.Struct, frozen=True):
+    epoch: str = ""
+    found: list[Slot] = []  # the leading keys that are bound
+    err: ErrorInfo | None = None
+
+
+class EvictKeys(msgspec.Struct, frozen=True):
+    keys: list[bytes]
+
+
+class KeysStored(msgspec.Struct, frozen=True, tag=True):
+    """These keys were bound to stored objects."""
+
+    keys: list[bytes]
+
+
+class KeysRemoved(msgspec.Struct, frozen=True, tag=True):
+    """The objects of these keys were freed; ``reason``: evicted, released, lease expired."""
+
+    keys: list[bytes]
+    reason: str
+
+
+class KeysLost(msgspec.Struct, frozen=True, tag=True):
+    """Events were lost (a queue overflowed, the master went away): resync needed."""
+
+
+KeyEvent = KeysStored | KeysRemoved | KeysLost
+
+
+class SubscribeKeys(msgspec.Struct, frozen=True):
+    pass
+
+
+class NextKeyEvents(msgspec.Struct, frozen=True):
+    """Answered when the subscriber's queue holds events (a long wait, not a poll)."""
+
+
+class KeyEventsResp(msgspec.Struct, frozen=True):
+    events: list[KeyEvent] = []
+    err: ErrorInfo | None = None
+
+
 def _method(name: str, n: int, req: object, resp: object) -> Method:
     return Method(name, 0x52530000 | n, 0x52538000 | n, req, resp)
 
@@ -292,3 +384,10 @@ READ_RANGE = _method("refstore.read_range", 14, ReadRange, bytes)
 DESCRIBE = _method("refstore.describe", 15, Describe, GetResp)
 # 16 was ``commit`` (a put into a reserved block), replaced by the header as commit record.
 RESERVE = _method("refstore.reserve", 17, Reserve, Reserved)
+PUT_KEYED = _method("refstore.put_keyed", 18, PutKeyed, PutKeyedResp)
+SEAL_KEYED = _method("refstore.seal_keyed", 19, SealKeyed, SealKeyedResp)
+LOOKUP = _method("refstore.lookup", 20, Lookup, LookupResp)
+UNHOLD = _method("refstore.unhold", 21, OidList, Ack)
+SUBSCRIBE_KEYS = _method("refstore.subscribe_keys", 22, SubscribeKeys, Ack)
+KEY_EVENTS = _method("refstore.key_events", 23, NextKeyEvents, KeyEventsResp)
+EVICT_KEYS = _method("refstore.evict_keys", 24, EvictKeys, Ack)

@@ -37,7 +37,7 @@ from typing import Any
 
 from simple_rpc import SyncClient
 
-from . import _fastpath, codec, header, protocol
+from . import _fastpath, codec, header, protocol, state
 from .connection import Attachment, MasterLink
 from .errors import CallerError, MasterUnavailable
 from .header import OBJECT_PINNED
@@ -278,6 +278,82 @@ class PutGet:
             oids = [oid for oid, _ in blocks]
             with contextlib.suppress(Exception):
                 rpc.call_future(protocol.RELEASE, protocol.OidList(epoch, oids), link.timeout)
+
+    # -- keyed put ----------------------------------------------------------------------------
+    def put_keyed(
+        self, items: Any, ttl: float | None = None, pin: bool = False
+    ) -> list[Ref | None]:
+        """Store ``(key, obj)`` pairs under their keys (1..64 bytes each; ``obj`` anything
+        ``put`` takes) and return, per pair in order, the ref of the object bound to its key:
+        this put's, or the one stored under that key first (first writer wins: this put's
+        object is then freed, or, when the key was bound already, never copied). ``None`` for
+        the pairs that did not fit: a full pool stores what fits, in order, and never raises.
+
+        One ``put_keyed`` call allocates the whole batch, the payloads are copied, and one
+        ``seal_keyed`` call binds the keys (both wait for their answers: the bound refs).
+        ``ttl=None``: cache entries (no lease, evictable in LRU order); ``pin``: soft pin."""
+        pairs = list(items)
+        if ttl is not None:
+            check_ttl(ttl, "ttl")
+        for pair in pairs:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise CallerError(f"put_keyed takes (key, obj) pairs, got {type(pair).__name__}")
+            state.check_key(pair[0])
+        encoded = [codec.encode_cached(obj, self._layouts) for _, obj in pairs]
+        if not pairs:
+            return []
+        return self._link.with_recovery(self._put_keyed, pairs, encoded, ttl, pin)
+
+    def _put_keyed(
+        self, pairs: list[Any], encoded: list[Any], ttl_s: float | None, pin: bool
+    ) -> list[Ref | None]:
+        attached = self._link.current
+        link = self._link
+        request = protocol.PutKeyed(
+            [
+                protocol.KeyedItem(key, enc.nbytes, enc.layout, enc.header.hlen)
+                for (key, _), (enc, _) in zip(pairs, encoded, strict=True)
+            ],
+            ttl_s,
+            pin,
+        )
+        slots = link.call(protocol.PUT_KEYED, request, on=attached).slots
+        deadline_ns = 0 if ttl_s is None else monotonic_ns() + int(ttl_s * 1e9)
+        flags = OBJECT_PINNED * pin
+        refs: list[Ref | None] = [None] * len(pairs)
+        to_seal: list[int] = []  # indexes of the slots written here
+        try:
+            for i, slot in enumerate(slots):
+                if slot.bound:
+                    refs[i] = Ref(attached.epoch, slot.oid, slot.nbytes, attached.node, slot.at)
+                    continue
+                enc, sources = encoded[i]
+                to_seal.append(i)
+                self._write(
+                    enc,
+                    sources,
+                    view=attached.pool.view,
+                    at=slot.at,
+                    oid=slot.oid,
+                    key=attached.tag_key,
+                    deadline_ns=deadline_ns,
+                    flags=flags,
+                    reserved=False,
+                )
+        except BaseException:
+            oids = [slots[i].oid for i in to_seal]
+            with contextlib.suppress(Exception):
+                link.call(protocol.RELEASE, protocol.OidList(attached.epoch, oids), on=attached)
+            raise
+        if to_seal:
+            sealing = protocol.SealKeyed([slots[i].oid for i in to_seal])
+            bound = link.call(protocol.SEAL_KEYED, sealing, on=attached).bound
+            for i, slot in zip(to_seal, bound, strict=True):
+                if slot is not None:
+                    refs[i] = Ref(attached.epoch, slot.oid, slot.nbytes, attached.node, slot.at)
+        with self._book:
+            self.counters["puts"] += len(to_seal)
+        return refs
 
     # -- get ----------------------------------------------------------------------------------
     def get(

@@ -3,10 +3,14 @@
 Object lifecycle::
 
     alloc ---> WRITING --seal---> SEALED --release-------------> freed (tombstone "released")
-                 |                 ^  |--lease deadline passes--> freed (tombstone "lease expired")
-    reserve -> RESERVED --settle---'  |--(no lease) memory pressure> freed (tombstone "evicted")
-                 |
+                 |    |            ^  |--lease deadline passes--> freed (tombstone "lease expired")
+    reserve -> RESERVED --settle---'  |--(no lease, not held)
+                 |    |               |   memory pressure ------> freed (tombstone "evicted")
+                 |    '--seal, key already bound (keyed) -------> freed (tombstone "released")
                  '--write deadline passes (writer died) -------> freed (tombstone "lease expired")
+
+    key index, for keyed objects:  unbound --seal (key free)--> bound --object freed--> unbound
+    hold, per holder:  none --lookup_keys(hold_s > 0)--> held --its time passes | unhold--> none
 
 - A **lease** (``ttl_s`` at put, renewable with ``extend``) keeps the object readable and never
   evicted until its deadline; when it passes, the object is freed at once, so memory held by a
@@ -35,6 +39,19 @@ Object lifecycle::
   ran out as the tombstone's. A reserved block that holds no object by its write deadline (a
   client that died, or never needed it) is freed then; after its client disconnects, within
   ``DISCONNECT_GRACE_S``.
+- **Keyed objects** (``alloc(..., key=)``, a client's ``put_keyed``): the key (1..64 bytes) is
+  **bound** to the object at its seal, in the key index ``keys``; if the key is bound to a live
+  object by then, that binding wins (first writer wins) and the new object is freed at once
+  (tombstone "released"): ``seal`` returns the winner. A bound object is freed like any other
+  and its binding goes with it, whatever the reason (``_free`` unbinds). ``lookup_keys`` walks
+  keys in order and stops at the first one not bound (prefix semantics); it counts as a use.
+- A **hold** (``lookup_keys(..., hold_s)``, per holder) keeps a sealed object from being evicted
+  until its time; it is not a lease: when it lapses an unleased object is a cache entry again
+  (back at the young end of its LRU list), not freed. Holds lapse lazily, when eviction or stats
+  look (no timer: they only matter to eviction). A lease deadline that passes while a hold runs
+  later moves to the hold's end (the later protection wins). ``unhold`` ends a holder's hold.
+- Every binding and unbinding is appended to ``key_changes`` (the master drains it once per
+  loop turn and feeds its subscribers, ``KeyFeeds``).
 - A freed object leaves a **tombstone** (reason + wall-clock time) so a later get raises a typed
   error saying which and since when. Tombstones are bounded (oldest dropped first).
 
@@ -45,6 +62,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -60,7 +78,17 @@ from .errors import (
     PoolFull,
     UnknownObject,
 )
-from .protocol import Layout, Stats, check_layout, check_size, check_ttl
+from .protocol import (
+    KeyEvent,
+    KeysLost,
+    KeysRemoved,
+    KeysStored,
+    Layout,
+    Stats,
+    check_layout,
+    check_size,
+    check_ttl,
+)
 
 # An unsealed object whose writer never seals it is reclaimed after this long even without a lease.
 WRITE_TIMEOUT_S = 120.0
@@ -70,6 +98,32 @@ DISCONNECT_GRACE_S = 10.0
 MAX_TOMBSTONES = 200_000
 # How many of the least recently used objects are checked for one that alone makes room.
 EVICTION_WINDOW = 64
+MAX_KEY_BYTES = 64
+MAX_HOLD_S = 3600.0
+# Keys queued for one subscriber before its queue is dropped (it gets KeysLost: resync).
+MAX_QUEUED_KEYS = 65_536
+
+
+def check_key(key: object) -> None:
+    if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise CallerError(f"a key is 1..{MAX_KEY_BYTES} bytes, got {key!r:.80}")
+
+
+def check_hold(hold_s: float) -> None:
+    try:
+        good = 0.0 <= hold_s <= MAX_HOLD_S  # NaN fails it
+    except TypeError:
+        good = False
+    if not good:
+        raise CallerError(f"hold_s must be seconds in [0, {MAX_HOLD_S:g}], got {hold_s!r}")
+
+
+class KeyChange(NamedTuple):
+    """A key bound (``stored``) or unbound (``reason``: why its object was freed)."""
+
+    stored: bool
+    key: bytes
+    reason: str = ""
 
 
 class StoredObject:
@@ -78,6 +132,8 @@ class StoredObject:
         "deadline",
         "free_when_idle",
         "header",
+        "holds",
+        "key",
         "layout",
         "leased",
         "nbytes",
@@ -107,6 +163,8 @@ class StoredObject:
         self.leased = True  # False: a cache entry, its write deadline is dropped at seal
         self.busy = 0  # in-flight sends to peers; freeing waits for them
         self.free_when_idle: type[ObjectGone] | None = None
+        self.key: bytes | None = None  # keyed objects: bound at seal unless bound already
+        self.holds: dict[str, float] | None = None  # holder -> until (the state's clock)
 
     @property
     def payload(self) -> int:
@@ -170,8 +228,22 @@ class MasterState:
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
         self.tombstones: OrderedDict[int, tuple[type[ObjectGone], float]] = OrderedDict()
         self._gone_listeners: dict[int, list[Callable[[str, float], None]]] = {}
+        self.keys: dict[bytes, int] = {}  # key -> oid of the sealed, live object bound to it
+        self.key_changes: list[KeyChange] = []  # drained by the master (its subscribers)
+        self._holds: list[tuple[float, int]] = []  # heap of hold ends; stale entries skipped
         self.counters = dict.fromkeys(
-            ("puts", "gets", "evictions", "expirations", "releases", "remote_fetches", "reserves"),
+            (
+                "puts",
+                "gets",
+                "evictions",
+                "expirations",
+                "releases",
+                "remote_fetches",
+                "reserves",
+                "key_hits",
+                "key_misses",
+                "key_dedupes",
+            ),
             0,
         )
 
@@ -214,7 +286,7 @@ class MasterState:
             self._on_lease(obj)
 
     def _is_evictable(self, obj: StoredObject) -> bool:
-        return obj.sealed and obj.deadline is None and obj.free_when_idle is None
+        return obj.sealed and obj.deadline is None and obj.free_when_idle is None and not obj.holds
 
     def _update_lists(self, obj: StoredObject, was_evictable: bool) -> None:
         self._lru.pop(obj.oid, None)
@@ -230,6 +302,10 @@ class MasterState:
     def _free(
         self, obj: StoredObject, reason: type[ObjectGone], since: float | None = None
     ) -> None:
+        if obj.key is not None and self.keys.get(obj.key) == obj.oid:
+            # Unbound as soon as it is dying, even while a peer still reads it.
+            del self.keys[obj.key]
+            self.key_changes.append(KeyChange(False, obj.key, reason.reason))
         if obj.busy:
             # A peer is still reading it: free once the send completes (see ``end_send``).
             was_evictable = self._is_evictable(obj)
@@ -255,13 +331,23 @@ class MasterState:
 
     # -- operations ---------------------------------------------------------------------------
     def alloc(
-        self, nbytes: int, layout: Layout, ttl_s: float | None, pin: bool, header: int = 0
+        self,
+        nbytes: int,
+        layout: Layout,
+        ttl_s: float | None,
+        pin: bool,
+        header: int = 0,
+        *,
+        key: bytes | None = None,
     ) -> StoredObject:
         check_size(nbytes, "nbytes")
         check_size(header, "header")
         check_ttl(ttl_s)
         check_layout(layout, nbytes)
+        if key is not None:
+            check_key(key)
         obj = self._new_object(header + nbytes, layout, header)
+        obj.key = key
         obj.nbytes = nbytes
         obj.pinned = pin
         obj.leased = ttl_s is not None
@@ -335,8 +421,9 @@ class MasterState:
 
     def _evict_for(self, nbytes: int) -> int:
         # Puts into reserved blocks the master has not seen yet may have made objects evictable
-        # (no lease) or freeable (lease run out).
+        # (no lease) or freeable (lease run out); holds that lapsed make objects evictable again.
         self.settle_all()
+        self.lapse_holds()
         offset = self.allocator.malloc(nbytes)
         if offset is not None:
             return offset
@@ -387,7 +474,9 @@ class MasterState:
             obj.touched_ns = read_ns
             lru.move_to_end(oid)
 
-    def seal(self, oid: int) -> None:
+    def seal(self, oid: int) -> StoredObject:
+        """Mark the object readable; returns it, or for a keyed object whose key is bound to
+        another live object by now, that object (the new one is freed: first writer wins)."""
         obj = self.objects.get(oid)
         if obj is None:
             self.lookup(self.epoch, oid)  # raises the typed reason
@@ -396,12 +485,159 @@ class MasterState:
             raise CallerError(f"object {oid} is already sealed")
         if obj.reserved:
             raise CallerError(f"object {oid} is a reserved block: its header commits it")
+        if obj.key is not None:
+            bound = self.bound(obj.key)
+            if bound is not None:
+                self._free(obj, ObjectReleased)
+                self.counters["key_dedupes"] += 1
+                self._touch(bound)
+                return bound
         was_evictable = self._is_evictable(obj)
         obj.sealed = True
         self._update_lists(obj, was_evictable)
         if not obj.leased:
             self._set_deadline(obj, None)
         self.counters["puts"] += 1
+        if obj.key is not None:
+            self.keys[obj.key] = obj.oid
+            self.key_changes.append(KeyChange(True, obj.key))
+        return obj
+
+    # -- keys and holds -----------------------------------------------------------------------
+    def bound(self, key: bytes) -> StoredObject | None:
+        """The live object bound to ``key``, if any."""
+        oid = self.keys.get(key)
+        return None if oid is None else self.objects[oid]
+
+    def _touch(self, obj: StoredObject) -> None:
+        """A use, for LRU order."""
+        for lru in (self._lru, self._lru_pinned):
+            if obj.oid in lru:
+                lru.move_to_end(obj.oid)
+                obj.touched_ns = self._now_ns()
+
+    def alloc_keyed(
+        self,
+        items: list[tuple[bytes, int, Layout, int]],
+        ttl_s: float | None,
+        pin: bool,
+    ) -> list[tuple[StoredObject, bool]]:
+        """A batch of keyed puts, ``(key, nbytes, layout, header)`` each: per item in order the
+        object bound to its key already (True: nothing to write) or a new block to write and
+        seal (False). Stops at the first item that does not fit (PoolFull): the answer is then
+        shorter than the batch. Every item is checked before anything is allocated."""
+        check_ttl(ttl_s)
+        for key, nbytes, layout, header in items:
+            check_key(key)
+            check_size(nbytes, "nbytes")
+            check_size(header, "header")
+            check_layout(layout, nbytes)
+        out: list[tuple[StoredObject, bool]] = []
+        for key, nbytes, layout, header in items:
+            bound = self.bound(key)
+            if bound is not None:
+                self._touch(bound)  # the youngest: the batch's allocations evict it last
+                self.counters["key_dedupes"] += 1
+                out.append((bound, True))
+                continue
+            try:
+                out.append((self.alloc(nbytes, layout, ttl_s, pin, header, key=key), False))
+            except PoolFull:
+                break
+        # An allocation of the batch may still have evicted a binding found before it.
+        for i, (obj, was_bound) in enumerate(out):
+            if was_bound and self.objects.get(obj.oid) is not obj:
+                for later, later_bound in out[i:]:
+                    if not later_bound:
+                        self._free(later, ObjectReleased)
+                return out[:i]
+        return out
+
+    def seal_keyed(self, oids: list[int]) -> list[StoredObject | None]:
+        """Seal a batch of keyed objects: per oid the object bound to its key (this one, or the
+        one bound first), or None for an object gone before its seal (its write deadline)."""
+        out: list[StoredObject | None] = []
+        for oid in oids:
+            obj = self.objects.get(oid)
+            if obj is None or obj.free_when_idle is not None:
+                out.append(None)
+                continue
+            if obj.key is None:
+                raise CallerError(f"object {oid} has no key: seal it with seal")
+            out.append(self.seal(oid))
+        return out
+
+    def lookup_keys(self, keys: list[bytes], hold_s: float, holder: str) -> list[StoredObject]:
+        """The objects bound to the leading keys that are bound (the walk stops at the first key
+        that is not); each counts as a use and, with ``hold_s`` > 0, is held by ``holder`` until
+        ``hold_s`` from now."""
+        check_hold(hold_s)
+        for key in keys:
+            check_key(key)
+        until = self._clock() + hold_s
+        found = []
+        for key in keys:
+            obj = self.bound(key)
+            if obj is None:
+                break
+            found.append(obj)
+            if hold_s > 0:
+                self._hold(obj, holder, until)
+            self._touch(obj)
+        self.counters["key_hits"] += len(found)
+        self.counters["key_misses"] += len(keys) - len(found)
+        return found
+
+    def _hold(self, obj: StoredObject, holder: str, until: float) -> None:
+        was_evictable = self._is_evictable(obj)
+        if obj.holds is None:
+            obj.holds = {}
+        if obj.holds.get(holder, -math.inf) < until:
+            obj.holds[holder] = until
+            heapq.heappush(self._holds, (until, obj.oid))
+        if was_evictable:
+            self._update_lists(obj, was_evictable)
+
+    def _drop_holds(self, obj: StoredObject, keep: Callable[[str, float], bool]) -> None:
+        if not obj.holds:
+            return
+        obj.holds = {h: t for h, t in obj.holds.items() if keep(h, t)} or None
+        if obj.holds is None:
+            self._update_lists(obj, False)  # back to the young end of its LRU list
+
+    def unhold(self, epoch: str, oids: list[int], holder: str) -> None:
+        """End ``holder``'s holds on these objects (gone ones are skipped)."""
+        self._check_epoch(epoch)
+        for oid in oids:
+            obj = self.objects.get(oid)
+            if obj is not None:
+                self._drop_holds(obj, lambda h, t: h != holder)
+
+    def lapse_holds(self) -> None:
+        """Drop the holds whose time has passed."""
+        now = self._clock()
+        while self._holds and self._holds[0][0] <= now:
+            _, oid = heapq.heappop(self._holds)
+            obj = self.objects.get(oid)
+            if obj is not None:
+                self._drop_holds(obj, lambda h, t: t > now)
+
+    def evict_keys(self, keys: list[bytes]) -> int:
+        """Evict the objects bound to ``keys`` now, holds and leases notwithstanding (a test's
+        way to lose an object between a lookup and a get); returns how many."""
+        evicted = 0
+        for key in keys:
+            check_key(key)
+            obj = self.bound(key)
+            if obj is not None:
+                self._free(obj, ObjectEvicted)
+                self.counters["evictions"] += 1
+                evicted += 1
+        return evicted
+
+    def drain_key_changes(self) -> list[KeyChange]:
+        changes, self.key_changes = self.key_changes, []
+        return changes
 
     def get(self, epoch: str, oid: int) -> StoredObject:
         obj = self.lookup(epoch, oid)
@@ -491,6 +727,11 @@ class MasterState:
                 return expired
             _, oid = heapq.heappop(self._deadlines)
             obj = self.objects[oid]
+            if obj.holds:
+                held_until = max(obj.holds.values())
+                if held_until > now:
+                    self._set_deadline(obj, held_until)  # the later protection wins
+                    continue
             if obj.reserved:
                 self.settle(obj)  # a put wrote it: its own lease applies from now on
                 if not obj.reserved:
@@ -506,6 +747,7 @@ class MasterState:
 
     def stats(self) -> Stats:
         self.settle_all()
+        self.lapse_holds()
         alloc = self.allocator.stats()
         reserved = len(self.reserved)
         leased = sum(1 for o in self.objects.values() if o.deadline is not None and not o.reserved)
@@ -521,5 +763,64 @@ class MasterState:
             pinned=sum(1 for o in self.objects.values() if o.pinned),
             evictable=len(self._lru) + len(self._lru_pinned),
             reserved=reserved,
+            keys=len(self.keys),
+            held=sum(1 for o in self.objects.values() if o.holds),
             **self.counters,
         )
+
+
+class KeyFeeds:
+    """The subscribers' queues of key events, one per subscriber (its connection): pure
+    bookkeeping, no I/O. Each queue holds at most ``limit`` keys; one that would hold more is
+    dropped and replaced by ``KeysLost`` (the subscriber resyncs), so a subscriber that does not
+    read costs the master a bounded queue and never a wait."""
+
+    def __init__(self, limit: int = MAX_QUEUED_KEYS) -> None:
+        self.limit = limit
+        self._queues: dict[str, list[KeyEvent]] = {}
+        self._queued_keys: dict[str, int] = {}
+
+    def __contains__(self, subscriber: str) -> bool:
+        return subscriber in self._queues
+
+    def __len__(self) -> int:
+        return len(self._queues)
+
+    def subscribe(self, subscriber: str) -> None:
+        self._queues.setdefault(subscriber, [])
+        self._queued_keys.setdefault(subscriber, 0)
+
+    def unsubscribe(self, subscriber: str) -> None:
+        self._queues.pop(subscriber, None)
+        self._queued_keys.pop(subscriber, None)
+
+    def pending(self, subscriber: str) -> bool:
+        return bool(self._queues.get(subscriber))
+
+    def publish(self, changes: list[KeyChange]) -> list[str]:
+        """Queue ``changes`` (in order, runs of one kind batched into one event) for every
+        subscriber; returns the subscribers that have events now."""
+        if not changes or not self._queues:
+            return []
+        events: list[KeyEvent] = []
+        for (stored, reason), run in itertools.groupby(changes, lambda c: (c.stored, c.reason)):
+            keys = [change.key for change in run]
+            events.append(KeysStored(keys) if stored else KeysRemoved(keys, reason))
+        for subscriber, queue in self._queues.items():
+            queued = self._queued_keys[subscriber] + len(changes)
+            if queued > self.limit:
+                queue[:] = [KeysLost()]
+                queued = 0
+            else:
+                queue.extend(events)
+            self._queued_keys[subscriber] = queued
+        return list(self._queues)
+
+    def take(self, subscriber: str) -> list[KeyEvent]:
+        """Everything queued for ``subscriber``, emptying its queue."""
+        queue = self._queues.get(subscriber)
+        if not queue:
+            return []
+        self._queues[subscriber] = []
+        self._queued_keys[subscriber] = 0
+        return queue
