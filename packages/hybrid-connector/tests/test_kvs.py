@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hybrid_connector import kvs_keys
+from hybrid_connector import kvs, kvs_keys
 from hybrid_connector.config import ConfigError, HybridConfig, KvsConfig, parse_config
 from hybrid_connector.kvs import KvsScheduler, LookupAnswer, Lookups, unsupported_reason
 from hybrid_connector.kvs_worker import TRAILER_BYTES, GroupCopy, KvsWorker, scatter_copy
@@ -92,7 +92,8 @@ def test_lookup_keys_name_every_rank_of_split_groups_and_one_object_of_shared_on
     mla = KvGroup("mla", ("m0",), 4, "bfloat16")
     keys, per_block = kvs_keys.lookup_keys([b"x" * 16, b"y" * 16], [GROUP, mla], tp_size=2)
     assert per_block == 3  # attention on rank 0 and 1, MLA once
-    assert len(keys) == 6 and len(set(keys)) == 6
+    assert len(keys) == 6
+    assert len(set(keys)) == 6
     assert keys[2] == kvs_keys.object_key(b"x" * 16, 1, kvs_keys.SHARED_RANK)
 
 
@@ -104,7 +105,8 @@ def test_state_and_sliding_window_groups_are_refused_at_start() -> None:
 
 def test_kvs_config_is_validated() -> None:
     cfg = parse_config({"rpc_port": 1, "kvs": {"store": "s", "hold_s": 5}}, is_producer=True)
-    assert isinstance(cfg, HybridConfig) and cfg.kvs == KvsConfig(store="s", hold_s=5)
+    assert isinstance(cfg, HybridConfig)
+    assert cfg.kvs == KvsConfig(store="s", hold_s=5)
     with pytest.raises(ConfigError, match="verify"):
         parse_config({"kvs": {"verify": "none"}}, is_producer=False)
     with pytest.raises(ConfigError, match="kvs"):
@@ -189,11 +191,21 @@ class Reports:
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.loads: dict[str, bool] = {}
+        self.saves: list[int] = []
 
     def __call__(self, request_id: str, failed: bool) -> None:
         with self.cond:
             self.loads[request_id] = failed
             self.cond.notify_all()
+
+    def save(self, save_id: int) -> None:
+        with self.cond:
+            self.saves.append(save_id)
+            self.cond.notify_all()
+
+    def wait_save(self, save_id: int) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: save_id in self.saves, timeout=30)
 
     def wait(self, request_id: str) -> bool:
         with self.cond:
@@ -202,6 +214,7 @@ class Reports:
 
 
 def _worker(cache: Cache, store: FakeStore, reports: Reports, **config: Any) -> KvsWorker:
+    config.setdefault("verify", "crc")
     return KvsWorker(
         KvsConfig(**config),
         cache.geometry(),
@@ -209,6 +222,7 @@ def _worker(cache: Cache, store: FakeStore, reports: Reports, **config: Any) -> 
         tp_size=1,
         connect=lambda: store,
         report_load=reports,
+        report_save=reports.save,
     )
 
 
@@ -217,17 +231,20 @@ def _chains(n: int, seed: int = 0) -> list[bytes]:
     return kvs_keys.chain(root, list(range(seed, seed + 4 * n)), 4)
 
 
-def _save_and_wait(worker: KvsWorker, block_ids: list[int], chains: list[bytes], save_id: int = 0):
+def _save_and_wait(
+    worker: KvsWorker, reports: Reports, block_ids: list[int], chains: list[bytes], save_id: int = 0
+) -> None:
     worker.handle([], [KvsSave(save_id, [block_ids], chains)])
     worker.step_done()
-    with worker._cond:
-        assert worker._cond.wait_for(lambda: save_id in worker._saves_done, timeout=30)
+    reports.wait_save(save_id)
 
 
 def _sources(store: FakeStore, chains: list[bytes]) -> list[list[tuple[Any, int]]]:
     keys, per_block = kvs_keys.lookup_keys(chains, [GROUP], 1)
     found = store.lookup(keys)
-    return [[(r, 0) for r in found[j * per_block : (j + 1) * per_block]] for j in range(len(chains))]
+    return [
+        [(r, 0) for r in found[j * per_block : (j + 1) * per_block]] for j in range(len(chains))
+    ]
 
 
 def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
@@ -237,7 +254,7 @@ def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
     worker = _worker(cache, store, reports)
     try:
         chains = _chains(3)
-        _save_and_wait(worker, [5, 2, 9], chains)
+        _save_and_wait(worker, reports, [5, 2, 9], chains)
         assert len(store.objects) == 3
         assert all(len(o) == 2 * cache.block_bytes + TRAILER_BYTES for o in store.objects.values())
         expected = {(layer, b): cache.block(layer, b).copy() for layer in (0, 1) for b in (5, 2, 9)}
@@ -260,7 +277,7 @@ def test_a_damaged_or_missing_block_fails_the_load_and_leaves_the_cache_alone(da
     worker = _worker(cache, store, reports)
     try:
         chains = _chains(2)
-        _save_and_wait(worker, [1, 2], chains)
+        _save_and_wait(worker, reports, [1, 2], chains)
         keys = list(store.objects)
         sources = _sources(store, chains)
         if damage == "flip":
@@ -287,7 +304,7 @@ def test_header_verification_skips_only_the_crc() -> None:
     worker = _worker(cache, store, reports, verify="header")
     try:
         chains = _chains(1)
-        _save_and_wait(worker, [1], chains)
+        _save_and_wait(worker, reports, [1], chains)
         key = next(iter(store.objects))
         store.objects[key][0] ^= 1  # payload damage: not seen without the CRC
         worker.handle([KvsLoad("a", [[3]], chains, _sources(store, chains))], [])
@@ -309,7 +326,7 @@ def test_a_store_that_fails_puts_reports_the_save_done_anyway() -> None:
     store = Broken()
     worker = _worker(cache, store, reports)
     try:
-        _save_and_wait(worker, [1], _chains(1))  # the blocks must go back either way
+        _save_and_wait(worker, reports, [1], _chains(1))  # the blocks must go back either way
         assert worker.counters["save_failures"] == 1
     finally:
         worker.close()
@@ -321,11 +338,11 @@ def test_saves_wait_for_the_end_of_the_forward_pass() -> None:
     try:
         worker.handle([], [KvsSave(0, [[1]], _chains(1))])
         # No step_done yet: the pass may still be writing the block; nothing is queued.
-        assert not worker._saves and not store.objects
+        assert not worker._saves
+        assert not store.objects
         worker.step_done()
-        with worker._cond:
-            assert worker._cond.wait_for(lambda: worker._saves_done, timeout=30)
-        assert worker.take_saves_done() == [0] and worker.take_saves_done() == []
+        reports.wait_save(0)
+        assert reports.saves == [0]
     finally:
         worker.close()
 
@@ -456,7 +473,9 @@ def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
     assert planner.get_num_new_matched_tokens(request, 4) == (4, True)  # local hit: block 0
     blocks = SimpleNamespace(blocks=([Block(i) for i in (20, 21, 22, 23)],))
     load = planner.update_state_after_alloc(request, blocks, 4)
-    assert load is not None and load.block_ids == [[21]] and load.chains == chains[1:2]
+    assert load is not None
+    assert load.block_ids == [[21]]
+    assert load.chains == chains[1:2]
     assert [ref.key for ref, _ in load.sources[0]] == [kvs_keys.object_key(chains[1], 0, 0)]
 
 
@@ -490,13 +509,24 @@ def test_blocks_are_saved_once_as_they_fill_and_held_until_every_rank_reports() 
     request.all_token_ids += [10, 11]
     saves += planner.plan_saves(_output(r=3))  # decoding filled block 1 too (tokens 0..9)
     assert [s.block_ids for s in saves] == [[[7]], [[8]]]
-    assert manager.block_pool.touched == [7, 8] and manager.block_pool.freed == []
+    assert manager.block_pool.touched == [7, 8]
+    assert manager.block_pool.freed == []
     planner.request_finished(request)  # the request ends: its saves keep their blocks
-    planner.saves_reported([saves[0].save_id])
+    report = kvs.save_report_id(saves[0].save_id)
+    assert planner.is_save_report(report)
+    assert not planner.is_save_report("req-1")
+    assert planner.save_reported(report, 0)
+    assert manager.block_pool.freed == []  # taken in at the next hook
+    planner.drain()
+    assert manager.block_pool.freed == [7]
+    planner.save_reported(report, 0)  # a second report of the rank: nothing more
+    planner.drain()
     assert manager.block_pool.freed == [7]
     events = planner.take_events()
-    assert events[0][0] == "stored" and events[0][3] == list(range(4))
-    assert planner.close() == 1 and manager.block_pool.freed == [7, 8]
+    assert events[0][0] == "stored"
+    assert events[0][3] == list(range(4))
+    assert planner.close() == 1
+    assert manager.block_pool.freed == [7, 8]
 
 
 def test_blocks_the_store_had_at_lookup_are_not_saved_again() -> None:

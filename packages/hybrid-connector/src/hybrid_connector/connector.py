@@ -21,7 +21,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
@@ -52,18 +51,6 @@ log = logging.getLogger(__name__)
 
 # The metadata is a plain dataclass (metadata.py imports no vLLM); vLLM sees it as its own.
 KVConnectorMetadata.register(HybridConnectorMetadata)
-
-
-class KvsWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, each step: the KVS saves each rank finished (vLLM aggregates the
-    ranks' metadata: the ids of all of them, a save id once per rank)."""
-
-    def __init__(self, saves_done: list[int]) -> None:
-        self.saves_done = saves_done
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, KvsWorkerMetadata)
-        return KvsWorkerMetadata(self.saves_done + other.saves_done)
 
 
 def _kvs_scheduler(
@@ -390,14 +377,6 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
             finished_recving=results.finished_recving, failed_recving=results.failed_recving
         )
 
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        assert self._worker is not None
-        kvs = self._worker.kvs
-        if kvs is None:
-            return None
-        done = kvs.take_saves_done()
-        return KvsWorkerMetadata(done) if done else None
-
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""
         assert self._worker is not None
@@ -438,11 +417,12 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self._scheduler is not None
         self._scheduler.bind_kv_cache_manager(kv_cache_manager)
-        if self.is_producer and self._send_done_server is None:
+        if (self.is_producer or self.config.kvs is not None) and self._send_done_server is None:
             # P's blocks are owned by the scheduler half (so vLLM's engine core can sleep while D
-            # pulls); its workers give them back by SEND_DONE, on an ephemeral port.
+            # pulls); its workers give them back by SEND_DONE, on an ephemeral port. KVS saves
+            # hold blocks too, and are reported done the same way.
             self._send_done_server = SendDoneServer(
-                self._scheduler.holds,
+                self._scheduler,
                 host=self.config.rpc_host,
                 advertise_host=self.config.advertise_host,
             )
@@ -450,9 +430,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        meta = connector_output.kv_connector_worker_meta
-        saves = meta.saves_done if isinstance(meta, KvsWorkerMetadata) else []
-        self._scheduler.update_connector_output(connector_output, saves)
+        self._scheduler.update_connector_output(connector_output)
 
     def take_events(self) -> list[Any]:
         # The store's contents, in vLLM's KV-event vocabulary (vLLM publishes them with its own).

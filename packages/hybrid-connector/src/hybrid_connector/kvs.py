@@ -14,8 +14,9 @@ Per request that KVS serves (no PD pull of its own), in vLLM's scheduler thread:
   ``lookup_timeout_s`` counts as a miss. A store that is down is a miss, logged once.
 - **Saves hold their blocks.** A save's blocks get a reference in vLLM's pool when it is planned
   (``block_pool.touch``), so vLLM cannot hand them to another request, even after a preemption
-  or the request's end, while the worker copies them; every TP rank reports the save done in its
-  worker metadata, and the reference goes when all have (or at shut down).
+  or the request's end, while the worker copies them; every TP rank reports the save done by
+  SEND_DONE (as P's workers report sends, no step needed), and the reference goes at the next
+  hook after all have (``drain``), or at shut down.
 - **What is saved.** Every full block of a request's tokens (prompt and output, as vLLM's prefix
   cache keeps them) past the blocks the store already had at lookup. Blocks of a request whose
   tokens are not plain token ids (prompt embeddings, multimodal input) are never stored: their
@@ -48,6 +49,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEDIUM = "KVS"
+# A save's SEND_DONE names it "kvs-save:<id>" (P's name their request).
+SAVE_REPORT_PREFIX = "kvs-save:"
+
+
+def save_report_id(save_id: int) -> str:
+    return f"{SAVE_REPORT_PREFIX}{save_id}"
 
 
 def unsupported_reason(groups: Sequence[KvGroup]) -> str | None:
@@ -189,7 +196,7 @@ class _Save:
     chains: list[bytes]
     parent: bytes | None
     tokens: list[int]
-    reports: int = 0
+    ranks: set[int] = field(default_factory=set)  # the TP ranks that reported it done
 
 
 class KvsScheduler:
@@ -218,6 +225,9 @@ class KvsScheduler:
         self._next_save = 0
         self._manager: KVCacheManager | None = None
         self._events: list[Any] = []
+        # SEND_DONE reports of saves (server thread), taken in by ``drain``.
+        self._reports: list[tuple[int, int]] = []
+        self._reports_lock = threading.Lock()
         self.counters: dict[str, int] = {
             "lookups": 0,
             "lookup_misses": 0,
@@ -373,15 +383,32 @@ class KvsScheduler:
             self.counters["saved_blocks"] += full - first
         return saves
 
-    def saves_reported(self, save_ids: Sequence[int]) -> None:
-        """Worker metadata: these saves are done on one TP rank each (a save id once per
-        rank); the last rank's report lets go of the blocks and tells vLLM's event stream."""
-        for save_id in save_ids:
+    @staticmethod
+    def is_save_report(request_id: str) -> bool:
+        return request_id.startswith(SAVE_REPORT_PREFIX)
+
+    def save_reported(self, request_id: str, tp_rank: int) -> bool:
+        """SEND_DONE server thread: rank ``tp_rank`` finished save ``request_id``
+        (``save_report_id``); taken into account at the next ``drain``."""
+        try:
+            save_id = int(request_id.removeprefix(SAVE_REPORT_PREFIX))
+        except ValueError:
+            return False
+        with self._reports_lock:
+            self._reports.append((save_id, tp_rank))
+        return True
+
+    def drain(self) -> None:
+        """Engine-core thread (every hook): saves every rank finished let go of their blocks
+        and become vLLM KV events."""
+        with self._reports_lock:
+            reports, self._reports = self._reports, []
+        for save_id, tp_rank in reports:
             save = self._saves.get(save_id)
-            if save is None:
-                continue
-            save.reports += 1
-            if save.reports < self._tp_size:
+            if save is None or tp_rank in save.ranks:
+                continue  # a stray, or a rank's second report
+            save.ranks.add(tp_rank)
+            if len(save.ranks) < self._tp_size:
                 continue
             del self._saves[save_id]
             self._unref(save)

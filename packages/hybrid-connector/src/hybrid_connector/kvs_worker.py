@@ -170,8 +170,8 @@ class KvsWorker:
     """The worker's KVS thread (see the module docstring).
 
     ``connect``: makes this rank's refstore client (on the KVS thread). ``report_load``:
-    ``(request_id, failed)`` once per load. Saves done are collected for ``take_saves_done``
-    (the worker metadata vLLM carries to the scheduler half each step).
+    ``(request_id, failed)`` once per load; ``report_save``: ``save_id`` once per save, stored
+    or not (the scheduler half holds its blocks until every rank reported it).
     """
 
     def __init__(
@@ -183,6 +183,7 @@ class KvsWorker:
         tp_size: int,
         connect: Callable[[], Any],
         report_load: Callable[[str, bool], None],
+        report_save: Callable[[int], None],
         name: str = "",
     ) -> None:
         self._config = config
@@ -191,12 +192,12 @@ class KvsWorker:
         self._copies = [GroupCopy.of(g, geometry.buffers) for g in geometry.groups]
         self._connect = connect
         self._report_load = report_load
+        self._report_save = report_save
         self._client: Any = None
         self._cond = threading.Condition()
         self._loads: collections.deque[KvsLoad] = collections.deque()
         self._saves: collections.deque[KvsSave] = collections.deque()
         self._step_saves: list[KvsSave] = []
-        self._saves_done: list[int] = []
         self._closing = False
         self.counters: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(
@@ -219,11 +220,6 @@ class KvsWorker:
             with self._cond:
                 self._saves.extend(saves)
                 self._cond.notify()
-
-    def take_saves_done(self) -> list[int]:
-        with self._cond:
-            done, self._saves_done = self._saves_done, []
-        return done
 
     # ------------------------------------------------------------------ the KVS thread
     def _main(self) -> None:
@@ -322,9 +318,7 @@ class KvsWorker:
             log.warning("KVS: saving %d block(s) failed (%s)", len(save.chains), exc)
             self._drop_client()
         finally:
-            with self._cond:
-                self._saves_done.append(save.save_id)
-                self._cond.notify_all()  # tests wait on it; the KVS thread is not waiting now
+            self._report_save(save.save_id)
 
     def _save(self, save: KvsSave) -> None:
         items = []

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -121,8 +120,18 @@ class SchedulerSide:
         self.send_done_address = ""
 
     def _drain(self) -> None:
-        """Give vLLM back the blocks whose SEND_DONE arrived (engine-core thread, every hook)."""
+        """Give vLLM back the blocks whose SEND_DONE arrived (engine-core thread, every hook):
+        P's held requests', and those of KVS saves every rank finished."""
         self.holds.drain()
+        if self.kvs is not None:
+            self.kvs.drain()
+
+    def send_done(self, request_id: str, tp_rank: int, outcome: str = "") -> bool:
+        """SEND_DONE server thread (``send_done.SendDoneSink``): a KVS save's report, or one
+        for P's held blocks (``holds``)."""
+        if self.kvs is not None and self.kvs.is_save_report(request_id):
+            return self.kvs.save_reported(request_id, tp_rank)
+        return self.holds.send_done(request_id, tp_rank, outcome)
 
     def release_holds(self) -> int:
         """Shutdown: every block still held goes back to vLLM (once). Returns how many."""
@@ -305,10 +314,7 @@ class SchedulerSide:
             for g, ids in zip(self._groups, block_ids, strict=True)
         ]
 
-    def update_connector_output(
-        self, output: KVConnectorOutput, saves_done: Sequence[int] = ()
-    ) -> None:
-        """``saves_done``: the KVS save ids the workers reported this step (one per rank)."""
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._drain()
         for request_id in output.finished_recving or ():
             self._recv_in_flight.discard(request_id)
@@ -316,8 +322,6 @@ class SchedulerSide:
                 self._kvs_loading.discard(request_id)
                 if self.kvs is not None:
                     self.kvs.load_finished(request_id)
-        if saves_done and self.kvs is not None:
-            self.kvs.saves_reported(saves_done)
 
     # ------------------------------------------------------------------ both
     def request_finished(

@@ -551,6 +551,7 @@ def _start_kvs(
     config: KvsConfig,
     geometry: CacheGeometry,
     results: _Results,
+    report_save: Callable[[int], None],
     *,
     tp_rank: int,
     tp_size: int,
@@ -575,6 +576,7 @@ def _start_kvs(
         tp_size=tp_size,
         connect=lambda: refstore.Client(config.store, timeout=10.0),
         report_load=report,
+        report_save=report_save,
         name=f"-{name}",
     )
 
@@ -611,6 +613,9 @@ class WorkerSide:
         self.rpc_address: str | None = None
         self.local_spec: CacheSpec | None = None
         self.kvs: KvsWorker | None = None
+        # KVS saves are reported to the scheduler half by SEND_DONE (its address: the metadata's).
+        self._kvs_send_done: SendDoneClient | None = None
+        self._tp_rank = 0
 
     def register_kv_caches(
         self,
@@ -651,11 +656,13 @@ class WorkerSide:
             stream = functools.partial(torch.cuda.current_stream, torch.device(device))
             self._start_device_events(device, current_stream=stream)
         self.local_spec = geometry.spec(region_ids)
+        self._tp_rank = tp_rank
         if self._config.kvs is not None:
             self.kvs = _start_kvs(
                 self._config.kvs,
                 geometry,
                 self._results,
+                self._kvs_save_done,
                 tp_rank=tp_rank,
                 tp_size=tp_size,
                 name=self._name,
@@ -731,8 +738,11 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
-        if self.kvs is not None and (meta.kvs_loads or meta.kvs_saves):
-            self.kvs.handle(meta.kvs_loads, meta.kvs_saves)
+        if self.kvs is not None:
+            if self._kvs_send_done is None and meta.scheduler_address and self._loop is not None:
+                self._loop.call_soon(self._kvs_use_scheduler, meta.scheduler_address)
+            if meta.kvs_loads or meta.kvs_saves:
+                self.kvs.handle(meta.kvs_loads, meta.kvs_saves)
         producer, consumer = self._producer, self._consumer
         # One hand-over (one wake-up of the loop thread) per step, however many items.
         batch: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
@@ -773,6 +783,31 @@ class WorkerSide:
                 post((consumer.release, (release,)))
         if batch:
             self._loop.call_soon(self._run_batch, batch)
+
+    def _kvs_use_scheduler(self, address: str) -> None:
+        """Loop thread: where KVS save reports go (one scheduler half, the first address)."""
+        if self._kvs_send_done is None:
+            self._kvs_send_done = SendDoneClient(
+                address,
+                self._tp_rank,
+                on_delivered=lambda: self._results.count("kvs_save_reports"),
+            )
+
+    def _kvs_save_done(self, save_id: int) -> None:
+        """KVS thread: tell the scheduler half (on the loop thread, as P's reports)."""
+        loop = self._loop
+        if loop is None:
+            return
+        from hybrid_connector.kvs import save_report_id
+
+        def report() -> None:
+            if self._kvs_send_done is not None:
+                self._kvs_send_done.report(save_report_id(save_id), "", "kvs")
+            else:  # no metadata named the scheduler half yet (cannot be: a save came in one)
+                log.warning("KVS: save %d done, but no scheduler address to report it", save_id)
+
+        with contextlib.suppress(Exception):  # the loop closed: shutting down
+            loop.call_soon(report)
 
     def layer_saved(self, layer_name: str) -> None:
         """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
@@ -840,6 +875,12 @@ class WorkerSide:
             with contextlib.suppress(Exception):
                 if self._consumer is not None:
                     self._loop.run(self._consumer.close(), timeout=10)
+            if self.kvs is not None:  # its last saves report on the loop, so before it closes
+                self.kvs.close()
+                self.kvs = None
+            with contextlib.suppress(Exception):
+                if self._kvs_send_done is not None:
+                    self._loop.run(self._kvs_send_done.close(), timeout=10)
             self._loop.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
