@@ -219,6 +219,9 @@ class _Child:
             side._drain()
         pool = sched.kv_cache_manager.block_pool
         groups = sched.kv_cache_config.kv_cache_groups
+        kvs = getattr(side, "kvs", None)
+        if kvs is not None:
+            out["kvs"] = dict(kvs.counters, pending_saves=kvs.pending_saves())
         out |= {
             "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks - 1,  # one block is vLLM's reserved null block

@@ -11,6 +11,9 @@ Resources, one per session:
   ``engine_gdn`` (Gated DeltaNet hybrid). The first test that asks for any engine starts every
   engine the session's selected tests use, all at once, so their start-ups overlap, and waits
   for all of them.
+- KVS engines, sharing one refstore master (``kvs_store``, started with the first of them):
+  ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2, TP 1, block 32; b checks each loaded block's
+  CRC), ``engine_kvs_mla`` (MLA).
 - ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
   proxy included) for the xPyD, failover and end-to-end tests.
 
@@ -37,7 +40,16 @@ import pytest
 
 from harness.ports import free_port
 
-ENGINES = ("engine_qwen2", "engine_qwen2_tp2", "engine_mla", "engine_mla_tp2", "engine_gdn")
+ENGINES = (
+    "engine_qwen2",
+    "engine_qwen2_tp2",
+    "engine_mla",
+    "engine_mla_tp2",
+    "engine_gdn",
+    "engine_kvs_a",
+    "engine_kvs_b",
+    "engine_kvs_mla",
+)
 DEPLOYMENTS = ("xpyd",)
 RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
 LEASE_S = 15.0  # long enough for D to pull on a loaded box, short enough to wait out once
@@ -122,14 +134,32 @@ def tiny_model_dir(models_dir: Path, arch: str) -> Path:
 # ------------------------------------------------------------------ offline engines
 
 
+KVS_STORE = f"harness-kvs-{os.getpid()}"
+KVS_POOL = "256M"
+
+
+def kvs_engine_arch(name: str) -> str | None:
+    """The arch of a KVS engine (None: not one)."""
+    if not name.startswith("engine_kvs_"):
+        return None
+    return "mla" if name.endswith("_mla") else "qwen2"
+
+
 def _engine_spec(name: str, models_dir: Path) -> Any:
     from hybrid_connector.tiny_model import TINY_ENGINE_ARGS
 
     from harness.offline import EngineSpec
 
-    arch = name.removeprefix("engine_").removesuffix("_tp2")
+    kvs_arch = kvs_engine_arch(name)
+    arch = kvs_arch or name.removeprefix("engine_").removesuffix("_tp2")
     tp = 2 if name.endswith("_tp2") else 1
-    extra = {"rpc_port": free_port(), "lease_s": LEASE_S, "transfer_timeout_s": TRANSFER_TIMEOUT_S}
+    extra: dict[str, Any] = {
+        "rpc_port": free_port(),
+        "lease_s": LEASE_S,
+        "transfer_timeout_s": TRANSFER_TIMEOUT_S,
+    }
+    if kvs_arch is not None:
+        extra["kvs"] = {"store": KVS_STORE, "verify": "crc" if name == "engine_kvs_b" else "header"}
     block_size = {"qwen2": 32 * tp}.get(arch)
     return EngineSpec(
         name=name,
@@ -142,7 +172,7 @@ def _engine_spec(name: str, models_dir: Path) -> Any:
         engine_args={
             k: v for k, v in TINY_ENGINE_ARGS[arch].items() if k != "enable_prefix_caching"
         },
-        record_kv=arch == "mla" and tp == 1,
+        record_kv=arch == "mla" and tp == 1 and kvs_arch is None,
     )
 
 
@@ -153,15 +183,31 @@ class EnginePool:
         self.models_dir = models_dir
         self.needed = needed
         self.engines: dict[str, Any] = {}
+        self.store: Any = None  # the KVS engines' refstore master (a client of it)
 
-    def get(self, name: str) -> Any:
+    def start_store(self) -> Any:
+        """The KVS engines' store, started once (before any of them)."""
+        if self.store is None:
+            import refstore
+
+            self.store = refstore.connect(KVS_STORE, autostart=True, pool_size=KVS_POOL)
+        return self.store
+
+    def start(self, name: str) -> Any:
+        """Start engine ``name`` now (also again, after a test closed it), counted."""
         from harness.offline import OfflineEngine
 
+        if kvs_engine_arch(name) is not None:
+            self.start_store()
+        self.engines[name] = OfflineEngine(_engine_spec(name, self.models_dir))
+        count_vllm_start(name)
+        return self.engines[name]
+
+    def get(self, name: str) -> Any:
         if name not in self.engines:
             for other in sorted(self.needed | {name}):
                 if other not in self.engines:
-                    self.engines[other] = OfflineEngine(_engine_spec(other, self.models_dir))
-                    count_vllm_start(other)
+                    self.start(other)
         # Every engine started, not only this one: a test must not run its transfers while the
         # others' start-ups take both cores (a pull can then miss P's lease).
         for engine in self.engines.values():
@@ -177,6 +223,10 @@ class EnginePool:
             info = engine.close()
             if info is not None:
                 leaked[name] = [t for t in info["threads"] if t.startswith(OWN_THREADS)]
+        if self.store is not None:
+            self.store.shutdown_master()
+            self.store.close()
+            self.store = None
         return {name: threads for name, threads in leaked.items() if threads}
 
 
@@ -198,6 +248,17 @@ def _engine_fixture(name: str) -> Any:
 
 
 engine_qwen2 = _engine_fixture("engine_qwen2")
+engine_kvs_a = _engine_fixture("engine_kvs_a")
+engine_kvs_b = _engine_fixture("engine_kvs_b")
+engine_kvs_mla = _engine_fixture("engine_kvs_mla")
+
+
+@pytest.fixture(scope="session")
+def kvs_store(engine_pool: EnginePool) -> Any:
+    """A refstore client of the KVS engines' store (the engines use it by name)."""
+    return engine_pool.start_store()
+
+
 engine_qwen2_tp2 = _engine_fixture("engine_qwen2_tp2")
 engine_mla = _engine_fixture("engine_mla")
 engine_mla_tp2 = _engine_fixture("engine_mla_tp2")

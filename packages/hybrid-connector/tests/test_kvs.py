@@ -391,6 +391,9 @@ class FakeLookups:
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
 
+    def unhold(self, refs: list[Any]) -> None:
+        self.store.unhold(refs)
+
     def close(self) -> None:
         self.closed = True
 
@@ -477,6 +480,10 @@ def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
     assert load.block_ids == [[21]]
     assert load.chains == chains[1:2]
     assert [ref.key for ref, _ in load.sources[0]] == [kvs_keys.object_key(chains[1], 0, 0)]
+    # Block 0 is local: its hold goes at once; block 1's goes with its load (the worker's).
+    assert [ref.key for ref in store.unheld] == [kvs_keys.object_key(chains[0], 0, 0)]
+    planner.load_finished("r")
+    assert planner.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted: no reload
 
 
 def test_a_lookup_that_does_not_answer_in_time_is_a_miss() -> None:

@@ -98,7 +98,8 @@ class Lookups:
         self._client: Any = None
         self._down_until = 0.0
         self._warned = False
-        self._jobs: queue.SimpleQueue[tuple[str, list[bytes]] | None] = queue.SimpleQueue()
+        # (request id, keys) to look up, (None, refs) to unhold, None to stop.
+        self._jobs: queue.SimpleQueue[tuple[str | None, list[Any]] | None] = queue.SimpleQueue()
         self._answers: dict[str, LookupAnswer] = {}
         self._lock = threading.Lock()
         self._thread = threading.Thread(
@@ -108,6 +109,11 @@ class Lookups:
 
     def submit(self, request_id: str, keys: list[bytes]) -> None:
         self._jobs.put((request_id, keys))
+
+    def unhold(self, refs: list[Any]) -> None:
+        """Let the store evict these again (looked up, but not to be loaded)."""
+        if refs:
+            self._jobs.put((None, refs))
 
     def answer(self, request_id: str) -> LookupAnswer | None:
         with self._lock:
@@ -160,8 +166,16 @@ class Lookups:
 
     def _main(self) -> None:
         while (job := self._jobs.get()) is not None:
-            request_id, keys = job
-            answer = self._lookup(keys)
+            request_id, items = job
+            if request_id is None:
+                client = self._client
+                if client is not None:
+                    try:
+                        client.unhold(items)
+                    except Exception as exc:  # the holds lapse by themselves
+                        log.debug("KVS: unhold failed (%s)", exc)
+                continue
+            answer = self._lookup(items)
             with self._lock:
                 self._answers[request_id] = answer
 
@@ -186,6 +200,9 @@ class _Request:
     store_blocks: int = 0  # leading blocks the store held at lookup
     saved_upto: int = 0  # blocks [0, saved_upto) are in the store or being saved
     local_tokens: int = 0  # vLLM's local prefix hit, as last told
+    # The lookup's answer was used (loaded, or its holds given up): a request scheduled again
+    # (preempted) does not load from it a second time.
+    spent: bool = False
     loading: bool = False
 
 
@@ -294,32 +311,49 @@ class KvsScheduler:
             tracked.saved_upto = tracked.store_blocks
             if not tracked.store_blocks:
                 self.counters["lookup_misses"] += 1
-        if tracked.loading:
+        if tracked.loading or tracked.spent:
             return 0, False
         tracked.local_tokens = num_computed_tokens
         hit_tokens = tracked.store_blocks * self._block_size
         count = hit_tokens - num_computed_tokens
         if count < self._config.min_load_blocks * self._block_size:
+            self._unhold(tracked, 0, 0)  # nothing to load: every hold goes
             return 0, False
         return count, True
+
+    def _unhold(self, tracked: _Request, first: int, last: int) -> None:
+        """Give up the lookup's holds on the blocks outside [first, last) (those not loaded)."""
+        answer = tracked.answer
+        if answer is None or not answer.found or self._lookups is None:
+            return
+        _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
+        found = answer.found
+        unused = found[: first * per_block] + found[last * per_block :]
+        tracked.answer = LookupAnswer(found[first * per_block : last * per_block])
+        tracked.spent = True
+        self._lookups.unhold([ref for ref, _ in unused])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> KvsLoad | None:
         tracked = self._requests.get(request.request_id)
-        if tracked is None or num_external_tokens <= 0 or tracked.answer is None:
+        if tracked is None or tracked.answer is None or tracked.spent:
+            return None
+        if num_external_tokens <= 0:
+            self._unhold(tracked, 0, 0)
             return None
         first = tracked.local_tokens // self._block_size
         last = -(-(tracked.local_tokens + num_external_tokens) // self._block_size)
         last = min(last, tracked.store_blocks)
         if last <= first:
             return None
+        self._unhold(tracked, first, last)
         _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
-        found = tracked.answer.found
+        found = tracked.answer.found  # now only blocks [first, last)
         block_ids: list[list[int]] = []
         for held in blocks.blocks:
             block_ids.append([b.block_id for b in held[first:last]])
-        sources = [found[j * per_block : (j + 1) * per_block] for j in range(first, last)]
+        sources = [found[j * per_block : (j + 1) * per_block] for j in range(last - first)]
         tracked.loading = True
         self.counters["loads"] += 1
         self.counters["hit_blocks"] += last - first
@@ -429,7 +463,9 @@ class KvsScheduler:
 
     # ------------------------------------------------------------------ end
     def request_finished(self, request: Request) -> None:
-        self._requests.pop(request.request_id, None)
+        tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None and not tracked.spent:
+            self._unhold(tracked, 0, 0)
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
 

@@ -1,0 +1,247 @@
+"""Multi-turn chat across two instances: vLLM's local prefix cache alone, against KVS.
+
+The workload (published, seeded): ``--sessions`` chat sessions of ``--turns`` turns. Turn 1 is a
+system prompt shared by all sessions (``--system`` tokens) plus a first user message; every
+later turn adds the previous answer and a new user message (``--user`` tokens) to the context,
+so contexts grow to ``system + turns * (user + answer)`` tokens. Each answer is ``--answer``
+tokens, greedy. Sessions run ``--concurrency`` at a time; their turns go to the two instances
+in turn (round robin: no session affinity, the case a load balancer makes), and each
+instance's KV pool (``--kv-mib``) is too small to keep every session.
+
+Systems, one after the other in one run, on the same two vLLM OpenAI servers' settings:
+
+* ``local``: vLLM's prefix cache only (the connector without a store);
+* ``kvs``: the connector with KVS on, both instances on one refstore master.
+
+Reported per system: TTFT p50 and p99 of turn 1 and of turns 2+, prompt tokens served from
+the local cache / loaded from the store / computed (vLLM's own counters), throughput
+(answers' tokens per second), and every answer's tokens compared across systems.
+
+    flock /tmp/bench.lock uv run --frozen --no-sync python \\
+        packages/hybrid-connector/benchmarks/bench_kvs_multiturn.py
+    ... bench_kvs_multiturn.py --smoke    # 4 sessions of 3 turns
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
+    rng = random.Random(args.seed)
+    system = [rng.randrange(3, 500) for _ in range(args.system)]
+    users = [
+        [[rng.randrange(3, 500) for _ in range(args.user)] for _ in range(args.turns)]
+        for _ in range(args.sessions)
+    ]
+    return system, users
+
+
+async def _complete(
+    http: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
+) -> tuple[float, list[int]]:
+    """(TTFT s, answer token ids) of one streamed greedy completion."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
+    start = time.perf_counter()
+    ttft = None
+    tokens: list[int] = []
+    async with http.post(f"{url}/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices", []):
+                ids = choice.get("token_ids") or []
+                if ids and ttft is None:
+                    ttft = time.perf_counter() - start
+                tokens.extend(ids)
+    assert ttft is not None, "no token came back"
+    return ttft, tokens
+
+
+async def run_system(urls: list[str], model: str, args: argparse.Namespace) -> dict[str, Any]:
+    system, users = workload(args)
+    ttfts: dict[int, list[float]] = {t: [] for t in range(args.turns)}
+    answers: dict[tuple[int, int], list[int]] = {}
+    counter = iter(range(10**9))
+    sem = asyncio.Semaphore(args.concurrency)
+    total_tokens = 0
+
+    async def session(s: int, http: aiohttp.ClientSession) -> None:
+        nonlocal total_tokens
+        async with sem:
+            context = list(system)
+            for t in range(args.turns):
+                context += users[s][t]
+                url = urls[next(counter) % len(urls)]  # round robin: no session affinity
+                ttft, answer = await _complete(http, url, model, context, args.answer)
+                ttfts[t].append(ttft)
+                answers[s, t] = answer
+                total_tokens += len(answer)
+                context += answer
+
+    start = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        await asyncio.gather(*(session(s, http) for s in range(args.sessions)))
+    elapsed = time.perf_counter() - start
+    later = [x for t in range(1, args.turns) for x in ttfts[t]]
+    return {
+        "ttft_turn1_ms": _pcts(ttfts[0]),
+        "ttft_later_ms": _pcts(later),
+        "ttft_by_turn_p50_ms": [statistics.median(ttfts[t]) * 1e3 for t in range(args.turns)],
+        "tokens_per_s": total_tokens / elapsed,
+        "elapsed_s": elapsed,
+        "answers": {f"{s}/{t}": a for (s, t), a in sorted(answers.items())},
+    }
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {
+        "p50": statistics.median(xs) * 1e3,
+        "p99": xs[min(len(xs) - 1, round(0.99 * (len(xs) - 1)))] * 1e3,
+    }
+
+
+def _by_source(url: str) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def start_servers(
+    model: Path, kvs: dict[str, Any] | None, args: argparse.Namespace, log_dir: Path
+) -> tuple[list[Any], list[Any]]:
+    from pd_serving.launcher import start_all, wait_all_ready
+    from pd_serving.servers import Connector, CpuSettings, Role, VllmServer
+
+    cpu = CpuSettings(kv_cache_bytes=args.kv_mib << 20, max_model_len=args.max_model_len)
+    servers = [
+        VllmServer(
+            name=f"{'kvs' if kvs else 'local'}{i}",
+            model=model,
+            role=Role.DECODE,
+            connector=Connector.HYBRID,
+            log_dir=log_dir,
+            index=i,
+            cpu=cpu,
+            served_model_name="tiny",
+            extra_args=["--block-size", str(args.block_size)],
+            extra_connector_config={"kvs": kvs} if kvs else {},
+        )
+        for i in range(2)
+    ]
+    processes = start_all(s.make_process() for s in servers)
+    wait_all_ready(processes, timeout=900)
+    return servers, processes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system", type=int, default=512)
+    parser.add_argument("--user", type=int, default=256)
+    parser.add_argument("--answer", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--kv-mib", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--pool", default="1G")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--json", type=Path, default=RESULTS / "kvs_multiturn.json")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sessions, args.turns, args.system, args.user, args.answer = 4, 3, 128, 96, 16
+    import refstore
+    from hybrid_connector.tiny_model import make_tiny_model
+    from pd_serving.launcher import stop_all
+
+    work = Path(tempfile.mkdtemp(prefix="bench-kvs-"))
+    model = make_tiny_model(work / "tiny-qwen2", "qwen2")
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    store_name = f"bench-kvs-{uuid.uuid4().hex[:6]}"
+    for system_name in ("local", "kvs"):
+        store = None
+        kvs = None
+        if system_name == "kvs":
+            store = refstore.connect(store_name, autostart=True, pool_size=args.pool)
+            kvs = {"store": store_name}
+        servers, processes = start_servers(model, kvs, args, work / system_name)
+        try:
+            urls = [s.url for s in servers]
+            before = [_by_source(u) for u in urls]
+            out = asyncio.run(run_system(urls, "tiny", args))
+            after = [_by_source(u) for u in urls]
+            sources: dict[str, float] = {}
+            for b, a in zip(before, after, strict=True):
+                for key in a:
+                    sources[key] = sources.get(key, 0.0) + a[key] - b.get(key, 0.0)
+            out["prompt_tokens_by_source"] = sources
+            if store is not None:
+                out["store"] = {k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")}
+            results[system_name] = out
+        finally:
+            stop_all(processes)
+            if store is not None:
+                store.shutdown_master()
+                store.close()
+    same = results["local"]["answers"] == results["kvs"]["answers"]
+    results["same_answers"] = same
+    for name in ("local", "kvs"):
+        r = results[name]
+        src = r["prompt_tokens_by_source"]
+        total = sum(src.values()) or 1.0
+        print(
+            f"{name:6s} TTFT turn 1 p50 {r['ttft_turn1_ms']['p50']:7.1f} ms, turns 2+ p50 "
+            f"{r['ttft_later_ms']['p50']:7.1f} p99 {r['ttft_later_ms']['p99']:7.1f} ms; "
+            f"{r['tokens_per_s']:6.1f} tok/s; prompt tokens: "
+            + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(src.items()))
+        )
+    ratio = results["kvs"]["ttft_later_ms"]["p50"] / results["local"]["ttft_later_ms"]["p50"]
+    print(f"turns 2+ TTFT p50 kvs/local: {ratio:.2f}x; answers identical: {same}")
+    if not args.smoke:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        slim = {
+            k: {kk: vv for kk, vv in v.items() if kk != "answers"} if isinstance(v, dict) else v
+            for k, v in results.items()
+        }
+        args.json.write_text(json.dumps(slim, indent=1))
+    if not same:
+        raise SystemExit("answers differ between systems")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""KVS through vLLM: a prefix computed once is loaded by another instance, by a restarted one,
+by the same one after its own cache forgot it; every fault falls back to recompute.
+
+Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b checks
+each block's CRC) and ``engine_kvs_mla`` share one refstore master (``kvs_store``). Each test uses
+prompts of its own (a seed each), so no test hits what another one stored, and ends with the
+engines idle (no request, every block back in vLLM's pool, no save holding a block) and no
+hold left in the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from harness.checks import MAX_TOKENS, assert_idle, prompts, wait_for
+from harness.kvs import evict_before_each_load, prompt_keys, reset_prefix_cache
+from harness.offline import OfflineEngine
+from refstore import faults
+
+BLOCK = 32  # the qwen2 KVS engines' block size
+LENGTHS = (300, 170, 97)  # 9, 5 and 3 full blocks of 32 tokens
+
+
+def _stored_blocks(prompt: list[int], block: int = BLOCK) -> int:
+    """Full blocks of a prompt that another instance can load (all but the last token)."""
+    return (len(prompt) - 1) // block
+
+
+def _counter(engine: OfflineEngine, name: str) -> int:
+    return engine.counters().get(name, 0)
+
+
+def _wait_saved(engine: OfflineEngine, before: int, n: int) -> None:
+    """Until ``n`` more saves of ``engine`` reached its scheduler half (every rank)."""
+    wait_for(
+        f"{engine.name}: {n} KVS save report(s)",
+        lambda: _counter(engine, "kvs_save_reports") >= before + n * engine.tp,
+        timeout=60,
+    )
+
+
+def _compute_and_save(engine: OfflineEngine, batch: list[list[int]]) -> list[Any]:
+    """Greedy outputs of ``batch`` on ``engine``, once its saves are in the store."""
+    before = _counter(engine, "kvs_save_reports")
+    saves_before = engine.stats()["kvs"]["saves"]
+    outs = engine.generate(batch, MAX_TOKENS)
+    saves = engine.stats()["kvs"]["saves"] - saves_before
+    _wait_saved(engine, before, saves)
+    return outs
+
+
+def _by_source(engine: OfflineEngine) -> dict[str, int]:
+    return dict(engine.stats()["by_source"])
+
+
+def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+def _assert_clean(store: Any, *engines: OfflineEngine) -> None:
+    """Back to baseline: engines idle, no save holding vLLM's blocks, no hold in the store."""
+    assert_idle(*engines)
+    for engine in engines:
+        assert engine.stats()["kvs"]["pending_saves"] == 0
+    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0)
+
+
+def _tokens(outs: list[Any]) -> list[list[int]]:
+    return [o.token_ids for o in outs]
+
+
+# ------------------------------------------------------------------ hits
+def test_a_prefix_computed_on_one_instance_is_loaded_by_another(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    batch = prompts(2501, LENGTHS)
+    keys_before = kvs_store.stats().keys
+    expected = _compute_and_save(engine_kvs_a, batch)
+    stored = sum(_stored_blocks(p) for p in batch)
+    # Keys of every full block, prompt and output (307, 177, 104 tokens: 9 + 5 + 3).
+    assert kvs_store.stats().keys - keys_before >= stored
+    before = _by_source(engine_kvs_b)
+    got = engine_kvs_b.generate(batch, MAX_TOKENS)
+    assert _tokens(got) == _tokens(expected)
+    after = _by_source(engine_kvs_b)
+    assert _delta(after, before, "external_kv_transfer") == stored * BLOCK
+    assert _delta(after, before, "local_compute") == sum(len(p) for p in batch) - stored * BLOCK
+    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+
+
+def test_the_second_instance_extends_what_the_first_stored(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    """A turn 2 (turn 1 plus more tokens) on the other instance loads turn 1's blocks, then
+    saves only its own new ones."""
+    (turn1,) = prompts(2502, (200,))
+    (more,) = prompts(2503, (130,))
+    first = _compute_and_save(engine_kvs_a, [turn1])
+    turn2 = turn1 + first[0].token_ids + more
+    before = _by_source(engine_kvs_b)
+    saved_before = engine_kvs_b.stats()["kvs"]["saved_blocks"]
+    want = engine_kvs_a.generate([turn2], MAX_TOKENS, salt="no-hit-on-a")  # a, from scratch
+    got = _compute_and_save(engine_kvs_b, [turn2])
+    assert _tokens(got) == _tokens(want)
+    after = _by_source(engine_kvs_b)
+    loaded = (len(turn1) + MAX_TOKENS - 1) // BLOCK * BLOCK  # turn 1's full blocks (a's saves)
+    assert _delta(after, before, "external_kv_transfer") == loaded
+    full = (len(turn2) + MAX_TOKENS - 1) // BLOCK
+    assert engine_kvs_b.stats()["kvs"]["saved_blocks"] - saved_before == full - loaded // BLOCK
+    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+
+
+def test_mla_blocks_load_back_after_the_instance_forgot_them(
+    engine_kvs_mla: OfflineEngine, kvs_store: Any
+) -> None:
+    engine = engine_kvs_mla
+    block = engine.block_size
+    batch = prompts(2504, (290, 140))
+    expected = _compute_and_save(engine, batch)
+    assert engine.call(reset_prefix_cache)
+    before = _by_source(engine)
+    got = engine.generate(batch, MAX_TOKENS)
+    assert _tokens(got) == _tokens(expected)
+    stored = sum(_stored_blocks(p, block) for p in batch)
+    assert _delta(_by_source(engine), before, "external_kv_transfer") == stored * block
+    _assert_clean(kvs_store, engine)
+
+
+# ------------------------------------------------------------------ faults: recompute, same tokens
+def _recomputes(engine: OfflineEngine, batch: list[list[int]], expected: list[Any]) -> None:
+    before = _by_source(engine)
+    got = engine.generate(batch, MAX_TOKENS)
+    assert _tokens(got) == _tokens(expected)
+    after = _by_source(engine)
+    assert _delta(after, before, "external_kv_transfer") == 0
+    assert _delta(after, before, "local_compute") == sum(len(p) for p in batch)
+
+
+def test_a_store_that_fails_lookups_and_saves_costs_only_the_hits(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    batch = prompts(2505, LENGTHS)
+    faults.inject(kvs_store, "lookup:fail;put_keyed:fail")
+    try:
+        failures = _counter(engine_kvs_a, "kvs_save_reports")
+        expected = engine_kvs_a.generate(batch, MAX_TOKENS)  # saves fail, reported anyway
+        wait_for(
+            "a's failed saves reported",
+            lambda: _counter(engine_kvs_a, "kvs_save_reports") > failures,
+        )
+        _recomputes(engine_kvs_b, batch, expected)  # lookups fail: misses
+    finally:
+        faults.clear(kvs_store)
+    assert engine_kvs_b.stats()["kvs"]["lookup_misses"] >= len(batch)
+    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+
+
+def test_an_object_evicted_between_lookup_and_load_is_recomputed(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    batch = prompts(2506, LENGTHS)
+    expected = _compute_and_save(engine_kvs_a, batch)
+    failed = _counter(engine_kvs_b, "kvs_loads_failed")
+    engine_kvs_b.call(evict_before_each_load, kvs_store.name, True)
+    try:
+        got = engine_kvs_b.generate(batch, MAX_TOKENS)
+    finally:
+        engine_kvs_b.call(evict_before_each_load, kvs_store.name, False)
+    assert _tokens(got) == _tokens(expected)
+    assert _counter(engine_kvs_b, "kvs_loads_failed") - failed == len(batch), (
+        engine_kvs_b.counters(),
+        engine_kvs_b.stats()["kvs"],
+    )
+    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "short"])
+def test_a_damaged_object_is_refused_and_recomputed(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, damage: str
+) -> None:
+    """b checks CRCs: a flipped byte is caught; a checks headers: a short object is."""
+    seed = {"corrupt": 2507, "short": 2508}[damage]
+    loader, saver = (
+        (engine_kvs_b, engine_kvs_a) if damage == "corrupt" else (engine_kvs_a, engine_kvs_b)
+    )
+    batch = prompts(seed, (200,))
+    expected = _compute_and_save(saver, batch)
+    keys = loader.call(prompt_keys, batch[0])
+    (ref,) = kvs_store.lookup(keys[3:4], hold_s=0)
+    if damage == "corrupt":
+        view = kvs_store.get(ref, writable=True)
+        view.reshape(-1).view(np.uint8)[100] ^= 0x40
+    else:
+        whole = np.array(kvs_store.get(ref)).reshape(-1).view(np.uint8)
+        faults.evict_keys(kvs_store, keys[3:4])
+        kvs_store.put_keyed([(keys[3], whole[:-64].copy())], ttl=None)
+    failed = _counter(loader, "kvs_loads_failed")
+    _recomputes(loader, batch, expected)
+    assert _counter(loader, "kvs_loads_failed") - failed == 1
+    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+
+
+def test_a_full_store_saves_what_fits_and_the_rest_is_recomputed(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    batch = prompts(2509, LENGTHS)
+    ballast = []
+    try:
+        while True:  # leased objects: the store cannot evict them to make room
+            free = kvs_store.stats().largest_free
+            if free < 4096:
+                break
+            ballast.append(kvs_store.put(np.zeros(free // 2 or 1, np.uint8), ttl=120))
+        full_before = _counter(engine_kvs_a, "kvs_save_reports")
+        expected = engine_kvs_a.generate(batch, MAX_TOKENS)
+        wait_for(
+            "a's saves reported", lambda: _counter(engine_kvs_a, "kvs_save_reports") > full_before
+        )
+        before = _by_source(engine_kvs_b)
+        got = engine_kvs_b.generate(batch, MAX_TOKENS)
+        assert _tokens(got) == _tokens(expected)
+        after = _by_source(engine_kvs_b)
+        total = sum(len(p) for p in batch)
+        loaded = _delta(after, before, "external_kv_transfer")
+        assert _delta(after, before, "local_compute") == total - loaded
+        assert loaded < sum(_stored_blocks(p) for p in batch) * BLOCK  # not everything fit
+    finally:
+        kvs_store.release(ballast)
+    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+
+
+# ------------------------------------------------------------------ restart
+@pytest.mark.destroys("engine_kvs_b")
+def test_a_restarted_instance_loads_what_both_stored_before(
+    engine_pool: Any, engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    from_a, from_b = prompts(2510, (260,)), prompts(2511, (230,))
+    want_a = _compute_and_save(engine_kvs_a, from_a)
+    want_b = _compute_and_save(engine_kvs_b, from_b)
+    engine_kvs_b.close()
+    restarted = engine_pool.start("engine_kvs_b")
+    restarted.wait_ready(900)
+    before = _by_source(restarted)
+    got = restarted.generate(from_a + from_b, MAX_TOKENS)
+    assert _tokens(got) == _tokens(want_a) + _tokens(want_b)
+    stored = _stored_blocks(from_a[0]) + _stored_blocks(from_b[0])
+    assert _delta(_by_source(restarted), before, "external_kv_transfer") == stored * BLOCK
+    _assert_clean(kvs_store, engine_kvs_a, restarted)
