@@ -18,6 +18,7 @@ from harness.checks import MAX_TOKENS, assert_idle, prompts, wait_for
 from harness.kvs import evict_before_each_load, prompt_keys, reset_prefix_cache
 from harness.offline import OfflineEngine
 from refstore import faults
+from refstore.errors import PoolFull
 
 BLOCK = 32  # the qwen2 KVS engines' block size
 LENGTHS = (300, 170, 97)  # 9, 5 and 3 full blocks of 32 tokens
@@ -208,11 +209,12 @@ def test_a_full_store_saves_what_fits_and_the_rest_is_recomputed(
     batch = prompts(2509, LENGTHS)
     ballast = []
     try:
-        while True:  # leased objects: the store cannot evict them to make room
-            free = kvs_store.stats().largest_free
-            if free < 4096:
-                break
-            ballast.append(kvs_store.put(np.zeros(free // 2 or 1, np.uint8), ttl=120))
+        chunk = 16 << 20
+        while chunk >= 4096:  # leased: evicts every cache entry, and cannot be evicted itself
+            try:
+                ballast.append(kvs_store.put(np.zeros(chunk, np.uint8), ttl=120))
+            except PoolFull:
+                chunk //= 2
         full_before = _counter(engine_kvs_a, "kvs_save_reports")
         expected = engine_kvs_a.generate(batch, MAX_TOKENS)
         wait_for(

@@ -151,7 +151,8 @@ class Lookups:
             refs = client.lookup(keys, hold_s=self._hold_s)
         except Exception as exc:
             log.warning("KVS: lookup failed (%s); a miss", exc)
-            self._drop_client()
+            if isinstance(exc, ConnectionError):  # the store answered nothing: reconnect later
+                self._drop_client()
             return LookupAnswer([], str(exc))
         return LookupAnswer([(ref, getattr(ref, "index", 0)) for ref in refs])
 

@@ -251,7 +251,10 @@ class KvsWorker:
 
     def _run_load(self, load: KvsLoad) -> None:
         try:
-            self._load(load)
+            try:
+                self._load(load)
+            finally:
+                self._unhold(load)
         except Exception as exc:
             self.counters["load_failures"] += 1
             log.warning(
@@ -260,7 +263,7 @@ class KvsWorker:
                 len(load.chains),
                 exc,
             )
-            if not isinstance(exc, KvsLoadError):
+            if isinstance(exc, ConnectionError):  # the store is gone: a new client next time
                 self._drop_client()
             self._report_load(load.request_id, True)
         else:
@@ -273,7 +276,6 @@ class KvsWorker:
         crc = self._config.verify == "crc"
         views: list[Any] = []
         dst_parts, src_parts, len_parts = [], [], []
-        refs = []
         per_block = self._per_block()
         for j, chain in enumerate(load.chains):
             entries = load.sources[j]
@@ -285,7 +287,6 @@ class KvsWorker:
                 copy = self._copies[g]
                 obj = client.get(ref, as_="numpy")
                 views.append(obj)
-                refs.append(ref)
                 payload = check_trailer(
                     obj.reshape(-1).view(np.uint8), kvs_keys.object_key(chain, g, rank), copy,
                     crc=crc,
@@ -299,8 +300,20 @@ class KvsWorker:
                 np.concatenate(dst_parts), np.concatenate(src_parts), np.concatenate(len_parts)
             )
         del views
-        with contextlib.suppress(Exception):
-            client.unhold(refs)
+
+    def _unhold(self, load: KvsLoad) -> None:
+        """The lookup's holds on this rank's objects end once the load is over, either way."""
+        if self._client is None:
+            return
+        ranks = (kvs_keys.SHARED_RANK, self._tp_rank)
+        refs = [
+            ref
+            for entries in load.sources
+            for (_, rank), (ref, _) in zip(self._per_block(), entries, strict=False)
+            if rank in ranks
+        ]
+        with contextlib.suppress(Exception):  # holds lapse by themselves
+            self._client.unhold(refs)
 
     def _per_block(self) -> list[tuple[int, int]]:
         """(group, key rank) of a block's objects, in ``kvs_keys.lookup_keys`` order."""
@@ -316,7 +329,8 @@ class KvsWorker:
         except Exception as exc:
             self.counters["save_failures"] += 1
             log.warning("KVS: saving %d block(s) failed (%s)", len(save.chains), exc)
-            self._drop_client()
+            if isinstance(exc, ConnectionError):
+                self._drop_client()
         finally:
             self._report_save(save.save_id)
 

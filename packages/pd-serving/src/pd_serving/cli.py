@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,19 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
         "a host, else TCP), tcp or samehost (forced); default: the connector's own (auto)",
     )
     parser.add_argument("--kv-cache-mib", type=int, default=64, help="KV cache per instance")
+    parser.add_argument(
+        "--kvs",
+        nargs="?",
+        const="pdserve",
+        default=None,
+        metavar="STORE",
+        help="share KV through the node's store (hybrid): every instance saves what it computes "
+        "and loads the longest stored prefix; STORE names the refstore master (default "
+        "pdserve), started here unless one runs already",
+    )
+    parser.add_argument(
+        "--kvs-pool", default="2G", help="the store's pool when pdserve starts it (default 2G)"
+    )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -227,6 +241,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     connector = Connector(args.connector)
     dispatch = _dispatch(args)
     log_dir = args.log_dir or _default_log_dir("up")
+    extra = connector_extra(args)
+    if args.kvs is not None:
+        if connector is not Connector.HYBRID:
+            raise SystemExit("pdserve: --kvs needs --connector hybrid")
+        extra["kvs"] = {"store": args.kvs}
     servers = plan_servers(
         model,
         log_dir=log_dir,
@@ -234,20 +253,46 @@ def cmd_up(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         decode=args.decode,
         cpu=_cpu_settings(args),
-        extra_connector_config=connector_extra(args),
+        extra_connector_config=extra,
     )
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
         flush=True,
     )
-    with Deployment(servers) as deployment:
+    with _kv_store(args.kvs, args.kvs_pool), Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
         for name, value in _failover_settings(args).items():
             setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
         return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
+
+
+@contextlib.contextmanager
+def _kv_store(name: str | None, pool_size: str):
+    """The node's KV store for ``--kvs``: a refstore master started here (and stopped when the
+    deployment ends) unless one of that name runs already (then it is left alone)."""
+    if name is None:
+        yield None
+        return
+    from refstore import discovery, start_master_process
+
+    if discovery.master_running(name):
+        print(f"pdserve: KV store: the running refstore master {name!r}", flush=True)
+        yield None
+        return
+    proc = start_master_process(name, pool_size)
+    print(f"pdserve: KV store: refstore master {name!r} ({pool_size}) started", flush=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def _run_proxy(proxy, host: str, port: int, deployment=None) -> int:
