@@ -376,11 +376,13 @@ class FakeLookups:
         self.pending: dict[str, list[bytes]] = {}
         self.closed = False
         self.slow = False  # True: no answer comes
+        self.waits: list[float] = []
 
     def submit(self, request_id: str, keys: list[bytes]) -> None:
         self.pending[request_id] = keys
 
-    def answer(self, request_id: str) -> LookupAnswer | None:
+    def answer(self, request_id: str, wait_s: float = 0.0) -> LookupAnswer | None:
+        self.waits.append(wait_s)
         if self.slow:
             return None
         keys = self.pending.pop(request_id, None)
@@ -498,6 +500,7 @@ def test_a_lookup_that_does_not_answer_in_time_is_a_miss() -> None:
     clock.now = 0.6
     assert planner.get_num_new_matched_tokens(request, 0) == (0, False)
     assert planner.counters["lookup_misses"] == 1
+    assert lookups.waits == [0.005, 0.0, 0.0]  # only the first ask waits (a moment)
 
 
 def test_blocks_are_saved_once_as_they_fill_and_held_until_every_rank_reports() -> None:
@@ -563,17 +566,18 @@ def test_requests_with_embeddings_or_images_are_neither_looked_up_nor_saved() ->
 
 def test_the_lookup_thread_misses_while_the_store_is_down_and_reconnects() -> None:
     store = FakeStore()
-    attempts: list[int] = []
+    down = threading.Event()
+    down.set()
 
     def connect() -> FakeStore:
-        attempts.append(1)
-        if len(attempts) == 1:
+        if down.is_set():
             raise ConnectionRefusedError("no master")
         return store
 
     lookups = Lookups(connect, hold_s=1.0, retry_s=0.0)
     try:
         assert lookups._lookup([b"k"]).error == "store down"
+        down.clear()
         store.objects[b"k"] = np.zeros(1, np.uint8)
         assert [r.key for r, _ in lookups._lookup([b"k", b"x"]).found] == [b"k"]
     finally:

@@ -27,6 +27,9 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     load: bool = True
     # A lookup not answered in this time is a miss (the request is scheduled without it).
     lookup_timeout_s: float = 2.0
+    # The first ask for a request waits this long for its lookup (a local store answers in
+    # well under a millisecond); past it vLLM is told to ask again (None) and schedules others.
+    lookup_wait_s: float = 0.005
     # Looked-up objects are kept from eviction this long, for the load to read them.
     hold_s: float = 30.0
     # Load only hits of at least this many blocks past vLLM's local prefix hit.
@@ -40,6 +43,8 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.verify not in KVS_VERIFY:
             raise ConfigError(f"kvs.verify must be one of {', '.join(KVS_VERIFY)}")
+        if not 0 <= self.lookup_wait_s <= self.lookup_timeout_s:
+            raise ConfigError("kvs.lookup_wait_s must be in [0, lookup_timeout_s]")
         for name in ("lookup_timeout_s", "hold_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kvs.{name} must be positive, got {getattr(self, name)}")

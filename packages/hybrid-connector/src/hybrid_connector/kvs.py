@@ -102,6 +102,7 @@ class Lookups:
         self._jobs: queue.SimpleQueue[tuple[str | None, list[Any]] | None] = queue.SimpleQueue()
         self._answers: dict[str, LookupAnswer] = {}
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)
         self._thread = threading.Thread(
             target=self._main, name=f"hybrid-connector-kvs-lookup{name}", daemon=True
         )
@@ -115,8 +116,12 @@ class Lookups:
         if refs:
             self._jobs.put((None, refs))
 
-    def answer(self, request_id: str) -> LookupAnswer | None:
-        with self._lock:
+    def answer(self, request_id: str, wait_s: float = 0.0) -> LookupAnswer | None:
+        """The lookup's answer if it is in, waiting at most ``wait_s`` for it (a condition
+        wait: the lookup thread runs meanwhile, the caller's thread holds nothing)."""
+        with self._answered:
+            if wait_s > 0:
+                self._answered.wait_for(lambda: request_id in self._answers, timeout=wait_s)
             return self._answers.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
@@ -166,6 +171,7 @@ class Lookups:
                 log.debug("KVS: closing a failed client", exc_info=True)
 
     def _main(self) -> None:
+        self.client()  # connect now: the first request must not pay for it
         while (job := self._jobs.get()) is not None:
             request_id, items = job
             if request_id is None:
@@ -177,8 +183,9 @@ class Lookups:
                         log.debug("KVS: unhold failed (%s)", exc)
                 continue
             answer = self._lookup(items)
-            with self._lock:
+            with self._answered:
                 self._answers[request_id] = answer
+                self._answered.notify_all()
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -201,6 +208,7 @@ class _Request:
     store_blocks: int = 0  # leading blocks the store held at lookup
     saved_upto: int = 0  # blocks [0, saved_upto) are in the store or being saved
     local_tokens: int = 0  # vLLM's local prefix hit, as last told
+    polled: bool = False  # vLLM asked for the lookup's answer at least once
     # The lookup's answer was used (loaded, or its holds given up): a request scheduled again
     # (preempted) does not load from it a second time.
     spent: bool = False
@@ -300,7 +308,11 @@ class KvsScheduler:
                 self.counters["lookups"] += 1
         if tracked.answer is None:
             assert self._lookups is not None
-            answer = self._lookups.answer(request_id)
+            # The first ask waits a moment: a local store answers in well under a millisecond,
+            # and vLLM would otherwise ask again only after another turn of its busy loop.
+            first = not tracked.polled
+            tracked.polled = True
+            answer = self._lookups.answer(request_id, self._config.lookup_wait_s if first else 0.0)
             if answer is None:
                 if self._clock() - tracked.asked_at < self._config.lookup_timeout_s:
                     return None, False

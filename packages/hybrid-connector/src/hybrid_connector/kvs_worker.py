@@ -223,6 +223,10 @@ class KvsWorker:
 
     # ------------------------------------------------------------------ the KVS thread
     def _main(self) -> None:
+        try:
+            self._store()  # connect now: the first load must not pay for it
+        except Exception as exc:  # the store is down: the first job tries again
+            log.warning("KVS: the store is not reachable yet (%s)", exc)
         while True:
             with self._cond:
                 while not (self._loads or self._saves or self._closing):
