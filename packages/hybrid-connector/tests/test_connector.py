@@ -111,3 +111,33 @@ def test_attention_groups_carry_the_cpu_kernel_that_stores_them() -> None:
     groups = kv_groups(config, 32, attn_isa=lambda spec: f"isa{spec.block_size}")  # type: ignore[arg-type]
     assert groups is not None
     assert [g.attn_isa for g in groups] == ["isa32", ""]
+
+
+def _vllm_config(block_size: int = 16) -> SimpleNamespace:
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+        model_config=SimpleNamespace(model="/models/m", revision=None, dtype="bfloat16"),
+    )
+
+
+def test_kvs_refuses_a_hybrid_model_at_start_and_stores_attention() -> None:
+    from hybrid_connector.config import ConfigError, parse_config
+    from hybrid_connector.connector import _kv_events, _kvs_scheduler
+    from hybrid_connector.layout import KvGroup
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    config = parse_config({"kvs": {"store": "s", "load": False}}, is_producer=False)
+    state = [KvGroup("attention", ("a",), 16), KvGroup("state", ("s",), 16)]
+    with pytest.raises(ConfigError, match="state KV-cache group"):
+        _kvs_scheduler(_vllm_config(), config, state, 1)  # type: ignore[arg-type]
+    kvs = _kvs_scheduler(_vllm_config(), config, [KvGroup("attention", ("a",), 16)], 1)  # type: ignore[arg-type]
+    assert kvs is not None
+    kvs.close()
+    stored, removed = _kv_events(
+        [("stored", [b"c" * 16], None, list(range(16)), 16), ("removed", [b"c" * 16])]
+    )
+    assert isinstance(stored, BlockStored)
+    assert stored.medium == "KVS"
+    assert stored.token_ids == list(range(16))
+    assert isinstance(removed, BlockRemoved)
+    assert removed.block_hashes == [b"c" * 16]

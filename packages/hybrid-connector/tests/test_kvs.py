@@ -376,6 +376,7 @@ class FakeLookups:
         self.pending: dict[str, list[bytes]] = {}
         self.closed = False
         self.slow = False  # True: no answer comes
+        self.events: list[Any] = []
         self.waits: list[float] = []
 
     def submit(self, request_id: str, keys: list[bytes]) -> None:
@@ -395,6 +396,10 @@ class FakeLookups:
 
     def unhold(self, refs: list[Any]) -> None:
         self.store.unhold(refs)
+
+    def key_events(self) -> list[Any]:
+        events, self.events = self.events, []
+        return events
 
     def close(self) -> None:
         self.closed = True
@@ -583,3 +588,19 @@ def test_the_lookup_thread_misses_while_the_store_is_down_and_reconnects() -> No
     finally:
         lookups.close()
     assert store.closed == 1
+
+
+def test_blocks_the_store_drops_become_removed_events() -> None:
+    from refstore import KeysRemoved, KeysStored
+
+    planner = _planner(FakeStore())
+    lookups: FakeLookups = planner._lookups  # type: ignore[assignment]
+    chain = b"c" * kvs_keys.CHAIN_BYTES
+    lookups.events = [
+        KeysStored([kvs_keys.object_key(chain, 0, 0)]),  # another instance's save: its own event
+        KeysRemoved(
+            [kvs_keys.object_key(chain, 0, 0), kvs_keys.object_key(chain, 0, 1)], "evicted"
+        ),
+    ]
+    assert planner.take_events() == [("removed", [chain])]  # one block, however many objects
+    assert planner.take_events() == []

@@ -28,6 +28,7 @@ Per request that KVS serves (no PD pull of its own), in vLLM's scheduler thread:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -96,6 +97,9 @@ class Lookups:
         self._hold_s = hold_s
         self._retry_s = retry_s
         self._client: Any = None
+        # The store's key events (what it drops), on the client's own connection; read by the
+        # scheduler thread (``key_events``), made and replaced by the lookup thread.
+        self._subscription: Any = None
         self._down_until = 0.0
         self._warned = False
         # (request id, keys) to look up, (None, refs) to unhold, None to stop.
@@ -131,6 +135,7 @@ class Lookups:
     def client(self) -> Any:
         """The lookup thread's client, connected if possible (None: the store is down)."""
         if self._client is not None:
+            self._subscribe()
             return self._client
         now = time.monotonic()
         if now < self._down_until:
@@ -146,7 +151,33 @@ class Lookups:
         if self._warned:
             log.info("KVS: the store is reachable again")
             self._warned = False
+        self._subscribe()
         return self._client
+
+    def _subscribe(self) -> None:
+        """Lookup thread: follow the store's key events (again, if the last feed ended)."""
+        sub = self._subscription
+        if sub is not None and sub.alive:
+            return
+        try:
+            new = self._client.subscribe_keys()
+        except Exception as exc:  # no events then: the store still serves lookups
+            log.debug("KVS: no key events from the store (%s)", exc)
+            return
+        self._subscription = new
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                sub.close()
+
+    def key_events(self) -> list[Any]:
+        """The store's key events since the last call (never blocks; any thread)."""
+        sub = self._subscription
+        if sub is None:
+            return []
+        try:
+            return list(sub.take())
+        except Exception:
+            return []
 
     def _lookup(self, keys: list[bytes]) -> LookupAnswer:
         client = self.client()
@@ -190,6 +221,10 @@ class Lookups:
     def close(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=30)
+        sub, self._subscription = self._subscription, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                sub.close()
         client, self._client = self._client, None
         if client is not None:
             try:
@@ -471,6 +506,13 @@ class KvsScheduler:
         self._events.append(("removed", list(chains)))
 
     def take_events(self) -> list[Any]:
+        """vLLM's ``take_events``: blocks stored by this instance's saves, and blocks the store
+        dropped (its key events; every instance on the node passes them on)."""
+        if self._lookups is not None:
+            for event in self._lookups.key_events():
+                keys = getattr(event, "keys", None)
+                if keys is not None and getattr(event, "reason", None) is not None:
+                    self.removed(list(dict.fromkeys(kvs_keys.chain_of(k) for k in keys)))
         events, self._events = self._events, []
         return events
 
