@@ -88,6 +88,7 @@ def main() -> None:
     results: dict[str, list[float]] = {"memcpy": [], "header": [], "crc": []}
     try:
         done = threading.Event()
+        saved = threading.Event()
         outcome: dict[str, bool] = {}
 
         def report(request_id: str, failed: bool) -> None:
@@ -102,6 +103,7 @@ def main() -> None:
                 tp_size=1,
                 connect=lambda: refstore.Client(name),
                 report_load=report,
+                report_save=lambda save_id: saved.set(),
             )
             for verify in ("header", "crc")
         }
@@ -110,11 +112,8 @@ def main() -> None:
         src_blocks = list(range(blocks))
         workers["crc"].handle([], [KvsSave(0, [src_blocks], chains)])
         workers["crc"].step_done()
-        deadline = time.monotonic() + 600
-        while not workers["crc"].take_saves_done():
-            if time.monotonic() > deadline:
-                raise SystemExit("save did not finish")
-            time.sleep(0.05)
+        if not saved.wait(600):
+            raise SystemExit("save did not finish")
         keys, _ = kvs_keys.lookup_keys(chains, [geometry.groups[0]], 1)  # type: ignore[list-item]
         copy = GroupCopy.of(geometry.groups[0], geometry.buffers)
         for i in range(args.repeats):

@@ -152,6 +152,43 @@ def _by_source(url: str) -> dict[str, float]:
     return out
 
 
+# A model whose prefill costs what it does for real (hundreds of ms for 2k tokens on this box),
+# built with random weights beside the tiny model's tokenizer.
+SMALL = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
+
+def make_model(work: Path, size: str) -> Path:
+    from hybrid_connector.tiny_model import make_tiny_model
+
+    tiny = make_tiny_model(work / "tiny-qwen2", "qwen2")
+    if size == "tiny":
+        return tiny
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, Qwen2ForCausalLM
+
+    out = work / "small-qwen2"
+    shutil.copytree(tiny, out)
+    config = AutoConfig.from_pretrained(tiny)
+    for key, value in SMALL.items():
+        setattr(config, key, value)
+    config.layer_types = ["full_attention"] * SMALL["num_hidden_layers"]
+    config.initializer_range = 0.05
+    torch.manual_seed(0)
+    for weights in out.glob("*.safetensors"):
+        weights.unlink()
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
 def start_servers(
     model: Path, kvs: dict[str, Any] | None, args: argparse.Namespace, log_dir: Path
 ) -> tuple[list[Any], list[Any]]:
@@ -187,22 +224,33 @@ def main() -> None:
     parser.add_argument("--user", type=int, default=256)
     parser.add_argument("--answer", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=1)
-    parser.add_argument("--kv-mib", type=int, default=16)
+    parser.add_argument(
+        "--kv-mib", type=int, default=None, help="KV per instance (default: 16 tiny, 64 small)"
+    )
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--pool", default="1G")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-size",
+        choices=["tiny", "small"],
+        default="small",
+        help="tiny: the 2-layer test model; small: 8 layers of 512 (prefill costs like a real one)",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path, default=RESULTS / "kvs_multiturn.json")
     args = parser.parse_args()
     if args.smoke:
         args.sessions, args.turns, args.system, args.user, args.answer = 4, 3, 128, 96, 16
     import refstore
-    from hybrid_connector.tiny_model import make_tiny_model
     from pd_serving.launcher import stop_all
 
+    if args.smoke:
+        args.model_size = "tiny"
+    if args.kv_mib is None:
+        args.kv_mib = 16 if args.model_size == "tiny" else 64
     work = Path(tempfile.mkdtemp(prefix="bench-kvs-"))
-    model = make_tiny_model(work / "tiny-qwen2", "qwen2")
+    model = make_model(work, args.model_size)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     store_name = f"bench-kvs-{uuid.uuid4().hex[:6]}"
     for system_name in ("local", "kvs"):
