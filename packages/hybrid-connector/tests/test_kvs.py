@@ -377,6 +377,7 @@ class FakeLookups:
         self.closed = False
         self.slow = False  # True: no answer comes
         self.events: list[Any] = []
+        self.pinned: list[Any] = []
         self.waits: list[float] = []
 
     def submit(self, request_id: str, keys: list[bytes]) -> None:
@@ -396,6 +397,9 @@ class FakeLookups:
 
     def unhold(self, refs: list[Any]) -> None:
         self.store.unhold(refs)
+
+    def pin(self, refs: list[Any]) -> None:
+        self.pinned.extend(refs)
 
     def key_events(self) -> list[Any]:
         events, self.events = self.events, []
@@ -604,3 +608,20 @@ def test_blocks_the_store_drops_become_removed_events() -> None:
     ]
     assert planner.take_events() == [("removed", [chain])]  # one block, however many objects
     assert planner.take_events() == []
+
+
+def test_a_block_loaded_by_a_second_request_is_soft_pinned() -> None:
+    store = FakeStore()
+    planner = _planner(store)
+    lookups: FakeLookups = planner._lookups  # type: ignore[assignment]
+    tokens = list(range(9))
+    chains = kvs_keys.chain(planner.root, tokens, 4)
+    for key in kvs_keys.lookup_keys(chains, [GROUP], 1)[0]:
+        store.objects[key] = np.zeros(1, np.uint8)
+    for n, request_id in enumerate(("r1", "r2", "r3"), 1):
+        request = _req(request_id, tokens)
+        assert planner.get_num_new_matched_tokens(request, 0) == (8, True)
+        blocks = SimpleNamespace(blocks=([Block(i) for i in (1, 2, 3)],))
+        assert planner.update_state_after_alloc(request, blocks, 8) is not None
+        assert len(lookups.pinned) == (0 if n == 1 else 2)  # pinned once, at the second load
+    assert planner.counters["pinned_blocks"] == 2

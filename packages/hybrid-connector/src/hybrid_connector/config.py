@@ -34,6 +34,8 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hold_s: float = 30.0
     # Load only hits of at least this many blocks past vLLM's local prefix hit.
     min_load_blocks: int = 1
+    # Soft-pin a block once this many requests loaded it (hot prefixes: system prompts); 0: never.
+    pin_after_loads: int = 2
     # What a load checks before a byte reaches vLLM's blocks. "header": each object's length,
     # its key (the block it holds) and the layout that wrote it; "crc": also the CRC32 of its
     # bytes (written on every save), which costs a pass over them (about 2.5x the load time on
@@ -48,6 +50,8 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("lookup_timeout_s", "hold_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"kvs.{name} must be positive, got {getattr(self, name)}")
+        if self.pin_after_loads < 0:
+            raise ConfigError("kvs.pin_after_loads must be 0 (off) or more")
         if self.min_load_blocks < 1:
             raise ConfigError("kvs.min_load_blocks must be at least 1")
 

@@ -74,6 +74,11 @@ def unsupported_reason(groups: Sequence[KvGroup]) -> str | None:
 
 
 # ============================================================================== lookups (I/O)
+_PIN = "\0pin"  # a job of the lookup thread: pin these refs (no request id starts with NUL)
+# Blocks whose load counts are remembered for the pin policy (oldest forgotten first).
+LOAD_COUNTS = 65536
+
+
 @dataclass
 class LookupAnswer:
     # Per key of the lookup, in order, the leading ones the store holds: (ref, index).
@@ -119,6 +124,11 @@ class Lookups:
         """Let the store evict these again (looked up, but not to be loaded)."""
         if refs:
             self._jobs.put((None, refs))
+
+    def pin(self, refs: list[Any]) -> None:
+        """Soft-pin these (hot prefixes): the store evicts them only after every unpinned one."""
+        if refs:
+            self._jobs.put((_PIN, refs))
 
     def answer(self, request_id: str, wait_s: float = 0.0) -> LookupAnswer | None:
         """The lookup's answer if it is in, waiting at most ``wait_s`` for it (a condition
@@ -205,13 +215,16 @@ class Lookups:
         self.client()  # connect now: the first request must not pay for it
         while (job := self._jobs.get()) is not None:
             request_id, items = job
-            if request_id is None:
+            if request_id is None or request_id is _PIN:
                 client = self._client
                 if client is not None:
                     try:
-                        client.unhold(items)
-                    except Exception as exc:  # the holds lapse by themselves
-                        log.debug("KVS: unhold failed (%s)", exc)
+                        if request_id is None:
+                            client.unhold(items)
+                        else:
+                            client.pin(items)
+                    except Exception as exc:  # holds lapse by themselves; a pin is a hint
+                        log.debug("KVS: unhold or pin failed (%s)", exc)
                 continue
             answer = self._lookup(items)
             with self._answered:
@@ -296,7 +309,9 @@ class KvsScheduler:
             "loads": 0,
             "saves": 0,
             "saved_blocks": 0,
+            "pinned_blocks": 0,
         }
+        self._load_counts: dict[bytes, int] = {}
 
     @property
     def root(self) -> bytes:
@@ -405,12 +420,31 @@ class KvsScheduler:
         tracked.loading = True
         self.counters["loads"] += 1
         self.counters["hit_blocks"] += last - first
+        self._count_loads(tracked.chains[first:last], sources)
         return KvsLoad(
             request_id=request.request_id,
             block_ids=block_ids,
             chains=tracked.chains[first:last],
             sources=sources,
         )
+
+    def _count_loads(self, chains: list[bytes], sources: list[list[tuple[Any, int]]]) -> None:
+        """Hot prefixes: a block loaded by ``pin_after_loads`` requests is soft-pinned (a
+        system prompt outlives the cold tails LRU would otherwise keep in its place)."""
+        threshold = self._config.pin_after_loads
+        if threshold <= 0 or self._lookups is None:
+            return
+        counts = self._load_counts
+        to_pin = []
+        for chain, entries in zip(chains, sources, strict=True):
+            n = counts.pop(chain, 0) + 1
+            counts[chain] = n  # most recent last
+            if n == threshold:
+                to_pin.extend(ref for ref, _ in entries)
+                self.counters["pinned_blocks"] += 1
+        while len(counts) > LOAD_COUNTS:
+            counts.pop(next(iter(counts)))
+        self._lookups.pin(to_pin)
 
     def load_finished(self, request_id: str) -> None:
         tracked = self._requests.get(request_id)
