@@ -95,6 +95,18 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0) -> Any:
         delay = min(delay * 2, 0.5)
 
 
+def wait_for_sends(engine: OfflineEngine, before: dict[str, int], sends: int) -> None:
+    """Wait until ``engine`` counted ``sends`` more completed sends than in ``before``. D's
+    report frees P's blocks before P's kvt send completes, so an idle engine may still count a
+    send or two, which would then land in the next test's deltas."""
+
+    def counted() -> bool:
+        after = engine.counters()
+        return delta(after, before, "sends_done") + delta(after, before, "sends_failed") >= sends
+
+    wait_for(f"{engine.name} to count {sends} sends", counted)
+
+
 def held_blocks(engine: OfflineEngine) -> int:
     s = engine.stats()
     return s["total_blocks"] - s["free_blocks"]

@@ -35,6 +35,7 @@ from harness.checks import (
     pull_params,
     reference,
     salt,
+    wait_for_sends,
 )
 from harness.offline import Gen, OfflineEngine, Req
 from harness.ports import dead_address
@@ -84,6 +85,7 @@ def test_pd_equals_single_instance_and_moves_the_prompt(engine: OfflineEngine) -
     assert_same_greedy(got, expected, near_tie=True)
 
     assert_idle(engine)
+    wait_for_sends(engine, before["counters"], len(batch))
     after = engine.stats()
     assert delta(after["counters"], before["counters"], "pulls_done") == len(batch)
     assert delta(after["counters"], before["counters"], "pulls_failed") == 0

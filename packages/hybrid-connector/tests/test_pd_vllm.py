@@ -26,6 +26,7 @@ from harness.checks import (
     salt,
     submit_pulls,
     wait_for,
+    wait_for_sends,
 )
 from harness.offline import OfflineEngine, abort_while_pulling
 from harness.pool import LEASE_S
@@ -67,6 +68,7 @@ def test_pd_tokens_equal_single_instance(engine_qwen2: OfflineEngine) -> None:
     assert [o.token_ids for o in d_out] == [o.token_ids for o in expected]
 
     assert_idle(engine)
+    wait_for_sends(engine, before, len(batch))
     after = engine.counters()
     assert delta(after, before, "pulls_done") == len(batch)
     assert delta(after, before, "pulls_failed") == 0
@@ -110,6 +112,7 @@ def test_parallel_dispatch_transfer_kv_before_prefill(engine_qwen2: OfflineEngin
     engine.generate(batch, 1, [prefill_params(t) for t in tids], salt=salt())
     assert [o.token_ids for o in pulls.result()] == [o.token_ids for o in expected]
     assert_idle(engine)
+    wait_for_sends(engine, before, len(batch))
     after = engine.counters()
     assert delta(after, before, "pulls_done") == len(batch)
     assert delta(after, before, "rapid_sends") == len(batch)

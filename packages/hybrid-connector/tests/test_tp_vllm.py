@@ -31,6 +31,7 @@ from harness.checks import (
     reference,
     submit_pulls,
     wait_for,
+    wait_for_sends,
 )
 from harness.offline import Gen, OfflineEngine
 
@@ -54,7 +55,12 @@ def _tp1_reference(tp1: OfflineEngine, batch: list[list[int]]) -> list[Gen]:
     """TP=1 greedy output: qwen2 from one instance; mla through PD at TP=1 (the engine pulling
     from itself), because D computes the last prompt token on MLA's decode path where a single
     instance uses the prefill path, and greedy output may flip at a near-tie between the two."""
-    return pd(tp1, tp1, batch) if _arch(tp1) == "mla" else reference(tp1, batch)
+    if _arch(tp1) != "mla":
+        return reference(tp1, batch)
+    before = tp1.counters()
+    out = pd(tp1, tp1, batch)
+    wait_for_sends(tp1, before, len(batch))  # or they land in the test's deltas
+    return out
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "mla"])
@@ -71,23 +77,35 @@ def test_pd_across_tp_sizes_equals_single_instance(
     assert_same_greedy(pd(p, d, batch), expected, near_tie=True)
 
     assert_idle(p, d)
-    p_after, d_after = p.stats(), d.stats()
+    d_after = d.stats()
     # D took the whole prompt from P (vLLM counts every prompt token as external here).
     loaded = sum(len(prompt) for prompt in batch)
     assert delta(d_after["by_source"], d_before["by_source"], "external_kv_transfer") == loaded
+
     # Each P rank served once per prompt each D rank that takes bytes from it: for qwen2 every
     # D rank holding one of its heads, for mla's replicated latent D rank d from P rank
     # d % P TP (a P rank nobody pulls from is released, not left to its lease).
+    def served(rank: int) -> int:
+        if arch == "mla":
+            return sum(1 for d_rank in range(d.tp) if d_rank % p.tp == rank)
+        return max(1, d.tp // p.tp)
+
+    def sends_counted() -> bool:
+        counters = zip(p.stats()["rank_counters"], p_before["rank_counters"], strict=True)
+        return all(
+            delta(after, before, "sends_done") >= served(rank) * len(batch)
+            for rank, (after, before) in enumerate(counters)
+        )
+
+    # D's report frees P's blocks before P's send completes (see wait_for_sends).
+    wait_for(f"{p.name}'s sends to complete", sends_counted)
+    p_after = p.stats()
     for rank, (after, before) in enumerate(
         zip(p_after["rank_counters"], p_before["rank_counters"], strict=True)
     ):
-        if arch == "mla":
-            served = sum(1 for d_rank in range(d.tp) if d_rank % p.tp == rank)
-        else:
-            served = max(1, d.tp // p.tp)
         # p == d: the same engine's own pulls count here too.
         pulls = len(batch) if p is d else 0
-        assert delta(after, before, "sends_done") == served * len(batch), rank
+        assert delta(after, before, "sends_done") == served(rank) * len(batch), rank
         assert delta(after, before, "sends_failed") == 0, rank
         assert delta(after, before, "leases_expired") == 0, rank
         assert delta(after, before, "pulls_done") == pulls, rank
