@@ -7,7 +7,8 @@ loads first (a request waits for them), then saves. vLLM's hooks only queue: ``h
 
 An object holds one block of one KV-cache group on one TP rank (a rank-shared group, MLA's
 latent, only rank 0 saves; every rank loads it): each layer's segments of the block, in layer
-order, then a trailer that names what the bytes are::
+order (a state group's block is one state: each linear layer's conv and recurrent state), then
+a trailer that names what the bytes are::
 
     payload (block_nbytes) | magic "KVSBLK01" | key (19) | layout fingerprint (16) |
                              payload length (u64) | CRC32 of the payload (u32) | zero pad to 64
@@ -40,7 +41,7 @@ import numpy as np
 from hybrid_connector import kvs_keys
 from hybrid_connector.config import KvsConfig
 from hybrid_connector.layout import CacheGeometry, KvCacheGeometry
-from hybrid_connector.metadata import KvsLoad, KvsSave
+from hybrid_connector.metadata import NO_BLOCK, KvsLoad, KvsSave
 
 log = logging.getLogger(__name__)
 
@@ -276,16 +277,20 @@ class KvsWorker:
             self._report_load(load.request_id, False)
 
     def _load(self, load: KvsLoad) -> None:
+        if load.error:
+            raise KvsLoadError(load.error)
         client = self._store()
         crc = self._config.verify == "crc"
         views: list[Any] = []
         dst_parts, src_parts, len_parts = [], [], []
-        per_block = self._per_block()
+        if len(load.sources) != len(load.chains):
+            raise KvsLoadError(f"{len(load.sources)} blocks of objects for {len(load.chains)}")
         for j, chain in enumerate(load.chains):
             entries = load.sources[j]
-            if len(entries) != len(per_block):
-                raise KvsLoadError(f"block {j}: {len(entries)} objects, expected {len(per_block)}")
-            for (g, rank), (ref, _index) in zip(per_block, entries, strict=True):
+            objects = self._block_objects(load.block_ids, j)
+            if len(entries) != len(objects):
+                raise KvsLoadError(f"block {j}: {len(entries)} objects, expected {len(objects)}")
+            for (g, rank), (ref, _index) in zip(objects, entries, strict=True):
                 if rank not in (kvs_keys.SHARED_RANK, self._tp_rank):
                     continue
                 copy = self._copies[g]
@@ -307,17 +312,27 @@ class KvsWorker:
 
     def _unhold(self, load: KvsLoad) -> None:
         """The lookup's holds on this rank's objects end once the load is over, either way."""
-        if self._client is None:
+        if self._client is None or load.error:
             return
         ranks = (kvs_keys.SHARED_RANK, self._tp_rank)
         refs = [
             ref
-            for entries in load.sources
-            for (_, rank), (ref, _) in zip(self._per_block(), entries, strict=False)
+            for j, entries in enumerate(load.sources)
+            for (_, rank), (ref, _) in zip(
+                self._block_objects(load.block_ids, j), entries, strict=False
+            )
             if rank in ranks
         ]
         with contextlib.suppress(Exception):  # holds lapse by themselves
             self._client.unhold(refs)
+
+    def _block_objects(self, block_ids: Sequence[Sequence[int]], j: int) -> list[tuple[int, int]]:
+        """(group, key rank) of the objects block ``j`` of a load reads, in source order."""
+        return [
+            (g, r)
+            for g, r in self._per_block()
+            if g < len(block_ids) and j < len(block_ids[g]) and block_ids[g][j] != NO_BLOCK
+        ]
 
     def _per_block(self) -> list[tuple[int, int]]:
         """(group, key rank) of a block's objects, in ``kvs_keys.lookup_keys`` order."""
@@ -344,22 +359,23 @@ class KvsWorker:
             if copy.shared and self._tp_rank != 0:
                 continue
             rank = kvs_keys.SHARED_RANK if copy.shared else self._tp_rank
-            ids = save.block_ids[g]
-            n = len(ids)
+            # (block of the save, vLLM block): a state group saves only its kept states.
+            picked = [(j, b) for j, b in enumerate(save.block_ids[g]) if b != NO_BLOCK]
+            n = len(picked)
             if n == 0:
                 continue
             stride = copy.block_nbytes + TRAILER_BYTES
             staging = np.empty(n * stride, np.uint8)
-            src, lengths = copy.kv_addresses(ids)
+            src, lengths = copy.kv_addresses([b for _, b in picked])
             dst = (
                 staging.ctypes.data
                 + (np.arange(n, dtype=np.uint64) * np.uint64(stride))[:, None]
                 + copy.offset[None, :]
             ).ravel()
             scatter_copy(dst, src, lengths)
-            for j, chain in enumerate(save.chains):
-                key = kvs_keys.object_key(chain, g, rank)
-                block = staging[j * stride : (j + 1) * stride]
+            for i, (j, _) in enumerate(picked):
+                key = kvs_keys.object_key(save.chains[j], g, rank)
+                block = staging[i * stride : (i + 1) * stride]
                 block[copy.block_nbytes :] = np.frombuffer(
                     trailer(key, copy.fingerprint, block[: copy.block_nbytes]), np.uint8
                 )
