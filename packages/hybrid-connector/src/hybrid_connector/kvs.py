@@ -1,6 +1,7 @@
 """KVS, scheduler half: which prefix the shared store has, what to load, what to save.
 
-Per request that KVS serves (no PD pull of its own), in vLLM's scheduler thread::
+Per request, in vLLM's scheduler thread (a D request that pulls from P looks up and loads the
+same way, through ``stored_tokens``; the pull brings only the blocks after the store's)::
 
     (new) --first get_num_new_matched_tokens: lookup sent--> LOOKING --answer or deadline--> KNOWN
     KNOWN --vLLM allocated, store has blocks past the local hit: KvsLoad--> LOADING
@@ -383,6 +384,15 @@ class KvsScheduler:
             self._unhold(tracked, 0, 0)  # nothing to load: every hold goes
             return 0, False
         return count, True
+
+    def stored_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """D, a request that pulls from P: the prompt tokens the local hit and the store hold
+        together (None while the lookup is out); ``update_state_after_alloc`` then loads the
+        store's part of them."""
+        count, _ = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        if count is None:
+            return None
+        return num_computed_tokens + count
 
     def _unhold(self, tracked: _Request, first: int, last: int) -> None:
         """Give up the lookup's holds on the blocks outside [first, last) (those not loaded)."""
