@@ -50,6 +50,7 @@ from .peers import PeerRound, PeerTable
 from .pool import SharedPool, listen_fd_socket, send_fd, shmem_hugepages_mode
 from .remote import RemotePuller
 from .state import (
+    MAX_HOLD_S,
     WRITE_TIMEOUT_S,
     HeaderCommit,
     KeyFeeds,
@@ -655,7 +656,8 @@ class Master:
         rest = keys[len(local) :]
         # The local run must survive the allocations below, whatever the caller's hold.
         holder = f"peer-round-{next(self._round_ids)}"
-        self.state.hold(local, holder, self.peer_timeout_s + self.peer_fetch_timeout_s + 1.0)
+        round_s = min(self.peer_timeout_s + self.peer_fetch_timeout_s + 1.0, MAX_HOLD_S)
+        self.state.hold(local, holder, round_s)
         try:
             answers = await self._ask_peers(round_, rest)
             best = round_.best()
