@@ -194,7 +194,15 @@ class EnginePool:
         if self.store is None:
             import refstore
 
-            self.store = refstore.connect(KVS_STORE, autostart=True, pool_size=KVS_POOL)
+            # Patient with peers (a KVS test gives it another node's master): a loaded box
+            # must not turn a peer's hit into a timeout; faults that tests inject fail at once.
+            refstore.start_master_process(
+                KVS_STORE,
+                KVS_POOL,
+                extra_args=["--peer-timeout", "10", "--peer-fetch-timeout", "30"],
+                detach=True,
+            )
+            self.store = refstore.Client(KVS_STORE)
         return self.store
 
     def start(self, name: str) -> Any:
