@@ -79,7 +79,8 @@ def _assert_clean(store: Any, *engines: OfflineEngine) -> None:
     assert_idle(*engines)
     for engine in engines:
         assert engine.stats()["kvs"]["pending_saves"] == 0
-    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0)
+    # Well within hold_s (30 s): the holds end with the loads, they do not lapse.
+    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0, timeout=10)
 
 
 def _tokens(outs: list[Any]) -> list[list[int]]:

@@ -29,6 +29,7 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -94,6 +95,11 @@ class Lookups:
     ``connect``: makes a refstore client (called on the lookup thread; may raise). After a
     failure the next lookup reconnects, at most once per ``retry_s``; lookups in between are
     misses.
+
+    Holds: the store keeps one hold per object and connection, and requests sharing a prefix
+    find the same objects, so the lookup thread counts the answers holding each object and
+    unholds it when the last of them gives it up (``unhold``), or when its answer is never
+    read (``forget``: the request ended, or stopped waiting).
     """
 
     def __init__(
@@ -111,6 +117,8 @@ class Lookups:
         # (request id, keys) to look up, (None, refs) to unhold, None to stop.
         self._jobs: queue.SimpleQueue[tuple[str | None, list[Any]] | None] = queue.SimpleQueue()
         self._answers: dict[str, LookupAnswer] = {}
+        self._pending: set[str] = set()  # submitted, not answered yet (nor forgotten)
+        self._holding: collections.Counter[Any] = collections.Counter()  # lookup thread only
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._thread = threading.Thread(
@@ -119,10 +127,13 @@ class Lookups:
         self._thread.start()
 
     def submit(self, request_id: str, keys: list[bytes]) -> None:
+        with self._lock:
+            self._pending.add(request_id)
         self._jobs.put((request_id, keys))
 
     def unhold(self, refs: list[Any]) -> None:
-        """Let the store evict these again (looked up, but not to be loaded)."""
+        """One answer gives these up (loaded, or not to be loaded): the store may evict them
+        again once no other answer holds them."""
         if refs:
             self._jobs.put((None, refs))
 
@@ -140,8 +151,12 @@ class Lookups:
             return self._answers.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
+        """The request no longer wants its answer: its holds go, now or when it comes."""
         with self._lock:
-            self._answers.pop(request_id, None)
+            answer = self._answers.pop(request_id, None)
+            self._pending.discard(request_id)  # an answer still to come is given up on arrival
+        if answer is not None:
+            self.unhold([ref for ref, _ in answer.found])
 
     def client(self) -> Any:
         """The lookup thread's client, connected if possible (None: the store is down)."""
@@ -218,7 +233,9 @@ class Lookups:
             request_id, items = job
             if request_id is None or request_id is _PIN:
                 client = self._client
-                if client is not None:
+                if request_id is None:
+                    items = self._last_holders_gone(items)
+                if client is not None and items:
                     try:
                         if request_id is None:
                             client.unhold(items)
@@ -228,9 +245,27 @@ class Lookups:
                         log.debug("KVS: unhold or pin failed (%s)", exc)
                 continue
             answer = self._lookup(items)
+            self._holding.update(ref for ref, _ in answer.found)
             with self._answered:
-                self._answers[request_id] = answer
-                self._answered.notify_all()
+                late = request_id not in self._pending
+                if not late:
+                    self._pending.discard(request_id)
+                    self._answers[request_id] = answer
+                    self._answered.notify_all()
+            if late and answer.found:
+                self._jobs.put((None, [ref for ref, _ in answer.found]))
+
+    def _last_holders_gone(self, refs: list[Any]) -> list[Any]:
+        """Lookup thread: one answer fewer holds each of ``refs``; those no answer holds."""
+        gone = []
+        for ref in refs:
+            left = self._holding[ref] - 1
+            if left > 0:
+                self._holding[ref] = left
+            else:
+                self._holding.pop(ref, None)
+                gone.append(ref)
+        return gone
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -457,9 +492,20 @@ class KvsScheduler:
         self._lookups.pin(to_pin)
 
     def load_finished(self, request_id: str) -> None:
+        """The workers copied a request's blocks: the lookup's holds on them end now. Holds are
+        the lookup client's own (the store keeps them per connection), so they are given up
+        here, not by the workers that read the objects."""
         tracked = self._requests.get(request_id)
         if tracked is not None:
             tracked.loading = False
+            self._release_holds(tracked)
+
+    def _release_holds(self, tracked: _Request) -> None:
+        answer = tracked.answer
+        if answer is None or not answer.found or self._lookups is None:
+            return
+        tracked.answer = LookupAnswer([])
+        self._lookups.unhold([ref for ref, _ in answer.found])
 
     # ------------------------------------------------------------------ saves
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[KvsSave]:
@@ -563,8 +609,8 @@ class KvsScheduler:
     # ------------------------------------------------------------------ end
     def request_finished(self, request: Request) -> None:
         tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None and not tracked.spent:
-            self._unhold(tracked, 0, 0)
+        if tracked is not None:
+            self._release_holds(tracked)  # not loaded, or a load vLLM gave up on
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
 

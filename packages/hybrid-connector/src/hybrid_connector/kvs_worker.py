@@ -255,10 +255,7 @@ class KvsWorker:
 
     def _run_load(self, load: KvsLoad) -> None:
         try:
-            try:
-                self._load(load)
-            finally:
-                self._unhold(load)
+            self._load(load)
         except Exception as exc:
             self.counters["load_failures"] += 1
             log.warning(
@@ -304,20 +301,6 @@ class KvsWorker:
                 np.concatenate(dst_parts), np.concatenate(src_parts), np.concatenate(len_parts)
             )
         del views
-
-    def _unhold(self, load: KvsLoad) -> None:
-        """The lookup's holds on this rank's objects end once the load is over, either way."""
-        if self._client is None:
-            return
-        ranks = (kvs_keys.SHARED_RANK, self._tp_rank)
-        refs = [
-            ref
-            for entries in load.sources
-            for (_, rank), (ref, _) in zip(self._per_block(), entries, strict=False)
-            if rank in ranks
-        ]
-        with contextlib.suppress(Exception):  # holds lapse by themselves
-            self._client.unhold(refs)
 
     def _per_block(self) -> list[tuple[int, int]]:
         """(group, key rank) of a block's objects, in ``kvs_keys.lookup_keys`` order."""
