@@ -4,16 +4,22 @@ The workload (published, seeded): ``--sessions`` chat sessions of ``--turns`` tu
 system prompt shared by all sessions (``--system`` tokens) plus a first user message; every
 later turn adds the previous answer and a new user message (``--user`` tokens) to the context,
 so contexts grow to ``system + turns * (user + answer)`` tokens. Each answer is ``--answer``
-tokens, greedy. Sessions run ``--concurrency`` at a time; their turns go to the two instances
-in turn (round robin: no session affinity, the case a load balancer makes), and each
-instance's KV pool (``--kv-mib``) is too small to keep every session.
+tokens, greedy. All sessions are open at once, each sending its next turn when its answer is
+in, at most ``--concurrency`` requests in flight: turns of different sessions interleave, as
+users' do. Turns go to the two instances in turn (round robin: no session affinity, the case a
+load balancer makes), and each instance's KV pool (``--kv-mib``) is too small to keep every
+session. Then ``--miss-prompts`` prompts nobody has seen (``--miss-tokens`` each), one at a
+time: what the store costs a request it cannot help.
 
-Systems, one after the other in one run, on the same two vLLM OpenAI servers' settings:
+Systems, in one run, each on two vLLM OpenAI servers of the same settings, all up at once and
+taking turns round by round (``--rounds``, each with its own prompts; the order flips every
+round), so the box's other load falls on every system alike:
 
 * ``local``: vLLM's prefix cache only (the connector without a store);
 * ``kvs``: the connector with KVS on, both instances on one refstore master.
 
-Reported per system: TTFT p50 and p99 of turn 1 and of turns 2+, prompt tokens served from
+Reported per system: TTFT p50 and p99 of turn 1, of turns 2+ and of turns 2+ with 2k+ tokens
+of context, and of the misses; prompt tokens served from
 the local cache / loaded from the store / computed (vLLM's own counters), throughput
 (answers' tokens per second), and every answer's tokens compared across systems.
 
@@ -38,11 +44,14 @@ from typing import Any
 import aiohttp
 
 RESULTS = Path(__file__).parent / "results"
+LONG_CONTEXT = 2048  # the target's "2k+ tokens of context"
 TOP_LOGPROBS = 5
 
 
-def workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
-    rng = random.Random(args.seed)
+def workload(args: argparse.Namespace, round_index: int) -> tuple[list[int], list[list[list[int]]]]:
+    """A round's system prompt and its sessions' user messages (each round has its own: no
+    round hits what an earlier one left in a cache)."""
+    rng = random.Random(f"{args.seed}/{round_index}")
     system = [rng.randrange(3, 500) for _ in range(args.system)]
     users = [
         [[rng.randrange(3, 500) for _ in range(args.user)] for _ in range(args.turns)]
@@ -92,44 +101,101 @@ async def _complete(
     return ttft, tokens, tops
 
 
-async def run_system(urls: list[str], model: str, args: argparse.Namespace) -> dict[str, Any]:
-    system, users = workload(args)
+async def run_system(
+    urls: list[str], model: str, args: argparse.Namespace, round_index: int
+) -> dict[str, Any]:
+    """One round of the workload on one system: what it measured, unsummarised."""
+    system, users = workload(args, round_index)
     ttfts: dict[int, list[float]] = {t: [] for t in range(args.turns)}
-    answers: dict[tuple[int, int], list[int]] = {}
-    tops: dict[tuple[int, int], list[list[str]]] = {}
+    long_ttfts: list[float] = []  # turns 2+ whose context is LONG_CONTEXT tokens or more
+    answers: dict[str, list[int]] = {}
+    tops: dict[str, list[list[str]]] = {}
     counter = iter(range(10**9))
+    # Every session is open at once and sends its next turn when its answer is in; at most
+    # ``concurrency`` requests are in flight. Sessions' turns interleave, as users' do, so an
+    # instance's pool sees every other session's context between two turns of one.
     sem = asyncio.Semaphore(args.concurrency)
     total_tokens = 0
 
     async def session(s: int, http: aiohttp.ClientSession) -> None:
         nonlocal total_tokens
-        async with sem:
-            context = list(system)
-            for t in range(args.turns):
-                context += users[s][t]
+        context = list(system)
+        for t in range(args.turns):
+            context += users[s][t]
+            async with sem:
                 url = urls[next(counter) % len(urls)]  # round robin: no session affinity
                 ttft, answer, top = await _complete(http, url, model, context, args.answer)
-                ttfts[t].append(ttft)
-                answers[s, t] = answer
-                tops[s, t] = top
-                total_tokens += len(answer)
-                context += answer
+            ttfts[t].append(ttft)
+            if t > 0 and len(context) >= LONG_CONTEXT:
+                long_ttfts.append(ttft)
+            answers[f"{round_index}/{s}/{t}"] = answer
+            tops[f"{round_index}/{s}/{t}"] = top
+            total_tokens += len(answer)
+            context += answer
 
+    before = [_by_source(u) for u in urls]
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         await asyncio.gather(*(session(s, http) for s in range(args.sessions)))
-    elapsed = time.perf_counter() - start
-    later = [x for t in range(1, args.turns) for x in ttfts[t]]
+        elapsed = time.perf_counter() - start
+        misses = await _misses(http, urls, model, args, round_index)
+    after = [_by_source(u) for u in urls]
+    sources: dict[str, float] = {}
+    for b, a in zip(before, after, strict=True):
+        for key in a:
+            sources[key] = sources.get(key, 0.0) + a[key] - b.get(key, 0.0)
+    return {
+        "ttfts": ttfts,
+        "long": long_ttfts,
+        "misses": misses,
+        "tokens": total_tokens,
+        "elapsed": elapsed,
+        "sources": sources,
+        "answers": answers,
+        "tops": tops,
+    }
+
+
+def summarize(rounds: list[dict[str, Any]], turns: int) -> dict[str, Any]:
+    """A system's figures over every round."""
+    ttfts = {t: [x for r in rounds for x in r["ttfts"][t]] for t in range(turns)}
+    later = [x for t in range(1, turns) for x in ttfts[t]]
+    long = [x for r in rounds for x in r["long"]]
+    sources: dict[str, float] = {}
+    for r in rounds:
+        for key, value in r["sources"].items():
+            sources[key] = sources.get(key, 0.0) + value
     return {
         "ttft_turn1_ms": _pcts(ttfts[0]),
         "ttft_later_ms": _pcts(later),
-        "ttft_by_turn_p50_ms": [statistics.median(ttfts[t]) * 1e3 for t in range(args.turns)],
-        "tokens_per_s": total_tokens / elapsed,
-        "elapsed_s": elapsed,
-        "answers": {f"{s}/{t}": a for (s, t), a in sorted(answers.items())},
-        "tops": {f"{s}/{t}": a for (s, t), a in sorted(tops.items())},
+        f"ttft_later_{LONG_CONTEXT}plus_ms": _pcts(long) if long else None,
+        "ttft_by_turn_p50_ms": [statistics.median(ttfts[t]) * 1e3 for t in range(turns)],
+        "ttft_miss_ms": _pcts([x for r in rounds for x in r["misses"]]),
+        "tokens_per_s": sum(r["tokens"] for r in rounds) / sum(r["elapsed"] for r in rounds),
+        "elapsed_s": sum(r["elapsed"] for r in rounds),
+        "prompt_tokens_by_source": sources,
+        "answers": {k: v for r in rounds for k, v in r["answers"].items()},
+        "tops": {k: v for r in rounds for k, v in r["tops"].items()},
     }
+
+
+async def _misses(
+    http: aiohttp.ClientSession,
+    urls: list[str],
+    model: str,
+    args: argparse.Namespace,
+    round_index: int,
+) -> list[float]:
+    """TTFT of prompts nobody has seen (``--miss-prompts`` of ``--miss-tokens``), one at a
+    time: what the store costs a request it cannot help (lookup, saves)."""
+    rng = random.Random(f"{args.seed}/{round_index}/misses")
+    out = []
+    for i in range(args.miss_prompts):
+        prompt = [rng.randrange(3, 500) for _ in range(args.miss_tokens)]
+        ttft, _, _ = await _complete(http, urls[i % len(urls)], model, prompt, 1)
+        out.append(ttft)
+    return out
 
 
 def _pcts(xs: list[float]) -> dict[str, float]:
@@ -221,9 +287,11 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--system", type=int, default=512)
-    parser.add_argument("--user", type=int, default=256)
+    parser.add_argument("--user", type=int, default=384)
     parser.add_argument("--answer", type=int, default=64)
-    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--miss-prompts", type=int, default=8)
+    parser.add_argument("--miss-tokens", type=int, default=2048)
     parser.add_argument(
         "--kv-mib", type=int, default=None, help="KV per instance (default: 16 tiny, 64 small)"
     )
@@ -231,6 +299,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--pool", default="1G")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="each system runs this many")
     parser.add_argument(
         "--model-size",
         choices=["tiny", "small"],
@@ -242,6 +311,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.sessions, args.turns, args.system, args.user, args.answer = 4, 3, 128, 96, 16
+        args.miss_prompts, args.miss_tokens, args.rounds = 2, 256, 1
     import refstore
     from pd_serving.launcher import stop_all
 
@@ -253,31 +323,32 @@ def main() -> None:
     model = make_model(work, args.model_size)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     store_name = f"bench-kvs-{uuid.uuid4().hex[:6]}"
-    for system_name in ("local", "kvs"):
-        store = None
-        kvs = None
-        if system_name == "kvs":
-            store = refstore.connect(store_name, autostart=True, pool_size=args.pool)
-            kvs = {"store": store_name}
-        servers, processes = start_servers(model, kvs, args, work / system_name)
-        try:
-            urls = [s.url for s in servers]
-            before = [_by_source(u) for u in urls]
-            out = asyncio.run(run_system(urls, "tiny", args))
-            after = [_by_source(u) for u in urls]
-            sources: dict[str, float] = {}
-            for b, a in zip(before, after, strict=True):
-                for key in a:
-                    sources[key] = sources.get(key, 0.0) + a[key] - b.get(key, 0.0)
-            out["prompt_tokens_by_source"] = sources
-            if store is not None:
-                out["store"] = {k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")}
-            results[system_name] = out
-        finally:
-            stop_all(processes)
-            if store is not None:
-                store.shutdown_master()
-                store.close()
+    store = refstore.connect(store_name, autostart=True, pool_size=args.pool)
+    configs: dict[str, dict[str, Any] | None] = {"local": None, "kvs": {"store": store_name}}
+    processes: list[Any] = []
+    try:
+        # Every system's servers up at once (an idle vLLM server waits on its queue), taking
+        # turns round by round, the order flipped each round: what the box's other load does to
+        # one system it does to the other.
+        urls: dict[str, list[str]] = {}
+        for name, kvs in configs.items():
+            servers, started = start_servers(model, kvs, args, work / name)
+            processes += started
+            urls[name] = [s.url for s in servers]
+        raw: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        for round_index in range(args.rounds):
+            order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
+            for name in order:
+                raw[name].append(asyncio.run(run_system(urls[name], "tiny", args, round_index)))
+        for name in configs:
+            results[name] = summarize(raw[name], args.turns)
+        results["kvs"]["store"] = {
+            k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")
+        }
+    finally:
+        stop_all(processes)
+        store.shutdown_master()
+        store.close()
     local_answers, kvs_answers = results["local"]["answers"], results["kvs"]["answers"]
     differ = sorted(k for k in local_answers if local_answers[k] != kvs_answers.get(k))
     # A session whose answers part at a near-tie (random weights: logits are nearly flat, and
@@ -285,8 +356,8 @@ def main() -> None:
     # its first differing turn compares like for like, and must part at a near-tie.
     roots, bad = [], []
     for key in differ:
-        session, turn = key.split("/")
-        if any(f"{session}/{t}" in differ for t in range(int(turn))):
+        round_index, session, turn = key.split("/")
+        if any(f"{round_index}/{session}/{t}" in differ for t in range(int(turn))):
             continue
         roots.append(key)
         a, b = local_answers[key], kvs_answers[key]
@@ -314,11 +385,26 @@ def main() -> None:
             f"{r['tokens_per_s']:6.1f} tok/s; prompt tokens: "
             + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(src.items()))
         )
-    ratio = results["kvs"]["ttft_later_ms"]["p50"] / results["local"]["ttft_later_ms"]["p50"]
+    kvs, local = results["kvs"], results["local"]
+    ratio = kvs["ttft_later_ms"]["p50"] / local["ttft_later_ms"]["p50"]
+    long_key = f"ttft_later_{LONG_CONTEXT}plus_ms"
+    long_ratio = (
+        kvs[long_key]["p50"] / local[long_key]["p50"] if kvs[long_key] and local[long_key] else None
+    )
+    miss_ratio = kvs["ttft_miss_ms"]["p50"] / local["ttft_miss_ms"]["p50"]
+    results["ratios"] = {
+        "ttft_later_p50": ratio,
+        f"ttft_later_{LONG_CONTEXT}plus_p50": long_ratio,
+        "ttft_miss_p50": miss_ratio,
+        "tokens_per_s": kvs["tokens_per_s"] / local["tokens_per_s"],
+    }
+    long_text = f"{long_ratio:.2f}x" if long_ratio is not None else "n/a"
     print(
-        f"turns 2+ TTFT p50 kvs/local: {ratio:.2f}x; answers identical: "
+        f"TTFT p50 kvs/local: turns 2+ {ratio:.2f}x, at {LONG_CONTEXT}+ tokens {long_text}, "
+        f"misses {miss_ratio:.2f}x; answers identical: "
         f"{len(local_answers) - len(differ)} of {len(local_answers)}; sessions parting at a "
-        f"near-tie: {len(roots) - len(bad)} of {args.sessions}, elsewhere: {len(bad)}"
+        f"near-tie: {len(roots) - len(bad)} of {args.sessions * args.rounds}, "
+        f"elsewhere: {len(bad)}"
     )
     if not args.smoke:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -165,6 +165,12 @@ class Gone(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class FakeRef:
+    key: bytes
+    index: int = 0
+
+
 class FakeStore:
     """refstore's keyed-object calls over a dict (first writer wins, prefix lookups)."""
 
@@ -172,18 +178,21 @@ class FakeStore:
         self.objects: dict[bytes, np.ndarray] = {}
         self.unheld: list[Any] = []
         self.closed = 0
+        self.gate = threading.Event()  # lookups wait on it (set: they do not)
+        self.gate.set()
 
     def put_keyed(self, items: list[tuple[bytes, np.ndarray]], ttl: Any = None) -> list[Any]:
         for key, obj in items:
             self.objects.setdefault(key, np.array(obj, copy=True))
-        return [SimpleNamespace(key=key, index=0) for key, _ in items]
+        return [FakeRef(key) for key, _ in items]
 
     def lookup(self, keys: list[bytes], hold_s: float = 0) -> list[Any]:
+        assert self.gate.wait(timeout=30)
         out = []
         for key in keys:
             if key not in self.objects:
                 break
-            out.append(SimpleNamespace(key=key, index=0))
+            out.append(FakeRef(key))
         return out
 
     def get(self, ref: Any, as_: str = "numpy") -> np.ndarray:
@@ -276,7 +285,7 @@ def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
         for layer in (0, 1):
             for src, dst in zip((5, 2, 9), (11, 12, 13), strict=True):
                 assert np.array_equal(cache.block(layer, dst), expected[layer, src])
-        assert len(store.unheld) == 3  # the holds end once the bytes are in
+        assert store.unheld == []  # holds are the lookup's: the scheduler half ends them
     finally:
         worker.close()
     assert store.closed == 1
@@ -521,10 +530,16 @@ def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
     assert load.block_ids == [[21]]
     assert load.chains == chains[1:2]
     assert [ref.key for ref, _ in load.sources[0]] == [kvs_keys.object_key(chains[1], 0, 0)]
-    # Block 0 is local: its hold goes at once; block 1's goes with its load (the worker's).
+    # Block 0 is local: its hold goes at once; block 1's once the load is over.
     assert [ref.key for ref in store.unheld] == [kvs_keys.object_key(chains[0], 0, 0)]
     planner.load_finished("r")
+    assert [ref.key for ref in store.unheld] == [
+        kvs_keys.object_key(chains[0], 0, 0),
+        kvs_keys.object_key(chains[1], 0, 0),
+    ]
     assert planner.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted: no reload
+    planner.request_finished(request)  # nothing held any more: nothing unheld twice
+    assert len(store.unheld) == 2
 
 
 def test_a_lookup_that_does_not_answer_in_time_is_a_miss() -> None:
@@ -622,6 +637,79 @@ def test_the_lookup_thread_misses_while_the_store_is_down_and_reconnects() -> No
     finally:
         lookups.close()
     assert store.closed == 1
+
+
+def _settled(lookups: Lookups) -> None:
+    """Every job queued so far has run (the lookup thread takes them in order)."""
+    lookups.submit("sync", LookupPlan([b"none"], 1, 1))
+    assert lookups.answer("sync", wait_s=30) is not None
+
+
+def _refs(answer: LookupAnswer | None) -> list[Any]:
+    assert answer is not None
+    return [ref for ref, _ in answer.found]
+
+
+def test_a_hold_two_requests_share_goes_when_the_last_one_gives_it_up() -> None:
+    store = FakeStore()
+    store.objects[b"k"] = np.zeros(1, np.uint8)
+    lookups = Lookups(lambda: store, hold_s=30.0)
+    try:
+        lookups.submit("r1", LookupPlan([b"k"], 1, 1))
+        lookups.submit("r2", LookupPlan([b"k"], 1, 1))
+        first, second = lookups.answer("r1", wait_s=30), lookups.answer("r2", wait_s=30)
+        lookups.unhold(_refs(first))
+        _settled(lookups)
+        assert store.unheld == []  # r2 may still be loading from it
+        lookups.unhold(_refs(second))
+        _settled(lookups)
+        assert store.unheld == [FakeRef(b"k")]
+    finally:
+        lookups.close()
+
+
+@pytest.mark.parametrize("when", ["before the answer", "after the answer"])
+def test_a_forgotten_lookup_gives_its_holds_up(when: str) -> None:
+    store = FakeStore()
+    store.objects[b"k"] = np.zeros(1, np.uint8)
+    lookups = Lookups(lambda: store, hold_s=30.0)
+    try:
+        if when == "before the answer":
+            store.gate.clear()
+            lookups.submit("r", LookupPlan([b"k"], 1, 1))
+            lookups.forget("r")  # the request ended while its lookup was out
+            store.gate.set()
+        else:
+            lookups.submit("r", LookupPlan([b"k"], 1, 1))
+            with lookups._answered:
+                assert lookups._answered.wait_for(lambda: "r" in lookups._answers, timeout=30)
+            lookups.forget("r")
+        _settled(lookups)
+        assert store.unheld == [FakeRef(b"k")]
+        assert lookups._answers == {}
+        assert lookups._pending == set()  # nothing kept for a request that is gone
+        lookups.forget("r")  # again, or for a request whose answer was read: nothing happens
+        _settled(lookups)
+        assert store.unheld == [FakeRef(b"k")]
+    finally:
+        lookups.close()
+
+
+def test_a_forgotten_hybrid_lookup_gives_up_its_state_and_stray_holds_too() -> None:
+    store = FakeStore()
+    for key in (b"t0", b"t1", b"s0", b"s1a"):  # block 1's state only on one of two ranks
+        store.objects[key] = np.zeros(1, np.uint8)
+    lookups = Lookups(lambda: store, hold_s=30.0)
+    try:
+        lookups.submit("r", LookupPlan([b"t0", b"t1"], 1, 2, [[b"s0"], [b"s1a", b"s1b"]]))
+        with lookups._answered:
+            assert lookups._answered.wait_for(lambda: "r" in lookups._answers, timeout=30)
+            assert lookups._answers["r"].blocks == 1
+        lookups.forget("r")  # the request ended before it read the answer
+        _settled(lookups)
+        assert sorted(r.key for r in store.unheld) == [b"s0", b"s1a", b"t0", b"t1"]
+    finally:
+        lookups.close()
 
 
 def test_blocks_the_store_drops_become_removed_events() -> None:
@@ -734,6 +822,12 @@ def test_a_hybrid_hit_loads_attention_past_the_local_hit_and_the_state_into_the_
         [kvs_keys.object_key(chains[0], 1, 0)],
         [kvs_keys.object_key(chains[1], 0, 0), kvs_keys.object_key(chains[1], 1, 0)],
     ]
+    # The loaded objects' holds (attention and state) go when the load is over, each once.
+    planner.load_finished("r")
+    planner.request_finished(request)
+    assert sorted(ref.key for ref in store.unheld) == sorted(
+        [kvs_keys.object_key(chains[2], 1, 0)] + [k for row in keys for k in row]
+    )
 
 
 def test_a_hybrid_hit_past_a_local_hit_loads_only_the_blocks_after_it() -> None:
@@ -780,6 +874,9 @@ def test_a_hybrid_hit_vllm_takes_only_in_part_fails_the_load() -> None:
     assert load is not None
     assert load.error
     assert len({ref.key for ref in store.unheld}) == 4  # 3 attention, 1 state: nothing held
+    planner.load_finished("r")  # the failed load's report, then the request's end
+    planner.request_finished(request)
+    assert len(store.unheld) == 4  # nothing unheld twice
 
 
 def test_a_hybrid_request_saves_attention_blocks_and_only_the_states_vllm_keeps() -> None:

@@ -1,5 +1,7 @@
 """KVS through vLLM: a prefix computed once is loaded by another instance, by a restarted one,
-by the same one after its own cache forgot it; every fault falls back to recompute.
+by the same one after its own cache forgot it, and by a D that pulls only what the store lacks
+from P (nothing, when it has every full block, even from a P that is gone); every fault falls
+back to recompute.
 
 Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b checks
 each block's CRC) and ``engine_kvs_mla`` share one refstore master (``kvs_store``). Each test uses
@@ -14,9 +16,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness.checks import MAX_TOKENS, assert_idle, prompts, wait_for
+from harness.checks import (
+    KV_BYTES_PER_TOKEN,
+    MAX_TOKENS,
+    assert_idle,
+    copied_tokens,
+    prefill_params,
+    prompts,
+    pull_params,
+    salt,
+    wait_for,
+    wait_for_sends,
+)
 from harness.kvs import evict_before_each_load, prompt_keys, reset_prefix_cache
 from harness.offline import OfflineEngine
+from harness.ports import dead_address
 from refstore import faults
 from refstore.errors import PoolFull
 
@@ -65,7 +79,8 @@ def _assert_clean(store: Any, *engines: OfflineEngine) -> None:
     assert_idle(*engines)
     for engine in engines:
         assert engine.stats()["kvs"]["pending_saves"] == 0
-    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0)
+    # Well within hold_s (30 s): the holds end with the loads, they do not lapse.
+    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0, timeout=10)
 
 
 def _tokens(outs: list[Any]) -> list[list[int]]:
@@ -127,6 +142,78 @@ def test_mla_blocks_load_back_after_the_instance_forgot_them(
     stored = sum(_stored_blocks(p, block) for p in batch)
     assert _delta(_by_source(engine), before, "external_kv_transfer") == stored * block
     _assert_clean(kvs_store, engine)
+
+
+# ------------------------------------------------------------------ PD with the store
+def _prefill_and_save(p: OfflineEngine, batch: list[list[int]]) -> list[dict[str, Any]]:
+    """P prefills ``batch`` for a D (no salt: D's keys are the same); the params for D, once
+    P's saves are in the store."""
+    reports = _counter(p, "kvs_save_reports")
+    saves_before = p.stats()["kvs"]["saves"]
+    outs = p.generate(batch, 1, [prefill_params() for _ in batch])
+    _wait_saved(p, reports, p.stats()["kvs"]["saves"] - saves_before)
+    return [o.kv_transfer_params for o in outs]
+
+
+def test_d_loads_what_p_saved_and_p_releases_without_a_pull(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    p, d = engine_kvs_a, engine_kvs_b
+    batch = prompts(2510, LENGTHS)
+    expected = d.generate(batch, MAX_TOKENS, salt=salt())  # d from scratch
+    params = _prefill_and_save(p, batch)
+    p_before, d_before, sources = p.counters(), d.counters(), _by_source(d)
+    got = d.generate(batch, MAX_TOKENS, params)
+    assert _tokens(got) == _tokens(expected)
+    stored = sum(_stored_blocks(prompt) for prompt in batch)
+    after = _by_source(d)
+    assert _delta(after, sources, "external_kv_transfer") == stored * BLOCK
+    assert _delta(after, sources, "local_compute") == sum(map(len, batch)) - stored * BLOCK
+    _assert_clean(kvs_store, p, d)
+    p_after, d_after = p.counters(), d.counters()
+    assert _delta(d_after, d_before, "pulls_started") == 0
+    assert _delta(p_after, p_before, "sends_done") == 0
+    assert _delta(p_after, p_before, "leases_expired") == 0  # released at once, not by lease
+
+
+def test_d_pulls_from_p_only_the_blocks_the_store_lacks(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    p, d = engine_kvs_a, engine_kvs_b
+    batch = prompts(2511, LENGTHS)
+    expected = d.generate(batch, MAX_TOKENS, salt=salt())
+    params = _prefill_and_save(p, batch)
+    kept = 2  # the store keeps each prompt's first two blocks
+    for prompt in batch:
+        faults.evict_keys(kvs_store, p.call(prompt_keys, prompt)[kept:])
+    p_before, d_before, sources = p.counters(), d.counters(), _by_source(d)
+    got = d.generate(batch, MAX_TOKENS, params)
+    assert _tokens(got) == _tokens(expected)
+    after = _by_source(d)
+    assert _delta(after, sources, "external_kv_transfer") == sum(map(len, batch))
+    _assert_clean(kvs_store, p, d)
+    wait_for_sends(p, p_before, len(batch))
+    d_after = d.counters()
+    assert _delta(d_after, d_before, "pulls_done") == len(batch)
+    assert _delta(d_after, d_before, "kvs_loads") == len(batch)
+    pulled = sum(copied_tokens(len(prompt), BLOCK, BLOCK, kept) for prompt in batch)
+    assert _delta(d_after, d_before, "bytes_received") == pulled * KV_BYTES_PER_TOKEN["qwen2"]
+
+
+def test_d_loads_from_the_store_when_p_is_gone(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    """P computed the prompt and saved it, then died: D's pull names a P nobody answers for,
+    and D loads from the store instead of recomputing."""
+    batch = prompts(2512, LENGTHS)
+    expected = _compute_and_save(engine_kvs_a, batch)
+    d = engine_kvs_b
+    sources = _by_source(d)
+    got = d.generate(batch, MAX_TOKENS, [pull_params(dead_address()) for _ in batch])
+    assert _tokens(got) == _tokens(expected)
+    stored = sum(_stored_blocks(prompt) for prompt in batch)
+    assert _delta(_by_source(d), sources, "external_kv_transfer") == stored * BLOCK
+    _assert_clean(kvs_store, engine_kvs_a, d)
 
 
 # ------------------------------------------------------------------ faults: recompute, same tokens

@@ -1,6 +1,7 @@
 """KVS, scheduler half: which prefix the shared store has, what to load, what to save.
 
-Per request that KVS serves (no PD pull of its own), in vLLM's scheduler thread::
+Per request, in vLLM's scheduler thread (a D request that pulls from P looks up and loads the
+same way, through ``stored_tokens``; the pull brings only the blocks after the store's)::
 
     (new) --first get_num_new_matched_tokens: lookup sent--> LOOKING --answer or deadline--> KNOWN
     KNOWN --vLLM allocated, store has blocks past the local hit: KvsLoad--> LOADING
@@ -38,6 +39,7 @@ Per request that KVS serves (no PD pull of its own), in vLLM's scheduler thread:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -118,6 +120,11 @@ class LookupAnswer:
     stray: list[Any] = field(default_factory=list)  # found, held, of no use: to unhold
 
 
+def held_refs(answer: LookupAnswer) -> list[Any]:
+    """Every object an answer holds in the store (each once)."""
+    return [ref for ref, _ in answer.found] + [ref for ref, _ in answer.states] + list(answer.stray)
+
+
 @dataclass(frozen=True)
 class LookupPlan:
     """What one lookup asks the store: the token objects of every usable block (block by
@@ -157,6 +164,11 @@ class Lookups:
     ``connect``: makes a refstore client (called on the lookup thread; may raise). After a
     failure the next lookup reconnects, at most once per ``retry_s``; lookups in between are
     misses.
+
+    Holds: the store keeps one hold per object and connection, and requests sharing a prefix
+    find the same objects, so the lookup thread counts the answers holding each object and
+    unholds it when the last of them gives it up (``unhold``), or when its answer is never
+    read (``forget``: the request ended, or stopped waiting).
     """
 
     def __init__(
@@ -175,6 +187,8 @@ class Lookups:
         # stop.
         self._jobs: queue.SimpleQueue[tuple[str | None, Any] | None] = queue.SimpleQueue()
         self._answers: dict[str, LookupAnswer] = {}
+        self._pending: set[str] = set()  # submitted, not answered yet (nor forgotten)
+        self._holding: collections.Counter[Any] = collections.Counter()  # lookup thread only
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._thread = threading.Thread(
@@ -183,10 +197,13 @@ class Lookups:
         self._thread.start()
 
     def submit(self, request_id: str, plan: LookupPlan) -> None:
+        with self._lock:
+            self._pending.add(request_id)
         self._jobs.put((request_id, plan))
 
     def unhold(self, refs: list[Any]) -> None:
-        """Let the store evict these again (looked up, but not to be loaded)."""
+        """One answer gives these up (loaded, or not to be loaded): the store may evict them
+        again once no other answer holds them."""
         if refs:
             self._jobs.put((None, refs))
 
@@ -204,8 +221,12 @@ class Lookups:
             return self._answers.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
+        """The request no longer wants its answer: its holds go, now or when it comes."""
         with self._lock:
-            self._answers.pop(request_id, None)
+            answer = self._answers.pop(request_id, None)
+            self._pending.discard(request_id)  # an answer still to come is given up on arrival
+        if answer is not None:
+            self.unhold(held_refs(answer))
 
     def client(self) -> Any:
         """The lookup thread's client, connected if possible (None: the store is down)."""
@@ -272,8 +293,10 @@ class Lookups:
             if isinstance(exc, ConnectionError):  # the store answered nothing: reconnect later
                 self._drop_client()
             else:  # a later call of the walk failed: what the earlier ones held goes
+                # (unless another answer holds it too: the store keeps one hold for both)
+                mine = [ref for ref in held if not self._holding[ref]]
                 with contextlib.suppress(Exception):
-                    client.unhold(held)
+                    client.unhold(mine)
             return LookupAnswer([], str(exc))
 
     def _drop_client(self) -> None:
@@ -291,7 +314,9 @@ class Lookups:
             request_id, items = job
             if request_id is None or request_id is _PIN:
                 client = self._client
-                if client is not None:
+                if request_id is None:
+                    items = self._last_holders_gone(items)
+                if client is not None and items:
                     try:
                         if request_id is None:
                             client.unhold(items)
@@ -301,9 +326,28 @@ class Lookups:
                         log.debug("KVS: unhold or pin failed (%s)", exc)
                 continue
             answer = self._lookup(items)  # type: ignore[arg-type]
+            held = held_refs(answer)
+            self._holding.update(held)
             with self._answered:
-                self._answers[request_id] = answer
-                self._answered.notify_all()
+                late = request_id not in self._pending
+                if not late:
+                    self._pending.discard(request_id)
+                    self._answers[request_id] = answer
+                    self._answered.notify_all()
+            if late and held:
+                self._jobs.put((None, held))
+
+    def _last_holders_gone(self, refs: list[Any]) -> list[Any]:
+        """Lookup thread: one answer fewer holds each of ``refs``; those no answer holds."""
+        gone = []
+        for ref in refs:
+            left = self._holding[ref] - 1
+            if left > 0:
+                self._holding[ref] = left
+            else:
+                self._holding.pop(ref, None)
+                gone.append(ref)
+        return gone
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -488,6 +532,15 @@ class KvsScheduler:
         if unused and self._lookups is not None:
             self._lookups.unhold(unused)
 
+    def stored_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """D, a request that pulls from P: the prompt tokens the local hit and the store hold
+        together (None while the lookup is out); ``update_state_after_alloc`` then loads the
+        store's part of them."""
+        count, _ = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        if count is None:
+            return None
+        return num_computed_tokens + count
+
     def _unhold(self, tracked: _Request, first: int, last: int) -> None:
         """Give up the lookup's holds on the blocks outside [first, last) (those not loaded)."""
         if tracked.answer is None or self._lookups is None:
@@ -526,7 +579,7 @@ class KvsScheduler:
             # looks for the state of a prefix of ``last`` blocks, the group's block last-1.
             state = held[last - 1] if last - 1 < len(held) else None
             if end != tracked.store_blocks * self._block_size or state is None or state.is_null:
-                self._lookups_unhold(sources)
+                self._release_holds(tracked)
                 log.warning(
                     "KVS: request %s: vLLM took %d tokens of a %d-token hit (no block for "
                     "the state there); vLLM recomputes it",
@@ -545,10 +598,6 @@ class KvsScheduler:
             chains=tracked.chains[first:last],
             sources=sources,
         )
-
-    def _lookups_unhold(self, sources: list[list[tuple[Any, int]]]) -> None:
-        if self._lookups is not None:
-            self._lookups.unhold([ref for entries in sources for ref, _ in entries])
 
     def _count_loads(self, chains: list[bytes], sources: list[list[tuple[Any, int]]]) -> None:
         """Hot prefixes: a block loaded by ``pin_after_loads`` requests is soft-pinned (a
@@ -569,9 +618,19 @@ class KvsScheduler:
         self._lookups.pin(to_pin)
 
     def load_finished(self, request_id: str) -> None:
+        """The workers copied a request's blocks: the lookup's holds on them end now. Holds are
+        the lookup client's own (the store keeps them per connection), so they are given up
+        here, not by the workers that read the objects."""
         tracked = self._requests.get(request_id)
         if tracked is not None:
             tracked.loading = False
+            self._release_holds(tracked)
+
+    def _release_holds(self, tracked: _Request) -> None:
+        """Every hold the request's answer still has (the blocks it loads) goes."""
+        sources, tracked.sources = tracked.sources, []
+        if sources and self._lookups is not None:
+            self._lookups.unhold([ref for entries in sources for ref, _ in entries])
 
     # ------------------------------------------------------------------ saves
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[KvsSave]:
@@ -700,8 +759,8 @@ class KvsScheduler:
     # ------------------------------------------------------------------ end
     def request_finished(self, request: Request) -> None:
         tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None and not tracked.spent:
-            self._unhold(tracked, 0, 0)
+        if tracked is not None:
+            self._release_holds(tracked)  # not loaded, or a load vLLM gave up on
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
 

@@ -256,10 +256,7 @@ class KvsWorker:
 
     def _run_load(self, load: KvsLoad) -> None:
         try:
-            try:
-                self._load(load)
-            finally:
-                self._unhold(load)
+            self._load(load)
         except Exception as exc:
             self.counters["load_failures"] += 1
             log.warning(
@@ -309,22 +306,6 @@ class KvsWorker:
                 np.concatenate(dst_parts), np.concatenate(src_parts), np.concatenate(len_parts)
             )
         del views
-
-    def _unhold(self, load: KvsLoad) -> None:
-        """The lookup's holds on this rank's objects end once the load is over, either way."""
-        if self._client is None or load.error:
-            return
-        ranks = (kvs_keys.SHARED_RANK, self._tp_rank)
-        refs = [
-            ref
-            for j, entries in enumerate(load.sources)
-            for (_, rank), (ref, _) in zip(
-                self._block_objects(load.block_ids, j), entries, strict=False
-            )
-            if rank in ranks
-        ]
-        with contextlib.suppress(Exception):  # holds lapse by themselves
-            self._client.unhold(refs)
 
     def _block_objects(self, block_ids: Sequence[Sequence[int]], j: int) -> list[tuple[int, int]]:
         """(group, key rank) of the objects block ``j`` of a load reads, in source order."""

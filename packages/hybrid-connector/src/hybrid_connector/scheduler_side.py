@@ -18,6 +18,13 @@ token 0 (P) or its new blocks after the local prefix hit (D, with ``first_block`
 state. A state can not be recomputed over the last prompt token twice, so with a state group P
 computes the prompt but its last token and D loads that and computes the last token itself (as
 vLLM's NixlConnector does): P's request is shortened by one token when it arrives.
+
+D with KVS on looks the prompt up in the store before it pulls (the lookup is asked and answered
+as for a plain request, ``None`` to vLLM in between). The blocks the store holds past D's local
+hit are loaded from it (``KvsLoad``), and only the blocks after them are pulled from P (the pull's
+``first_block`` counts them as held); the worker reports the request once both are in. When the
+store holds every full block of the prompt, D pulls nothing: it loads them, computes the partial
+last block itself, and P releases at once, so a P that released or died costs no recompute.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ class _Tracked:
     # D: its pull (or release) is planned: one per request, even if it is preempted and
     # scheduled again.
     dispatched: bool = False
+    # D with KVS: the store holds every full block of the prompt; load those, compute the
+    # partial last block here, and let P release without a pull.
+    store_only: bool = False
 
 
 def _finishes_with_its_prompt(request: Request) -> bool:
@@ -205,6 +215,16 @@ class SchedulerSide:
         count = self._tokens_to_load(request) - num_computed_tokens
         if count <= 0:
             return 0, False
+        if self.kvs is not None and not self._has_state:
+            stored = self.kvs.stored_tokens(request, num_computed_tokens)
+            if stored is None:
+                return None, False  # the lookup is out: ask again next schedule
+            full = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
+            if stored > num_computed_tokens and stored >= full:
+                tracked, _ = self._pull_of(request) or (None, None)
+                assert tracked is not None
+                tracked.store_only = True
+                return stored - num_computed_tokens, True
         return count, True
 
     def _tokens_to_load(self, request: Request) -> int:
@@ -258,20 +278,29 @@ class SchedulerSide:
             return
         tracked, params = pull
         tracked.dispatched = True
-        if num_external_tokens <= 0:
-            # Everything is already here (local prefix cache): let P free its blocks now.
+        from_store = 0  # leading new blocks the store fills (each group)
+        if self.kvs is not None and num_external_tokens > 0:
+            load = self.kvs.update_state_after_alloc(request, blocks, num_external_tokens)
+            if load is not None:
+                self._meta.kvs_loads.append(load)
+                self._kvs_loading.add(request_id)
+                from_store = len(load.chains)
+        if num_external_tokens <= 0 or tracked.store_only:
+            # Everything is already here (local prefix cache) or in the store: P frees now.
             self._meta.to_release.append(
                 ReleaseSpec(
                     request_id,
                     params.transfer_id,
                     params.remote_rpc_address,
-                    "decode instance has a full local hit",
+                    "the decode instance loads the prompt from the store"
+                    if tracked.store_only
+                    else "decode instance has a full local hit",
                     params.remote_tp_size,
                 )
             )
             return
         num_tokens = self._tokens_to_load(request)
-        block_ids, first_block = self._destination(blocks, num_tokens)
+        block_ids, first_block = self._destination(blocks, num_tokens, from_store)
         self._meta.to_recv.append(
             RecvSpec(
                 request_id=request_id,
@@ -286,10 +315,11 @@ class SchedulerSide:
         self._recv_in_flight.add(request_id)
 
     def _destination(
-        self, blocks: KVCacheBlocks, num_tokens: int
+        self, blocks: KVCacheBlocks, num_tokens: int, from_store: int = 0
     ) -> tuple[list[list[int]], list[int]]:
         """D's blocks per group for the first ``num_tokens`` prompt tokens, and how many leading
-        blocks of each group it already holds (hashed: its local prefix-cache hit)."""
+        blocks of each group it already holds (hashed: its local prefix-cache hit) or loads from
+        the store (``from_store`` blocks after those)."""
         block_ids: list[list[int]] = []
         first_block: list[int] = []
         for group, held in zip(self._groups, blocks.blocks, strict=True):
@@ -300,10 +330,10 @@ class SchedulerSide:
                 first_block.append(0)
                 continue
             new = [b.block_id for b in held if b.block_hash is None and not b.is_null]
-            cached = len(held) - len(new)
+            cached = len(held) - len(new) + from_store
             # Blocks past the loaded tokens (the one D computes itself) are not P's to write.
             needed = max(0, -(-num_tokens // group.block_size) - cached)
-            block_ids.append(new[:needed])
+            block_ids.append(new[from_store : from_store + needed])
             first_block.append(cached)
         return block_ids, first_block
 

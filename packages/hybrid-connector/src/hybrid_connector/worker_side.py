@@ -73,6 +73,10 @@ class _Results:
         self._cond = threading.Condition()
         self._recving: set[str] = set()
         self._failed: set[str] = set()
+        # Requests whose receive comes in parts (a KVS load and a pull): parts still out, and
+        # whether one failed; reported once, when the last part is in.
+        self._parts: dict[str, int] = {}
+        self._part_failed: set[str] = set()
         self._counters: collections.Counter[str] = collections.Counter()
 
     def count(self, name: str, n: int = 1) -> None:
@@ -89,8 +93,24 @@ class _Results:
         with self._cond:
             return dict(self._counters)
 
+    def expect(self, request_id: str, parts: int) -> None:
+        """``request_id``'s receive is done after ``parts`` reports (called before any)."""
+        with self._cond:
+            self._parts[request_id] = parts
+
     def received(self, request_id: str, *, failed: bool) -> None:
         with self._cond:
+            left = self._parts.get(request_id)
+            if left is not None:
+                if failed:
+                    self._part_failed.add(request_id)
+                if left > 1:
+                    self._parts[request_id] = left - 1
+                    return
+                del self._parts[request_id]
+                if request_id in self._part_failed:
+                    self._part_failed.discard(request_id)
+                    failed = True
             self._recving.add(request_id)
             if failed:
                 self._failed.add(request_id)
@@ -738,6 +758,12 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
+        if self.kvs is not None and meta.kvs_loads and meta.to_recv:
+            # Loaded from the store and pulled from P: done when both are.
+            pulled = {recv.request_id for recv in meta.to_recv}
+            for load in meta.kvs_loads:
+                if load.request_id in pulled:
+                    self._results.expect(load.request_id, 2)
         if self.kvs is not None:
             if self._kvs_send_done is None and meta.scheduler_address and self._loop is not None:
                 self._loop.call_soon(self._kvs_use_scheduler, meta.scheduler_address)

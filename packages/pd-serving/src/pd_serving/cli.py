@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from pd_serving.launcher import ChildFailed
@@ -129,6 +130,21 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kvs-pool", default="2G", help="the store's pool when pdserve starts it (default 2G)"
+    )
+    parser.add_argument(
+        "--kvs-peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="another node's store master (repeatable): a prefix this node's store lacks is "
+        "looked up there and fetched (the master pdserve starts)",
+    )
+    parser.add_argument(
+        "--kvs-listen",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the store master pdserve starts listens, for other nodes' --kvs-peer "
+        "(default: this host only, a free port)",
     )
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go")
@@ -260,7 +276,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
         flush=True,
     )
-    with _kv_store(args.kvs, args.kvs_pool), Deployment(servers) as deployment:
+    store = _kv_store(args.kvs, args.kvs_pool, peers=args.kvs_peer, listen=args.kvs_listen)
+    with store, Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
         for name, value in _failover_settings(args).items():
@@ -270,9 +287,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _kv_store(name: str | None, pool_size: str):
+def _kv_store(
+    name: str | None, pool_size: str, *, peers: Sequence[str] = (), listen: str | None = None
+):
     """The node's KV store for ``--kvs``: a refstore master started here (and stopped when the
-    deployment ends) unless one of that name runs already (then it is left alone)."""
+    deployment ends) unless one of that name runs already (then it is left alone, and
+    ``peers`` are added to it). ``peers``: other nodes' masters, asked for what this one lacks;
+    ``listen``: host:port this one serves other nodes on."""
     if name is None:
         yield None
         return
@@ -280,10 +301,22 @@ def _kv_store(name: str | None, pool_size: str):
 
     if discovery.master_running(name):
         print(f"pdserve: KV store: the running refstore master {name!r}", flush=True)
+        if peers:
+            import refstore
+
+            with refstore.Client(name) as client:
+                client.peers(add=list(peers))
         yield None
         return
-    proc = start_master_process(name, pool_size)
-    print(f"pdserve: KV store: refstore master {name!r} ({pool_size}) started", flush=True)
+    extra: list[str] = []
+    for peer in peers:
+        extra += ["--peer", peer]
+    if listen is not None:
+        host, _, port = listen.rpartition(":")
+        extra += ["--host", host or "0.0.0.0", "--port", port]
+    proc = start_master_process(name, pool_size, extra_args=extra)
+    shared = f", peers {', '.join(peers)}" if peers else ""
+    print(f"pdserve: KV store: refstore master {name!r} ({pool_size}{shared}) started", flush=True)
     try:
         yield proc
     finally:

@@ -6,8 +6,8 @@
     views = client.get(ref)                           # zero-copy, read-only numpy / torch views
     client.release(ref)                               # free now (or let the lease expire)
 
-See README.md for leases, soft pins, eviction, keyed objects, manifests, remote get, faults and
-Ray helpers.
+See README.md for leases, soft pins, eviction, keyed objects, peer masters, manifests, remote
+get, faults and Ray helpers.
 """
 
 from .client import Client, connect
@@ -28,7 +28,7 @@ from .errors import (
 from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
-from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, Stats
+from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, PeerStatus, Stats
 from .ref import Ref
 from .subscription import KeySubscription
 
@@ -53,6 +53,7 @@ __all__ = [
     "ObjectGone",
     "ObjectReleased",
     "PeerError",
+    "PeerStatus",
     "PoolFull",
     "Ref",
     "RefstoreError",

@@ -1,4 +1,4 @@
-"""``refstore`` command line: serve, stop, stats."""
+"""``refstore`` command line: serve, stop, stats, peers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 
 from . import discovery
+from .master import PEER_FETCH_TIMEOUT_S, PEER_TIMEOUT_S
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -38,6 +39,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 advertise=args.advertise,
                 ready=ready,
                 remote=args.remote,
+                peers=args.peer,
+                peer_timeout_s=args.peer_timeout,
+                peer_fetch_timeout_s=args.peer_fetch_timeout,
             )
         )
     except Exception as err:
@@ -54,6 +58,17 @@ def _cmd_stop(args: argparse.Namespace) -> int:
         return 0
     with Client(args.name) as client:
         client.shutdown_master("refstore stop")
+    return 0
+
+
+def _cmd_peers(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from .client import Client
+
+    with Client(args.name) as client:
+        peers = client.peers(add=args.add, remove=args.remove)
+    print(msgspec.json.format(msgspec.json.encode(peers).decode()))
     return 0
 
 
@@ -78,8 +93,33 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--port", type=int, default=0)
     serve_p.add_argument("--advertise", default=None, help="address other nodes use (host:port)")
     serve_p.add_argument("--remote", default="auto", choices=("auto", "kvt", "rpc"))
+    serve_p.add_argument(
+        "--peer",
+        action="append",
+        default=None,
+        metavar="HOST:PORT",
+        help="another node's master to ask for keys a lookup misses here (repeat for more; "
+        "default: env REFSTORE_PEERS, comma-separated)",
+    )
+    serve_p.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=PEER_TIMEOUT_S,
+        help="seconds a peer may take to answer",
+    )
+    serve_p.add_argument(
+        "--peer-fetch-timeout",
+        type=float,
+        default=PEER_FETCH_TIMEOUT_S,
+        help="seconds the move of a peer's objects may take",
+    )
     serve_p.add_argument("--ready-line", action="store_true", help=argparse.SUPPRESS)
     serve_p.set_defaults(func=_cmd_serve)
+    peers_p = sub.add_parser("peers", help="list (and add or remove) the master's peers")
+    peers_p.add_argument("--name", default=discovery.DEFAULT_NAME)
+    peers_p.add_argument("--add", action="append", default=[], metavar="HOST:PORT")
+    peers_p.add_argument("--remove", action="append", default=[], metavar="HOST:PORT")
+    peers_p.set_defaults(func=_cmd_peers)
     for cmd, func, text in (
         ("stop", _cmd_stop, "stop the local master"),
         ("stats", _cmd_stats, "print the local master's stats"),

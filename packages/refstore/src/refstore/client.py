@@ -8,8 +8,8 @@ Three concerns, three modules:
   (``reservations.py``) that lets a put skip the master; ``PutGet`` is ``Client``'s base class.
 - ``launch.py``: starting a master process (``start_master_process``; ``connect(autostart=True)``).
 
-This module is the rest of the API (release, extend, pin, wait_gone, stats, close, the key
-lookups ``lookup`` / ``unhold`` / ``subscribe_keys``) and ``connect``; ``put_keyed`` is in
+This module is the rest of the API (release, extend, pin, wait_gone, stats, peers, close, the
+key lookups ``lookup`` / ``unhold`` / ``subscribe_keys``) and ``connect``; ``put_keyed`` is in
 ``putget.py``, the subscription in ``subscription.py``.
 
 A ref owned by another node's master is fetched into the local pool by the local master
@@ -196,6 +196,14 @@ class Client(PutGet):
         with self._book:
             self._subscriptions.add(sub)
         return sub
+
+    def peers(
+        self, add: Iterable[str] = (), remove: Iterable[str] = ()
+    ) -> list[protocol.PeerStatus]:
+        """The master's peer masters (other nodes' ``host:port``, asked for keys a lookup
+        misses here), after adding and removing the ones given."""
+        request = protocol.UpdatePeers(list(add), list(remove))
+        return self._link.with_recovery(self._link.call, protocol.PEERS, request).peers
 
     def stats(self) -> protocol.Stats:
         return self._link.with_recovery(self._link.call, protocol.STATS, protocol.StatsReq())

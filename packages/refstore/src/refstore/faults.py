@@ -5,16 +5,22 @@ A plan is a ``;``-separated list of rules ``OP:ACTION[=VALUE][@PROBABILITY][#COU
 - ``OP``: an operation name (``hello alloc seal reserve get release extend pin stats wait_gone
   fetch send_to read_range describe``; for keyed objects ``put_keyed`` (the allocation of a
   ``Client.put_keyed`` batch), ``seal_keyed``, ``lookup``, ``unhold``, ``subscribe_keys``,
-  ``key_events``) or ``*`` for all of them; and ``hold``, which only takes ``ignore``;
+  ``key_events``; between peer masters ``peer_lookup`` (a peer asking this master for keys)
+  and ``peers``) or ``*`` for all of them; and ``hold``, which only takes ``ignore``;
 - ``ACTION``: ``delay=SECONDS`` (answer late), ``drop`` (never answer: the caller times out and
   raises ``MasterUnavailable``), ``fail`` (answer with ``InjectedFault``), ``kill`` (the master
   process dies with SIGKILL, as in a crash: no cleanup, its discovery file stays behind),
   ``ignore`` (``hold:ignore``: lookups grant no holds, so an object may be evicted between a
-  lookup and a get);
+  lookup and a get), ``cut`` (``send_to:cut``, ``read_range:cut``: this master, sending an
+  object to a peer, stops mid-transfer: over kvt the link dies once the first frame's header
+  and half its payload are out (kvt's TCP path; on its same-host path the requester may still
+  read the object whole), over simple-rpc the read is answered with half its bytes);
 - ``@P`` applies the rule with probability P (default 1), ``#N`` at most N times (default: always).
 
 Examples: ``get:delay=0.05@0.5``, ``alloc:fail#1``, ``seal:kill#1``, ``*:drop@0.01``,
-``lookup:drop#1``, ``put_keyed:fail``, ``hold:ignore``.
+``lookup:drop#1``, ``put_keyed:fail``, ``hold:ignore``. A peer that refuses, stalls, or drops
+mid-transfer, set on the peer: ``peer_lookup:fail``, ``peer_lookup:drop`` (or ``send_to:drop``
+for a stall after the lookup), ``send_to:cut#1``.
 
 ``evict_keys(client, keys)`` evicts the objects bound to ``keys`` now (holds and leases
 notwithstanding), for a test that loses an object between a lookup and a get.
@@ -44,7 +50,9 @@ import msgspec
 from .errors import CallerError, InjectedFault
 
 ENV_VAR = "REFSTORE_FAULTS"
-ACTIONS = ("delay", "drop", "fail", "kill", "ignore")
+ACTIONS = ("delay", "drop", "fail", "kill", "ignore", "cut")
+# Actions a handler asks about (``takes``) rather than ones ``apply`` carries out before it.
+HANDLER_ACTIONS = ("ignore", "cut")
 
 log = logging.getLogger("refstore.faults")
 
@@ -109,11 +117,15 @@ class FaultPlan:
 
     def ignores(self, what: str) -> bool:
         """True if an ``ignore`` rule for ``what`` (e.g. ``hold``) applies now."""
+        return self.takes(what, "ignore")
+
+    def takes(self, op: str, action: str) -> bool:
+        """True if a rule ``op:action`` of a handler's own (``ignore``, ``cut``) applies now."""
         if not self._rules:
             return False
-        rule = self._pick(what, "ignore")
+        rule = self._pick(op, action)
         if rule is not None:
-            log.warning("injecting fault %s:ignore", what)
+            log.warning("injecting fault %s:%s", op, action)
         return rule is not None
 
     def _pick(self, op: str, action: str | None = None) -> FaultRule | None:
@@ -121,8 +133,10 @@ class FaultPlan:
             for rule in self._rules:
                 if rule.op not in (op, "*") or rule.remaining == 0:
                     continue
-                if (rule.action == "ignore") != (action == "ignore"):
-                    continue  # ignore rules say what a handler skips, not what fails
+                if (action is None and rule.action in HANDLER_ACTIONS) or (
+                    action is not None and rule.action != action
+                ):
+                    continue  # handler actions say what a handler does, not what fails
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
                     continue
                 if rule.remaining > 0:

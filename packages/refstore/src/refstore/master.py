@@ -13,6 +13,14 @@ Keyed objects (``put_keyed``, ``lookup``, holds) live in the state too; the key 
 records are handed to the subscribers' bounded queues (``state.KeyFeeds``) once per loop turn,
 and each subscriber's one outstanding ``key_events`` call is answered when its queue has events.
 
+Peers (other nodes' masters, ``peers.py`` decides whom to ask): a ``lookup`` whose local run
+stops short asks every peer not backing off for the continuation (``PEER_LOOKUP``, in
+parallel, each within ``peer_timeout_s``), allocates the longest continuation's objects here
+as keyed objects (in order, as many as fit), pulls their payloads over the remote-get path
+within ``peer_fetch_timeout_s``, writes their headers and seals them (first writer wins), then
+answers the whole run from the local state. A peer that fails is a miss for that round and
+backs off; whatever failed is freed before the answer.
+
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
 actor), or let the first client start one (``refstore.connect(autostart=True)``).
 """
@@ -22,23 +30,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
+import msgspec
 from simple_rpc import CallContext, LoopThread, Method, Server
 
 from . import discovery, header, protocol
 from .errors import CallerError, PoolFull, RefstoreError, to_info
 from .faults import FaultPlan
+from .peers import PeerRound, PeerTable
 from .pool import SharedPool, listen_fd_socket, send_fd, shmem_hugepages_mode
 from .remote import RemotePuller
-from .state import WRITE_TIMEOUT_S, HeaderCommit, KeyFeeds, MasterState, StoredObject
+from .state import (
+    MAX_HOLD_S,
+    WRITE_TIMEOUT_S,
+    HeaderCommit,
+    KeyFeeds,
+    MasterState,
+    StoredObject,
+    check_hold,
+)
 
 log = logging.getLogger("refstore.master")
 
@@ -46,6 +65,12 @@ DEFAULT_POOL_SIZE = 1 << 30
 MAX_WAIT_GONE_S = 3600.0
 MAX_RESERVE_BLOCK = 64 << 20
 MAX_RESERVE_COUNT = 64
+PEERS_ENV_VAR = "REFSTORE_PEERS"  # "host:port,host:port": a master's peers, read at start
+# A KVS lookup not answered in 2 s is a miss: asking and fetching fit well inside that.
+PEER_TIMEOUT_S = 0.5
+PEER_FETCH_TIMEOUT_S = 1.5
+PEER_FETCH_PARALLEL = 8  # objects of one continuation moving at once
+HEADER_WRITERS_MAX = 256
 
 
 def parse_size(text: str | int) -> int:
@@ -60,6 +85,14 @@ def parse_size(text: str | int) -> int:
         return int(float(number) * units[unit])
     except ValueError as err:
         raise CallerError(f"bad size {text!r}") from err
+
+
+def check_peer_address(address: object) -> None:
+    if not isinstance(address, str):
+        raise CallerError(f"a peer is a 'host:port' string, got {address!r:.80}")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CallerError(f"a peer is host:port, got {address!r:.80}")
 
 
 class Master:
@@ -110,6 +143,12 @@ class Master:
         self._fd_socket_path = ""
         self._fd_task: asyncio.Task[None] | None = None
         self.info: discovery.MasterInfo | None = None
+        self.peers = PeerTable()
+        self.peer_timeout_s = PEER_TIMEOUT_S
+        self.peer_fetch_timeout_s = PEER_FETCH_TIMEOUT_S
+        self._peer_served = 0
+        self._round_ids = itertools.count(1)
+        self._header_writers: dict[bytes, header.Writer] = {}  # layout bytes -> its writer
         for method, handler in (
             (protocol.HELLO, self._hello),
             (protocol.ALLOC, self._alloc),
@@ -134,6 +173,8 @@ class Master:
             (protocol.SUBSCRIBE_KEYS, self._subscribe_keys),
             (protocol.KEY_EVENTS, self._key_events),
             (protocol.EVICT_KEYS, self._evict_keys),
+            (protocol.PEER_LOOKUP, self._peer_lookup),
+            (protocol.PEERS, self._update_peers),
         ):
             self.server.register(method, self._wrap(method, handler))
 
@@ -148,11 +189,24 @@ class Master:
         advertise: str | None = None,
         faults: str | None = None,
         remote: str = "auto",
+        peers: Iterable[str] | None = None,
+        peer_timeout_s: float = PEER_TIMEOUT_S,
+        peer_fetch_timeout_s: float = PEER_FETCH_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> Master:
         """``clock`` (CLOCK_MONOTONIC seconds, as clients stamp headers) and ``wall_clock`` (for
-        the times errors say) are for tests that move time themselves (``check_deadlines``)."""
+        the times errors say) are for tests that move time themselves (``check_deadlines``).
+        ``peers``: other nodes' masters (``host:port``) to ask for keys a lookup misses here
+        (None: env ``REFSTORE_PEERS``, comma-separated); ``peer_timeout_s`` bounds a peer's
+        answer, ``peer_fetch_timeout_s`` the move of the objects found there."""
+        protocol.check_ttl(peer_timeout_s, "peer_timeout_s")
+        protocol.check_ttl(peer_fetch_timeout_s, "peer_fetch_timeout_s")
+        if peers is None:
+            peers = [p.strip() for p in os.environ.get(PEERS_ENV_VAR, "").split(",") if p.strip()]
+        peers = list(peers)
+        for address in peers:
+            check_peer_address(address)
         lock = discovery.MasterLock(name)
         if not lock.try_acquire():
             raise CallerError(f"a refstore master named {name!r} is already running ({lock.path})")
@@ -185,6 +239,14 @@ class Master:
                 pool.close()
             raise
         master.remote = RemotePuller(master.state, pool.view, name, mode=remote, host=host)
+        master.peer_timeout_s = peer_timeout_s
+        master.peer_fetch_timeout_s = peer_fetch_timeout_s
+        master.update_peers(add=peers)
+        if master.peers:
+            try:
+                await master.remote.warm_up()
+            except Exception as err:  # the first transfer tries again
+                log.warning("master %s: kvt engine not started: %s", name, err)
         master._start_fd_socket()
         node = advertise or master.server.address
         master.info = discovery.MasterInfo(
@@ -468,7 +530,12 @@ class Master:
         return protocol.Ack()
 
     async def _stats(self, req: protocol.StatsReq, ctx: CallContext) -> protocol.Stats:
-        return self.state.stats()
+        return msgspec.structs.replace(
+            self.state.stats(),
+            **self.peers.totals(),
+            peer_served=self._peer_served,
+            peers=self.peers.status(self._clock()),
+        )
 
     async def _wait_gone(self, req: protocol.WaitGone, ctx: CallContext) -> protocol.GoneResp:
         """Answer when the object is freed (or at the timeout): an event, not a poll."""
@@ -519,7 +586,8 @@ class Master:
     async def _send_to(self, req: protocol.SendTo, ctx: CallContext) -> protocol.SendToResp:
         protocol.check_size(req.dst_offset, "dst_offset")
         protocol.check_size(req.dst_region, "dst_region")
-        return await self.remote.send_to(req, ctx.peer)
+        cut = self.faults.takes("send_to", "cut")
+        return await self.remote.send_to(req, ctx.peer, cut=cut)
 
     def _slot(self, obj: StoredObject, bound: bool = True) -> protocol.Slot:
         return protocol.Slot(obj.oid, obj.offset, obj.nbytes, bound)
@@ -539,8 +607,188 @@ class Master:
 
     async def _lookup(self, req: protocol.Lookup, ctx: CallContext) -> protocol.LookupResp:
         hold_s = 0.0 if self.faults.ignores("hold") else req.hold_s
+        if self.peers:
+            check_hold(hold_s)
+            local = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
+            if len(local) < len(req.keys):
+                await self._continue_from_peers(req.keys, local)
+        # The whole run from the state as it is now: what the peers' objects added, and
+        # nothing that went meanwhile.
         found = self.state.lookup_keys(req.keys, hold_s, ctx.peer)
         return protocol.LookupResp(self.epoch, [self._slot(obj) for obj in found])
+
+    # -- peers --------------------------------------------------------------------------------
+    def update_peers(self, add: Iterable[str] = (), remove: Iterable[str] = ()) -> None:
+        """Add and remove peer masters (``host:port``; this master itself is skipped)."""
+        add, remove = list(add), list(remove)
+        for address in (*add, *remove):
+            check_peer_address(address)
+        own = {self.address, self.node}
+        for address in self.peers.add(a for a in add if a not in own):
+            log.info("master %s: peer %s added", self.name, address)
+        for address in self.peers.remove(remove):
+            log.info("master %s: peer %s removed", self.name, address)
+
+    async def _update_peers(
+        self, req: protocol.UpdatePeers, ctx: CallContext
+    ) -> protocol.PeersResp:
+        if req.add or req.remove:
+            log.info("peers of %s changed by %s: +%s -%s", self.name, ctx.peer, req.add, req.remove)
+        self.update_peers(req.add, req.remove)
+        return protocol.PeersResp(self.peers.status(self._clock()))
+
+    async def _peer_lookup(
+        self, req: protocol.PeerLookup, ctx: CallContext
+    ) -> protocol.PeerLookupResp:
+        """A peer's question: the leading run stored here (a use; no hold: an object evicted
+        before the peer's transfer is a miss there)."""
+        found = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
+        self._peer_served += len(found)
+        objects = [protocol.PeerObject(o.oid, o.nbytes, o.layout) for o in found if o.layout]
+        return protocol.PeerLookupResp(self.epoch, objects)
+
+    async def _continue_from_peers(self, keys: list[bytes], local: list[StoredObject]) -> None:
+        """Ask the peers for the keys past the local run and store the longest continuation
+        here (see the module docstring). Never raises for a peer's fault."""
+        round_ = self.peers.begin(self._clock())
+        if not round_.asked:
+            return
+        rest = keys[len(local) :]
+        # The local run must survive the allocations below, whatever the caller's hold.
+        holder = f"peer-round-{next(self._round_ids)}"
+        round_s = min(self.peer_timeout_s + self.peer_fetch_timeout_s + 1.0, MAX_HOLD_S)
+        self.state.hold(local, holder, round_s)
+        try:
+            answers = await self._ask_peers(round_, rest)
+            best = round_.best()
+            if best is not None:
+                address, run = best
+                epoch, objects = answers[address]
+                await self._fetch_continuation(round_, address, epoch, rest[:run], objects[:run])
+        except BaseException:
+            round_.abandon()
+            raise
+        finally:
+            self.state.unhold(self.epoch, [obj.oid for obj in local], holder)
+
+    async def _ask_peers(
+        self, round_: PeerRound, rest: list[bytes]
+    ) -> dict[str, tuple[str, list[protocol.PeerObject]]]:
+        assert self.remote is not None
+        request = protocol.PeerLookup(rest)
+        results = await asyncio.gather(
+            *(
+                self.remote.call(address, protocol.PEER_LOOKUP, request, self.peer_timeout_s)
+                for address in round_.asked
+            ),
+            return_exceptions=True,
+        )
+        answers = {}
+        for address, result in zip(round_.asked, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            if isinstance(result, Exception):
+                why = f"no answer to peer_lookup ({type(result).__name__}: {result})"
+            elif len(result.found) > len(rest):
+                why = f"answered {len(result.found)} keys for {len(rest)}"
+            else:
+                if round_.answered(address, len(result.found)):
+                    log.info("master %s: peer %s answers again", self.name, address)
+                answers[address] = (result.epoch, result.found)
+                continue
+            self._peer_failed(round_.failed(address, why), address, why)
+        return answers
+
+    def _peer_failed(self, first: bool, address: str, why: str) -> None:
+        """Log a peer's failure once (when it goes down); it is not asked during its back-off."""
+        if first:
+            log.warning(
+                "master %s: peer %s is a miss: %s; not asked again until a back-off passes",
+                self.name,
+                address,
+                why,
+            )
+
+    def _header_writer(self, layout: protocol.Layout) -> header.Writer:
+        raw = header.encode_layout(layout)
+        writer = self._header_writers.get(raw)
+        if writer is None:
+            if len(self._header_writers) >= HEADER_WRITERS_MAX:
+                self._header_writers.clear()
+            writer = self._header_writers[raw] = header.Writer(raw)
+        return writer
+
+    async def _fetch_continuation(
+        self,
+        round_: PeerRound,
+        address: str,
+        epoch: str,
+        keys: list[bytes],
+        objects: list[protocol.PeerObject],
+    ) -> None:
+        """Allocate the continuation here (in order, as many as fit; keys stored here
+        meanwhile are skipped), pull the payloads, seal the leading run that arrived whole and
+        free the rest."""
+        assert self.remote is not None
+        state = self.state
+        blocks: list[tuple[StoredObject, header.Writer, protocol.PeerObject]] = []
+        why = ""
+        for key, remote in zip(keys, objects, strict=True):
+            if state.bound(key) is not None:
+                continue  # stored here since the walk (a put, another lookup's fetch)
+            try:
+                writer = self._header_writer(remote.layout)
+                obj = state.alloc(remote.nbytes, remote.layout, None, False, writer.hlen, key=key)
+            except PoolFull:
+                break  # no room: what is here so far is the answer
+            except CallerError as err:  # the peer's numbers
+                why = f"described object {remote.oid} badly: {err}"
+                break
+            blocks.append((obj, writer, remote))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.peer_fetch_timeout_s
+        parallel = asyncio.Semaphore(PEER_FETCH_PARALLEL)
+
+        async def move(obj: StoredObject, remote: protocol.PeerObject) -> None:
+            async with parallel:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError(f"not started within {self.peer_fetch_timeout_s} s")
+                await self.remote.pull_into(
+                    address,
+                    epoch,
+                    remote.oid,
+                    nbytes=remote.nbytes,
+                    dst_offset=obj.payload,
+                    timeout_s=left,
+                )
+
+        cancelled: BaseException = asyncio.CancelledError("the lookup was cancelled")
+        results: list[BaseException | None] = [cancelled] * len(blocks)
+        try:
+            results = await asyncio.gather(
+                *(move(obj, remote) for obj, _, remote in blocks), return_exceptions=True
+            )
+        finally:
+            # Cancelled or not, every pull has ended here: the blocks are this master's again.
+            moved = moved_bytes = 0
+            whole = True
+            for (obj, writer, remote), result in zip(blocks, results, strict=True):
+                alive = state.objects.get(obj.oid) is obj
+                if whole and result is None and alive:
+                    writer.write(self.pool.view, obj.offset, obj.oid, self._tag_key, obj.nbytes)
+                    state.seal(obj.oid)  # first writer wins: a put of the key may have come
+                    moved += 1
+                    moved_bytes += obj.nbytes
+                    continue
+                if whole and result is not None and not why:
+                    why = f"moving object {remote.oid} failed: {type(result).__name__}: {result}"
+                whole = False
+                if alive:
+                    state.release(self.epoch, [obj.oid])
+            round_.fetched(moved, moved_bytes)
+        if why:
+            self._peer_failed(round_.fetch_failed(why, self._clock()), address, why)
 
     async def _unhold(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
         self.state.unhold(req.epoch, req.oids, ctx.peer)
@@ -579,6 +827,8 @@ class Master:
         if req.offset < 0 or req.length < 0 or req.offset + req.length > obj.nbytes:
             raise CallerError(f"range {req.offset}+{req.length} outside object of {obj.nbytes}")
         start = obj.payload + req.offset
+        if self.faults.takes("read_range", "cut"):
+            return bytes(self.pool.view[start : start + req.length // 2])
         # A copy: the answer may sit in the transport's buffer after the object is freed.
         return bytes(self.pool.view[start : start + req.length])
 
@@ -611,6 +861,14 @@ class MasterThread:
     @property
     def epoch(self) -> str:
         return self.master.epoch
+
+    def update_peers(self, add: Iterable[str] = (), remove: Iterable[str] = ()) -> None:
+        """``Master.update_peers`` on the master's loop thread."""
+
+        async def update() -> None:
+            self.master.update_peers(add, remove)
+
+        self._loop.run(update())
 
     def check_deadlines(self) -> int:
         """``Master.check_deadlines`` on the master's loop thread."""
@@ -646,11 +904,24 @@ async def serve(
     advertise: str | None = None,
     ready: Callable[[Master], None] | None = None,
     remote: str = "auto",
+    peers: Iterable[str] | None = None,
+    peer_timeout_s: float = PEER_TIMEOUT_S,
+    peer_fetch_timeout_s: float = PEER_FETCH_TIMEOUT_S,
 ) -> None:
     """Run a master until SIGTERM/SIGINT or a shutdown RPC."""
     import signal
 
-    master = await Master.start(name, pool_size, host, port, advertise=advertise, remote=remote)
+    master = await Master.start(
+        name,
+        pool_size,
+        host,
+        port,
+        advertise=advertise,
+        remote=remote,
+        peers=peers,
+        peer_timeout_s=peer_timeout_s,
+        peer_fetch_timeout_s=peer_fetch_timeout_s,
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(master.close()))

@@ -175,6 +175,21 @@ class StatsReq(msgspec.Struct, frozen=True):
     pass
 
 
+class PeerStatus(msgspec.Struct, frozen=True):
+    """One peer master as this master sees it (``peers.py``)."""
+
+    address: str
+    state: str  # "up", "down" (backing off), "probing"
+    retry_in_s: float = 0.0  # while down: until the next probe
+    asked: int = 0  # lookups that asked it
+    hits: int = 0  # lookups that fetched from it
+    keys: int = 0  # keys fetched from it
+    bytes: int = 0  # payload bytes fetched from it
+    misses: int = 0  # it answered, nothing was fetched from it
+    failures: int = 0  # no answer in time, refused, bad answer, or a failed transfer
+    last_error: str = ""
+
+
 class Stats(msgspec.Struct, frozen=True):
     epoch: str = ""
     capacity: int = 0
@@ -199,6 +214,14 @@ class Stats(msgspec.Struct, frozen=True):
     key_hits: int = 0  # keys lookups found bound
     key_misses: int = 0  # keys lookups asked for past the first one not bound
     key_dedupes: int = 0  # keyed puts that found their key bound already (nothing stored)
+    peer_lookups: int = 0  # lookups that asked peers for the keys past the local run
+    peer_hits: int = 0  # lookups that fetched keys from a peer
+    peer_keys: int = 0  # keys fetched from peers (and stored here)
+    peer_bytes: int = 0  # payload bytes fetched from peers
+    peer_misses: int = 0  # peer answers nothing was fetched from
+    peer_failures: int = 0  # peers that did not answer in time, refused, or failed a transfer
+    peer_served: int = 0  # keys this master's objects answered to peers' lookups
+    peers: list[PeerStatus] = []
     err: ErrorInfo | None = None
 
     @property
@@ -326,6 +349,37 @@ class LookupResp(msgspec.Struct, frozen=True):
     err: ErrorInfo | None = None
 
 
+class PeerLookup(msgspec.Struct, frozen=True):
+    """Master -> peer master: the leading run of ``keys`` stored at the peer itself (it asks
+    no peers of its own), described for a fetch (``SEND_TO`` / ``READ_RANGE``)."""
+
+    keys: list[bytes]
+
+
+class PeerObject(msgspec.Struct, frozen=True, array_like=True):
+    oid: int
+    nbytes: int
+    layout: Layout
+
+
+class PeerLookupResp(msgspec.Struct, frozen=True):
+    epoch: str = ""
+    found: list[PeerObject] = []
+    err: ErrorInfo | None = None
+
+
+class UpdatePeers(msgspec.Struct, frozen=True):
+    """Add and remove peer masters (``host:port``); both empty: just list them."""
+
+    add: list[str] = []
+    remove: list[str] = []
+
+
+class PeersResp(msgspec.Struct, frozen=True):
+    peers: list[PeerStatus] = []
+    err: ErrorInfo | None = None
+
+
 class EvictKeys(msgspec.Struct, frozen=True):
     keys: list[bytes]
 
@@ -391,3 +445,5 @@ UNHOLD = _method("refstore.unhold", 21, OidList, Ack)
 SUBSCRIBE_KEYS = _method("refstore.subscribe_keys", 22, SubscribeKeys, Ack)
 KEY_EVENTS = _method("refstore.key_events", 23, NextKeyEvents, KeyEventsResp)
 EVICT_KEYS = _method("refstore.evict_keys", 24, EvictKeys, Ack)
+PEER_LOOKUP = _method("refstore.peer_lookup", 25, PeerLookup, PeerLookupResp)
+PEERS = _method("refstore.peers", 26, UpdatePeers, PeersResp)

@@ -10,7 +10,7 @@ Object lifecycle::
                  '--write deadline passes (writer died) -------> freed (tombstone "lease expired")
 
     key index, for keyed objects:  unbound --seal (key free)--> bound --object freed--> unbound
-    hold, per holder:  none --lookup_keys(hold_s > 0)--> held --its time passes | unhold--> none
+    hold, per holder:  none --lookup_keys(hold_s > 0), hold--> held --time passes, unhold--> none
 
 - A **lease** (``ttl_s`` at put, renewable with ``extend``) keeps the object readable and never
   evicted until its deadline; when it passes, the object is freed at once, so memory held by a
@@ -567,10 +567,13 @@ class MasterState:
             out.append(self.seal(oid))
         return out
 
-    def lookup_keys(self, keys: list[bytes], hold_s: float, holder: str) -> list[StoredObject]:
+    def lookup_keys(
+        self, keys: list[bytes], hold_s: float, holder: str, *, count: bool = True
+    ) -> list[StoredObject]:
         """The objects bound to the leading keys that are bound (the walk stops at the first key
         that is not); each counts as a use and, with ``hold_s`` > 0, is held by ``holder`` until
-        ``hold_s`` from now."""
+        ``hold_s`` from now. ``count=False``: not counted as hits and misses (a walk that is
+        not a client's answer: a master's own, before it asks its peers, or a peer's)."""
         check_hold(hold_s)
         for key in keys:
             check_key(key)
@@ -584,9 +587,18 @@ class MasterState:
             if hold_s > 0:
                 self._hold(obj, holder, until)
             self._touch(obj)
-        self.counters["key_hits"] += len(found)
-        self.counters["key_misses"] += len(keys) - len(found)
+        if count:
+            self.counters["key_hits"] += len(found)
+            self.counters["key_misses"] += len(keys) - len(found)
         return found
+
+    def hold(self, objs: list[StoredObject], holder: str, hold_s: float) -> None:
+        """Hold live objects for ``holder`` until ``hold_s`` from now (as a lookup does)."""
+        check_hold(hold_s)
+        until = self._clock() + hold_s
+        for obj in objs:
+            if self.objects.get(obj.oid) is obj and obj.sealed:
+                self._hold(obj, holder, until)
 
     def _hold(self, obj: StoredObject, holder: str, until: float) -> None:
         was_evictable = self._is_evictable(obj)
