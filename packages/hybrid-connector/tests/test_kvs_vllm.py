@@ -4,7 +4,8 @@ from P (nothing, when it has every full block, even from a P that is gone); ever
 back to recompute.
 
 Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b checks
-each block's CRC) and ``engine_kvs_mla`` share one refstore master (``kvs_store``). Each test uses
+each block's CRC), ``engine_kvs_mla`` and ``engine_kvs_gdn`` (a Gated DeltaNet hybrid: attention
+blocks plus the linear layers' states) share one refstore master (``kvs_store``). Each test uses
 prompts of its own (a seed each), so no test hits what another one stored, and ends with the
 engines idle (no request, every block back in vLLM's pool, no save holding a block) and no
 hold left in the store.
@@ -28,7 +29,12 @@ from harness.checks import (
     wait_for,
     wait_for_sends,
 )
-from harness.kvs import evict_before_each_load, prompt_keys, reset_prefix_cache
+from harness.kvs import (
+    evict_before_each_load,
+    prompt_keys,
+    reset_prefix_cache,
+    scrub_free_blocks,
+)
 from harness.offline import OfflineEngine
 from harness.ports import dead_address
 from refstore import faults
@@ -141,6 +147,43 @@ def test_mla_blocks_load_back_after_the_instance_forgot_them(
     assert _tokens(got) == _tokens(expected)
     stored = sum(_stored_blocks(p, block) for p in batch)
     assert _delta(_by_source(engine), before, "external_kv_transfer") == stored * block
+    _assert_clean(kvs_store, engine)
+
+
+def test_gdn_attention_and_state_load_back_as_vllm_own_prefix_hit_would(
+    engine_kvs_gdn: OfflineEngine, kvs_store: Any
+) -> None:
+    """A hybrid prefix: vLLM computes a prompt's first 2 blocks in one block-aligned step and
+    keeps the state after them (mamba_cache_mode "align"). The prompt extended then hits that
+    prefix in vLLM's own cache; after the cache forgot it, it loads the attention blocks and
+    the state from the store instead, and answers exactly as that local hit did (same
+    logprobs: the same computation on the same bytes) and as recomputing it does."""
+    engine = engine_kvs_gdn
+    block = engine.block_size
+    assert engine.stats()["has_state"]
+    (turn1,) = prompts(2520, (2 * block + 88,))
+    (more,) = prompts(2521, (100,))
+    first = _compute_and_save(engine, [turn1])
+    turn2 = turn1 + first[0].token_ids + more
+    before = _by_source(engine)
+    local = engine.generate([turn2], MAX_TOKENS)  # vLLM's own hit of turn 1's first 2 blocks
+    after = _by_source(engine)
+    # turn 1's states: after its first step (2 blocks) and at its end (not a boundary).
+    assert _delta(after, before, "local_cache_hit") == 2 * block
+    assert _delta(after, before, "external_kv_transfer") == 0
+    want = engine.generate([turn2], MAX_TOKENS, salt="recompute")  # neither cache nor store
+    assert engine.call(reset_prefix_cache)
+    # The freed blocks keep their bytes, and vLLM may hand the same ones out again: noise in
+    # them, so only what the load writes can give the same answer.
+    assert engine.call(scrub_free_blocks) > 0
+    before = _by_source(engine)
+    got = engine.generate([turn2], MAX_TOKENS)
+    after = _by_source(engine)
+    assert _delta(after, before, "external_kv_transfer") == 2 * block
+    assert _delta(after, before, "local_compute") == len(turn2) - 2 * block
+    assert _tokens(got) == _tokens(want)
+    assert got[0].token_ids == local[0].token_ids
+    assert got[0].logprobs == local[0].logprobs
     _assert_clean(kvs_store, engine)
 
 
