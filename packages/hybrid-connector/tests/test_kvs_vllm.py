@@ -13,6 +13,8 @@ hold left in the store.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,11 +33,14 @@ from harness.checks import (
 )
 from harness.kvs import (
     evict_before_each_load,
+    kv_cache_layout,
     prompt_keys,
     reset_prefix_cache,
     scrub_free_blocks,
+    start_failure,
 )
 from harness.offline import OfflineEngine
+from harness.pool import count_vllm_start, engine_spec
 from harness.ports import dead_address
 from refstore import faults
 from refstore.errors import PoolFull
@@ -160,7 +165,12 @@ def test_gdn_attention_and_state_load_back_as_vllm_own_prefix_hit_would(
     logprobs: the same computation on the same bytes) and as recomputing it does."""
     engine = engine_kvs_gdn
     block = engine.block_size
-    assert engine.stats()["has_state"]
+    # vLLM's hybrid KV-cache manager is on: attention and state are groups of their own.
+    layout = engine.call(kv_cache_layout)
+    assert layout["hybrid_manager"]
+    assert layout["mamba_cache_mode"] == "align"
+    assert "MambaSpec" in layout["groups"]
+    assert "FullAttentionSpec" in layout["groups"]
     (turn1,) = prompts(2520, (2 * block + 88,))
     (more,) = prompts(2521, (100,))
     first = _compute_and_save(engine, [turn1])
@@ -176,15 +186,38 @@ def test_gdn_attention_and_state_load_back_as_vllm_own_prefix_hit_would(
     # The freed blocks keep their bytes, and vLLM may hand the same ones out again: noise in
     # them, so only what the load writes can give the same answer.
     assert engine.call(scrub_free_blocks) > 0
-    before = _by_source(engine)
+    before, counters, kvs = _by_source(engine), engine.counters(), engine.stats()["kvs"]
     got = engine.generate([turn2], MAX_TOKENS)
     after = _by_source(engine)
+    assert _delta(engine.counters(), counters, "kvs_loads") == 1
+    assert _delta(engine.stats()["kvs"], kvs, "hit_blocks") == 2
     assert _delta(after, before, "external_kv_transfer") == 2 * block
     assert _delta(after, before, "local_compute") == len(turn2) - 2 * block
     assert _tokens(got) == _tokens(want)
     assert got[0].token_ids == local[0].token_ids
     assert got[0].logprobs == local[0].logprobs
     _assert_clean(kvs_store, engine)
+
+
+@pytest.mark.starts_vllm
+def test_a_hybrid_model_whose_states_vllm_does_not_keep_is_refused_at_start(
+    models_dir: Path, kvs_store: Any
+) -> None:
+    """GDN with prefix caching off: vLLM keeps only each request's running state
+    (mamba_cache_mode "none"), never one at a block boundary, so the attention blocks could be
+    stored but not the state that goes with them. The engine does not start, and says why."""
+    spec = dataclasses.replace(
+        engine_spec("engine_kvs_gdn", models_dir),
+        name="engine_kvs_gdn_no_prefix_caching",
+        prefix_caching=False,
+    )
+    keys = kvs_store.stats().keys
+    error = start_failure(spec)
+    count_vllm_start(spec.name)
+    assert "kvs: this model's KV cache cannot be stored" in error
+    assert "mamba_cache_mode 'none'" in error
+    assert "enable_prefix_caching" in error
+    assert kvs_store.stats().keys == keys  # nothing stored, in part or whole
 
 
 # ------------------------------------------------------------------ PD with the store
@@ -202,7 +235,7 @@ def test_d_loads_what_p_saved_and_p_releases_without_a_pull(
     engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
 ) -> None:
     p, d = engine_kvs_a, engine_kvs_b
-    batch = prompts(2510, LENGTHS)
+    batch = prompts(2513, LENGTHS)
     expected = d.generate(batch, MAX_TOKENS, salt=salt())  # d from scratch
     params = _prefill_and_save(p, batch)
     p_before, d_before, sources = p.counters(), d.counters(), _by_source(d)
@@ -223,7 +256,7 @@ def test_d_pulls_from_p_only_the_blocks_the_store_lacks(
     engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
 ) -> None:
     p, d = engine_kvs_a, engine_kvs_b
-    batch = prompts(2511, LENGTHS)
+    batch = prompts(2514, LENGTHS)
     expected = d.generate(batch, MAX_TOKENS, salt=salt())
     params = _prefill_and_save(p, batch)
     kept = 2  # the store keeps each prompt's first two blocks
@@ -248,7 +281,7 @@ def test_d_loads_from_the_store_when_p_is_gone(
 ) -> None:
     """P computed the prompt and saved it, then died: D's pull names a P nobody answers for,
     and D loads from the store instead of recomputing."""
-    batch = prompts(2512, LENGTHS)
+    batch = prompts(2515, LENGTHS)
     expected = _compute_and_save(engine_kvs_a, batch)
     d = engine_kvs_b
     sources = _by_source(d)
