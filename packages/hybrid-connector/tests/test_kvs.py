@@ -25,7 +25,13 @@ from hybrid_connector.kvs import (
     Lookups,
     unsupported_reason,
 )
-from hybrid_connector.kvs_worker import TRAILER_BYTES, GroupCopy, KvsWorker, scatter_copy
+from hybrid_connector.kvs_worker import (
+    TRAILER_BYTES,
+    GroupCopy,
+    KvsWorker,
+    check_trailer,
+    scatter_copy,
+)
 from hybrid_connector.layout import Buffer, CacheGeometry, KvCacheGeometry, KvGroup
 from hybrid_connector.metadata import KvsLoad, KvsSave
 from ipcblock import Segment
@@ -365,6 +371,42 @@ def test_saves_wait_for_the_end_of_the_forward_pass() -> None:
         worker.step_done()
         reports.wait_save(0)
         assert reports.saves == [0]
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_a_save_takes_each_layer_as_the_forward_pass_writes_it(by_layer: bool) -> None:
+    """By layer, a layer's bytes are copied when its hook says it is written (what the pass does
+    to it later does not reach the store); otherwise all of them at the step's end."""
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    worker = _worker(cache, store, reports, save_by_layer=by_layer)
+    try:
+        cache.block(0, 3)[:] = 1
+        cache.block(1, 3)[:] = 2
+        chains = _chains(1)
+        worker.handle([], [KvsSave(0, [[3]], chains)])
+        worker.layer_written("l0")
+        assert worker.wait_idle(30)
+        cache.block(0, 3)[:] = 3  # after l0's hook
+        worker.layer_written("l1")
+        assert worker.wait_idle(30)
+        cache.block(1, 3)[:] = 4  # after l1's hook
+        worker.step_done()
+        reports.wait_save(0)
+        [stored] = store.objects.values()
+        n = cache.block_bytes
+        layer0, layer1 = stored[:n], stored[n : 2 * n]
+        assert (int(layer0[0]), int(layer1[0])) == ((1, 2) if by_layer else (3, 4))
+        assert np.all(layer0 == layer0[0])
+        assert np.all(layer1 == layer1[0])
+        # The CRC, taken layer by layer as they came, is the payload's.
+        copy = GroupCopy.of(cache.geometry().groups[0], cache.geometry().buffers)
+        check_trailer(stored, kvs_keys.object_key(chains[0], 0, 0), copy, crc=True)
+        assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
+        worker.layer_written("l0")  # no save in this step: nothing to gather
+        assert worker.wait_idle(30)
+        assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
     finally:
         worker.close()
 

@@ -836,7 +836,10 @@ class WorkerSide:
             loop.call_soon(report)
 
     def layer_saved(self, layer_name: str) -> None:
-        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
+        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends
+        and gather it for this step's KVS saves."""
+        if self.kvs is not None:
+            self.kvs.layer_written(layer_name)
         events = self._step_events
         if events is not None:
             index = self._layer_index.get(layer_name)
