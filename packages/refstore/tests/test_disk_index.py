@@ -28,7 +28,7 @@ MIB = 1 << 20
 def _stored(index: DiskIndex, key: bytes, nbytes: int = MIB - 4096) -> None:
     record = index.place(key, LAYOUT, nbytes)
     assert record is not None
-    index.written(record, encode_head(key, LAYOUT, nbytes, crc=7))
+    index.written(record, encode_head(key, LAYOUT, nbytes, checksum=7))
 
 
 def test_a_record_is_writing_then_stored_and_counted():
@@ -38,10 +38,10 @@ def test_a_record_is_writing_then_stored_and_counted():
     assert record.state is RecordState.WRITING
     assert record.busy == 1
     assert (index.stored_keys, index.stored_bytes) == (0, 0)
-    head = encode_head(b"k", LAYOUT, 1000, crc=1234)
+    head = encode_head(b"k", LAYOUT, 1000, checksum=1234)
     index.written(record, head)
     assert record.state is RecordState.STORED
-    assert (record.head, record.crc, record.busy) == (head, 1234, 0)
+    assert (record.head, record.checksum, record.busy) == (head, 1234, 0)
     assert (index.stored_keys, index.stored_bytes) == (1, 1000)
     assert index.counters["disk_writes"] == 1
     assert record.span == GRANULE

@@ -26,9 +26,9 @@ One record (a key's bytes on disk)::
 - **Mirror**: the pool object a lookup promoted from a record (its oid). When memory evicts that
   object again, its bytes are already on disk: nothing is written, the record is touched.
 - A record on disk is ``head | payload``; the head (``encode_head``) names the key, the layout,
-  the payload's length and its CRC32, and the shell compares a read's head with the one it
-  wrote and the payload's CRC with the head's, so a truncated, overwritten or stale record is a
-  miss, never wrong bytes.
+  the payload's length and its checksum (XXH64), and the shell compares a read's head with the
+  one it wrote and the payload's checksum with the head's, so a truncated, overwritten or stale
+  record is a miss, never wrong bytes.
 - **Snapshot** (``encode_snapshot``): the STORED records' offsets and heads, oldest first,
   written by the shell at a clean close and read back at the next start (``restore``).
 
@@ -55,7 +55,7 @@ GRANULE = 4096
 EVICTION_WINDOW = 64
 MAX_KEY_BYTES = 64
 MAX_LAYOUT_BYTES = 1 << 20
-HEAD = struct.Struct("<4sIIIQI")  # magic, head length, key length, layout length, nbytes, crc
+HEAD = struct.Struct("<4sIIIQQ")  # magic, head length, key length, layout length, nbytes, hash
 HEAD_MAGIC = b"RSd1"
 HEAD_ALIGN = 64
 SNAPSHOT = struct.Struct("<4sIQ")  # magic, records, capacity
@@ -72,7 +72,7 @@ class RecordHead(NamedTuple):
     key: bytes
     layout: bytes  # the object's layout, msgpack (``header.encode_layout``)
     nbytes: int
-    crc: int  # CRC32 of the payload
+    checksum: int  # XXH64 of the payload
     length: int  # bytes of the head itself (the payload follows)
 
 
@@ -81,9 +81,9 @@ def head_length(key: bytes, layout: bytes) -> int:
     return -(-raw // HEAD_ALIGN) * HEAD_ALIGN
 
 
-def encode_head(key: bytes, layout: bytes, nbytes: int, crc: int) -> bytes:
+def encode_head(key: bytes, layout: bytes, nbytes: int, checksum: int) -> bytes:
     length = head_length(key, layout)
-    fixed = HEAD.pack(HEAD_MAGIC, length, len(key), len(layout), nbytes, crc)
+    fixed = HEAD.pack(HEAD_MAGIC, length, len(key), len(layout), nbytes, checksum)
     return (fixed + key + layout).ljust(length, b"\0")
 
 
@@ -91,7 +91,7 @@ def decode_head(raw: bytes) -> RecordHead:
     """The head at the start of ``raw``; BadRecord for anything ``encode_head`` did not write."""
     if len(raw) < HEAD.size:
         raise BadRecord(f"{len(raw)} bytes, a head has at least {HEAD.size}")
-    magic, length, key_len, layout_len, nbytes, crc = HEAD.unpack_from(raw)
+    magic, length, key_len, layout_len, nbytes, checksum = HEAD.unpack_from(raw)
     if magic != HEAD_MAGIC:
         raise BadRecord(f"magic {magic!r}")
     if not 1 <= key_len <= MAX_KEY_BYTES or layout_len > MAX_LAYOUT_BYTES:
@@ -102,7 +102,7 @@ def decode_head(raw: bytes) -> RecordHead:
         raise BadRecord(f"head length {length} for {len(raw)} bytes")
     if any(raw[HEAD.size + key_len + layout_len : length]):
         raise BadRecord("padding not zero")
-    return RecordHead(key, layout, nbytes, crc, length)
+    return RecordHead(key, layout, nbytes, checksum, length)
 
 
 def encode_snapshot(capacity: int, records: list[tuple[int, bytes]]) -> bytes:
@@ -150,7 +150,7 @@ class RecordState(enum.Enum):
 class DiskRecord:
     __slots__ = (
         "busy",
-        "crc",
+        "checksum",
         "gone",
         "head",
         "key",
@@ -173,7 +173,7 @@ class DiskRecord:
         self.busy = 0  # writes and reads of the range running
         self.gone = False  # dropped: the range is freed when ``busy`` reaches 0
         self.head = b""  # as written (known once written)
-        self.crc = 0
+        self.checksum = 0
         self.staged: int | None = None  # the shell's staging offset while WRITING
         self.mirror = 0  # oid of the pool object promoted from it (0: none)
 
@@ -313,7 +313,7 @@ class DiskIndex:
             self._forget(record)
             return
         record.head = head
-        record.crc = decode_head(head).crc
+        record.checksum = decode_head(head).checksum
         record.state = RecordState.STORED
         self._stored_bytes += record.nbytes
 
@@ -369,8 +369,8 @@ class DiskIndex:
             if head.key in self._records:
                 continue
             record = DiskRecord(head.key, head.layout, head.nbytes, offset, span)
-            record.head = encode_head(head.key, head.layout, head.nbytes, head.crc)
-            record.crc = head.crc
+            record.head = encode_head(head.key, head.layout, head.nbytes, head.checksum)
+            record.checksum = head.checksum
             record.state = RecordState.STORED
             self._records[head.key] = record
         end = 0

@@ -26,7 +26,7 @@ bookkeeping): a keyed cache entry that memory pressure evicts is copied out and 
 preallocated file by a writer thread (dropped if its queue is full); a lookup whose run
 continues on disk (after the local run, before the peers) allocates those keys' objects here,
 reads them back on reader threads straight into their blocks, verifies each (length, head,
-CRC32) within ``disk_read_timeout_s``, writes their headers and seals them: a failed read is a
+checksum) within ``disk_read_timeout_s``, writes their headers and seals them: a failed read is a
 miss from that key on.
 
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
