@@ -56,6 +56,7 @@ log = logging.getLogger("refstore.disk")
 
 DEFAULT_SPILL_QUEUE = 128 << 20
 DISK_READERS = 4
+WRITER_NICE = 10
 STAGING_GRANULE = 4096
 
 
@@ -198,13 +199,16 @@ class DiskTier:
         if record is None:
             self._staging.free(staged)
             return
-        self._staging_view[staged : staged + nbytes] = payload
+        # Non-temporal stores: the staged bytes are read next by the writer, not by this thread.
+        _fastpath.copy_in(self._staging_view, staged, payload)
         record.staged = staged
         self._pending += 1
         self._idle.clear()
         self._jobs.put(record)
 
     def _write_loop(self) -> None:
+        with contextlib.suppress(OSError):  # below the loop and the clients for the CPU
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             record = self._jobs.get()
             if record is None:
