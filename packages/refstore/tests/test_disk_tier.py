@@ -40,11 +40,14 @@ def _disk_master(tmp_path, *, name: str = "disk", disk_size: str = "64M", **kwar
         yield m, c
 
 
-def _put_one_by_one(client: Client, indexes) -> None:
-    """Separate puts: a batch never evicts its own objects, later puts evict earlier ones."""
+def _put_one_by_one(client: Client, indexes, *, flushing: MasterThread | None = None) -> None:
+    """Separate puts: a batch never evicts its own objects, later puts evict earlier ones.
+    ``flushing``: wait for that master's writer after each (no record is busy at the next)."""
     for i in indexes:
         [ref] = client.put_keyed([(KEYS[i], _block(i))])
         assert ref is not None
+        if flushing is not None:
+            flushing.flush_disk()
 
 
 def _check_bytes(client: Client, refs, first: int = 0) -> None:
@@ -216,8 +219,7 @@ def test_a_read_past_the_timeout_is_a_miss_and_its_block_waits_for_it(
 
 def test_the_disk_size_bound_evicts_the_oldest_records(no_leaks, tmp_path):
     with _disk_master(tmp_path, disk_size="4M") as (m, c):
-        _put_one_by_one(c, range(16))
-        m.flush_disk()
+        _put_one_by_one(c, range(16), flushing=m)  # a record being written is not evicted
         stats = c.stats()
         assert stats.disk_keys == 4  # 8 spilled, 4 fit
         assert stats.disk_evictions == 4
