@@ -135,7 +135,8 @@ def test_the_switch_calls_the_target_and_going_back_calls_d1() -> None:
             [*SWITCHED, ("called_first_token",), ("called_failed_mid_stream", "reset")],
             False,
         ),
-        ([("requested", D2), ("client_gone",)], False),  # D1 never stopped
+        # Asked, no answer yet: D1 may stop it any moment; released, it frees at once then.
+        ([("requested", D2), ("client_gone",)], True),
         ([("requested", D2), ("d1_refused", "no"), ("client_gone",)], False),
     ],
 )
@@ -168,12 +169,11 @@ TERMINAL = {Action.END_ON_D1, Action.FAIL, Action.FREE}
 @given(st.lists(EVENTS, max_size=12))
 def test_any_order_of_events(events: list[tuple[str, ...]]) -> None:
     migration = Migration(D1)
-    asked = stopped = ended = False
+    stopped = ended = False
     releases = 0
     for name, *args in events:
         before = migration.phase
         decision = getattr(migration, name)(*args)
-        asked |= decision.action is Action.ASK_D1
         stopped |= name == "d1_stopped" and before is Phase.STOPPING
         ended |= name == "d1_ended"
         releases += decision.release
@@ -184,11 +184,13 @@ def test_any_order_of_events(events: list[tuple[str, ...]]) -> None:
         if decision.action is Action.HOLD:
             assert before is Phase.STOPPING
         if decision.release:
-            assert stopped, "only D1 that stopped holds anything"
+            assert before in (Phase.STOPPING, Phase.STOPPED, Phase.SWITCHING)
         if decision.action is Action.ASK_D1:
             assert migration.target == D2
         if decision.action in TERMINAL:
             assert migration.phase is Phase.DONE
     assert releases <= 1, "RELEASE of M at most once"
-    if migration.phase in (Phase.STOPPED, Phase.SWITCHING):
+    if migration.phase in (Phase.STOPPING, Phase.STOPPED, Phase.SWITCHING):
         assert migration.holds
+    if migration.phase in (Phase.STREAMING, Phase.MOVED, Phase.DONE):
+        assert not migration.holds

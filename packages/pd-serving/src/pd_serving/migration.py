@@ -27,8 +27,10 @@ of the client's. Greedy output is token for token the same as without the migrat
     ``release``: D1 still holds M for a D that will not pull it).
 
 ``release`` on a decision: the shell sends hybrid-connector's RELEASE for M to D1 (D1 holds M's
-blocks and no D will pull them: a client gone or a failure after D1 stopped, before a D
-streamed). A release of a transfer nobody holds any more is harmless.
+blocks, or may still stop the request and hold them, and no D will pull them: a client gone or a
+failure after MIGRATE_OUT was sent and not refused, before a D streamed). D1 frees held blocks at
+once and those of a request that stops later as soon as it stops; a release of a transfer nobody
+holds any more is harmless.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Migration:
     target: str = ""
     end_seen: bool = False  # D1's finish chunk arrived (and, while STOPPING, is withheld)
     moved_back: bool = False  # the request went back to D1 after the target failed
-    holds: bool = False  # D1 holds M's blocks and no D streams from them yet
+    holds: bool = False  # D1 holds (or may be about to hold) M's blocks, no D streams from them
     reason: str = ""  # why the last migration was refused
 
     # -- the proxy asks ---------------------------------------------------------------------
@@ -86,7 +88,7 @@ class Migration:
             return Decision(Action.REFUSE, message=f"the request is {self.phase}")
         if target == self.source:
             return Decision(Action.REFUSE, message="the target is the instance it runs on")
-        self.phase, self.target = Phase.STOPPING, target
+        self.phase, self.target, self.holds = Phase.STOPPING, target, True
         return Decision(Action.ASK_D1, target=target)
 
     # -- D1 ---------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ class Migration:
         """MIGRATE_OUT answered "not stopped" (or could not be sent): nothing moved."""
         if self.phase is not Phase.STOPPING:
             return Decision(Action.KEEP)
-        self.phase, self.target, self.reason = Phase.STREAMING, "", reason
+        self.phase, self.target, self.reason, self.holds = Phase.STREAMING, "", reason, False
         if self.end_seen:
             self.phase = Phase.DONE
             return Decision(Action.END_ON_D1, message=reason)
@@ -104,7 +106,6 @@ class Migration:
         """D1 stopped the request after its next token and holds its KV under M."""
         if self.phase is not Phase.STOPPING:
             return Decision(Action.KEEP)
-        self.holds = True
         if self.end_seen:
             self.phase = Phase.SWITCHING
             return Decision(Action.CALL, target=self.target)
@@ -159,6 +160,6 @@ class Migration:
         return Decision(Action.FAIL, release=release, message=message)
 
     def _take_release(self) -> bool:
-        """D1 holds M for nobody (once): after it stopped, before a D streamed from M."""
+        """D1 holds M for nobody (once): asked and not refused, before a D streamed from M."""
         release, self.holds = self.holds, False
         return release
