@@ -68,6 +68,9 @@ class LiveStreams:
     def __init__(self, proxy: Any, call_failed: Callable[..., Exception]) -> None:
         self.proxy = proxy
         self.call_failed = call_failed
+        # False: the next D recomputes the context instead of pulling the KV (the benchmark's
+        # competitor; the old D's hold is released at the switch).
+        self.pull_kv = True
         self.streams: dict[str, set[LiveStream]] = {}
         self._rpc_clients: dict[str, Client] = {}
         self.migrations = Counter(
@@ -368,6 +371,9 @@ class LiveStream:
             body["max_tokens"] = max(1, limit - generated)
         if body.get("min_tokens"):
             body["min_tokens"] = max(0, body["min_tokens"] - generated)
+        if not self.streams.pull_kv:
+            self.flow.proxy._release_on_prefill(source, self.migration_id, "recomputed elsewhere")
+            return body
         body["kv_transfer_params"] = encode_params(
             PullParams(
                 transfer_id=self.migration_id,
