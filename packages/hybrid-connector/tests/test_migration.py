@@ -159,6 +159,17 @@ def test_a_running_request_stops_after_the_next_token_with_its_kv_held() -> None
     assert side.send_done("d1-req", 0, "sent")
     _step_meta(side)
     assert +manager.block_pool.refs == Counter()
+    assert len(side.migrations) == 0, "nothing tracked once the request ended"
+
+
+def test_a_request_ended_before_it_was_admitted_is_never_tracked() -> None:
+    side, _ = _side()
+    request = _d1_request()
+    request.status = SimpleNamespace(name="FINISHED_ABORTED")
+    side.request_finished(request, ([],))  # type: ignore[arg-type]
+    assert len(side.migrations) == 0
+    [answer] = _ask(side)
+    assert not answer.stopped
 
 
 def test_d2_pulls_all_but_the_token_d1_never_computed() -> None:
@@ -232,6 +243,8 @@ def test_every_other_end_refuses_and_holds_nothing(case: str, reason: str) -> No
     assert reason in answer.reason
     assert _step_meta(side).to_offer == []
     assert +manager.block_pool.refs == Counter()
+    if case in ("eos", "own max_tokens", "aborted", "shut down"):
+        assert len(side.migrations) == 0
 
 
 def test_a_request_stopped_for_nobody_is_answered_once_at_its_end() -> None:

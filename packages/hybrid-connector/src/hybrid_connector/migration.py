@@ -135,6 +135,11 @@ class MigrationsOut:
         self._pending: dict[str, _Migration] = {}  # transfer id -> migration
         self._closed = False
 
+    def __len__(self) -> int:
+        """Requests tracked (running with a transfer id) or asked for."""
+        with self._lock:
+            return len(self._running) + len(self._pending)
+
     # -- engine-core thread ------------------------------------------------------------------
     def track(self, transfer_id: str, request: Request) -> None:
         """A request with ``kv_transfer_params`` naming ``transfer_id`` (a PD D request, or one

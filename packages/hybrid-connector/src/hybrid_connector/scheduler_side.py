@@ -183,9 +183,6 @@ class SchedulerSide:
             if isinstance(params, PrefillParams):
                 # No id from the proxy: one made up here, which D must then take from P's answer.
                 tracked.transfer_id = params.transfer_id or str(uuid.uuid4())
-            elif self._is_producer:
-                # A D request may later be migrated out under its transfer id.
-                self.migrations.track(params.transfer_id, request)
         self._tracked[request.request_id] = tracked
         return tracked
 
@@ -293,6 +290,9 @@ class SchedulerSide:
             return
         tracked, params = pull
         tracked.dispatched = True
+        if self._is_producer:
+            # Admitted with its pull: it may be migrated out later under its transfer id.
+            self.migrations.track(params.transfer_id, request)
         from_store = 0  # leading new blocks the store fills (each group)
         if self.kvs is not None and num_external_tokens > 0:
             load = self.kvs.update_state_after_alloc(request, blocks, num_external_tokens)
