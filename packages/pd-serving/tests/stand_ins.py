@@ -222,7 +222,7 @@ class FakeDecode:
     name: str
     refuse_migration: bool = False
     hang: bool = False  # never answer generation requests
-    # The first request stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
+    # A request not migrated in stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
     pause_after: int | None = None
     token_delay_s: float = 0.0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -271,7 +271,7 @@ class FakeDecode:
         await resp.prepare(request)
         last = stream.prompt[-1]
         for i in range(body["max_tokens"]):
-            if len(self.received) == 1 and i == self.pause_after:
+            if i == self.pause_after and not params.transfer_id.startswith("mig-"):
                 stream.paused.set()
                 await stream.proceed.wait()
             if self.token_delay_s:

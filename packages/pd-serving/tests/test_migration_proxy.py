@@ -77,7 +77,7 @@ async def rig() -> AsyncIterator[Rig]:
             "remote_rpc_address": "127.0.0.1:1",
         },
     )
-    d1, d2 = FakeDecode("D1", pause_after=PAUSE_AFTER), FakeDecode("D2")
+    d1, d2 = (FakeDecode(f"d{i}", pause_after=PAUSE_AFTER) for i in (1, 2))
     for upstream in (p, d1, d2):
         await upstream.start()
     config = ProxyConfig(
@@ -107,17 +107,22 @@ def _tokens(events: list[dict[str, Any]]) -> list[int]:
     return [t for e in events for c in e.get("choices") or [] for t in c.get("token_ids") or []]
 
 
-async def _paused(rig: Rig) -> None:
-    """D1 (the proxy's first pick: d1 before d2) streamed PAUSE_AFTER tokens and waits."""
-    await rig.d1.called.wait()
-    [stream] = rig.d1.streams.values()
+async def _paused(rig: Rig) -> tuple[FakeDecode, FakeDecode]:
+    """The D the proxy picked streamed PAUSE_AFTER tokens and waits: (it, the other one)."""
+    called = [asyncio.create_task(d.called.wait()) for d in (rig.d1, rig.d2)]
+    await asyncio.wait(called, return_when=asyncio.FIRST_COMPLETED)
+    for task in called:
+        task.cancel()
+    source, target = (rig.d1, rig.d2) if rig.d1.called.is_set() else (rig.d2, rig.d1)
+    [stream] = source.streams.values()
     await stream.paused.wait()
+    return source, target
 
 
 async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
     client = asyncio.create_task(rig.stream())
-    await _paused(rig)
-    answer = await rig.migrate(instance="d1", to="d2")
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
     events = await client
     [moved] = answer["requests"]
     assert moved["outcome"] == "moved", moved
@@ -139,12 +144,12 @@ async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
     assert events[-1] == {"done": True}
     assert sum(e == {"done": True} for e in events) == 1
     # D2 got every token so far as its prompt, the rest of the budget, a pull from D1.
-    [body] = rig.d2.received
+    [body] = d2.received
     assert body["prompt"] == PROMPT + model_tokens(PROMPT, PAUSE_AFTER + 1)
     assert body["max_tokens"] == MAX_TOKENS - (PAUSE_AFTER + 1)
     pull = decode_params(body["kv_transfer_params"])
     assert isinstance(pull, PullParams)
-    assert pull.remote_rpc_address == rig.d1.rpc_address
+    assert pull.remote_rpc_address == d1.rpc_address
     assert pull.remote_num_tokens == len(body["prompt"]) - 1
     assert rig.proxy.metrics.registry.get_sample_value(
         "pdserve_migrations_total", {"outcome": "moved"}
@@ -152,45 +157,45 @@ async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
 
 
 async def test_a_refused_migration_leaves_the_stream_on_d1(rig: Rig) -> None:
-    rig.d1.refuse_migration = True
+    rig.d1.refuse_migration = rig.d2.refuse_migration = True
     client = asyncio.create_task(rig.stream())
-    await _paused(rig)
-    answer = await rig.migrate(instance="d1", to="d2")
-    [stream] = rig.d1.streams.values()
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    [stream] = d1.streams.values()
     stream.proceed.set()
     events = await client
     assert answer["requests"][0]["outcome"] == "refused"
     assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
-    assert rig.d2.received == []
+    assert d2.received == []
 
 
 async def test_a_target_that_fails_sends_the_request_back_to_d1(rig: Rig) -> None:
-    await rig.d2.close()  # refuses connections
     client = asyncio.create_task(rig.stream())
-    await _paused(rig)
-    answer = await rig.migrate(instance="d1", to="d2")
+    d1, d2 = await _paused(rig)
+    await d2.close()  # refuses connections
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
     events = await client
     assert answer["requests"][0]["outcome"] == "moved"
-    assert answer["requests"][0]["to"] == "d1"
+    assert answer["requests"][0]["to"] == d1.name
     assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
-    back = rig.d1.received[1]
+    back = d1.received[1]
     pull = decode_params(back["kv_transfer_params"])
     assert isinstance(pull, PullParams)
-    assert pull.remote_rpc_address == rig.d1.rpc_address, "D1 pulls what it holds itself"
+    assert pull.remote_rpc_address == d1.rpc_address, "D1 pulls what it holds itself"
 
 
 async def test_a_client_gone_mid_switch_releases_what_d1_holds(rig: Rig) -> None:
-    rig.d2.hang = True
     client = asyncio.create_task(rig.stream())
-    await _paused(rig)
-    migration = asyncio.create_task(rig.migrate(instance="d1", to="d2"))
-    await rig.d2.called.wait()
+    d1, d2 = await _paused(rig)
+    d2.hang = True
+    migration = asyncio.create_task(rig.migrate(instance=d1.name, to=d2.name))
+    await d2.called.wait()
     client.cancel()
     await asyncio.gather(client, return_exceptions=True)
-    await rig.d1.released.wait()
+    await d1.released.wait()
     answer = await migration
     assert answer["requests"][0]["outcome"] == "failed"
-    [release] = rig.d1.releases
+    [release] = d1.releases
     assert release.transfer_id.startswith("mig-")
 
 
@@ -200,4 +205,4 @@ async def test_unknown_instances_are_refused(rig: Rig) -> None:
             assert resp.status == 404
         async with session.post(f"{rig.url}/admin/migrate?instance=d1&to=d1") as resp:
             assert resp.status == 400
-    assert await rig.migrate(instance="d2") == {"instance": "d2", "requests": []}
+    assert await rig.migrate(instance="d2") == {"instance": "d2", "requests": []}  # none there
