@@ -313,6 +313,10 @@ class Xpyd:
         return [b["url"] for b in self.decode]
 
     @property
+    def _decode_rpc(self) -> dict[str, str]:
+        return {b["url"]: b["rpc_address"] for b in self.decode if b.get("rpc_address")}
+
+    @property
     def reference_url(self) -> str:
         """A plain request to P1 (no transfer parameters) is a single instance's answer."""
         return self.prefill_urls[-1]
@@ -333,7 +337,11 @@ class Xpyd:
                 Backend(b["url"], rpc_address=b["rpc_address"])
                 for b in self.prefill[:prefill_count]
             ],
-            decode=[Backend(url) for url in decode_urls or self.decode_urls],
+            # A D's transfer address (HybridConnector) lets its streams migrate live.
+            decode=[
+                Backend(url, rpc_address=self._decode_rpc.get(url))
+                for url in decode_urls or self.decode_urls
+            ],
             connector=Connector(self.connector),
             dispatch=Dispatch(dispatch),
             model_names=[self.model_name],

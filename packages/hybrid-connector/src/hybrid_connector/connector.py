@@ -427,6 +427,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler,
                 host=self.config.rpc_host,
                 advertise_host=self.config.advertise_host,
+                migrations=self._scheduler.migrations if self.is_producer else None,
             )
             self._scheduler.send_done_address = self._send_done_server.address
 

@@ -39,6 +39,7 @@ from hybrid_connector.metadata import (
     ReleaseSpec,
     TransferResults,
 )
+from hybrid_connector.migration import MigrateOutForwarder
 from hybrid_connector.protocol import (
     RELEASE,
     TRANSFER_KV,
@@ -245,6 +246,11 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
         self._server.register(RELEASE, self._on_release)
         # To the owner of P's blocks (the scheduler half, holds.py): the one way they go back.
         self._send_done: SendDoneClient | None = None
+        # MIGRATE_OUT from the proxy goes on to the scheduler half (migration.py).
+        self._migrate_out = MigrateOutForwarder(
+            lambda: self._send_done.address if self._send_done is not None else ""
+        )
+        self._migrate_out.register(self._server)
 
     async def start(self) -> str:
         return await self._server.start(self._config.rpc_host, self._config.rpc_port)
@@ -427,6 +433,7 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
             if not future.done():
                 future.set_exception(TransferError("prefill instance shutting down"))
         self._pulls.clear()
+        await self._migrate_out.close()
         # Blocks still held by the scheduler half are released by its own shutdown.
         if self._send_done is not None:
             await self._send_done.close()

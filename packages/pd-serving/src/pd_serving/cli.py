@@ -399,13 +399,14 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     """Only the proxy, in front of vLLM instances started elsewhere."""
     from pd_serving.proxy import Backend, PdProxy, ProxyConfig
 
-    def prefill_backend(spec: str) -> Backend:
+    def backend(spec: str) -> Backend:
         url, _, rpc = spec.partition("@")
         return Backend(url=url.rstrip("/"), rpc_address=rpc or None, name=url)
 
     config = ProxyConfig(
-        prefill=[prefill_backend(spec) for spec in args.prefill],
-        decode=[Backend(url=url.rstrip("/"), name=url) for url in args.decode],
+        prefill=[backend(spec) for spec in args.prefill],
+        # A D's @RPC (its connector's transfer_kv address) lets its requests migrate live.
+        decode=[backend(spec) for spec in args.decode],
         connector=Connector(args.connector),
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
@@ -528,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
     p.add_argument("--prefill", action="append", default=[], metavar="URL[@RPC]")
-    p.add_argument("--decode", action="append", required=True, metavar="URL")
+    p.add_argument("--decode", action="append", required=True, metavar="URL[@RPC]")
     p.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
     p.add_argument("--dispatch", choices=["sequential", "parallel"], default=None)
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
