@@ -114,6 +114,8 @@ class Migration:
 
     def d1_ended(self) -> Decision:
         """D1's stream sent its finish chunk (the request finished on D1, for whatever reason)."""
+        if self.phase in (Phase.SWITCHING, Phase.MOVED, Phase.DONE):
+            return Decision(Action.KEEP)  # D1's stream ends once: a second end changes nothing
         self.end_seen = True
         if self.phase is Phase.STOPPING:
             return Decision(Action.HOLD)
