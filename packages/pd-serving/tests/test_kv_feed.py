@@ -1,7 +1,5 @@
 """The KV-event feed over real zmq sockets: a stand-in publisher sends what vLLM's
-ZmqEventPublisher sends (topic, 8-byte sequence number, msgpack batch). It is an XPUB socket (a
-PUB that hears subscriptions), so a test publishes once the feed's subscription has arrived:
-what a PUB sends before that is never delivered."""
+ZmqEventPublisher sends (stand_ins.FakeKvPublisher)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ import asyncio
 import logging
 import os
 
-import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -17,6 +14,7 @@ from harness.fds import fd_targets
 from pd_serving.kv_feed import KvEventFeed
 from pd_serving.launcher import free_port
 from pd_serving.prefix_index import PrefixIndex
+from stand_ins import FakeKvPublisher
 
 BS = 4
 PROMPT = list(range(40, 52))  # 3 blocks
@@ -36,28 +34,6 @@ def _stored(tokens: list[int], blocks: int, salt: int = 0) -> dict:
     }
 
 
-class Publisher:
-    """vLLM's side of the wire: a bound PUB socket and its sequence numbers."""
-
-    def __init__(self, context: zmq.asyncio.Context, port: int) -> None:
-        self.sock = context.socket(zmq.XPUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
-        self.seq = 0
-
-    async def subscribed(self) -> None:
-        """Until a subscriber's subscription (to every topic) arrives."""
-        assert await asyncio.wait_for(self.sock.recv(), WAIT_S) == b"\x01"
-
-    async def send(self, *events: dict, raw: bytes | None = None) -> None:
-        payload = raw if raw is not None else msgspec.msgpack.encode([1.0, list(events), 0])
-        await self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
-        self.seq += 1
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
 @pytest.fixture
 async def context():
     ctx = zmq.asyncio.Context()
@@ -75,7 +51,7 @@ async def _connected(feed: KvEventFeed, *instances: str) -> None:
 
 async def test_batches_feed_the_index_of_their_instance(context) -> None:
     ports = {"a": free_port(), "b": free_port()}
-    pubs = {name: Publisher(context, port) for name, port in ports.items()}
+    pubs = {name: FakeKvPublisher(context, port) for name, port in ports.items()}
     index = PrefixIndex()
     batches: list[tuple[str, int]] = []
     feed = KvEventFeed(
@@ -103,7 +79,7 @@ async def test_a_message_that_does_not_decode_forgets_that_instance_only(
     context, caplog: pytest.LogCaptureFixture
 ) -> None:
     port = free_port()
-    pub = Publisher(context, port)
+    pub = FakeKvPublisher(context, port)
     index = PrefixIndex()
     errors: list[str] = []
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -132,7 +108,7 @@ async def test_a_publisher_that_goes_away_is_forgotten_and_its_successor_followe
     context,
 ) -> None:
     port = free_port()
-    pub = Publisher(context, port)
+    pub = FakeKvPublisher(context, port)
     index = PrefixIndex()
     changes: list[bool] = []
     feed = KvEventFeed(
@@ -148,7 +124,7 @@ async def test_a_publisher_that_goes_away_is_forgotten_and_its_successor_followe
         pub.close()  # the instance died
         await asyncio.wait_for(feed.wait_for(lambda: not feed.connected["a"]), WAIT_S)
         assert _cached(index, "a") == 0
-        pub = Publisher(context, port)  # restarted: sequence numbers from 0 again
+        pub = FakeKvPublisher(context, port)  # restarted: sequence numbers from 0 again
         try:
             await _connected(feed, "a")
             await pub.subscribed()

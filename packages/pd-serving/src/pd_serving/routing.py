@@ -455,12 +455,12 @@ class Router:
         None) or (None, why not; None when cache-aware routing is off)."""
         if self.index is None or not self.policy.cache_aware or not backends:
             return None, None
-        tokens = key.cache_tokens
-        if not tokens:
-            return None, "no_tokens"
         names = [b.key for b in backends]
         if not self.index.holds_any(names):
             return None, "index_empty"
+        tokens = key.cache_tokens
+        if not tokens:
+            return None, "no_tokens"
         return self.index.lookup(tokens, names, key.lora), None
 
     def _cached_tokens(self, hit: CachedPrefix) -> float:
