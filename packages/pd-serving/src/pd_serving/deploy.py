@@ -70,6 +70,8 @@ def proxy_config_for(
                 url=s.url,
                 rpc_address=s.rpc_address if role is Role.PREFILL else None,
                 name=s.name,
+                kv_events=s.kv_events_endpoint,
+                kv_store=s.kv_store,
             )
             for s in servers
             if s.role is role and s.connector is connector
