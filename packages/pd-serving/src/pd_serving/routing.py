@@ -27,11 +27,15 @@ KV-cache events; ``RoutingPolicy.cache_aware``): for the prompt's token ids (``R
 cache_tokens``) the index says how many leading tokens each eligible instance holds in its own
 cache and in the shared store it is attached to. Each gets a value::
 
-    cached = local + store_weight * max(0, store - local)             (tokens it need not compute)
-    value  = cached - cache_load_tokens * (load - least load)         (load: ``score``)
+    cached  = local + store_weight * max(0, store - local)           (tokens it need not compute)
+    pending = max(the proxy's in-flight count, running + waiting)    (requests ahead of this one)
+    value   = cached - cache_load_tokens * (pending - least pending)
 
 Instances more than ``prefix_overload`` pending requests above the least-loaded one are out;
-the highest value wins, ties by load, then round robin. ``cache_load_tokens`` is the bound that
+the highest value wins, ties by load (``score``), then round robin. Pending requests, not the
+whole ``score``: its KV-usage term comes from a scrape seconds old, and the instance that just
+served a conversation's previous turn shows that turn's blocks in it, which would steer the
+next turn away from the one instance holding it. ``cache_load_tokens`` is the bound that
 keeps a hot prefix (a system prompt every request shares) from piling every request onto the
 instance that cached it first: each pending request more than the least-loaded instance's
 outweighs that many cached tokens, so the others get requests and cache it too. The reason is
@@ -369,11 +373,15 @@ class Router:
         }
 
     # -- load -------------------------------------------------------------------------------
+    def pending(self, backend: Backend) -> int:
+        """Requests on ``backend``: the proxy's own in flight, or what its last scrape saw."""
+        load = backend.load
+        return max(backend.inflight, load.running + load.waiting)
+
     def score(self, backend: Backend) -> float:
         """Lower is less loaded (formula in the module docstring)."""
         load = backend.load
-        pending = max(backend.inflight, load.running + load.waiting)
-        return pending + load.waiting + self.policy.kv_weight * load.kv_usage
+        return self.pending(backend) + load.waiting + self.policy.kv_weight * load.kv_usage
 
     def _eligible(
         self, backends: list[Backend], exclude: Collection[str], now: float
@@ -477,14 +485,14 @@ class Router:
         cached = {b.key: self._cached_tokens(hits[b.key]) for b in eligible}
         if max(cached.values()) <= 0:
             return None, "no_match"
-        scores = {b.key: self.score(b) for b in eligible}
-        least = min(scores.values())
-        within = [b for b in eligible if scores[b.key] - least <= self.policy.prefix_overload]
+        pending = {b.key: self.pending(b) for b in eligible}
+        least = min(pending.values())
+        within = [b for b in eligible if pending[b.key] - least <= self.policy.prefix_overload]
         longest = max(cached[b.key] for b in within)
         if longest <= 0:
             return None, "overloaded"
         weight = self.policy.cache_load_tokens
-        values = {b.key: cached[b.key] - weight * (scores[b.key] - least) for b in within}
+        values = {b.key: cached[b.key] - weight * (pending[b.key] - least) for b in within}
         # Best value first; a half-open instance whose probe is taken gives way to the next.
         for value in sorted(set(values.values()), reverse=True):
             chosen = self._pick(role, [b for b in within if values[b.key] == value], now)
