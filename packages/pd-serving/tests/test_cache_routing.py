@@ -221,14 +221,14 @@ def test_no_instance_with_a_better_value_is_passed_over(blocks, pending, load_to
         assert pending[chosen] == least  # fell back: by load
 
 
-def test_a_scraped_kv_usage_does_not_steer_a_turn_away_from_its_cache() -> None:
+def test_a_stale_scrape_does_not_steer_a_turn_away_from_its_cache() -> None:
     router, feed, _, d = _router(0, 2, RoutingPolicy(prefix_chars=0, prefix_overload=2))
     feed.stored("d0", SYSTEM)
-    # d0 just served the previous turn: its last scrape still shows those blocks in use.
-    router.update_load(d[0], InstanceLoad(kv_usage=0.6))
+    # d0 just served the previous turn: its last scrape still shows it running, blocks in use.
+    router.update_load(d[0], InstanceLoad(running=3, kv_usage=0.6))
     route = router.route(_key([*SYSTEM, 1]))
     assert route.decode is d[0]
     assert route.decode_cache == "cached_prefix"
-    # What is queued there does count.
-    router.update_load(d[0], InstanceLoad(running=2, waiting=1))
+    # What the proxy has in flight there does count.
+    d[0].inflight = 3
     assert router.route(_key([*SYSTEM, 1])).decode_cache == "overloaded"

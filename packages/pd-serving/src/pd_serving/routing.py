@@ -27,17 +27,17 @@ KV-cache events; ``RoutingPolicy.cache_aware``): for the prompt's token ids (``R
 cache_tokens``) the index says how many leading tokens each eligible instance holds in its own
 cache and in the shared store it is attached to. Each gets a value::
 
-    cached  = local + store_weight * max(0, store - local)           (tokens it need not compute)
-    pending = max(the proxy's in-flight count, running + waiting)    (requests ahead of this one)
-    value   = cached - cache_load_tokens * (pending - least pending)
+    cached = local + store_weight * max(0, store - local)            (tokens it need not compute)
+    value  = cached - cache_load_tokens * (inflight - least inflight)
 
-Instances more than ``prefix_overload`` pending requests above the least-loaded one are out;
-the highest value wins, ties by load (``score``), then round robin. Pending requests, not the
-whole ``score``: its KV-usage term comes from a scrape seconds old, and the instance that just
-served a conversation's previous turn shows that turn's blocks in it, which would steer the
-next turn away from the one instance holding it. ``cache_load_tokens`` is the bound that
+``inflight``: the requests the proxy has on the instance now. Instances more than
+``prefix_overload`` in flight above the least-loaded one are out; the highest value wins, ties
+by load (``score``), then round robin. The proxy's own count, not the scraped figures of
+``score``: a scrape is seconds old, and the instance that just served a conversation's previous
+turn still shows that turn running (and its blocks in use) there, which would steer the next
+turn away from the one instance holding its context. ``cache_load_tokens`` is the bound that
 keeps a hot prefix (a system prompt every request shares) from piling every request onto the
-instance that cached it first: each pending request more than the least-loaded instance's
+instance that cached it first: each request in flight more than the least-loaded instance's
 outweighs that many cached tokens, so the others get requests and cache it too. The reason is
 on the route (``Route.decode_cache`` / ``prefill_cache``): ``cached_prefix`` (the longest hit
 won), ``balanced`` (a shorter hit, or none, won on load), or why the usual routing decided:
@@ -213,7 +213,7 @@ class RoutingPolicy:
     # A token the shared store holds counts this much of one in the instance's own cache (it
     # is loaded, not computed).
     store_weight: float = 0.9
-    # Cached tokens one pending request more than the least-loaded instance's outweighs.
+    # Cached tokens one request in flight more than the least-loaded instance's outweighs.
     cache_load_tokens: float = 256.0
 
     def __post_init__(self) -> None:
@@ -373,15 +373,11 @@ class Router:
         }
 
     # -- load -------------------------------------------------------------------------------
-    def pending(self, backend: Backend) -> int:
-        """Requests on ``backend``: the proxy's own in flight, or what its last scrape saw."""
-        load = backend.load
-        return max(backend.inflight, load.running + load.waiting)
-
     def score(self, backend: Backend) -> float:
         """Lower is less loaded (formula in the module docstring)."""
         load = backend.load
-        return self.pending(backend) + load.waiting + self.policy.kv_weight * load.kv_usage
+        pending = max(backend.inflight, load.running + load.waiting)
+        return pending + load.waiting + self.policy.kv_weight * load.kv_usage
 
     def _eligible(
         self, backends: list[Backend], exclude: Collection[str], now: float
@@ -485,14 +481,14 @@ class Router:
         cached = {b.key: self._cached_tokens(hits[b.key]) for b in eligible}
         if max(cached.values()) <= 0:
             return None, "no_match"
-        pending = {b.key: self.pending(b) for b in eligible}
-        least = min(pending.values())
-        within = [b for b in eligible if pending[b.key] - least <= self.policy.prefix_overload]
+        inflight = {b.key: b.inflight for b in eligible}
+        least = min(inflight.values())
+        within = [b for b in eligible if inflight[b.key] - least <= self.policy.prefix_overload]
         longest = max(cached[b.key] for b in within)
         if longest <= 0:
             return None, "overloaded"
         weight = self.policy.cache_load_tokens
-        values = {b.key: cached[b.key] - weight * (pending[b.key] - least) for b in within}
+        values = {b.key: cached[b.key] - weight * (inflight[b.key] - least) for b in within}
         # Best value first; a half-open instance whose probe is taken gives way to the next.
         for value in sorted(set(values.values()), reverse=True):
             chosen = self._pick(role, [b for b in within if values[b.key] == value], now)
