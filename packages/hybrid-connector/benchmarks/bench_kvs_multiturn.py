@@ -346,14 +346,16 @@ def start_servers(
     return servers, processes
 
 
-def start_proxy(servers: list[Any], store: str, log_dir: Path) -> tuple[str, Any]:
+def start_proxy(
+    servers: list[Any], store: str, log_dir: Path, routing_args: list[str]
+) -> tuple[str, Any]:
     """``pdserve proxy`` in front of ``servers`` (D's prefilling themselves, no P), subscribed
     to their KV events: (its URL, its process, started)."""
     from pd_serving.launcher import ManagedProcess, free_port, python_argv
     from pd_serving.proxy import READY_LINE
 
     port = free_port()
-    argv = ["proxy", "--port", str(port), "--model-name", "tiny"]
+    argv = ["proxy", "--port", str(port), "--model-name", "tiny", *routing_args]
     for server in servers:
         argv += ["--decode", server.url]
         argv += ["--kv-events-from", f"{server.url}={server.kv_events_endpoint}@{store}"]
@@ -406,6 +408,21 @@ def main() -> None:
         default="small",
         help="tiny: the 2-layer test model; small: 8 layers of 512 (prefill costs like a real one)",
     )
+    from pd_serving.routing import RoutingPolicy
+
+    policy = RoutingPolicy()
+    parser.add_argument(
+        "--cache-load-tokens",
+        type=float,
+        default=policy.cache_load_tokens,
+        help="kvs+routing: the proxy's --cache-load-tokens",
+    )
+    parser.add_argument(
+        "--store-weight",
+        type=float,
+        default=policy.store_weight,
+        help="kvs+routing: the proxy's --store-weight",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path, default=RESULTS / "kvs_multiturn.json")
     args = parser.parse_args()
@@ -443,7 +460,11 @@ def main() -> None:
             )
             processes += started
         wait_all_ready(processes, timeout=900)
-        proxy_url, proxy = start_proxy(servers[ROUTED], store_names[ROUTED], work / ROUTED)
+        routing_args = ["--cache-load-tokens", str(args.cache_load_tokens)]
+        routing_args += ["--store-weight", str(args.store_weight)]
+        proxy_url, proxy = start_proxy(
+            servers[ROUTED], store_names[ROUTED], work / ROUTED, routing_args
+        )
         processes.append(proxy)
         wait_all_ready([proxy], timeout=120)
         instance_urls = {name: [s.url for s in group] for name, group in servers.items()}
