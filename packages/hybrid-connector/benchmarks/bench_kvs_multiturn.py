@@ -16,12 +16,17 @@ taking turns round by round (``--rounds``, each with its own prompts; the order 
 round), so the box's other load falls on every system alike:
 
 * ``local``: vLLM's prefix cache only (the connector without a store);
-* ``kvs``: the connector with KVS on, both instances on one refstore master.
+* ``kvs``: the connector with KVS on, both instances on one refstore master;
+* ``kvs+routing``: the same as ``kvs`` (a master of its own), the turns sent to a ``pdserve
+  proxy`` in front of the two instances instead, which routes each one where its longest prefix
+  is cached (the instances' KV-cache events; pd-serving's cache-aware routing) rather than in
+  turn.
 
 Reported per system: TTFT p50 and p99 of turn 1, of turns 2+ and of turns 2+ with 2k+ tokens
 of context, and of the misses; prompt tokens served from
 the local cache / loaded from the store / computed (vLLM's own counters), throughput
-(answers' tokens per second), and every answer's tokens compared across systems.
+(answers' tokens per second), and every answer's tokens compared across systems; for
+``kvs+routing`` also the proxy's routing decisions by reason.
 
     flock /tmp/bench.lock uv run --frozen --no-sync python \\
         packages/hybrid-connector/benchmarks/bench_kvs_multiturn.py
@@ -45,6 +50,7 @@ import aiohttp
 
 RESULTS = Path(__file__).parent / "results"
 LONG_CONTEXT = 2048  # the target's "2k+ tokens of context"
+LOCAL, KVS, ROUTED = "local", "kvs", "kvs+routing"
 TOP_LOGPROBS = 5
 
 
@@ -102,9 +108,15 @@ async def _complete(
 
 
 async def run_system(
-    urls: list[str], model: str, args: argparse.Namespace, round_index: int
+    urls: list[str],
+    model: str,
+    args: argparse.Namespace,
+    round_index: int,
+    instance_urls: list[str] | None = None,
 ) -> dict[str, Any]:
-    """One round of the workload on one system: what it measured, unsummarised."""
+    """One round of the workload on one system: what it measured, unsummarised. ``urls`` get
+    the requests; ``instance_urls`` (default: the same) are the vLLM servers behind them."""
+    instance_urls = instance_urls or urls
     system, users = workload(args, round_index)
     ttfts: dict[int, list[float]] = {t: [] for t in range(args.turns)}
     long_ttfts: list[float] = []  # turns 2+ whose context is LONG_CONTEXT tokens or more
@@ -133,14 +145,14 @@ async def run_system(
             total_tokens += len(answer)
             context += answer
 
-    before = [_by_source(u) for u in urls]
+    before = [_by_source(u) for u in instance_urls]
     start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         await asyncio.gather(*(session(s, http) for s in range(args.sessions)))
         elapsed = time.perf_counter() - start
         misses = await _misses(http, urls, model, args, round_index)
-    after = [_by_source(u) for u in urls]
+    after = [_by_source(u) for u in instance_urls]
     sources: dict[str, float] = {}
     for b, a in zip(before, after, strict=True):
         for key in a:
@@ -196,6 +208,51 @@ async def _misses(
         ttft, _, _ = await _complete(http, urls[i % len(urls)], model, prompt, 1)
         out.append(ttft)
     return out
+
+
+def compare_answers(
+    reference: dict[str, Any], other: dict[str, Any]
+) -> tuple[list[str], list[str], list[tuple[str, int]]]:
+    """(answers that differ, the first differing turn of each session, those of them that do
+    not part at a near-tie, with where). A session whose answers part at a near-tie (random
+    weights: logits are nearly flat, and a prefix hit computes the rest in another kernel path)
+    goes on with other contexts: only its first differing turn compares like for like, and must
+    part at a near-tie."""
+    ref_answers, answers = reference["answers"], other["answers"]
+    differ = sorted(k for k in ref_answers if ref_answers[k] != answers.get(k))
+    roots, bad = [], []
+    for key in differ:
+        round_index, session, turn = key.split("/")
+        if any(f"{round_index}/{session}/{t}" in differ for t in range(int(turn))):
+            continue
+        roots.append(key)
+        a, b = ref_answers[key], answers[key]
+        at = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+        tops_a, tops_b = reference["tops"][key], other["tops"][key]
+        near = (
+            at < min(len(tops_a), len(tops_b))
+            and tops_a[at][0] in tops_b[at][1:]
+            and tops_b[at][0] in tops_a[at][1:]
+        )
+        if not near:
+            bad.append((key, at))
+    return differ, roots, bad
+
+
+def ratios(system: dict[str, Any], base: dict[str, Any]) -> dict[str, float | None]:
+    """``system``'s TTFT p50s and throughput over ``base``'s."""
+    long_key = f"ttft_later_{LONG_CONTEXT}plus_ms"
+    long_ratio = (
+        system[long_key]["p50"] / base[long_key]["p50"]
+        if system[long_key] and base[long_key]
+        else None
+    )
+    return {
+        "ttft_later_p50": system["ttft_later_ms"]["p50"] / base["ttft_later_ms"]["p50"],
+        f"ttft_later_{LONG_CONTEXT}plus_p50": long_ratio,
+        "ttft_miss_p50": system["ttft_miss_ms"]["p50"] / base["ttft_miss_ms"]["p50"],
+        "tokens_per_s": system["tokens_per_s"] / base["tokens_per_s"],
+    }
 
 
 def _pcts(xs: list[float]) -> dict[str, float]:
@@ -256,15 +313,22 @@ def make_model(work: Path, size: str) -> Path:
 
 
 def start_servers(
-    model: Path, kvs: dict[str, Any] | None, args: argparse.Namespace, log_dir: Path
+    name: str,
+    model: Path,
+    kvs: dict[str, Any] | None,
+    args: argparse.Namespace,
+    log_dir: Path,
+    *,
+    kv_events: bool = False,
 ) -> tuple[list[Any], list[Any]]:
-    from pd_serving.launcher import start_all, wait_all_ready
+    """A system's two vLLM servers, started (not waited for)."""
+    from pd_serving.launcher import free_port, start_all
     from pd_serving.servers import Connector, CpuSettings, Role, VllmServer
 
     cpu = CpuSettings(kv_cache_bytes=args.kv_mib << 20, max_model_len=args.max_model_len)
     servers = [
         VllmServer(
-            name=f"{'kvs' if kvs else 'local'}{i}",
+            name=f"{name}{i}",
             model=model,
             role=Role.DECODE,
             connector=Connector.HYBRID,
@@ -274,12 +338,50 @@ def start_servers(
             served_model_name="tiny",
             extra_args=["--block-size", str(args.block_size)],
             extra_connector_config={"kvs": kvs} if kvs else {},
+            kv_events_port=free_port() if kv_events else None,
         )
         for i in range(2)
     ]
     processes = start_all(s.make_process() for s in servers)
-    wait_all_ready(processes, timeout=900)
     return servers, processes
+
+
+def start_proxy(
+    servers: list[Any], store: str, log_dir: Path, routing_args: list[str]
+) -> tuple[str, Any]:
+    """``pdserve proxy`` in front of ``servers`` (D's prefilling themselves, no P), subscribed
+    to their KV events: (its URL, its process, started)."""
+    from pd_serving.launcher import ManagedProcess, free_port, python_argv
+    from pd_serving.proxy import READY_LINE
+
+    port = free_port()
+    argv = ["proxy", "--port", str(port), "--model-name", "tiny", *routing_args]
+    for server in servers:
+        argv += ["--decode", server.url]
+        argv += ["--kv-events-from", f"{server.url}={server.kv_events_endpoint}@{store}"]
+    url = f"http://127.0.0.1:{port}"
+    proc = ManagedProcess(
+        "proxy",
+        python_argv("pd_serving.cli", *argv),
+        log_path=log_dir / "proxy.log",
+        ready_marker=READY_LINE,
+        health_url=f"{url}/health",
+    )
+    proc.start()
+    return url, proc
+
+
+def routing_decisions(url: str) -> dict[str, float]:
+    """The proxy's cache-aware routing decisions so far, by reason."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_cache_routing_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def main() -> None:
@@ -306,6 +408,21 @@ def main() -> None:
         default="small",
         help="tiny: the 2-layer test model; small: 8 layers of 512 (prefill costs like a real one)",
     )
+    from pd_serving.routing import RoutingPolicy
+
+    policy = RoutingPolicy()
+    parser.add_argument(
+        "--cache-load-tokens",
+        type=float,
+        default=policy.cache_load_tokens,
+        help="kvs+routing: the proxy's --cache-load-tokens",
+    )
+    parser.add_argument(
+        "--store-weight",
+        type=float,
+        default=policy.store_weight,
+        help="kvs+routing: the proxy's --store-weight",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path, default=RESULTS / "kvs_multiturn.json")
     args = parser.parse_args()
@@ -313,7 +430,7 @@ def main() -> None:
         args.sessions, args.turns, args.system, args.user, args.answer = 4, 3, 128, 96, 16
         args.miss_prompts, args.miss_tokens, args.rounds = 2, 256, 1
     import refstore
-    from pd_serving.launcher import stop_all
+    from pd_serving.launcher import stop_all, wait_all_ready
 
     if args.smoke:
         args.model_size = "tiny"
@@ -322,90 +439,99 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-kvs-"))
     model = make_model(work, args.model_size)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    store_name = f"bench-kvs-{uuid.uuid4().hex[:6]}"
-    store = refstore.connect(store_name, autostart=True, pool_size=args.pool)
-    configs: dict[str, dict[str, Any] | None] = {"local": None, "kvs": {"store": store_name}}
+    store_names = {name: f"bench-kvs-{uuid.uuid4().hex[:6]}" for name in (KVS, ROUTED)}
+    stores = {
+        name: refstore.connect(store, autostart=True, pool_size=args.pool)
+        for name, store in store_names.items()
+    }
+    configs: dict[str, dict[str, Any] | None] = {
+        LOCAL: None,
+        **{name: {"store": store} for name, store in store_names.items()},
+    }
     processes: list[Any] = []
     try:
         # Every system's servers up at once (an idle vLLM server waits on its queue), taking
         # turns round by round, the order flipped each round: what the box's other load does to
-        # one system it does to the other.
-        urls: dict[str, list[str]] = {}
+        # one system it does to the others.
+        servers: dict[str, list[Any]] = {}
         for name, kvs in configs.items():
-            servers, started = start_servers(model, kvs, args, work / name)
+            servers[name], started = start_servers(
+                name.replace("+", "-"), model, kvs, args, work / name, kv_events=name == ROUTED
+            )
             processes += started
-            urls[name] = [s.url for s in servers]
+        wait_all_ready(processes, timeout=900)
+        routing_args = ["--cache-load-tokens", str(args.cache_load_tokens)]
+        routing_args += ["--store-weight", str(args.store_weight)]
+        proxy_url, proxy = start_proxy(
+            servers[ROUTED], store_names[ROUTED], work / ROUTED, routing_args
+        )
+        processes.append(proxy)
+        wait_all_ready([proxy], timeout=120)
+        instance_urls = {name: [s.url for s in group] for name, group in servers.items()}
+        urls = {**instance_urls, ROUTED: [proxy_url]}
         raw: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         for round_index in range(args.rounds):
             order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
             for name in order:
-                raw[name].append(asyncio.run(run_system(urls[name], "tiny", args, round_index)))
+                raw[name].append(
+                    asyncio.run(
+                        run_system(urls[name], "tiny", args, round_index, instance_urls[name])
+                    )
+                )
         for name in configs:
             results[name] = summarize(raw[name], args.turns)
-        results["kvs"]["store"] = {
-            k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")
-        }
+        for name, store in stores.items():
+            results[name]["store"] = {
+                k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")
+            }
+        results[ROUTED]["routing"] = routing_decisions(proxy_url)
     finally:
         stop_all(processes)
-        store.shutdown_master()
-        store.close()
-    local_answers, kvs_answers = results["local"]["answers"], results["kvs"]["answers"]
-    differ = sorted(k for k in local_answers if local_answers[k] != kvs_answers.get(k))
-    # A session whose answers part at a near-tie (random weights: logits are nearly flat, and
-    # a prefix hit computes the rest in another kernel path) goes on with other contexts: only
-    # its first differing turn compares like for like, and must part at a near-tie.
-    roots, bad = [], []
-    for key in differ:
-        round_index, session, turn = key.split("/")
-        if any(f"{round_index}/{session}/{t}" in differ for t in range(int(turn))):
-            continue
-        roots.append(key)
-        a, b = local_answers[key], kvs_answers[key]
-        at = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
-        tops_a, tops_b = results["local"]["tops"][key], results["kvs"]["tops"][key]
-        near = (
-            at < min(len(tops_a), len(tops_b))
-            and tops_a[at][0] in tops_b[at][1:]
-            and tops_b[at][0] in tops_a[at][1:]
+        for store in stores.values():
+            store.shutdown_master()
+            store.close()
+    local_answers = results[LOCAL]["answers"]
+    bad: list[tuple[str, str, int]] = []
+    for name in (KVS, ROUTED):
+        differ, roots, parted = compare_answers(results[LOCAL], results[name])
+        bad += [(name, key, at) for key, at in parted]
+        suffix = "" if name == KVS else "_routing"
+        results[f"answers_differ{suffix}"] = differ
+        results[f"divergent_sessions{suffix}"] = roots
+        print(
+            f"{name} against local: answers identical {len(local_answers) - len(differ)} of "
+            f"{len(local_answers)}; sessions parting at a near-tie: {len(roots) - len(parted)} "
+            f"of {args.sessions * args.rounds}, elsewhere: {len(parted)}"
         )
-        if not near:
-            bad.append((key, at))
     same = not bad
     results["same_answers"] = same
-    results["answers_differ"] = differ
-    results["divergent_sessions"] = roots
     results["not_near_ties"] = bad
-    for name in ("local", "kvs"):
+    for name in configs:
         r = results[name]
         src = r["prompt_tokens_by_source"]
         total = sum(src.values()) or 1.0
         print(
-            f"{name:6s} TTFT turn 1 p50 {r['ttft_turn1_ms']['p50']:7.1f} ms, turns 2+ p50 "
+            f"{name:11s} TTFT turn 1 p50 {r['ttft_turn1_ms']['p50']:7.1f} ms, turns 2+ p50 "
             f"{r['ttft_later_ms']['p50']:7.1f} p99 {r['ttft_later_ms']['p99']:7.1f} ms; "
             f"{r['tokens_per_s']:6.1f} tok/s; prompt tokens: "
             + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(src.items()))
         )
-    kvs, local = results["kvs"], results["local"]
-    ratio = kvs["ttft_later_ms"]["p50"] / local["ttft_later_ms"]["p50"]
-    long_key = f"ttft_later_{LONG_CONTEXT}plus_ms"
-    long_ratio = (
-        kvs[long_key]["p50"] / local[long_key]["p50"] if kvs[long_key] and local[long_key] else None
-    )
-    miss_ratio = kvs["ttft_miss_ms"]["p50"] / local["ttft_miss_ms"]["p50"]
-    results["ratios"] = {
-        "ttft_later_p50": ratio,
-        f"ttft_later_{LONG_CONTEXT}plus_p50": long_ratio,
-        "ttft_miss_p50": miss_ratio,
-        "tokens_per_s": kvs["tokens_per_s"] / local["tokens_per_s"],
-    }
-    long_text = f"{long_ratio:.2f}x" if long_ratio is not None else "n/a"
-    print(
-        f"TTFT p50 kvs/local: turns 2+ {ratio:.2f}x, at {LONG_CONTEXT}+ tokens {long_text}, "
-        f"misses {miss_ratio:.2f}x; answers identical: "
-        f"{len(local_answers) - len(differ)} of {len(local_answers)}; sessions parting at a "
-        f"near-tie: {len(roots) - len(bad)} of {args.sessions * args.rounds}, "
-        f"elsewhere: {len(bad)}"
-    )
+    print(f"{ROUTED} routing decisions: {results[ROUTED]['routing']}")
+    results["ratios"] = ratios(results[KVS], results[LOCAL])
+    results["ratios_routing_local"] = ratios(results[ROUTED], results[LOCAL])
+    results["ratios_routing_kvs"] = ratios(results[ROUTED], results[KVS])
+    for label, key in (
+        ("kvs/local", "ratios"),
+        (f"{ROUTED}/local", "ratios_routing_local"),
+        (f"{ROUTED}/kvs", "ratios_routing_kvs"),
+    ):
+        r = results[key]
+        long_ratio = r[f"ttft_later_{LONG_CONTEXT}plus_p50"]
+        long_text = f"{long_ratio:.2f}x" if long_ratio is not None else "n/a"
+        print(
+            f"TTFT p50 {label}: turns 2+ {r['ttft_later_p50']:.2f}x, at {LONG_CONTEXT}+ tokens "
+            f"{long_text}, misses {r['ttft_miss_p50']:.2f}x; tok/s {r['tokens_per_s']:.2f}x"
+        )
     if not args.smoke:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         slim = {

@@ -1,5 +1,5 @@
 """Test helpers: a stand-in OpenAI upstream recording what a proxy sends it (for testing the
-proxy, not vLLM), and waiting for processes to exit."""
+proxy, not vLLM), a stand-in KV-event publisher, and waiting for processes to exit."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from hybrid_connector.contract import PullParams, decode_params
 from hybrid_connector.migration import MIGRATE_OUT, MigrateOutRequest, MigrateOutResponse
@@ -34,7 +37,8 @@ class FakeUpstream:
     body that is not JSON; ``break_after`` drops it after
     that many streamed tokens; ``error_after`` streams vLLM's error event (then ``[DONE]``, in
     the 200) after that many tokens, as vLLM does when its engine fails; ``token_delay_s``
-    slows the stream. ``refuse()`` stops listening
+    slows the stream. ``/tokenize`` answers ``tokens_of`` the prompt or the messages' contents
+    (``tokenize_status`` other than 200: that status). ``refuse()`` stops listening
     (connection refused) and ``start()`` again listens on the same port. ``/health`` answers
     ``health_status``; ``/metrics`` vLLM's load gauges from ``waiting``, ``running``, ``kv_usage``.
     ``active`` counts generation requests being handled (0 once every call was closed).
@@ -56,6 +60,8 @@ class FakeUpstream:
     die_before_answer: bool = False
     fail_times: int | None = None
     health_status: int = 200
+    tokenize_status: int = 200
+    tokenized: list[dict[str, Any]] = field(default_factory=list)
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0
@@ -74,6 +80,7 @@ class FakeUpstream:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/metrics", self._metrics)
         self.runner = web.AppRunner(app, handler_cancellation=True)
         await self.runner.setup()
@@ -99,6 +106,14 @@ class FakeUpstream:
             self.fail_times -= 1
             return True
         return False
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tokenized.append(body)
+        if self.tokenize_status != 200:
+            return web.json_response({"error": "no"}, status=self.tokenize_status)
+        text = body.get("prompt") or "".join(m["content"] for m in body.get("messages", []))
+        return web.json_response({"tokens": tokens_of(text), "count": len(text)})
 
     async def _health(self, _request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)
@@ -325,6 +340,53 @@ class FakeDecode:
         self.releases.append(req)
         self.released.set()
         return ReleaseResponse(req.transfer_id, released=True)
+
+
+class FakeKvPublisher:
+    """vLLM's side of the KV-event wire (topic, 8-byte sequence number, msgpack batch) on an
+    XPUB socket: a PUB that hears subscriptions, so a test publishes once a subscriber's
+    subscription arrived (what a PUB sends before that is never delivered)."""
+
+    def __init__(self, context: zmq.asyncio.Context, port: int, block_size: int = 4) -> None:
+        self.sock = context.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.block_size = block_size
+        self.seq = 0
+        self._hashes = 0
+
+    async def subscribed(self, within_s: float = 30.0) -> None:
+        """Until a subscriber's subscription (to every topic) arrives."""
+        assert await asyncio.wait_for(self.sock.recv(), within_s) == b"\x01"
+
+    async def send(self, *events: dict[str, Any], raw: bytes | None = None) -> None:
+        payload = raw if raw is not None else msgspec.msgpack.encode([1.0, list(events), 0])
+        await self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+        self.seq += 1
+
+    def stored(self, tokens: list[int], medium: str = "GPU") -> dict[str, Any]:
+        """A BlockStored event of the full blocks of ``tokens`` (a prompt from its start)."""
+        blocks = len(tokens) // self.block_size
+        self._hashes += blocks
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(range(self._hashes - blocks, self._hashes)),
+            "parent_block_hash": None,
+            "token_ids": tokens[: blocks * self.block_size],
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        }
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def tokens_of(text: str) -> list[int]:
+    """The stand-ins' tokenizer: one token per character."""
+    return [ord(c) % 500 for c in text]
 
 
 def wait_all_gone(pids: Iterable[int], timeout: float) -> set[int]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import zmq.asyncio
 from pd_serving.bench import percentile, plan_pairs
 from pd_serving.cli import build_parser, main
 from pd_serving.client import Completion, _top_logprobs, exact_length_prompt, load_tokenizer
@@ -25,7 +26,7 @@ from pd_serving.launcher import ManagedProcess, free_port
 from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
 from pd_serving.servers import Connector, CpuSettings, connector_extra, plan_servers
-from stand_ins import MODEL, FakeUpstream
+from stand_ins import MODEL, FakeKvPublisher, FakeUpstream
 
 
 @pytest.fixture(scope="module")
@@ -196,11 +197,14 @@ def test_percentile() -> None:
 
 
 async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> None:
-    """`pdserve proxy` as a real process: answers through P and D, stops on SIGTERM."""
+    """`pdserve proxy` as a real process: answers through P and D, subscribes to D's KV events,
+    stops on SIGTERM."""
     p, d = FakeUpstream("P", kv_params={}), FakeUpstream("D")
     await p.start()
     await d.start()
     port = free_port()
+    context = zmq.asyncio.Context()
+    events = FakeKvPublisher(context, free_port())
     proc = ManagedProcess(
         "proxy",
         [
@@ -214,6 +218,8 @@ async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> No
             f"{p.url}@127.0.0.1:1",
             "--decode",
             d.url,
+            "--kv-events-from",
+            f"{d.url}={events.endpoint}@node",
         ],
         log_path=tmp_path / "proxy.log",
         ready_marker=READY_LINE,
@@ -231,6 +237,14 @@ async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> No
             assert resp.status == 200
         assert len(p.received) == 1
         assert d.received[0]["kv_transfer_params"]["remote_rpc_address"] == "127.0.0.1:1"
+        await events.subscribed()
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/health") as resp,
+        ):
+            (decode,) = (await resp.json())["decode"]
+        assert decode["kv_events"] == events.endpoint
+        assert decode["kv_store"] == "node"
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGTERM)
         assert await asyncio.wait_for(asyncio.wrap_future(proc.exited), timeout=30) == 0
@@ -238,6 +252,21 @@ async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> No
         proc.stop()
         await p.close()
         await d.close()
+        events.close()
+        context.term()
+
+
+def test_kv_events_options() -> None:
+    from pd_serving.cli import _kv_event_sources, build_parser
+
+    assert build_parser().parse_args(["up"]).kv_events is True
+    assert build_parser().parse_args(["up", "--no-kv-events"]).kv_events is False
+    assert _kv_event_sources(["http://d:1/=tcp://d:5557@node", "http://e:1=tcp://e:5557"]) == {
+        "http://d:1": ("tcp://d:5557", "node"),
+        "http://e:1": ("tcp://e:5557", None),
+    }
+    with pytest.raises(SystemExit, match="URL=tcp://HOST:PORT"):
+        _kv_event_sources(["http://d:1=d:5557"])
 
 
 def _completion(ids: list[int], tops: list[dict[int, float]]) -> Completion:

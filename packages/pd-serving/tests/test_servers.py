@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -85,3 +86,37 @@ def test_kv_size_is_the_engine_argument_and_an_inherited_env_is_dropped(
         f"--kv-cache-memory-bytes {kv_bytes}"
         for name in envs
     )
+
+
+def test_kv_events_give_each_instance_its_endpoint_and_the_proxy_its_sources(
+    tmp_path: Path,
+) -> None:
+    from pd_serving.deploy import proxy_config_for
+
+    extra = {"kvs": {"store": "node"}}
+    servers = plan_servers(
+        tmp_path,
+        log_dir=tmp_path,
+        connector=Connector.HYBRID,
+        decode=2,
+        extra_connector_config=extra,
+        kv_events=True,
+    )
+    ports = set()
+    for server in servers:
+        argv = server.argv()
+        config = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert config == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{server.kv_events_port}",  # vLLM binds only a "*" endpoint
+        }
+        ports.add(server.kv_events_port)
+    assert len(ports) == 3
+    config = proxy_config_for(servers, Connector.HYBRID)
+    for backend, server in zip([*config.prefill, *config.decode], servers, strict=True):
+        assert backend.kv_events == f"tcp://127.0.0.1:{server.kv_events_port}"
+        assert backend.kv_store == "node"
+    plain = plan_servers(tmp_path, log_dir=tmp_path, connector=Connector.HYBRID)
+    assert all("--kv-events-config" not in s.argv() for s in plain)
+    assert all(b.kv_events is None for b in proxy_config_for(plain, Connector.HYBRID).decode)

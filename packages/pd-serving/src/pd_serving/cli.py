@@ -181,6 +181,12 @@ def _add_routing_options(parser: argparse.ArgumentParser) -> None:
          "than the least-loaded one"),
         ("--decode-prefix-entries", int, policy.decode_prefix_entries, "N",
          "prefix hashes remembered per D for the prefix-cached bypass"),
+        ("--cache-load-tokens", float, policy.cache_load_tokens, "N",
+         "cache-aware routing: cached tokens one pending request more than the least-loaded "
+         "instance's outweighs (keeps a hot prefix from piling onto one instance)"),
+        ("--store-weight", float, policy.store_weight, "W",
+         "cache-aware routing: a token in the shared store counts W of one in the instance's "
+         "own cache"),
         ("--breaker-failures", int, policy.breaker_failures, "N",
          "consecutive failures that take an instance out"),
         ("--breaker-cooldown-s", float, policy.breaker_cooldown_s, "S",
@@ -207,6 +213,8 @@ def routing_from_args(args: argparse.Namespace):
             prefix_chars=args.prefix_chars,
             prefix_overload=args.prefix_overload,
             decode_prefix_entries=args.decode_prefix_entries,
+            cache_load_tokens=args.cache_load_tokens,
+            store_weight=args.store_weight,
             breaker_failures=args.breaker_failures,
             breaker_cooldown_s=args.breaker_cooldown_s,
         )
@@ -278,6 +286,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         decode=args.decode,
         cpu=_cpu_settings(args),
         extra_connector_config=extra,
+        kv_events=args.kv_events,
     )
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
@@ -399,14 +408,27 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     """Only the proxy, in front of vLLM instances started elsewhere."""
     from pd_serving.proxy import Backend, PdProxy, ProxyConfig
 
-    def backend(spec: str) -> Backend:
-        url, _, rpc = spec.partition("@")
-        return Backend(url=url.rstrip("/"), rpc_address=rpc or None, name=url)
+    events = _kv_event_sources(args.kv_events_from)
 
+    def backend(url: str, rpc: str | None = None) -> Backend:
+        endpoint, store = events.get(url.rstrip("/"), (None, None))
+        return Backend(
+            url=url.rstrip("/"), rpc_address=rpc, name=url, kv_events=endpoint, kv_store=store
+        )
+
+    def spec_backend(spec: str) -> Backend:
+        url, _, rpc = spec.partition("@")
+        return backend(url, rpc or None)
+
+    unknown = set(events) - {s.partition("@")[0].rstrip("/") for s in [*args.prefill, *args.decode]}
+    if unknown:
+        raise SystemExit(
+            f"pdserve: --kv-events-from names no --prefill/--decode: {sorted(unknown)}"
+        )
     config = ProxyConfig(
-        prefill=[backend(spec) for spec in args.prefill],
+        prefill=[spec_backend(spec) for spec in args.prefill],
         # A D's @RPC (its connector's transfer_kv address) lets its requests migrate live.
-        decode=[backend(spec) for spec in args.decode],
+        decode=[spec_backend(spec) for spec in args.decode],
         connector=Connector(args.connector),
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
@@ -418,6 +440,20 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             "pdserve: with --connector hybrid, give each --prefill as URL@RPC_HOST:PORT"
         )
     return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, None))
+
+
+def _kv_event_sources(specs: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+    """``URL=ENDPOINT[@STORE]`` options -> instance URL -> (zmq endpoint, store name)."""
+    out: dict[str, tuple[str, str | None]] = {}
+    for spec in specs:
+        url, sep, rest = spec.partition("=")
+        endpoint, _, store = rest.partition("@")
+        if not sep or not url or not endpoint.startswith(("tcp://", "ipc://")):
+            raise SystemExit(
+                f"pdserve: --kv-events-from {spec!r}: give URL=tcp://HOST:PORT[@STORE]"
+            )
+        out[url.rstrip("/")] = (endpoint, store or None)
+    return out
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -523,6 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each vLLM instance publishes its KV-cache events and the proxy routes a request "
+        "where its prompt's longest prefix is cached (--no-kv-events: neither); default on",
+    )
     _add_failover_options(p)
     _add_routing_options(p)
     p.set_defaults(func=cmd_up)
@@ -533,6 +576,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
     p.add_argument("--dispatch", choices=["sequential", "parallel"], default=None)
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")
+    p.add_argument(
+        "--kv-events-from",
+        action="append",
+        default=[],
+        metavar="URL=tcp://HOST:PORT[@STORE]",
+        help="the instance at URL publishes KV-cache events there (vLLM's --kv-events-config, "
+        "zmq); STORE: the shared KV store it loads from. The proxy then routes by cached "
+        "prefix (repeatable)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     _add_failover_options(p)

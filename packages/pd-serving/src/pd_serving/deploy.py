@@ -73,6 +73,8 @@ def proxy_config_for(
                 if role is Role.PREFILL or connector is Connector.HYBRID
                 else None,
                 name=s.name,
+                kv_events=s.kv_events_endpoint,
+                kv_store=s.kv_store,
             )
             for s in servers
             if s.role is role and s.connector is connector

@@ -25,6 +25,13 @@ the transfer on P.
 
 Client mistakes (malformed JSON, unknown model, missing or bad fields) get a 4xx with an
 OpenAI-style error body and a WARNING log line; an instance's 4xx is relayed as is.
+
+Cache-aware routing: when instances publish KV-cache events (``Backend.kv_events``), the proxy
+owns a ``PrefixIndex`` and the ``KvEventFeed`` that fills it, and the Router asks the index
+(``routing.py``). A request whose prompt is text or chat messages is tokenized first by an
+instance's ``/tokenize`` (the engine's own tokenizer and chat template, so the ids are the ones
+its blocks were hashed over), only while the index holds anything; a tokenization that fails or
+takes over ``tokenize_timeout_s`` leaves the request to the usual routing.
 """
 
 from __future__ import annotations
@@ -57,8 +64,19 @@ from simple_rpc import Client, RpcError
 
 from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, Transfer
 from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
+from pd_serving.kv_events import EventBatch
+from pd_serving.kv_feed import KvEventFeed
 from pd_serving.live import LiveStreams
-from pd_serving.routing import Backend, NoBackend, Route, Router, RoutingPolicy, request_key
+from pd_serving.prefix_index import Applied, PrefixIndex
+from pd_serving.routing import (
+    Backend,
+    NoBackend,
+    RequestKey,
+    Route,
+    Router,
+    RoutingPolicy,
+    request_key,
+)
 from pd_serving.servers import Connector
 
 log = logging.getLogger(__name__)
@@ -169,6 +187,11 @@ class ProxyConfig:
     # The Router's policy and the active health checks (None: none); see routing.py, health.py.
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     health: HealthCheckConfig | None = field(default_factory=HealthCheckConfig)
+    # Cache-aware routing: an instance's /tokenize call for a text or chat prompt; past this
+    # the request is routed without its token ids.
+    tokenize_timeout_s: float = 2.0
+    # Blocks the prefix index keeps per instance's cache and per store (oldest out first).
+    prefix_index_blocks: int = 1 << 18
 
 
 class _Metrics:
@@ -264,6 +287,52 @@ class _Metrics:
             ["backend"],
             registry=self.registry,
         )
+        self.cache_routing = Counter(
+            "pdserve_cache_routing",
+            "Routing decisions of the prefix index per role: cached_prefix, balanced, or why "
+            "the usual routing decided (overloaded, no_match, index_empty, no_tokens)",
+            ["role", "reason"],
+            registry=self.registry,
+        )
+        self.tokenize = Counter(
+            "pdserve_cache_tokenize",
+            "Prompts tokenized by an instance for cache-aware routing, by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.index_blocks = Gauge(
+            "pdserve_prefix_index_blocks",
+            "Blocks the prefix index believes a backend holds: in its own cache (local) or in "
+            "the store it is attached to (store)",
+            ["backend", "view"],
+            registry=self.registry,
+        )
+        self.kv_events = Counter(
+            "pdserve_kv_events",
+            "KV-cache events applied to the prefix index per backend: stored and removed "
+            "blocks, cleared caches, blocks not placed (unknown parent)",
+            ["backend", "kind"],
+            registry=self.registry,
+        )
+        self.kv_event_resets = Counter(
+            "pdserve_kv_event_resets",
+            "Times a backend's view was forgotten: gap (events missed), restart (a new "
+            "publisher), disconnect, decode_error",
+            ["backend", "reason"],
+            registry=self.registry,
+        )
+        self.kv_event_decode_errors = Counter(
+            "pdserve_kv_event_decode_errors",
+            "KV-event messages that did not decode (or apply), per backend",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.kv_events_connected = Gauge(
+            "pdserve_kv_events_connected",
+            "1 while the proxy is connected to the backend's KV-event publisher",
+            ["backend"],
+            registry=self.registry,
+        )
 
 
 def _openai_error(status: int, message: str, error_type: str) -> web.Response:
@@ -355,6 +424,22 @@ def _answered_pull(prefill: Backend, transfer_id: str, raw: object) -> PullParam
     return params
 
 
+# What vLLM's /tokenize takes besides the prompt or messages, as the generation request has it
+# (so the ids are the ones the generation computes).
+_TOKENIZE_OPTIONS = {
+    COMPLETIONS: ("add_special_tokens",),
+    CHAT_COMPLETIONS: (
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+        "mm_processor_kwargs",
+    ),
+}
+
+
 def _is_token_id(value: object) -> bool:
     # The Router hashes ids as int32 (routing.prefix_hashes); vLLM's vocabularies fit.
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
@@ -370,9 +455,21 @@ class PdProxy:
             raise ValueError("at least one decode instance is required")
         self.config = config
         self.metrics = _Metrics()
+        sources = {b.key: b.kv_events for b in [*config.prefill, *config.decode] if b.kv_events}
+        self.index: PrefixIndex | None = None
+        if sources and config.routing.cache_aware:
+            self.index = PrefixIndex(config.prefix_index_blocks)
         self.router = Router(
-            config.prefill, config.decode, config.routing, on_transition=self._on_transition
+            config.prefill,
+            config.decode,
+            config.routing,
+            on_transition=self._on_transition,
+            index=self.index,
         )
+        self.kv_feed: KvEventFeed | None = None
+        self._kv_sources = sources
+        # Served model ids that name a LoRA adapter (their blocks are keyed by it).
+        self.lora_names: set[str] = set()
         self.health: HealthChecker | None = None
         self._session: aiohttp.ClientSession | None = None
         self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
@@ -409,8 +506,41 @@ class PdProxy:
         if self.config.health is not None and self.health is None:
             self.health = HealthChecker(self.router, self._session, self.config.health)
             self.health.start()
+        if self.index is not None and self.kv_feed is None:
+            self.kv_feed = KvEventFeed(
+                self.index,
+                self._kv_sources,
+                on_batch=self._on_kv_batch,
+                on_error=self._on_kv_error,
+                on_connection=self._on_kv_connection,
+            )
+            self.kv_feed.start()
         if not self.config.model_names:
             self.config.model_names = await self._fetch_model_names()
+
+    # -- KV events (kv_feed's callbacks) ---------------------------------------------------
+    def _on_kv_batch(self, backend: str, _batch: EventBatch, applied: Applied) -> None:
+        counted = self.metrics.kv_events
+        for kind, n in (
+            ("stored", applied.stored),
+            ("removed", applied.removed),
+            ("cleared", int(applied.cleared)),
+            ("unplaced", applied.unplaced),
+        ):
+            if n:
+                counted.labels(backend, kind).inc(n)
+        for reason, happened in (("gap", applied.gap), ("restart", applied.restart)):
+            if happened:
+                self.metrics.kv_event_resets.labels(backend, reason).inc()
+
+    def _on_kv_error(self, backend: str, _error: Exception) -> None:
+        self.metrics.kv_event_decode_errors.labels(backend).inc()
+        self.metrics.kv_event_resets.labels(backend, "decode_error").inc()
+
+    def _on_kv_connection(self, backend: str, connected: bool) -> None:
+        self.metrics.kv_events_connected.labels(backend).set(int(connected))
+        if not connected:
+            self.metrics.kv_event_resets.labels(backend, "disconnect").inc()
 
     def _on_transition(self, backend: Backend, transition: Any) -> None:
         self.metrics.breaker_transitions.labels(
@@ -428,6 +558,9 @@ class PdProxy:
         if self.health is not None:
             await self.health.close()
             self.health = None
+        if self.kv_feed is not None:
+            await self.kv_feed.close()
+            self.kv_feed = None
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -449,7 +582,10 @@ class PdProxy:
         async with self._client.get(f"{backend.url}/v1/models") as resp:
             resp.raise_for_status()
             data = await resp.json()
-        return [m["id"] for m in data.get("data", [])]
+        models = data.get("data", [])
+        # vLLM lists a LoRA adapter with its base model as "parent".
+        self.lora_names = {m["id"] for m in models if m.get("parent")}
+        return [m["id"] for m in models]
 
     @property
     def _client(self) -> aiohttp.ClientSession:
@@ -478,16 +614,31 @@ class PdProxy:
                 "connector": self.config.connector.value,
                 "dispatch": self.config.dispatch.value,
                 "models": self.config.model_names,
-                "prefill": [self.router.describe(b) for b in self.config.prefill],
-                "decode": [self.router.describe(b) for b in self.config.decode],
+                "prefill": [self._describe(b) for b in self.config.prefill],
+                "decode": [self._describe(b) for b in self.config.decode],
             }
         )
+
+    def _describe(self, backend: Backend) -> dict[str, Any]:
+        out = self.router.describe(backend)
+        if self.index is not None and backend.kv_events is not None:
+            feed = self.kv_feed
+            out["prefix_index"] = {
+                **self.index.describe(backend.key),
+                "connected": bool(feed and feed.connected.get(backend.key)),
+            }
+        return out
 
     async def _handle_metrics(self, _request: web.Request) -> web.Response:
         for role, backends in (("prefill", self.config.prefill), ("decode", self.config.decode)):
             for backend in backends:
                 level = _BREAKER_LEVEL[self.router.breaker_state(backend)]
                 self.metrics.breaker_state.labels(backend.key, role).set(level)
+                if self.index is not None and backend.kv_events is not None:
+                    described = self.index.describe(backend.key)
+                    blocks = self.metrics.index_blocks
+                    blocks.labels(backend.key, "local").set(described["blocks"])
+                    blocks.labels(backend.key, "store").set(described["store_blocks"])
         return web.Response(
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
@@ -534,6 +685,56 @@ class PdProxy:
             raise
         finally:
             self.metrics.requests.labels(path, str(status)).inc()
+
+    # -- cache-aware routing: the engine's token ids ----------------------------------------
+    async def engine_key(self, path: str, body: dict[str, Any], key: RequestKey) -> RequestKey:
+        """``key`` with what the prefix index needs: the LoRA adapter the request names, and
+        for a text or chat prompt the engine's token ids (an instance's ``/tokenize``), asked
+        only while the index holds something. Unchanged when they cannot be had."""
+        if self.index is None:
+            return key
+        model = body.get("model")
+        if model in self.lora_names:
+            key = replace(key, lora=model)
+        if key.prompt_token_ids or not key.cacheable or key.empty or not self.index.holds_any():
+            return key
+        backend = self._tokenizer_backend()
+        if backend is None:
+            return key
+        if path == COMPLETIONS:
+            ask: dict[str, Any] = {"model": model, "prompt": key.prompt_text}
+        else:
+            ask = {"model": model, "messages": body["messages"]}
+        ask.update({k: body[k] for k in _TOKENIZE_OPTIONS[path] if k in body})
+        try:
+            async with (
+                asyncio.timeout(self.config.tokenize_timeout_s),
+                self._client.post(f"{backend.url}/tokenize", json=ask) as resp,
+            ):
+                resp.raise_for_status()
+                tokens = (await resp.json(content_type=None))["tokens"]
+            if not (isinstance(tokens, list) and all(_is_token_id(t) for t in tokens)):
+                raise ValueError("'tokens' is not a list of token ids")
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            self.metrics.tokenize.labels("failed").inc()
+            log.warning(
+                "%s: tokenizing on %s for cache-aware routing failed (%r); routed without",
+                path,
+                backend.key,
+                exc,
+            )
+            return key
+        self.metrics.tokenize.labels("ok").inc()
+        return replace(key, engine_token_ids=tuple(tokens))
+
+    def _tokenizer_backend(self) -> Backend | None:
+        """The least busy instance whose breaker is not open (every one has the tokenizer)."""
+        usable = [
+            b
+            for b in [*self.config.decode, *self.config.prefill]
+            if self.router.breaker_state(b) is not BreakerState.OPEN
+        ]
+        return min(usable, key=lambda b: b.inflight, default=None)
 
     # -- P's transfer ----------------------------------------------------------------------
     def _release_on_prefill(self, prefill: Backend, transfer_id: str, why: str) -> None:
@@ -739,6 +940,7 @@ class _Flow:
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
+                self.key = await self.proxy.engine_key(self.path, self.body, self.key)
                 return await self._attempts()
         except TimeoutError:
             if not deadline.expired():
@@ -822,6 +1024,10 @@ class _Flow:
             self.metrics.retries.labels("new_prefill" if route.prefill else "local_prefill").inc()
         elif route.bypass_reason is not None:
             self.metrics.bypasses.labels(route.bypass_reason).inc()
+        if after is None:
+            for role, reason in (("decode", route.decode_cache), ("prefill", route.prefill_cache)):
+                if reason is not None:
+                    self.metrics.cache_routing.labels(role, reason).inc()
 
     def _next_decode(self, after: CallFailed) -> None:
         assert self.route is not None  # RETRY_DECODE: the route's P keeps the transfer

@@ -17,10 +17,33 @@ The decisions, in order:
    it is overloaded (``prefix_overload`` more pending requests than the least-loaded D).
 3. **Bypass to D, short prompt**: the prompt is under ``bypass_below_tokens`` (estimated):
    the least-loaded D prefills it; a transfer would cost more than it saves.
-4. Otherwise **PD**: D by load, P by prefix affinity (rendezvous hashing of the prompt's first
-   ``prefix_chars`` characters, or ``prefix_chars // 4`` token ids, over the eligible P's), the
-   least-loaded P when the affine one is overloaded; no eligible P -> D prefills
-   (``bypass_reason="no_healthy_prefill"``).
+4. Otherwise **PD**: D by cached prefix (below), else by load; P by cached prefix, else by
+   prefix affinity (rendezvous hashing of the prompt's first ``prefix_chars`` characters, or
+   ``prefix_chars // 4`` token ids, over the eligible P's), the least-loaded P when the affine
+   one is overloaded; no eligible P -> D prefills (``bypass_reason="no_healthy_prefill"``).
+
+**Cached prefix** (with a :class:`~pd_serving.prefix_index.PrefixIndex`, fed by the instances'
+KV-cache events; ``RoutingPolicy.cache_aware``): for the prompt's token ids (``RequestKey.
+cache_tokens``) the index says how many leading tokens each eligible instance holds in its own
+cache and in the shared store it is attached to. Each gets a value::
+
+    cached = local + store_weight * max(0, store - local)            (tokens it need not compute)
+    value  = cached - cache_load_tokens * (inflight - least inflight)
+
+``inflight``: the requests the proxy has on the instance now. Instances more than
+``prefix_overload`` in flight above the least-loaded one are out; the highest value wins, ties
+by load (``score``), then round robin. The proxy's own count, not the scraped figures of
+``score``: a scrape is seconds old, and the instance that just served a conversation's previous
+turn still shows that turn running (and its blocks in use) there, which would steer the next
+turn away from the one instance holding its context. ``cache_load_tokens`` is the bound that
+keeps a hot prefix (a system prompt every request shares) from piling every request onto the
+instance that cached it first: each request in flight more than the least-loaded instance's
+outweighs that many cached tokens, so the others get requests and cache it too. The reason is
+on the route (``Route.decode_cache`` / ``prefill_cache``): ``cached_prefix`` (the longest hit
+won), ``balanced`` (a shorter hit, or none, won on load), or why the usual routing decided:
+``overloaded`` (only busy instances hold a hit), ``no_match``, ``index_empty`` (nothing known
+about these instances: no events yet, or forgotten), ``no_tokens`` (the request's token ids are
+unknown, or it carries a ``cache_salt``, whose blocks match no plain prompt).
 
 Load of an instance (lower is better): ``pending + waiting + kv_weight * kv_usage``, with
 ``pending = max(the proxy's own in-flight count, the instance's running + waiting)``: the
@@ -36,7 +59,7 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pd_serving.health import (
@@ -47,6 +70,7 @@ from pd_serving.health import (
     InstanceLoad,
     Transition,
 )
+from pd_serving.prefix_index import CachedPrefix, PrefixIndex
 
 # Characters per token when no tokenizer is asked (BPE on English text: about 4); the estimate
 # only decides bypasses, never what vLLM computes.
@@ -60,6 +84,10 @@ class Backend:
     url: str
     rpc_address: str | None = None  # P only: where D's connector sends transfer_kv
     name: str = ""
+    # Where its vLLM publishes KV-cache events (zmq, e.g. tcp://host:5557); None: no events.
+    kv_events: str | None = None
+    # The shared KV store it loads from (the store's name); its "KVS" events name it.
+    kv_store: str | None = None
     inflight: int = 0
     load: InstanceLoad = field(default_factory=InstanceLoad)
 
@@ -72,6 +100,8 @@ class Backend:
             "name": self.name,
             "url": self.url,
             "rpc_address": self.rpc_address,
+            "kv_events": self.kv_events,
+            "kv_store": self.kv_store,
             "inflight": self.inflight,
         }
 
@@ -83,12 +113,28 @@ class RequestKey:
     prompt_text: str = ""  # the prompt, or the chat messages' contents joined
     prompt_token_ids: tuple[int, ...] = ()  # when the client sent token ids
     estimated_prompt_tokens: int = 0
+    # The prompt as the engine computes it, when the proxy asked (a text prompt tokenized, a
+    # chat templated); the client's own token ids need no asking.
+    engine_token_ids: tuple[int, ...] = ()
+    lora: str | None = None  # the LoRA adapter the request names, if it names one
+    # False: the request's blocks are salted (cache_salt) and match nothing another request
+    # cached, so the prefix index cannot tell where it is cached.
+    cacheable: bool = True
+
+    @property
+    def cache_tokens(self) -> tuple[int, ...]:
+        """The token ids the prefix index is asked about (empty: it cannot be asked)."""
+        if not self.cacheable:
+            return ()
+        return self.prompt_token_ids or self.engine_token_ids
 
     @property
     def tokens(self) -> int:
         """Prompt tokens: exact for token ids, else the caller's estimate or chars / 4."""
         if self.prompt_token_ids:
             return len(self.prompt_token_ids)
+        if self.engine_token_ids:
+            return len(self.engine_token_ids)
         if self.estimated_prompt_tokens:
             return self.estimated_prompt_tokens
         return -(-len(self.prompt_text) // CHARS_PER_TOKEN)
@@ -101,12 +147,13 @@ class RequestKey:
 def request_key(body: dict[str, Any]) -> RequestKey:
     """The routing view of a validated /v1/completions or /v1/chat/completions body."""
     prompt = body.get("prompt")
+    cacheable = not body.get("cache_salt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str):
         text = prompt
     elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return RequestKey(prompt_token_ids=tuple(prompt))
+        return RequestKey(prompt_token_ids=tuple(prompt), cacheable=cacheable)
     else:
         # Chat: the contents in order; a later turn of a conversation extends an earlier one's
         # text, so its prefix matches (the chat template adds the same markers to both).
@@ -119,7 +166,11 @@ def request_key(body: dict[str, Any]) -> RequestKey:
                 texts = [c.get("text", "") for c in content if isinstance(c, dict)]
                 parts.append(f"{message.get('role', '')}\n{''.join(texts)}")
         text = "\n".join(parts)
-    return RequestKey(prompt_text=text, estimated_prompt_tokens=-(-len(text) // CHARS_PER_TOKEN))
+    return RequestKey(
+        prompt_text=text,
+        estimated_prompt_tokens=-(-len(text) // CHARS_PER_TOKEN),
+        cacheable=cacheable,
+    )
 
 
 @dataclass(frozen=True)
@@ -127,6 +178,9 @@ class Route:
     decode: Backend
     prefill: Backend | None  # None: D prefills locally (bypass, or no P configured/healthy)
     bypass_reason: str | None = None  # why no P ("short_prompt", "prefix_cached", "no_prefill")
+    # How the prefix index decided D and P (module docstring); None: it was not asked.
+    decode_cache: str | None = None
+    prefill_cache: str | None = None
 
 
 class NoBackend(Exception):
@@ -154,12 +208,21 @@ class RoutingPolicy:
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     kv_weight: float = 8.0
+    # Route by the prefix index (instances' KV events) when the proxy has one.
+    cache_aware: bool = True
+    # A token the shared store holds counts this much of one in the instance's own cache (it
+    # is loaded, not computed).
+    store_weight: float = 0.9
+    # Cached tokens one request in flight more than the least-loaded instance's outweighs.
+    cache_load_tokens: float = 256.0
 
     def __post_init__(self) -> None:
         if min(self.bypass_below_tokens, self.prefix_chars, self.decode_prefix_entries) < 0:
             raise ValueError("bypass, prefix and LRU sizes cannot be negative")
         if self.prefix_overload < 0 or self.kv_weight < 0:
             raise ValueError("prefix_overload and kv_weight cannot be negative")
+        if not 0 <= self.store_weight <= 1 or self.cache_load_tokens < 0:
+            raise ValueError("store_weight is within [0, 1]; cache_load_tokens is not negative")
         self.breaker  # noqa: B018 - BreakerConfig checks its own numbers
 
     @property
@@ -259,12 +322,19 @@ class Router:
         *,
         on_transition: TransitionCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
+        index: PrefixIndex | None = None,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.policy = policy or RoutingPolicy()
         self.on_transition = on_transition
         self.clock = clock
+        # What the instances' caches hold (fed by kv_feed); instances with events are attached.
+        self.index = index
+        if index is not None:
+            for backend in [*prefill, *decode]:
+                if backend.kv_events is not None:
+                    index.attach(backend.key, backend.kv_store)
         self._turns = {"prefill": itertools.count(), "decode": itertools.count()}
         self._breakers = {b.key: CircuitBreaker(self.policy.breaker) for b in [*prefill, *decode]}
         self._cached = {b.key: _PrefixLru(self.policy.decode_prefix_entries) for b in decode}
@@ -284,9 +354,12 @@ class Router:
         for t in transitions:
             self.transitions.append((backend.key, t))
             del self.transitions[:-256]
-            if t.new is BreakerState.OPEN and backend.key in self._cached:
+            if t.new is BreakerState.OPEN:
                 # Whatever it had cached is no longer a safe bet (it may have restarted).
-                self._cached[backend.key].clear()
+                if backend.key in self._cached:
+                    self._cached[backend.key].clear()
+                if self.index is not None:
+                    self.index.forget(backend.key)
             if self.on_transition is not None:
                 self.on_transition(backend, t)
 
@@ -350,22 +423,78 @@ class Router:
         self, key: RequestKey, exclude: Collection[str] = (), now: float | None = None
     ) -> Backend | None:
         """A P for this request, or None when no P is configured or healthy."""
+        return self._prefill_and_reason(key, exclude, now)[0]
+
+    def _prefill_and_reason(
+        self, key: RequestKey, exclude: Collection[str], now: float | None
+    ) -> tuple[Backend | None, str | None]:
         now = self.clock() if now is None else now
         eligible = self._eligible(self.prefill, exclude, now)
+        cached, reason = self._pick_by_cache("prefill", key, eligible, now)
+        if cached is not None:
+            return cached, reason
         affine = self._pick_affine(key, eligible, now)
         if affine is not None:
-            return affine
-        return self._pick("prefill", eligible, now)
+            return affine, reason
+        return self._pick("prefill", eligible, now), reason
 
     def pick_decode(
         self, key: RequestKey, exclude: Collection[str] = (), now: float | None = None
     ) -> Backend:
         """A D for this request; raises NoBackend when none is left."""
         now = self.clock() if now is None else now
-        backend = self._pick("decode", self._eligible(self.decode, exclude, now), now)
+        eligible = self._eligible(self.decode, exclude, now)
+        backend = self._pick_by_cache("decode", key, eligible, now)[0]
+        if backend is None:
+            backend = self._pick("decode", eligible, now)
         if backend is None:
             raise NoBackend("decode")
         return backend
+
+    # -- cached prefix ----------------------------------------------------------------------
+    def cached_prefixes(
+        self, key: RequestKey, backends: list[Backend]
+    ) -> tuple[dict[str, CachedPrefix] | None, str | None]:
+        """What the prefix index knows of ``key``'s prompt on ``backends``: (per backend key,
+        None) or (None, why not; None when cache-aware routing is off)."""
+        if self.index is None or not self.policy.cache_aware or not backends:
+            return None, None
+        names = [b.key for b in backends]
+        if not self.index.holds_any(names):
+            return None, "index_empty"
+        tokens = key.cache_tokens
+        if not tokens:
+            return None, "no_tokens"
+        return self.index.lookup(tokens, names, key.lora), None
+
+    def _cached_tokens(self, hit: CachedPrefix) -> float:
+        extra = max(0, hit.store_tokens - hit.local_tokens)
+        return hit.local_tokens + self.policy.store_weight * extra
+
+    def _pick_by_cache(
+        self, role: str, key: RequestKey, eligible: list[Backend], now: float
+    ) -> tuple[Backend | None, str | None]:
+        """The instance the module docstring's values pick, and why; (None, why not)."""
+        hits, reason = self.cached_prefixes(key, eligible)
+        if hits is None:
+            return None, reason
+        cached = {b.key: self._cached_tokens(hits[b.key]) for b in eligible}
+        if max(cached.values()) <= 0:
+            return None, "no_match"
+        inflight = {b.key: b.inflight for b in eligible}
+        least = min(inflight.values())
+        within = [b for b in eligible if inflight[b.key] - least <= self.policy.prefix_overload]
+        longest = max(cached[b.key] for b in within)
+        if longest <= 0:
+            return None, "overloaded"
+        weight = self.policy.cache_load_tokens
+        values = {b.key: cached[b.key] - weight * (inflight[b.key] - least) for b in within}
+        # Best value first; a half-open instance whose probe is taken gives way to the next.
+        for value in sorted(set(values.values()), reverse=True):
+            chosen = self._pick(role, [b for b in within if values[b.key] == value], now)
+            if chosen is not None:
+                return chosen, "cached_prefix" if cached[chosen.key] >= longest else "balanced"
+        return None, "overloaded"
 
     # -- bypass -----------------------------------------------------------------------------
     def cached_tail(self, key: RequestKey, decode: Backend) -> int:
@@ -384,7 +513,8 @@ class Router:
         self, key: RequestKey, eligible: list[Backend], now: float
     ) -> Backend | None:
         threshold = self.policy.bypass_below_tokens
-        if self.policy.decode_prefix_entries <= 0 or key.empty or not eligible:
+        hits = self.cached_prefixes(key, eligible)[0]
+        if (self.policy.decode_prefix_entries <= 0 and hits is None) or key.empty or not eligible:
             return None
         total = key.tokens
         if total < threshold:
@@ -392,7 +522,10 @@ class Router:
         least = min(self.score(b) for b in eligible)
         best: tuple[int, Backend] | None = None
         for backend in eligible:
-            tail = self.cached_tail(key, backend)
+            if hits is not None:  # the index knows exactly; the LRU only estimates
+                tail = len(key.cache_tokens) - hits[backend.key].tokens
+            else:
+                tail = self.cached_tail(key, backend)
             if tail < threshold and tail < total and (best is None or tail < best[0]):
                 best = (tail, backend)
         if best is None or self.score(best[1]) - least > self.policy.prefix_overload:
@@ -413,17 +546,20 @@ class Router:
             cached = self._pick_cached_decode(key, eligible_d, now)
             if cached is not None:
                 return Route(decode=cached, prefill=None, bypass_reason="prefix_cached")
-        decode = self._pick("decode", eligible_d, now)
+        decode, d_reason = self._pick_by_cache("decode", key, eligible_d, now)
+        if decode is None:
+            decode = self._pick("decode", eligible_d, now)
         if decode is None:
             raise NoBackend("decode")
+        local = Route(decode=decode, prefill=None, decode_cache=d_reason)
         if not self.prefill:
-            return Route(decode=decode, prefill=None, bypass_reason="no_prefill")
+            return replace(local, bypass_reason="no_prefill")
         if 0 < key.tokens < self.policy.bypass_below_tokens and not key.empty:
-            return Route(decode=decode, prefill=None, bypass_reason="short_prompt")
-        prefill = self.pick_prefill(key, exclude_prefill, now)
+            return replace(local, bypass_reason="short_prompt")
+        prefill, p_reason = self._prefill_and_reason(key, exclude_prefill, now)
         if prefill is None:
-            return Route(decode=decode, prefill=None, bypass_reason="no_healthy_prefill")
-        return Route(decode=decode, prefill=prefill)
+            return replace(local, bypass_reason="no_healthy_prefill")
+        return Route(decode=decode, prefill=prefill, decode_cache=d_reason, prefill_cache=p_reason)
 
     # -- events ---------------------------------------------------------------------------
     def record_success(self, backend: Backend, now: float) -> None:

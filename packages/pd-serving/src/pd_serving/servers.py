@@ -105,11 +105,27 @@ class VllmServer:
     served_model_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
+    # Where vLLM publishes its KV-cache events (zmq PUB; the proxy subscribes); None: none.
+    kv_events_port: int | None = None
     process: ManagedProcess | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The endpoint a subscriber connects to (vLLM binds every interface: it binds only an
+        endpoint with a ``*`` in it)."""
+        if self.kv_events_port is None:
+            return None
+        return f"tcp://{self.host}:{self.kv_events_port}"
+
+    @property
+    def kv_store(self) -> str | None:
+        """The shared KV store its connector loads from (``--kvs``), by name."""
+        kvs = self.extra_connector_config.get("kvs")
+        return kvs.get("store") if isinstance(kvs, dict) else None
 
     @property
     def rpc_address(self) -> str:
@@ -160,6 +176,13 @@ class VllmServer:
         config = self.kv_transfer_config()
         if config is not None:
             args += ["--kv-transfer-config", json.dumps(config)]
+        if self.kv_events_port is not None:
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.kv_events_port}",
+            }
+            args += ["--kv-events-config", json.dumps(events)]
         args += engine_cli_args(self.cpu.arch)
         return python_argv("vllm.entrypoints.openai.api_server", *args, *self.extra_args)
 
@@ -230,8 +253,10 @@ def plan_servers(
     cpu: CpuSettings | None = None,
     served_model_name: str | None = None,
     extra_connector_config: dict[str, Any] | None = None,
+    kv_events: bool = False,
 ) -> list[VllmServer]:
-    """The vLLM servers of one deployment: ``prefill`` P's, ``decode`` D's, ``single`` plain."""
+    """The vLLM servers of one deployment: ``prefill`` P's, ``decode`` D's, ``single`` plain;
+    ``kv_events``: each publishes its KV-cache events on a port of its own."""
     cpu = cpu or CpuSettings()
     servers: list[VllmServer] = []
     for role, count in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.SINGLE, single)):
@@ -247,6 +272,7 @@ def plan_servers(
                     cpu=cpu,
                     served_model_name=served_model_name,
                     extra_connector_config=dict(extra_connector_config or {}),
+                    kv_events_port=free_port() if kv_events else None,
                 )
             )
     return servers
