@@ -26,7 +26,7 @@ from harness.checks import (
 from harness.offline import OfflineEngine, Req
 from hybrid_connector.contract import PullParams, encode_params
 from hybrid_connector.control import migrate_out
-from hybrid_connector.migration import MigrateOutResponse
+from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse
 from simple_rpc import LoopThread
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,7 +66,7 @@ def test_a_migrated_request_decodes_on_as_if_never_moved(engine_qwen2: OfflineEn
     [expected] = engine.generate([prompt], MAX_TOKENS, salt=salt())
     before = engine.stats()
 
-    tid, mid = f"t-{uuid.uuid4().hex}", f"m-{uuid.uuid4().hex}"
+    tid, mid = f"t-{uuid.uuid4().hex}", f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
     d1_request = Req(prompt, MAX_TOKENS, pull_params(engine.rpc_address, tid), salt())
     on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
     wait_for(

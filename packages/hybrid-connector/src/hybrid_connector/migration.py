@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 # How long the scheduler half's handler waits for the engine core to decide. A running request
 # steps every few milliseconds, so only a stalled engine gets near it; the answer is "refused".
 DECIDE_WITHIN_S = 30.0
+# A migration's transfer id starts so (the proxy names it): D2 pulls only the tokens D1 holds.
+MIGRATION_ID_PREFIX = "mig-"
 
 
 class MigrateOutRequest(msgspec.Struct, frozen=True):

@@ -52,7 +52,7 @@ from hybrid_connector.metadata import (
     RecvSpec,
     ReleaseSpec,
 )
-from hybrid_connector.migration import MigrationsOut, Stopped
+from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrationsOut, Stopped
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -242,7 +242,13 @@ class SchedulerSide:
         count = request.num_prompt_tokens
         if self._has_state and count > 1:
             count -= 1
-        if pull is not None and 0 < pull[1].remote_num_tokens < count:
+        # Only a migration's: a P's count may lag its prompt (a prefix hit on P) though it
+        # holds every block D expects.
+        if (
+            pull is not None
+            and pull[1].transfer_id.startswith(MIGRATION_ID_PREFIX)
+            and 0 < pull[1].remote_num_tokens < count
+        ):
             count = pull[1].remote_num_tokens
         return count
 

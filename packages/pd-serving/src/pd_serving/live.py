@@ -41,7 +41,7 @@ import aiohttp
 from aiohttp import web
 from hybrid_connector.contract import PullParams, encode_params
 from hybrid_connector.control import migrate_out
-from hybrid_connector.migration import MigrateOutResponse
+from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse
 from prometheus_client import Counter
 from simple_rpc import Client, RpcError
 
@@ -187,7 +187,7 @@ class LiveStream:
             return outcome
         self._target, self._outcome = target, outcome
         self._decided = loop.create_future()
-        self.migration_id = f"mig-{uuid.uuid4().hex}"
+        self.migration_id = f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
         self._ask = asyncio.create_task(self._ask_d1(self.backend, self.transfer_id))
         return outcome
 
