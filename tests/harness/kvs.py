@@ -50,3 +50,56 @@ def evict_before_each_load(child: Any, store_name: str, on: bool) -> None:
 
     KvsWorker._load = evicting_load  # type: ignore[method-assign]
     _ = store_name
+
+
+def scrub_free_blocks(child: Any) -> int:
+    """Fill every block no request holds with noise, in every layer (attention and state):
+    what a load must write is then never there already (after ``reset_prefix_cache`` a freed
+    block still holds its old bytes, and vLLM may hand the same block out again). TP 1 only:
+    the worker is in this process. Returns how many blocks."""
+    import torch
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    pool = child.core.scheduler.kv_cache_manager.block_pool
+    free = [b.block_id for b in pool.free_block_queue.get_all_free_blocks() if not b.is_null]
+    ids = torch.tensor(free, dtype=torch.long)
+    caches = kv_transfer_state.get_kv_transfer_group()._worker._kv_caches
+    generator = torch.Generator().manual_seed(0)
+    for value in caches.values():
+        for tensor in value if isinstance(value, (list, tuple)) else [value]:
+            shape = (len(free), *tensor.shape[1:])
+            noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+            tensor[ids] = noise.to(tensor.dtype)
+    return len(free)
+
+
+def kv_cache_layout(child: Any) -> dict[str, Any]:
+    """How vLLM laid this engine's KV cache out: its KV-cache groups (the spec type of each),
+    whether the hybrid KV-cache manager is on, and the state groups' cache mode."""
+    vllm_config = child.engine.vllm_config
+    groups = child.core.scheduler.kv_cache_config.kv_cache_groups
+    return {
+        "groups": [type(g.kv_cache_spec).__name__ for g in groups],
+        "hybrid_manager": not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        "mamba_cache_mode": str(vllm_config.cache_config.mamba_cache_mode),
+    }
+
+
+def start_failure(spec: Any, timeout: float = 600) -> str:
+    """Start an engine that must not start: the error it stopped with at start-up ('' if it
+    started; it is closed either way)."""
+    from harness.offline import OfflineEngine
+
+    engine = OfflineEngine(spec)
+    try:
+        # The child's first word: ("reply", 0, True, ...) once started, ("reply", -1, False,
+        # traceback) if the start failed.
+        if not engine._conn.poll(timeout):
+            raise TimeoutError(f"{spec.name}: neither started nor failed within {timeout}s")
+        kind, call_id, ok, value = engine._conn.recv()
+        if ok:
+            return ""
+        assert (kind, call_id) == ("reply", -1), (kind, call_id)
+        return str(value)
+    finally:
+        engine.close()

@@ -13,7 +13,8 @@ Resources, one per session:
   for all of them.
 - KVS engines, sharing one refstore master (``kvs_store``, started with the first of them):
   ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2, TP 1, block 32; b checks each loaded block's
-  CRC), ``engine_kvs_mla`` (MLA).
+  CRC), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
+  vLLM keeps its states at block boundaries, mamba_cache_mode "align").
 - ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
   proxy included) for the xPyD, failover and end-to-end tests.
 
@@ -49,6 +50,7 @@ ENGINES = (
     "engine_kvs_a",
     "engine_kvs_b",
     "engine_kvs_mla",
+    "engine_kvs_gdn",
 )
 DEPLOYMENTS = ("xpyd",)
 RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
@@ -146,10 +148,14 @@ def kvs_engine_arch(name: str) -> str | None:
     """The arch of a KVS engine (None: not one)."""
     if not name.startswith("engine_kvs_"):
         return None
-    return "mla" if name.endswith("_mla") else "qwen2"
+    for arch in ("mla", "gdn"):
+        if name.endswith(f"_{arch}"):
+            return arch
+    return "qwen2"
 
 
-def _engine_spec(name: str, models_dir: Path) -> Any:
+def engine_spec(name: str, models_dir: Path) -> Any:
+    """What the pool starts as engine ``name`` (a test may start a variant of it itself)."""
     from hybrid_connector.tiny_model import TINY_ENGINE_ARGS
 
     from harness.offline import EngineSpec
@@ -194,7 +200,15 @@ class EnginePool:
         if self.store is None:
             import refstore
 
-            self.store = refstore.connect(KVS_STORE, autostart=True, pool_size=KVS_POOL)
+            # Patient with peers (a KVS test gives it another node's master): a loaded box
+            # must not turn a peer's hit into a timeout; faults that tests inject fail at once.
+            refstore.start_master_process(
+                KVS_STORE,
+                KVS_POOL,
+                extra_args=["--peer-timeout", "10", "--peer-fetch-timeout", "30"],
+                detach=True,
+            )
+            self.store = refstore.Client(KVS_STORE)
         return self.store
 
     def start(self, name: str) -> Any:
@@ -203,7 +217,7 @@ class EnginePool:
 
         if kvs_engine_arch(name) is not None:
             self.start_store()
-        self.engines[name] = OfflineEngine(_engine_spec(name, self.models_dir))
+        self.engines[name] = OfflineEngine(engine_spec(name, self.models_dir))
         count_vllm_start(name)
         return self.engines[name]
 
@@ -255,6 +269,7 @@ engine_qwen2 = _engine_fixture("engine_qwen2")
 engine_kvs_a = _engine_fixture("engine_kvs_a")
 engine_kvs_b = _engine_fixture("engine_kvs_b")
 engine_kvs_mla = _engine_fixture("engine_kvs_mla")
+engine_kvs_gdn = _engine_fixture("engine_kvs_gdn")
 
 
 @pytest.fixture(scope="session")
@@ -298,6 +313,10 @@ class Xpyd:
         return [b["url"] for b in self.decode]
 
     @property
+    def _decode_rpc(self) -> dict[str, str]:
+        return {b["url"]: b["rpc_address"] for b in self.decode if b.get("rpc_address")}
+
+    @property
     def reference_url(self) -> str:
         """A plain request to P1 (no transfer parameters) is a single instance's answer."""
         return self.prefill_urls[-1]
@@ -318,7 +337,11 @@ class Xpyd:
                 Backend(b["url"], rpc_address=b["rpc_address"])
                 for b in self.prefill[:prefill_count]
             ],
-            decode=[Backend(url) for url in decode_urls or self.decode_urls],
+            # A D's transfer address (HybridConnector) lets its streams migrate live.
+            decode=[
+                Backend(url, rpc_address=self._decode_rpc.get(url))
+                for url in decode_urls or self.decode_urls
+            ],
             connector=Connector(self.connector),
             dispatch=Dispatch(dispatch),
             model_names=[self.model_name],

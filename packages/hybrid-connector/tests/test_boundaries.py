@@ -27,6 +27,7 @@ PURE_MODULES = [
     "hybrid_connector.config",
     "hybrid_connector.contract",
     "hybrid_connector.control",
+    "hybrid_connector.migration",
     "hybrid_connector.holds",
     "hybrid_connector.metadata",
     "hybrid_connector.scheduler_side",

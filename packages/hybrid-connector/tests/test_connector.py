@@ -113,14 +113,16 @@ def test_attention_groups_carry_the_cpu_kernel_that_stores_them() -> None:
     assert [g.attn_isa for g in groups] == ["isa32", ""]
 
 
-def _vllm_config(block_size: int = 16) -> SimpleNamespace:
+def _vllm_config(block_size: int = 16, mamba_cache_mode: str = "none") -> SimpleNamespace:
     return SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+        cache_config=SimpleNamespace(
+            block_size=block_size, cache_dtype="auto", mamba_cache_mode=mamba_cache_mode
+        ),
         model_config=SimpleNamespace(model="/models/m", revision=None, dtype="bfloat16"),
     )
 
 
-def test_kvs_refuses_a_hybrid_model_at_start_and_stores_attention() -> None:
+def test_kvs_takes_a_hybrid_model_only_with_its_states_kept_at_block_boundaries() -> None:
     from hybrid_connector.config import ConfigError, parse_config
     from hybrid_connector.connector import _kv_events, _kvs_scheduler
     from hybrid_connector.layout import KvGroup
@@ -128,8 +130,12 @@ def test_kvs_refuses_a_hybrid_model_at_start_and_stores_attention() -> None:
 
     config = parse_config({"kvs": {"store": "s", "load": False}}, is_producer=False)
     state = [KvGroup("attention", ("a",), 16), KvGroup("state", ("s",), 16)]
-    with pytest.raises(ConfigError, match="state KV-cache group"):
+    # Prefix caching off (mamba_cache_mode "none"): no state at a block boundary to store.
+    with pytest.raises(ConfigError, match=r"state KV-cache group.*enable_prefix_caching"):
         _kvs_scheduler(_vllm_config(), config, state, 1)  # type: ignore[arg-type]
+    hybrid = _kvs_scheduler(_vllm_config(mamba_cache_mode="align"), config, state, 1)  # type: ignore[arg-type]
+    assert hybrid is not None
+    hybrid.close()
     kvs = _kvs_scheduler(_vllm_config(), config, [KvGroup("attention", ("a",), 16)], 1)  # type: ignore[arg-type]
     assert kvs is not None
     kvs.close()

@@ -18,8 +18,20 @@ import numpy as np
 import pytest
 from hybrid_connector import kvs, kvs_keys
 from hybrid_connector.config import ConfigError, HybridConfig, KvsConfig, parse_config
-from hybrid_connector.kvs import KvsScheduler, LookupAnswer, Lookups, unsupported_reason
-from hybrid_connector.kvs_worker import TRAILER_BYTES, GroupCopy, KvsWorker, scatter_copy
+from hybrid_connector.kvs import (
+    KvsScheduler,
+    LookupAnswer,
+    LookupPlan,
+    Lookups,
+    unsupported_reason,
+)
+from hybrid_connector.kvs_worker import (
+    TRAILER_BYTES,
+    GroupCopy,
+    KvsWorker,
+    check_trailer,
+    scatter_copy,
+)
 from hybrid_connector.layout import Buffer, CacheGeometry, KvCacheGeometry, KvGroup
 from hybrid_connector.metadata import KvsLoad, KvsSave
 from ipcblock import Segment
@@ -97,9 +109,16 @@ def test_lookup_keys_name_every_rank_of_split_groups_and_one_object_of_shared_on
     assert keys[2] == kvs_keys.object_key(b"x" * 16, 1, kvs_keys.SHARED_RANK)
 
 
-def test_state_and_sliding_window_groups_are_refused_at_start() -> None:
+def test_what_cannot_be_stored_whole_is_refused_at_start() -> None:
+    state = KvGroup("state", ("s",), 4)
     assert unsupported_reason([GROUP]) is None
-    assert "state" in unsupported_reason([GROUP, KvGroup("state", ("s",), 4)])
+    assert unsupported_reason([state, GROUP], state_cache_mode="align") is None
+    # Prefix caching off: vLLM keeps no state at a block boundary, only the running one.
+    assert "enable_prefix_caching" in unsupported_reason([state, GROUP])
+    spec = KvGroup("state", ("s",), 4, num_speculative_blocks=2)
+    assert "speculative" in unsupported_reason([spec, GROUP], state_cache_mode="align")
+    other_size = KvGroup("state", ("s",), 8)
+    assert "mamba_block_size" in unsupported_reason([other_size, GROUP], state_cache_mode="align")
     assert "sliding_window" in unsupported_reason([KvGroup("sliding_window", ("w",), 4)])
 
 
@@ -152,6 +171,12 @@ class Gone(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class FakeRef:
+    key: bytes
+    index: int = 0
+
+
 class FakeStore:
     """refstore's keyed-object calls over a dict (first writer wins, prefix lookups)."""
 
@@ -159,18 +184,21 @@ class FakeStore:
         self.objects: dict[bytes, np.ndarray] = {}
         self.unheld: list[Any] = []
         self.closed = 0
+        self.gate = threading.Event()  # lookups wait on it (set: they do not)
+        self.gate.set()
 
     def put_keyed(self, items: list[tuple[bytes, np.ndarray]], ttl: Any = None) -> list[Any]:
         for key, obj in items:
             self.objects.setdefault(key, np.array(obj, copy=True))
-        return [SimpleNamespace(key=key, index=0) for key, _ in items]
+        return [FakeRef(key) for key, _ in items]
 
     def lookup(self, keys: list[bytes], hold_s: float = 0) -> list[Any]:
+        assert self.gate.wait(timeout=30)
         out = []
         for key in keys:
             if key not in self.objects:
                 break
-            out.append(SimpleNamespace(key=key, index=0))
+            out.append(FakeRef(key))
         return out
 
     def get(self, ref: Any, as_: str = "numpy") -> np.ndarray:
@@ -263,7 +291,7 @@ def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
         for layer in (0, 1):
             for src, dst in zip((5, 2, 9), (11, 12, 13), strict=True):
                 assert np.array_equal(cache.block(layer, dst), expected[layer, src])
-        assert len(store.unheld) == 3  # the holds end once the bytes are in
+        assert store.unheld == []  # holds are the lookup's: the scheduler half ends them
     finally:
         worker.close()
     assert store.closed == 1
@@ -347,6 +375,42 @@ def test_saves_wait_for_the_end_of_the_forward_pass() -> None:
         worker.close()
 
 
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_a_save_takes_each_layer_as_the_forward_pass_writes_it(by_layer: bool) -> None:
+    """By layer, a layer's bytes are copied when its hook says it is written (what the pass does
+    to it later does not reach the store); otherwise all of them at the step's end."""
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    worker = _worker(cache, store, reports, save_by_layer=by_layer)
+    try:
+        cache.block(0, 3)[:] = 1
+        cache.block(1, 3)[:] = 2
+        chains = _chains(1)
+        worker.handle([], [KvsSave(0, [[3]], chains)])
+        worker.layer_written("l0")
+        assert worker.wait_idle(30)
+        cache.block(0, 3)[:] = 3  # after l0's hook
+        worker.layer_written("l1")
+        assert worker.wait_idle(30)
+        cache.block(1, 3)[:] = 4  # after l1's hook
+        worker.step_done()
+        reports.wait_save(0)
+        [stored] = store.objects.values()
+        n = cache.block_bytes
+        layer0, layer1 = stored[:n], stored[n : 2 * n]
+        assert (int(layer0[0]), int(layer1[0])) == ((1, 2) if by_layer else (3, 4))
+        assert np.all(layer0 == layer0[0])
+        assert np.all(layer1 == layer1[0])
+        # The CRC, taken layer by layer as they came, is the payload's.
+        copy = GroupCopy.of(cache.geometry().groups[0], cache.geometry().buffers)
+        check_trailer(stored, kvs_keys.object_key(chains[0], 0, 0), copy, crc=True)
+        assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
+        worker.layer_written("l0")  # no save in this step: nothing to gather
+        assert worker.wait_idle(30)
+        assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
+    finally:
+        worker.close()
+
+
 def test_scatter_copy_moves_more_segments_than_one_call_takes() -> None:
     src = np.arange(3000 * 8, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -373,24 +437,24 @@ def test_group_copy_places_each_layer_segment_in_the_payload() -> None:
 class FakeLookups:
     def __init__(self, store: FakeStore) -> None:
         self.store = store
-        self.pending: dict[str, list[bytes]] = {}
+        self.pending: dict[str, LookupPlan] = {}
         self.closed = False
         self.slow = False  # True: no answer comes
         self.events: list[Any] = []
         self.pinned: list[Any] = []
         self.waits: list[float] = []
 
-    def submit(self, request_id: str, keys: list[bytes]) -> None:
-        self.pending[request_id] = keys
+    def submit(self, request_id: str, plan: LookupPlan) -> None:
+        self.pending[request_id] = plan
 
     def answer(self, request_id: str, wait_s: float = 0.0) -> LookupAnswer | None:
         self.waits.append(wait_s)
         if self.slow:
             return None
-        keys = self.pending.pop(request_id, None)
-        if keys is None:
+        plan = self.pending.pop(request_id, None)
+        if plan is None:
             return None
-        return LookupAnswer([(r, 0) for r in self.store.lookup(keys)])
+        return kvs.walk(self.store.lookup, plan)
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
@@ -414,6 +478,16 @@ class Block:
     block_id: int
     is_null: bool = False
     ref_cnt: int = 1
+    block_hash: Any = None  # vLLM's prefix-cache hash: a kept state, in a state group
+    block_hash_num_tokens: int | None = None
+
+
+NULL = Block(0, is_null=True)
+
+
+def _kept(block_id: int, boundary: int) -> Block:
+    """A state group's block holding the state vLLM keeps at token ``boundary``."""
+    return Block(block_id, block_hash=b"h%d" % boundary, block_hash_num_tokens=boundary)
 
 
 class Pool:
@@ -431,10 +505,11 @@ class Pool:
 class Manager:
     def __init__(self) -> None:
         self.block_pool = Pool()
-        self.blocks: dict[str, list[Block]] = {}
+        self.blocks: dict[str, list[Block] | tuple[list[Block], ...]] = {}
 
     def get_blocks(self, request_id: str) -> Any:
-        return SimpleNamespace(blocks=(self.blocks[request_id],))
+        blocks = self.blocks[request_id]
+        return SimpleNamespace(blocks=blocks if isinstance(blocks, tuple) else (blocks,))
 
 
 def _req(request_id: str, tokens: list[int], computed: int = 0) -> Any:
@@ -458,12 +533,18 @@ class Clock:
         return self.now
 
 
-def _planner(store: FakeStore, clock: Clock | None = None, **config: Any) -> KvsScheduler:
+def _planner(
+    store: FakeStore,
+    clock: Clock | None = None,
+    groups: list[KvGroup] | None = None,
+    tp_size: int = 1,
+    **config: Any,
+) -> KvsScheduler:
     planner = KvsScheduler(
         KvsConfig(**config),
-        [GROUP],
+        groups or [GROUP],
         block_size=4,
-        tp_size=1,
+        tp_size=tp_size,
         identity=IDENTITY,
         lookups=FakeLookups(store),  # type: ignore[arg-type]
         clock=clock or Clock(),
@@ -491,10 +572,16 @@ def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
     assert load.block_ids == [[21]]
     assert load.chains == chains[1:2]
     assert [ref.key for ref, _ in load.sources[0]] == [kvs_keys.object_key(chains[1], 0, 0)]
-    # Block 0 is local: its hold goes at once; block 1's goes with its load (the worker's).
+    # Block 0 is local: its hold goes at once; block 1's once the load is over.
     assert [ref.key for ref in store.unheld] == [kvs_keys.object_key(chains[0], 0, 0)]
     planner.load_finished("r")
+    assert [ref.key for ref in store.unheld] == [
+        kvs_keys.object_key(chains[0], 0, 0),
+        kvs_keys.object_key(chains[1], 0, 0),
+    ]
     assert planner.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted: no reload
+    planner.request_finished(request)  # nothing held any more: nothing unheld twice
+    assert len(store.unheld) == 2
 
 
 def test_a_lookup_that_does_not_answer_in_time_is_a_miss() -> None:
@@ -585,13 +672,86 @@ def test_the_lookup_thread_misses_while_the_store_is_down_and_reconnects() -> No
 
     lookups = Lookups(connect, hold_s=1.0, retry_s=0.0)
     try:
-        assert lookups._lookup([b"k"]).error == "store down"
+        assert lookups._lookup(LookupPlan([b"k"], 1, 1)).error == "store down"
         down.clear()
         store.objects[b"k"] = np.zeros(1, np.uint8)
-        assert [r.key for r, _ in lookups._lookup([b"k", b"x"]).found] == [b"k"]
+        assert [r.key for r, _ in lookups._lookup(LookupPlan([b"k", b"x"], 1, 2)).found] == [b"k"]
     finally:
         lookups.close()
     assert store.closed == 1
+
+
+def _settled(lookups: Lookups) -> None:
+    """Every job queued so far has run (the lookup thread takes them in order)."""
+    lookups.submit("sync", LookupPlan([b"none"], 1, 1))
+    assert lookups.answer("sync", wait_s=30) is not None
+
+
+def _refs(answer: LookupAnswer | None) -> list[Any]:
+    assert answer is not None
+    return [ref for ref, _ in answer.found]
+
+
+def test_a_hold_two_requests_share_goes_when_the_last_one_gives_it_up() -> None:
+    store = FakeStore()
+    store.objects[b"k"] = np.zeros(1, np.uint8)
+    lookups = Lookups(lambda: store, hold_s=30.0)
+    try:
+        lookups.submit("r1", LookupPlan([b"k"], 1, 1))
+        lookups.submit("r2", LookupPlan([b"k"], 1, 1))
+        first, second = lookups.answer("r1", wait_s=30), lookups.answer("r2", wait_s=30)
+        lookups.unhold(_refs(first))
+        _settled(lookups)
+        assert store.unheld == []  # r2 may still be loading from it
+        lookups.unhold(_refs(second))
+        _settled(lookups)
+        assert store.unheld == [FakeRef(b"k")]
+    finally:
+        lookups.close()
+
+
+@pytest.mark.parametrize("when", ["before the answer", "after the answer"])
+def test_a_forgotten_lookup_gives_its_holds_up(when: str) -> None:
+    store = FakeStore()
+    store.objects[b"k"] = np.zeros(1, np.uint8)
+    lookups = Lookups(lambda: store, hold_s=30.0)
+    try:
+        if when == "before the answer":
+            store.gate.clear()
+            lookups.submit("r", LookupPlan([b"k"], 1, 1))
+            lookups.forget("r")  # the request ended while its lookup was out
+            store.gate.set()
+        else:
+            lookups.submit("r", LookupPlan([b"k"], 1, 1))
+            with lookups._answered:
+                assert lookups._answered.wait_for(lambda: "r" in lookups._answers, timeout=30)
+            lookups.forget("r")
+        _settled(lookups)
+        assert store.unheld == [FakeRef(b"k")]
+        assert lookups._answers == {}
+        assert lookups._pending == set()  # nothing kept for a request that is gone
+        lookups.forget("r")  # again, or for a request whose answer was read: nothing happens
+        _settled(lookups)
+        assert store.unheld == [FakeRef(b"k")]
+    finally:
+        lookups.close()
+
+
+def test_a_forgotten_hybrid_lookup_gives_up_its_state_and_stray_holds_too() -> None:
+    store = FakeStore()
+    for key in (b"t0", b"t1", b"s0", b"s1a"):  # block 1's state only on one of two ranks
+        store.objects[key] = np.zeros(1, np.uint8)
+    lookups = Lookups(lambda: store, hold_s=30.0)
+    try:
+        lookups.submit("r", LookupPlan([b"t0", b"t1"], 1, 2, [[b"s0"], [b"s1a", b"s1b"]]))
+        with lookups._answered:
+            assert lookups._answered.wait_for(lambda: "r" in lookups._answers, timeout=30)
+            assert lookups._answers["r"].blocks == 1
+        lookups.forget("r")  # the request ended before it read the answer
+        _settled(lookups)
+        assert sorted(r.key for r in store.unheld) == [b"s0", b"s1a", b"t0", b"t1"]
+    finally:
+        lookups.close()
 
 
 def test_blocks_the_store_drops_become_removed_events() -> None:
@@ -625,3 +785,238 @@ def test_a_block_loaded_by_a_second_request_is_soft_pinned() -> None:
         assert planner.update_state_after_alloc(request, blocks, 8) is not None
         assert len(lookups.pinned) == (0 if n == 1 else 2)  # pinned once, at the second load
     assert planner.counters["pinned_blocks"] == 2
+
+
+# ------------------------------------------------------------------ hybrid: a state group
+STATE = KvGroup("state", ("s0", "s1"), 4, "bfloat16,bfloat16")
+HYBRID = [STATE, GROUP]  # as vLLM orders a GDN model's groups: the linear layers' first
+
+
+def _store_hybrid(
+    store: FakeStore, root: bytes, tokens: list[int], token_blocks: int, states: dict[int, Any]
+) -> list[bytes]:
+    """Put the attention objects of blocks [0, token_blocks) and the state objects of the
+    blocks in ``states`` (block -> the ranks stored) into ``store``; returns the chains."""
+    chains = kvs_keys.chain(root, tokens, 4)
+    for j in range(token_blocks):
+        store.objects[kvs_keys.object_key(chains[j], 1, 0)] = np.zeros(1, np.uint8)
+    for j, ranks in states.items():
+        for rank in ranks:
+            store.objects[kvs_keys.object_key(chains[j], 0, rank)] = np.zeros(1, np.uint8)
+    return chains
+
+
+def test_a_hybrid_lookup_ends_at_the_last_boundary_whose_state_is_stored() -> None:
+    store = FakeStore()
+    root = kvs_keys.root_key(IDENTITY, HYBRID)
+    tokens = list(range(17))
+    # Attention for 4 blocks; a state after block 1 and after block 3, but the latter only on
+    # rank 0 of 2: the longest loadable prefix is 2 blocks.
+    chains = kvs_keys.chain(root, tokens, 4)
+    for j in range(4):
+        for rank in (0, 1):
+            store.objects[kvs_keys.object_key(chains[j], 1, rank)] = np.zeros(1, np.uint8)
+    for rank in (0, 1):
+        store.objects[kvs_keys.object_key(chains[1], 0, rank)] = np.zeros(1, np.uint8)
+    store.objects[kvs_keys.object_key(chains[3], 0, 0)] = np.zeros(1, np.uint8)
+    asked: list[list[bytes]] = []
+
+    def lookup(keys: list[bytes]) -> list[Any]:
+        asked.append(keys)
+        return store.lookup(keys)
+
+    tokens_keys, per_block = kvs_keys.token_keys(chains, HYBRID, 2)
+    states = [kvs_keys.state_keys(c, HYBRID, 2) for c in chains]
+    answer = kvs.walk(lookup, LookupPlan(tokens_keys, per_block, 4, states))
+    assert answer.blocks == 2
+    assert len(answer.found) == 8  # every attention object: those past the hit are unheld later
+    assert [r.key for r, _ in answer.states] == states[1]
+    assert [r.key for r in answer.stray] == states[3][:1]  # rank 0's state of block 3 alone
+    # The token objects in one call, then one per boundary, from the longest down to a hit.
+    assert asked == [tokens_keys, states[3], states[2], states[1]]
+    # No state anywhere: a miss, however much attention is stored.
+    none = kvs.walk(store.lookup, LookupPlan(tokens_keys, per_block, 4, [[b"?" * 19]] * 4))
+    assert none.blocks == 0
+
+
+def test_a_hybrid_hit_loads_attention_past_the_local_hit_and_the_state_into_the_last_block() -> (
+    None
+):
+    store = FakeStore()
+    planner = _planner(store, groups=HYBRID)
+    tokens = list(range(14))
+    # Attention for blocks 0..2, the state only after block 1 (a step ended at token 8).
+    chains = _store_hybrid(store, planner.root, tokens, 3, {1: [0]})
+    request = _req("r", tokens)
+    assert planner.get_num_new_matched_tokens(request, 0) == (8, True)
+    unheld = {ref.key for ref in store.unheld}
+    assert unheld == {kvs_keys.object_key(chains[2], 1, 0)}  # attention past the hit
+    # vLLM's blocks for 8 external tokens: attention 0..1 (and the rest of the prompt), the
+    # state group null up to block 1, which takes the state.
+    blocks = SimpleNamespace(blocks=([NULL, Block(31)], [Block(i) for i in (20, 21, 22, 23)]))
+    load = planner.update_state_after_alloc(request, blocks, 8)
+    assert load is not None
+    assert not load.error
+    assert load.block_ids == [[kvs.NO_BLOCK, 31], [20, 21]]
+    assert load.chains == chains[:2]
+    keys = [[ref.key for ref, _ in entries] for entries in load.sources]
+    assert keys == [
+        [kvs_keys.object_key(chains[0], 1, 0)],
+        [kvs_keys.object_key(chains[1], 0, 0), kvs_keys.object_key(chains[1], 1, 0)],
+    ]
+    # The loaded objects' holds (attention and state) go when the load is over, each once.
+    planner.load_finished("r")
+    planner.request_finished(request)
+    assert sorted(ref.key for ref in store.unheld) == sorted(
+        [kvs_keys.object_key(chains[2], 1, 0)] + [k for row in keys for k in row]
+    )
+
+
+def test_a_hybrid_hit_past_a_local_hit_loads_only_the_blocks_after_it() -> None:
+    store = FakeStore()
+    planner = _planner(store, groups=HYBRID)
+    tokens = list(range(18))
+    chains = _store_hybrid(store, planner.root, tokens, 4, {0: [0], 3: [0]})
+    request = _req("r", tokens)
+    assert planner.get_num_new_matched_tokens(request, 4) == (12, True)  # local: block 0
+    blocks = SimpleNamespace(
+        blocks=([NULL, NULL, NULL, Block(33)], [Block(i) for i in (20, 21, 22, 23, 24)])
+    )
+    load = planner.update_state_after_alloc(request, blocks, 12)
+    assert load is not None
+    assert load.block_ids == [[kvs.NO_BLOCK, kvs.NO_BLOCK, 33], [21, 22, 23]]
+    assert load.chains == chains[1:4]
+    assert [len(entries) for entries in load.sources] == [1, 1, 2]
+    # Block 0's attention (the local hit has it) is given up at once; its state was never
+    # looked up (the walk stops at the longest boundary with a state).
+    assert [ref.key for ref in store.unheld] == [kvs_keys.object_key(chains[0], 1, 0)]
+
+
+def test_a_hybrid_prefix_without_any_stored_state_is_a_miss() -> None:
+    store = FakeStore()
+    planner = _planner(store, groups=HYBRID)
+    tokens = list(range(14))
+    _store_hybrid(store, planner.root, tokens, 3, {})
+    request = _req("r", tokens)
+    assert planner.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert len(store.unheld) == 3  # every attention object found
+    assert planner.counters["lookup_misses"] == 1
+
+
+def test_a_hybrid_hit_vllm_takes_only_in_part_fails_the_load() -> None:
+    """The state is the one at the hit's end: a load of fewer tokens has none to give."""
+    store = FakeStore()
+    planner = _planner(store, groups=HYBRID)
+    tokens = list(range(14))
+    _store_hybrid(store, planner.root, tokens, 3, {1: [0]})
+    request = _req("r", tokens)
+    assert planner.get_num_new_matched_tokens(request, 0) == (8, True)
+    blocks = SimpleNamespace(blocks=([Block(31)], [Block(20), Block(21)]))
+    load = planner.update_state_after_alloc(request, blocks, 4)
+    assert load is not None
+    assert load.error
+    assert len({ref.key for ref in store.unheld}) == 4  # 3 attention, 1 state: nothing held
+    planner.load_finished("r")  # the failed load's report, then the request's end
+    planner.request_finished(request)
+    assert len(store.unheld) == 4  # nothing unheld twice
+
+
+def test_a_hybrid_request_saves_attention_blocks_and_only_the_states_vllm_keeps() -> None:
+    store = FakeStore()
+    planner = _planner(store, groups=HYBRID)
+    manager: Manager = planner._manager  # type: ignore[assignment]
+    request = _req("r", list(range(10)))
+    attention = [Block(i) for i in (7, 8, 9)]
+    # The first step computes 8 tokens (block-aligned, as vLLM splits a hybrid prefill): the
+    # state after token 8 is kept in block 1; block 0 never held a state; block 2 runs.
+    state = [NULL, _kept(5, 8), Block(6)]
+    manager.blocks["r"] = (state, attention)
+    planner.get_num_new_matched_tokens(request, 0)
+    planner.get_num_new_matched_tokens(request, 0)
+    saves = planner.plan_saves(_output(r=8))
+    assert [(s.block_ids, len(s.chains)) for s in saves] == [([[kvs.NO_BLOCK, 5], [7, 8]], 2)]
+    request.num_computed_tokens = 8
+    assert planner.plan_saves(_output(r=2)) == []  # 10 tokens: block 2 not full
+    # Decoding reaches token 12: vLLM keeps the state there too (hashed at 12).
+    request.num_computed_tokens = 11
+    request.all_token_ids += [10, 11]
+    state[2] = _kept(6, 12)
+    saves += planner.plan_saves(_output(r=1))
+    assert saves[1].block_ids == [[6], [9]]
+    assert manager.block_pool.touched == [5, 7, 8, 6, 9]
+    # A state hashed at another boundary (a partial checkpoint) is not the block's.
+    request.all_token_ids += [12, 13, 14, 15]
+    request.num_computed_tokens = 15
+    attention.append(Block(10))
+    state.append(Block(4, block_hash=b"x", block_hash_num_tokens=14))
+    saves += planner.plan_saves(_output(r=1))
+    assert saves[2].block_ids == [[kvs.NO_BLOCK], [10]]
+
+
+def test_a_hybrid_cache_saves_and_loads_the_state_where_it_is_asked() -> None:
+    """The worker: an attention group and a state group (two tensors per layer) in one
+    buffer; a state is saved for one block only, and loads into the block named for it."""
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    rng = np.random.default_rng(2)
+    cache.buffer[:] = rng.integers(0, 256, cache.buffer.size, dtype=np.uint8)
+    attention = cache.geometry().groups[0]
+    half = cache.block_bytes // 2
+    state = KvCacheGeometry(
+        buffers=(),
+        layer_names=("s0", "s1"),
+        layer_offsets=attention.layer_offsets,
+        buffer_index=(0, 0),
+        num_blocks=cache.num_blocks,
+        block_size=4,
+        segments=(
+            Segment("state0", 0, cache.block_bytes, half),
+            Segment("state1", half, cache.block_bytes, half),
+        ),
+        kind="state_slots",
+        family="state",
+        dtype="bfloat16,bfloat16",
+    )
+    geometry = CacheGeometry(cache.geometry().buffers, (state, attention))
+    worker = KvsWorker(
+        KvsConfig(verify="crc"),
+        geometry,
+        tp_rank=0,
+        tp_size=1,
+        connect=lambda: store,
+        report_load=reports,
+        report_save=reports.save,
+    )
+    try:
+        chains = _chains(2)
+        worker.handle([], [KvsSave(0, [[kvs.NO_BLOCK, 2], [3, 4]], chains)])
+        worker.step_done()
+        reports.wait_save(0)
+        assert len(store.objects) == 3  # two attention blocks, one state
+        assert kvs_keys.object_key(chains[0], 0, 0) not in store.objects
+        want_state = [cache.block(layer, 2).copy() for layer in (0, 1)]
+        want_kv = {(layer, b): cache.block(layer, b).copy() for layer in (0, 1) for b in (3, 4)}
+        untouched = [cache.block(layer, 10).copy() for layer in (0, 1)]
+        sources = [
+            [(SimpleNamespace(key=kvs_keys.object_key(chains[0], 1, 0)), 0)],
+            [
+                (SimpleNamespace(key=kvs_keys.object_key(chains[1], 0, 0)), 0),
+                (SimpleNamespace(key=kvs_keys.object_key(chains[1], 1, 0)), 0),
+            ],
+        ]
+        load = KvsLoad("r", [[kvs.NO_BLOCK, 13], [11, 12]], chains, sources)
+        worker.handle([load], [])
+        assert reports.wait("r") is False
+        # Attention and state share these blocks' bytes here (one buffer): the state went
+        # into block 13, the attention into 11 and 12, nothing into block 10.
+        for layer in (0, 1):
+            assert np.array_equal(cache.block(layer, 13), want_state[layer])
+            assert np.array_equal(cache.block(layer, 11), want_kv[layer, 3])
+            assert np.array_equal(cache.block(layer, 12), want_kv[layer, 4])
+            assert np.array_equal(cache.block(layer, 10), untouched[layer])
+        # A load the scheduler half could not plan fails without touching the cache.
+        before = cache.buffer.copy()
+        worker.handle([KvsLoad("bad", [], [], [], error="no state block")], [])
+        assert reports.wait("bad") is True
+        assert np.array_equal(cache.buffer, before)
+    finally:
+        worker.close()

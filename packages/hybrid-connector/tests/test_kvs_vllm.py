@@ -4,7 +4,8 @@ from P (nothing, when it has every full block, even from a P that is gone); ever
 back to recompute.
 
 Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b checks
-each block's CRC) and ``engine_kvs_mla`` share one refstore master (``kvs_store``). Each test uses
+each block's CRC), ``engine_kvs_mla`` and ``engine_kvs_gdn`` (a Gated DeltaNet hybrid: attention
+blocks plus the linear layers' states) share one refstore master (``kvs_store``). Each test uses
 prompts of its own (a seed each), so no test hits what another one stored, and ends with the
 engines idle (no request, every block back in vLLM's pool, no save holding a block) and no
 hold left in the store.
@@ -12,6 +13,8 @@ hold left in the store.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,8 +31,16 @@ from harness.checks import (
     wait_for,
     wait_for_sends,
 )
-from harness.kvs import evict_before_each_load, prompt_keys, reset_prefix_cache
+from harness.kvs import (
+    evict_before_each_load,
+    kv_cache_layout,
+    prompt_keys,
+    reset_prefix_cache,
+    scrub_free_blocks,
+    start_failure,
+)
 from harness.offline import OfflineEngine
+from harness.pool import count_vllm_start, engine_spec
 from harness.ports import dead_address
 from refstore import faults
 from refstore.errors import PoolFull
@@ -79,7 +90,8 @@ def _assert_clean(store: Any, *engines: OfflineEngine) -> None:
     assert_idle(*engines)
     for engine in engines:
         assert engine.stats()["kvs"]["pending_saves"] == 0
-    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0)
+    # Well within hold_s (30 s): the holds end with the loads, they do not lapse.
+    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0, timeout=10)
 
 
 def _tokens(outs: list[Any]) -> list[list[int]]:
@@ -143,6 +155,71 @@ def test_mla_blocks_load_back_after_the_instance_forgot_them(
     _assert_clean(kvs_store, engine)
 
 
+def test_gdn_attention_and_state_load_back_as_vllm_own_prefix_hit_would(
+    engine_kvs_gdn: OfflineEngine, kvs_store: Any
+) -> None:
+    """A hybrid prefix: vLLM computes a prompt's first 2 blocks in one block-aligned step and
+    keeps the state after them (mamba_cache_mode "align"). The prompt extended then hits that
+    prefix in vLLM's own cache; after the cache forgot it, it loads the attention blocks and
+    the state from the store instead, and answers exactly as that local hit did (same
+    logprobs: the same computation on the same bytes) and as recomputing it does."""
+    engine = engine_kvs_gdn
+    block = engine.block_size
+    # vLLM's hybrid KV-cache manager is on: attention and state are groups of their own.
+    layout = engine.call(kv_cache_layout)
+    assert layout["hybrid_manager"]
+    assert layout["mamba_cache_mode"] == "align"
+    assert "MambaSpec" in layout["groups"]
+    assert "FullAttentionSpec" in layout["groups"]
+    (turn1,) = prompts(2520, (2 * block + 88,))
+    (more,) = prompts(2521, (100,))
+    first = _compute_and_save(engine, [turn1])
+    turn2 = turn1 + first[0].token_ids + more
+    before = _by_source(engine)
+    local = engine.generate([turn2], MAX_TOKENS)  # vLLM's own hit of turn 1's first 2 blocks
+    after = _by_source(engine)
+    # turn 1's states: after its first step (2 blocks) and at its end (not a boundary).
+    assert _delta(after, before, "local_cache_hit") == 2 * block
+    assert _delta(after, before, "external_kv_transfer") == 0
+    want = engine.generate([turn2], MAX_TOKENS, salt="recompute")  # neither cache nor store
+    assert engine.call(reset_prefix_cache)
+    # The freed blocks keep their bytes, and vLLM may hand the same ones out again: noise in
+    # them, so only what the load writes can give the same answer.
+    assert engine.call(scrub_free_blocks) > 0
+    before, counters, kvs = _by_source(engine), engine.counters(), engine.stats()["kvs"]
+    got = engine.generate([turn2], MAX_TOKENS)
+    after = _by_source(engine)
+    assert _delta(engine.counters(), counters, "kvs_loads") == 1
+    assert _delta(engine.stats()["kvs"], kvs, "hit_blocks") == 2
+    assert _delta(after, before, "external_kv_transfer") == 2 * block
+    assert _delta(after, before, "local_compute") == len(turn2) - 2 * block
+    assert _tokens(got) == _tokens(want)
+    assert got[0].token_ids == local[0].token_ids
+    assert got[0].logprobs == local[0].logprobs
+    _assert_clean(kvs_store, engine)
+
+
+@pytest.mark.starts_vllm
+def test_a_hybrid_model_whose_states_vllm_does_not_keep_is_refused_at_start(
+    models_dir: Path, kvs_store: Any
+) -> None:
+    """GDN with prefix caching off: vLLM keeps only each request's running state
+    (mamba_cache_mode "none"), never one at a block boundary, so the attention blocks could be
+    stored but not the state that goes with them. The engine does not start, and says why."""
+    spec = dataclasses.replace(
+        engine_spec("engine_kvs_gdn", models_dir),
+        name="engine_kvs_gdn_no_prefix_caching",
+        prefix_caching=False,
+    )
+    keys = kvs_store.stats().keys
+    error = start_failure(spec)
+    count_vllm_start(spec.name)
+    assert "kvs: this model's KV cache cannot be stored" in error
+    assert "mamba_cache_mode 'none'" in error
+    assert "enable_prefix_caching" in error
+    assert kvs_store.stats().keys == keys  # nothing stored, in part or whole
+
+
 # ------------------------------------------------------------------ PD with the store
 def _prefill_and_save(p: OfflineEngine, batch: list[list[int]]) -> list[dict[str, Any]]:
     """P prefills ``batch`` for a D (no salt: D's keys are the same); the params for D, once
@@ -158,7 +235,7 @@ def test_d_loads_what_p_saved_and_p_releases_without_a_pull(
     engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
 ) -> None:
     p, d = engine_kvs_a, engine_kvs_b
-    batch = prompts(2510, LENGTHS)
+    batch = prompts(2513, LENGTHS)
     expected = d.generate(batch, MAX_TOKENS, salt=salt())  # d from scratch
     params = _prefill_and_save(p, batch)
     p_before, d_before, sources = p.counters(), d.counters(), _by_source(d)
@@ -179,7 +256,7 @@ def test_d_pulls_from_p_only_the_blocks_the_store_lacks(
     engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
 ) -> None:
     p, d = engine_kvs_a, engine_kvs_b
-    batch = prompts(2511, LENGTHS)
+    batch = prompts(2514, LENGTHS)
     expected = d.generate(batch, MAX_TOKENS, salt=salt())
     params = _prefill_and_save(p, batch)
     kept = 2  # the store keeps each prompt's first two blocks
@@ -204,7 +281,7 @@ def test_d_loads_from_the_store_when_p_is_gone(
 ) -> None:
     """P computed the prompt and saved it, then died: D's pull names a P nobody answers for,
     and D loads from the store instead of recomputing."""
-    batch = prompts(2512, LENGTHS)
+    batch = prompts(2515, LENGTHS)
     expected = _compute_and_save(engine_kvs_a, batch)
     d = engine_kvs_b
     sources = _by_source(d)

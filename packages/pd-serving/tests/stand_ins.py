@@ -16,6 +16,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from hybrid_connector.contract import PullParams, decode_params
+from hybrid_connector.migration import MIGRATE_OUT, MigrateOutRequest, MigrateOutResponse
+from hybrid_connector.protocol import RELEASE, ReleaseRequest, ReleaseResponse
+from simple_rpc import CallContext, Server
 
 MODEL = "tiny"
 T = TypeVar("T")
@@ -197,6 +201,145 @@ class FakeUpstream:
             self.active -= 1
             if not self.active:
                 self.idle.set()
+
+
+def next_token(token: int) -> int:
+    """The stand-in decode's model: each token a function of the one before."""
+    return (token * 7 + 3) % 1000
+
+
+def model_tokens(prompt: list[int], n: int) -> list[int]:
+    """The ``n`` tokens the stand-in decode's model generates after ``prompt``."""
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = next_token(last)
+        out.append(last)
+    return out
+
+
+@dataclass
+class _Stream:
+    prompt: list[int]
+    outputs: list[int] = field(default_factory=list)
+    stop_at: int | None = None
+    paused: asyncio.Event = field(default_factory=asyncio.Event)
+    proceed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class FakeDecode:
+    """A D with HybridConnector as the proxy sees it: ``/v1/completions`` streaming the model
+    (``next_token``; prompts are token ids), and a transfer_kv server answering MIGRATE_OUT
+    (the stream ends after one more token; the answer has its tokens, as D1's connector's) and
+    RELEASE (recorded)."""
+
+    name: str
+    refuse_migration: bool = False
+    hang: bool = False  # never answer generation requests
+    # A request not migrated in stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
+    pause_after: int | None = None
+    token_delay_s: float = 0.0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    streams: dict[str, _Stream] = field(default_factory=dict)
+    releases: list[ReleaseRequest] = field(default_factory=list)
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    called: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+    rpc_address: str = ""
+    _runner: web.AppRunner | None = None
+    _rpc: Server | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        self._rpc = Server()
+        self._rpc.register(MIGRATE_OUT, self._on_migrate_out)
+        self._rpc.register(RELEASE, self._on_release)
+        self.rpc_address = await self._rpc.start("127.0.0.1", 0)
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._rpc is not None:
+            await self._rpc.close()
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        self.called.set()
+        if self.hang:
+            await asyncio.Event().wait()
+        params = decode_params(body.get("kv_transfer_params"))
+        # A request without a pull (a recomputing migration) cannot be migrated again.
+        key = (
+            params.transfer_id if isinstance(params, PullParams) else f"local-{len(self.received)}"
+        )
+        stream = self.streams[key] = _Stream(list(body["prompt"]))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        last = stream.prompt[-1]
+        for i in range(body["max_tokens"]):
+            if i == self.pause_after and not params.transfer_id.startswith("mig-"):
+                stream.paused.set()
+                await stream.proceed.wait()
+            if self.token_delay_s:
+                await asyncio.sleep(self.token_delay_s)
+            last = next_token(last)
+            stream.outputs.append(last)
+            ends = i == body["max_tokens"] - 1 or len(stream.outputs) == stream.stop_at
+            choice = {
+                "index": 0,
+                "text": f" t{last}",
+                "token_ids": [last],
+                "finish_reason": "length" if ends else None,
+            }
+            if i == 0 and body.get("return_token_ids"):
+                choice["prompt_token_ids"] = stream.prompt
+            event = {
+                "id": f"cmpl-{self.name}-{len(self.received)}",
+                "object": "text_completion",
+                "created": 1000 + len(self.received),
+                "model": MODEL,
+                "choices": [choice],
+            }
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            if ends:
+                break
+        stream.ended.set()
+        usage = {"prompt_tokens": len(stream.prompt), "completion_tokens": len(stream.outputs)}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _on_migrate_out(self, req: MigrateOutRequest, _ctx: CallContext):
+        stream = self.streams.get(req.transfer_id)
+        if stream is None or self.refuse_migration:
+            return MigrateOutResponse(req.transfer_id, stopped=False, reason="not here")
+        stream.stop_at = len(stream.outputs) + 1
+        stream.proceed.set()
+        await stream.ended.wait()
+        return MigrateOutResponse(
+            req.transfer_id,
+            stopped=True,
+            migration_id=req.migration_id,
+            remote_rpc_address=self.rpc_address,
+            num_tokens=len(stream.prompt) + len(stream.outputs) - 1,
+            prompt_token_ids=stream.prompt,
+            output_token_ids=stream.outputs,
+        )
+
+    async def _on_release(self, req: ReleaseRequest, _ctx: CallContext) -> ReleaseResponse:
+        self.releases.append(req)
+        self.released.set()
+        return ReleaseResponse(req.transfer_id, released=True)
 
 
 class FakeKvPublisher:

@@ -70,3 +70,12 @@ def test_a_running_master_is_reused_and_gets_the_peers_added(node_dirs):
                 assert client.lookup(KEYS, hold_s=0) == []
         assert started.poll() is None
     assert started.poll() is not None
+
+
+def test_the_store_pdserve_starts_can_have_a_disk_tier(node_dirs, tmp_path):
+    node_dirs("a")
+    with _kv_store("kvs", "16M", disk=str(tmp_path / "tier"), disk_size="64M") as proc:
+        assert proc is not None
+        with refstore.Client("kvs") as client:
+            assert client.stats().disk_capacity == 64 << 20
+    assert list((tmp_path / "tier").iterdir())  # its file (and, after a clean stop, its index)

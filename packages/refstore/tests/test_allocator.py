@@ -100,3 +100,32 @@ def test_fragmentation_under_rl_like_churn():
         f"worst external fragmentation={worst_frag:.3f}"
     )
     assert mean_util > 0.75
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 63), st.integers(1, 8)), max_size=20))
+def test_with_blocks_rebuilds_what_malloc_would_hold(spans):
+    granule = 4096
+    blocks, pos = [], 0
+    for gap, size in spans:  # non-overlapping, in order, with gaps
+        start = pos + gap * granule
+        if start + size * granule > 512 * granule:
+            break
+        blocks.append((start, size * granule - 100))  # not a multiple: rounded up
+        pos = start + size * granule
+    a = TlsfAllocator.with_blocks(512 * granule, granule, blocks)
+    a.check()
+    assert a.used == sum(a.round_up(size) for _, size in blocks)
+    for start, _ in blocks:
+        a.free(start)
+    a.check()
+    assert a.stats().free_blocks == 1
+
+
+def test_with_blocks_rejects_overlap_and_overflow():
+    with pytest.raises(ValueError):
+        TlsfAllocator.with_blocks(1 << 20, 4096, [(0, 8192), (4096, 4096)])
+    with pytest.raises(ValueError):
+        TlsfAllocator.with_blocks(1 << 20, 4096, [((1 << 20) - 4096, 8192)])
+    with pytest.raises(ValueError):
+        TlsfAllocator.with_blocks(1 << 20, 4096, [(100, 4096)])

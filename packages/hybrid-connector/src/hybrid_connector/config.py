@@ -41,6 +41,9 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # bytes (written on every save), which costs a pass over them (about 2.5x the load time on
     # a 2-core host; the KVS benchmark measures both).
     verify: str = "header"
+    # Gather a save's bytes layer by layer while the forward pass runs (each layer as soon as
+    # it is written), not all after it: the save is in the store sooner after the step.
+    save_by_layer: bool = True
 
     def __post_init__(self) -> None:
         if self.verify not in KVS_VERIFY:

@@ -66,7 +66,9 @@ def _kvs_scheduler(
 
     block_size = int(vllm_config.cache_config.block_size)
     groups = groups or [KvGroup("attention", (), block_size)]
-    why = unsupported_reason(groups)
+    why = unsupported_reason(
+        groups, state_cache_mode=str(vllm_config.cache_config.mamba_cache_mode)
+    )
     if why is not None:
         raise ConfigError(f"kvs: this model's KV cache cannot be stored: {why}")
     model = vllm_config.model_config
@@ -425,6 +427,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 self._scheduler,
                 host=self.config.rpc_host,
                 advertise_host=self.config.advertise_host,
+                migrations=self._scheduler.migrations if self.is_producer else None,
             )
             self._scheduler.send_done_address = self._send_done_server.address
 

@@ -79,9 +79,12 @@ class PullParams(msgspec.Struct, kw_only=True, frozen=True):
     remote_rpc_address: _Address
     remote_tp_size: _TpSize = 1
     do_remote_decode: Literal[False] = False
-    # Set by P for logs and tools; D reads none of them.
+    # Set by P for logs and tools; D reads none of them but remote_num_tokens.
     remote_request_id: _Id = ""
     remote_block_ids: list[list[_Count]] = []
+    # Tokens whose KV the sender holds (0: not said, the whole prompt). D pulls at most this
+    # many and computes the rest: a migrated request's prompt ends with a token whose KV the
+    # instance it leaves never computed.
     remote_num_tokens: _Count = 0
     lease_s: _Seconds = 0.0
     # Added by vLLM itself to P's answer (P's own prefix-cache hit); D's vLLM reports it in

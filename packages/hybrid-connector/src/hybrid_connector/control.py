@@ -1,16 +1,19 @@
-"""Calls a proxy (or any tool) may make to a prefill instance's connector.
+"""Calls a proxy (or any tool) may make to an instance's connector.
 
-    from hybrid_connector.control import release_transfer
+    from hybrid_connector.control import migrate_out, release_transfer
     await release_transfer("127.0.0.1:8200", transfer_id, reason="prefill request failed")
+    answer = await migrate_out("127.0.0.1:8201", transfer_id, new_transfer_id)
 
-Use it with parallel dispatch when the request to P failed: D's pull, parked on P waiting for a
-request that will never finish, fails at once (D recomputes) instead of after the lease.
+Use ``release_transfer`` with parallel dispatch when the request to P failed: D's pull, parked
+on P waiting for a request that will never finish, fails at once (D recomputes) instead of after
+the lease. ``migrate_out`` stops a decoding request and holds its KV for another instance.
 """
 
 from __future__ import annotations
 
 from simple_rpc import Client
 
+from hybrid_connector.migration import MIGRATE_OUT, MigrateOutRequest, MigrateOutResponse
 from hybrid_connector.protocol import RELEASE, ReleaseRequest
 
 
@@ -36,5 +39,31 @@ async def release_transfer(
     own = Client(rpc_address)
     try:
         return (await own.call(RELEASE, request, timeout=timeout_s)).released
+    finally:
+        await own.close()
+
+
+async def migrate_out(
+    rpc_address: str,
+    transfer_id: str,
+    migration_id: str,
+    *,
+    reason: str = "",
+    timeout_s: float = 60.0,
+    client: Client | None = None,
+) -> MigrateOutResponse:
+    """Ask a decode instance (its transfer_kv server, TP rank 0) to stop the request whose
+    ``kv_transfer_params`` name ``transfer_id`` and hold its KV for a pull of ``migration_id``
+    (see ``hybrid_connector.migration``). The answer says whether it stopped and, if so, the
+    request's prompt and output token ids and how many of them have KV.
+
+    Raises simple_rpc's errors as ``release_transfer`` does.
+    """
+    request = MigrateOutRequest(transfer_id, migration_id, reason)
+    if client is not None:
+        return await client.call(MIGRATE_OUT, request, timeout=timeout_s)
+    own = Client(rpc_address)
+    try:
+        return await own.call(MIGRATE_OUT, request, timeout=timeout_s)
     finally:
         await own.close()

@@ -22,6 +22,16 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
   cache keeps them) past the blocks the store already had at lookup. Blocks of a request whose
   tokens are not plain token ids (prompt embeddings, multimodal input) are never stored: their
   tokens do not name their bytes.
+- **State groups** (linear attention: GDN, Mamba; vLLM's ``mamba_cache_mode="align"``). vLLM
+  keeps a request's recurrent state only at some block boundaries (where a step ended, or a
+  prefill checkpoint): in the state group's block ``j`` (a prefix-cache entry: vLLM hashed it)
+  is the state after token ``(j+1) * block_size``, every other block of the group is null or a
+  running state. So a state object is saved for exactly the blocks vLLM hashed, and a lookup
+  ends at the longest prefix whose every token object is stored and whose last block has its
+  state object (``walk``). A hit of ``n`` blocks loads the token groups' blocks past the local
+  hit and the state into the state group's block ``n-1``: where vLLM's own prefix hit of ``n``
+  blocks has it, and where the worker's align-mode copy takes the running state from
+  (``(num_computed_tokens - 1) // block_size``).
 - **Events.** A save the workers finished becomes a vLLM ``BlockStored`` (medium ``"KVS"``,
   blocks named by their chain hash, with their tokens), a key the store dropped a
   ``BlockRemoved`` (``take_events``; vLLM publishes them with its own KV events).
@@ -29,6 +39,7 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -41,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from hybrid_connector import kvs_keys
 from hybrid_connector.config import KvsConfig
 from hybrid_connector.layout import KvGroup
-from hybrid_connector.metadata import KvsLoad, KvsSave
+from hybrid_connector.metadata import NO_BLOCK, KvsLoad, KvsSave
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -59,18 +70,35 @@ def save_report_id(save_id: int) -> str:
     return f"{SAVE_REPORT_PREFIX}{save_id}"
 
 
-def unsupported_reason(groups: Sequence[KvGroup]) -> str | None:
+def unsupported_reason(groups: Sequence[KvGroup], *, state_cache_mode: str = "none") -> str | None:
     """Why these KV-cache groups cannot be stored (None: they can). Checked at start-up: a
-    configuration that cannot be stored whole is refused, never stored in part."""
+    configuration that cannot be stored whole is refused, never stored in part.
+    ``state_cache_mode``: vLLM's ``cache_config.mamba_cache_mode``."""
     for group in groups:
-        if group.family not in ("attention", "mla"):
+        if group.family not in ("attention", "mla", "state"):
             return (
                 f"a {group.family} KV-cache group ({len(group.layer_names)} layers) cannot be "
-                "stored yet: KVS stores full-attention and MLA caches"
+                "stored yet: KVS stores full-attention, MLA and linear-attention state caches"
             )
+        if group.family == "state":
+            if state_cache_mode != "align":
+                return (
+                    f"a state KV-cache group ({len(group.layer_names)} layers) with "
+                    f"mamba_cache_mode {state_cache_mode!r}: vLLM then keeps only the running "
+                    "state, never one at a block boundary; turn prefix caching on "
+                    "(enable_prefix_caching, which sets mamba_cache_mode 'align')"
+                )
+            if group.num_speculative_blocks:
+                return (
+                    "a state KV-cache group with speculative blocks (speculative decoding "
+                    "moves the kept states between blocks): turn speculative decoding off"
+                )
     sizes = {g.block_size for g in groups}
     if len(sizes) > 1:
-        return f"KV-cache groups with different block sizes {sorted(sizes)}"
+        return (
+            f"KV-cache groups with different block sizes {sorted(sizes)} (a state group needs "
+            "mamba_block_size = block_size)"
+        )
     return None
 
 
@@ -82,9 +110,51 @@ LOAD_COUNTS = 65536
 
 @dataclass
 class LookupAnswer:
-    # Per key of the lookup, in order, the leading ones the store holds: (ref, index).
+    # The token objects the store holds, leading ones in ``LookupPlan.tokens`` order: (ref,
+    # index); those of blocks past ``blocks`` are held but not loadable.
     found: list[tuple[Any, int]]
     error: str = ""
+    blocks: int = 0  # the hit: leading blocks with every object a load needs
+    # The state objects of block ``blocks - 1`` (state groups only).
+    states: list[tuple[Any, int]] = field(default_factory=list)
+    stray: list[Any] = field(default_factory=list)  # found, held, of no use: to unhold
+
+
+def held_refs(answer: LookupAnswer) -> list[Any]:
+    """Every object an answer holds in the store (each once)."""
+    return [ref for ref, _ in answer.found] + [ref for ref, _ in answer.states] + list(answer.stray)
+
+
+@dataclass(frozen=True)
+class LookupPlan:
+    """What one lookup asks the store: the token objects of every usable block (block by
+    block, ``per_block`` each) and, with state groups, each block's state objects."""
+
+    tokens: list[bytes]
+    per_block: int
+    num_blocks: int
+    states: list[list[bytes]] = field(default_factory=list)  # [] without state groups
+
+
+def walk(lookup: Callable[[list[bytes]], list[Any]], plan: LookupPlan) -> LookupAnswer:
+    """The longest prefix of ``plan``'s blocks the store can load, by ``lookup`` (refstore's:
+    the leading keys that are bound, each found one held): the token objects' prefix first,
+    then, with state groups, the last block of it whose state objects are all stored, from
+    the longest down (states are kept only at some boundaries)."""
+    refs = lookup(plan.tokens) if plan.tokens else []
+    found = [(ref, getattr(ref, "index", 0)) for ref in refs]
+    dense = len(found) // plan.per_block if plan.per_block else plan.num_blocks
+    if not plan.states:
+        return LookupAnswer(found, blocks=dense)
+    stray: list[Any] = []
+    for n in range(dense, 0, -1):
+        keys = plan.states[n - 1]
+        got = lookup(keys)
+        if len(got) == len(keys):
+            states = [(ref, getattr(ref, "index", 0)) for ref in got]
+            return LookupAnswer(found, blocks=n, states=states, stray=stray)
+        stray.extend(got)  # some ranks' objects only: no state
+    return LookupAnswer(found, blocks=0, stray=stray)
 
 
 class Lookups:
@@ -94,6 +164,11 @@ class Lookups:
     ``connect``: makes a refstore client (called on the lookup thread; may raise). After a
     failure the next lookup reconnects, at most once per ``retry_s``; lookups in between are
     misses.
+
+    Holds: the store keeps one hold per object and connection, and requests sharing a prefix
+    find the same objects, so the lookup thread counts the answers holding each object and
+    unholds it when the last of them gives it up (``unhold``), or when its answer is never
+    read (``forget``: the request ended, or stopped waiting).
     """
 
     def __init__(
@@ -108,9 +183,12 @@ class Lookups:
         self._subscription: Any = None
         self._down_until = 0.0
         self._warned = False
-        # (request id, keys) to look up, (None, refs) to unhold, None to stop.
-        self._jobs: queue.SimpleQueue[tuple[str | None, list[Any]] | None] = queue.SimpleQueue()
+        # (request id, plan) to look up, (None, refs) to unhold, (_PIN, refs) to pin, None to
+        # stop.
+        self._jobs: queue.SimpleQueue[tuple[str | None, Any] | None] = queue.SimpleQueue()
         self._answers: dict[str, LookupAnswer] = {}
+        self._pending: set[str] = set()  # submitted, not answered yet (nor forgotten)
+        self._holding: collections.Counter[Any] = collections.Counter()  # lookup thread only
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._thread = threading.Thread(
@@ -118,11 +196,14 @@ class Lookups:
         )
         self._thread.start()
 
-    def submit(self, request_id: str, keys: list[bytes]) -> None:
-        self._jobs.put((request_id, keys))
+    def submit(self, request_id: str, plan: LookupPlan) -> None:
+        with self._lock:
+            self._pending.add(request_id)
+        self._jobs.put((request_id, plan))
 
     def unhold(self, refs: list[Any]) -> None:
-        """Let the store evict these again (looked up, but not to be loaded)."""
+        """One answer gives these up (loaded, or not to be loaded): the store may evict them
+        again once no other answer holds them."""
         if refs:
             self._jobs.put((None, refs))
 
@@ -140,8 +221,12 @@ class Lookups:
             return self._answers.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
+        """The request no longer wants its answer: its holds go, now or when it comes."""
         with self._lock:
-            self._answers.pop(request_id, None)
+            answer = self._answers.pop(request_id, None)
+            self._pending.discard(request_id)  # an answer still to come is given up on arrival
+        if answer is not None:
+            self.unhold(held_refs(answer))
 
     def client(self) -> Any:
         """The lookup thread's client, connected if possible (None: the store is down)."""
@@ -190,18 +275,29 @@ class Lookups:
         except Exception:
             return []
 
-    def _lookup(self, keys: list[bytes]) -> LookupAnswer:
+    def _lookup(self, plan: LookupPlan) -> LookupAnswer:
         client = self.client()
         if client is None:
             return LookupAnswer([], "store down")
-        try:
+        held: list[Any] = []
+
+        def lookup(keys: list[bytes]) -> list[Any]:
             refs = client.lookup(keys, hold_s=self._hold_s)
+            held.extend(refs)
+            return refs
+
+        try:
+            return walk(lookup, plan)
         except Exception as exc:
             log.warning("KVS: lookup failed (%s); a miss", exc)
             if isinstance(exc, ConnectionError):  # the store answered nothing: reconnect later
                 self._drop_client()
+            else:  # a later call of the walk failed: what the earlier ones held goes
+                # (unless another answer holds it too: the store keeps one hold for both)
+                mine = [ref for ref in held if not self._holding[ref]]
+                with contextlib.suppress(Exception):
+                    client.unhold(mine)
             return LookupAnswer([], str(exc))
-        return LookupAnswer([(ref, getattr(ref, "index", 0)) for ref in refs])
 
     def _drop_client(self) -> None:
         client, self._client = self._client, None
@@ -218,7 +314,9 @@ class Lookups:
             request_id, items = job
             if request_id is None or request_id is _PIN:
                 client = self._client
-                if client is not None:
+                if request_id is None:
+                    items = self._last_holders_gone(items)
+                if client is not None and items:
                     try:
                         if request_id is None:
                             client.unhold(items)
@@ -227,10 +325,29 @@ class Lookups:
                     except Exception as exc:  # holds lapse by themselves; a pin is a hint
                         log.debug("KVS: unhold or pin failed (%s)", exc)
                 continue
-            answer = self._lookup(items)
+            answer = self._lookup(items)  # type: ignore[arg-type]
+            held = held_refs(answer)
+            self._holding.update(held)
             with self._answered:
-                self._answers[request_id] = answer
-                self._answered.notify_all()
+                late = request_id not in self._pending
+                if not late:
+                    self._pending.discard(request_id)
+                    self._answers[request_id] = answer
+                    self._answered.notify_all()
+            if late and held:
+                self._jobs.put((None, held))
+
+    def _last_holders_gone(self, refs: list[Any]) -> list[Any]:
+        """Lookup thread: one answer fewer holds each of ``refs``; those no answer holds."""
+        gone = []
+        for ref in refs:
+            left = self._holding[ref] - 1
+            if left > 0:
+                self._holding[ref] = left
+            else:
+                self._holding.pop(ref, None)
+                gone.append(ref)
+        return gone
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -254,8 +371,13 @@ class _Request:
     chains: list[bytes] = field(default_factory=list)
     asked_at: float = 0.0
     answer: LookupAnswer | None = None
-    store_blocks: int = 0  # leading blocks the store held at lookup
-    saved_upto: int = 0  # blocks [0, saved_upto) are in the store or being saved
+    store_blocks: int = 0  # the store's hit at lookup (blocks a load may take)
+    # Per block of the hit (from ``sources_from``): the objects a load reads, in
+    # ``kvs_keys.block_objects`` order; each is held until loaded or given up.
+    sources: list[list[tuple[Any, int]]] = field(default_factory=list)
+    sources_from: int = 0
+    # Per group: blocks [0, saved_upto[g]) are in the store or being saved.
+    saved_upto: list[int] = field(default_factory=list)
     local_tokens: int = 0  # vLLM's local prefix hit, as last told
     polled: bool = False  # vLLM asked for the lookup's answer at least once
     # The lookup's answer was used (loaded, or its holds given up): a request scheduled again
@@ -293,6 +415,8 @@ class KvsScheduler:
         self._block_size = block_size
         self._tp_size = tp_size
         self._root = kvs_keys.root_key(identity, self._groups)
+        self._has_state = any(kvs_keys.is_state(g) for g in self._groups)
+        self._objects = kvs_keys.block_objects(self._groups, tp_size)
         self._lookups = lookups
         self._clock = clock
         self._requests: dict[str, _Request] = {}
@@ -337,6 +461,15 @@ class KvsScheduler:
     def _storable(self, request: Request) -> bool:
         return request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
 
+    def _plan(self, chains: list[bytes]) -> LookupPlan:
+        tokens, per_block = kvs_keys.token_keys(chains, self._groups, self._tp_size)
+        states = (
+            [kvs_keys.state_keys(c, self._groups, self._tp_size) for c in chains]
+            if self._has_state
+            else []
+        )
+        return LookupPlan(tokens, per_block, len(chains), states)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -351,10 +484,9 @@ class KvsScheduler:
             # of under one block and one token.
             usable = (request.num_prompt_tokens - 1) // self._block_size
             if not self._config.load or self._lookups is None or usable == 0:
-                tracked.answer = LookupAnswer([])
+                self._take_answer(tracked, LookupAnswer([]))
             else:
-                keys, _ = kvs_keys.lookup_keys(chains[:usable], self._groups, self._tp_size)
-                self._lookups.submit(request_id, keys)
+                self._lookups.submit(request_id, self._plan(chains[:usable]))
                 tracked.asked_at = self._clock()
                 self.counters["lookups"] += 1
         if tracked.answer is None:
@@ -369,10 +501,7 @@ class KvsScheduler:
                     return None, False
                 answer = LookupAnswer([], "lookup timed out")
                 self._lookups.forget(request_id)
-            tracked.answer = answer
-            _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
-            tracked.store_blocks = len(answer.found) // max(per_block, 1)
-            tracked.saved_upto = tracked.store_blocks
+            self._take_answer(tracked, answer)
             if not tracked.store_blocks:
                 self.counters["lookup_misses"] += 1
         if tracked.loading or tracked.spent:
@@ -385,6 +514,24 @@ class KvsScheduler:
             return 0, False
         return count, True
 
+    def _take_answer(self, tracked: _Request, answer: LookupAnswer) -> None:
+        """The lookup's answer: the hit's objects per block, what is already stored per group;
+        held objects no load can use are given up at once."""
+        tracked.answer = answer
+        _, per_block = kvs_keys.token_keys([], self._groups, self._tp_size)
+        hit = answer.blocks
+        found = answer.found
+        sources = [found[j * per_block : (j + 1) * per_block] for j in range(hit)]
+        if hit and answer.states:
+            sources[-1] = _merge(self._objects, self._groups, sources[-1], answer.states)
+        tracked.sources, tracked.sources_from = sources, 0
+        tracked.store_blocks = hit
+        dense = len(found) // per_block if per_block else hit
+        tracked.saved_upto = [hit if kvs_keys.is_state(g) else dense for g in self._groups]
+        unused = [ref for ref, _ in found[hit * per_block :]] + list(answer.stray)
+        if unused and self._lookups is not None:
+            self._lookups.unhold(unused)
+
     def stored_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """D, a request that pulls from P: the prompt tokens the local hit and the store hold
         together (None while the lookup is out); ``update_state_after_alloc`` then loads the
@@ -396,15 +543,15 @@ class KvsScheduler:
 
     def _unhold(self, tracked: _Request, first: int, last: int) -> None:
         """Give up the lookup's holds on the blocks outside [first, last) (those not loaded)."""
-        answer = tracked.answer
-        if answer is None or not answer.found or self._lookups is None:
+        if tracked.answer is None or self._lookups is None:
             return
-        _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
-        found = answer.found
-        unused = found[: first * per_block] + found[last * per_block :]
-        tracked.answer = LookupAnswer(found[first * per_block : last * per_block])
+        base = tracked.sources_from
+        sources = tracked.sources
+        lo, hi = max(first - base, 0), max(last - base, 0)
+        unused = sources[:lo] + sources[hi:]
+        tracked.sources, tracked.sources_from = sources[lo:hi], base + lo
         tracked.spent = True
-        self._lookups.unhold([ref for ref, _ in unused])
+        self._lookups.unhold([ref for entries in unused for ref, _ in entries])
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -416,18 +563,32 @@ class KvsScheduler:
             self._unhold(tracked, 0, 0)
             return None
         first = tracked.local_tokens // self._block_size
-        last = -(-(tracked.local_tokens + num_external_tokens) // self._block_size)
-        last = min(last, tracked.store_blocks)
+        end = tracked.local_tokens + num_external_tokens
+        last = min(-(-end // self._block_size), tracked.store_blocks)
         if last <= first:
             return None
         self._unhold(tracked, first, last)
-        _, per_block = kvs_keys.lookup_keys([], self._groups, self._tp_size)
-        found = tracked.answer.found  # now only blocks [first, last)
-        block_ids: list[list[int]] = []
-        for held in blocks.blocks:
-            block_ids.append([b.block_id for b in held[first:last]])
-        sources = [found[j * per_block : (j + 1) * per_block] for j in range(last - first)]
+        sources = tracked.sources  # now only blocks [first, last)
         tracked.loading = True
+        block_ids: list[list[int]] = []
+        for group, held in zip(self._groups, blocks.blocks, strict=True):
+            if not kvs_keys.is_state(group):
+                block_ids.append([b.block_id for b in held[first:last]])
+                continue
+            # The stored state is the one after the hit's last token: it goes where vLLM
+            # looks for the state of a prefix of ``last`` blocks, the group's block last-1.
+            state = held[last - 1] if last - 1 < len(held) else None
+            if end != tracked.store_blocks * self._block_size or state is None or state.is_null:
+                self._release_holds(tracked)
+                log.warning(
+                    "KVS: request %s: vLLM took %d tokens of a %d-token hit (no block for "
+                    "the state there); vLLM recomputes it",
+                    request.request_id,
+                    end,
+                    tracked.store_blocks * self._block_size,
+                )
+                return KvsLoad(request.request_id, [], [], [], error="no state block")
+            block_ids.append([NO_BLOCK] * (last - first - 1) + [state.block_id])
         self.counters["loads"] += 1
         self.counters["hit_blocks"] += last - first
         self._count_loads(tracked.chains[first:last], sources)
@@ -457,9 +618,19 @@ class KvsScheduler:
         self._lookups.pin(to_pin)
 
     def load_finished(self, request_id: str) -> None:
+        """The workers copied a request's blocks: the lookup's holds on them end now. Holds are
+        the lookup client's own (the store keeps them per connection), so they are given up
+        here, not by the workers that read the objects."""
         tracked = self._requests.get(request_id)
         if tracked is not None:
             tracked.loading = False
+            self._release_holds(tracked)
+
+    def _release_holds(self, tracked: _Request) -> None:
+        """Every hold the request's answer still has (the blocks it loads) goes."""
+        sources, tracked.sources = tracked.sources, []
+        if sources and self._lookups is not None:
+            self._lookups.unhold([ref for entries in sources for ref, _ in entries])
 
     # ------------------------------------------------------------------ saves
     def plan_saves(self, scheduler_output: SchedulerOutput) -> list[KvsSave]:
@@ -476,19 +647,20 @@ class KvsScheduler:
             request = tracked.request
             computed = min(request.num_computed_tokens + n, len(request.all_token_ids))
             full = computed // self._block_size
-            if full <= tracked.saved_upto:
+            first = min(tracked.saved_upto)
+            if full <= first:
                 continue
             chains = self._chains(tracked)
             full = min(full, len(chains))
-            first = tracked.saved_upto
-            groups = self._manager.get_blocks(request_id).blocks
-            picked = [list(held[first:full]) for held in groups]
-            if any(len(p) != full - first or any(b.is_null for b in p) for p in picked):
+            picked = self._pick(tracked, self._manager.get_blocks(request_id).blocks, first, full)
+            if picked is None:
                 continue  # not all of them are real blocks (a group dropped some): never save half
-            tracked.saved_upto = full
+            tracked.saved_upto = [max(upto, full) for upto in tracked.saved_upto]
+            flat = [b for p in picked for b in p if b is not None]
+            if not flat:
+                continue  # nothing new: a state group's blocks in between are not kept
             save_id = self._next_save
             self._next_save += 1
-            flat = [b for p in picked for b in p]
             self._manager.block_pool.touch(flat)
             tokens = list(request.all_token_ids[first * self._block_size : full * self._block_size])
             self._saves[save_id] = _Save(
@@ -501,13 +673,37 @@ class KvsScheduler:
             saves.append(
                 KvsSave(
                     save_id=save_id,
-                    block_ids=[[b.block_id for b in p] for p in picked],
+                    block_ids=[[NO_BLOCK if b is None else b.block_id for b in p] for p in picked],
                     chains=chains[first:full],
                 )
             )
             self.counters["saves"] += 1
             self.counters["saved_blocks"] += full - first
         return saves
+
+    def _pick(
+        self, tracked: _Request, held_by_group: Sequence[Sequence[Any]], first: int, full: int
+    ) -> list[list[Any]] | None:
+        """Per group, the blocks [first, full) to save (None where that group saves nothing
+        for a block: stored already, or a state vLLM did not keep); None if a token group
+        lacks a real block."""
+        picked = []
+        for group, held, upto in zip(self._groups, held_by_group, tracked.saved_upto, strict=True):
+            start = min(max(first, upto), full)
+            row: list[Any] = [None] * (start - first)
+            if kvs_keys.is_state(group):
+                # vLLM hashed exactly the blocks whose state it keeps (a prefix-cache entry:
+                # the state after the block's last token); the rest are null or running.
+                for j in range(start, full):
+                    block = held[j] if j < len(held) else None
+                    row.append(block if _kept_state(block, (j + 1) * self._block_size) else None)
+            else:
+                blocks = list(held[start:full])
+                if len(blocks) != full - start or any(b.is_null for b in blocks):
+                    return None
+                row.extend(blocks)
+            picked.append(row)
+        return picked
 
     @staticmethod
     def is_save_report(request_id: str) -> bool:
@@ -563,8 +759,8 @@ class KvsScheduler:
     # ------------------------------------------------------------------ end
     def request_finished(self, request: Request) -> None:
         tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None and not tracked.spent:
-            self._unhold(tracked, 0, 0)
+        if tracked is not None:
+            self._release_holds(tracked)  # not loaded, or a load vLLM gave up on
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
 
@@ -579,6 +775,26 @@ class KvsScheduler:
         if self._lookups is not None:
             self._lookups.close()
         return len(saves)
+
+
+def _kept_state(block: Any, boundary: int) -> bool:
+    """True if ``block`` of a state group holds the state at token ``boundary`` that vLLM keeps
+    (hashed by its prefix cache at that boundary)."""
+    if block is None or block.is_null or getattr(block, "block_hash", None) is None:
+        return False
+    covered = getattr(block, "block_hash_num_tokens", None)
+    return covered is None or covered == boundary
+
+
+def _merge(
+    objects: Sequence[tuple[int, int]],
+    groups: Sequence[KvGroup],
+    tokens: Sequence[tuple[Any, int]],
+    states: Sequence[tuple[Any, int]],
+) -> list[tuple[Any, int]]:
+    """A block's token objects and state objects, in ``kvs_keys.block_objects`` order."""
+    token_it, state_it = iter(tokens), iter(states)
+    return [next(state_it if kvs_keys.is_state(groups[g]) else token_it) for g, _ in objects]
 
 
 def _lora_name(request: Request) -> str | None:

@@ -16,6 +16,12 @@ heads and their split over TP ranks; two deployments that differ in any of these
 key. A group whose bytes are the same on every TP rank (MLA's latent) is keyed with rank
 ``SHARED_RANK``: one object serves every rank.
 
+A "state" group (linear attention: GDN, Mamba) has an object for block ``j`` only where the
+recurrent state after the block's last token was kept (vLLM's "align" mode keeps it at some
+block boundaries only): its objects are sparse, every other group's are dense. A prefix of
+``n`` blocks is loadable when every dense object of blocks ``0..n-1`` and every state object of
+block ``n-1`` is stored (``token_keys`` / ``state_keys``).
+
 Pure: no I/O, no vLLM.
 """
 
@@ -110,6 +116,11 @@ def chain_of(key: bytes) -> bytes:
     return key[:CHAIN_BYTES]
 
 
+def is_state(group: KvGroup) -> bool:
+    """A group of recurrent states (one per kept block boundary), not of per-token KV."""
+    return group.family == "state"
+
+
 def key_rank(group: KvGroup, tp_rank: int) -> int:
     return SHARED_RANK if rank_shared(group) else tp_rank
 
@@ -127,3 +138,31 @@ def lookup_keys(
     ]
     keys = [object_key(c, g, r) for c in chains for g, r in per_block]
     return keys, len(per_block)
+
+
+def block_objects(groups: Sequence[KvGroup], tp_size: int) -> list[tuple[int, int]]:
+    """(group index, key rank) of every object a block may have, in ``lookup_keys`` order."""
+    return [
+        (g, r)
+        for g, group in enumerate(groups)
+        for r in ([SHARED_RANK] if rank_shared(group) else range(tp_size))
+    ]
+
+
+def token_keys(
+    chains: Sequence[bytes], groups: Sequence[KvGroup], tp_size: int
+) -> tuple[list[bytes], int]:
+    """The dense objects (every group but the state ones), block by block, and how many per
+    block: a prefix the store holds, cut at whole blocks, is a prefix of token KV."""
+    token = [(g, r) for g, r in block_objects(groups, tp_size) if not is_state(groups[g])]
+    return [object_key(c, g, r) for c in chains for g, r in token], len(token)
+
+
+def state_keys(chain_hash: bytes, groups: Sequence[KvGroup], tp_size: int) -> list[bytes]:
+    """The state objects of one block (every state group, every rank): all of them or none
+    make the state at the block's end."""
+    return [
+        object_key(chain_hash, g, r)
+        for g, r in block_objects(groups, tp_size)
+        if is_state(groups[g])
+    ]

@@ -1,13 +1,21 @@
 """KVS, worker half: copy blocks between vLLM's KV cache and the shared store, off the step.
 
 One thread per worker (``KvsWorker``) owns this rank's refstore client and does every copy:
-loads first (a request waits for them), then saves. vLLM's hooks only queue: ``handle`` (from
-``bind_connector_metadata``) queues loads at once and saves for the step's end, ``step_done``
-(``wait_for_save``: the forward pass wrote the step's blocks) releases the saves.
+loads first (a request waits for them), then the gathers of saves, then their puts. vLLM's
+hooks only queue: ``handle`` (from ``bind_connector_metadata``) queues loads at once and keeps
+the step's saves; ``layer_written`` (``save_kv_layer``: the forward pass wrote one layer) queues
+the gather of that layer's segments of every save of the step into its staging buffer, so the
+copy overlaps the rest of the forward pass (``save_by_layer``); ``step_done``
+(``wait_for_save``: every layer is written) queues the saves' puts, each gathering first what no
+layer hook gathered (state groups, whose layers have no such hook, or ``save_by_layer`` off)::
+
+    handle(saves) --> kept for the step --layer_written(l): gather l of each--> ...
+        --step_done--> put: gather the layers left, trailers, one put_keyed --> reported
 
 An object holds one block of one KV-cache group on one TP rank (a rank-shared group, MLA's
 latent, only rank 0 saves; every rank loads it): each layer's segments of the block, in layer
-order, then a trailer that names what the bytes are::
+order (a state group's block is one state: each linear layer's conv and recurrent state), then
+a trailer that names what the bytes are::
 
     payload (block_nbytes) | magic "KVSBLK01" | key (19) | layout fingerprint (16) |
                              payload length (u64) | CRC32 of the payload (u32) | zero pad to 64
@@ -40,7 +48,7 @@ import numpy as np
 from hybrid_connector import kvs_keys
 from hybrid_connector.config import KvsConfig
 from hybrid_connector.layout import CacheGeometry, KvCacheGeometry
-from hybrid_connector.metadata import KvsLoad, KvsSave
+from hybrid_connector.metadata import NO_BLOCK, KvsLoad, KvsSave
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +92,57 @@ def scatter_copy(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
             raise OSError(err, f"scatter copy moved {got} of {want} bytes: {os.strerror(err)}")
 
 
+@dataclass
+class _StagedGroup:
+    """One group's objects of one save, being gathered (the KVS thread's only)."""
+
+    group: int
+    rank: int
+    picked: list[tuple[int, int]]  # (block of the save, vLLM block)
+    staging: np.ndarray  # n objects of block_nbytes + TRAILER_BYTES
+    src: np.ndarray  # (n, L*S) addresses in vLLM's cache
+    dst: np.ndarray  # (n, L*S) addresses in staging
+    lengths: np.ndarray  # (n, L*S)
+    segments: int  # S: segments per layer
+    gathered: np.ndarray  # (L,) bool
+    layer_nbytes: int  # one layer's bytes in a payload (payloads are layer-major)
+    crcs: list[int]  # per object, the CRC32 of its first ``crc_layers`` layers
+    crc_layers: int = 0
+
+    def gather(self, layers: Sequence[int] | None = None) -> None:
+        """Copy these layers' segments (None: every layer not gathered yet) into staging."""
+        todo = np.flatnonzero(~self.gathered) if layers is None else np.asarray(layers)
+        todo = todo[~self.gathered[todo]]
+        if todo.size == 0:
+            return
+        cols = (todo[:, None] * self.segments + np.arange(self.segments)[None, :]).ravel()
+        scatter_copy(
+            self.dst[:, cols].ravel(), self.src[:, cols].ravel(), self.lengths[:, cols].ravel()
+        )
+        self.gathered[todo] = True
+        self._advance_crcs()
+
+    def _advance_crcs(self) -> None:
+        """Extend each object's CRC over the layers now gathered in order (layers come in
+        order, so the checksum pass runs beside the forward pass too)."""
+        first = self.crc_layers
+        last = first
+        while last < len(self.gathered) and self.gathered[last]:
+            last += 1
+        if last == first:
+            return
+        stride = len(self.staging) // len(self.picked)
+        start, end = first * self.layer_nbytes, last * self.layer_nbytes
+        for i in range(len(self.picked)):
+            base = i * stride
+            self.crcs[i] = zlib.crc32(self.staging[base + start : base + end], self.crcs[i])
+        self.crc_layers = last
+
+    def payload_crc(self, i: int) -> int | None:
+        """Object ``i``'s payload CRC32, if every layer went into it (else None)."""
+        return self.crcs[i] if self.crc_layers == len(self.gathered) else None
+
+
 @dataclass(frozen=True)
 class GroupCopy:
     """Where one group's block bytes lie on this rank: per (layer, segment), the address of
@@ -96,6 +155,7 @@ class GroupCopy:
     block_nbytes: int
     fingerprint: bytes
     shared: bool  # the same bytes on every TP rank (saved by rank 0 only)
+    layers: int = 1  # L
 
     @classmethod
     def of(cls, group: KvCacheGeometry, buffers: Sequence[Any]) -> GroupCopy:
@@ -129,6 +189,7 @@ class GroupCopy:
             int(lengths.sum()),
             fingerprint,
             shared,
+            len(group.layer_offsets),
         )
 
     def kv_addresses(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -139,8 +200,10 @@ class GroupCopy:
         return addresses.ravel(), lengths.ravel()
 
 
-def trailer(key: bytes, fingerprint: bytes, payload: np.ndarray) -> bytes:
-    packed = _TRAILER.pack(MAGIC, key, fingerprint, len(payload), zlib.crc32(payload))
+def trailer(key: bytes, fingerprint: bytes, payload: np.ndarray, crc: int | None = None) -> bytes:
+    """``crc``: the payload's CRC32 when the caller has it already."""
+    value = zlib.crc32(payload) if crc is None else crc
+    packed = _TRAILER.pack(MAGIC, key, fingerprint, len(payload), value)
     return packed.ljust(TRAILER_BYTES, b"\0")
 
 
@@ -190,6 +253,16 @@ class KvsWorker:
         self._tp_rank = tp_rank
         self._tp_size = tp_size
         self._copies = [GroupCopy.of(g, geometry.buffers) for g in geometry.groups]
+        # Layer name -> (group, layer index in it): what a layer hook lets the thread gather.
+        self._layers_of: dict[str, list[tuple[int, int]]] = collections.defaultdict(list)
+        for g, group in enumerate(geometry.groups):
+            for index, layer_name in enumerate(group.layer_names):
+                self._layers_of[layer_name].append((g, index))
+        self._gathers: collections.deque[tuple[tuple[KvsSave, ...], list[tuple[int, int]]]] = (
+            collections.deque()
+        )
+        self._staged: dict[int, list[_StagedGroup]] = {}  # save id -> its groups (KVS thread)
+        self._running = False  # the KVS thread is doing a job (taken off the queues)
         self._connect = connect
         self._report_load = report_load
         self._report_save = report_save
@@ -214,6 +287,16 @@ class KvsWorker:
                 self._loads.extend(loads)
                 self._cond.notify()
 
+    def layer_written(self, layer_name: str) -> None:
+        """The forward pass wrote ``layer_name`` (save_kv_layer): gather it for the saves."""
+        if not self._step_saves or not self._config.save_by_layer:
+            return
+        where = self._layers_of.get(layer_name)
+        if where:
+            with self._cond:
+                self._gathers.append((tuple(self._step_saves), where))
+                self._cond.notify()
+
     def step_done(self) -> None:
         saves, self._step_saves = self._step_saves, []
         if saves:
@@ -229,18 +312,38 @@ class KvsWorker:
             log.warning("KVS: the store is not reachable yet (%s)", exc)
         while True:
             with self._cond:
-                while not (self._loads or self._saves or self._closing):
+                while not (self._loads or self._gathers or self._saves or self._closing):
                     self._cond.wait()
+                gather = None
                 if self._loads:
-                    job: KvsLoad | KvsSave = self._loads.popleft()
+                    job: KvsLoad | KvsSave | None = self._loads.popleft()
+                elif self._gathers:  # a step's layers, queued before its saves' puts
+                    job, gather = None, self._gathers.popleft()
                 elif self._saves:
                     job = self._saves.popleft()
                 else:
+                    self._staged.clear()
                     return  # closing, and nothing left to do
-            if isinstance(job, KvsLoad):
-                self._run_load(job)
-            else:
-                self._run_save(job)
+                self._running = True
+            try:
+                if gather is not None:
+                    self._run_gather(*gather)
+                elif isinstance(job, KvsLoad):
+                    self._run_load(job)
+                elif job is not None:
+                    self._run_save(job)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until every job queued so far is done (True), or ``timeout_s`` passed."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not (self._running or self._loads or self._gathers or self._saves),
+                timeout=timeout_s,
+            )
 
     def _store(self) -> Any:
         if self._client is None:
@@ -255,10 +358,7 @@ class KvsWorker:
 
     def _run_load(self, load: KvsLoad) -> None:
         try:
-            try:
-                self._load(load)
-            finally:
-                self._unhold(load)
+            self._load(load)
         except Exception as exc:
             self.counters["load_failures"] += 1
             log.warning(
@@ -276,16 +376,20 @@ class KvsWorker:
             self._report_load(load.request_id, False)
 
     def _load(self, load: KvsLoad) -> None:
+        if load.error:
+            raise KvsLoadError(load.error)
         client = self._store()
         crc = self._config.verify == "crc"
         views: list[Any] = []
         dst_parts, src_parts, len_parts = [], [], []
-        per_block = self._per_block()
+        if len(load.sources) != len(load.chains):
+            raise KvsLoadError(f"{len(load.sources)} blocks of objects for {len(load.chains)}")
         for j, chain in enumerate(load.chains):
             entries = load.sources[j]
-            if len(entries) != len(per_block):
-                raise KvsLoadError(f"block {j}: {len(entries)} objects, expected {len(per_block)}")
-            for (g, rank), (ref, _index) in zip(per_block, entries, strict=True):
+            objects = self._block_objects(load.block_ids, j)
+            if len(entries) != len(objects):
+                raise KvsLoadError(f"block {j}: {len(entries)} objects, expected {len(objects)}")
+            for (g, rank), (ref, _index) in zip(objects, entries, strict=True):
                 if rank not in (kvs_keys.SHARED_RANK, self._tp_rank):
                     continue
                 copy = self._copies[g]
@@ -305,19 +409,13 @@ class KvsWorker:
             )
         del views
 
-    def _unhold(self, load: KvsLoad) -> None:
-        """The lookup's holds on this rank's objects end once the load is over, either way."""
-        if self._client is None:
-            return
-        ranks = (kvs_keys.SHARED_RANK, self._tp_rank)
-        refs = [
-            ref
-            for entries in load.sources
-            for (_, rank), (ref, _) in zip(self._per_block(), entries, strict=False)
-            if rank in ranks
+    def _block_objects(self, block_ids: Sequence[Sequence[int]], j: int) -> list[tuple[int, int]]:
+        """(group, key rank) of the objects block ``j`` of a load reads, in source order."""
+        return [
+            (g, r)
+            for g, r in self._per_block()
+            if g < len(block_ids) and j < len(block_ids[g]) and block_ids[g][j] != NO_BLOCK
         ]
-        with contextlib.suppress(Exception):  # holds lapse by themselves
-            self._client.unhold(refs)
 
     def _per_block(self) -> list[tuple[int, int]]:
         """(group, key rank) of a block's objects, in ``kvs_keys.lookup_keys`` order."""
@@ -338,31 +436,69 @@ class KvsWorker:
         finally:
             self._report_save(save.save_id)
 
-    def _save(self, save: KvsSave) -> None:
-        items = []
+    def _stage(self, save: KvsSave) -> list[_StagedGroup]:
+        """This rank's objects of ``save``: staging buffers and where their bytes come from."""
+        groups = []
         for g, copy in enumerate(self._copies):
             if copy.shared and self._tp_rank != 0:
                 continue
             rank = kvs_keys.SHARED_RANK if copy.shared else self._tp_rank
-            ids = save.block_ids[g]
-            n = len(ids)
+            # (block of the save, vLLM block): a state group saves only its kept states.
+            picked = [(j, b) for j, b in enumerate(save.block_ids[g]) if b != NO_BLOCK]
+            n = len(picked)
             if n == 0:
                 continue
             stride = copy.block_nbytes + TRAILER_BYTES
             staging = np.empty(n * stride, np.uint8)
-            src, lengths = copy.kv_addresses(ids)
+            blocks = np.asarray([b for _, b in picked], np.uint64)[:, None]
+            src = copy.base[None, :] + blocks * copy.stride[None, :]
             dst = (
                 staging.ctypes.data
                 + (np.arange(n, dtype=np.uint64) * np.uint64(stride))[:, None]
                 + copy.offset[None, :]
-            ).ravel()
-            scatter_copy(dst, src, lengths)
-            for j, chain in enumerate(save.chains):
-                key = kvs_keys.object_key(chain, g, rank)
-                block = staging[j * stride : (j + 1) * stride]
-                block[copy.block_nbytes :] = np.frombuffer(
-                    trailer(key, copy.fingerprint, block[: copy.block_nbytes]), np.uint8
+            )
+            segments = len(copy.base) // copy.layers
+            groups.append(
+                _StagedGroup(
+                    g, rank, picked, staging, src, dst,
+                    np.broadcast_to(copy.length[None, :], src.shape), segments,
+                    np.zeros(copy.layers, bool), copy.block_nbytes // copy.layers, [0] * n,
                 )
+            )  # fmt: skip
+        return groups
+
+    def _run_gather(self, saves: tuple[KvsSave, ...], where: list[tuple[int, int]]) -> None:
+        """One layer, written: its segments of each of the step's saves into their staging."""
+        for save in saves:
+            staged = self._staged.get(save.save_id)
+            if staged is None:
+                try:
+                    staged = self._staged[save.save_id] = self._stage(save)
+                except Exception as exc:  # the put stages again, and reports it
+                    log.debug("KVS: staging save %d failed (%s)", save.save_id, exc)
+                    continue
+            for group in staged:
+                layers = [index for g, index in where if g == group.group]
+                if layers:
+                    group.gather(layers)
+        self.counters["layer_gathers"] += 1
+
+    def _save(self, save: KvsSave) -> None:
+        items = []
+        staged = self._staged.pop(save.save_id, None)
+        if staged is None:
+            staged = self._stage(save)
+        for group in staged:
+            group.gather()  # what no layer hook gathered
+            copy = self._copies[group.group]
+            stride = copy.block_nbytes + TRAILER_BYTES
+            for i, (j, _) in enumerate(group.picked):
+                key = kvs_keys.object_key(save.chains[j], group.group, group.rank)
+                block = group.staging[i * stride : (i + 1) * stride]
+                packed = trailer(
+                    key, copy.fingerprint, block[: copy.block_nbytes], group.payload_crc(i)
+                )
+                block[copy.block_nbytes :] = np.frombuffer(packed, np.uint8)
                 items.append((key, block))
         if not items:
             return

@@ -67,23 +67,32 @@ class ReleaseSpec:
     remote_tp_size: int = 1  # P's TP size: every P rank holds the request's blocks
 
 
+NO_BLOCK = -1  # KvsLoad / KvsSave: this group has no object for this block
+
+
 @dataclass(frozen=True)
 class KvsLoad:
     """KVS: copy blocks the store holds into ``block_ids`` (per group, in block order), then
     report the request like a pull (``TransferResults``)."""
 
     request_id: str
+    # Per group, per block: the destination block, or NO_BLOCK where the group loads nothing
+    # for that block (a state group loads only the state at the last block's end).
     block_ids: list[list[int]]
     chains: list[bytes]  # each block's chain hash (its objects' keys begin with it)
-    # Per block: the store's (ref, index) of each of its objects, in ``kvs_keys.lookup_keys``
-    # order (group by group, rank by rank; a rank-shared group has one).
+    # Per block: the store's (ref, index) of each object it loads, in
+    # ``kvs_keys.block_objects`` order (group by group, rank by rank; a rank-shared group has
+    # one), groups whose block is NO_BLOCK left out.
     sources: list[list[tuple[object, int]]]
+    # Not empty: the load could not be planned; the worker reports it failed (vLLM recomputes).
+    error: str = ""
 
 
 @dataclass(frozen=True)
 class KvsSave:
     """KVS: after this step's forward pass, store ``block_ids`` (per group, in block order;
-    each block's chain hash in ``chains``), then report ``save_id`` done."""
+    each block's chain hash in ``chains``; NO_BLOCK: nothing of that group for that block),
+    then report ``save_id`` done."""
 
     save_id: int
     block_ids: list[list[int]]

@@ -52,6 +52,7 @@ from hybrid_connector.metadata import (
     RecvSpec,
     ReleaseSpec,
 )
+from hybrid_connector.migration import MigrationsOut, Stopped
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -128,6 +129,8 @@ class SchedulerSide:
         # where the workers' SEND_DONE reaches it (every metadata carries the address).
         self.holds = BlockHolds(tp_size=tp_size)
         self.send_done_address = ""
+        # Live migration out of running requests (migration.py): an instance that can hold KV.
+        self.migrations = MigrationsOut(config.rpc_address)
 
     def _drain(self) -> None:
         """Give vLLM back the blocks whose SEND_DONE arrived (engine-core thread, every hook):
@@ -147,6 +150,7 @@ class SchedulerSide:
         """Shutdown: every block still held goes back to vLLM (once). Returns how many."""
         if self.kvs is not None:
             self.kvs.close()
+        self.migrations.close()
         return self.holds.release_all()
 
     # ------------------------------------------------------------------ the contract
@@ -206,13 +210,14 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         # First hook of a schedule() that admits a request: released blocks count for it.
         self._drain()
-        if self._pull_of(request) is None:
+        pull = self._pull_of(request)
+        if pull is None:
             if self.kvs is not None:
                 return self.kvs.get_num_new_matched_tokens(request, num_computed_tokens)
             return 0, False
         # Every prompt token P computed; vLLM itself recomputes the last one locally once the
         # load is done (so it can sample), as with NixlConnector.
-        count = self._tokens_to_load(request) - num_computed_tokens
+        count = self._tokens_to_load(request, pull) - num_computed_tokens
         if count <= 0:
             return 0, False
         if self.kvs is not None and not self._has_state:
@@ -227,12 +232,19 @@ class SchedulerSide:
                 return stored - num_computed_tokens, True
         return count, True
 
-    def _tokens_to_load(self, request: Request) -> int:
+    def _tokens_to_load(
+        self, request: Request, pull: tuple[_Tracked, PullParams] | None = None
+    ) -> int:
         """Prompt tokens D pulls: all of them, or all but the last with a state group (P's
-        state then stops before it, and D computes the last token on top of it)."""
-        if self._has_state and request.num_prompt_tokens > 1:
-            return request.num_prompt_tokens - 1
-        return request.num_prompt_tokens
+        state then stops before it, and D computes the last token on top of it); never more
+        than the sender says it holds (``remote_num_tokens``: a migrated request's prompt ends
+        with the token whose KV the sender never computed)."""
+        count = request.num_prompt_tokens
+        if self._has_state and count > 1:
+            count -= 1
+        if pull is not None and 0 < pull[1].remote_num_tokens < count:
+            count = pull[1].remote_num_tokens
+        return count
 
     def on_new_request(self, request: Request) -> None:
         """P with a state group: drop the prompt's last token (D computes it, see the module
@@ -278,6 +290,9 @@ class SchedulerSide:
             return
         tracked, params = pull
         tracked.dispatched = True
+        if self._is_producer:
+            # Admitted with its pull: it may be migrated out later under its transfer id.
+            self.migrations.track(params.transfer_id, request)
         from_store = 0  # leading new blocks the store fills (each group)
         if self.kvs is not None and num_external_tokens > 0:
             load = self.kvs.update_state_after_alloc(request, blocks, num_external_tokens)
@@ -299,7 +314,7 @@ class SchedulerSide:
                 )
             )
             return
-        num_tokens = self._tokens_to_load(request)
+        num_tokens = self._tokens_to_load(request, pull)
         block_ids, first_block = self._destination(blocks, num_tokens, from_store)
         self._meta.to_recv.append(
             RecvSpec(
@@ -364,6 +379,10 @@ class SchedulerSide:
         self._drain()
         if self.kvs is not None:
             self.kvs.request_finished(request)
+        stopped = self.migrations.finished(request)
+        if stopped is not None:
+            self._tracked.pop(request_id, None)
+            return self._hold_for_migration(request, block_ids, stopped)
         if request_id in self._kvs_loading:
             # The worker is copying into its blocks: vLLM frees them when it reports the load.
             self._tracked.pop(request_id, None)
@@ -412,6 +431,24 @@ class SchedulerSide:
             return False, None
         return False, self._params(request_id, transfer_id, held, num_tokens)
 
+    def _hold_for_migration(
+        self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]], stop: Stopped
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """A request stopped for a live migration (``migration.py``): its blocks are held and
+        offered under the migration id, as a finished P request's are, and the asker answered."""
+        request_id = request.request_id
+        held = self._held(block_ids)
+        num_tokens = request.num_computed_tokens
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager comes first"
+        blocks = self._kv_cache_manager.get_blocks(request_id).blocks
+        for action in self.holds.finish(request_id, stop.migration_id, blocks, has_kv=True):
+            if isinstance(action, Offer):
+                self._meta.to_offer.append(
+                    OfferSpec(request_id, stop.migration_id, held, num_tokens)
+                )
+        stop.answer(num_tokens, self._tp_size)
+        return False, self._params(request_id, stop.migration_id, held, num_tokens)
+
     def _params(
         self, request_id: str, transfer_id: str, held: list[list[int]], num_tokens: int
     ) -> dict[str, Any]:
@@ -430,6 +467,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridConnectorMetadata:
         self._drain()
+        self.migrations.apply()
         if self._prefilling:
             self._announce_prefills(scheduler_output)
         if self.kvs is not None:

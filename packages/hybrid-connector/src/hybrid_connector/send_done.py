@@ -18,6 +18,7 @@ from typing import Protocol
 
 from simple_rpc import CallContext, Client, LoopThread, Server
 
+from hybrid_connector.migration import MigrateOutService, MigrationsOut
 from hybrid_connector.protocol import SEND_DONE, SendDoneRequest, SendDoneResponse
 
 log = logging.getLogger(__name__)
@@ -38,10 +39,19 @@ class SendDoneSink(Protocol):
 class SendDoneServer:
     """Scheduler half: takes SEND_DONE reports into ``holds``; owns its thread and socket."""
 
-    def __init__(self, holds: SendDoneSink, *, host: str, advertise_host: str | None) -> None:
+    def __init__(
+        self,
+        holds: SendDoneSink,
+        *,
+        host: str,
+        advertise_host: str | None,
+        migrations: MigrationsOut | None = None,
+    ) -> None:
         self._holds = holds
         self._server = Server(name="hybrid-connector-scheduler")
         self._server.register(SEND_DONE, self._on_send_done)
+        if migrations is not None:  # MIGRATE_OUT, forwarded by the workers (migration.py)
+            MigrateOutService(migrations).register(self._server)
         self._loop = LoopThread(name="hybrid-connector-send-done")
         try:
             bound = self._loop.run(self._server.start(host, 0), timeout=30)

@@ -39,6 +39,7 @@ from hybrid_connector.metadata import (
     ReleaseSpec,
     TransferResults,
 )
+from hybrid_connector.migration import MigrateOutForwarder
 from hybrid_connector.protocol import (
     RELEASE,
     TRANSFER_KV,
@@ -245,6 +246,11 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
         self._server.register(RELEASE, self._on_release)
         # To the owner of P's blocks (the scheduler half, holds.py): the one way they go back.
         self._send_done: SendDoneClient | None = None
+        # MIGRATE_OUT from the proxy goes on to the scheduler half (migration.py).
+        self._migrate_out = MigrateOutForwarder(
+            lambda: self._send_done.address if self._send_done is not None else ""
+        )
+        self._migrate_out.register(self._server)
 
     async def start(self) -> str:
         return await self._server.start(self._config.rpc_host, self._config.rpc_port)
@@ -427,6 +433,7 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
             if not future.done():
                 future.set_exception(TransferError("prefill instance shutting down"))
         self._pulls.clear()
+        await self._migrate_out.close()
         # Blocks still held by the scheduler half are released by its own shutdown.
         if self._send_done is not None:
             await self._send_done.close()
@@ -836,7 +843,10 @@ class WorkerSide:
             loop.call_soon(report)
 
     def layer_saved(self, layer_name: str) -> None:
-        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends."""
+        """The forward pass wrote ``layer_name``'s KV (from save_kv_layer): release its sends
+        and gather it for this step's KVS saves."""
+        if self.kvs is not None:
+            self.kvs.layer_written(layer_name)
         events = self._step_events
         if events is not None:
             index = self._layer_index.get(layer_name)

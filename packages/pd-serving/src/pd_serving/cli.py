@@ -146,6 +146,14 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
         help="where the store master pdserve starts listens, for other nodes' --kvs-peer "
         "(default: this host only, a free port)",
     )
+    parser.add_argument(
+        "--kvs-disk",
+        default=None,
+        metavar="DIR",
+        help="a second, larger tier for the store pdserve starts: blocks evicted from its pool "
+        "are written to a file in DIR and read back on a hit",
+    )
+    parser.add_argument("--kvs-disk-size", default="16G", help="the disk tier's file (default 16G)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--log-dir", type=Path, default=None, help="where the children's logs go")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -285,7 +293,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
         flush=True,
     )
-    store = _kv_store(args.kvs, args.kvs_pool, peers=args.kvs_peer, listen=args.kvs_listen)
+    store = _kv_store(
+        args.kvs,
+        args.kvs_pool,
+        peers=args.kvs_peer,
+        listen=args.kvs_listen,
+        disk=args.kvs_disk,
+        disk_size=args.kvs_disk_size,
+    )
     with store, Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
@@ -297,12 +312,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _kv_store(
-    name: str | None, pool_size: str, *, peers: Sequence[str] = (), listen: str | None = None
+    name: str | None,
+    pool_size: str,
+    *,
+    peers: Sequence[str] = (),
+    listen: str | None = None,
+    disk: str | None = None,
+    disk_size: str = "16G",
 ):
     """The node's KV store for ``--kvs``: a refstore master started here (and stopped when the
     deployment ends) unless one of that name runs already (then it is left alone, and
     ``peers`` are added to it). ``peers``: other nodes' masters, asked for what this one lacks;
-    ``listen``: host:port this one serves other nodes on."""
+    ``listen``: host:port this one serves other nodes on; ``disk``: the directory of its disk
+    tier (``disk_size`` bytes)."""
     if name is None:
         yield None
         return
@@ -323,8 +345,12 @@ def _kv_store(
     if listen is not None:
         host, _, port = listen.rpartition(":")
         extra += ["--host", host or "0.0.0.0", "--port", port]
-    proc = start_master_process(name, pool_size, extra_args=extra)
+    proc = start_master_process(
+        name, pool_size, extra_args=extra, disk=disk, disk_size=disk_size if disk else None
+    )
     shared = f", peers {', '.join(peers)}" if peers else ""
+    if disk:
+        shared += f", disk tier {disk_size} in {disk}"
     print(f"pdserve: KV store: refstore master {name!r} ({pool_size}{shared}) started", flush=True)
     try:
         yield proc
@@ -390,7 +416,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             url=url.rstrip("/"), rpc_address=rpc, name=url, kv_events=endpoint, kv_store=store
         )
 
-    def prefill_backend(spec: str) -> Backend:
+    def spec_backend(spec: str) -> Backend:
         url, _, rpc = spec.partition("@")
         return backend(url, rpc or None)
 
@@ -400,8 +426,9 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             f"pdserve: --kv-events-from names no --prefill/--decode: {sorted(unknown)}"
         )
     config = ProxyConfig(
-        prefill=[prefill_backend(spec) for spec in args.prefill],
-        decode=[backend(url) for url in args.decode],
+        prefill=[spec_backend(spec) for spec in args.prefill],
+        # A D's @RPC (its connector's transfer_kv address) lets its requests migrate live.
+        decode=[spec_backend(spec) for spec in args.decode],
         connector=Connector(args.connector),
         dispatch=_dispatch(args),
         model_names=list(args.model_name),
@@ -545,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
     p.add_argument("--prefill", action="append", default=[], metavar="URL[@RPC]")
-    p.add_argument("--decode", action="append", required=True, metavar="URL")
+    p.add_argument("--decode", action="append", required=True, metavar="URL[@RPC]")
     p.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
     p.add_argument("--dispatch", choices=["sequential", "parallel"], default=None)
     p.add_argument("--model-name", action="append", default=[], help="default: ask a D")

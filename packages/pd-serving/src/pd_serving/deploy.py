@@ -68,7 +68,10 @@ def proxy_config_for(
         return [
             Backend(
                 url=s.url,
-                rpc_address=s.rpc_address if role is Role.PREFILL else None,
+                # A D with HybridConnector too: its requests can migrate live (live.py).
+                rpc_address=s.rpc_address
+                if role is Role.PREFILL or connector is Connector.HYBRID
+                else None,
                 name=s.name,
                 kv_events=s.kv_events_endpoint,
                 kv_store=s.kv_store,

@@ -66,6 +66,7 @@ from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, T
 from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
 from pd_serving.kv_events import EventBatch
 from pd_serving.kv_feed import KvEventFeed
+from pd_serving.live import LiveStreams
 from pd_serving.prefix_index import Applied, PrefixIndex
 from pd_serving.routing import (
     Backend,
@@ -479,6 +480,9 @@ class PdProxy:
         self.app.router.add_get("/v1/models", self._handle_models)
         self.app.router.add_get("/health", self._handle_health)
         self.app.router.add_get("/metrics", self._handle_metrics)
+        # Live migration of streaming requests between D's (live.py).
+        self.live = LiveStreams(self, CallFailed)
+        self.app.router.add_post("/admin/migrate", self.live.handle_migrate)
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
 
@@ -563,6 +567,7 @@ class PdProxy:
         for client in self._rpc_clients.values():
             await client.close()
         self._rpc_clients.clear()
+        await self.live.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -1204,10 +1209,14 @@ class _Flow:
         self.plan.sent_to_client()
         done = await self._write(first)
         upstream_error = next(filter(_is_error_event, first), None)  # after tokens: relayed
+        live = None if done else self.proxy.live.open(self, backend, stage)
         try:
-            while batch := await _next_events(chunks, events):
-                upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
-                done = await self._write(batch) or done
+            if live is not None:  # may move to another D on the way (live.py)
+                done, upstream_error = await live.relay(chunks, events, done, upstream_error)
+            else:
+                while batch := await _next_events(chunks, events):
+                    upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
+                    done = await self._write(batch) or done
         except (aiohttp.ClientError, TimeoutError) as exc:
             if not done:
                 message = f"{stage} {backend.url} broke off a stream: {exc!r}"

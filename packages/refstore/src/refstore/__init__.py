@@ -6,8 +6,8 @@
     views = client.get(ref)                           # zero-copy, read-only numpy / torch views
     client.release(ref)                               # free now (or let the lease expire)
 
-See README.md for leases, soft pins, eviction, keyed objects, peer masters, manifests, remote
-get, faults and Ray helpers.
+See README.md for leases, soft pins, eviction, keyed objects, the disk tier, peer masters,
+manifests, remote get, faults and Ray helpers.
 """
 
 from .client import Client, connect

@@ -69,6 +69,29 @@ class TlsfAllocator:
         self._used = 0
         self._insert_free(0, self.capacity)
 
+    @classmethod
+    def with_blocks(
+        cls, capacity: int, granule: int, blocks: list[tuple[int, int]]
+    ) -> TlsfAllocator:
+        """An allocator whose allocated blocks are ``(start, size)`` (granule-aligned, inside
+        the range, not overlapping; sizes rounded up to the granule), the rest free: the state
+        of a file reopened with its index (``disk_index.py``)."""
+        alloc = cls(capacity, granule)
+        alloc._remove_free(0, alloc.capacity)
+        pos = 0
+        for start, nbytes in sorted(blocks):
+            size = alloc.round_up(nbytes)
+            if start % granule or start < pos or start + size > alloc.capacity:
+                raise ValueError(f"block {start}+{size} misaligned, overlapping or outside")
+            if start > pos:
+                alloc._insert_free(pos, start - pos)
+            alloc._allocated[start] = size
+            alloc._used += size
+            pos = start + size
+        if pos < alloc.capacity:
+            alloc._insert_free(pos, alloc.capacity - pos)
+        return alloc
+
     # -- free-block index ---------------------------------------------------------------------
     def _insert_free(self, start: int, size: int) -> None:
         fl, sl = _mapping(size)

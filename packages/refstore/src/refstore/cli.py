@@ -9,6 +9,7 @@ import os
 import sys
 
 from . import discovery
+from .disk_tier import DEFAULT_SPILL_QUEUE
 from .master import PEER_FETCH_TIMEOUT_S, PEER_TIMEOUT_S
 
 
@@ -42,6 +43,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 peers=args.peer,
                 peer_timeout_s=args.peer_timeout,
                 peer_fetch_timeout_s=args.peer_fetch_timeout,
+                disk=args.disk,
+                disk_size=args.disk_size,
+                spill_queue=args.spill_queue,
             )
         )
     except Exception as err:
@@ -112,6 +116,23 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=PEER_FETCH_TIMEOUT_S,
         help="seconds the move of a peer's objects may take",
+    )
+    serve_p.add_argument(
+        "--disk",
+        default=None,
+        metavar="DIR",
+        help="a directory for the disk tier: evicted keyed cache entries are written there and "
+        "promoted back by lookups (default: env REFSTORE_DISK; none if unset)",
+    )
+    serve_p.add_argument(
+        "--disk-size",
+        default=None,
+        help="the disk tier's file, e.g. 20G (default: env REFSTORE_DISK_SIZE, else 16G)",
+    )
+    serve_p.add_argument(
+        "--spill-queue",
+        default=DEFAULT_SPILL_QUEUE,
+        help="bytes of evicted entries waiting for the disk writer (more are dropped)",
     )
     serve_p.add_argument("--ready-line", action="store_true", help=argparse.SUPPRESS)
     serve_p.set_defaults(func=_cmd_serve)

@@ -252,9 +252,12 @@ def connect(
     *,
     autostart: bool = False,
     pool_size: str | int = "1G",
+    disk: str | None = None,
+    disk_size: str | int | None = None,
     **kwargs: Any,
 ) -> Client:
-    """A client of the local master ``name``; with ``autostart`` start one if none is running.
+    """A client of the local master ``name``; with ``autostart`` start one if none is running
+    (``pool_size``; ``disk``/``disk_size``: its disk tier, default env ``REFSTORE_DISK``).
 
     An auto-started master runs in its own session and outlives this process (it serves the whole
     node); stop it with ``refstore stop --name NAME`` or ``Client.shutdown_master()``.
@@ -262,6 +265,6 @@ def connect(
     if autostart:
         with discovery.spawn_lock(name):
             if not discovery.master_running(name):
-                start_master_process(name, pool_size, detach=True)
+                start_master_process(name, pool_size, detach=True, disk=disk, disk_size=disk_size)
                 log.info("started refstore master %s", name)
     return Client(name, **kwargs)

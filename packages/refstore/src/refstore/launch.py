@@ -19,12 +19,15 @@ def start_master_process(
     detach: bool = False,
     env: dict[str, str] | None = None,
     prefix: Iterable[str] = (),
+    disk: str | os.PathLike[str] | None = None,
+    disk_size: str | int | None = None,
 ) -> subprocess.Popen:
     """Start ``refstore serve`` as a child process; returns once it accepts connections.
 
     The caller owns the process (terminate() it, or ``Client.shutdown_master()``). With ``detach``
     the master is started through a shell that exits at once, so it belongs to no one but the node
-    (the returned Popen is that shell, already reaped). Readiness is the ``ready`` line the master
+    (the returned Popen is that shell, already reaped). ``disk``, ``disk_size``: its disk tier
+    (``refstore serve --disk DIR --disk-size SIZE``). Readiness is the ``ready`` line the master
     prints on stdout: a blocking read, no polling. ``prefix`` runs it under e.g. ``ip netns exec``.
     """
     cmd = [
@@ -38,6 +41,8 @@ def start_master_process(
         "--size",
         str(pool_size),
         "--ready-line",
+        *(() if disk is None else ("--disk", str(disk))),
+        *(() if disk_size is None else ("--disk-size", str(disk_size))),
         *extra_args,
     ]
     if detach:

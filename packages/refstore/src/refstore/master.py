@@ -21,6 +21,14 @@ within ``peer_fetch_timeout_s``, writes their headers and seals them (first writ
 answers the whole run from the local state. A peer that fails is a miss for that round and
 backs off; whatever failed is freed before the answer.
 
+Disk tier (``disk=`` a directory, ``disk_tier.py`` the I/O, ``disk_index.py`` the
+bookkeeping): a keyed cache entry that memory pressure evicts is copied out and written to a
+preallocated file by a writer thread (dropped if its queue is full); a lookup whose run
+continues on disk (after the local run, before the peers) allocates those keys' objects here,
+reads them back on reader threads straight into their blocks, verifies each (length, head,
+checksum) within ``disk_read_timeout_s``, writes their headers and seals them: a failed read is a
+miss from that key on.
+
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
 actor), or let the first client start one (``refstore.connect(autostart=True)``).
 """
@@ -28,6 +36,7 @@ actor), or let the first client start one (``refstore.connect(autostart=True)``)
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -38,12 +47,14 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from simple_rpc import CallContext, LoopThread, Method, Server
 
 from . import discovery, header, protocol
+from .disk_index import DiskRecord
+from .disk_tier import DEFAULT_SPILL_QUEUE, DiskTier
 from .errors import CallerError, PoolFull, RefstoreError, to_info
 from .faults import FaultPlan
 from .peers import PeerRound, PeerTable
@@ -60,6 +71,27 @@ from .state import (
 )
 
 log = logging.getLogger("refstore.master")
+_decode_layout = msgspec.msgpack.Decoder(protocol.Layout).decode
+
+
+class _Promotion(NamedTuple):
+    """One key of a lookup's run read back from disk into the block ``obj``."""
+
+    record: DiskRecord
+    obj: StoredObject
+    writer: header.Writer
+    read: asyncio.Future[str | None] | None  # None: copied from the staging area
+
+
+def _read_outcome(read: asyncio.Future[str | None]) -> str | None:
+    """None if the read brought the record's bytes, else why not."""
+    if read.cancelled():
+        return "the read was cancelled"
+    err = read.exception()
+    if err is not None:
+        return f"read failed: {type(err).__name__}: {err}"
+    return read.result()
+
 
 DEFAULT_POOL_SIZE = 1 << 30
 MAX_WAIT_GONE_S = 3600.0
@@ -71,6 +103,11 @@ PEER_TIMEOUT_S = 0.5
 PEER_FETCH_TIMEOUT_S = 1.5
 PEER_FETCH_PARALLEL = 8  # objects of one continuation moving at once
 HEADER_WRITERS_MAX = 256
+DISK_ENV_VAR = "REFSTORE_DISK"  # a directory for the disk tier, read at start when none is given
+DISK_SIZE_ENV_VAR = "REFSTORE_DISK_SIZE"
+DEFAULT_DISK_SIZE = "16G"
+# A lookup's reads from disk end within this (the KVS counts a lookup not answered in 2 s a miss).
+DISK_READ_TIMEOUT_S = 1.0
 
 
 def parse_size(text: str | int) -> int:
@@ -108,8 +145,11 @@ class Master:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        disk: DiskTier | None = None,
     ) -> None:
         self.name = name
+        self.disk = disk
+        self.disk_read_timeout_s = DISK_READ_TIMEOUT_S
         self._clock = clock
         self.pool = pool
         self.epoch = epoch
@@ -125,6 +165,7 @@ class Master:
             last_read_ns=self._last_read_ns,
             read_commit=self._read_commit,
             on_lease=self._write_lease,
+            on_spill=None if disk is None else self._spill,
         )
         self.feeds = KeyFeeds()
         self._feed_waiters: dict[str, asyncio.Future[None]] = {}
@@ -192,16 +233,31 @@ class Master:
         peers: Iterable[str] | None = None,
         peer_timeout_s: float = PEER_TIMEOUT_S,
         peer_fetch_timeout_s: float = PEER_FETCH_TIMEOUT_S,
+        disk: str | os.PathLike[str] | None = None,
+        disk_size: int | str | None = None,
+        spill_queue: int | str = DEFAULT_SPILL_QUEUE,
+        disk_read_timeout_s: float = DISK_READ_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> Master:
-        """``clock`` (CLOCK_MONOTONIC seconds, as clients stamp headers) and ``wall_clock`` (for
-        the times errors say) are for tests that move time themselves (``check_deadlines``).
+        """``disk``: a directory for the disk tier (None: env ``REFSTORE_DISK``; "" or unset:
+        no disk tier), its file ``disk_size`` bytes (None: env ``REFSTORE_DISK_SIZE``, else
+        16G), ``spill_queue`` the bytes of evicted entries waiting for the writer,
+        ``disk_read_timeout_s`` the bound on a lookup's reads. ``clock`` (CLOCK_MONOTONIC
+        seconds, as clients stamp headers) and ``wall_clock`` (for the times errors say) are
+        for tests that move time themselves (``check_deadlines``).
         ``peers``: other nodes' masters (``host:port``) to ask for keys a lookup misses here
         (None: env ``REFSTORE_PEERS``, comma-separated); ``peer_timeout_s`` bounds a peer's
         answer, ``peer_fetch_timeout_s`` the move of the objects found there."""
         protocol.check_ttl(peer_timeout_s, "peer_timeout_s")
         protocol.check_ttl(peer_fetch_timeout_s, "peer_fetch_timeout_s")
+        protocol.check_ttl(disk_read_timeout_s, "disk_read_timeout_s")
+        if disk is None:
+            disk = os.environ.get(DISK_ENV_VAR, "")
+        if disk_size is None:
+            disk_size = os.environ.get(DISK_SIZE_ENV_VAR, DEFAULT_DISK_SIZE)
+        disk_bytes = parse_size(disk_size) if disk else 0
+        spill_bytes = parse_size(spill_queue)
         if peers is None:
             peers = [p.strip() for p in os.environ.get(PEERS_ENV_VAR, "").split(",") if p.strip()]
         peers = list(peers)
@@ -210,8 +266,19 @@ class Master:
         lock = discovery.MasterLock(name)
         if not lock.try_acquire():
             raise CallerError(f"a refstore master named {name!r} is already running ({lock.path})")
+        tier: DiskTier | None = None
         try:
             size = parse_size(pool_size)
+            if disk:
+                tier = await asyncio.to_thread(
+                    DiskTier.open,
+                    disk,
+                    name,
+                    disk_bytes,
+                    loop=asyncio.get_running_loop(),
+                    spill_queue=spill_bytes,
+                )
+                log.info("disk tier %s: %d MiB", tier.path, disk_bytes >> 20)
             started = time.perf_counter()
             pool = await asyncio.to_thread(SharedPool.create, size, f"refstore-{name}")
             log.info(
@@ -230,11 +297,15 @@ class Master:
                 advertise,
                 clock=clock,
                 wall_clock=wall_clock,
+                disk=tier,
             )
             master._lock = lock
+            master.disk_read_timeout_s = disk_read_timeout_s
             await master.server.start(host, port)
         except BaseException:
             lock.release()
+            if tier is not None:
+                tier.close()
             with contextlib.suppress(NameError):
                 pool.close()
             raise
@@ -323,6 +394,8 @@ class Master:
         await self.server.close()
         if self.remote is not None:
             await self.remote.close()
+        if self.disk is not None:
+            self.disk.close()  # joins its readers: none writes into the pool after this
         self.pool.close()
         self._lock.release()
         self.closed_event.set()
@@ -518,6 +591,10 @@ class Master:
         return protocol.GetResp(offset=obj.payload, nbytes=obj.nbytes, layout=obj.layout)
 
     async def _release(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
+        if self.disk is not None and req.epoch == self.epoch:
+            # A released keyed object is gone from this node, its disk record too.
+            bound = (self.state.objects.get(oid) for oid in req.oids)
+            self.disk.drop([o.key for o in bound if o is not None and o.key is not None])
         self.state.release(req.epoch, req.oids)
         return protocol.Ack()
 
@@ -532,6 +609,7 @@ class Master:
     async def _stats(self, req: protocol.StatsReq, ctx: CallContext) -> protocol.Stats:
         return msgspec.structs.replace(
             self.state.stats(),
+            **({} if self.disk is None else self.disk.stats()),
             **self.peers.totals(),
             peer_served=self._peer_served,
             peers=self.peers.status(self._clock()),
@@ -607,10 +685,13 @@ class Master:
 
     async def _lookup(self, req: protocol.Lookup, ctx: CallContext) -> protocol.LookupResp:
         hold_s = 0.0 if self.faults.ignores("hold") else req.hold_s
-        if self.peers:
+        if self.peers or self.disk is not None:
             check_hold(hold_s)
             local = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
-            if len(local) < len(req.keys):
+            if self.disk is not None and len(local) < len(req.keys):
+                await self._continue_from_disk(req.keys)
+                local = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
+            if self.peers and len(local) < len(req.keys):
                 await self._continue_from_peers(req.keys, local)
         # The whole run from the state as it is now: what the peers' objects added, and
         # nothing that went meanwhile.
@@ -790,6 +871,124 @@ class Master:
         if why:
             self._peer_failed(round_.fetch_failed(why, self._clock()), address, why)
 
+    # -- disk tier ----------------------------------------------------------------------------
+    def _spill(self, obj: StoredObject) -> None:
+        """The state evicts the keyed cache entry ``obj`` (its bytes still in the pool)."""
+        assert self.disk is not None
+        assert obj.key is not None
+        assert obj.layout is not None
+        payload = self.pool.view[obj.payload : obj.payload + obj.nbytes]
+        try:
+            self.disk.spill(obj.key, header.encode_layout(obj.layout), payload, obj.oid)
+        finally:
+            payload.release()
+
+    async def flush_disk(self) -> None:
+        """Until every spill queued so far is written (tests, benchmarks)."""
+        if self.disk is not None:
+            await self.disk.flush()
+
+    async def _continue_from_disk(self, keys: list[bytes]) -> None:
+        """Promote the keys of the run that continue on disk: walk ``keys`` while each is in
+        memory or on disk, allocate the disk ones here (in order, as many as fit), read them
+        into their blocks (parallel, within ``disk_read_timeout_s``), then write the headers
+        and seal the leading ones that arrived whole; free the rest. Never raises for the
+        disk's faults (a bad record is a miss from its key on, logged with the key)."""
+        assert self.disk is not None
+        state, index = self.state, self.disk.index
+        leading: list[StoredObject] = []  # the local run before the first key on disk
+        records = []
+        for key in keys:
+            obj = state.bound(key)
+            if obj is not None:
+                if not records:
+                    leading.append(obj)
+                continue
+            record = index.begin_read(key)
+            if record is None:
+                break
+            records.append(record)
+        if not records:
+            return
+        # The local run must survive the allocations below, whatever the caller's hold (as in a
+        # peer round). Objects of the run past the first key on disk are not held: making room
+        # for that key may evict them (a longer prefix is worth more than a later part).
+        holder = f"disk-round-{next(self._round_ids)}"
+        state.hold(leading, holder, min(self.disk_read_timeout_s + 1.0, MAX_HOLD_S))
+        pending = collections.deque(records)  # reads begun, no block allocated for them yet
+        blocks: list[_Promotion] = []
+        try:
+            while pending:
+                record = pending[0]
+                try:
+                    layout = _decode_layout(record.layout)
+                    writer = self._header_writer(layout)
+                    obj = state.alloc(
+                        record.nbytes, layout, None, False, writer.hlen, key=record.key
+                    )
+                except PoolFull:
+                    break  # no room: what is here so far is the answer
+                except (CallerError, msgspec.DecodeError) as err:  # a bad record of a past run
+                    pending.popleft()
+                    index.read_done(record, False, from_file=False)
+                    log.warning("disk tier: key %r is a miss: %s", record.key, err)
+                    break
+                pending.popleft()
+                dst = self.pool.view[obj.payload : obj.payload + obj.nbytes]
+                if record.staged is not None:
+                    self.disk.copy_staged(record, dst)  # not written yet: still in memory
+                    dst.release()
+                    index.read_done(record, True, from_file=False)
+                    blocks.append(_Promotion(record, obj, writer, None))
+                    continue
+                state.begin_send(obj)  # not freed (reused) while a reader writes into it
+                blocks.append(_Promotion(record, obj, writer, self.disk.read(record, dst)))
+            reads = [block.read for block in blocks if block.read is not None]
+            if reads:
+                await asyncio.wait(reads, timeout=self.disk_read_timeout_s)
+        finally:
+            for record in pending:
+                index.read_done(record, True, from_file=False)
+            self._finish_promotion(blocks)
+            state.unhold(self.epoch, [obj.oid for obj in leading], holder)
+
+    def _finish_promotion(self, blocks: list[_Promotion]) -> None:
+        """Seal the leading promotions that arrived whole; release the rest (a read still
+        running keeps its block until it ends: ``_late_read``)."""
+        assert self.disk is not None
+        state, index = self.state, self.disk.index
+        whole = True
+        for record, obj, writer, read in blocks:
+            why = None
+            if read is not None:
+                if read.done():
+                    why = _read_outcome(read)
+                    index.read_done(record, why is None)
+                    state.end_send(obj)
+                else:
+                    why = f"not read within {self.disk_read_timeout_s} s"
+                    read.add_done_callback(functools.partial(self._late_read, record, obj))
+            if why is not None:
+                log.warning("master %s: disk tier: key %r a miss: %s", self.name, record.key, why)
+            alive = state.objects.get(obj.oid) is obj
+            if whole and why is None and alive:
+                writer.write(self.pool.view, obj.offset, obj.oid, self._tag_key, obj.nbytes)
+                if state.seal(obj.oid) is obj:  # first writer wins: a put may have come
+                    index.set_mirror(record, obj.oid)
+                    index.counters["disk_hits"] += 1
+                continue
+            whole = False
+            if alive:
+                state.release(self.epoch, [obj.oid])  # a block still being read: at its end
+
+    def _late_read(self, record: DiskRecord, obj: StoredObject, read: asyncio.Future) -> None:
+        """A read a lookup stopped waiting for has ended: its block can go now."""
+        if self._closed or self.disk is None:
+            return
+        self.disk.index.read_done(record, _read_outcome(read) is None)
+        self.state.end_send(obj)
+        self._reschedule_expiry()
+
     async def _unhold(self, req: protocol.OidList, ctx: CallContext) -> protocol.Ack:
         self.state.unhold(req.epoch, req.oids, ctx.peer)
         return protocol.Ack()
@@ -797,6 +996,8 @@ class Master:
     async def _evict_keys(self, req: protocol.EvictKeys, ctx: CallContext) -> protocol.Ack:
         log.warning("evicting %d keys on request of %s", len(req.keys), ctx.peer)
         self.state.evict_keys(req.keys)
+        if self.disk is not None:
+            self.disk.drop(req.keys)  # lost on this node: not promoted back
         return protocol.Ack()
 
     async def _subscribe_keys(self, req: protocol.SubscribeKeys, ctx: CallContext) -> protocol.Ack:
@@ -870,6 +1071,10 @@ class MasterThread:
 
         self._loop.run(update())
 
+    def flush_disk(self) -> None:
+        """``Master.flush_disk`` on the master's loop thread: every spill so far written."""
+        self._loop.run(self.master.flush_disk())
+
     def check_deadlines(self) -> int:
         """``Master.check_deadlines`` on the master's loop thread."""
 
@@ -907,6 +1112,9 @@ async def serve(
     peers: Iterable[str] | None = None,
     peer_timeout_s: float = PEER_TIMEOUT_S,
     peer_fetch_timeout_s: float = PEER_FETCH_TIMEOUT_S,
+    disk: str | None = None,
+    disk_size: int | str | None = None,
+    spill_queue: int | str = DEFAULT_SPILL_QUEUE,
 ) -> None:
     """Run a master until SIGTERM/SIGINT or a shutdown RPC."""
     import signal
@@ -921,6 +1129,9 @@ async def serve(
         peers=peers,
         peer_timeout_s=peer_timeout_s,
         peer_fetch_timeout_s=peer_fetch_timeout_s,
+        disk=disk,
+        disk_size=disk_size,
+        spill_queue=spill_queue,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -221,6 +221,15 @@ class Stats(msgspec.Struct, frozen=True):
     peer_misses: int = 0  # peer answers nothing was fetched from
     peer_failures: int = 0  # peers that did not answer in time, refused, or failed a transfer
     peer_served: int = 0  # keys this master's objects answered to peers' lookups
+    disk_capacity: int = 0  # bytes of the disk tier's file (0: no disk tier)
+    disk_keys: int = 0  # keys with a record on disk
+    disk_bytes: int = 0  # payload bytes of those records
+    disk_writes: int = 0  # records written (evicted keyed cache entries)
+    disk_reads: int = 0  # records read back from the file by lookups
+    disk_hits: int = 0  # keys lookups found on disk and promoted into the pool
+    disk_errors: int = 0  # failed writes; reads short, failed or not the bytes written
+    disk_evictions: int = 0  # records evicted (LRU) to make room for newer ones
+    spill_dropped: int = 0  # evicted keyed cache entries not written (queue full, no room)
     peers: list[PeerStatus] = []
     err: ErrorInfo | None = None
 

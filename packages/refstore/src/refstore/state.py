@@ -25,7 +25,8 @@ Object lifecycle::
   LRU list that is touched only when the first is empty. Before evicting anything the master checks
   that free + evictable bytes could cover the request at all, so a hopeless request fails with
   PoolFull without destroying the cache. Leased and in-flight (being sent to a peer) objects are
-  never evicted.
+  never evicted. A keyed cache entry being evicted is handed to ``on_spill`` first, while its
+  bytes are still in the pool (the master's disk tier copies them out: ``disk_tier.py``).
 - Gets that a client answers from the object's header in shared memory (``header.py``) never
   reach the master; they stamp the header with their time instead, and eviction gives an object
   read since the master last saw it a **second chance** (moved to the young end, as CLOCK does),
@@ -204,6 +205,7 @@ class MasterState:
         last_read_ns: Callable[[StoredObject], int] = _never_read,
         read_commit: Callable[[StoredObject, int], HeaderCommit | None] = _nothing_written,
         on_lease: Callable[[StoredObject], None] | None = None,
+        on_spill: Callable[[StoredObject], None] | None = None,
     ) -> None:
         self.epoch = epoch
         self.allocator = TlsfAllocator(capacity, granule)
@@ -217,6 +219,7 @@ class MasterState:
         self._last_read_ns = last_read_ns
         self._read_commit = read_commit  # (block, its end) -> the header's commit record or None
         self._on_lease = on_lease  # writes a sealed object's new lease deadline to its header
+        self._on_spill = on_spill  # a keyed cache entry evicted for room, its bytes still here
         self.reserved: dict[int, StoredObject] = {}  # blocks handed out, not settled yet
         self._clock = clock
         self._wall = wall_clock
@@ -443,16 +446,14 @@ class MasterState:
                 if self._last_read_ns(obj) > obj.touched_ns:
                     continue  # read lately: its chance comes with the head of the list
                 if self.allocator.span_if_freed(obj.offset) >= need:
-                    self._free(obj, ObjectEvicted)
-                    self.counters["evictions"] += 1
+                    self._evict(obj)
                     offset = self.allocator.malloc(nbytes)
                     assert offset is not None
                     return offset
             while lru:
                 self._second_chance(lru)
                 oid = next(iter(lru))
-                self._free(self.objects[oid], ObjectEvicted)
-                self.counters["evictions"] += 1
+                self._evict(self.objects[oid])
                 offset = self.allocator.malloc(nbytes)
                 if offset is not None:
                     return offset
@@ -461,6 +462,19 @@ class MasterState:
             f"{nbytes} bytes requested: evicted everything evictable, largest free block "
             f"{stats.largest_free} of {stats.free} free (fragmented by leased objects)"
         )
+
+    def _evict(self, obj: StoredObject) -> None:
+        """Evict for room; a keyed cache entry (no lease ever: ``ttl_s=None``) is offered to
+        ``on_spill`` first, while its bytes are still in the pool (the disk tier)."""
+        if (
+            self._on_spill is not None
+            and obj.key is not None
+            and not obj.leased
+            and self.keys.get(obj.key) == obj.oid
+        ):
+            self._on_spill(obj)
+        self._free(obj, ObjectEvicted)
+        self.counters["evictions"] += 1
 
     def _second_chance(self, lru: OrderedDict[int, None]) -> None:
         """Move objects read (through their header) since the master last saw them to the young

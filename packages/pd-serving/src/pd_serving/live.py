@@ -1,0 +1,508 @@
+"""Live migration of streaming requests between decode instances: the proxy's I/O shell.
+
+``POST /admin/migrate?instance=NAME[&to=NAME][&limit=N]`` moves the streaming requests that D
+``NAME`` serves to another D (``to``, or the Router's pick), each while its client's stream goes
+on: no token lost, repeated or reordered, greedy output token for token as if never moved, and
+no prompt recomputed (the new D pulls the KV from the old one). The answer lists each request
+and how its migration ended (``moved``, ``refused`` with the reason, ``failed``).
+
+What each request does is decided by ``migration.Migration`` (its docstring has the diagram);
+this module carries it out. ``LiveStream.relay`` is the rest of a client's stream once its first
+event went out (``proxy._Flow._relay`` hands it over): it forwards the current D's events,
+withholds that D's end while a migration is asked, calls the next D with the prompt and every
+token so far (``/v1/completions`` with token ids, ``max_tokens`` lowered by what was generated,
+``kv_transfer_params`` pulling the old D's KV with ``remote_num_tokens``), and relays its events
+rewritten as the same stream (the first event's id and creation time; usage counted from the
+client's prompt; the new prompt's token ids not echoed). A migrated request can move again.
+
+Migrates: streaming ``/v1/completions`` with HybridConnector, on a D whose transfer address the
+proxy knows (``--decode URL@RPC``), served through a transfer (a PD request, or one migrated in;
+a D that prefilled the prompt itself is not migrated), without ``echo`` or ``prompt_logprobs``.
+Token for token for greedy requests; a seeded sampler starts again from its seed on the new D,
+presence and frequency penalties count the earlier tokens as prompt there, and a stop string
+cut by the move is not seen.
+
+Imports nothing of ``proxy`` (it imports this module): the proxy hands in its flow objects and
+its ``CallFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from hybrid_connector.contract import PullParams, encode_params
+from hybrid_connector.control import migrate_out
+from hybrid_connector.migration import MigrateOutResponse
+from prometheus_client import Counter
+from simple_rpc import Client, RpcError
+
+from pd_serving.failover import Failure, Stage
+from pd_serving.migration import Action, Decision, Migration
+from pd_serving.routing import Backend, NoBackend
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS = "/v1/completions"
+# vLLM's default max_tokens for /v1/completions when the body has none.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# MIGRATE_OUT: the instance answers after its next step; a stalled one is refused after this.
+MIGRATE_OUT_TIMEOUT_S = 60.0
+_DONE = b"data: [DONE]"
+
+
+class LiveStreams:
+    """The proxy's migratable streams, by the key of the D serving each, and the admin
+    endpoint that migrates them. ``proxy`` is the ``PdProxy``; ``call_failed`` builds its
+    exception for a failed call (``CallFailed(stage, backend, failure, message)``), which a
+    stream raises as the proxy's own relay does."""
+
+    def __init__(self, proxy: Any, call_failed: Callable[..., Exception]) -> None:
+        self.proxy = proxy
+        self.call_failed = call_failed
+        # False: the next D recomputes the context instead of pulling the KV (the benchmark's
+        # competitor; the old D's hold is released at the switch).
+        self.pull_kv = True
+        self.streams: dict[str, set[LiveStream]] = {}
+        self._rpc_clients: dict[str, Client] = {}
+        self.migrations = Counter(
+            "pdserve_migrations",
+            "Live migrations of streaming requests, by outcome (moved, refused, failed)",
+            ["outcome"],
+            registry=proxy.metrics.registry,
+        )
+
+    def open(self, flow: Any, backend: Backend, stage: Stage) -> LiveStream | None:
+        """The stream of ``flow`` from ``backend``, if it can migrate (see the module)."""
+        body = flow.body
+        transfer = flow.plan.transfer
+        if (
+            flow.path != COMPLETIONS
+            or stage is not Stage.DECODE
+            or transfer is None
+            or not backend.rpc_address
+            or not body.get("stream")
+            or body.get("echo")
+            or body.get("prompt_logprobs") is not None
+            or body.get("best_of") not in (None, 1)
+        ):
+            return None
+        return LiveStream(self, flow, backend, transfer.transfer_id)
+
+    def register(self, stream: LiveStream) -> None:
+        self.streams.setdefault(stream.backend.key, set()).add(stream)
+
+    def unregister(self, stream: LiveStream) -> None:
+        streams = self.streams.get(stream.backend.key)
+        if streams is not None:
+            streams.discard(stream)
+            if not streams:
+                del self.streams[stream.backend.key]
+
+    def client(self, address: str) -> Client:
+        client = self._rpc_clients.get(address)
+        if client is None:
+            client = self._rpc_clients[address] = Client(address, connect_timeout=2.0)
+        return client
+
+    async def close(self) -> None:
+        for client in self._rpc_clients.values():
+            await client.close()
+        self._rpc_clients.clear()
+
+    def decode_backend(self, name: str) -> Backend | None:
+        for backend in self.proxy.config.decode:
+            if name in (backend.key, backend.name, backend.url):
+                return backend
+        return None
+
+    # -- the admin endpoint ------------------------------------------------------------------
+    async def handle_migrate(self, request: web.Request) -> web.Response:
+        name = request.query.get("instance", "")
+        source = self.decode_backend(name)
+        if source is None:
+            return _error(404, f"no decode instance {name!r}")
+        target: Backend | None = None
+        if to := request.query.get("to"):
+            target = self.decode_backend(to)
+            if target is None or target is source:
+                return _error(400, f"'to' must name another decode instance, not {to!r}")
+        try:
+            limit = int(request.query.get("limit", "0"))
+        except ValueError:
+            return _error(400, "'limit' must be an integer")
+        streams = sorted(self.streams.get(source.key, ()), key=lambda s: s.transfer_id)
+        if limit > 0:
+            streams = streams[:limit]
+        started = []
+        for stream in streams:
+            dest = target
+            if dest is None:
+                try:
+                    dest = self.proxy.router.pick_decode(stream.flow.key, {source.key})
+                except NoBackend:
+                    return _error(503, "no other healthy decode instance to migrate to")
+            started.append(stream.migrate(dest))
+        outcomes = await asyncio.gather(*started)
+        log.info("admin: migrate %d streams off %s: %s", len(outcomes), source.key, outcomes)
+        return web.json_response({"instance": source.key, "requests": outcomes})
+
+
+class LiveStream:
+    """The rest of one client's stream, from the D serving it now, through its migrations."""
+
+    def __init__(self, streams: LiveStreams, flow: Any, backend: Backend, transfer_id: str) -> None:
+        self.streams = streams
+        self.flow = flow  # proxy._Flow: body, first_event, _write, proxy, router, config
+        self.backend = backend  # the D streaming now
+        self.transfer_id = transfer_id  # what its request's kv_transfer_params name there
+        self.plan = Migration(backend.key)
+        self.prompt_tokens: int | None = None  # the client's prompt, counted by the first answer
+        self.generated = 0  # tokens generated before the current D's request
+        self.moved = False  # the stream comes from a later D (its events are rewritten)
+        self.answer: MigrateOutResponse | None = None
+        self.migration_id = ""
+        self._target: Backend | None = None
+        self._decided: asyncio.Future[Decision] | None = None  # D1's answer, as a decision
+        self._outcome: asyncio.Future[dict[str, Any]] | None = None  # for the admin endpoint
+        self._ask: asyncio.Task[None] | None = None
+
+    # -- asked by the admin endpoint ---------------------------------------------------------
+    def migrate(self, target: Backend) -> asyncio.Future[dict[str, Any]]:
+        """Start moving this stream to ``target``; the future says how it ended."""
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[dict[str, Any]] = loop.create_future()
+        decision = self.plan.requested(target.key)
+        if decision.action is not Action.ASK_D1:
+            self.streams.migrations.labels("refused").inc()
+            outcome.set_result(self._outcome_of("refused", decision.message, target))
+            return outcome
+        self._target, self._outcome = target, outcome
+        self._decided = loop.create_future()
+        self.migration_id = f"mig-{uuid.uuid4().hex}"
+        self._ask = asyncio.create_task(self._ask_d1(self.backend, self.transfer_id))
+        return outcome
+
+    async def _ask_d1(self, source: Backend, transfer_id: str) -> None:
+        assert source.rpc_address is not None
+        try:
+            answer = await migrate_out(
+                source.rpc_address,
+                transfer_id,
+                self.migration_id,
+                reason="pdserve admin: migrate",
+                timeout_s=MIGRATE_OUT_TIMEOUT_S,
+                client=self.streams.client(source.rpc_address),
+            )
+        except RpcError as exc:  # unreachable, gone, or an answer that does not decode
+            answer = MigrateOutResponse(transfer_id, stopped=False, reason=f"MIGRATE_OUT: {exc!r}")
+        if answer.stopped:
+            self.answer = answer
+            if self.prompt_tokens is None:
+                self.prompt_tokens = len(answer.prompt_token_ids)
+            decision = self.plan.d1_stopped()
+        else:
+            decision = self.plan.d1_refused(answer.reason)
+            self._finish("refused", answer.reason)
+        log.info(
+            "transfer %s on %s: migration to %s %s",
+            transfer_id,
+            source.key,
+            self._target.key if self._target else "?",
+            f"stopped after {len(answer.output_token_ids)} tokens"
+            if answer.stopped
+            else f"refused: {answer.reason}",
+        )
+        if self._decided is not None and not self._decided.done():
+            self._decided.set_result(decision)
+
+    # -- the stream --------------------------------------------------------------------------
+    async def relay(
+        self,
+        chunks: AsyncIterator[bytes],
+        events: Any,
+        done: bool,
+        upstream_error: bytes | None,
+    ) -> tuple[bool, bytes | None]:
+        """Forward the stream to its end, across migrations; (``[DONE]`` seen, an error event
+        the upstream sent). Raises the proxy's ``CallFailed`` as its plain relay does."""
+        self.streams.register(self)
+        leg = contextlib.AsyncExitStack()  # the current D's call (the first one: the flow's)
+        first: list[bytes] = []  # a later D's first events
+        try:
+            while True:
+                switch, done, upstream_error = await self._relay_leg(
+                    chunks, events, first, done, upstream_error
+                )
+                if switch is None:
+                    return done, upstream_error
+                next_leg = contextlib.AsyncExitStack()
+                try:
+                    chunks, events, first = await self._switch(switch, next_leg)
+                except BaseException:
+                    await next_leg.aclose()
+                    raise
+                await leg.aclose()
+                leg, done, upstream_error = next_leg, False, None
+        except _LegFailed as failed:
+            self._finish("failed", failed.message)
+            raise self.streams.call_failed(
+                Stage.DECODE, failed.backend, failed.failure, failed.message
+            ) from failed.__cause__
+        except BaseException:  # the client went away (or the handler was cancelled)
+            self._carry(self.plan.client_gone())
+            raise
+        finally:
+            self.streams.unregister(self)
+            if self._ask is not None and not self._ask.done():
+                self._ask.cancel()
+            self._finish("failed", "the stream ended first")  # no-op once decided
+            await leg.aclose()
+
+    async def _relay_leg(
+        self,
+        chunks: AsyncIterator[bytes],
+        events: Any,
+        first: list[bytes],
+        done: bool,
+        upstream_error: bytes | None,
+    ) -> tuple[Decision | None, bool, bytes | None]:
+        """One D's stream to its end (``first``: its events already read): (the CALL decision
+        when the request moves on, [DONE] seen, an error event). The finish chunk of a D the
+        request leaves goes on without its end, and what follows it (usage, [DONE]) is dropped."""
+        switch: Decision | None = None
+        try:
+            while batch := first or await _next_events(chunks, events):
+                first = []
+                if switch is not None:
+                    continue
+                upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
+                out: list[bytes] = []
+                for event in batch:
+                    if switch is not None:
+                        continue
+                    if _finish_reason(event) is not None:
+                        decision = self.plan.d1_ended()
+                        if decision.action is Action.HOLD:
+                            assert self._decided is not None
+                            decision = await self._decided
+                        if decision.action is Action.CALL:
+                            switch = decision
+                            out.append(self._out(_unfinished(event)))
+                            continue
+                    out.append(self._out(event))
+                done = await self.flow._write(out) or done
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            if done:
+                return None, done, upstream_error
+            self._carry(self.plan.d1_failed(repr(exc)))
+            message = f"decode {self.backend.url} broke off a stream: {exc!r}"
+            raise _LegFailed(self.backend, Failure.BROKE_MID_STREAM, message) from exc
+        if switch is None and not done:
+            self._carry(self.plan.d1_failed("ended without [DONE]"))
+        return switch, done, upstream_error
+
+    async def _switch(
+        self, decision: Decision, stack: contextlib.AsyncExitStack
+    ) -> tuple[AsyncIterator[bytes], Any, list[bytes]]:
+        """Call the next D with prompt + tokens until one streams (the plan may send the request
+        back to the old D): its stream and its first events."""
+        source, answer = self.backend, self.answer
+        assert answer is not None
+        while True:
+            target = self._backend(decision.target)
+            body = self._next_body(answer, source)
+            events = _SseEvents()
+            try:
+                resp = await stack.enter_async_context(
+                    self.flow.proxy._open(target, COMPLETIONS, body, Stage.DECODE)
+                )
+                chunks = resp.content.iter_any()
+                async with asyncio.timeout(self.flow.config.attempt_timeout_s):
+                    first = await _next_events(chunks, events)
+                if not first or _is_error_event(first[0]):
+                    message = f"decode {target.url} sent no token of the migrated request"
+                    raise _LegFailed(target, Failure.BROKE, message)
+            except Exception as exc:  # the proxy's CallFailed, aiohttp's errors, the timeout
+                message = getattr(exc, "message", None) or repr(exc)
+                log.warning("transfer %s: %s failed: %s", self.migration_id, target.key, message)
+                self.flow.router.record_failure(target, time.monotonic(), message[:300])
+                await stack.aclose()
+                decision = self.plan.called_failed(message)
+                if decision.action is Action.CALL:
+                    continue
+                self._carry(decision)
+                raise _LegFailed(target, Failure.BROKE_MID_STREAM, message) from exc
+            self.plan.called_first_token()
+            self.generated = len(answer.prompt_token_ids) + len(answer.output_token_ids)
+            self.generated -= self.prompt_tokens or 0
+            self.moved = True
+            self.streams.unregister(self)
+            self.backend, self.transfer_id = target, self.migration_id
+            self.plan = Migration(target.key)
+            self.streams.register(self)
+            self._finish("moved", "", target)
+            log.info(
+                "transfer %s: moved from %s to %s after %d tokens",
+                self.migration_id,
+                source.key,
+                target.key,
+                self.generated,
+            )
+            return chunks, events, first
+
+    def _next_body(self, answer: MigrateOutResponse, source: Backend) -> dict[str, Any]:
+        """The client's body for the next D: every token so far as the prompt, the rest of its
+        budget, a pull of the old D's KV for all but the last token."""
+        body = dict(self.flow.body)
+        tokens = [*answer.prompt_token_ids, *answer.output_token_ids]
+        body["prompt"] = tokens
+        generated = len(tokens) - (self.prompt_tokens or len(answer.prompt_token_ids))
+        limit = body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        if limit is not None:
+            body["max_tokens"] = max(1, limit - generated)
+        if body.get("min_tokens"):
+            body["min_tokens"] = max(0, body["min_tokens"] - generated)
+        if not self.streams.pull_kv:
+            self.flow.proxy._release_on_prefill(source, self.migration_id, "recomputed elsewhere")
+            return body
+        body["kv_transfer_params"] = encode_params(
+            PullParams(
+                transfer_id=self.migration_id,
+                remote_rpc_address=source.rpc_address or answer.remote_rpc_address,
+                remote_tp_size=answer.remote_tp_size,
+                remote_num_tokens=answer.num_tokens,
+            )
+        )
+        return body
+
+    def _out(self, event: bytes) -> bytes:
+        """An event as the client gets it: the first D's as it is, a later one's rewritten."""
+        return self._rewrite(event) if self.moved else event
+
+    def _rewrite(self, event: bytes) -> bytes:
+        """An event of a later D as part of the client's stream."""
+        if event.rstrip() == _DONE:
+            return event
+        data = _event(event)
+        if not data:
+            return event
+        first = self.flow.first_event
+        for key in ("id", "created"):
+            if key in first and key in data:
+                data[key] = first[key]
+        for choice in data.get("choices") or []:
+            choice.pop("prompt_token_ids", None)
+        usage = data.get("usage")
+        if isinstance(usage, dict) and self.prompt_tokens is not None:
+            completion = int(usage.get("completion_tokens") or 0) + self.generated
+            usage["prompt_tokens"] = self.prompt_tokens
+            usage["completion_tokens"] = completion
+            usage["total_tokens"] = self.prompt_tokens + completion
+            usage.pop("prompt_tokens_details", None)
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _backend(self, key: str) -> Backend:
+        if self._target is not None and self._target.key == key:
+            return self._target
+        found = self.streams.decode_backend(key)
+        assert found is not None, key
+        return found
+
+    def _carry(self, decision: Decision) -> None:
+        """A decision's side effect: RELEASE of the migration's transfer on the old D."""
+        if decision.release and self.migration_id:
+            self.flow.proxy._release_on_prefill(self.backend, self.migration_id, decision.message)
+        if decision.action in (Action.FAIL, Action.FREE):
+            self._finish("failed", decision.message)
+
+    def _finish(self, outcome: str, reason: str, target: Backend | None = None) -> None:
+        """The asked migration ended (the admin endpoint's answer); once."""
+        if self._outcome is not None and not self._outcome.done():
+            self.streams.migrations.labels(outcome).inc()
+            self._outcome.set_result(self._outcome_of(outcome, reason, target or self._target))
+
+    def _outcome_of(self, outcome: str, reason: str, target: Backend | None) -> dict[str, Any]:
+        return {
+            "transfer_id": self.transfer_id,
+            "outcome": outcome,
+            "to": target.key if target else "",
+            "reason": reason,
+            "tokens_before": self.generated,  # moved: the tokens the client had before the move
+        }
+
+
+class _LegFailed(Exception):
+    """A D of the stream failed (``LiveStream.relay`` raises it as the proxy's CallFailed)."""
+
+    def __init__(self, backend: Backend, failure: Failure, message: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.failure = failure
+        self.message = message
+
+
+class _SseEvents:
+    """Splits an SSE byte stream into whole events (``...\\n\\n``)."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buffer += chunk
+        *events, self._buffer = self._buffer.split(b"\n\n")
+        return [e + b"\n\n" for e in events if e.strip()]
+
+
+async def _next_events(chunks: AsyncIterator[bytes], events: Any) -> list[bytes]:
+    """The next whole events of the stream; [] at its end."""
+    async for chunk in chunks:
+        batch = events.feed(chunk)
+        if batch:
+            return batch
+    return []
+
+
+def _event(event: bytes) -> dict[str, Any]:
+    data = event.strip().removeprefix(b"data:").strip()
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _is_error_event(event: bytes) -> bool:
+    return "error" in _event(event)
+
+
+def _finish_reason(event: bytes) -> str | None:
+    for choice in _event(event).get("choices") or []:
+        if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+            return str(choice["finish_reason"])
+    return None
+
+
+def _unfinished(event: bytes) -> bytes:
+    """The last chunk of a D the request leaves, without its end: its text and token ids go on
+    to the client, the stream does not end."""
+    data = _event(event)
+    for choice in data.get("choices") or []:
+        choice["finish_reason"] = None
+        choice.pop("stop_reason", None)
+    data.pop("usage", None)
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
+    return web.json_response(body, status=status)

@@ -1,0 +1,145 @@
+"""Live migration on real vLLM (HybridConnector): a streaming request moves from one D to the
+other mid-decode, its client's stream going on.
+
+The session's xPyD deployment behind an in-process proxy (P0, both D's with their transfer
+addresses). The client reads its stream and, after some tokens, asks ``POST /admin/migrate``
+to move the request off the D serving it. Its greedy tokens must equal P1's answer to the same
+prompt (one instance, no transfer), the new D must pull every token it needs from the old one
+and compute one, and no instance may hold a block afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from harness.pool import Xpyd
+from pd_serving.client import complete, exact_length_prompt, greedy_body, load_tokenizer
+from pd_serving.launcher import free_port
+from pd_serving.proxy import PdProxy, serve
+from prometheus_client.parser import text_string_to_metric_families
+from stand_ins import wait_until
+
+pytestmark = [pytest.mark.needs_vllm, pytest.mark.timeout(900)]
+
+PROMPT_TOKENS = 200
+MAX_TOKENS = 240
+MIGRATE_AFTER = 80  # tokens the client has before it asks for the migration
+
+
+async def _sum(session: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def _by_source(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    name = "vllm:prompt_tokens_by_source_total"
+    return {
+        source: await _sum(session, url, name, source=source)
+        for source in ("local_compute", "external_kv_transfer", "local_cache_hit")
+    }
+
+
+async def _stream_and_migrate(
+    session: aiohttp.ClientSession, url: str, proxy: PdProxy, model: str, prompt: str
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The client: its events, and the admin endpoint's answer (asked after MIGRATE_AFTER)."""
+    body = greedy_body(model, prompt, max_tokens=MAX_TOKENS, stream=True)
+    body["stream_options"] = {"include_usage": True}
+    events: list[dict[str, Any]] = []
+    tokens = 0
+    asked: asyncio.Task[dict[str, Any]] | None = None
+
+    async def migrate() -> dict[str, Any]:
+        [source] = list(proxy.live.streams)  # the one D streaming this request
+        async with session.post(f"{url}/admin/migrate", params={"instance": source}) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if not line.startswith(b"data:") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[5:])
+            events.append(event)
+            tokens += sum(len(c.get("token_ids") or []) for c in event.get("choices") or [])
+            if asked is None and tokens >= MIGRATE_AFTER:
+                asked = asyncio.create_task(migrate())
+    assert asked is not None, "the stream ended before it was asked to move"
+    return events, await asked
+
+
+async def test_a_stream_moves_between_real_decodes_token_for_token(xpyd: Xpyd) -> None:
+    model = xpyd.model_name
+    tokenizer = load_tokenizer(xpyd.model)
+    prompt = exact_length_prompt(tokenizer, PROMPT_TOKENS, seed=7300)
+    config = xpyd.proxy_config(prefill_count=1)
+    config.health = None
+    assert all(d.rpc_address for d in config.decode)
+    proxy = PdProxy(config)
+    port = free_port()
+    runner = await serve(proxy, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            reference = await complete(
+                session, xpyd.reference_url, model, prompt, max_tokens=MAX_TOKENS
+            )
+            before = {d: await _by_source(session, d) for d in xpyd.decode_urls}
+            events, answer = await _stream_and_migrate(session, url, proxy, model, prompt)
+            [moved] = answer["requests"]
+            assert moved["outcome"] == "moved", moved
+            target = moved["to"]
+            generated = moved["tokens_before"]
+            length = PROMPT_TOKENS + generated
+
+            async def target_counts() -> dict[str, float]:
+                return await _by_source(session, target)
+
+            pulled_before = before[target]["external_kv_transfer"]
+            after = await wait_until(
+                target_counts, lambda c: c["external_kv_transfer"] >= pulled_before + length - 1
+            )
+
+            async def idle() -> list[float]:
+                usage = []
+                for d in [*xpyd.decode_urls, xpyd.prefill_urls[0]]:
+                    # An idle instance shows its gauges as of its last step: nudge it.
+                    await complete(session, d, model, "nudge", max_tokens=1)
+                    usage.append(await _sum(session, d, "vllm:kv_cache_usage_perc"))
+                return usage
+
+            usage = await wait_until(idle, lambda u: not any(u))
+        await proxy.drain_background()
+        moved_count = proxy.metrics.registry.get_sample_value(
+            "pdserve_migrations_total", {"outcome": "moved"}
+        )
+    finally:
+        await runner.cleanup()
+    got = [t for e in events for c in e.get("choices") or [] for t in c.get("token_ids") or []]
+    assert len(reference.token_ids) == MAX_TOKENS
+    assert got == reference.token_ids, "token for token, none lost, repeated or reordered"
+    assert MIGRATE_AFTER <= generated < MAX_TOKENS
+    usages = [e["usage"] for e in events if e.get("usage")]
+    assert usages[-1]["prompt_tokens"] == PROMPT_TOKENS
+    assert usages[-1]["completion_tokens"] == MAX_TOKENS
+    finishes = [c["finish_reason"] for e in events for c in e.get("choices") or []]
+    assert [f for f in finishes if f is not None] == ["length"]
+    assert len({e["id"] for e in events}) == 1, "one stream"
+    # The new D took every token the old one had KV for and computed only the last.
+    pulled = after["external_kv_transfer"] - pulled_before
+    computed = after["local_compute"] - before[target]["local_compute"]
+    assert pulled == length - 1, after
+    assert computed == 1, after
+    assert usage == [0.0, 0.0, 0.0], "no blocks held on either D or on P"
+    assert moved_count == 1
