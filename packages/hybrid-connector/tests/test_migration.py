@@ -17,6 +17,7 @@ from hybrid_connector.control import migrate_out
 from hybrid_connector.metadata import OfferSpec
 from hybrid_connector.migration import (
     MIGRATE_OUT,
+    MIGRATION_ID_PREFIX,
     MigrateOutForwarder,
     MigrateOutRequest,
     MigrateOutResponse,
@@ -172,11 +173,14 @@ def test_a_request_ended_before_it_was_admitted_is_never_tracked() -> None:
     assert not answer.stopped
 
 
+MIGRATED = f"{MIGRATION_ID_PREFIX}M"
+
+
 def test_d2_pulls_all_but_the_token_d1_never_computed() -> None:
     side, _ = _side()
     length = PROMPT + 4  # prompt + D1's four tokens
     params = encode_params(
-        PullParams(transfer_id="M", remote_rpc_address=D1, remote_num_tokens=length - 1)
+        PullParams(transfer_id=MIGRATED, remote_rpc_address=D1, remote_num_tokens=length - 1)
     )
     request = FakeRequest("d2-req", params, length, 60)
     count, is_async = side.get_num_new_matched_tokens(request, 32)  # type: ignore[arg-type]
@@ -184,14 +188,21 @@ def test_d2_pulls_all_but_the_token_d1_never_computed() -> None:
     blocks = [_block(1, cached=True), _block(2), _block(3)]
     side.update_state_after_alloc(request, SimpleNamespace(blocks=(blocks,)), count)  # type: ignore[arg-type]
     [recv] = _step_meta(side).to_recv
-    assert (recv.transfer_id, recv.remote_rpc_address) == ("M", D1)
+    assert (recv.transfer_id, recv.remote_rpc_address) == (MIGRATED, D1)
     assert recv.num_tokens == length - 1
     assert recv.block_ids == [[2, 3]]
     assert recv.first_block == [1]
 
 
-def test_a_pd_pull_still_takes_the_whole_prompt() -> None:
+def test_a_pd_pull_takes_the_whole_prompt_whatever_p_counted() -> None:
+    """A P's count may lag its prompt (a prefix hit there): only a migration's pull stops at it."""
     side, _ = _side()
+    lagging = encode_params(
+        PullParams(transfer_id="Y", remote_rpc_address=D1, remote_num_tokens=PROMPT - 1)
+    )
+    assert side.get_num_new_matched_tokens(  # type: ignore[arg-type]
+        FakeRequest("d-lag", lagging, PROMPT, 8), 0
+    ) == (PROMPT, True)
     params = encode_params(
         PullParams(transfer_id="X", remote_rpc_address=D1, remote_num_tokens=PROMPT)
     )
