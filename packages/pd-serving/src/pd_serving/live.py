@@ -48,6 +48,7 @@ from simple_rpc import Client, RpcError
 from pd_serving.failover import Failure, Stage
 from pd_serving.migration import Action, Decision, Migration
 from pd_serving.routing import Backend, NoBackend
+from pd_serving.sse import SseEvents, next_events
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +281,7 @@ class LiveStream:
         request leaves goes on without its end, and what follows it (usage, [DONE]) is dropped."""
         switch: Decision | None = None
         try:
-            while batch := first or await _next_events(chunks, events):
+            while batch := first or await next_events(chunks, events):
                 first = []
                 if switch is not None:
                     continue
@@ -320,14 +321,14 @@ class LiveStream:
         while True:
             target = self._backend(decision.target)
             body = self._next_body(answer, source)
-            events = _SseEvents()
+            events = SseEvents()
             try:
                 resp = await stack.enter_async_context(
                     self.flow.proxy._open(target, COMPLETIONS, body, Stage.DECODE)
                 )
                 chunks = resp.content.iter_any()
                 async with asyncio.timeout(self.flow.config.attempt_timeout_s):
-                    first = await _next_events(chunks, events)
+                    first = await next_events(chunks, events)
                 if not first or _is_error_event(first[0]):
                     message = f"decode {target.url} sent no token of the migrated request"
                     raise _LegFailed(target, Failure.BROKE, message)
@@ -449,27 +450,6 @@ class _LegFailed(Exception):
         self.backend = backend
         self.failure = failure
         self.message = message
-
-
-class _SseEvents:
-    """Splits an SSE byte stream into whole events (``...\\n\\n``)."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        self._buffer += chunk
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        return [e + b"\n\n" for e in events if e.strip()]
-
-
-async def _next_events(chunks: AsyncIterator[bytes], events: Any) -> list[bytes]:
-    """The next whole events of the stream; [] at its end."""
-    async for chunk in chunks:
-        batch = events.feed(chunk)
-        if batch:
-            return batch
-    return []
 
 
 def _event(event: bytes) -> dict[str, Any]:

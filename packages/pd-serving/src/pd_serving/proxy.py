@@ -78,6 +78,7 @@ from pd_serving.routing import (
     request_key,
 )
 from pd_serving.servers import Connector
+from pd_serving.sse import SseEvents, next_events
 
 log = logging.getLogger(__name__)
 
@@ -887,19 +888,6 @@ class PdProxy:
         return resp
 
 
-class _SseEvents:
-    """Splits an SSE byte stream into whole events (``...\\n\\n``), so that a stream cut off by
-    a failing instance never leaves half an event at the client before the error event."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        self._buffer += chunk
-        *events, self._buffer = self._buffer.split(b"\n\n")
-        return [e + b"\n\n" for e in events if e.strip()]
-
-
 class _Flow:
     """One request's I/O: makes the calls the AttemptPlan asks for and feeds it their outcomes.
 
@@ -1179,10 +1167,10 @@ class _Flow:
             self._succeeded(backend)
             return web.Response(body=data, status=200, content_type="application/json")
 
-        events = _SseEvents()
+        events = SseEvents()
         chunks = resp.content.iter_any()
         try:
-            first = await _next_events(chunks, events)
+            first = await next_events(chunks, events)
         except aiohttp.ClientError as exc:
             message = f"{stage} {backend.url} broke off before its first token: {exc!r}"
             raise CallFailed(stage, backend, Failure.BROKE, message) from exc
@@ -1214,7 +1202,7 @@ class _Flow:
             if live is not None:  # may move to another D on the way (live.py)
                 done, upstream_error = await live.relay(chunks, events, done, upstream_error)
             else:
-                while batch := await _next_events(chunks, events):
+                while batch := await next_events(chunks, events):
                     upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
                     done = await self._write(batch) or done
         except (aiohttp.ClientError, TimeoutError) as exc:
@@ -1300,15 +1288,6 @@ class _Flow:
         if self.out is not None:
             return await self._end_stream_in_error(message, "timeout", 504)
         raise UpstreamError(504, message, stage=stage.value, error_type="timeout")
-
-
-async def _next_events(chunks: AsyncIterator[bytes], events: _SseEvents) -> list[bytes]:
-    """The next whole events of the stream; [] at its end."""
-    async for chunk in chunks:
-        batch = events.feed(chunk)
-        if batch:
-            return batch
-    return []
 
 
 def _is_error_event(event: bytes) -> bool:
