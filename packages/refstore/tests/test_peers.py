@@ -283,3 +283,30 @@ def test_peer_lookup_across_network_namespaces(no_leaks):
             for proc in procs:
                 proc.terminate()
                 proc.wait(timeout=30)
+
+
+def test_a_peer_promotes_what_it_spilled_to_disk_before_answering(no_leaks, tmp_path):
+    """A (8 MiB of memory, a disk tier) spilled the oldest of ten keys; B's lookup of them finds
+    them all: A promotes them from disk, then B fetches them, byte-identical."""
+    keys = [b"spill-%02d" % i for i in range(10)]
+    blocks = {i: _block(i)[: 1 << 20] for i in range(10)}  # 1 MiB each
+    with (
+        MasterThread("node-a", "8M", remote="kvt", disk=tmp_path / "tier", disk_size="64M") as a,
+        MasterThread("node-b", "64M", remote="kvt", peers=[a.address], **PATIENT),
+        Client("node-a", timeout=20.0) as ca,
+        Client("node-b", timeout=20.0) as cb,
+    ):
+        for i in range(10):  # one by one: later puts evict (and spill) earlier ones
+            assert ca.put_keyed([(keys[i], blocks[i])]) != [None]
+        a.flush_disk()
+        spilled = ca.stats()
+        assert spilled.disk_keys >= 3
+        assert spilled.disk_reads == 0
+
+        refs = cb.lookup(keys[:3], hold_s=30.0)
+        assert len(refs) == 3
+        for i, ref in enumerate(refs):
+            assert zlib.crc32(cb.get(ref)) == zlib.crc32(blocks[i])
+        assert ca.stats().disk_hits == 3  # promoted at A for B's question
+        assert cb.stats().peer_keys == 3
+        cb.unhold(refs)

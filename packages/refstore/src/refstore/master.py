@@ -27,7 +27,8 @@ preallocated file by a writer thread (dropped if its queue is full); a lookup wh
 continues on disk (after the local run, before the peers) allocates those keys' objects here,
 reads them back on reader threads straight into their blocks, verifies each (length, head,
 checksum) within ``disk_read_timeout_s``, writes their headers and seals them: a failed read is a
-miss from that key on.
+miss from that key on. A peer's lookup promotes from disk the same way before it is answered, so
+another node finds what this one spilled.
 
 Run it as ``refstore serve`` (a process of its own), embedded with ``MasterThread`` (tests, the Ray
 actor), or let the first client start one (``refstore.connect(autostart=True)``).
@@ -721,9 +722,13 @@ class Master:
     async def _peer_lookup(
         self, req: protocol.PeerLookup, ctx: CallContext
     ) -> protocol.PeerLookupResp:
-        """A peer's question: the leading run stored here (a use; no hold: an object evicted
-        before the peer's transfer is a miss there)."""
+        """A peer's question: the leading run stored here, the part of it on disk promoted
+        first, as for a local lookup (a use; no hold: an object evicted before the peer's
+        transfer is a miss there). Peers are not asked in turn: a round never chains."""
         found = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
+        if self.disk is not None and len(found) < len(req.keys):
+            await self._continue_from_disk(req.keys)
+            found = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
         self._peer_served += len(found)
         objects = [protocol.PeerObject(o.oid, o.nbytes, o.layout) for o in found if o.layout]
         return protocol.PeerLookupResp(self.epoch, objects)
