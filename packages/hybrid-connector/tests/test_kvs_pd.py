@@ -7,20 +7,21 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from hybrid_connector import kvs_keys
+from hybrid_connector import kvs, kvs_keys
 from hybrid_connector.config import HybridConfig, KvsConfig
 from hybrid_connector.kvs import KvsScheduler
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.worker_side import _Results
-from test_kvs import GROUP, IDENTITY, FakeLookups, FakeStore, Manager
+from test_kvs import GROUP, HYBRID, IDENTITY, NULL, Block, FakeLookups, FakeStore, Manager
 
 BLOCK = GROUP.block_size
 
 
-def _d_side(store: FakeStore) -> tuple[SchedulerSide, KvsScheduler]:
+def _d_side(store: FakeStore, groups: Any = None) -> tuple[SchedulerSide, KvsScheduler]:
+    groups = groups or [GROUP]
     planner = KvsScheduler(
         KvsConfig(),
-        [GROUP],
+        groups,
         block_size=BLOCK,
         tp_size=1,
         identity=IDENTITY,
@@ -31,7 +32,7 @@ def _d_side(store: FakeStore) -> tuple[SchedulerSide, KvsScheduler]:
         is_producer=False,
         is_consumer=True,
         block_size=BLOCK,
-        groups=[GROUP],
+        groups=groups,
         kvs=planner,
     )
     manager = Manager()
@@ -103,6 +104,32 @@ def test_a_store_with_every_full_block_spares_the_pull_and_releases_p() -> None:
     [release] = meta.to_release
     assert (release.transfer_id, release.remote_rpc_address) == ("t-1", "127.0.0.1:8200")
     assert "store" in release.reason
+
+
+def test_a_hybrid_d_loads_stored_attention_and_pulls_the_rest_and_p_state() -> None:
+    """A state group (GDN): the store holds attention for every full block and no state at
+    all; D, pulling from P, still loads that attention (a tokens-only lookup) and pulls the
+    last attention block and P's state after the prompt, never a stored state."""
+    store = FakeStore()
+    side, planner = _d_side(store, HYBRID)
+    tokens = list(range(3, 17))  # 14 tokens: P computed 13 (D computes the last one)
+    chains = kvs_keys.chain(planner.root, tokens, BLOCK)
+    for j in range(3):
+        store.objects[kvs_keys.object_key(chains[j], 1, 0)] = np.zeros(1, np.uint8)
+    request = _pull(tokens)
+    assert side.get_num_new_matched_tokens(request, 0) == (13, True)
+    blocks = SimpleNamespace(
+        blocks=([NULL, NULL, NULL, Block(41)], [Block(i) for i in (30, 31, 32, 33)])
+    )
+    side.update_state_after_alloc(request, blocks, 13)
+    meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    [load] = meta.kvs_loads
+    assert load.block_ids == [[kvs.NO_BLOCK] * 3, [30, 31, 32]]
+    [recv] = meta.to_recv
+    assert recv.first_block == [0, 3]  # the state from P; attention from block 3
+    assert recv.block_ids == [[41], [33]]
+    assert recv.num_tokens == 13
+    assert meta.to_release == []  # P's state is needed: P is never released early
 
 
 def test_a_store_miss_pulls_everything() -> None:

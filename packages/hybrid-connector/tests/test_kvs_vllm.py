@@ -292,6 +292,38 @@ def test_d_loads_from_the_store_when_p_is_gone(
     _assert_clean(kvs_store, engine_kvs_a, d)
 
 
+def test_gdn_d_loads_stored_attention_and_pulls_the_rest_and_the_state_from_p(
+    engine_kvs_gdn: OfflineEngine, engine_gdn: OfflineEngine, kvs_store: Any
+) -> None:
+    """A hybrid D (GDN) with the store: the store has the prompt's attention blocks (D itself
+    computed the prompt once, then its own cache forgot it); P (``engine_gdn``, no store)
+    prefills it. D loads the attention from the store and pulls from P only the last block and
+    P's state after the prompt (a stored state is never used for a pull): the answer is the
+    one D computes from scratch."""
+    d, p = engine_kvs_gdn, engine_gdn
+    block = d.block_size
+    (prompt,) = prompts(2522, (2 * block + 88,))  # 2 full blocks, then 88 tokens
+    expected = d.generate([prompt], MAX_TOKENS, salt=salt())  # neither cache nor store
+    _compute_and_save(d, [prompt])
+    (params,) = [o.kv_transfer_params for o in p.generate([prompt], 1, [prefill_params()])]
+    assert d.call(reset_prefix_cache)
+    assert d.call(scrub_free_blocks) > 0
+    p_before, d_before, sources, kvs = p.counters(), d.counters(), _by_source(d), d.stats()["kvs"]
+    got = d.generate([prompt], MAX_TOKENS, [params])
+    assert _tokens(got) == _tokens(expected)
+    d_after = d.counters()
+    assert _delta(d_after, d_before, "kvs_loads") == 1
+    assert _delta(d.stats()["kvs"], kvs, "hit_blocks") == 2
+    assert _delta(d_after, d_before, "pulls_done") == 1
+    # Every prompt token but the last came from outside (store or P); D computed one.
+    after = _by_source(d)
+    assert _delta(after, sources, "external_kv_transfer") == len(prompt) - 1
+    assert _delta(after, sources, "local_compute") == 1
+    wait_for_sends(p, p_before, 1)
+    assert_idle(p)
+    _assert_clean(kvs_store, d)
+
+
 # ------------------------------------------------------------------ faults: recompute, same tokens
 def _recomputes(engine: OfflineEngine, batch: list[list[int]], expected: list[Any]) -> None:
     before = _by_source(engine)

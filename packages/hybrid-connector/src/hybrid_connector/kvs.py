@@ -31,7 +31,9 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
   state object (``walk``). A hit of ``n`` blocks loads the token groups' blocks past the local
   hit and the state into the state group's block ``n-1``: where vLLM's own prefix hit of ``n``
   blocks has it, and where the worker's align-mode copy takes the running state from
-  (``(num_computed_tokens - 1) // block_size``).
+  (``(num_computed_tokens - 1) // block_size``). A D request that pulls from P asks for the
+  token groups' objects only (``tokens_only``): P's pull brings the state after the prompt,
+  so any boundary will do and the load writes no state.
 - **Events.** A save the workers finished becomes a vLLM ``BlockStored`` (medium ``"KVS"``,
   blocks named by their chain hash, with their tokens), a key the store dropped a
   ``BlockRemoved`` (``take_events``; vLLM publishes them with its own KV events).
@@ -384,6 +386,9 @@ class _Request:
     # (preempted) does not load from it a second time.
     spent: bool = False
     loading: bool = False
+    # A D request that pulls from P: the pull brings P's state, so the store is asked for the
+    # token groups' blocks only and a load writes no state.
+    tokens_only: bool = False
 
 
 @dataclass
@@ -461,24 +466,24 @@ class KvsScheduler:
     def _storable(self, request: Request) -> bool:
         return request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
 
-    def _plan(self, chains: list[bytes]) -> LookupPlan:
+    def _plan(self, chains: list[bytes], tokens_only: bool = False) -> LookupPlan:
         tokens, per_block = kvs_keys.token_keys(chains, self._groups, self._tp_size)
         states = (
             [kvs_keys.state_keys(c, self._groups, self._tp_size) for c in chains]
-            if self._has_state
+            if self._has_state and not tokens_only
             else []
         )
         return LookupPlan(tokens, per_block, len(chains), states)
 
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int, tokens_only: bool = False
     ) -> tuple[int | None, bool]:
         request_id = request.request_id
         tracked = self._requests.get(request_id)
         if tracked is None:
             if not self._storable(request):
                 return 0, False
-            tracked = self._requests[request_id] = _Request(request)
+            tracked = self._requests[request_id] = _Request(request, tokens_only=tokens_only)
             chains = self._chains(tracked)
             # The last prompt token is computed here (to sample), so no lookup for a prompt
             # of under one block and one token.
@@ -486,7 +491,7 @@ class KvsScheduler:
             if not self._config.load or self._lookups is None or usable == 0:
                 self._take_answer(tracked, LookupAnswer([]))
             else:
-                self._lookups.submit(request_id, self._plan(chains[:usable]))
+                self._lookups.submit(request_id, self._plan(chains[:usable], tokens_only))
                 tracked.asked_at = self._clock()
                 self.counters["lookups"] += 1
         if tracked.answer is None:
@@ -535,8 +540,11 @@ class KvsScheduler:
     def stored_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
         """D, a request that pulls from P: the prompt tokens the local hit and the store hold
         together (None while the lookup is out); ``update_state_after_alloc`` then loads the
-        store's part of them."""
-        count, _ = self.get_num_new_matched_tokens(request, num_computed_tokens)
+        store's part of them. With state groups only the token groups' blocks count: the pull
+        brings P's state after the prompt, which supersedes any stored one."""
+        count, _ = self.get_num_new_matched_tokens(
+            request, num_computed_tokens, tokens_only=self._has_state
+        )
         if count is None:
             return None
         return num_computed_tokens + count
@@ -574,6 +582,9 @@ class KvsScheduler:
         for group, held in zip(self._groups, blocks.blocks, strict=True):
             if not kvs_keys.is_state(group):
                 block_ids.append([b.block_id for b in held[first:last]])
+                continue
+            if tracked.tokens_only:
+                block_ids.append([NO_BLOCK] * (last - first))  # the pull brings the state
                 continue
             # The stored state is the one after the hit's last token: it goes where vLLM
             # looks for the state of a prefix of ``last`` blocks, the group's block last-1.

@@ -25,6 +25,8 @@ hit are loaded from it (``KvsLoad``), and only the blocks after them are pulled 
 ``first_block`` counts them as held); the worker reports the request once both are in. When the
 store holds every full block of the prompt, D pulls nothing: it loads them, computes the partial
 last block itself, and P releases at once, so a P that released or died costs no recompute.
+With a state group D loads the token groups' blocks from the store and pulls the rest and P's
+state (the state after the prompt is only P's).
 """
 
 from __future__ import annotations
@@ -220,12 +222,13 @@ class SchedulerSide:
         count = self._tokens_to_load(request, pull) - num_computed_tokens
         if count <= 0:
             return 0, False
-        if self.kvs is not None and not self._has_state:
+        if self.kvs is not None:
             stored = self.kvs.stored_tokens(request, num_computed_tokens)
             if stored is None:
                 return None, False  # the lookup is out: ask again next schedule
             full = (request.num_prompt_tokens - 1) // self._block_size * self._block_size
-            if stored > num_computed_tokens and stored >= full:
+            # With a state group the state after the prompt is P's alone: D always pulls.
+            if not self._has_state and stored > num_computed_tokens and stored >= full:
                 tracked, _ = self._pull_of(request) or (None, None)
                 assert tracked is not None
                 tracked.store_only = True
