@@ -324,6 +324,21 @@ def test_gdn_d_loads_stored_attention_and_pulls_the_rest_and_the_state_from_p(
     _assert_clean(kvs_store, d)
 
 
+def test_a_gdn_d_whose_p_is_gone_recomputes_the_same_answer(
+    engine_kvs_gdn: OfflineEngine, kvs_store: Any
+) -> None:
+    """The store has the prompt's attention, and its P is gone: the pull fails (the state after
+    the prompt was only P's) and D recomputes what it could not pull, token for token."""
+    d = engine_kvs_gdn
+    (prompt,) = prompts(2523, (2 * d.block_size + 88,))
+    expected = d.generate([prompt], MAX_TOKENS, salt=salt())
+    _compute_and_save(d, [prompt])
+    assert d.call(reset_prefix_cache)
+    got = d.generate([prompt], MAX_TOKENS, [pull_params(dead_address())])
+    assert _tokens(got) == _tokens(expected)
+    _assert_clean(kvs_store, d)
+
+
 # ------------------------------------------------------------------ faults: recompute, same tokens
 def _recomputes(engine: OfflineEngine, batch: list[list[int]], expected: list[Any]) -> None:
     before = _by_source(engine)
