@@ -192,9 +192,13 @@ class VllmServer:
 
     @property
     def cpus(self) -> frozenset[int] | None:
-        """The CPUs all of a P's or D's processes run on (its worker's cores); None for the single
-        instance, which may use the whole machine (its worker is bound, its API server is not)."""
-        if self.role is Role.SINGLE or not self.cpu.pin_processes:
+        """The CPUs all of a P's or D's processes run on (its worker's cores); None for a single
+        instance on the default binding, which may use the whole machine (its worker is bound,
+        its API server is not). A single instance given a ``cpu_bind`` is confined like P and D
+        (the equal-hardware benchmark gives each system the same cores)."""
+        if not self.cpu.pin_processes:
+            return None
+        if self.role is Role.SINGLE and self.cpu.cpu_bind is None:
             return None
         return parse_cpu_list(self.cpu_bind)
 
