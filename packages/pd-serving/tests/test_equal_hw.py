@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from pd_serving.equal_hw import (
     Slo,
     Turn,
@@ -84,7 +83,8 @@ def test_summarize_reads_client_and_server_and_agrees_when_steady():
         Slo(1000, 100),
         long_prompt_above=128,
     )
-    assert point.completed == 2 and point.failed == 0
+    assert point.completed == 2
+    assert point.failed == 0
     assert point.timing_agrees, point.timing_note
     assert math.isclose(point.itl_p50_ms, 20)
     assert 15 < point.server_itl_p50_ms <= 21
@@ -96,7 +96,8 @@ def test_summarize_reads_client_and_server_and_agrees_when_steady():
 def test_a_burst_read_reports_the_server_itl():
     bursty = sample(0, 100, [0.01] * 31)  # 32 tokens read in one burst
     point = summarize([turn("s", [bursty], steps=31)], Slo(1000, 100))
-    assert not point.timing_agrees and "burst" in point.timing_note
+    assert not point.timing_agrees
+    assert "burst" in point.timing_note
     assert point.checked_itl_p99_ms == point.server_itl_p99_ms > 15
     assert "burst" in markdown_table([point])
 
@@ -107,8 +108,9 @@ def test_compare_systems_orders_points_and_compares_tokens():
     b[1].token_ids = [9] * 5
     points = compare_systems([turn("one", a), turn("two", b)], Slo(1000, 100))
     assert [p.system for p in points] == ["one", "two"]
-    assert points[0].same_tokens_as_first is None
-    assert points[1].same_tokens_as_first is False and points[1].mismatched == 1
+    assert points[0].same_tokens_as_reference is None
+    assert points[1].same_tokens_as_reference is False
+    assert points[1].mismatched == 1
 
 
 def test_rounds_give_the_spread():
@@ -141,7 +143,8 @@ def test_judge_compares_at_the_highest_rate_single_sustains():
     assert verdict.rate == 2
     assert math.isclose(verdict.itl_p99_ratio, 0.25, rel_tol=0.05)
     assert math.isclose(verdict.goodput_ratio, 2.2 / 1.6)
-    assert verdict.itl_target_met and verdict.goodput_target_met
+    assert verdict.itl_target_met
+    assert verdict.goodput_target_met
 
 
 def test_judge_without_a_sustained_rate():

@@ -6,7 +6,6 @@ import math
 
 from hypothesis import given
 from hypothesis import strategies as st
-
 from pd_serving.timings import (
     EMPTY,
     FINE_BUCKETS_S,
@@ -40,13 +39,16 @@ def test_parse_reads_buckets_sums_and_counts():
     itl = hists[ITL]
     assert itl.bounds == (0.01, 0.02, 0.04, math.inf)
     assert itl.cumulative == (2.0, 6.0, 10.0, 10.0)
-    assert itl.count == 10 and math.isclose(itl.mean, 0.02)
-    assert hists[TTFT].count == 1 and math.isclose(hists[TTFT].sum, 0.05)
+    assert itl.count == 10
+    assert math.isclose(itl.mean, 0.02)
+    assert hists[TTFT].count == 1
+    assert math.isclose(hists[TTFT].sum, 0.05)
 
 
 def test_absent_histogram_is_empty():
     hists = parse_histograms("vllm:num_requests_running 1\n", [ITL])
-    assert hists[ITL] is EMPTY and math.isnan(EMPTY.mean)
+    assert hists[ITL] is EMPTY
+    assert math.isnan(EMPTY.mean)
 
 
 def test_label_sets_add_up():
@@ -58,9 +60,11 @@ def test_difference_and_sum():
     before = parse_histograms(METRICS)[ITL]
     after = Histogram(before.bounds, (3.0, 9.0, 15.0, 16.0), 0.5)
     turn = after - before
-    assert turn.cumulative == (1.0, 3.0, 5.0, 6.0) and math.isclose(turn.sum, 0.3)
+    assert turn.cumulative == (1.0, 3.0, 5.0, 6.0)
+    assert math.isclose(turn.sum, 0.3)
     assert total([turn, turn]).count == 12
-    assert (EMPTY + turn) == turn and (turn - EMPTY) == turn
+    assert (EMPTY + turn) == turn
+    assert (turn - EMPTY) == turn
 
 
 def test_quantile_interpolates_within_the_bucket():
@@ -78,7 +82,8 @@ def test_quantile_in_the_inf_bucket_is_the_highest_bound():
 
 def test_custom_buckets_are_fine_and_ascending():
     assert list(FINE_BUCKETS_S) == sorted(FINE_BUCKETS_S)
-    assert FINE_BUCKETS_S[0] == 0.001 and FINE_BUCKETS_S[-1] <= 20
+    assert FINE_BUCKETS_S[0] == 0.001
+    assert FINE_BUCKETS_S[-1] <= 20
     assert '"inter_token_latency"' in custom_buckets_arg()
 
 
@@ -91,7 +96,8 @@ def _server(step_s: float, steps: int) -> Histogram:
 def test_steady_client_agrees():
     gaps = [20.0] * 99
     check = check_itl(gaps, 0, decode_ms=sum(gaps), decode_tokens=99, server=_server(0.02, 99))
-    assert check.agrees and check.burst_share == 0
+    assert check.agrees
+    assert check.burst_share == 0
     assert "agrees" in check.note
 
 
@@ -99,7 +105,8 @@ def test_burst_read_is_flagged_not_agreed():
     # 32 tokens made 20 ms apart, read as one burst: gaps of ~0 and a TPOT of ~0.
     gaps = [0.01] * 31
     check = check_itl(gaps, 0, decode_ms=0.3, decode_tokens=31, server=_server(0.02, 31))
-    assert not check.agrees and check.burst_share == 1.0
+    assert not check.agrees
+    assert check.burst_share == 1.0
     assert "burst" in check.note
     assert check.server_mean_ms > 15
 
@@ -107,12 +114,14 @@ def test_burst_read_is_flagged_not_agreed():
 def test_tokens_sharing_a_chunk_count_as_bursts():
     gaps = [40.0] * 10
     check = check_itl(gaps, 10, decode_ms=400, decode_tokens=20, server=_server(0.02, 20))
-    assert not check.agrees and math.isclose(check.burst_share, 0.5)
+    assert not check.agrees
+    assert math.isclose(check.burst_share, 0.5)
 
 
 def test_no_server_steps_cannot_agree():
     check = check_itl([5.0], 0, decode_ms=5, decode_tokens=1, server=EMPTY)
-    assert not check.agrees and "no server" in check.note
+    assert not check.agrees
+    assert "no server" in check.note
 
 
 @given(st.text(max_size=400))
@@ -130,7 +139,7 @@ def test_quantile_is_within_the_bounds(counts, q):
     for c in counts:
         running += c
         cumulative.append(running)
-    bounds = tuple(float(i + 1) for i in range(len(counts) - 1)) + (math.inf,)
+    bounds = (*tuple(float(i + 1) for i in range(len(counts) - 1)), math.inf)
     h = Histogram(bounds, tuple(cumulative), 0.0)
     value = h.quantile(q)
     if h.count > 0 and len(bounds) > 1:

@@ -127,7 +127,7 @@ class EqualHwPoint:
     load_avg_1m: float
     # Per round: ITL p99 (client, and server), goodput: the spread between rounds.
     rounds: list[dict[str, float]] = field(default_factory=list)
-    same_tokens_as_first: bool | None = None
+    same_tokens_as_reference: bool | None = None
     mismatched: int = 0
     long_ttft_p50_ms: float = float("nan")  # requests of the long kind only
     errors: list[str] = field(default_factory=list)
@@ -235,24 +235,31 @@ def summarize(
 
 
 def compare_systems(
-    turns: Sequence[Turn], slo: Slo, *, long_prompt_above: int | None = None
+    turns: Sequence[Turn],
+    slo: Slo,
+    *,
+    long_prompt_above: int | None = None,
+    reference: str | None = None,
 ) -> list[EqualHwPoint]:
     """One point per (rate, system), in the order the systems were given; token identity of
-    every system against the first one's answers to the same requests."""
+    every system against ``reference``'s answers to the same requests (default: the first
+    system's; greedy tokens of a random-weight model in bf16 can differ between instances on
+    different OpenMP thread counts, so compare like with like)."""
     systems = list(dict.fromkeys(t.system for t in turns))
+    reference = reference or systems[0]
     rates = sorted({t.rate for t in turns})
     points = []
     for rate in rates:
         mine = {s: [t for t in turns if t.system == s and t.rate == rate] for s in systems}
-        reference = sorted((x for t in mine[systems[0]] for x in t.samples), key=lambda x: x.index)
-        for i, system in enumerate(systems):
+        answers = sorted((x for t in mine[reference] for x in t.samples), key=lambda x: x.index)
+        for system in systems:
             point = summarize(mine[system], slo, long_prompt_above=long_prompt_above)
-            if i:
+            if system != reference:
                 ours = sorted((x for t in mine[system] for x in t.samples), key=lambda x: x.index)
-                if len(ours) == len(reference):
-                    differ = compare_tokens(reference, ours)
+                if len(ours) == len(answers):
+                    differ = compare_tokens(answers, ours)
                     point.mismatched = max(0, differ)
-                    point.same_tokens_as_first = None if differ < 0 else differ == 0
+                    point.same_tokens_as_reference = None if differ < 0 else differ == 0
             points.append(point)
     return points
 
@@ -426,8 +433,8 @@ COLUMNS = (
 
 
 def _row(p: EqualHwPoint) -> list[str]:
-    same = "-" if p.same_tokens_as_first is None else (
-        "true" if p.same_tokens_as_first else f"false ({p.mismatched})"
+    same = "-" if p.same_tokens_as_reference is None else (
+        "true" if p.same_tokens_as_reference else f"false ({p.mismatched})"
     )  # fmt: skip
     checked = _ms(p.checked_itl_p99_ms) + (
         _spread(p, "itl_p99_ms") if p.timing_agrees else _spread(p, "server_itl_p99_ms")
