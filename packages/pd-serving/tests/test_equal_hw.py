@@ -111,6 +111,7 @@ def test_compare_systems_orders_points_and_compares_tokens():
     assert points[0].same_tokens_as_reference is None
     assert points[1].same_tokens_as_reference is False
     assert points[1].mismatched == 1
+    assert points[1].first_divergence == 0
 
 
 def test_rounds_give_the_spread():

@@ -106,6 +106,7 @@ class EqualHwPoint:
     itl_p50_ms: float
     itl_p90_ms: float
     itl_p99_ms: float
+    itl_max_ms: float  # the longest gap any request saw (a stall)
     tpot_p50_ms: float
     tpot_p99_ms: float
     # vLLM's own, from its histograms (decode stage): per step, and per request.
@@ -129,6 +130,9 @@ class EqualHwPoint:
     rounds: list[dict[str, float]] = field(default_factory=list)
     same_tokens_as_reference: bool | None = None
     mismatched: int = 0
+    # Of the answers that differ from the reference's, the earliest token where one does:
+    # 0 would mean a different first token (a wrong prompt KV), later a drift in decoding.
+    first_divergence: int | None = None
     long_ttft_p50_ms: float = float("nan")  # requests of the long kind only
     errors: list[str] = field(default_factory=list)
 
@@ -211,6 +215,7 @@ def summarize(
         itl_p50_ms=percentile(gaps, 50),
         itl_p90_ms=percentile(gaps, 90),
         itl_p99_ms=percentile(gaps, 99),
+        itl_max_ms=max(gaps, default=float("nan")),
         tpot_p50_ms=percentile(tpots, 50),
         tpot_p99_ms=percentile(tpots, 99),
         server_itl_p50_ms=1000 * decode[ITL].quantile(0.5),
@@ -260,8 +265,25 @@ def compare_systems(
                     differ = compare_tokens(answers, ours)
                     point.mismatched = max(0, differ)
                     point.same_tokens_as_reference = None if differ < 0 else differ == 0
+                    point.first_divergence = first_divergence(answers, ours)
             points.append(point)
     return points
+
+
+def first_divergence(
+    reference: Sequence[RequestSample], samples: Sequence[RequestSample]
+) -> int | None:
+    """The earliest token index where any answer differs from its reference; None if none."""
+    earliest = None
+    for a, b in zip(reference, samples, strict=True):
+        if not (a.ok and b.ok) or a.token_ids == b.token_ids:
+            continue
+        index = next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+            min(len(a.token_ids), len(b.token_ids)),
+        )
+        earliest = index if earliest is None else min(earliest, index)
+    return earliest
 
 
 @dataclass(frozen=True)
@@ -434,7 +456,8 @@ COLUMNS = (
 
 def _row(p: EqualHwPoint) -> list[str]:
     same = "-" if p.same_tokens_as_reference is None else (
-        "true" if p.same_tokens_as_reference else f"false ({p.mismatched})"
+        "true" if p.same_tokens_as_reference
+        else f"false ({p.mismatched}, from token {p.first_divergence})"
     )  # fmt: skip
     checked = _ms(p.checked_itl_p99_ms) + (
         _spread(p, "itl_p99_ms") if p.timing_agrees else _spread(p, "server_itl_p99_ms")

@@ -107,6 +107,9 @@ class VllmServer:
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
     # Where vLLM publishes its KV-cache events (zmq PUB; the proxy subscribes); None: none.
     kv_events_port: int | None = None
+    # The CPUs all its processes run on when not only its worker's cores (``cpus``), e.g. a
+    # single instance with one OpenMP thread whose API server and engine core get a core more.
+    process_cpus: frozenset[int] | None = None
     process: ManagedProcess | None = None
 
     @property
@@ -198,6 +201,8 @@ class VllmServer:
         (the equal-hardware benchmark gives each system the same cores)."""
         if not self.cpu.pin_processes:
             return None
+        if self.process_cpus is not None:
+            return self.process_cpus
         if self.role is Role.SINGLE and self.cpu.cpu_bind is None:
             return None
         return parse_cpu_list(self.cpu_bind)
