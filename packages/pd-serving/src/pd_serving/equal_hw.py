@@ -279,7 +279,7 @@ def first_divergence(
         if not (a.ok and b.ok) or a.token_ids == b.token_ids:
             continue
         index = next(
-            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
             min(len(a.token_ids), len(b.token_ids)),
         )
         earliest = index if earliest is None else min(earliest, index)
