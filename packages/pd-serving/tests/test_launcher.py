@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import textwrap
@@ -11,16 +12,18 @@ from pathlib import Path
 
 import pytest
 from pd_serving.launcher import ChildFailed, ManagedProcess, free_port, stop_all, wait_all_ready
-from stand_ins import wait_all_gone
+from stand_ins import wait_all_gone, wait_until
 
 # A server that, like vLLM, forks a helper (its "engine"), prints the ready marker and answers
 # /health. It writes the helper's pid to a file so the test can check the helper died too.
 SERVER = textwrap.dedent(
     """
     import http.server, subprocess, sys, signal
-    port, pid_file, ignore_term = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
-    if ignore_term:
+    port, pid_file, on_term = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if on_term == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if on_term == "2":  # a handler, as uvicorn's: a stopped process keeps SIGTERM pending
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))
     helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     open(pid_file, "w").write(str(helper.pid))
 
@@ -44,7 +47,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _server(tmp_path: Path, name: str = "srv", ignore_term: bool = False) -> ManagedProcess:
+def _server(
+    tmp_path: Path, name: str = "srv", ignore_term: bool = False, term_handler: bool = False
+) -> ManagedProcess:
     port = free_port()
     script = tmp_path / "server.py"
     script.write_text(SERVER)
@@ -55,7 +60,7 @@ def _server(tmp_path: Path, name: str = "srv", ignore_term: bool = False) -> Man
             str(script),
             str(port),
             str(tmp_path / f"{name}.helper"),
-            str(int(ignore_term)),
+            "2" if term_handler else str(int(ignore_term)),
         ],
         log_path=tmp_path / f"{name}.log",
         health_url=f"http://127.0.0.1:{port}/health",
@@ -74,6 +79,29 @@ def test_ready_then_stop_kills_the_whole_group(tmp_path: Path) -> None:
     assert wait_all_gone([helper], 10) == set()
     assert "Application startup complete." in (tmp_path / "srv.log").read_text()
     assert set(threading.enumerate()) <= threads_before
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_pause_stops_the_group_resume_continues_and_stop_still_terminates(tmp_path: Path):
+    proc = _server(tmp_path, term_handler=True)
+    proc.start()
+    proc.ready.result(timeout=30)
+    helper = int((tmp_path / "srv.helper").read_text())
+
+    async def states() -> tuple[str, str]:
+        return _state(proc.pid), _state(helper)
+
+    proc.pause()
+    assert asyncio.run(wait_until(states, lambda s: s == ("T", "T"))) == ("T", "T")
+    proc.resume()
+    assert "T" not in asyncio.run(wait_until(states, lambda s: "T" not in s))
+    proc.pause()
+    # A paused group holds SIGTERM pending; stop continues it, so its handler runs (no KILL).
+    assert proc.stop() == 15
+    assert wait_all_gone([helper], 10) == set()
 
 
 def test_a_child_that_dies_fails_readiness_at_once_with_its_last_words(tmp_path: Path) -> None:

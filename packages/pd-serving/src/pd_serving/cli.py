@@ -595,6 +595,25 @@ def build_parser() -> argparse.ArgumentParser:
     _add_instance_options(p)
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=24,
+        help="requests of the mixed-load part (long prompts among short ones decoding long); "
+        "0 skips it",
+    )
+    p.add_argument(
+        "--load-rate",
+        type=float,
+        default=None,
+        help="their Poisson rate, req/s (default 8 on the tiny model, 2 on --bench-model)",
+    )
+    p.add_argument(
+        "--bench-model",
+        action="store_true",
+        help="the equal-hardware benchmark's 75M-parameter model instead of the tiny one: its "
+        "long prefills stall decoding on one instance (make-model once, ~30 s)",
+    )
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="TTFT/TPOT of 1P1D against a single instance")

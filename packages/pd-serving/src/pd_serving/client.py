@@ -28,6 +28,9 @@ class Completion:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     # Per streamed chunk that carried tokens: seconds since the request was sent (ITL).
     token_times_s: list[float] = field(default_factory=list)
+    # Tokens in each of those chunks: more than one means the client never saw the gaps
+    # between them (vLLM merged outputs it fell behind on).
+    chunk_tokens: list[int] = field(default_factory=list)
 
 
 def _top_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
@@ -137,6 +140,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Completi
                 first_token_at = first_token_at or now
                 last_token_at = now
                 out.token_times_s.append(now - started)
+                out.chunk_tokens.append(max(1, len(ids)))
             texts.append(choice.get("text") or "")
             out.token_ids.extend(ids)
             out.top_logprobs.extend(_top_logprobs(choice))

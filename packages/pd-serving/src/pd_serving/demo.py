@@ -1,11 +1,28 @@
-"""``pdserve demo``: 1P1D next to a single instance on the tiny model, TTFT/TPOT side by side."""
+"""``pdserve demo``: 1P1D next to a single instance on the same two cores, on the tiny model.
+
+Two parts, each system measured alone (the other paused with SIGSTOP):
+
+1. Token identity: each prompt, one at a time, on the single instance and through 1P1D; TTFT
+   and TPOT side by side. TPOT is vLLM's own (its inter-token histogram read before and after
+   each request, ``timings``), checked against the client's stream: an answer the client read
+   in a burst is marked, never shown as a TPOT of 0.
+2. A short mixed load (``equal_hw``): Poisson arrivals of long prompts that answer briefly and
+   short prompts that decode long. On one instance every long prefill stalls the decoding of
+   the others (their ITL p99); 1P1D prefills on P and keeps D decoding.
+
+The single instance's processes run on both cores, P's on one and D's on the other: the same
+hardware (its worker keeps one OpenMP thread, as P's and D's, so that the tokens can be
+compared: ``benchmarks/bench_equal_hw.py`` gives it two, and compares tokens like for like).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -15,10 +32,26 @@ from rich.table import Table
 
 from pd_serving.client import Completion, complete, exact_length_prompt, load_tokenizer
 from pd_serving.deploy import Deployment
-from pd_serving.launcher import ManagedProcess, free_port, wait_all_ready
-from pd_serving.model import cache_dir, default_model_dir, make_model
-from pd_serving.proxy import Dispatch, PdProxy, serve
-from pd_serving.servers import Connector, CpuSettings, Role, connector_extra, plan_servers
+from pd_serving.equal_hw import (
+    Slo,
+    SystemUnderTest,
+    activate,
+    compare_systems,
+    run_equal_hw,
+)
+from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
+from pd_serving.model import cache_dir, default_model_dir, make_bench_model, make_model
+from pd_serving.proxy import READY_LINE, Dispatch
+from pd_serving.servers import (
+    Connector,
+    CpuSettings,
+    Role,
+    connector_extra,
+    cpu_bind_for,
+    plan_servers,
+)
+from pd_serving.timings import EMPTY, ITL, custom_buckets_arg, parse_histograms
+from pd_serving.workload import LengthDist, MixSpec, SweepRequest, plan_mixed
 
 DEMO_PROMPT_TOKENS = (16, 127, 128, 300, 700, 1000)
 
@@ -58,104 +91,199 @@ def _progress(console: Console) -> Progress:
     )
 
 
-def _wait_ready_with_progress(deployment: Deployment, console: Console, timeout: float) -> None:
-    processes = [s.process for s in deployment.servers]
+# The mixed load of part 2, sized for the tiny model and the demo's 2048-token context: short.
+DEMO_MIX = MixSpec(
+    long_share=0.5,
+    long_prompt=LengthDist("uniform", 1200, 1900),
+    long_output=LengthDist("fixed", 16),
+    short_prompt=LengthDist("uniform", 32, 64),
+    short_output=LengthDist("fixed", 128),
+)
+# The SLOs of part 2: the tiny model decodes in 2-4 ms a step, the benchmark model in 23-30 ms.
+TINY_MODEL_SLO = Slo(ttft_ms=1000, itl_ms=50)
+BENCH_MODEL_SLO = Slo(ttft_ms=3000, itl_ms=100)
+# Rates that keep a few short requests decoding whenever a long prompt arrives.
+TINY_MODEL_RATE, BENCH_MODEL_RATE = 8.0, 2.0
+# 1P1D's ITL p99 at most this fraction of the single instance's: the stalls show.
+IT_SHOWS = 0.8
+# A client TPOT this far from vLLM's own: the client read the answer in bursts.
+TPOT_TOLERANCE = 0.25
+
+
+def _wait_ready_with_progress(
+    processes: list[ManagedProcess], console: Console, timeout: float
+) -> None:
     with _progress(console) as progress:
         task = progress.add_task(
             f"starting {len(processes)} vLLM instances (1-3 min on a small CPU)",
             total=len(processes),
         )
         for proc in processes:
-            assert proc is not None
             proc.start()
 
         def ready(proc: ManagedProcess) -> None:
             progress.advance(task)
             progress.console.print(f"  [green]ready[/green] {proc.name} (log {proc.log_path})")
 
-        wait_all_ready([p for p in processes if p is not None], timeout, on_ready=ready)
+        wait_all_ready(processes, timeout, on_ready=ready)
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f}"
 
 
-async def _requests(
-    proxy: PdProxy,
-    proxy_url: str,
+@dataclass
+class Answer:
+    """One demo request: the client's completion and vLLM's own step times for it."""
+
+    completion: Completion
+    server_tpot_s: float  # mean inter-token latency of this request on the decoding instance
+
+    @property
+    def client_tpot_s(self) -> float:
+        return self.completion.tpot_s
+
+    @property
+    def burst(self) -> bool:
+        """The client's TPOT is not vLLM's: it read tokens that had queued up."""
+        if not math.isfinite(self.server_tpot_s) or self.server_tpot_s <= 0:
+            return False
+        deviation = abs(self.client_tpot_s - self.server_tpot_s) / self.server_tpot_s
+        return deviation > TPOT_TOLERANCE
+
+    def tpot_cell(self) -> str:
+        """vLLM's TPOT; marked when the client's reading of the stream disagrees."""
+        if not math.isfinite(self.server_tpot_s):
+            return f"{self.client_tpot_s * 1000:.1f}"
+        mark = "*" if self.burst else ""
+        return f"{self.server_tpot_s * 1000:.1f}{mark}"
+
+
+async def _itl(session: aiohttp.ClientSession, url: str):
+    async with session.get(f"{url}/metrics") as resp:
+        return parse_histograms(await resp.text(), [ITL])[ITL]
+
+
+async def _one_by_one(
+    session: aiohttp.ClientSession,
+    url: str,
+    decode_url: str,
+    model_name: str,
+    prompts: list[str],
     *,
-    single_url: str,
+    max_tokens: int,
+    logprobs: int | None,
+    progress: Progress,
+    task,
+) -> list[Answer]:
+    answers = []
+    for prompt in prompts:
+        before = await _itl(session, decode_url)
+        completion = await complete(
+            session, url, model_name, prompt, max_tokens=max_tokens, logprobs=logprobs
+        )
+        step = await _itl(session, decode_url) - before if before is not EMPTY else EMPTY
+        answers.append(Answer(completion, step.mean if step.count else float("nan")))
+        progress.advance(task)
+    return answers
+
+
+async def _identity_check(
+    single: SystemUnderTest,
+    pd: SystemUnderTest,
+    every: list[ManagedProcess],
+    *,
     model_name: str,
     prompts: list[str],
     max_tokens: int,
+    logprobs: int | None,
     console: Console,
-    logprobs: int | None = None,
-) -> list[tuple[Completion, Completion]]:
-    await proxy.start()
-    results = []
+) -> list[tuple[Answer, Answer]]:
+    """Every prompt on the single instance (1P1D paused), then through 1P1D (single paused)."""
+    out: dict[str, list[Answer]] = {}
     async with aiohttp.ClientSession() as session:
-        # One warm-up each: the first request of an instance pays lazy initialisation.
-        for url in (single_url, proxy_url):
-            await complete(session, url, model_name, "warm up", max_tokens=2)
         with _progress(console) as progress:
-            task = progress.add_task("requests (single, then 1P1D)", total=len(prompts))
-            for prompt in prompts:
-                single = await complete(
+            for system in (single, pd):
+                activate(system, every)
+                # The first request of an instance pays lazy initialisation.
+                await complete(session, system.url, model_name, "warm up", max_tokens=2)
+                task = progress.add_task(
+                    f"requests, one at a time: {system.name}", total=len(prompts)
+                )
+                out[system.name] = await _one_by_one(
                     session,
-                    single_url,
+                    system.url,
+                    system.stages[-1][0],
                     model_name,
-                    prompt,
+                    prompts,
                     max_tokens=max_tokens,
                     logprobs=logprobs,
+                    progress=progress,
+                    task=task,
                 )
-                pd = await complete(
-                    session,
-                    proxy_url,
-                    model_name,
-                    prompt,
-                    max_tokens=max_tokens,
-                    logprobs=logprobs,
-                )
-                results.append((single, pd))
-                progress.advance(task)
-    return results
+    return list(zip(out[single.name], out[pd.name], strict=True))
 
 
-async def _serve_and_run(
-    deployment: Deployment,
-    *,
-    connector: Connector,
-    dispatch: Dispatch,
-    model: Path,
-    prompts: list[str],
-    max_tokens: int,
-    console: Console,
-    logprobs: int | None = None,
-) -> list[tuple[Completion, Completion]]:
-    proxy = PdProxy(deployment.proxy_config(connector, dispatch, model_names=[str(model)]))
+def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connector: Connector):
+    servers = plan_servers(
+        model,
+        log_dir=log_dir,
+        connector=connector,
+        prefill=1,
+        decode=1,
+        single=1,
+        cpu=CpuSettings(
+            # The benchmark model's KV is 12 KiB a token: 64 MiB would hold 5k tokens.
+            kv_cache_bytes=max(args.kv_cache_mib, 384 if args.bench_model else 0) << 20,
+            max_model_len=args.max_model_len,
+            arch=args.arch,
+        ),
+        extra_connector_config=connector_extra(args),
+    )
+    p_core, d_core = cpu_bind_for(Role.PREFILL, 0), cpu_bind_for(Role.DECODE, 0)
+    for server in servers:
+        if server.role is Role.SINGLE and "nobind" not in (p_core, d_core):
+            # Equal hardware: the single instance's processes get P's core and D's. Its worker
+            # keeps one OpenMP thread, as P's and D's: two threads add up a long prompt's bf16
+            # sums in another order, which flips greedy tokens of a random-weight model.
+            server.cpu = replace(server.cpu, cpu_bind=d_core)
+            server.process_cpus = frozenset({int(p_core), int(d_core)})
+        # vLLM's step times in fine buckets (its default ITL ladder starts at 10 ms).
+        server.extra_args += ["--custom-histogram-buckets", custom_buckets_arg()]
+    return servers
+
+
+def _proxy_process(
+    deployment: Deployment, *, connector: Connector, dispatch: Dispatch, model: Path, log_dir: Path
+):
+    config = deployment.proxy_config(connector, dispatch, model_names=[str(model)])
     port = free_port()
-    runner = await serve(proxy, "127.0.0.1", port)
-    try:
-        single_url = deployment.by_role(Role.SINGLE)[0].url
-        return await _requests(
-            proxy,
-            f"http://127.0.0.1:{port}",
-            single_url=single_url,
-            model_name=str(model),
-            prompts=prompts,
-            max_tokens=max_tokens,
-            console=console,
-            logprobs=logprobs,
-        )
-    finally:
-        await runner.cleanup()
+    argv = [
+        sys.executable, "-m", "pd_serving.cli", "proxy", "--port", str(port),
+        "--connector", connector.value, "--dispatch", dispatch.value, "--model-name", str(model),
+    ]  # fmt: skip
+    for b in config.prefill:
+        argv += ["--prefill", f"{b.url}@{b.rpc_address}" if b.rpc_address else b.url]
+    for b in config.decode:
+        argv += ["--decode", b.url]
+    proc = ManagedProcess(
+        "proxy",
+        argv,
+        log_path=log_dir / "proxy.log",
+        ready_marker=READY_LINE,
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    console = Console() if sys.stdout.isatty() else Console(width=100)
+    console = Console() if sys.stdout.isatty() else Console(width=110)
     connector = Connector(args.connector)
     dispatch = Dispatch(args.dispatch or Dispatch.SEQUENTIAL)  # as pdserve up; see cli.py
-    if args.model is None:
+    if args.bench_model:
+        with console.status("making the benchmark model (75M parameters, once)"):
+            model = make_bench_model()
+    elif args.model is None:
         target = default_model_dir(args.arch)
         with console.status(f"making the tiny {args.arch} model in {target} (once)"):
             model = make_model(target, args.arch)
@@ -167,46 +295,80 @@ def run_demo(args: argparse.Namespace) -> int:
     lengths = DEMO_PROMPT_TOKENS[: args.requests] if args.requests <= 6 else None
     lengths = lengths or tuple(16 + (i * 997) % 1000 for i in range(args.requests))
     prompts = [exact_length_prompt(tokenizer, n, seed=i) for i, n in enumerate(lengths)]
-    servers = plan_servers(
-        model,
-        log_dir=log_dir,
-        connector=connector,
-        prefill=1,
-        decode=1,
-        single=1,
-        cpu=CpuSettings(
-            kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
-            max_model_len=args.max_model_len,
-            arch=args.arch,
-        ),
-        extra_connector_config=connector_extra(args),
+    load_rate = args.load_rate or (BENCH_MODEL_RATE if args.bench_model else TINY_MODEL_RATE)
+    plan = plan_mixed(
+        load_rate, args.load_requests, DEMO_MIX, seed=7, max_model_len=args.max_model_len
     )
+    for req in plan:
+        req.prompt = exact_length_prompt(tokenizer, req.prompt_tokens, seed=50_000 + req.index)
+    servers = _demo_servers(args, model, log_dir, connector)
     console.print(
         f"[bold]pdserve demo[/bold]: 1 prefill + 1 decode ({connector.value} connector, "
-        f"{dispatch.value} dispatch) next to 1 single instance; {args.arch} model {model}"
+        f"{dispatch.value} dispatch) against 1 single instance on the same cores; "
+        f"{args.arch} model {model}"
     )
     with Deployment(servers) as deployment:
-        _wait_ready_with_progress(deployment, console, args.startup_timeout)
-        results = asyncio.run(
-            _serve_and_run(
-                deployment,
-                connector=connector,
-                dispatch=dispatch,
-                model=model,
-                prompts=prompts,
-                max_tokens=args.max_tokens,
-                console=console,
-                logprobs=TOP_LOGPROBS if near_ties else None,
-            )
+        processes = [s.process for s in servers if s.process is not None]
+        _wait_ready_with_progress(processes, console, args.startup_timeout)
+        proxy, proxy_url = _proxy_process(
+            deployment, connector=connector, dispatch=dispatch, model=model, log_dir=log_dir
         )
+        try:
+            proxy.start()
+            wait_all_ready([proxy], timeout=120)
+            single, p, d = (
+                deployment.by_role(r)[0] for r in (Role.SINGLE, Role.PREFILL, Role.DECODE)
+            )
+            systems = [
+                SystemUnderTest("single", single.url, [[single.url]], [single.process]),
+                SystemUnderTest(
+                    "1P1D", proxy_url, [[p.url], [d.url]], [p.process, d.process, proxy]
+                ),
+            ]
+            every = [s.process for s in servers] + [proxy]
+            pairs = asyncio.run(
+                _identity_check(
+                    *systems,
+                    every,
+                    model_name=str(model),
+                    prompts=prompts,
+                    max_tokens=args.max_tokens,
+                    logprobs=TOP_LOGPROBS if near_ties else None,
+                    console=console,
+                )
+            )
+            code = _report(console, lengths, pairs, near_ties=near_ties)
+            points = []
+            if args.load_requests:
+                console.print(
+                    f"mixed load: {args.load_requests} Poisson arrivals at {load_rate:g} "
+                    f"req/s, {DEMO_MIX.describe()}; each system alone"
+                )
+                warm = [SweepRequest(0, 0.0, 0, 4, "warm up")]
+                turns = asyncio.run(
+                    run_equal_hw(
+                        systems,
+                        str(model),
+                        {load_rate: plan},
+                        rounds=1,
+                        every_process=every,
+                        warmup=warm,
+                    )
+                )
+                slo = BENCH_MODEL_SLO if args.bench_model else TINY_MODEL_SLO
+                points = compare_systems(turns, slo, long_prompt_above=64)
+        finally:
+            stop_all([proxy])
         console.print("stopping every instance ...")
-    return _report(console, lengths, results, near_ties=near_ties)
+    if points:
+        _report_load(console, points, slo)
+    return code
 
 
 def _report(
     console: Console,
     lengths: tuple[int, ...],
-    results: list[tuple[Completion, Completion]],
+    results: list[tuple[Answer, Answer]],
     *,
     near_ties: bool = False,
 ) -> int:
@@ -216,21 +378,38 @@ def _report(
     table.add_column("TPOT 1P1D ms", justify="right")
     table.add_column("same text")
     all_equal = True
+    bursts = []
     for n, (single, pd) in zip(lengths, results, strict=True):
-        verdict = compare(single, pd, near_ties=near_ties)
+        verdict = compare(single.completion, pd.completion, near_ties=near_ties)
         equal = verdict != "NO"
         all_equal &= equal
+        for name, answer in (("single", single), ("1P1D", pd)):
+            if answer.burst:
+                bursts.append(
+                    f"{n} tokens on {name}: client {answer.client_tpot_s * 1000:.1f} ms, "
+                    f"vLLM {answer.server_tpot_s * 1000:.1f} ms"
+                )
         table.add_row(
             str(n),
-            str(pd.completion_tokens),
-            _ms(single.ttft_s),
-            _ms(pd.ttft_s),
-            f"{single.tpot_s * 1000:.1f}",
-            f"{pd.tpot_s * 1000:.1f}",
+            str(pd.completion.completion_tokens),
+            _ms(single.completion.ttft_s),
+            _ms(pd.completion.ttft_s),
+            single.tpot_cell(),
+            pd.tpot_cell(),
             f"[green]{verdict}[/green]" if equal else "[red]NO[/red]",
         )
     console.print(table)
-    sample = results[-1][1].text.replace("\n", " ")
+    console.print(
+        "TPOT: vLLM's own mean step time for the request (its inter-token histogram), "
+        "checked against the client's stream."
+    )
+    if bursts:
+        console.print(
+            "* the client read this answer in bursts (tokens that had queued up), so its own "
+            "TPOT is not the step time: " + "; ".join(bursts),
+            highlight=False,
+        )
+    sample = results[-1][1].completion.text.replace("\n", " ")
     console.print(f"last answer (random weights, so no meaning): {sample[:80]!r}")
     if all_equal and near_ties:
         console.print(
@@ -244,3 +423,45 @@ def _report(
         return 0
     console.print("[bold red]1P1D and the single instance differ.[/]")
     return 1
+
+
+def _report_load(console: Console, points, slo: Slo) -> None:
+    table = Table(title="mixed load on the same two cores (ITL: the gaps between tokens)")
+    for col in (
+        "system", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "ITL p99 vLLM ms",
+        "longest stall ms",
+        f"within SLO (TTFT<={slo.ttft_ms:g}, ITL p99<={slo.itl_ms:g} ms)", "timings",
+    ):  # fmt: skip
+        table.add_column(col, justify="right")
+    for p in points:
+        table.add_row(
+            p.system,
+            f"{p.ttft_p50_ms:.0f}",
+            f"{p.ttft_p99_ms:.0f}",
+            f"{p.itl_p50_ms:.1f}" if p.timing_agrees else f"{p.server_itl_p50_ms:.1f} (vLLM)",
+            f"{p.checked_itl_p99_ms:.1f}",
+            f"{p.server_itl_p99_ms:.1f}",
+            f"{p.itl_max_ms:.0f}",
+            f"{100 * p.slo_attainment:.0f}%",
+            "client agrees with vLLM" if p.timing_agrees else p.timing_note,
+        )
+    console.print(table)
+    by = {p.system: p for p in points}
+    single, pd = by.get("single"), by.get("1P1D")
+    if not (single and pd and single.checked_itl_p99_ms > 0):
+        return
+    ratio = pd.checked_itl_p99_ms / single.checked_itl_p99_ms
+    stalls = f"longest stall {single.itl_max_ms:.0f} vs {pd.itl_max_ms:.0f} ms"
+    if ratio <= IT_SHOWS:
+        console.print(
+            f"1P1D's ITL p99 is {ratio:.2f}x the single instance's ({stalls}): on one instance "
+            "every long prefill stalls the tokens of every request decoding beside it; 1P1D "
+            "prefills on P and D only decodes."
+        )
+    else:
+        console.print(
+            f"1P1D's ITL p99 is {ratio:.2f}x the single instance's ({stalls}): this model "
+            "prefills a long prompt in a few steps' time, too little to stall decoding. Run "
+            "`pdserve demo --bench-model` (a 75M model) to see a long prefill stall one instance "
+            "and not 1P1D."
+        )

@@ -223,6 +223,7 @@ class ManagedProcess:
         proc = self._proc
         self._fail_ready("was stopped", wait_for_output=False)
         _signal_group(proc.pid, signal.SIGTERM)
+        _signal_group(proc.pid, signal.SIGCONT)  # a paused group would hold SIGTERM pending
         try:
             code = self.exited.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
@@ -236,6 +237,19 @@ class ManagedProcess:
         for thread in self._threads:
             thread.join(timeout=5.0)
         return code
+
+    def pause(self) -> None:
+        """SIGSTOP the child's whole process group: it takes no CPU until ``resume`` (a
+        benchmark runs one system at a time on shared cores)."""
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        _signal_group(self._proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the child's process group (after ``pause``; harmless otherwise)."""
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} was never started")
+        _signal_group(self._proc.pid, signal.SIGCONT)
 
     def kill(self, sig: signal.Signals = signal.SIGKILL) -> None:
         """Send ``sig`` to the child itself only (``kill -9 PID``: a crash, not a shutdown); what

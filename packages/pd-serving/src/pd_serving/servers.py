@@ -107,6 +107,9 @@ class VllmServer:
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
     # Where vLLM publishes its KV-cache events (zmq PUB; the proxy subscribes); None: none.
     kv_events_port: int | None = None
+    # The CPUs all its processes run on when not only its worker's cores (``cpus``), e.g. a
+    # single instance with one OpenMP thread whose API server and engine core get a core more.
+    process_cpus: frozenset[int] | None = None
     process: ManagedProcess | None = None
 
     @property
@@ -192,9 +195,15 @@ class VllmServer:
 
     @property
     def cpus(self) -> frozenset[int] | None:
-        """The CPUs all of a P's or D's processes run on (its worker's cores); None for the single
-        instance, which may use the whole machine (its worker is bound, its API server is not)."""
-        if self.role is Role.SINGLE or not self.cpu.pin_processes:
+        """The CPUs all of a P's or D's processes run on (its worker's cores); None for a single
+        instance on the default binding, which may use the whole machine (its worker is bound,
+        its API server is not). A single instance given a ``cpu_bind`` is confined like P and D
+        (the equal-hardware benchmark gives each system the same cores)."""
+        if not self.cpu.pin_processes:
+            return None
+        if self.process_cpus is not None:
+            return self.process_cpus
+        if self.role is Role.SINGLE and self.cpu.cpu_bind is None:
             return None
         return parse_cpu_list(self.cpu_bind)
 

@@ -58,6 +58,9 @@ class RequestSample:
     itl_ms: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     error: str | None = None
+    # Tokens that came in a chunk after its first one: gaps the client never saw.
+    tokens_sharing_a_chunk: int = 0
+    prompt_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -234,6 +237,8 @@ async def run_open_loop(
             output_tokens=answer.completion_tokens,
             itl_ms=[gap * 1000 for gap in inter_token_gaps(answer.token_times_s)],
             token_ids=answer.token_ids,
+            tokens_sharing_a_chunk=sum(k - 1 for k in answer.chunk_tokens),
+            prompt_tokens=req.prompt_tokens,
         )
         if answer.completion_tokens != req.output_tokens:
             sample.error = f"{answer.completion_tokens} of {req.output_tokens} tokens"

@@ -145,3 +145,57 @@ def plan_rate(
             prompt_len = min(prompt_len, max_model_len - output_len)
         out.append(SweepRequest(i, arrival, prompt_len, output_len))
     return out
+
+
+# --- the mixed workload PD is for ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """Long prompts that answer briefly mixed with many short prompts that decode long.
+
+    A share ``long_share`` of the requests has a prompt drawn from ``long_prompt`` and
+    ``long_output`` tokens to answer; the rest a prompt from ``short_prompt`` and
+    ``short_output`` tokens. On one instance every long prefill stalls the decoding of all the
+    short requests in flight (their ITL); PD moves the prefills to another instance."""
+
+    long_share: float = 0.25
+    long_prompt: LengthDist = LengthDist("uniform", 1024, 4096)
+    long_output: LengthDist = LengthDist("fixed", 32)
+    short_prompt: LengthDist = LengthDist("uniform", 64, 128)
+    short_output: LengthDist = LengthDist("fixed", 256)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.long_share <= 1.0:
+            raise ValueError(f"long_share {self.long_share} is not within [0, 1]")
+
+    def describe(self) -> str:
+        return (
+            f"{100 * self.long_share:.0f}% long: prompt {self.long_prompt} -> "
+            f"{self.long_output} tokens; the rest short: prompt {self.short_prompt} -> "
+            f"{self.short_output} tokens"
+        )
+
+    def is_long(self, req: SweepRequest) -> bool:
+        return req.prompt_tokens > self.short_prompt.bounds()[1]
+
+
+def plan_mixed(
+    rate: float, count: int, mix: MixSpec, *, seed: int, max_model_len: int | None = None
+) -> list[SweepRequest]:
+    """Poisson arrivals at ``rate`` of ``count`` requests drawn from ``mix``; seeded by
+    (seed, rate) as ``plan_rate``, the same for every system."""
+    arrivals = poisson_arrivals(rate, count, random.Random(f"{seed}:{rate}:arrivals"))
+    draws = random.Random(f"{seed}:{rate}:mix")
+    out = []
+    for i, arrival in enumerate(arrivals):
+        long = draws.random() < mix.long_share
+        prompt_dist = mix.long_prompt if long else mix.short_prompt
+        output_dist = mix.long_output if long else mix.short_output
+        prompt_len, output_len = prompt_dist.sample(draws), output_dist.sample(draws)
+        if max_model_len is not None:
+            if output_len >= max_model_len:
+                raise ValueError(f"{output_len} output tokens do not fit max_model_len")
+            prompt_len = min(prompt_len, max_model_len - output_len)
+        out.append(SweepRequest(i, arrival, prompt_len, output_len))
+    return out

@@ -1,0 +1,306 @@
+"""PD against one instance on equal hardware, under the mixed load PD is for.
+
+Three systems on the same two cores, measured one at a time (the others paused), taking turns
+in rounds at each rate (``pd_serving.equal_hw``): one vLLM instance on both cores, two
+instances with a core each behind the proxy (data parallel), 1P1D with P on core 0 and D on
+core 1. Open-loop Poisson arrivals of a mix of long prompts (1-4k tokens, 32 out) and short
+prompts decoding 256 tokens; the benchmark model (``pd_serving.model.make_bench_model``: a
+75M-parameter Qwen2, random weights, the tiny model's tokenizer). Client timings are checked
+against vLLM's own histograms. Writes ``results/equal_hw.json`` and ``results/equal_hw.png``:
+
+    flock /tmp/bench.lock uv run --frozen python packages/pd-serving/benchmarks/bench_equal_hw.py
+
+(about 7 minutes: 2-3 starting three instances, the rest measuring). ``--smoke`` (CI,
+seconds): the same harness against stand-in upstreams, numbers meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from pd_serving.equal_hw import (
+    Slo,
+    SystemUnderTest,
+    compare_systems,
+    judge,
+    markdown_table,
+    payload,
+    render_table,
+    run_equal_hw,
+    write_plot,
+)
+from pd_serving.workload import LengthDist, MixSpec, SweepRequest, parse_rates, plan_mixed
+from rich.console import Console
+
+RESULTS = Path(__file__).parent / "results"
+SINGLE, DP, PD = "single, 2 cores", "2x single, DP", "1P1D"
+
+
+def build_plans(args, tokenizer, mix: MixSpec) -> dict[float, list[SweepRequest]]:
+    from pd_serving.client import exact_length_prompt
+
+    plans = {}
+    for k, rate in enumerate(args.rates):
+        plan = plan_mixed(
+            rate, args.requests, mix, seed=args.seed, max_model_len=args.max_model_len
+        )
+        for req in plan:
+            seed = 1_000_000 * (args.seed + 1) + 10_000 * k + req.index
+            req.prompt = exact_length_prompt(tokenizer, req.prompt_tokens, seed=seed)
+        plans[rate] = plan
+    return plans
+
+
+def publish(args, turns, mix: MixSpec, meta: dict, console: Console, *, json_path: Path | None):
+    slo = Slo(args.slo_ttft_ms, args.slo_itl_ms)
+    # DP's instances run the same OpenMP thread count as P and D: the like-for-like reference.
+    points = compare_systems(
+        turns, slo, long_prompt_above=mix.short_prompt.bounds()[1], reference=DP
+    )
+    title = f"equal hardware (2 cores), {mix.describe()}"
+    console.print(render_table(points, title))
+    console.print(markdown_table(points), markup=False, highlight=False, soft_wrap=True)
+    verdict = judge(points, single=SINGLE, others=[DP], pd=PD)
+    console.print(f"verdict: {verdict}", highlight=False)
+    meta |= {
+        "mix": mix.describe(),
+        "rates": args.rates,
+        "requests_per_rate": args.requests,
+        "rounds": args.rounds,
+        "seed": args.seed,
+        "slo": {"ttft_ms": slo.ttft_ms, "itl_p99_per_request_ms": slo.itl_ms},
+        "verdict": verdict.__dict__,
+    }
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(payload(points, meta), indent=1) + "\n")
+        png = write_plot(points, json_path.with_suffix(".png"), slo, title)
+        console.print(f"wrote {json_path} and {png}")
+    return points
+
+
+def run(args) -> int:
+    from pd_serving.client import load_tokenizer
+    from pd_serving.deploy import Deployment, proxy_config_for
+    from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
+    from pd_serving.model import cache_dir, make_bench_model
+    from pd_serving.proxy import READY_LINE
+    from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
+    from pd_serving.timings import custom_buckets_arg
+
+    console = Console(width=200)
+    model = make_bench_model(args.model)
+    mix = MixSpec(long_share=args.long_share)
+    log_dir = cache_dir() / "logs" / f"equal-hw-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = CpuSettings(
+        kv_cache_bytes=args.kv_cache_mib << 20,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    servers = plan_servers(
+        model, log_dir=log_dir, connector=Connector.HYBRID, prefill=1, decode=1, single=1, cpu=base
+    )
+    binding = {Role.PREFILL: ("0", 1), Role.DECODE: ("1", 1), Role.SINGLE: ("0-1", 2)}
+    for server in servers:
+        bind, threads = binding[server.role]
+        server.cpu = replace(base, cpu_bind=bind, omp_threads=threads)
+        # Same prompts for every system: no instance may answer one from its prefix cache.
+        server.extra_args += [
+            "--no-enable-prefix-caching",
+            "--custom-histogram-buckets",
+            custom_buckets_arg(),
+        ]
+    tokenizer = load_tokenizer(model)
+    plans = build_plans(args, tokenizer, mix)
+    warm = [SweepRequest(i, 0.0, 0, 8, f"warm up {i} " * (1 + 200 * (i % 2))) for i in range(4)]
+    config = proxy_config_for(servers, Connector.HYBRID)
+    p, d = config.prefill[0], config.decode[0]
+    proxies = {
+        PD: ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", d.url],
+        DP: ["--decode", p.url, "--decode", d.url],  # no P: each instance prefills its own
+    }
+    console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
+    load_before = os.getloadavg()
+    with Deployment(servers) as dep:
+        dep.start(timeout=600)
+        procs, urls = {}, {}
+        for name, backends in proxies.items():
+            port = free_port()
+            tag = "pd" if name == PD else "dp"
+            procs[name] = ManagedProcess(
+                f"proxy-{tag}",
+                [
+                    sys.executable, "-m", "pd_serving.cli", "proxy", "--port", str(port),
+                    "--connector", "hybrid", "--model-name", str(model), *backends,
+                ],
+                log_path=log_dir / f"proxy-{tag}.log",
+                ready_marker=READY_LINE,
+                health_url=f"http://127.0.0.1:{port}/health",
+            )  # fmt: skip
+            urls[name] = f"http://127.0.0.1:{port}"
+        try:
+            for proc in procs.values():
+                proc.start()
+            wait_all_ready(list(procs.values()), timeout=120)
+            single, prefill, decode = (dep.by_role(r)[0] for r in Role)
+            systems = [
+                SystemUnderTest(SINGLE, single.url, [[single.url]], [single.process]),
+                SystemUnderTest(
+                    DP,
+                    urls[DP],
+                    [[prefill.url, decode.url]],
+                    [prefill.process, decode.process, procs[DP]],
+                ),
+                SystemUnderTest(
+                    PD,
+                    urls[PD],
+                    [[prefill.url], [decode.url]],
+                    [prefill.process, decode.process, procs[PD]],
+                ),
+            ]
+            every = [s.process for s in servers] + list(procs.values())
+            turns = asyncio.run(
+                run_equal_hw(
+                    systems,
+                    str(model),
+                    plans,
+                    rounds=args.rounds,
+                    every_process=every,
+                    warmup=warm,
+                    budget_s=args.budget_s,
+                    console=console,
+                )
+            )
+        finally:
+            stop_all(list(procs.values()))
+    meta = {
+        "command": " ".join(sys.argv),
+        "model": f"{model.name}: pd_serving.model.BENCH_MODEL_SPEC, random weights, bf16",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cpu_count": os.cpu_count(),
+        "load_avg": {"before": load_before, "after": os.getloadavg()},
+        "systems": {
+            SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2",
+            DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
+            PD: "P on core 0, D on core 1, pdserve proxy, sequential dispatch",
+        },
+        "prefix_caching": False,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    points = publish(args, turns, mix, meta, console, json_path=args.json)
+    return 0 if all(p.same_tokens_as_reference is not False for p in points) else 1
+
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+
+async def smoke_measure(plans) -> list:
+    sys.path.insert(0, str(TESTS))
+    from pd_serving.launcher import free_port
+    from pd_serving.proxy import Backend, Dispatch, PdProxy, ProxyConfig, serve
+    from pd_serving.servers import Connector
+    from stand_ins import MODEL, FakeUpstream
+
+    single, a, b = FakeUpstream("single"), FakeUpstream("a"), FakeUpstream("b")
+    p, d = FakeUpstream("P", kv_params={}), FakeUpstream("D")
+    ups = (single, a, b, p, d)
+    for up in ups:
+        up.token_delay_s = 0.002
+        await up.start()
+    configs = {
+        DP: ProxyConfig(prefill=[], decode=[Backend(a.url, name="a"), Backend(b.url, name="b")]),
+        PD: ProxyConfig(
+            prefill=[Backend(p.url, rpc_address="127.0.0.1:1", name="p0")],
+            decode=[Backend(d.url, name="d0")],
+            connector=Connector.HYBRID,
+            dispatch=Dispatch.SEQUENTIAL,
+        ),
+    }
+    runners, urls = [], {}
+    for name, config in configs.items():
+        port = free_port()
+        runners.append(await serve(PdProxy(config), "127.0.0.1", port))
+        urls[name] = f"http://127.0.0.1:{port}"
+    systems = [
+        SystemUnderTest(SINGLE, single.url, [[single.url]]),
+        SystemUnderTest(DP, urls[DP], [[a.url, b.url]]),
+        SystemUnderTest(PD, urls[PD], [[p.url], [d.url]]),
+    ]
+    try:
+        return await run_equal_hw(systems, MODEL, plans, rounds=2, timeout_s=30)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for up in ups:
+            await up.close()
+
+
+def smoke() -> int:
+    console = Console(width=200)
+    args = argparse.Namespace(
+        rates=[20.0, 40.0], requests=6, rounds=2, seed=0, slo_ttft_ms=1000.0, slo_itl_ms=100.0
+    )
+    mix = MixSpec(
+        long_share=0.3,
+        long_prompt=LengthDist("fixed", 8),
+        long_output=LengthDist("fixed", 2),
+        short_prompt=LengthDist("fixed", 1),
+        short_output=LengthDist("fixed", 4),
+    )
+    plans = {rate: plan_mixed(rate, 6, mix, seed=0) for rate in args.rates}
+    for plan in plans.values():
+        for req in plan:
+            req.prompt = f"prompt {req.index}"
+    turns = asyncio.run(smoke_measure(plans))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "equal_hw.json"
+        meta = {"command": "bench_equal_hw.py --smoke"}
+        points = publish(args, turns, mix, meta, console, json_path=path)
+        stored = json.loads(path.read_text())
+        assert [(q["system"], q["completed"]) for q in stored["points"]] == [
+            (s, 6) for _ in args.rates for s in (SINGLE, DP, PD)
+        ], stored["points"]
+        assert path.with_suffix(".png").read_bytes().startswith(b"\x89PNG")
+        # Stand-ins publish no vLLM histograms: nothing to check against, and it says so.
+        assert all(not q.timing_agrees for q in points)
+    print("bench_equal_hw smoke: ok")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="stand-ins, seconds (CI)")
+    parser.add_argument("--rates", type=parse_rates, default=parse_rates("1,2,3"))
+    parser.add_argument("--requests", type=int, default=20, help="per rate and system")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--long-share", type=float, default=0.25)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-itl-ms", type=float, default=100.0)
+    parser.add_argument("--model", type=Path, default=None, help="default: the bench model")
+    parser.add_argument("--kv-cache-mib", type=int, default=384)
+    parser.add_argument("--max-model-len", type=int, default=4608)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="no rate starts after this many seconds of measuring (bounded lock holds)",
+    )
+    parser.add_argument("--json", type=Path, default=RESULTS / "equal_hw.json")
+    args = parser.parse_args()
+    if args.smoke:
+        return smoke()
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

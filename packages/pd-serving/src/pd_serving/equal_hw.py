@@ -1,0 +1,559 @@
+"""PD against one instance on equal hardware, under the mixed load PD is for.
+
+Three systems on the same two cores, each measured alone (the others paused with SIGSTOP, so
+they take no CPU), taking turns::
+
+    single   one vLLM instance, every process on cores 0-1, 2 OpenMP threads
+    2x DP    two vLLM instances, one per core, behind `pdserve proxy` (no P: each prefills
+             its own requests; the proxy balances by load)
+    1P1D     P on core 0, D on core 1, behind `pdserve proxy` (HybridConnector)
+
+    rate r:   round 1: single, 2x DP, 1P1D   round 2: 2x DP, 1P1D, single   ...
+              (each round a slice of the same Poisson schedule; the order rotates)
+
+The 2x DP system runs on the P and D instances themselves (a request without
+``kv_transfer_params`` is a plain request to them), so the machine holds three instances, not
+five. Prefix caching is off on every instance: each system gets the same prompts.
+
+Per turn the client's token times are kept and every instance's vLLM histograms
+(``timings``) are read before and after, so each (system, rate) point carries the server's
+ITL/TTFT/TPOT next to the client's and says whether they agree. Pure parts (tested without
+servers): :func:`summarize`, :class:`Slo`, tables and the plot. The I/O shell is
+:func:`run_equal_hw`; deployments are made by ``benchmarks/bench_equal_hw.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from pd_serving.launcher import ManagedProcess
+from pd_serving.sweep import RequestSample, compare_tokens, percentile, run_open_loop, split_rounds
+from pd_serving.timings import EMPTY, HISTOGRAMS, ITL, TPOT, TTFT, Histogram, check_itl, total
+from pd_serving.timings import parse_histograms as parse_metrics
+from pd_serving.workload import SweepRequest
+
+# --- the systems -----------------------------------------------------------------------------
+
+
+@dataclass
+class SystemUnderTest:
+    """``url``: where requests go; ``stages``: the vLLM instances' URLs per stage of a request
+    (P's, then D's; one stage for a plain instance), whose histograms are read; ``processes``:
+    what must run during its turn (everything else the benchmark started is paused)."""
+
+    name: str
+    url: str
+    stages: list[list[str]]
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+
+@dataclass
+class Turn:
+    """One system's slice of one round at one rate."""
+
+    system: str
+    rate: float
+    round: int
+    samples: list[RequestSample]
+    wall_s: float
+    # Per stage, the histograms' difference over the turn (instances of a stage added up).
+    server: list[dict[str, Histogram]]
+    load_avg_1m: float
+
+
+@dataclass(frozen=True)
+class Slo:
+    """A request meets the SLO when its TTFT is within ``ttft_ms`` and the 99th percentile of
+    its own inter-token gaps within ``itl_ms`` (a 256-token answer may stall twice)."""
+
+    ttft_ms: float
+    itl_ms: float
+
+    def met(self, sample: RequestSample) -> bool:
+        if not sample.ok:
+            return False
+        gaps = sample.itl_ms + [0.0] * sample.tokens_sharing_a_chunk
+        itl = percentile(gaps, 99) if gaps else 0.0
+        return sample.ttft_ms <= self.ttft_ms and itl <= self.itl_ms
+
+
+# --- the maths -------------------------------------------------------------------------------
+
+
+@dataclass
+class EqualHwPoint:
+    """One system at one offered rate, all rounds together; times in ms."""
+
+    system: str
+    rate: float
+    requests: int
+    completed: int
+    failed: int
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    # The client's per-token gaps (tokens sharing a chunk count as gaps of 0).
+    itl_p50_ms: float
+    itl_p90_ms: float
+    itl_p99_ms: float
+    itl_max_ms: float  # the longest gap any request saw (a stall)
+    tpot_p50_ms: float
+    tpot_p99_ms: float
+    # vLLM's own, from its histograms (decode stage): per step, and per request.
+    server_itl_p50_ms: float
+    server_itl_p90_ms: float
+    server_itl_p99_ms: float
+    server_tpot_p50_ms: float
+    server_tpot_p99_ms: float
+    # Sum over the stages of each stage's mean TTFT (P's prefill, then D's first token).
+    server_ttft_mean_ms: float
+    timing_agrees: bool
+    timing_note: str
+    burst_share: float
+    throughput_rps: float
+    output_tokens_per_s: float
+    goodput_rps: float
+    slo_attainment: float
+    wall_s: float
+    load_avg_1m: float
+    # Per round: ITL p99 (client, and server), goodput: the spread between rounds.
+    rounds: list[dict[str, float]] = field(default_factory=list)
+    same_tokens_as_reference: bool | None = None
+    mismatched: int = 0
+    # Of the answers that differ from the reference's, the earliest token where one does:
+    # 0 would mean a different first token (a wrong prompt KV), later a drift in decoding.
+    first_divergence: int | None = None
+    long_ttft_p50_ms: float = float("nan")  # requests of the long kind only
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def checked_itl_p99_ms(self) -> float:
+        """The ITL p99 to believe: the client's when it agrees with the server, else vLLM's."""
+        if self.timing_agrees or not math.isfinite(self.server_itl_p99_ms):
+            return self.itl_p99_ms
+        return self.server_itl_p99_ms
+
+
+def _gaps(samples: Sequence[RequestSample]) -> list[float]:
+    return [g for s in samples if s.ok for g in s.itl_ms + [0.0] * s.tokens_sharing_a_chunk]
+
+
+def _goodput(samples: Sequence[RequestSample], wall_s: float, slo: Slo) -> float:
+    return sum(slo.met(s) for s in samples) / wall_s if wall_s > 0 else 0.0
+
+
+def summarize(
+    turns: Sequence[Turn], slo: Slo, *, long_prompt_above: int | None = None
+) -> EqualHwPoint:
+    """The turns of one (system, rate) as one point (``long_prompt_above``: prompts longer
+    than this are the long kind, whose TTFT p50 is reported apart)."""
+    samples = [s for t in turns for s in t.samples]
+    done = [s for s in samples if s.ok]
+    wall = sum(t.wall_s for t in turns)
+    stages = max(len(t.server) for t in turns) if turns else 0
+    stage_hists = [
+        {name: total(t.server[i].get(name, EMPTY) for t in turns if i < len(t.server))
+         for name in HISTOGRAMS}
+        for i in range(stages)
+    ]  # fmt: skip
+    decode = stage_hists[-1] if stage_hists else dict.fromkeys(HISTOGRAMS, EMPTY)
+    gaps = _gaps(samples)
+    decode_ms = sum(s.tpot_ms * (s.output_tokens - 1) for s in done if s.output_tokens > 1)
+    decode_tokens = sum(s.output_tokens - 1 for s in done if s.output_tokens > 1)
+    check = check_itl(
+        [g for s in done for g in s.itl_ms],
+        sum(s.tokens_sharing_a_chunk for s in done),
+        decode_ms,
+        decode_tokens,
+        decode[ITL],
+    )
+    ttft_means = [h[TTFT].mean for h in stage_hists if h[TTFT].count]
+    tpots = [s.tpot_ms for s in done if s.output_tokens > 1]
+    long_ttfts = [
+        s.ttft_ms
+        for t in turns
+        for s in t.samples
+        if s.ok and long_prompt_above is not None and s.prompt_tokens > long_prompt_above
+    ]
+    rounds = []
+    for t in turns:
+        ok = [s for s in t.samples if s.ok]
+        hist = t.server[-1].get(ITL, EMPTY) if t.server else EMPTY
+        rounds.append(
+            {
+                "round": t.round,
+                "itl_p99_ms": percentile(_gaps(ok), 99),
+                "server_itl_p99_ms": 1000 * hist.quantile(0.99),
+                "ttft_p50_ms": percentile([s.ttft_ms for s in ok], 50),
+                "goodput_rps": _goodput(t.samples, t.wall_s, slo),
+            }
+        )
+
+    def per_second(n: float) -> float:
+        return n / wall if wall > 0 else 0.0
+
+    ttfts = [s.ttft_ms for s in done]
+    return EqualHwPoint(
+        system=turns[0].system if turns else "",
+        rate=turns[0].rate if turns else 0.0,
+        requests=len(samples),
+        completed=len(done),
+        failed=len(samples) - len(done),
+        ttft_p50_ms=percentile(ttfts, 50),
+        ttft_p90_ms=percentile(ttfts, 90),
+        ttft_p99_ms=percentile(ttfts, 99),
+        itl_p50_ms=percentile(gaps, 50),
+        itl_p90_ms=percentile(gaps, 90),
+        itl_p99_ms=percentile(gaps, 99),
+        itl_max_ms=max(gaps, default=float("nan")),
+        tpot_p50_ms=percentile(tpots, 50),
+        tpot_p99_ms=percentile(tpots, 99),
+        server_itl_p50_ms=1000 * decode[ITL].quantile(0.5),
+        server_itl_p90_ms=1000 * decode[ITL].quantile(0.9),
+        server_itl_p99_ms=1000 * decode[ITL].quantile(0.99),
+        server_tpot_p50_ms=1000 * decode[TPOT].quantile(0.5),
+        server_tpot_p99_ms=1000 * decode[TPOT].quantile(0.99),
+        server_ttft_mean_ms=1000 * sum(ttft_means) if ttft_means else float("nan"),
+        timing_agrees=check.agrees,
+        timing_note=check.note,
+        burst_share=check.burst_share,
+        throughput_rps=per_second(len(done)),
+        output_tokens_per_s=per_second(sum(s.output_tokens for s in done)),
+        goodput_rps=_goodput(samples, wall, slo),
+        slo_attainment=sum(slo.met(s) for s in samples) / len(samples) if samples else 0.0,
+        wall_s=wall,
+        load_avg_1m=sum(t.load_avg_1m for t in turns) / len(turns) if turns else 0.0,
+        rounds=rounds,
+        long_ttft_p50_ms=percentile(long_ttfts, 50),
+        errors=[f"#{s.index}: {s.error}" for s in samples if s.error][:5],
+    )
+
+
+def compare_systems(
+    turns: Sequence[Turn],
+    slo: Slo,
+    *,
+    long_prompt_above: int | None = None,
+    reference: str | None = None,
+) -> list[EqualHwPoint]:
+    """One point per (rate, system), in the order the systems were given; token identity of
+    every system against ``reference``'s answers to the same requests (default: the first
+    system's; greedy tokens of a random-weight model in bf16 can differ between instances on
+    different OpenMP thread counts, so compare like with like)."""
+    systems = list(dict.fromkeys(t.system for t in turns))
+    reference = reference or systems[0]
+    rates = sorted({t.rate for t in turns})
+    points = []
+    for rate in rates:
+        mine = {s: [t for t in turns if t.system == s and t.rate == rate] for s in systems}
+        answers = sorted((x for t in mine[reference] for x in t.samples), key=lambda x: x.index)
+        for system in systems:
+            point = summarize(mine[system], slo, long_prompt_above=long_prompt_above)
+            if system != reference:
+                ours = sorted((x for t in mine[system] for x in t.samples), key=lambda x: x.index)
+                if len(ours) == len(answers):
+                    differ = compare_tokens(answers, ours)
+                    point.mismatched = max(0, differ)
+                    point.same_tokens_as_reference = None if differ < 0 else differ == 0
+                    point.first_divergence = first_divergence(answers, ours)
+            points.append(point)
+    return points
+
+
+def first_divergence(
+    reference: Sequence[RequestSample], samples: Sequence[RequestSample]
+) -> int | None:
+    """The earliest token index where any answer differs from its reference; None if none."""
+    earliest = None
+    for a, b in zip(reference, samples, strict=True):
+        if not (a.ok and b.ok) or a.token_ids == b.token_ids:
+            continue
+        index = next(
+            (i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+            min(len(a.token_ids), len(b.token_ids)),
+        )
+        earliest = index if earliest is None else min(earliest, index)
+    return earliest
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The targets, judged at the highest rate the single instance sustains (meets the SLO for
+    at least ``sustain`` of its requests)."""
+
+    rate: float | None
+    itl_p99_ratio: float | None  # 1P1D's checked ITL p99 / single's
+    goodput_ratio: float | None  # 1P1D's goodput / the better single-instance setup's
+    itl_target_met: bool
+    goodput_target_met: bool
+
+
+def judge(
+    points: Sequence[EqualHwPoint],
+    *,
+    single: str,
+    others: Sequence[str],
+    pd: str,
+    sustain: float = 0.9,
+    itl_target: float = 0.5,
+    goodput_target: float = 1.3,
+) -> Verdict:
+    by = {(p.system, p.rate): p for p in points}
+    sustained = [p.rate for p in points if p.system == single and p.slo_attainment >= sustain]
+    if not sustained:
+        return Verdict(None, None, None, False, False)
+    rate = max(sustained)
+    s, d = by.get((single, rate)), by.get((pd, rate))
+    if s is None or d is None:
+        return Verdict(rate, None, None, False, False)
+    itl = d.checked_itl_p99_ms / s.checked_itl_p99_ms if s.checked_itl_p99_ms > 0 else None
+    best = max(by[(o, rate)].goodput_rps for o in [single, *others] if (o, rate) in by)
+    goodput = d.goodput_rps / best if best > 0 else None
+    return Verdict(
+        rate,
+        itl,
+        goodput,
+        itl is not None and itl <= itl_target,
+        goodput is not None and goodput >= goodput_target,
+    )
+
+
+# --- driving the load ------------------------------------------------------------------------
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> dict[str, Histogram]:
+    """The instance's histograms; an instance without ``/metrics`` gives empty ones."""
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            if resp.status != 200:
+                return dict.fromkeys(HISTOGRAMS, EMPTY)
+            return parse_metrics(await resp.text())
+    except aiohttp.ClientError:
+        return dict.fromkeys(HISTOGRAMS, EMPTY)
+
+
+async def _read_stages(session, system: SystemUnderTest) -> list[list[dict[str, Histogram]]]:
+    return [[await _scrape(session, url) for url in stage] for stage in system.stages]
+
+
+def activate(system: SystemUnderTest, every: Sequence[ManagedProcess]) -> None:
+    """Pause every process the benchmark started except the system's, which resume."""
+    running = {id(p) for p in system.processes}
+    for proc in every:
+        if id(proc) not in running:
+            proc.pause()
+    for proc in system.processes:
+        proc.resume()
+
+
+async def _healthy(session: aiohttp.ClientSession, system: SystemUnderTest) -> None:
+    """After a resume: each of the system's servers answers /health (one call each)."""
+    for url in [system.url, *(u for stage in system.stages for u in stage)]:
+        async with session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=60)) as r:
+            r.raise_for_status()
+
+
+async def run_equal_hw(
+    systems: Sequence[SystemUnderTest],
+    model: str,
+    plans: dict[float, list[SweepRequest]],
+    *,
+    rounds: int,
+    every_process: Sequence[ManagedProcess] = (),
+    warmup: Sequence[SweepRequest] = (),
+    timeout_s: float = 180.0,
+    budget_s: float | None = None,
+    console: Console | None = None,
+) -> list[Turn]:
+    """Every rate's plan on every system, in ``rounds`` slices, one system at a time.
+
+    ``budget_s``: no rate starts after this many seconds (the machine's lock is held for a
+    bounded time); the rates measured so far are returned whole."""
+    started = time.monotonic()
+    turns: list[Turn] = []
+    connector = aiohttp.TCPConnector(limit=0)  # open loop: the client must never queue
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
+        for system in systems:
+            activate(system, every_process)
+            await _healthy(session, system)
+            await run_open_loop(session, system.url, model, list(warmup), timeout_s=timeout_s)
+        for rate, plan in sorted(plans.items()):
+            if budget_s is not None and time.monotonic() - started > budget_s:
+                if console:
+                    console.print(f"  out of time budget: {rate:g} req/s and above not run")
+                break
+            for r, part in enumerate(split_rounds(plan, rounds)):
+                k = r % len(systems)
+                for system in [*systems[k:], *systems[:k]]:
+                    activate(system, every_process)
+                    await _healthy(session, system)
+                    if console:
+                        console.print(
+                            f"  {rate:g} req/s, round {r + 1}: {system.name} ({len(part)} requests)"
+                        )
+                    load = os.getloadavg()[0]
+                    before = await _read_stages(session, system)
+                    samples, wall = await run_open_loop(
+                        session, system.url, model, part, timeout_s=timeout_s
+                    )
+                    after = await _read_stages(session, system)
+                    server = [
+                        {
+                            name: total(a[name] - b[name] for b, a in zip(sb, sa, strict=True))
+                            for name in HISTOGRAMS
+                        }
+                        for sb, sa in zip(before, after, strict=True)
+                    ]
+                    turns.append(Turn(system.name, rate, r, samples, wall, server, load))
+        for proc in every_process:
+            proc.resume()
+    return turns
+
+
+# --- output ----------------------------------------------------------------------------------
+
+
+def _ms(*values: float) -> str:
+    return " / ".join(
+        "-" if not math.isfinite(v) else f"{v:.0f}" if v >= 10 else f"{v:.1f}" for v in values
+    )
+
+
+def _spread(point: EqualHwPoint, key: str) -> str:
+    values = [r[key] for r in point.rounds if math.isfinite(r[key])]
+    if len(values) < 2:
+        return ""
+    return f" ({_ms(min(values))}-{_ms(max(values))})"
+
+
+COLUMNS = (
+    "rate req/s",
+    "system",
+    "done / failed",
+    "TTFT p50/p90/p99 ms",
+    "ITL p50/p90/p99 ms, client",
+    "ITL p50/p90/p99 ms, vLLM",
+    "ITL p99 checked (rounds)",
+    "TPOT p50 ms client / vLLM",
+    "goodput req/s (rounds)",
+    "timings",
+    "same tokens",
+    "load",
+)
+
+
+def _row(p: EqualHwPoint) -> list[str]:
+    same = "-" if p.same_tokens_as_reference is None else (
+        "true" if p.same_tokens_as_reference
+        else f"false ({p.mismatched}, from token {p.first_divergence})"
+    )  # fmt: skip
+    checked = _ms(p.checked_itl_p99_ms) + (
+        _spread(p, "itl_p99_ms") if p.timing_agrees else _spread(p, "server_itl_p99_ms")
+    )
+    return [
+        f"{p.rate:g}",
+        p.system,
+        f"{p.completed} / {p.failed}",
+        _ms(p.ttft_p50_ms, p.ttft_p90_ms, p.ttft_p99_ms),
+        _ms(p.itl_p50_ms, p.itl_p90_ms, p.itl_p99_ms),
+        _ms(p.server_itl_p50_ms, p.server_itl_p90_ms, p.server_itl_p99_ms),
+        checked,
+        f"{_ms(p.tpot_p50_ms)} / {_ms(p.server_tpot_p50_ms)}",
+        f"{p.goodput_rps:.2f}{_spread(p, 'goodput_rps').replace(' ms', '')}",
+        "agree" if p.timing_agrees else p.timing_note,
+        same,
+        f"{p.load_avg_1m:.0f}",
+    ]
+
+
+def markdown_table(points: Sequence[EqualHwPoint]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_row(p)) + " |" for p in points]
+    return "\n".join(lines)
+
+
+def render_table(points: Sequence[EqualHwPoint], title: str) -> Table:
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col.replace(", ", "\n"), justify="right")
+    for p in points:
+        table.add_row(*_row(p))
+    return table
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+def payload(points: Sequence[EqualHwPoint], meta: dict[str, Any]) -> dict[str, Any]:
+    return _finite({"meta": meta, "points": [asdict(p) for p in points]})
+
+
+def write_plot(points: Sequence[EqualHwPoint], path: Path, slo: Slo, title: str) -> Path:
+    """ITL p99 (checked; bars: the rounds' spread), goodput and TTFT p50 against rate, one
+    line per system."""
+    from matplotlib.figure import Figure  # heavy: here only
+
+    systems = list(dict.fromkeys(p.system for p in points))
+    figure = Figure(figsize=(14, 4.5), layout="constrained")
+    figure.suptitle(title)
+    itl_ax, good_ax, ttft_ax = figure.subplots(1, 3)
+    for system in systems:
+        mine = sorted((p for p in points if p.system == system), key=lambda p: p.rate)
+        rates = [p.rate for p in mine]
+
+        def spread(key: str, mid: list[float], pts=mine) -> list[list[float]]:
+            lows, highs = [], []
+            for p, m in zip(pts, mid, strict=True):
+                vals = [r[key] for r in p.rounds if math.isfinite(r[key])] or [m]
+                lows.append(max(0.0, m - min(vals)))
+                highs.append(max(0.0, max(vals) - m))
+            return [lows, highs]
+
+        itl = [p.checked_itl_p99_ms for p in mine]
+        key = "itl_p99_ms" if all(p.timing_agrees for p in mine) else "server_itl_p99_ms"
+        itl_ax.errorbar(rates, itl, yerr=spread(key, itl), marker="o", capsize=3, label=system)
+        good = [p.goodput_rps for p in mine]
+        good_ax.errorbar(
+            rates, good, yerr=spread("goodput_rps", good), marker="o", capsize=3, label=system
+        )
+        ttft = [p.ttft_p50_ms for p in mine]
+        ttft_ax.errorbar(
+            rates, ttft, yerr=spread("ttft_p50_ms", ttft), marker="o", capsize=3, label=system
+        )
+    all_rates = sorted({p.rate for p in points})
+    itl_ax.axhline(slo.itl_ms, color="grey", linestyle="--", linewidth=1, label="ITL SLO")
+    itl_ax.set_title("ITL p99 (ms)")
+    good_ax.plot(all_rates, all_rates, color="grey", linestyle=":", linewidth=1, label="offered")
+    good_ax.set_title(f"goodput (TTFT <= {slo.ttft_ms:g} ms, ITL p99 <= {slo.itl_ms:g} ms), req/s")
+    good_ax.set_ylim(bottom=0)
+    ttft_ax.axhline(slo.ttft_ms, color="grey", linestyle="--", linewidth=1, label="TTFT SLO")
+    ttft_ax.set_title("TTFT p50 (ms)")
+    for ax in (itl_ax, good_ax, ttft_ax):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_xticks(all_rates, labels=[f"{r:g}" for r in all_rates])
+        ax.grid(True, alpha=0.3)
+    itl_ax.set_yscale("log")
+    ttft_ax.set_yscale("log")
+    itl_ax.legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    return path

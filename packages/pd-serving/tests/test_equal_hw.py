@@ -1,0 +1,167 @@
+"""The equal-hardware benchmark's pure parts: the mixed plan, SLO, summary, verdict, output."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pd_serving.equal_hw import (
+    Slo,
+    Turn,
+    compare_systems,
+    judge,
+    markdown_table,
+    payload,
+    summarize,
+    write_plot,
+)
+from pd_serving.sweep import RequestSample
+from pd_serving.timings import FINE_BUCKETS_S, ITL, TPOT, TTFT, Histogram
+from pd_serving.workload import LengthDist, MixSpec, plan_mixed
+
+
+def test_plan_mixed_is_seeded_and_mixes_both_kinds():
+    mix = MixSpec(long_share=0.3)
+    plan = plan_mixed(2.0, 200, mix, seed=3)
+    assert plan == plan_mixed(2.0, 200, mix, seed=3)
+    longs = [r for r in plan if mix.is_long(r)]
+    assert 30 < len(longs) < 90
+    assert all(1024 <= r.prompt_tokens <= 4096 and r.output_tokens == 32 for r in longs)
+    shorts = [r for r in plan if not mix.is_long(r)]
+    assert all(64 <= r.prompt_tokens <= 128 and r.output_tokens == 256 for r in shorts)
+    assert [r.arrival_s for r in plan] == sorted(r.arrival_s for r in plan)
+
+
+def test_plan_mixed_fits_the_model_length():
+    plan = plan_mixed(1.0, 50, MixSpec(long_share=1.0), seed=0, max_model_len=2048)
+    assert max(r.prompt_tokens + r.output_tokens for r in plan) <= 2048
+
+
+def test_mix_share_is_checked():
+    with pytest.raises(ValueError):
+        MixSpec(long_share=1.5)
+
+
+def sample(index, ttft, gaps, *, tokens=None, prompt=100, shared=0, error=None):
+    n = tokens if tokens is not None else len(gaps) + 1
+    return RequestSample(
+        index,
+        ttft_ms=ttft,
+        tpot_ms=sum(gaps) / max(1, n - 1),
+        output_tokens=n,
+        itl_ms=list(gaps),
+        token_ids=[index] * n,
+        error=error,
+        tokens_sharing_a_chunk=shared,
+        prompt_tokens=prompt,
+    )
+
+
+def server(step_s, steps):
+    bounds = (*FINE_BUCKETS_S, math.inf)
+    cumulative = tuple(float(steps if b >= step_s else 0) for b in bounds)
+    return Histogram(bounds, cumulative, step_s * steps)
+
+
+def turn(system, samples, *, wall=10.0, step_s=0.02, steps=None, rnd=0):
+    steps = steps if steps is not None else sum(len(s.itl_ms) for s in samples)
+    hists = {ITL: server(step_s, steps), TPOT: server(step_s, len(samples)), TTFT: server(0.1, 1)}
+    return Turn(system, 1.0, rnd, samples, wall, [hists], 1.0)
+
+
+def test_slo_uses_ttft_and_the_request_own_itl_p99():
+    slo = Slo(ttft_ms=500, itl_ms=100)
+    assert slo.met(sample(0, 400, [20] * 200))
+    assert not slo.met(sample(0, 600, [20] * 200))
+    assert not slo.met(sample(0, 400, [20] * 190 + [900] * 10))  # stalls beyond its p99
+    assert not slo.met(sample(0, 400, [20], error="HTTP 500"))
+
+
+def test_summarize_reads_client_and_server_and_agrees_when_steady():
+    point = summarize(
+        [turn("s", [sample(0, 100, [20] * 50, prompt=2000), sample(1, 300, [20] * 50)])],
+        Slo(1000, 100),
+        long_prompt_above=128,
+    )
+    assert point.completed == 2
+    assert point.failed == 0
+    assert point.timing_agrees, point.timing_note
+    assert math.isclose(point.itl_p50_ms, 20)
+    assert 15 < point.server_itl_p50_ms <= 21
+    assert point.long_ttft_p50_ms == 100
+    assert math.isclose(point.goodput_rps, 0.2)
+    assert point.checked_itl_p99_ms == point.itl_p99_ms
+
+
+def test_a_burst_read_reports_the_server_itl():
+    bursty = sample(0, 100, [0.01] * 31)  # 32 tokens read in one burst
+    point = summarize([turn("s", [bursty], steps=31)], Slo(1000, 100))
+    assert not point.timing_agrees
+    assert "burst" in point.timing_note
+    assert point.checked_itl_p99_ms == point.server_itl_p99_ms > 15
+    assert "burst" in markdown_table([point])
+
+
+def test_compare_systems_orders_points_and_compares_tokens():
+    a = [sample(0, 100, [20] * 4), sample(1, 100, [20] * 4)]
+    b = [sample(0, 100, [20] * 4), sample(1, 100, [20] * 4)]
+    b[1].token_ids = [9] * 5
+    points = compare_systems([turn("one", a), turn("two", b)], Slo(1000, 100))
+    assert [p.system for p in points] == ["one", "two"]
+    assert points[0].same_tokens_as_reference is None
+    assert points[1].same_tokens_as_reference is False
+    assert points[1].mismatched == 1
+    assert points[1].first_divergence == 0
+
+
+def test_rounds_give_the_spread():
+    turns = [
+        turn("s", [sample(0, 100, [20] * 50)], rnd=0),
+        turn("s", [sample(1, 100, [20] * 49 + [400])], rnd=1),
+    ]
+    point = summarize(turns, Slo(1000, 100))
+    assert [r["round"] for r in point.rounds] == [0, 1]
+    assert point.rounds[0]["itl_p99_ms"] < point.rounds[1]["itl_p99_ms"]
+
+
+def test_judge_compares_at_the_highest_rate_single_sustains():
+    def point(system, rate, attainment, itl, goodput):
+        p = summarize([turn(system, [sample(0, 100, [itl] * 10)], step_s=itl / 1000)], Slo(1, 1))
+        p.rate, p.slo_attainment, p.goodput_rps = rate, attainment, goodput
+        return p
+
+    points = [
+        point("single", 1, 1.0, 200, 1.0),
+        point("dp", 1, 1.0, 300, 0.9),
+        point("pd", 1, 1.0, 50, 1.0),
+        point("single", 2, 0.95, 400, 1.5),
+        point("dp", 2, 0.9, 500, 1.6),
+        point("pd", 2, 1.0, 100, 2.2),
+        point("single", 4, 0.3, 900, 1.0),
+        point("pd", 4, 0.9, 120, 3.0),
+    ]
+    verdict = judge(points, single="single", others=["dp"], pd="pd")
+    assert verdict.rate == 2
+    assert math.isclose(verdict.itl_p99_ratio, 0.25, rel_tol=0.05)
+    assert math.isclose(verdict.goodput_ratio, 2.2 / 1.6)
+    assert verdict.itl_target_met
+    assert verdict.goodput_target_met
+
+
+def test_judge_without_a_sustained_rate():
+    p = summarize([turn("single", [sample(0, 100, [20])])], Slo(1, 1))
+    assert judge([p], single="single", others=[], pd="pd").rate is None
+
+
+def test_payload_has_no_nan_and_the_plot_is_a_png(tmp_path):
+    points = compare_systems([turn("one", [sample(0, 100, [])])], Slo(1000, 100))
+    body = payload(points, {"x": 1})
+    assert body["points"][0]["itl_p50_ms"] is None
+    path = write_plot(points, tmp_path / "p.png", Slo(1000, 100), "t")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_fixed_kinds_of_a_small_mix():
+    mix = MixSpec(0.5, LengthDist("fixed", 8), LengthDist("fixed", 2), LengthDist("fixed", 1))
+    plan = plan_mixed(10.0, 20, mix, seed=1)
+    assert {(r.prompt_tokens, r.output_tokens) for r in plan} <= {(8, 2), (1, 256)}
