@@ -365,9 +365,7 @@ def make_tiny_model(path: str | os.PathLike[str], arch: str = "qwen2") -> Path:
     into place, so a crash or a concurrent caller never leaves a half-written model at `path`.
     """
     if arch not in _ALL_SPECS:
-        raise ValueError(
-            f"unknown tiny model arch {arch!r}; choose one of {', '.join(_ALL_SPECS)}"
-        )
+        raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {', '.join(_ALL_SPECS)}")
     target = Path(path).resolve()
     if _is_complete(target, arch):
         return target
