@@ -14,6 +14,9 @@ token so far (``/v1/completions`` with token ids, ``max_tokens`` lowered by what
 ``kv_transfer_params`` pulling the old D's KV with ``remote_num_tokens``), and relays its events
 rewritten as the same stream (the first event's id and creation time; usage counted from the
 client's prompt; the new prompt's token ids not echoed). A migrated request can move again.
+Before the stop it pre-copies (``LiveStreams.precopy``): PRECOPY to the old D, then a one-token
+warm-up on the next D pulling the offered full blocks into its prefix cache, so the stop's call
+pulls only the blocks after them.
 
 Migrates: streaming ``/v1/completions`` with HybridConnector, on a D whose transfer address the
 proxy knows (``--decode URL@RPC``), served through a transfer (a PD request, or one migrated in;
