@@ -13,14 +13,18 @@ from typing import Any
 import pytest
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.contract import PullParams, decode_params, encode_params
-from hybrid_connector.control import migrate_out
+from hybrid_connector.control import migrate_out, precopy
+from hybrid_connector.layout import KvGroup
 from hybrid_connector.metadata import OfferSpec
 from hybrid_connector.migration import (
     MIGRATE_OUT,
     MIGRATION_ID_PREFIX,
+    PRECOPY,
     MigrateOutForwarder,
     MigrateOutRequest,
     MigrateOutResponse,
+    PrecopyRequest,
+    PrecopyResponse,
 )
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.send_done import SendDoneServer
@@ -342,3 +346,173 @@ def test_a_worker_without_its_scheduler_refuses(no_thread_leak: None) -> None:
 
 def test_migrate_out_has_its_own_heads() -> None:
     assert (MIGRATE_OUT.request_head, MIGRATE_OUT.response_head) == (0x48430003, 0x48438003)
+    assert (PRECOPY.request_head, PRECOPY.response_head) == (0x48430004, 0x48438004)
+
+
+# ------------------------------------------------------------------ pre-copy
+PRE = f"{MIGRATION_ID_PREFIX}pre-C"
+
+
+def _ask_precopy(side: SchedulerSide, transfer_id: str = "X", precopy_id: str = PRE) -> list[Any]:
+    answers: list[PrecopyResponse] = []
+    side.migrations.request_precopy(PrecopyRequest(transfer_id, precopy_id), answers.append)
+    return answers
+
+
+def test_precopy_offers_the_full_blocks_and_the_request_decodes_on() -> None:
+    side, manager = _side()
+    request = _d1_request()
+    _pulled_in(side, manager, request, [11, 12, 13])
+    for token in range(30):  # 100 tokens: three full blocks, the last one computed
+        request.step(token)
+    manager.block_ids["d1-req"] = [11, 12, 13, 14]
+    answers = _ask_precopy(side)
+    assert answers == [], "decided on the engine-core thread, at the next step"
+    meta = _step_meta(side)
+    [answer] = answers
+    assert answer.offered, answer.reason
+    assert request.num_computed_tokens == 99
+    # Blocks below the last computed token's (block 3 holds token 98, maybe still in flight).
+    assert len(answer.token_ids) == 3 * BLOCK
+    assert answer.token_ids == [*request.prompt_token_ids, *request.output_token_ids][:96]
+    assert (answer.precopy_id, answer.remote_rpc_address) == (PRE, "127.0.0.1:8201")
+    assert meta.to_offer == [OfferSpec(PRE, PRE, [[11, 12, 13]], 96)]
+    assert manager.block_pool.refs == Counter({11: 1, 12: 1, 13: 1})
+    assert request.max_tokens == 64, "the request runs on untouched"
+    # The request decodes on and finishes by itself; the pre-copy hold is its own.
+    for token in range(30, 64 - 30):
+        request.step(token)
+    side.request_finished(request, ([11, 12, 13, 14],))  # type: ignore[arg-type]
+    assert manager.block_pool.refs == Counter({11: 1, 12: 1, 13: 1})
+    assert side.send_done(PRE, 0, "sent")
+    assert not side.send_done(PRE, 0, "released"), "given back once"
+    _step_meta(side)
+    assert +manager.block_pool.refs == Counter()
+    assert len(side.migrations) == 0
+
+
+def test_precopy_then_stop_holds_both_and_gives_each_back_once() -> None:
+    side, manager = _side()
+    request = _d1_request()
+    _pulled_in(side, manager, request, [11, 12, 13])
+    for token in range(30):
+        request.step(token)
+    manager.block_ids["d1-req"] = [11, 12, 13, 14]
+    offered = _ask_precopy(side)
+    answers = _ask_precopy(side)  # a second one while the first waits: refused
+    assert "under way" in answers[0].reason
+    _step_meta(side)
+    stop = _ask(side, "X", "M")
+    _step_meta(side)
+    request.step(99)
+    side.request_finished(request, ([11, 12, 13, 14],))  # type: ignore[arg-type]
+    assert offered[0].offered
+    assert stop[0].stopped
+    assert manager.block_pool.refs == Counter({11: 2, 12: 2, 13: 2, 14: 1})
+    assert side.send_done("d1-req", 0, "sent")
+    assert side.send_done(PRE, 0, "released")
+    _step_meta(side)
+    assert +manager.block_pool.refs == Counter()
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("unknown", "no running request"),
+        ("not a migration id", "must start with"),
+        ("no full block", "no full block"),
+        ("preempted", "request is PREEMPTED"),
+        ("finished", "finished (FINISHED_STOPPED)"),
+        ("shut down", "shutting down"),
+    ],
+)
+def test_precopy_refusals_hold_nothing(case: str, reason: str) -> None:
+    side, manager = _side()
+    request = _d1_request()
+    _pulled_in(side, manager, request, [11, 12, 13])
+    if case != "no full block":  # 69 computed: two full blocks
+        for token in range(5):
+            request.step(token)
+    answers = _ask_precopy(
+        side,
+        "Y" if case == "unknown" else "X",
+        "C" if case == "not a migration id" else PRE,
+    )
+    if case == "preempted":
+        request.status = SimpleNamespace(name="PREEMPTED")
+    if case == "finished":
+        request.status = SimpleNamespace(name="FINISHED_STOPPED")
+        side.request_finished(request, ([11, 12, 13],))  # type: ignore[arg-type]
+    if case == "shut down":
+        side.release_holds()
+    if case == "no full block":
+        request.num_computed_tokens = BLOCK  # block 0 holds the last computed token
+    meta = _step_meta(side)
+    [answer] = answers
+    assert not answer.offered
+    assert reason in answer.reason
+    assert meta.to_offer == []
+    assert +manager.block_pool.refs == Counter()
+
+
+@pytest.mark.parametrize(
+    ("groups", "reason"),
+    [
+        ([KvGroup("attention", (), BLOCK), KvGroup("state", (), BLOCK)], "state KV-cache"),
+        ([KvGroup("sliding_window", (), BLOCK)], "sliding_window KV-cache"),
+        ([KvGroup("attention", (), BLOCK), KvGroup("mla", (), 64)], "different block sizes"),
+    ],
+)
+def test_a_model_whose_full_blocks_change_refuses_precopy(groups: list, reason: str) -> None:
+    side = SchedulerSide(
+        HybridConfig(rpc_port=8201),
+        is_producer=True,
+        is_consumer=True,
+        block_size=BLOCK,
+        groups=groups,
+    )
+    side.migrations.track("X", _d1_request())  # type: ignore[arg-type]
+    [answer] = _ask_precopy(side)
+    assert not answer.offered
+    assert reason in answer.reason
+
+
+def test_precopy_reaches_the_scheduler_half_through_the_worker(no_thread_leak: None) -> None:
+    side, manager = _side()
+    request = _d1_request()
+    _pulled_in(side, manager, request, [11, 12, 13])
+    for token in range(10):
+        request.step(token)
+    asked = threading.Event()
+    real_request = side.migrations.request_precopy
+
+    def request_and_tell(*args: Any) -> None:
+        real_request(*args)
+        asked.set()
+
+    side.migrations.request_precopy = request_and_tell  # type: ignore[method-assign]
+    scheduler = SendDoneServer(
+        side, host="127.0.0.1", advertise_host=None, migrations=side.migrations
+    )
+    worker_loop = LoopThread(name="test-worker")
+    proxy_loop = LoopThread(name="test-proxy")
+    forwarder = MigrateOutForwarder(lambda: scheduler.address)
+    server = Server(name="test-worker-rpc")
+    forwarder.register(server)
+    try:
+        address = worker_loop.run(server.start("127.0.0.1", 0), timeout=10)
+        answer = proxy_loop.submit(precopy(address, "X", PRE, reason="test"))
+        assert asked.wait(10), "the call reached the scheduler half"
+        _step_meta(side)
+        reply = answer.result(timeout=10)
+        assert reply.offered, reply.reason
+        assert len(reply.token_ids) == 2 * BLOCK
+        assert side.send_done(PRE, 0, "released")
+    finally:
+        worker_loop.run(server.close(), timeout=10)
+        worker_loop.run(forwarder.close(), timeout=10)
+        worker_loop.close()
+        proxy_loop.close()
+        scheduler.close()
+        side.release_holds()
+    assert +manager.block_pool.refs == Counter()

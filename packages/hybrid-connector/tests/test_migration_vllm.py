@@ -5,6 +5,10 @@ The session's ``kv_both`` engine plays P, D1 and D2 (each request its own prefix
 D2 pulls instead of hitting D1's blocks): P prefills, D1 pulls P's KV and decodes, MIGRATE_OUT
 stops D1's request after the next token, D2 takes prompt + D1's tokens and pulls them from
 D1. The tokens of D1 then D2 must equal a single instance's, and nothing stays held.
+
+Pre-copy: PRECOPY offers D1's full blocks while it decodes on; D2's one-token warm-up (D2's salt)
+pulls them into D2's prefix cache, so D2's request after the stop hits them and pulls only the
+rest. A warm-up that never comes (D2 died) is released and D1 finishes as if never asked.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from harness.checks import (
 )
 from harness.offline import OfflineEngine, Req
 from hybrid_connector.contract import PullParams, encode_params
-from hybrid_connector.control import migrate_out
-from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse
+from hybrid_connector.control import migrate_out, precopy, release_transfer
+from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse, PrecopyResponse
 from simple_rpc import LoopThread
 
 pytestmark = pytest.mark.timeout(600)
@@ -101,4 +105,121 @@ def test_a_migrated_request_decodes_on_as_if_never_moved(engine_qwen2: OfflineEn
     computed = delta(after["by_source"], before["by_source"], "local_compute")
     assert computed == len(prompt) + 1, "P's prompt and D2's one token, nothing recomputed"
     assert delta(after["counters"], before["counters"], "pulls_started") == 2
+    assert_idle(engine)
+
+
+def _precopy(engine: OfflineEngine, transfer_id: str, precopy_id: str) -> PrecopyResponse:
+    """PRECOPY until D1 offers (the first calls may come before D1 admitted the request)."""
+    loop = LoopThread(name="test-proxy")
+    try:
+        for _ in range(2000):
+            answer = loop.run(precopy(engine.rpc_address, transfer_id, precopy_id), timeout=60)
+            if answer.offered or "finished" in answer.reason:
+                return answer
+        return answer
+    finally:
+        loop.close()
+
+
+def _release(engine: OfflineEngine, transfer_id: str) -> None:
+    loop = LoopThread(name="test-proxy")
+    try:
+        loop.run(release_transfer(engine.rpc_address, transfer_id), timeout=60)
+    finally:
+        loop.close()
+
+
+def _pull_of(transfer_id: str, address: str, tp: int, num_tokens: int) -> dict[str, Any]:
+    return encode_params(
+        PullParams(
+            transfer_id=transfer_id,
+            remote_rpc_address=address,
+            remote_tp_size=tp,
+            remote_num_tokens=num_tokens,
+        )
+    )
+
+
+def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
+    engine_qwen2: OfflineEngine,
+) -> None:
+    engine = engine_qwen2
+    bs = engine.block_size
+    [prompt] = prompts(seed=4343, lengths=(3 * bs + 5,))
+    [expected] = engine.generate([prompt], MAX_TOKENS, salt=salt())
+    tid = f"t-{uuid.uuid4().hex}"
+    cid = f"{MIGRATION_ID_PREFIX}pre-{uuid.uuid4().hex}"
+    mid = f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
+    d1_request = Req(prompt, MAX_TOKENS, pull_params(engine.rpc_address, tid), salt())
+    on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
+    wait_for(
+        "D1 to decode",
+        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+    )
+    offered = _precopy(engine, tid, cid)
+    assert offered.offered, offered.reason
+    n_pre = len(offered.token_ids)
+    assert n_pre % bs == 0
+    assert n_pre >= len(prompt) + DECODED_FIRST - bs - 1
+    assert offered.token_ids[: len(prompt)] == prompt
+
+    d2_salt = salt()
+    before = engine.stats()
+    [warm] = engine.generate(
+        [offered.token_ids],
+        1,
+        [_pull_of(cid, offered.remote_rpc_address, offered.remote_tp_size, n_pre)],
+        salt=d2_salt,
+    )
+    assert len(warm.token_ids) == 1
+    wait_for_sends(engine, before["counters"], 1)  # D1 -> D2's warm-up; C given back
+    warmed = engine.stats()
+    assert delta(warmed["by_source"], before["by_source"], "external_kv_transfer") >= n_pre - 1
+
+    answer = _stop(engine, tid, mid)
+    _, d1 = on_d1.result()
+    assert answer.stopped, answer.reason
+    n = len(answer.output_token_ids)
+    assert d1.token_ids == answer.output_token_ids
+    length = len(prompt) + n
+    tokens = prompt + d1.token_ids
+    assert tokens[:n_pre] == offered.token_ids, "the pre-copied tokens are the request's"
+    [d2] = engine.generate(
+        [tokens],
+        MAX_TOKENS - n,
+        [_pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)],
+        salt=d2_salt,
+    )
+    assert d1.token_ids + d2.token_ids == expected.token_ids, "token for token"
+    wait_for_sends(engine, warmed["counters"], 1)  # D1 -> D2: the last blocks only
+    after = engine.stats()
+    hit = delta(after["by_source"], warmed["by_source"], "local_cache_hit")
+    pulled = delta(after["by_source"], warmed["by_source"], "external_kv_transfer")
+    assert hit == n_pre, "D2 hit every pre-copied block in its own prefix cache"
+    assert pulled == length - 1 - n_pre, "and pulled only the blocks after them"
+    assert_idle(engine)
+
+
+def test_a_precopy_nobody_pulls_is_released_and_d1_finishes_unchanged(
+    engine_qwen2: OfflineEngine,
+) -> None:
+    """D2 died before its warm-up: the proxy releases C; D1 decodes to its end, token for
+    token, and nothing stays held."""
+    engine = engine_qwen2
+    bs = engine.block_size
+    [prompt] = prompts(seed=4444, lengths=(2 * bs + 7,))
+    [expected] = engine.generate([prompt], MAX_TOKENS, salt=salt())
+    tid = f"t-{uuid.uuid4().hex}"
+    cid = f"{MIGRATION_ID_PREFIX}pre-{uuid.uuid4().hex}"
+    d1_request = Req(prompt, MAX_TOKENS, pull_params(engine.rpc_address, tid), salt())
+    on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
+    wait_for(
+        "D1 to decode",
+        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+    )
+    offered = _precopy(engine, tid, cid)
+    assert offered.offered, offered.reason
+    _release(engine, cid)
+    _, d1 = on_d1.result()
+    assert d1.token_ids == expected.token_ids, "D1 finished as if never asked"
     assert_idle(engine)

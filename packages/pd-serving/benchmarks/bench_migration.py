@@ -1,10 +1,11 @@
-"""Downtime of a live migration: the extra gap a client sees at the switch, KV pull against
+"""Downtime of a live migration: the extra gap a client sees at the switch, pre-copy against
 recompute.
 
-1P2D HybridConnector; two proxies in this process in front of the same instances: one moves a
-request by pulling its KV from the D it leaves (``kv``, pd-serving's live migration), the other
-sends the same prompt + tokens to the new D without KV, which recomputes the whole context
-(``recompute``). One streaming greedy request at a time: after ``--migrate-after`` tokens the
+1P2D HybridConnector; proxies in this process in front of the same instances: ``precopy``
+(pd-serving's live migration: the full blocks move while the old D decodes on, the stop pulls
+only the last ones), ``recompute`` (the same prompt + tokens to the new D without KV, which
+recomputes the whole context) and, with ``--systems``, ``stop_and_copy`` (every block pulled at
+the stop). One streaming greedy request at a time: after ``--migrate-after`` tokens the
 client asks ``POST /admin/migrate`` to move it off its D; ``--after-tokens`` more follow from the
 other D. Per request, the gap between the last token before the switch and the first after it,
 minus the median inter-token gap of the same request, is the switch's extra gap ("downtime").
@@ -13,8 +14,9 @@ every round) as given; the tokens of both systems are compared with each other.
 
     flock /tmp/bench.lock uv run --frozen python packages/pd-serving/benchmarks/bench_migration.py
 
-(JSON in ``benchmarks/results/migration.json``; ``--smoke`` runs it against stand-ins in
-seconds, without vLLM: the harness and the table, numbers meaningless.)
+(JSON in ``benchmarks/results/migration.json``, the plot in ``migration_downtime.png``;
+``--smoke`` runs it against stand-ins in seconds, without vLLM: the harness and the table,
+numbers meaningless.)
 """
 
 from __future__ import annotations
@@ -32,10 +34,15 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 # The smoke run's stand-in upstreams are the tests' (stand_ins.py there).
 TESTS = Path(__file__).resolve().parents[1] / "tests"
-SYSTEMS = ("kv", "recompute")
+SYSTEMS = ("precopy", "recompute")
+# How each system moves a request: (pull the KV, pre-copy first).
+HOW = {"precopy": (True, True), "recompute": (False, False), "stop_and_copy": (True, False)}
+LLUMNIX_DOWNTIME_MS = (20, 30)  # Llumnix (OSDI '24), published, for any context length
 
 
-async def _start_proxy(prefill: Any, decodes: list[Any], model: str, pull_kv: bool):
+async def _start_proxy(
+    prefill: Any, decodes: list[Any], model: str, pull_kv: bool, precopy: bool = True
+):
     from pd_serving.launcher import free_port
     from pd_serving.proxy import PdProxy, ProxyConfig, serve
     from pd_serving.routing import Backend
@@ -50,6 +57,7 @@ async def _start_proxy(prefill: Any, decodes: list[Any], model: str, pull_kv: bo
     )
     proxy = PdProxy(config)
     proxy.live.pull_kv = pull_kv
+    proxy.live.precopy = precopy
     port = free_port()
     runner = await serve(proxy, "127.0.0.1", port)
     return f"http://127.0.0.1:{port}", proxy, runner
@@ -61,6 +69,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int)
     times: list[float] = []
     tokens: list[int] = []
     asked: asyncio.Task[Any] | None = None
+    asked_at = 0
 
     async def migrate() -> dict[str, Any]:
         async with session.get(f"{url}/health") as resp:
@@ -81,10 +90,24 @@ async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int)
                 tokens += ids
                 times += [now] * len(ids)
             if asked is None and len(tokens) >= migrate_after:
-                asked = asyncio.create_task(migrate())
+                asked, asked_at = asyncio.create_task(migrate()), len(tokens)
     assert asked is not None
     answer = await asked
-    return {"tokens": tokens, "times": times, "answer": answer["requests"]}
+    return {"tokens": tokens, "times": times, "answer": answer["requests"], "asked_at": asked_at}
+
+
+def _tpot_ratio(sample: dict) -> float | None:
+    """Median gap while the migration runs on the old D (after the ask, before the switch)
+    over the median gap before the ask."""
+    [moved] = sample["answer"] or [{}]
+    if moved.get("outcome") != "moved":
+        return None
+    at, asked = moved["tokens_before"], sample["asked_at"]
+    gaps = [b - a for a, b in zip(sample["times"], sample["times"][1:], strict=False)]
+    during, before = gaps[asked : at - 1], gaps[: asked - 1]
+    if not during or not before:
+        return None
+    return statistics.median(during) / statistics.median(before)
 
 
 def _extra_gap_ms(sample: dict) -> float | None:
@@ -107,15 +130,13 @@ async def measure(
 ) -> dict:
     import aiohttp
 
-    proxies = {
-        "kv": await _start_proxy(prefill, decodes, model, pull_kv=True),
-        "recompute": await _start_proxy(prefill, decodes, model, pull_kv=False),
-    }
-    samples: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in args.contexts} for s in SYSTEMS}
+    systems = args.systems
+    proxies = {s: await _start_proxy(prefill, decodes, model, *HOW[s]) for s in systems}
+    samples: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in args.contexts} for s in systems}
     try:
         async with aiohttp.ClientSession() as session:
             for round_ in range(args.rounds):
-                order = SYSTEMS if round_ % 2 == 0 else SYSTEMS[::-1]
+                order = systems if round_ % 2 == 0 else systems[::-1]
                 for context in args.contexts:
                     prompt = make_prompt(context - args.migrate_after, 1000 * context + round_)
                     for system in order:
@@ -143,7 +164,7 @@ def summarize(result: dict, args: argparse.Namespace) -> list[dict]:
     samples = result["samples"]
     for context in args.contexts:
         row: dict[str, Any] = {"context": context}
-        for system in SYSTEMS:
+        for system in args.systems:
             runs = samples[system][context]
             gaps = [g for g in map(_extra_gap_ms, runs) if g is not None]
             itl = [
@@ -153,35 +174,87 @@ def summarize(result: dict, args: argparse.Namespace) -> list[dict]:
             row[f"{system}_moved"] = len(gaps)
             row[f"{system}_extra_gap_ms"] = statistics.median(gaps) if gaps else None
             row[f"{system}_itl_ms"] = statistics.median(itl) * 1000 if itl else None
+            ratios = [r for r in map(_tpot_ratio, runs) if r is not None]
+            row[f"{system}_tpot_during"] = statistics.median(ratios) if ratios else None
         same = [
             a["tokens"] == b["tokens"]
-            for a, b in zip(samples["kv"][context], samples["recompute"][context], strict=True)
+            for a, b in zip(samples["precopy"][context], samples["recompute"][context], strict=True)
         ]
         row["same_tokens"] = f"{sum(same)}/{len(same)}"
-        kv, re = row["kv_extra_gap_ms"], row["recompute_extra_gap_ms"]
-        row["recompute_over_kv"] = re / kv if kv and re is not None and kv > 0 else None
+        ours, re = row["precopy_extra_gap_ms"], row["recompute_extra_gap_ms"]
+        row["precopy_over_recompute"] = ours / re if ours is not None and re else None
         rows.append(row)
     return rows
+
+
+def targets(rows: list[dict]) -> dict[str, Any]:
+    """The ratios the migration is held to (None where a context was not run)."""
+    by = {r["context"]: r for r in rows}
+    gap = {c: r["precopy_extra_gap_ms"] for c, r in by.items()}
+    first, last = min(by), max(by)
+    # Against the 256 one's gap, floored at 1 ms: a few-ms gap divides into noise.
+    flat = gap[last] / max(gap[first], 1.0) if gap[last] is not None and gap[first] else None
+    tpot = [r["precopy_tpot_during"] for r in rows if r["precopy_tpot_during"] is not None]
+    at_8k = by.get(8192, by[last])
+    return {
+        f"downtime_{last}_over_{first}": flat,
+        "downtime_over_recompute_8k": at_8k["precopy_over_recompute"],
+        "d1_tpot_while_precopying": statistics.median(tpot) if tpot else None,
+        "limits": {"flat": 1.5, "over_recompute": 0.2, "tpot": 1.05},
+    }
+
+
+def plot(rows: list[dict], systems: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    contexts = [r["context"] for r in rows]
+    for system in systems:
+        ax.plot(
+            contexts,
+            [r[f"{system}_extra_gap_ms"] for r in rows],
+            marker="o",
+            label=system.replace("_", "-"),
+        )
+    ax.axhspan(*LLUMNIX_DOWNTIME_MS, color="grey", alpha=0.2, label="Llumnix (published)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context at the switch (tokens)")
+    ax.set_ylabel("downtime: extra gap at the switch (ms)")
+    ax.set_title("Live migration downtime")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f}"
 
+    def x(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    systems = args.systems
     lines = [
         f"Migration after {args.migrate_after} tokens, {args.after_tokens} after; "
-        f"{args.rounds} rounds; medians.",
+        f"{args.rounds} rounds; medians; model {args.arch}.",
         "",
-        "| context | kv: extra gap ms | recompute: extra gap ms | recompute / kv | ITL ms "
-        "(kv / recompute) | moved (kv / recompute) | same tokens |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| context | "
+        + " | ".join(f"{s}: downtime ms" for s in systems)
+        + " | precopy / recompute | D1 TPOT while pre-copying | ITL ms | same tokens |",
+        "|---:|" + "---:|" * (len(systems) + 4),
     ]
     for r in rows:
-        ratio = "-" if r["recompute_over_kv"] is None else f"{r['recompute_over_kv']:.2f}x"
         lines.append(
-            f"| {r['context']} | {ms(r['kv_extra_gap_ms'])} | {ms(r['recompute_extra_gap_ms'])} "
-            f"| {ratio} | {ms(r['kv_itl_ms'])} / {ms(r['recompute_itl_ms'])} "
-            f"| {r['kv_moved']} / {r['recompute_moved']} | {r['same_tokens']} |"
+            f"| {r['context']} | "
+            + " | ".join(ms(r[f"{s}_extra_gap_ms"]) for s in systems)
+            + f" | {x(r['precopy_over_recompute'])} | {x(r['precopy_tpot_during'])} "
+            f"| {ms(r['precopy_itl_ms'])} | {r['same_tokens']} |"
         )
     return "\n".join(lines)
 
@@ -190,12 +263,22 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="against stand-ins, in seconds")
     parser.add_argument(
-        "--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1024, 1792]
+        "--contexts",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[256, 1024, 4096, 8192, 16384],
     )
-    parser.add_argument("--migrate-after", type=int, default=64)
-    parser.add_argument("--after-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--systems",
+        type=lambda s: s.split(","),
+        default=list(SYSTEMS),
+        help="precopy,recompute[,stop_and_copy]",
+    )
+    parser.add_argument("--arch", default="qwen2-wide", help="the random-weight model")
+    parser.add_argument("--migrate-after", type=int, default=32)
+    parser.add_argument("--after-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, default=RESULTS / "migration.json")
+    parser.add_argument("--png", type=Path, default=RESULTS / "migration_downtime.png")
     return parser
 
 
@@ -212,7 +295,7 @@ async def _smoke(args: argparse.Namespace) -> int:
             "remote_rpc_address": "127.0.0.1:1",
         },
     )
-    decodes = [FakeDecode(f"D{i}", token_delay_s=0.001) for i in range(2)]
+    decodes = [FakeDecode(f"D{i}", token_delay_s=0.001, precopy_block=4) for i in range(2)]
     await p.start()
     for d in decodes:
         await d.start()
@@ -231,9 +314,12 @@ async def _smoke(args: argparse.Namespace) -> int:
     rows = summarize(result, args)
     print(markdown(rows, args))
     n = args.rounds
-    assert all(r["kv_moved"] == n and r["recompute_moved"] == n for r in rows), rows
+    assert all(r[f"{s}_moved"] == n for r in rows for s in args.systems), rows
     assert all(r["same_tokens"] == f"{n}/{n}" for r in rows), rows
-    sample = result["samples"]["kv"][args.contexts[0]][0]
+    print(json.dumps(targets(rows)))
+    if args.png:
+        plot(rows, args.systems, Path("/tmp") / "bench-migration-smoke.png")
+    sample = result["samples"]["precopy"][args.contexts[0]][0]
     prompt_len = args.contexts[0] - args.migrate_after
     prompt = [3 + (1000 * args.contexts[0] + i) % 400 for i in range(prompt_len)]
     assert sample["tokens"] == model_tokens(prompt, args.migrate_after + args.after_tokens)
@@ -245,12 +331,17 @@ def run(args: argparse.Namespace) -> int:
     from pd_serving.client import load_tokenizer
     from pd_serving.deploy import Deployment
     from pd_serving.model import default_model_dir, make_model
-    from pd_serving.servers import Connector, Role, plan_servers
+    from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
 
-    model = make_model(default_model_dir("qwen2"), "qwen2")
+    model = make_model(default_model_dir(args.arch), args.arch)
     load_tokenizer(model)  # the model is complete before the servers start
     log_dir = Path("/tmp") / f"bench-migration-{int(time.time())}"
-    servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2)
+    longest = max(args.contexts) + args.after_tokens + 64
+    cpu = CpuSettings(
+        max_model_len=max(2048, longest),
+        kv_cache_bytes=max(64 << 20, 6 * longest * 2048),  # the wide model: 2 KiB a token
+    )
+    servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2, cpu=cpu)
     vocab = 400
 
     def make_prompt(n: int, seed: int) -> list[int]:
@@ -272,11 +363,15 @@ def run(args: argparse.Namespace) -> int:
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "started": started,
                 "rows": rows,
+                "targets": targets(rows),
+                "llumnix_downtime_ms": LLUMNIX_DOWNTIME_MS,
                 "table": table,
             },
             indent=1,
         )
     )
+    plot(rows, args.systems, args.png)
+    print(json.dumps(targets(rows)))
     return 0
 
 
@@ -284,6 +379,7 @@ def main() -> int:
     args = _parser().parse_args()
     if args.smoke:
         args.contexts, args.migrate_after, args.after_tokens, args.rounds = [24, 40], 8, 6, 2
+        args.systems = ["precopy", "recompute", "stop_and_copy"]
         return asyncio.run(_smoke(args))
     return run(args)
 

@@ -17,7 +17,14 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 from hybrid_connector.contract import PullParams, decode_params
-from hybrid_connector.migration import MIGRATE_OUT, MigrateOutRequest, MigrateOutResponse
+from hybrid_connector.migration import (
+    MIGRATE_OUT,
+    PRECOPY,
+    MigrateOutRequest,
+    MigrateOutResponse,
+    PrecopyRequest,
+    PrecopyResponse,
+)
 from hybrid_connector.protocol import RELEASE, ReleaseRequest, ReleaseResponse
 from simple_rpc import CallContext, Server
 
@@ -236,6 +243,9 @@ class FakeDecode:
 
     name: str
     refuse_migration: bool = False
+    # PRECOPY offers the stream's tokens in whole blocks of this size; 0: refused.
+    precopy_block: int = 0
+    refuse_unstreamed: bool = False  # answer 503 to non-streaming requests (a warm-up)
     hang: bool = False  # never answer generation requests
     # A request not migrated in stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
     pause_after: int | None = None
@@ -261,6 +271,7 @@ class FakeDecode:
         self.url = f"http://127.0.0.1:{port}"
         self._rpc = Server()
         self._rpc.register(MIGRATE_OUT, self._on_migrate_out)
+        self._rpc.register(PRECOPY, self._on_precopy)
         self._rpc.register(RELEASE, self._on_release)
         self.rpc_address = await self._rpc.start("127.0.0.1", 0)
 
@@ -276,6 +287,8 @@ class FakeDecode:
         self.called.set()
         if self.hang:
             await asyncio.Event().wait()
+        if self.refuse_unstreamed and not body.get("stream"):
+            return web.json_response({"error": {"message": "busy"}}, status=503)
         params = decode_params(body.get("kv_transfer_params"))
         # A request without a pull (a recomputing migration) cannot be migrated again.
         key = (
@@ -334,6 +347,20 @@ class FakeDecode:
             num_tokens=len(stream.prompt) + len(stream.outputs) - 1,
             prompt_token_ids=stream.prompt,
             output_token_ids=stream.outputs,
+        )
+
+    async def _on_precopy(self, req: PrecopyRequest, _ctx: CallContext) -> PrecopyResponse:
+        stream = self.streams.get(req.transfer_id)
+        if stream is None or not self.precopy_block:
+            return PrecopyResponse(req.transfer_id, offered=False, reason="not here")
+        tokens = stream.prompt + stream.outputs
+        full = (len(tokens) - 1) // self.precopy_block * self.precopy_block
+        return PrecopyResponse(
+            req.transfer_id,
+            offered=True,
+            precopy_id=req.precopy_id,
+            remote_rpc_address=self.rpc_address,
+            token_ids=tokens[:full],
         )
 
     async def _on_release(self, req: ReleaseRequest, _ctx: CallContext) -> ReleaseResponse:

@@ -98,6 +98,43 @@ PATHS = {
         [Action.ASK_D1, Action.WAIT, Action.CALL, Action.FREE],
         Phase.DONE,
     ),
+    "pre-copied, warmed, stopped, moved": (
+        [
+            ("requested", D2, True),
+            ("precopy_offered",),
+            ("warmed",),
+            ("d1_stopped",),
+            ("d1_ended",),
+            ("called_first_token",),
+        ],
+        [Action.ASK_PRECOPY, Action.WARM, Action.ASK_D1, Action.WAIT, Action.CALL, Action.RELAY],
+        Phase.MOVED,
+    ),
+    "pre-copy refused: a plain stop-and-copy": (
+        [("requested", D2, True), ("precopy_refused", "no full block"), ("d1_stopped",)],
+        [Action.ASK_PRECOPY, Action.ASK_D1, Action.WAIT],
+        Phase.STOPPED,
+    ),
+    "the warm-up fails: the request stays on D1": (
+        [("requested", D2, True), ("precopy_offered",), ("warm_failed", "503"), ("d1_ended",)],
+        [Action.ASK_PRECOPY, Action.WARM, Action.KEEP, Action.END_ON_D1],
+        Phase.DONE,
+    ),
+    "D1 ends while warming": (
+        [("requested", D2, True), ("precopy_offered",), ("d1_ended",), ("warmed",)],
+        [Action.ASK_PRECOPY, Action.WARM, Action.END_ON_D1, Action.KEEP],
+        Phase.DONE,
+    ),
+    "D1 ends while pre-copying": (
+        [("requested", D2, True), ("d1_ended",), ("precopy_offered",)],
+        [Action.ASK_PRECOPY, Action.END_ON_D1, Action.KEEP],
+        Phase.DONE,
+    ),
+    "asked while pre-copying": (
+        [("requested", D2, True), ("requested", D2)],
+        [Action.ASK_PRECOPY, Action.REFUSE],
+        Phase.PRECOPYING,
+    ),
     "client gone after the move": (
         [*SWITCHED, ("called_first_token",), ("client_gone",)],
         [Action.ASK_D1, Action.WAIT, Action.CALL, Action.RELAY, Action.FREE],
@@ -148,9 +185,51 @@ def test_release_only_while_d1_holds_for_nobody(
     assert decisions[-1].release is released
 
 
+@pytest.mark.parametrize(
+    ("events", "released"),
+    [
+        # C is D1's from PRECOPY until refused; released once, whatever came after.
+        ([("requested", D2, True), ("precopy_offered",), ("warmed",)], True),
+        ([("requested", D2, True), ("precopy_offered",), ("warm_failed", "x")], True),
+        ([("requested", D2, True), ("precopy_offered",), ("d1_ended",)], True),
+        ([("requested", D2, True), ("client_gone",)], True),
+        ([("requested", D2, True), ("precopy_offered",), ("d1_failed", "reset")], True),
+        ([("requested", D2, True), ("precopy_refused", "no"), ("client_gone",)], False),
+        (
+            [
+                ("requested", D2, True),
+                ("precopy_offered",),
+                ("warmed",),
+                ("d1_stopped",),
+                ("client_gone",),
+            ],
+            True,
+        ),
+    ],
+)
+def test_the_precopy_id_is_released_once_unless_refused(
+    events: list[tuple[str, ...]], released: bool
+) -> None:
+    _, decisions = _run(events)
+    assert [d.release_precopy for d in decisions].count(True) == int(released)
+
+
+def test_the_warm_up_goes_to_the_target() -> None:
+    _, decisions = _run([("requested", D2, True), ("precopy_offered",), ("warmed",)])
+    assert [(d.action, d.target) for d in decisions[1:]] == [
+        (Action.WARM, D2),
+        (Action.ASK_D1, D2),
+    ]
+
+
 EVENTS = st.sampled_from(
     [
         ("requested", D2),
+        ("requested", D2, True),
+        ("precopy_offered",),
+        ("precopy_refused", "no"),
+        ("warmed",),
+        ("warm_failed", "refused"),
         ("requested", D1),
         ("d1_refused", "no"),
         ("d1_stopped",),
@@ -171,9 +250,20 @@ def test_any_order_of_events(events: list[tuple[str, ...]]) -> None:
     migration = Migration(D1)
     stopped = ended = False
     releases = 0
+    precopies = precopy_released = 0
     for name, *args in events:
         before = migration.phase
         decision = getattr(migration, name)(*args)
+        precopies += decision.action is Action.ASK_PRECOPY
+        precopy_released += decision.release_precopy or (
+            name == "precopy_refused" and before is Phase.PRECOPYING
+        )
+        assert precopy_released <= precopies, "C released at most once per pre-copy"
+        if decision.action is Action.WARM:
+            assert before is Phase.PRECOPYING
+        if migration.phase not in (Phase.PRECOPYING, Phase.WARMING):
+            assert precopy_released == precopies, "no pre-copy hold left behind"
+            assert not migration.precopy_holds
         stopped |= name == "d1_stopped" and before is Phase.STOPPING
         ended |= name == "d1_ended"
         releases += decision.release

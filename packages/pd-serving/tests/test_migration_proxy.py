@@ -206,3 +206,48 @@ async def test_unknown_instances_are_refused(rig: Rig) -> None:
         async with session.post(f"{rig.url}/admin/migrate?instance=d1&to=d1") as resp:
             assert resp.status == 400
     assert await rig.migrate(instance="d2") == {"instance": "d2", "requests": []}  # none there
+
+
+async def test_a_precopied_migration_warms_the_target_up_first(rig: Rig) -> None:
+    rig.d1.precopy_block = rig.d2.precopy_block = 4
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    events = await client
+    assert answer["requests"][0]["outcome"] == "moved", answer
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
+    warm_up, final = d2.received
+    so_far = PROMPT + model_tokens(PROMPT, PAUSE_AFTER)
+    assert warm_up["prompt"] == so_far[:8], "the full blocks D1 had computed"
+    assert (warm_up["max_tokens"], warm_up["stream"]) == (1, False)
+    assert "stream_options" not in warm_up
+    pull = decode_params(warm_up["kv_transfer_params"])
+    assert isinstance(pull, PullParams)
+    assert pull.transfer_id.startswith("mig-pre-")
+    assert (pull.remote_rpc_address, pull.remote_num_tokens) == (d1.rpc_address, 8)
+    assert final["prompt"] == PROMPT + model_tokens(PROMPT, PAUSE_AFTER + 1)
+    await rig.proxy.drain_background()
+    assert [r.transfer_id for r in d1.releases] == [pull.transfer_id], "C released, once"
+    assert rig.proxy.metrics.registry.get_sample_value(
+        "pdserve_migration_precopies_total", {"outcome": "warmed"}
+    )
+
+
+async def test_a_target_failing_the_warm_up_leaves_the_request_on_d1(rig: Rig) -> None:
+    rig.d1.precopy_block = rig.d2.precopy_block = 4
+    rig.d1.refuse_unstreamed = rig.d2.refuse_unstreamed = True
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    assert answer["requests"][0]["outcome"] == "refused", answer
+    assert "warm-up" in answer["requests"][0]["reason"]
+    [stream] = d1.streams.values()
+    stream.proceed.set()
+    events = await client
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS), "finished on D1 as if never asked"
+    assert [c["finish_reason"] for e in events for c in e.get("choices") or []][-1] == "length"
+    [warm_up] = d2.received
+    assert warm_up["max_tokens"] == 1
+    await rig.proxy.drain_background()
+    [release] = d1.releases
+    assert release.transfer_id.startswith("mig-pre-"), "the pre-copy hold goes back"

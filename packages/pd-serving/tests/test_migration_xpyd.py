@@ -50,10 +50,15 @@ async def _by_source(session: aiohttp.ClientSession, url: str) -> dict[str, floa
 
 
 async def _stream_and_migrate(
-    session: aiohttp.ClientSession, url: str, proxy: PdProxy, model: str, prompt: str
+    session: aiohttp.ClientSession,
+    url: str,
+    proxy: PdProxy,
+    model: str,
+    prompt: str,
+    **extra: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The client: its events, and the admin endpoint's answer (asked after MIGRATE_AFTER)."""
-    body = greedy_body(model, prompt, max_tokens=MAX_TOKENS, stream=True)
+    body = greedy_body(model, prompt, max_tokens=MAX_TOKENS, stream=True, **extra)
     body["stream_options"] = {"include_usage": True}
     events: list[dict[str, Any]] = []
     tokens = 0
@@ -79,24 +84,38 @@ async def _stream_and_migrate(
     return events, await asked
 
 
-async def test_a_stream_moves_between_real_decodes_token_for_token(xpyd: Xpyd) -> None:
+@pytest.mark.parametrize("precopy", [False, True], ids=["stop-and-copy", "precopy"])
+async def test_a_stream_moves_between_real_decodes_token_for_token(
+    xpyd: Xpyd, precopy: bool
+) -> None:
+    """Pre-copy: the new D's warm-up pulls the full blocks the old one had, its request after
+    the stop hits them in its prefix cache and pulls only the rest; with logprobs, and the
+    reference non-streaming."""
     model = xpyd.model_name
     tokenizer = load_tokenizer(xpyd.model)
-    prompt = exact_length_prompt(tokenizer, PROMPT_TOKENS, seed=7300)
+    prompt = exact_length_prompt(tokenizer, PROMPT_TOKENS, seed=7300 + precopy)
     config = xpyd.proxy_config(prefill_count=1)
     config.health = None
     assert all(d.rpc_address for d in config.decode)
     proxy = PdProxy(config)
+    proxy.live.precopy = precopy
+    extra = {"logprobs": 1, "return_tokens_as_token_ids": True} if precopy else {}
     port = free_port()
     runner = await serve(proxy, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
             reference = await complete(
-                session, xpyd.reference_url, model, prompt, max_tokens=MAX_TOKENS
+                session,
+                xpyd.reference_url,
+                model,
+                prompt,
+                max_tokens=MAX_TOKENS,
+                stream=not precopy,
+                logprobs=1 if precopy else None,
             )
             before = {d: await _by_source(session, d) for d in xpyd.decode_urls}
-            events, answer = await _stream_and_migrate(session, url, proxy, model, prompt)
+            events, answer = await _stream_and_migrate(session, url, proxy, model, prompt, **extra)
             [moved] = answer["requests"]
             assert moved["outcome"] == "moved", moved
             target = moved["to"]
@@ -107,8 +126,15 @@ async def test_a_stream_moves_between_real_decodes_token_for_token(xpyd: Xpyd) -
                 return await _by_source(session, target)
 
             pulled_before = before[target]["external_kv_transfer"]
+            hit_before = before[target]["local_cache_hit"]
             after = await wait_until(
-                target_counts, lambda c: c["external_kv_transfer"] >= pulled_before + length - 1
+                target_counts,
+                lambda c: (
+                    c["external_kv_transfer"]
+                    - pulled_before
+                    + (c["local_cache_hit"] - hit_before) * precopy
+                    >= length - 1
+                ),
             )
 
             async def idle() -> list[float]:
@@ -124,6 +150,9 @@ async def test_a_stream_moves_between_real_decodes_token_for_token(xpyd: Xpyd) -
         moved_count = proxy.metrics.registry.get_sample_value(
             "pdserve_migrations_total", {"outcome": "moved"}
         )
+        warmed = proxy.metrics.registry.get_sample_value(
+            "pdserve_migration_precopies_total", {"outcome": "warmed"}
+        )
     finally:
         await runner.cleanup()
     got = [t for e in events for c in e.get("choices") or [] for t in c.get("token_ids") or []]
@@ -136,10 +165,30 @@ async def test_a_stream_moves_between_real_decodes_token_for_token(xpyd: Xpyd) -
     finishes = [c["finish_reason"] for e in events for c in e.get("choices") or []]
     assert [f for f in finishes if f is not None] == ["length"]
     assert len({e["id"] for e in events}) == 1, "one stream"
-    # The new D took every token the old one had KV for and computed only the last.
     pulled = after["external_kv_transfer"] - pulled_before
     computed = after["local_compute"] - before[target]["local_compute"]
-    assert pulled == length - 1, after
-    assert computed == 1, after
     assert usage == [0.0, 0.0, 0.0], "no blocks held on either D or on P"
     assert moved_count == 1
+    if not precopy:
+        # The new D took every token the old one had KV for and computed only the last.
+        assert pulled == length - 1, after
+        assert computed == 1, after
+        return
+    assert warmed == 1
+    # The warm-up pulled the full blocks and computed its last token; the request after the
+    # stop hit those blocks and pulled the rest: nothing recomputed but those two tokens.
+    hit = after["local_cache_hit"] - hit_before
+    assert hit > 0, after
+    assert pulled + hit >= length - 1, after
+    assert computed <= 2, after
+    got_logprobs = [
+        {int(t.rpartition(":")[2]): lp for t, lp in (top or {}).items()}
+        for e in events
+        for c in e.get("choices") or []
+        for top in (c.get("logprobs") or {}).get("top_logprobs") or []
+    ]
+    assert len(got_logprobs) == MAX_TOKENS
+    for got_top, want_top, token in zip(
+        got_logprobs, reference.top_logprobs, reference.token_ids, strict=True
+    ):
+        assert got_top[token] == pytest.approx(want_top[token], abs=0.05)

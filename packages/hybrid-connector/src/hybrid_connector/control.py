@@ -3,17 +3,26 @@
     from hybrid_connector.control import migrate_out, release_transfer
     await release_transfer("127.0.0.1:8200", transfer_id, reason="prefill request failed")
     answer = await migrate_out("127.0.0.1:8201", transfer_id, new_transfer_id)
+    offered = await precopy("127.0.0.1:8201", transfer_id, precopy_id)
 
 Use ``release_transfer`` with parallel dispatch when the request to P failed: D's pull, parked
 on P waiting for a request that will never finish, fails at once (D recomputes) instead of after
-the lease. ``migrate_out`` stops a decoding request and holds its KV for another instance.
+the lease. ``migrate_out`` stops a decoding request and holds its KV for another instance;
+``precopy`` before it offers the request's full blocks while it decodes on.
 """
 
 from __future__ import annotations
 
 from simple_rpc import Client
 
-from hybrid_connector.migration import MIGRATE_OUT, MigrateOutRequest, MigrateOutResponse
+from hybrid_connector.migration import (
+    MIGRATE_OUT,
+    PRECOPY,
+    MigrateOutRequest,
+    MigrateOutResponse,
+    PrecopyRequest,
+    PrecopyResponse,
+)
 from hybrid_connector.protocol import RELEASE, ReleaseRequest
 
 
@@ -65,5 +74,31 @@ async def migrate_out(
     own = Client(rpc_address)
     try:
         return await own.call(MIGRATE_OUT, request, timeout=timeout_s)
+    finally:
+        await own.close()
+
+
+async def precopy(
+    rpc_address: str,
+    transfer_id: str,
+    precopy_id: str,
+    *,
+    reason: str = "",
+    timeout_s: float = 60.0,
+    client: Client | None = None,
+) -> PrecopyResponse:
+    """Ask a decode instance to offer the full blocks of the running request whose
+    ``kv_transfer_params`` name ``transfer_id`` under ``precopy_id`` (it must start with
+    ``migration.MIGRATION_ID_PREFIX``) while the request decodes on. The answer names the tokens
+    whose KV is offered (see ``hybrid_connector.migration``).
+
+    Raises simple_rpc's errors as ``release_transfer`` does.
+    """
+    request = PrecopyRequest(transfer_id, precopy_id, reason)
+    if client is not None:
+        return await client.call(PRECOPY, request, timeout=timeout_s)
+    own = Client(rpc_address)
+    try:
+        return await own.call(PRECOPY, request, timeout=timeout_s)
     finally:
         await own.close()

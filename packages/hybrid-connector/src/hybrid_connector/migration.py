@@ -37,7 +37,26 @@ One migration out, in the scheduler half (``MigrationsOut``)::
     any --shut down--> refused
 
 A second request for X while one is pending is refused. Every request is answered exactly once
-(``reply``, on the thread that decided it, never blocking). Imports msgspec and simple_rpc only.
+(``reply``, on the thread that decided it, never blocking).
+
+Pre-copy (``PRECOPY``, before MIGRATE_OUT): a decoding request's full blocks never change again,
+so they can move while it decodes on. D1 references R's full blocks (each group's first
+``num_tokens / block_size``) under a pre-copy id C, offers them as a P's prompt and answers with
+their tokens; R runs on untouched. The proxy sends D2 a one-token request whose prompt is those
+tokens, pulling C from D1: the blocks land in D2's prefix cache, and the stop that follows pulls
+only the blocks after them. C's blocks go back as any offer's (SEND_DONE after the send, a
+release, the lease); R's own blocks are vLLM's as before::
+
+    (none) --precopy(X, C), X not running here / C in use--> answered: refused
+    (none) --precopy(X, C)--> PRECOPY PENDING --next build_connector_meta, R running with a
+                                 |                full block computed before the last step-->
+                                 |                offered: blocks referenced, offered under C
+                                 |--next build_connector_meta, R not running / no full block,
+                                 |    or a model with a state or sliding-window group--> refused
+                                 '--R finished first / shut down--> refused
+
+Only blocks below the token the last step computed count as full: with async scheduling that
+step may still be writing when the next one is scheduled. Imports msgspec and simple_rpc only.
 """
 
 from __future__ import annotations
@@ -100,6 +119,45 @@ MIGRATE_OUT: Method[MigrateOutRequest, MigrateOutResponse] = Method(
 Reply = Callable[[MigrateOutResponse], None]
 
 
+class PrecopyRequest(msgspec.Struct, frozen=True):
+    """Proxy -> D1 (forwarded to its scheduler half): offer the full blocks of the running
+    request whose ``kv_transfer_params`` name ``transfer_id`` under ``precopy_id``; the request
+    goes on."""
+
+    transfer_id: str
+    precopy_id: str
+    reason: str = ""
+
+
+class PrecopyResponse(msgspec.Struct, frozen=True):
+    """``offered``: the KV of ``token_ids`` (the request's first tokens, whole blocks) is
+    offered under ``precopy_id`` and held until pulled, released or the lease passes. Otherwise
+    ``reason`` says why not (nothing is held)."""
+
+    transfer_id: str
+    offered: bool
+    reason: str = ""
+    precopy_id: str = ""
+    remote_rpc_address: str = ""
+    remote_tp_size: int = 1
+    token_ids: list[int] = []
+
+
+PRECOPY: Method[PrecopyRequest, PrecopyResponse] = Method(
+    "hybrid_connector.precopy",
+    request_head=0x48430004,
+    response_head=0x48438004,
+    request_type=PrecopyRequest,
+    response_type=PrecopyResponse,
+)
+
+PrecopyReply = Callable[[PrecopyResponse], None]
+
+
+def precopy_refused(transfer_id: str, reason: str) -> PrecopyResponse:
+    return PrecopyResponse(transfer_id, offered=False, reason=reason)
+
+
 def refused(transfer_id: str, reason: str) -> MigrateOutResponse:
     return MigrateOutResponse(transfer_id, stopped=False, reason=reason)
 
@@ -113,6 +171,27 @@ class _Migration:
     # STOPPING: max_tokens was lowered to this (0: still PENDING); the request's own before.
     stop_at: int = 0
     max_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Precopy:
+    transfer_id: str
+    precopy_id: str
+    reply: PrecopyReply
+    request: Request
+
+
+@dataclass(frozen=True, slots=True)
+class Precopied:
+    """``apply``: hold ``request``'s blocks for its first ``num_tokens`` tokens (whole blocks of
+    every group) under ``precopy_id`` and offer them, then ``answer`` with the TP size
+    (``SchedulerSide._hold_for_precopy``)."""
+
+    precopy_id: str
+    request: Request
+    num_tokens: int
+    answer: Callable[[int], None]
+    refuse: Callable[[str], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,18 +208,23 @@ class MigrationsOut:
     run on the engine-core thread, ``request`` on the SEND_DONE server's thread; one lock
     guards the tables, and no reply is made while holding it."""
 
-    def __init__(self, rpc_address: str) -> None:
+    def __init__(self, rpc_address: str, block_size: int = 0, precopy_refusal: str = "") -> None:
         self._rpc_address = rpc_address
+        # Pre-copy: the one block size of the model's groups, or why the model can not
+        # (``precopy_refusal``: a state or sliding-window group changes blocks it has filled).
+        self._block_size = block_size
+        self._precopy_refusal = precopy_refusal or ("" if block_size else "no block size")
         self._lock = threading.Lock()
         self._running: dict[str, Request] = {}  # transfer id -> request (engine thread writes)
         self._transfer_of: dict[str, str] = {}  # request id -> transfer id
         self._pending: dict[str, _Migration] = {}  # transfer id -> migration
+        self._precopies: dict[str, _Precopy] = {}  # transfer id -> pre-copy asked
         self._closed = False
 
     def __len__(self) -> int:
         """Requests tracked (running with a transfer id) or asked for."""
         with self._lock:
-            return len(self._running) + len(self._pending)
+            return len(self._running) + len(self._pending) + len(self._precopies)
 
     # -- engine-core thread ------------------------------------------------------------------
     def track(self, transfer_id: str, request: Request) -> None:
@@ -150,10 +234,12 @@ class MigrationsOut:
             self._running[transfer_id] = request
             self._transfer_of[request.request_id] = transfer_id
 
-    def apply(self) -> None:
-        """``build_connector_meta``: stop the requests asked for (after this step's token)."""
+    def apply(self) -> list[Precopied]:
+        """``build_connector_meta``: the pre-copies to hold now (the caller holds and offers
+        them, then answers), and stop the requests asked for (after this step's token)."""
+        precopied = self._apply_precopies() if self._precopies else []
         if not self._pending:  # read without the lock: a request that just came waits a step
-            return
+            return precopied
         answers: list[tuple[Reply, MigrateOutResponse]] = []
         with self._lock:
             for tid, migration in list(self._pending.items()):
@@ -170,6 +256,53 @@ class MigrationsOut:
                 request.max_tokens = migration.stop_at
         for reply, answer in answers:
             reply(answer)
+        return precopied
+
+    def _apply_precopies(self) -> list[Precopied]:
+        refusals: list[tuple[PrecopyReply, PrecopyResponse]] = []
+        out: list[Precopied] = []
+        with self._lock:
+            precopies, self._precopies = list(self._precopies.values()), {}
+        for precopy in precopies:
+            request, tid = precopy.request, precopy.transfer_id
+            status = request.status.name
+            # Blocks below the last computed token's: the step that computed it may still run.
+            full = (request.num_computed_tokens - 1) // self._block_size * self._block_size
+            if status != "RUNNING":
+                refusals.append((precopy.reply, precopy_refused(tid, f"request is {status}")))
+            elif full <= 0:
+                refusals.append((precopy.reply, precopy_refused(tid, "no full block yet")))
+            else:
+                out.append(
+                    Precopied(
+                        precopy.precopy_id,
+                        request,
+                        full,
+                        self._answer(precopy, full),
+                        lambda why, p=precopy: p.reply(precopy_refused(p.transfer_id, why)),
+                    )
+                )
+        for reply, answer in refusals:
+            reply(answer)
+        return out
+
+    def _answer(self, precopy: _Precopy, num_tokens: int) -> Callable[[int], None]:
+        request = precopy.request
+        tokens = [*(request.prompt_token_ids or ()), *request.output_token_ids][:num_tokens]
+
+        def answer(tp_size: int) -> None:
+            precopy.reply(
+                PrecopyResponse(
+                    precopy.transfer_id,
+                    offered=True,
+                    precopy_id=precopy.precopy_id,
+                    remote_rpc_address=self._rpc_address,
+                    remote_tp_size=tp_size,
+                    token_ids=tokens,
+                )
+            )
+
+        return answer
 
     def finished(self, request: Request) -> Stopped | None:
         """``request_finished``: forget the request; if it was stopped for a migration (it ended
@@ -180,6 +313,9 @@ class MigrationsOut:
                 return None
             self._running.pop(tid, None)
             migration = self._pending.pop(tid, None)
+            precopy = self._precopies.pop(tid, None)
+        if precopy is not None:
+            precopy.reply(precopy_refused(tid, f"request finished ({request.status.name})"))
         if migration is None:
             return None
         output = list(request.output_token_ids)
@@ -215,10 +351,13 @@ class MigrationsOut:
         with self._lock:
             self._closed = True
             pending, self._pending = list(self._pending.values()), {}
+            precopies, self._precopies = list(self._precopies.values()), {}
             self._running.clear()
             self._transfer_of.clear()
         for migration in pending:
             migration.reply(refused(migration.transfer_id, "the instance is shutting down"))
+        for precopy in precopies:
+            precopy.reply(precopy_refused(precopy.transfer_id, "the instance is shutting down"))
 
     # -- SEND_DONE server thread -------------------------------------------------------------
     def request(self, req: MigrateOutRequest, reply: Reply) -> None:
@@ -238,6 +377,33 @@ class MigrationsOut:
                 self._pending[tid] = _Migration(tid, req.migration_id, reply, request)
                 return
         reply(refused(tid, why))
+
+    def request_precopy(self, req: PrecopyRequest, reply: PrecopyReply) -> None:
+        """Ask for a pre-copy; ``reply`` gets the answer now (refused) or from ``apply``."""
+        tid = req.transfer_id
+        with self._lock:
+            request = self._running.get(tid)
+            if self._closed:
+                why = "the instance is shutting down"
+            elif self._precopy_refusal:
+                why = f"no pre-copy here: {self._precopy_refusal}"
+            elif request is None:
+                why = "no running request has this transfer id here"
+            elif tid in self._precopies or tid in self._pending:
+                why = "a pre-copy or migration of this request is under way"
+            elif not req.precopy_id.startswith(MIGRATION_ID_PREFIX):
+                why = f"the pre-copy id must start with {MIGRATION_ID_PREFIX!r}"
+            elif req.precopy_id in self._running:
+                why = "the pre-copy id is in use"
+            else:
+                self._precopies[tid] = _Precopy(tid, req.precopy_id, reply, request)
+                return
+        reply(precopy_refused(tid, why))
+
+    def withdraw_precopy(self, transfer_id: str) -> bool:
+        """The asker gave up waiting: forget a pre-copy not yet applied (True)."""
+        with self._lock:
+            return self._precopies.pop(transfer_id, None) is not None
 
     def withdraw(self, transfer_id: str) -> bool:
         """The asker gave up waiting: forget a migration not yet applied (True). One whose
@@ -260,6 +426,34 @@ class MigrateOutService:
 
     def register(self, server: Server) -> None:
         server.register(MIGRATE_OUT, self._on_migrate_out)
+        server.register(PRECOPY, self._on_precopy)
+
+    async def _on_precopy(self, req: PrecopyRequest, ctx: CallContext) -> PrecopyResponse:
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[PrecopyResponse] = loop.create_future()
+
+        def reply(response: PrecopyResponse) -> None:  # any thread
+            loop.call_soon_threadsafe(_settle, answer, response)
+
+        self._migrations.request_precopy(req, reply)
+        try:
+            response = await asyncio.wait_for(asyncio.shield(answer), self._decide_within_s)
+        except TimeoutError:
+            if not self._migrations.withdraw_precopy(req.transfer_id):
+                response = await answer  # applied meanwhile: its answer is on its way
+            else:
+                response = precopy_refused(req.transfer_id, "the engine did not step in time")
+        log.info(
+            "transfer %s: pre-copy under %s asked by %s (%s): %s",
+            req.transfer_id,
+            req.precopy_id,
+            ctx.peer,
+            req.reason or "no reason given",
+            f"{len(response.token_ids)} tokens offered"
+            if response.offered
+            else f"refused, {response.reason}",
+        )
+        return response
 
     async def _on_migrate_out(self, req: MigrateOutRequest, ctx: CallContext) -> MigrateOutResponse:
         loop = asyncio.get_running_loop()
@@ -293,8 +487,8 @@ def _settle(future: asyncio.Future[Any], value: Any) -> None:
 
 
 class MigrateOutForwarder:
-    """A worker's MIGRATE_OUT handler (on its transfer_kv server, the address the proxy
-    knows): forwards the call to the scheduler half, whose address the metadata names."""
+    """A worker's MIGRATE_OUT and PRECOPY handler (on its transfer_kv server, the address the
+    proxy knows): forwards the call to the scheduler half, whose address the metadata names."""
 
     def __init__(self, scheduler_address: Callable[[], str], timeout_s: float = 60.0) -> None:
         self._scheduler_address = scheduler_address
@@ -304,17 +498,41 @@ class MigrateOutForwarder:
 
     def register(self, server: Server) -> None:
         server.register(MIGRATE_OUT, self._on_migrate_out)
+        server.register(PRECOPY, self._on_precopy)
 
-    async def _on_migrate_out(self, req: MigrateOutRequest, ctx: CallContext) -> MigrateOutResponse:
+    async def _scheduler(self) -> Client | None:
         address = self._scheduler_address()
         if not address:
-            return refused(req.transfer_id, "this worker has not heard from its scheduler yet")
+            return None
         if self._client is None or self._client_address != address:
             if self._client is not None:
                 await self._client.close()
             self._client, self._client_address = Client(address), address
+        return self._client
+
+    async def _on_precopy(self, req: PrecopyRequest, ctx: CallContext) -> PrecopyResponse:
+        client = await self._scheduler()
+        if client is None:
+            return precopy_refused(req.transfer_id, "this worker has not heard from its scheduler")
         try:
-            return await self._client.call(MIGRATE_OUT, req, timeout=self._timeout_s)
+            return await client.call(PRECOPY, req, timeout=self._timeout_s)
+        except RpcError as err:
+            log.warning(
+                "transfer %s: pre-copy asked by %s could not reach the scheduler at %s: %s",
+                req.transfer_id,
+                ctx.peer,
+                self._client_address,
+                err,
+            )
+            return precopy_refused(req.transfer_id, f"the scheduler half did not answer: {err}")
+
+    async def _on_migrate_out(self, req: MigrateOutRequest, ctx: CallContext) -> MigrateOutResponse:
+        client = await self._scheduler()
+        if client is None:
+            return refused(req.transfer_id, "this worker has not heard from its scheduler yet")
+        address = self._client_address
+        try:
+            return await client.call(MIGRATE_OUT, req, timeout=self._timeout_s)
         except RpcError as err:
             log.warning(
                 "transfer %s: migration out asked by %s could not reach the scheduler at %s: %s",

@@ -54,7 +54,7 @@ from hybrid_connector.metadata import (
     RecvSpec,
     ReleaseSpec,
 )
-from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrationsOut, Stopped
+from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrationsOut, Precopied, Stopped
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -132,7 +132,18 @@ class SchedulerSide:
         self.holds = BlockHolds(tp_size=tp_size)
         self.send_done_address = ""
         # Live migration out of running requests (migration.py): an instance that can hold KV.
-        self.migrations = MigrationsOut(config.rpc_address)
+        self.migrations = MigrationsOut(config.rpc_address, *self._precopy_geometry())
+
+    def _precopy_geometry(self) -> tuple[int, str]:
+        """(the block size of every group, why pre-copy can not run here): a full block stays
+        as it is only in full-attention groups of one block size."""
+        changing = sorted({g.family for g in self._groups} - {"attention", "mla"})
+        if changing:
+            return 0, f"the model has {'/'.join(changing)} KV-cache groups"
+        sizes = {g.block_size for g in self._groups}
+        if len(sizes) != 1:
+            return 0, "the KV-cache groups have different block sizes"
+        return sizes.pop(), ""
 
     def _drain(self) -> None:
         """Give vLLM back the blocks whose SEND_DONE arrived (engine-core thread, every hook):
@@ -458,6 +469,26 @@ class SchedulerSide:
         stop.answer(num_tokens, self._tp_size)
         return False, self._params(request_id, stop.migration_id, held, num_tokens)
 
+    def _hold_for_precopy(self, precopy: Precopied) -> None:
+        """A pre-copy (``migration.py``): the running request's first full blocks are held and
+        offered under the pre-copy id (the hold's own key: the request holds its blocks on);
+        the asker answered. The owner's reference keeps them even if vLLM preempts the request."""
+        assert self._kv_cache_manager is not None, "bind_kv_cache_manager comes first"
+        request = precopy.request
+        count = precopy.num_tokens // self._block_size
+        blocks = [
+            list(g[:count]) for g in self._kv_cache_manager.get_blocks(request.request_id).blocks
+        ]
+        held = [[b.block_id for b in g] for g in blocks]
+        actions = self.holds.finish(precopy.precopy_id, precopy.precopy_id, blocks, has_kv=True)
+        if not any(isinstance(a, Offer) for a in actions):
+            precopy.refuse("the pre-copy id is held already")
+            return
+        self._meta.to_offer.append(
+            OfferSpec(precopy.precopy_id, precopy.precopy_id, held, precopy.num_tokens)
+        )
+        precopy.answer(self._tp_size)
+
     def _params(
         self, request_id: str, transfer_id: str, held: list[list[int]], num_tokens: int
     ) -> dict[str, Any]:
@@ -476,7 +507,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridConnectorMetadata:
         self._drain()
-        self.migrations.apply()
+        for precopied in self.migrations.apply():
+            self._hold_for_precopy(precopied)
         if self._prefilling:
             self._announce_prefills(scheduler_output)
         if self.kvs is not None:

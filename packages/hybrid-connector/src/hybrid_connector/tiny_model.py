@@ -40,6 +40,7 @@ __all__ = [
     "TINY_ENGINE_ARGS",
     "TINY_MODEL_SPEC",
     "TINY_SPECS",
+    "WIDE_QWEN2_SPEC",
     "make_tiny_model",
 ]
 
@@ -109,6 +110,22 @@ _GDN_SPEC: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# A wider, deeper qwen2 for benchmarks whose point is that prefill costs something (live
+# migration's recompute competitor): 4 layers, 4 query heads of 64 dims, 16k+ context. KV per
+# token: 2 * 2 heads * 64 * 2 bytes * 4 layers = 2 KiB. Not served by the tests (not in
+# TINY_ARCHES); ``make_tiny_model(path, "qwen2-wide")`` builds it with qwen2's tokenizer.
+WIDE_QWEN2_SPEC: dict[str, int | float | str] = {
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "intermediate_size": 768,
+    "max_position_embeddings": 32768,
+    "torch_dtype": "bfloat16",
+}
+
 # The spec of every arch (TINY_MODEL_SPEC is the qwen2 one, kept under its old name).
 TINY_SPECS: dict[str, dict[str, Any]] = {
     "qwen2": TINY_MODEL_SPEC,
@@ -150,7 +167,9 @@ OFFLINE_KV_CACHE_BYTES = 1 << 30
 
 # Bump an arch's version when its recipe changes, so an old directory is rebuilt instead of
 # silently reused. qwen2 stays at 2: its bytes are those of the single-arch recipe.
-_RECIPE_VERSIONS = {"qwen2": 2, "mla": 2, "gdn": 1}
+_RECIPE_VERSIONS = {"qwen2": 2, "mla": 2, "gdn": 1, "qwen2-wide": 1}
+# Every arch make_tiny_model builds: the tests' and the benchmarks' wider one.
+_ALL_SPECS: dict[str, dict[str, Any]] = {**TINY_SPECS, "qwen2-wide": WIDE_QWEN2_SPEC}
 _SEED = 1234
 _MARKER = "tiny_model_complete.json"
 
@@ -304,7 +323,20 @@ def _gdn_config(eos_token_id: int, pad_token_id: int) -> Any:
     return _config_from_spec(Qwen3NextConfig, _GDN_SPEC, 0.2, eos_token_id, pad_token_id)
 
 
-_CONFIGS = {"qwen2": _qwen2_config, "mla": _mla_config, "gdn": _gdn_config}
+def _wide_qwen2_config(eos_token_id: int, pad_token_id: int) -> Any:
+    from transformers import Qwen2Config
+
+    # 0.02 as mla: at qwen2's 0.2 four 256-wide layers overflow bf16.
+    spec = {**WIDE_QWEN2_SPEC, "use_sliding_window": False}
+    return _config_from_spec(Qwen2Config, spec, 0.02, eos_token_id, pad_token_id)
+
+
+_CONFIGS = {
+    "qwen2": _qwen2_config,
+    "mla": _mla_config,
+    "gdn": _gdn_config,
+    "qwen2-wide": _wide_qwen2_config,
+}
 
 
 def _build_model(out_dir: Path, arch: str, eos_token_id: int, pad_token_id: int) -> None:
@@ -332,10 +364,8 @@ def make_tiny_model(path: str | os.PathLike[str], arch: str = "qwen2") -> Path:
     is returned as is. Otherwise the model is built in a temporary sibling directory and renamed
     into place, so a crash or a concurrent caller never leaves a half-written model at `path`.
     """
-    if arch not in TINY_SPECS:
-        raise ValueError(
-            f"unknown tiny model arch {arch!r}; choose one of {', '.join(TINY_ARCHES)}"
-        )
+    if arch not in _ALL_SPECS:
+        raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {', '.join(_ALL_SPECS)}")
     target = Path(path).resolve()
     if _is_complete(target, arch):
         return target
@@ -356,7 +386,7 @@ def make_tiny_model(path: str | os.PathLike[str], arch: str = "qwen2") -> Path:
                     "recipe_version": _RECIPE_VERSIONS[arch],
                     **arch_key,
                     "seed": _SEED,
-                    **TINY_SPECS[arch],
+                    **_ALL_SPECS[arch],
                 }
             )
         )

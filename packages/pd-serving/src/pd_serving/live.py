@@ -14,6 +14,9 @@ token so far (``/v1/completions`` with token ids, ``max_tokens`` lowered by what
 ``kv_transfer_params`` pulling the old D's KV with ``remote_num_tokens``), and relays its events
 rewritten as the same stream (the first event's id and creation time; usage counted from the
 client's prompt; the new prompt's token ids not echoed). A migrated request can move again.
+Before the stop it pre-copies (``LiveStreams.precopy``): PRECOPY to the old D, then a one-token
+warm-up on the next D pulling the offered full blocks into its prefix cache, so the stop's call
+pulls only the blocks after them.
 
 Migrates: streaming ``/v1/completions`` with HybridConnector, on a D whose transfer address the
 proxy knows (``--decode URL@RPC``), served through a transfer (a PD request, or one migrated in;
@@ -40,8 +43,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from hybrid_connector.contract import PullParams, encode_params
-from hybrid_connector.control import migrate_out
-from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse
+from hybrid_connector.control import migrate_out, precopy
+from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse, PrecopyResponse
 from prometheus_client import Counter
 from simple_rpc import Client, RpcError
 
@@ -72,11 +75,21 @@ class LiveStreams:
         # False: the next D recomputes the context instead of pulling the KV (the benchmark's
         # competitor; the old D's hold is released at the switch).
         self.pull_kv = True
+        # Pre-copy before the stop (with pull_kv): the full blocks move while the old D decodes
+        # on, so the stop copies only the last ones. False: a plain stop-and-copy.
+        self.precopy = True
         self.streams: dict[str, set[LiveStream]] = {}
         self._rpc_clients: dict[str, Client] = {}
         self.migrations = Counter(
             "pdserve_migrations",
             "Live migrations of streaming requests, by outcome (moved, refused, failed)",
+            ["outcome"],
+            registry=proxy.metrics.registry,
+        )
+        self.precopies = Counter(
+            "pdserve_migration_precopies",
+            "Pre-copies before a live migration's stop, by outcome (warmed: the new D pulled "
+            "the full blocks; refused: the old D offered none; warm_failed: the new D failed)",
             ["outcome"],
             registry=proxy.metrics.registry,
         )
@@ -171,26 +184,109 @@ class LiveStream:
         self.moved = False  # the stream comes from a later D (its events are rewritten)
         self.answer: MigrateOutResponse | None = None
         self.migration_id = ""
+        self.precopy_id = ""  # the pre-copy's transfer id on the old D (when pre-copying)
         self._target: Backend | None = None
         self._decided: asyncio.Future[Decision] | None = None  # D1's answer, as a decision
         self._outcome: asyncio.Future[dict[str, Any]] | None = None  # for the admin endpoint
         self._ask: asyncio.Task[None] | None = None
 
     # -- asked by the admin endpoint ---------------------------------------------------------
-    def migrate(self, target: Backend) -> asyncio.Future[dict[str, Any]]:
-        """Start moving this stream to ``target``; the future says how it ended."""
+    def migrate(
+        self, target: Backend, precopy: bool | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
+        """Start moving this stream to ``target`` (``precopy``: pre-copy its full blocks first;
+        None: as ``LiveStreams.precopy`` says); the future says how it ended."""
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[dict[str, Any]] = loop.create_future()
-        decision = self.plan.requested(target.key)
-        if decision.action is not Action.ASK_D1:
+        if precopy is None:
+            precopy = self.streams.precopy
+        decision = self.plan.requested(target.key, precopy and self.streams.pull_kv)
+        if decision.action not in (Action.ASK_D1, Action.ASK_PRECOPY):
             self.streams.migrations.labels("refused").inc()
             outcome.set_result(self._outcome_of("refused", decision.message, target))
             return outcome
         self._target, self._outcome = target, outcome
         self._decided = loop.create_future()
         self.migration_id = f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
-        self._ask = asyncio.create_task(self._ask_d1(self.backend, self.transfer_id))
+        if decision.action is Action.ASK_PRECOPY:
+            self.precopy_id = f"{MIGRATION_ID_PREFIX}pre-{uuid.uuid4().hex}"
+            work = self._precopy_then_stop(self.backend, self.transfer_id, target)
+        else:
+            work = self._ask_d1(self.backend, self.transfer_id)
+        self._ask = asyncio.create_task(work)
         return outcome
+
+    async def _precopy_then_stop(self, source: Backend, transfer_id: str, target: Backend) -> None:
+        """PRECOPY to D1, the warm-up on the target, then the stop (``_ask_d1``), as the plan
+        decides at each answer."""
+        assert source.rpc_address is not None
+        try:
+            answer = await precopy(
+                source.rpc_address,
+                transfer_id,
+                self.precopy_id,
+                reason="pdserve admin: migrate",
+                timeout_s=MIGRATE_OUT_TIMEOUT_S,
+                client=self.streams.client(source.rpc_address),
+            )
+        except RpcError as exc:  # unreachable, an older connector, an undecodable answer
+            answer = PrecopyResponse(transfer_id, offered=False, reason=f"PRECOPY: {exc!r}")
+        if answer.offered:
+            decision = self.plan.precopy_offered()
+        else:
+            self.streams.precopies.labels("refused").inc()
+            decision = self.plan.precopy_refused(answer.reason)
+        if decision.action is Action.WARM:
+            started = time.monotonic()
+            try:
+                await self._warm_up(target, source, answer)
+            except Exception as exc:  # the proxy's CallFailed, aiohttp's errors, the timeout
+                message = getattr(exc, "message", None) or repr(exc)
+                log.warning(
+                    "transfer %s: warm-up on %s failed, the request stays on %s: %s",
+                    transfer_id,
+                    target.key,
+                    source.key,
+                    message,
+                )
+                self.flow.router.record_failure(target, time.monotonic(), message[:300])
+                self.streams.precopies.labels("warm_failed").inc()
+                decision = self.plan.warm_failed(f"the warm-up on {target.key} failed: {message}")
+                self._carry(decision)
+                self._finish("refused", decision.message)
+                return
+            self.streams.precopies.labels("warmed").inc()
+            log.info(
+                "transfer %s: %d tokens pre-copied from %s to %s in %.0f ms",
+                transfer_id,
+                len(answer.token_ids),
+                source.key,
+                target.key,
+                (time.monotonic() - started) * 1000,
+            )
+            decision = self.plan.warmed()
+        self._carry(decision)
+        if decision.action is Action.ASK_D1:
+            await self._ask_d1(source, transfer_id)
+
+    async def _warm_up(self, target: Backend, source: Backend, answer: PrecopyResponse) -> None:
+        """One token on the target from the pre-copied tokens, pulling their KV from the old D:
+        they stay in its prefix cache for the stop's call. Its answer is dropped."""
+        body = dict(self.flow.body)  # the client's (its cache_salt and model: the same hashes)
+        for key in ("stream_options", "min_tokens", "logprobs", "n", "best_of", "suffix"):
+            body.pop(key, None)
+        body.update(prompt=list(answer.token_ids), max_tokens=1, stream=False, echo=False)
+        body["kv_transfer_params"] = encode_params(
+            PullParams(
+                transfer_id=self.precopy_id,
+                remote_rpc_address=source.rpc_address or answer.remote_rpc_address,
+                remote_tp_size=answer.remote_tp_size,
+                remote_num_tokens=len(answer.token_ids),
+            )
+        )
+        async with self.flow.proxy._open(target, COMPLETIONS, body, Stage.DECODE) as resp:
+            async with asyncio.timeout(self.flow.config.attempt_timeout_s):
+                await resp.read()
 
     async def _ask_d1(self, source: Backend, transfer_id: str) -> None:
         assert source.rpc_address is not None
@@ -292,6 +388,9 @@ class LiveStream:
                         continue
                     if _finish_reason(event) is not None:
                         decision = self.plan.d1_ended()
+                        if decision.release_precopy:  # it ended while pre-copying
+                            self._carry(decision)
+                            self._finish("refused", decision.message)
                         if decision.action is Action.HOLD:
                             assert self._decided is not None
                             decision = await self._decided
@@ -423,6 +522,10 @@ class LiveStream:
         """A decision's side effect: RELEASE of the migration's transfer on the old D."""
         if decision.release and self.migration_id:
             self.flow.proxy._release_on_prefill(self.backend, self.migration_id, decision.message)
+        if decision.release_precopy and self.precopy_id:
+            # Before the switch: self.backend is still the D that holds the pre-copy.
+            why = decision.message or "pre-copy over"
+            self.flow.proxy._release_on_prefill(self.backend, self.precopy_id, why)
         if decision.action in (Action.FAIL, Action.FREE):
             self._finish("failed", decision.message)
 

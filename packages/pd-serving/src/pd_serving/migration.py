@@ -12,6 +12,7 @@ tokens (pulling M from D1: D2 computes only the last token) and relays D2's stre
 of the client's. Greedy output is token for token the same as without the migration::
 
     STREAMING --requested(D2)--> STOPPING: ASK_D1 (MIGRATE_OUT)
+    STREAMING --requested(D2, precopy)--> PRECOPYING: ASK_PRECOPY (PRECOPY to D1, see below)
     STOPPING --D1 refused-----------------> STREAMING: KEEP (D1 goes on), or END_ON_D1 when
                                             D1's end came meanwhile (the end is forwarded)
     STOPPING --D1's end came--------------> STOPPING: HOLD (withheld until D1 answers)
@@ -25,6 +26,22 @@ of the client's. Greedy output is token for token the same as without the migrat
     D1 breaks before its end, a switched-to D breaks after its first token: FAIL (the stream
     ends in error, as any D failing mid-stream). The client goes away: FREE (every call closed;
     ``release``: D1 still holds M for a D that will not pull it).
+
+Pre-copy (before the stop): D1 offers the request's full blocks under a pre-copy id C while it
+decodes on; the shell sends D2 a one-token request whose prompt is their tokens, pulling C
+(the "warm-up"): they land in D2's prefix cache, and the stop's call pulls only the rest::
+
+    PRECOPYING --D1 offered C------------> WARMING: WARM (call D2 with the warm-up)
+    PRECOPYING --D1 refused (or no RPC)--> STOPPING: ASK_D1 (a plain stop-and-copy)
+    WARMING --the warm-up answered-------> STOPPING: ASK_D1, release C
+    WARMING --the warm-up failed---------> STREAMING: KEEP (D2 failed: the request stays on
+                                           D1), release C
+    PRECOPYING, WARMING --D1's end-------> DONE: END_ON_D1, release C (the warm-up is dropped)
+
+``release_precopy`` on a decision: the shell sends RELEASE for C to D1, once per migration,
+from the time PRECOPY was sent until it was refused: after a warm-up that pulled C it finds
+nothing held (SEND_DONE already gave the blocks back), after one that hit D2's own cache or
+failed, or while PRECOPY is unanswered, it frees them (a later offer is given back at once).
 
 ``release`` on a decision: the shell sends hybrid-connector's RELEASE for M to D1 (D1 holds M's
 blocks, or may still stop the request and hold them, and no D will pull them: a client gone or a
@@ -41,6 +58,8 @@ from dataclasses import dataclass
 
 class Phase(enum.StrEnum):
     STREAMING = "streaming"  # on D1, no migration asked (or the last one refused)
+    PRECOPYING = "precopying"  # PRECOPY sent to D1, no answer yet
+    WARMING = "warming"  # the target's warm-up (pulling the pre-copied blocks) runs
     STOPPING = "stopping"  # MIGRATE_OUT sent to D1, no answer yet
     STOPPED = "stopped"  # D1 stopped the request and holds M; its stream's end not seen yet
     SWITCHING = "switching"  # a D was called with prompt + tokens; no token from it yet
@@ -50,6 +69,8 @@ class Phase(enum.StrEnum):
 
 class Action(enum.StrEnum):
     ASK_D1 = "ask_d1"  # send MIGRATE_OUT to D1
+    ASK_PRECOPY = "ask_precopy"  # send PRECOPY to D1
+    WARM = "warm"  # call ``target`` with the warm-up request (the pre-copied tokens)
     KEEP = "keep"  # go on relaying D1
     HOLD = "hold"  # withhold D1's end (its finish chunk, usage, [DONE]) until D1 answers
     WAIT = "wait"  # go on relaying D1 until its end
@@ -66,6 +87,7 @@ class Decision:
     action: Action
     target: str = ""  # the D to call (CALL)
     release: bool = False  # send RELEASE for M to D1
+    release_precopy: bool = False  # send RELEASE for the pre-copy id C to D1
     message: str = ""
 
 
@@ -80,16 +102,58 @@ class Migration:
     end_seen: bool = False  # D1's finish chunk arrived (and, while STOPPING, is withheld)
     moved_back: bool = False  # the request went back to D1 after the target failed
     holds: bool = False  # D1 holds (or may be about to hold) M's blocks, no D streams from them
+    precopy_holds: bool = False  # D1 holds (or may be about to hold) C's blocks, not released
     reason: str = ""  # why the last migration was refused
 
     # -- the proxy asks ---------------------------------------------------------------------
-    def requested(self, target: str) -> Decision:
+    def requested(self, target: str, precopy: bool = False) -> Decision:
         if self.phase is not Phase.STREAMING or self.end_seen:
             return Decision(Action.REFUSE, message=f"the request is {self.phase}")
         if target == self.source:
             return Decision(Action.REFUSE, message="the target is the instance it runs on")
-        self.phase, self.target, self.holds = Phase.STOPPING, target, True
+        self.target = target
+        if precopy:
+            self.phase, self.precopy_holds = Phase.PRECOPYING, True
+            return Decision(Action.ASK_PRECOPY, target=target)
+        self.phase, self.holds = Phase.STOPPING, True
         return Decision(Action.ASK_D1, target=target)
+
+    # -- pre-copy ---------------------------------------------------------------------------
+    def precopy_offered(self) -> Decision:
+        """D1 holds the request's full blocks under C: warm the target up with them."""
+        if self.phase is not Phase.PRECOPYING:
+            return Decision(Action.KEEP)
+        self.phase = Phase.WARMING
+        return Decision(Action.WARM, target=self.target)
+
+    def precopy_refused(self, reason: str) -> Decision:
+        """PRECOPY answered "not offered" (or could not be sent): stop and copy it all."""
+        if self.phase is not Phase.PRECOPYING:
+            return Decision(Action.KEEP)
+        self.precopy_holds = False
+        return self._stop(f"no pre-copy: {reason}")
+
+    def warmed(self) -> Decision:
+        """The target answered the warm-up: the pre-copied blocks are in its prefix cache (or
+        will be pulled by the stop's call if it evicted them)."""
+        if self.phase is not Phase.WARMING:
+            return Decision(Action.KEEP)
+        return self._stop("", release_precopy=self._take_precopy_release())
+
+    def warm_failed(self, message: str) -> Decision:
+        """The target failed the warm-up (refused, 5xx, broke, timed out): no migration to it;
+        the request goes on on D1."""
+        if self.phase is not Phase.WARMING:
+            return Decision(Action.KEEP)
+        self.phase, self.target, self.reason = Phase.STREAMING, "", message
+        return Decision(Action.KEEP, release_precopy=self._take_precopy_release(), message=message)
+
+    def _stop(self, message: str, release_precopy: bool = False) -> Decision:
+        # D1's end while pre-copying ended the request on D1: end_seen is False here.
+        self.phase, self.holds = Phase.STOPPING, True
+        return Decision(
+            Action.ASK_D1, target=self.target, release_precopy=release_precopy, message=message
+        )
 
     # -- D1 ---------------------------------------------------------------------------------
     def d1_refused(self, reason: str) -> Decision:
@@ -117,6 +181,12 @@ class Migration:
         if self.phase in (Phase.SWITCHING, Phase.MOVED, Phase.DONE):
             return Decision(Action.KEEP)  # D1's stream ends once: a second end changes nothing
         self.end_seen = True
+        if self.phase in (Phase.PRECOPYING, Phase.WARMING):
+            self.phase, self.target = Phase.DONE, ""
+            release = self._take_precopy_release()
+            return Decision(
+                Action.END_ON_D1, release_precopy=release, message="the request ended on D1"
+            )
         if self.phase is Phase.STOPPING:
             return Decision(Action.HOLD)
         if self.phase is Phase.STOPPED:
@@ -151,15 +221,22 @@ class Migration:
 
     # -- the client ---------------------------------------------------------------------------
     def client_gone(self) -> Decision:
-        release = self._take_release()
+        release, precopy = self._take_release(), self._take_precopy_release()
         self.phase = Phase.DONE
-        return Decision(Action.FREE, release=release, message="client went away")
+        return Decision(
+            Action.FREE, release=release, release_precopy=precopy, message="client went away"
+        )
 
     # -- internals ----------------------------------------------------------------------------
     def _fail(self, message: str) -> Decision:
-        release = self._take_release()
+        release, precopy = self._take_release(), self._take_precopy_release()
         self.phase = Phase.DONE
-        return Decision(Action.FAIL, release=release, message=message)
+        return Decision(Action.FAIL, release=release, release_precopy=precopy, message=message)
+
+    def _take_precopy_release(self) -> bool:
+        """D1 holds C for nobody (once): PRECOPY sent and not refused, not released yet."""
+        release, self.precopy_holds = self.precopy_holds, False
+        return release
 
     def _take_release(self) -> bool:
         """D1 holds M for nobody (once): asked and not refused, before a D streamed from M."""
