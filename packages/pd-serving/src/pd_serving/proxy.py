@@ -68,6 +68,7 @@ from pd_serving.kv_events import EventBatch
 from pd_serving.kv_feed import KvEventFeed
 from pd_serving.live import LiveStreams
 from pd_serving.prefix_index import Applied, PrefixIndex
+from pd_serving.rebalance import RebalanceConfig
 from pd_serving.routing import (
     Backend,
     NoBackend,
@@ -79,6 +80,7 @@ from pd_serving.routing import (
 )
 from pd_serving.servers import Connector
 from pd_serving.sse import SseEvents, next_events
+from pd_serving.triggers import Drains, Rebalancer
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +195,8 @@ class ProxyConfig:
     tokenize_timeout_s: float = 2.0
     # Blocks the prefix index keeps per instance's cache and per store (oldest out first).
     prefix_index_blocks: int = 1 << 18
+    # Migrate streams off a D whose load is far above the others' (rebalance.py); None: off.
+    rebalance: RebalanceConfig | None = None
 
 
 class _Metrics:
@@ -484,6 +488,15 @@ class PdProxy:
         # Live migration of streaming requests between D's (live.py).
         self.live = LiveStreams(self, CallFailed)
         self.app.router.add_post("/admin/migrate", self.live.handle_migrate)
+        # What starts migrations: drains and rebalancing (triggers.py).
+        self.drains = Drains(self)
+        self.live.on_change = self.drains.streams_changed
+        self.app.router.add_post("/admin/drain", self.drains.handle_drain)
+        self.app.router.add_post("/admin/undrain", self.drains.handle_undrain)
+        self.app.router.add_get("/admin/drain", self.drains.handle_status)
+        self.rebalancer: Rebalancer | None = None
+        if config.rebalance is not None:
+            self.rebalancer = Rebalancer(self, config.rebalance)
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
 
@@ -507,6 +520,8 @@ class PdProxy:
         if self.config.health is not None and self.health is None:
             self.health = HealthChecker(self.router, self._session, self.config.health)
             self.health.start()
+        if self.rebalancer is not None:
+            self.rebalancer.start()
         if self.index is not None and self.kv_feed is None:
             self.kv_feed = KvEventFeed(
                 self.index,
@@ -556,6 +571,9 @@ class PdProxy:
         )
 
     async def close(self) -> None:
+        if self.rebalancer is not None:
+            await self.rebalancer.close()
+        await self.drains.close()
         if self.health is not None:
             await self.health.close()
             self.health = None
@@ -622,6 +640,7 @@ class PdProxy:
 
     def _describe(self, backend: Backend) -> dict[str, Any]:
         out = self.router.describe(backend)
+        out["drain"] = self.drains.phase(backend.key)
         if self.index is not None and backend.kv_events is not None:
             feed = self.kv_feed
             out["prefix_index"] = {
@@ -825,6 +844,7 @@ class PdProxy:
         call is cancelled and the gate's CallFailed raised."""
         backend.inflight += 1
         self.metrics.inflight.labels(backend.key).inc()
+        self.drains.calls_changed(backend)
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._post(backend, path, body, stage, gate)
@@ -834,6 +854,7 @@ class PdProxy:
                 resp.close()
             backend.inflight -= 1
             self.metrics.inflight.labels(backend.key).dec()
+            self.drains.calls_changed(backend)
 
     async def _post(
         self,
