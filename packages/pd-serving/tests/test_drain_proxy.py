@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+from pd_serving import cli
+from pd_serving.drain import DrainConfig
 from pd_serving.health import InstanceLoad
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, PdProxy, ProxyConfig, serve
@@ -110,9 +112,9 @@ async def rig() -> AsyncIterator[Rig]:
         model_names=[MODEL],
         health=None,
         rebalance=RebalanceConfig(cooldown_s=0.0, max_per_interval=1),
+        drain=DrainConfig(retry_after_s=0.01),
     )
     proxy = PdProxy(config)
-    proxy.drains.config.retry_after_s = 0.01
     port = free_port()
     runner = await serve(proxy, "127.0.0.1", port)
     rig = Rig(d1, d2, proxy, f"http://127.0.0.1:{port}")
@@ -218,3 +220,16 @@ async def test_rebalance_moves_a_stream_off_a_hot_d(rig: Rig) -> None:
     assert 'pdserve_rebalance_decisions_total{decision="migrate"} 1.0' in metrics
     assert 'pdserve_rebalance_decisions_total{decision="rate_limited"} 1.0' in metrics
     assert 'pdserve_rebalance_migrations_total{outcome="moved"} 1.0' in metrics
+
+
+async def test_pdserve_drain_waits_and_prints(rig: Rig, capsys: pytest.CaptureFixture) -> None:
+    clients = await _on_d1(rig, 2)
+    args = cli.build_parser().parse_args(["drain", "d1", "--proxy", rig.url, "--timeout", "30"])
+    assert await asyncio.to_thread(args.func, args) == 0
+    await asyncio.gather(*clients)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1].startswith("d1: drained after"), lines
+    assert "moved 2" in lines[-1]
+    args = cli.build_parser().parse_args(["undrain", "d1", "--proxy", rig.url])
+    assert await asyncio.to_thread(args.func, args) == 0
+    assert rig.proxy.router.draining == set()

@@ -62,6 +62,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
+from pd_serving.drain import DrainConfig
 from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, Transfer
 from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
 from pd_serving.kv_events import EventBatch
@@ -197,6 +198,8 @@ class ProxyConfig:
     prefix_index_blocks: int = 1 << 18
     # Migrate streams off a D whose load is far above the others' (rebalance.py); None: off.
     rebalance: RebalanceConfig | None = None
+    # A drain's migrations at once, retries of a refused one (drain.py).
+    drain: DrainConfig = field(default_factory=DrainConfig)
 
 
 class _Metrics:

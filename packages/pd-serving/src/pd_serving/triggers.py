@@ -51,7 +51,7 @@ class Drains:
     def __init__(self, proxy: Any, clock: Callable[[], float] = time.monotonic) -> None:
         self.proxy = proxy
         self.clock = clock
-        self.config = DrainConfig()
+        self.config = proxy.config.drain
         self.drains: dict[str, Drain] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}  # set on anything the drain task must see
