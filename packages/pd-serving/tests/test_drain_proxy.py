@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -233,3 +235,35 @@ async def test_pdserve_drain_waits_and_prints(rig: Rig, capsys: pytest.CaptureFi
     args = cli.build_parser().parse_args(["undrain", "d1", "--proxy", rig.url])
     assert await asyncio.to_thread(args.func, args) == 0
     assert rig.proxy.router.draining == set()
+
+
+async def test_sigterm_drains_before_the_proxy_stops(rig: Rig) -> None:
+    """``pdserve up``'s serving loop: SIGTERM waits for the stream in flight (grace)."""
+    config = ProxyConfig(
+        prefill=rig.proxy.config.prefill,
+        decode=[Backend(rig.d1.url, rpc_address=rig.d1.rpc_address, name="d1")],
+        model_names=[MODEL],
+        health=None,
+    )
+    proxy = PdProxy(config)
+    port = free_port()
+    served = asyncio.create_task(cli._run_proxy(proxy, "127.0.0.1", port, None, drain_grace_s=30.0))
+    other = Rig(rig.d1, rig.d2, proxy, f"http://127.0.0.1:{port}")
+    while True:  # the proxy's server is up once a connection is accepted
+        try:
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            await asyncio.sleep(0.01)  # startup has no event to wait on from outside
+            continue
+        writer.close()
+        break
+    client = asyncio.create_task(other.stream(_prompt(0)))
+    await other.all_paused(rig.d1, 1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    while proxy.drains.drains.get("d1") is None:
+        await proxy.drains.progress.wait()
+    assert not served.done(), "the drain waits for the stream"
+    for stream in rig.d1.streams.values():
+        stream.proceed.set()
+    assert await client == model_tokens(_prompt(0), MAX_TOKENS)
+    assert await served == 0
