@@ -132,6 +132,13 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "wait_drained_s": statistics.median(x["drained_s"] for x in s["wait"]),
         "moved": statistics.median(x["moved"] for x in s["migrate"]),
         "same_tokens": f"{same}/{args.rounds}",
+        # requests whose tokens differ between the systems, over all rounds (index, first diff)
+        "differing": [
+            (r, i, next(k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y))
+            for r, (m, w) in enumerate(zip(s["migrate"], s["wait"], strict=True))
+            for i, (a, b) in enumerate(zip(m["tokens"], w["tokens"], strict=True))
+            if a != b
+        ],
     }
     row["wait_over_migrate"] = row["wait_drained_s"] / max(row["migrate_drained_s"], 1e-9)
     return row
