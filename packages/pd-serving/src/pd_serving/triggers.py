@@ -54,6 +54,7 @@ class Drains:
         self.config = proxy.config.drain
         self.drains: dict[str, Drain] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._logged: dict[str, float | None] = {}  # the drained time last logged, per instance
         self._wake: dict[str, asyncio.Event] = {}  # set on anything the drain task must see
         self.progress = asyncio.Event()  # replaced after each change (waiters re-read reports)
         registry = proxy.metrics.registry
@@ -170,7 +171,8 @@ class Drains:
         for stream in drain.next_migrations(now):
             self._migrate(drain, backend, stream)
         if drain.phase is DrainPhase.DRAINED:
-            if self.state.labels(backend.key)._value.get() != 2:
+            if drain.drained_at != self._logged.get(backend.key):
+                self._logged[backend.key] = drain.drained_at
                 self.seconds.labels(backend.key).set(drain.report(now)["elapsed_s"])
                 log.info("drain of %s: drained: %s", backend.key, drain.report(now))
             self.state.labels(backend.key).set(2)
