@@ -76,7 +76,7 @@ class Drain:
     config: DrainConfig = field(default_factory=DrainConfig)
     migrate: bool = True  # False: nothing migrates (every D drains: the deployment stops)
     phase: DrainPhase = DrainPhase.DRAINING
-    calls: int = 0  # the proxy's calls open on the instance
+    calls: int = 0  # the proxy's calls open on the instance (and requests routed to it)
     drained_at: float | None = None
     moved: int = 0
     failed: int = 0

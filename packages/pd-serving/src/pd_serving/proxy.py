@@ -492,6 +492,7 @@ class PdProxy:
         self.live = LiveStreams(self, CallFailed)
         self.app.router.add_post("/admin/migrate", self.live.handle_migrate)
         # What starts migrations: drains and rebalancing (triggers.py).
+        self.flows: set[_Flow] = set()  # the requests under way
         self.drains = Drains(self)
         self.live.on_change = self.drains.streams_changed
         self.app.router.add_post("/admin/drain", self.drains.handle_drain)
@@ -593,6 +594,16 @@ class PdProxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def open_on(self, backend: Backend) -> int:
+        """The proxy's calls open on ``backend``, and its requests routed there whose call to it
+        has not started yet (a prefill on P first): what a drain waits for."""
+        routed = sum(
+            1
+            for flow in self.flows
+            if flow.route is not None and not flow.decode_called and flow.route.decode is backend
+        )
+        return backend.inflight + routed
 
     async def drain_background(self) -> None:
         """Wait for the release calls in flight (tests, orderly shutdown)."""
@@ -950,6 +961,7 @@ class _Flow:
 
     async def run(self, timeout_s: float) -> web.StreamResponse:
         deadline = asyncio.timeout(timeout_s)
+        self.proxy.flows.add(self)
         try:
             async with deadline:
                 self.key = await self.proxy.engine_key(self.path, self.body, self.key)
@@ -964,6 +976,9 @@ class _Flow:
         finally:
             await self._stop_prefill()
             self._unused_decode()
+            self.proxy.flows.discard(self)
+            if self.route is not None:  # it may have been routed to a draining D, not called
+                self.proxy.drains.calls_changed(self.route.decode)
 
     # -- the loop --------------------------------------------------------------------------
     async def _attempts(self) -> web.StreamResponse:

@@ -167,7 +167,7 @@ class Drains:
         for stream in current:
             if stream.plan.phase is Phase.STREAMING:
                 drain.stream_seen(stream, now)
-        drain.calls_open(backend.inflight, now)
+        drain.calls_open(self.proxy.open_on(backend), now)
         for stream in drain.next_migrations(now):
             self._migrate(drain, backend, stream)
         if drain.phase is DrainPhase.DRAINED:
