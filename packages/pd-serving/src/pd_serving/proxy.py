@@ -62,12 +62,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
+from pd_serving.drain import DrainConfig
 from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, Transfer
 from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
 from pd_serving.kv_events import EventBatch
 from pd_serving.kv_feed import KvEventFeed
 from pd_serving.live import LiveStreams
 from pd_serving.prefix_index import Applied, PrefixIndex
+from pd_serving.rebalance import RebalanceConfig
 from pd_serving.routing import (
     Backend,
     NoBackend,
@@ -79,6 +81,7 @@ from pd_serving.routing import (
 )
 from pd_serving.servers import Connector
 from pd_serving.sse import SseEvents, next_events
+from pd_serving.triggers import Drains, Rebalancer
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +196,10 @@ class ProxyConfig:
     tokenize_timeout_s: float = 2.0
     # Blocks the prefix index keeps per instance's cache and per store (oldest out first).
     prefix_index_blocks: int = 1 << 18
+    # Migrate streams off a D whose load is far above the others' (rebalance.py); None: off.
+    rebalance: RebalanceConfig | None = None
+    # A drain's migrations at once, retries of a refused one (drain.py).
+    drain: DrainConfig = field(default_factory=DrainConfig)
 
 
 class _Metrics:
@@ -484,6 +491,16 @@ class PdProxy:
         # Live migration of streaming requests between D's (live.py).
         self.live = LiveStreams(self, CallFailed)
         self.app.router.add_post("/admin/migrate", self.live.handle_migrate)
+        # What starts migrations: drains and rebalancing (triggers.py).
+        self.flows: set[_Flow] = set()  # the requests under way
+        self.drains = Drains(self)
+        self.live.on_change = self.drains.streams_changed
+        self.app.router.add_post("/admin/drain", self.drains.handle_drain)
+        self.app.router.add_post("/admin/undrain", self.drains.handle_undrain)
+        self.app.router.add_get("/admin/drain", self.drains.handle_status)
+        self.rebalancer: Rebalancer | None = None
+        if config.rebalance is not None:
+            self.rebalancer = Rebalancer(self, config.rebalance)
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
 
@@ -507,6 +524,8 @@ class PdProxy:
         if self.config.health is not None and self.health is None:
             self.health = HealthChecker(self.router, self._session, self.config.health)
             self.health.start()
+        if self.rebalancer is not None:
+            self.rebalancer.start()
         if self.index is not None and self.kv_feed is None:
             self.kv_feed = KvEventFeed(
                 self.index,
@@ -556,6 +575,9 @@ class PdProxy:
         )
 
     async def close(self) -> None:
+        if self.rebalancer is not None:
+            await self.rebalancer.close()
+        await self.drains.close()
         if self.health is not None:
             await self.health.close()
             self.health = None
@@ -572,6 +594,16 @@ class PdProxy:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def open_on(self, backend: Backend) -> int:
+        """The proxy's calls open on ``backend``, and its requests routed there whose call to it
+        has not started yet (a prefill on P first): what a drain waits for."""
+        routed = sum(
+            1
+            for flow in self.flows
+            if flow.route is not None and not flow.decode_called and flow.route.decode is backend
+        )
+        return backend.inflight + routed
 
     async def drain_background(self) -> None:
         """Wait for the release calls in flight (tests, orderly shutdown)."""
@@ -622,6 +654,7 @@ class PdProxy:
 
     def _describe(self, backend: Backend) -> dict[str, Any]:
         out = self.router.describe(backend)
+        out["drain"] = self.drains.phase(backend.key)
         if self.index is not None and backend.kv_events is not None:
             feed = self.kv_feed
             out["prefix_index"] = {
@@ -825,6 +858,7 @@ class PdProxy:
         call is cancelled and the gate's CallFailed raised."""
         backend.inflight += 1
         self.metrics.inflight.labels(backend.key).inc()
+        self.drains.calls_changed(backend)
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._post(backend, path, body, stage, gate)
@@ -834,6 +868,7 @@ class PdProxy:
                 resp.close()
             backend.inflight -= 1
             self.metrics.inflight.labels(backend.key).dec()
+            self.drains.calls_changed(backend)
 
     async def _post(
         self,
@@ -926,6 +961,7 @@ class _Flow:
 
     async def run(self, timeout_s: float) -> web.StreamResponse:
         deadline = asyncio.timeout(timeout_s)
+        self.proxy.flows.add(self)
         try:
             async with deadline:
                 self.key = await self.proxy.engine_key(self.path, self.body, self.key)
@@ -940,6 +976,9 @@ class _Flow:
         finally:
             await self._stop_prefill()
             self._unused_decode()
+            self.proxy.flows.discard(self)
+            if self.route is not None:  # it may have been routed to a draining D, not called
+                self.proxy.drains.calls_changed(self.route.decode)
 
     # -- the loop --------------------------------------------------------------------------
     async def _attempts(self) -> web.StreamResponse:

@@ -9,8 +9,8 @@ does no I/O itself: load figures and active health come in as events (``update_l
 
 The decisions, in order:
 
-1. **Eligible** instances: not excluded for this request, and their breaker lets a request
-   through (closed, or half-open with its one probe free).
+1. **Eligible** instances: not excluded for this request, not draining (``draining``), and
+   their breaker lets a request through (closed, or half-open with its one probe free).
 2. **Bypass to D, prefix cached**: the longest prompt prefix some eligible D served recently
    (a bounded LRU of prefix hashes per D, at every ``chunk`` boundary) leaves an uncached tail
    under ``bypass_below_tokens``: D prefills only that tail itself, no transfer. That D, unless
@@ -339,6 +339,8 @@ class Router:
         self._breakers = {b.key: CircuitBreaker(self.policy.breaker) for b in [*prefill, *decode]}
         self._cached = {b.key: _PrefixLru(self.policy.decode_prefix_entries) for b in decode}
         self.transitions: list[tuple[str, Transition]] = []  # every one so far, for /health
+        # Instances being drained (triggers.Drains): no new request, no migration to them.
+        self.draining: set[str] = set()
 
     # -- health -----------------------------------------------------------------------------
     def breaker(self, backend: Backend) -> CircuitBreaker:
@@ -382,7 +384,13 @@ class Router:
     def _eligible(
         self, backends: list[Backend], exclude: Collection[str], now: float
     ) -> list[Backend]:
-        return [b for b in backends if b.key not in exclude and self.breaker(b).available(now)]
+        return [
+            b
+            for b in backends
+            if b.key not in exclude
+            and b.key not in self.draining
+            and self.breaker(b).available(now)
+        ]
 
     def _least_loaded(self, role: str, eligible: list[Backend]) -> Backend | None:
         if not eligible:
