@@ -80,10 +80,11 @@ async def _post(url: str, path: str, body: Any) -> tuple[int, Any]:
 BAD = [
     (b"{nope", 400, "malformed JSON"),
     (b'"just a string"', 400, "JSON object"),
-    (b'{"prompt": "hi"}', 400, "'model' is required"),
+    (b'{"model": 3, "prompt": "hi"}', 400, "'model' must be a string"),
     (b'{"model": "other", "prompt": "hi"}', 404, "does not exist"),
     (b'{"model": "tiny"}', 400, "'prompt' is required"),
-    (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "one string"),
+    (b'{"model": "tiny", "prompt": []}', 400, "'prompt' is required"),
+    (b'{"model": "tiny", "prompt": ["a", 1]}', 400, "mixes"),
     (b'{"model": "tiny", "prompt": [1099511627776]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": [-1099511627776]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": [-1]}', 400, "token ids"),
@@ -91,8 +92,8 @@ BAD = [
     (b'{"model": "tiny", "prompt": [1, true]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": [[1099511627776]]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', 400, "'stream'"),
-    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "positive integer"),
-    (b'{"model": "tiny", "prompt": "hi", "n": 3}', 400, "'n' must be 1"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "non-negative integer"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 0}', 400, "'n' must be a positive"),
     (b'{"model": "tiny", "prompt": "hi", "kv_transfer_params": {}}', 400, "set by the proxy"),
 ]
 
