@@ -519,3 +519,30 @@ async def test_requests_spread_over_decode_instances(make_proxy: Factory) -> Non
             await d1.close()
     finally:
         await d2.close()
+
+
+async def test_batch_and_n_are_single_pd_requests_merged_in_order(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    url, _ = await make_proxy()
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 2}  # no model: the served one
+    status, answer = await _post(url, "/v1/completions", body)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert len(upstreams["P"].received) == 4
+    d_prompts = sorted(r["prompt"] for r in upstreams["D"].received)
+    assert d_prompts == ["a", "a", "b", "b"]
+    assert all("n" not in r and r["model"] == MODEL for r in upstreams["D"].received)
+
+
+async def test_scoring_request_goes_to_one_instance(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    url, _ = await make_proxy()
+    body = {"model": MODEL, "prompt": ["a"], "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, answer = await _post(url, "/v1/completions", body)
+    assert status == 200, answer
+    assert upstreams["P"].received == []
+    (d_req,) = upstreams["D"].received
+    assert d_req["prompt"] == "a"
+    assert "kv_transfer_params" not in d_req
