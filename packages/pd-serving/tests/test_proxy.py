@@ -80,10 +80,11 @@ async def _post(url: str, path: str, body: Any) -> tuple[int, Any]:
 BAD = [
     (b"{nope", 400, "malformed JSON"),
     (b'"just a string"', 400, "JSON object"),
-    (b'{"prompt": "hi"}', 400, "'model' is required"),
+    (b'{"model": 3, "prompt": "hi"}', 400, "'model' must be a string"),
     (b'{"model": "other", "prompt": "hi"}', 404, "does not exist"),
     (b'{"model": "tiny"}', 400, "'prompt' is required"),
-    (b'{"model": "tiny", "prompt": ["a", "b"]}', 400, "one string"),
+    (b'{"model": "tiny", "prompt": []}', 400, "'prompt' is required"),
+    (b'{"model": "tiny", "prompt": ["a", 1]}', 400, "mixes"),
     (b'{"model": "tiny", "prompt": [1099511627776]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": [-1099511627776]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": [-1]}', 400, "token ids"),
@@ -91,8 +92,8 @@ BAD = [
     (b'{"model": "tiny", "prompt": [1, true]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": [[1099511627776]]}', 400, "token ids"),
     (b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', 400, "'stream'"),
-    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "positive integer"),
-    (b'{"model": "tiny", "prompt": "hi", "n": 3}', 400, "'n' must be 1"),
+    (b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}', 400, "non-negative integer"),
+    (b'{"model": "tiny", "prompt": "hi", "n": 0}', 400, "'n' must be a positive"),
     (b'{"model": "tiny", "prompt": "hi", "kv_transfer_params": {}}', 400, "set by the proxy"),
 ]
 
@@ -518,3 +519,30 @@ async def test_requests_spread_over_decode_instances(make_proxy: Factory) -> Non
             await d1.close()
     finally:
         await d2.close()
+
+
+async def test_batch_and_n_are_single_pd_requests_merged_in_order(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    url, _ = await make_proxy()
+    body = {"prompt": ["a", "b"], "n": 2, "max_tokens": 2}  # no model: the served one
+    status, answer = await _post(url, "/v1/completions", body)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    assert len(upstreams["P"].received) == 4
+    d_prompts = sorted(r["prompt"] for r in upstreams["D"].received)
+    assert d_prompts == ["a", "a", "b", "b"]
+    assert all("n" not in r and r["model"] == MODEL for r in upstreams["D"].received)
+
+
+async def test_scoring_request_goes_to_one_instance(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    url, _ = await make_proxy()
+    body = {"model": MODEL, "prompt": ["a"], "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, answer = await _post(url, "/v1/completions", body)
+    assert status == 200, answer
+    assert upstreams["P"].received == []
+    (d_req,) = upstreams["D"].received
+    assert d_req["prompt"] == "a"
+    assert "kv_transfer_params" not in d_req

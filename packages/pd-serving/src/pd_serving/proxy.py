@@ -62,6 +62,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from simple_rpc import Client, RpcError
 
+from pd_serving import openai_compat
 from pd_serving.drain import DrainConfig
 from pd_serving.failover import Action, AttemptPlan, Decision, Failure, Stage, Transfer
 from pd_serving.health import BreakerState, FailureKind, HealthCheckConfig, HealthChecker
@@ -362,33 +363,27 @@ def _deadline_s(request: web.Request, configured: float) -> float:
 
 
 def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
-    """Checks what the proxy itself relies on; vLLM validates the rest (and its 400 is relayed)."""
+    """Checks what the proxy itself relies on; vLLM validates the rest (and its 400 is relayed).
+    A request without ``model`` gets the served one, as vLLM does."""
     if not isinstance(body, dict):
         raise ClientRequestError(400, "the request body must be a JSON object")
+    body = openai_compat.with_model(body, model_names)
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise ClientRequestError(400, "'model' is required (a string)")
+        raise ClientRequestError(400, "'model' must be a string")
     if model_names and model not in model_names:
         raise ClientRequestError(
             404,
             f"the model {model!r} does not exist; served: {', '.join(model_names)}",
             "model_not_found",
         )
-    if path == COMPLETIONS:
-        prompt = body.get("prompt")
-        single_prompt = (
-            isinstance(prompt, str)
-            or (isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt))
-            or (isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list))
-        )
-        if not single_prompt:
-            raise ClientRequestError(
-                400, "'prompt' is required: one string or one list of token ids per request"
-            )
-        ids = prompt[0] if len(prompt) == 1 and isinstance(prompt[0], list) else prompt
-        if isinstance(ids, list) and not all(_is_token_id(t) for t in ids):
-            raise ClientRequestError(400, "'prompt' token ids must be integers in [0, 2**31)")
-    else:
+    try:
+        if path == COMPLETIONS:
+            openai_compat.prompts(body.get("prompt"))
+        openai_compat.choices_n(body)
+    except openai_compat.CompatError as exc:
+        raise ClientRequestError(400, str(exc)) from None
+    if path == CHAT_COMPLETIONS:
         messages = body.get("messages")
         if not (
             isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)
@@ -397,14 +392,15 @@ def _validate(path: str, body: Any, model_names: list[str]) -> dict[str, Any]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ClientRequestError(400, "'stream' must be true or false")
+    # max_tokens 0 scores a prompt (with echo and logprobs): vLLM serves it on completions.
+    least = 0 if path == COMPLETIONS else 1
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or value < 1
+            not isinstance(value, int) or isinstance(value, bool) or value < least
         ):
-            raise ClientRequestError(400, f"'{key}' must be a positive integer")
-    if body.get("n", 1) != 1:
-        raise ClientRequestError(400, "'n' must be 1 (one choice per disaggregated request)")
+            kind = "a non-negative" if least == 0 else "a positive"
+            raise ClientRequestError(400, f"'{key}' must be {kind} integer")
     if "kv_transfer_params" in body:
         raise ClientRequestError(400, "'kv_transfer_params' is set by the proxy, not by clients")
     return body
@@ -692,7 +688,17 @@ class PdProxy:
                 raise ClientRequestError(400, f"malformed JSON body: {exc}") from None
             body = _validate(path, body, self.config.model_names)
             timeout_s = _deadline_s(request, self.config.request_timeout_s)
-            response = await _Flow(self, request, path, body, started).run(timeout_s)
+            try:
+                parts = openai_compat.split(path, body)
+            except openai_compat.CompatError as exc:
+                raise ClientRequestError(400, str(exc)) from None
+            if len(parts) > 1:
+                response = await self._serve_parts(request, path, parts)
+            else:
+                body = parts[0].body
+                local = openai_compat.needs_no_decode(path, body)
+                flow = _Flow(self, request, path, body, started, local_only=local)
+                response = await flow.run(timeout_s)
             status = response.status
             return response
         except ClientRequestError as exc:
@@ -719,6 +725,101 @@ class PdProxy:
             raise
         finally:
             self.metrics.requests.labels(path, str(status)).inc()
+
+    # -- a batch or n > 1: its single requests, merged (openai_compat) -----------------------
+    async def _serve_parts(
+        self, request: web.Request, path: str, parts: list[openai_compat.Part]
+    ) -> web.StreamResponse:
+        """Each single request goes through this proxy's own endpoint (so each has its own
+        route, failover and deadline); the answers are merged as vLLM numbers and sums them."""
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        if not sockname:
+            raise UpstreamError(500, "the proxy cannot reach its own endpoint", stage="split")
+        host, port = sockname[0], sockname[1]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
+        headers = {k: v for k, v in request.headers.items() if k.lower() == DEADLINE_HEADER}
+        calls = [
+            asyncio.ensure_future(self._client.post(url, json=p.body, headers=headers))
+            for p in parts
+        ]
+        try:
+            responses = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:
+                await _cancel_post(call)
+            raise
+        try:
+            for resp in responses:
+                if resp.status != 200:
+                    body = await resp.read()
+                    return web.Response(
+                        body=body, status=resp.status, content_type="application/json"
+                    )
+            if not parts[0].body.get("stream", False):
+                answers = [await resp.json(content_type=None) for resp in responses]
+                merged = openai_compat.merge_answers(parts, answers)
+                return web.json_response(merged)
+            return await self._merge_streams(request, parts, responses)
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(502, f"a part of the request broke off: {exc!r}") from exc
+        finally:
+            for resp in responses:
+                resp.close()
+
+    async def _merge_streams(
+        self,
+        request: web.Request,
+        parts: list[openai_compat.Part],
+        responses: list[aiohttp.ClientResponse],
+    ) -> web.StreamResponse:
+        merger = openai_compat.StreamMerger(parts)
+        queue: asyncio.Queue[tuple[int, bytes | None]] = asyncio.Queue()
+
+        async def read(part_no: int, resp: aiohttp.ClientResponse) -> None:
+            events = SseEvents()
+            chunks = resp.content.iter_any()
+            try:
+                while batch := await next_events(chunks, events):
+                    for event in batch:
+                        await queue.put((part_no, event))
+            finally:
+                await queue.put((part_no, None))
+
+        out = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        readers = [asyncio.create_task(read(i, r)) for i, r in enumerate(responses)]
+        try:
+            await out.prepare(request)
+            open_streams, done = len(parts), set()
+            while open_streams:
+                part_no, event = await queue.get()
+                if event is None:
+                    open_streams -= 1
+                    continue
+                if event.rstrip() == _SSE_DONE:
+                    done.add(part_no)
+                    continue
+                chunk = merger.chunk(part_no, _event_json(event))
+                if chunk is not None:
+                    await out.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if len(done) < len(parts):  # a part's stream ended without [DONE]: say so
+                error = {"message": "a part of the request broke off", "type": "upstream_error"}
+                await out.write(
+                    f"data: {json.dumps({'error': {**error, 'code': 502}})}\n\n".encode()
+                )
+            usage = merger.usage_chunk()
+            if usage is not None:
+                await out.write(f"data: {json.dumps(usage)}\n\n".encode())
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except ConnectionResetError:
+            raise ClientGone(out) from None
+        finally:
+            for reader in readers:
+                reader.cancel()
+            await asyncio.gather(*readers, return_exceptions=True)
+        return out
 
     # -- cache-aware routing: the engine's token ids ----------------------------------------
     async def engine_key(self, path: str, body: dict[str, Any], key: RequestKey) -> RequestKey:
@@ -937,8 +1038,12 @@ class _Flow:
         path: str,
         body: dict[str, Any],
         started: float,
+        *,
+        local_only: bool = False,
     ) -> None:
         self.proxy = proxy
+        # Served by one instance, no P (a scoring request: no decode to hand off to).
+        self.local_only = local_only
         self.config = proxy.config
         self.metrics = proxy.metrics
         self.router = proxy.router
@@ -1044,6 +1149,9 @@ class _Flow:
             )
         except NoBackend as exc:
             self._no_backend(exc.role, after)
+        if self.local_only and route.prefill is not None:
+            self.router.record_unused(route.prefill)
+            route = replace(route, prefill=None, bypass_reason="no_decode")
         self.route = route
         self.p_answer, self.decode_called = None, False
         self.plan.begin(route.prefill.key if route.prefill else None)
