@@ -167,7 +167,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "no-such-model", "prompt": "hi"}', 404),
     ("/v1/completions", b'{"model": "@M", "max_tokens": 3}', 400),
     ("/v1/completions", b'{"model": "@M", "prompt": "hi", "max_tokens": 0}', 400),
-    ("/v1/completions", b'{"model": "@M", "prompt": "hi", "n": 2}', 400),
+    ("/v1/completions", b'{"model": "@M", "prompt": "hi", "n": 0}', 400),
     ("/v1/completions", b'{"model": "@M", "prompt": "hi", "kv_transfer_params": {}}', 400),
     ("/v1/completions", b'{"model": "@M", "prompt": "hi", "max_tokens": 100000}', 400),
     ("/v1/chat/completions", b'{"model": "@M", "messages": []}', 400),
