@@ -86,6 +86,9 @@ def choices_n(body: dict[str, Any]) -> int:
         return 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise CompatError("'n' must be a positive integer")
+    if n > 1 and body.get("temperature", 1.0) == 0:
+        # vLLM's own refusal (greedy choices would all be the same).
+        raise CompatError(f"n must be 1 when using greedy sampling, got {n}.")
     return n
 
 
