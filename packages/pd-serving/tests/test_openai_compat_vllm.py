@@ -97,7 +97,7 @@ def test_completions_answer_as_vllm_does(xpyd: Xpyd, case: str) -> None:
         assert want["choices"][0]["logprobs"]["tokens"], "vLLM scored the prompt"
 
 
-@pytest.mark.parametrize("case", ["list_of_one_prompt", "batch_times_n"])
+@pytest.mark.parametrize("case", ["list_of_one_prompt", "batch_of_texts"])
 def test_streamed_completions_carry_the_same_choices_and_usage(xpyd: Xpyd, case: str) -> None:
     body = {"max_tokens": 8, "temperature": 0.0, **COMPLETION_CASES[case]}
     model = xpyd.model_name
