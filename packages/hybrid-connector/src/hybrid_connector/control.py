@@ -13,6 +13,8 @@ the lease. ``migrate_out`` stops a decoding request and holds its KV for another
 
 from __future__ import annotations
 
+from typing import Any
+
 from simple_rpc import Client
 
 from hybrid_connector.migration import (
@@ -69,13 +71,7 @@ async def migrate_out(
     Raises simple_rpc's errors as ``release_transfer`` does.
     """
     request = MigrateOutRequest(transfer_id, migration_id, reason)
-    if client is not None:
-        return await client.call(MIGRATE_OUT, request, timeout=timeout_s)
-    own = Client(rpc_address)
-    try:
-        return await own.call(MIGRATE_OUT, request, timeout=timeout_s)
-    finally:
-        await own.close()
+    return await _call(rpc_address, MIGRATE_OUT, request, timeout_s, client)
 
 
 async def precopy(
@@ -95,10 +91,17 @@ async def precopy(
     Raises simple_rpc's errors as ``release_transfer`` does.
     """
     request = PrecopyRequest(transfer_id, precopy_id, reason)
+    return await _call(rpc_address, PRECOPY, request, timeout_s, client)
+
+
+async def _call(
+    rpc_address: str, method: Any, request: Any, timeout_s: float, client: Client | None
+) -> Any:
+    """One call on ``client``, or on a connection of its own to ``rpc_address``, closed after."""
     if client is not None:
-        return await client.call(PRECOPY, request, timeout=timeout_s)
+        return await client.call(method, request, timeout=timeout_s)
     own = Client(rpc_address)
     try:
-        return await own.call(PRECOPY, request, timeout=timeout_s)
+        return await own.call(method, request, timeout=timeout_s)
     finally:
         await own.close()
