@@ -55,10 +55,12 @@ ENGINES = (
 DEPLOYMENTS = ("xpyd",)
 RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
 LEASE_S = 30.0  # long enough for D to pull on a loaded box, short enough to wait out once
-# Engines no test waits a lease out on. A TP 2 D's second rank was seen pulling 20 s after the
-# first on a loaded box (both TP 2 engines' workers spin, see below), past a 15 s lease.
+# Engines no test waits a lease out on (lease expiry is tested on an engine of its own,
+# test_idle_vllm). A TP 2 D's second rank was seen pulling 20 s after the first on a loaded box
+# (both TP 2 engines' workers spin, see below), and CI saw a TP 2 D's pulls from engine_qwen2
+# fail past its 30 s lease.
 PATIENT_LEASE_S = 90.0
-PATIENT_ENGINES = frozenset({"engine_mla", "engine_mla_tp2", "engine_qwen2_tp2"})
+PATIENT_ENGINES = frozenset({"engine_qwen2", "engine_mla", "engine_mla_tp2", "engine_qwen2_tp2"})
 # A pull's deadline: generous, since two TP 2 engines' workers spin on the shared-memory queue for
 # a second after each message and can hold both cores (seen: pulls past 20 s under load 14).
 TRANSFER_TIMEOUT_S = 60.0

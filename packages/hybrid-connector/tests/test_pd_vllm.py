@@ -17,7 +17,6 @@ from harness.checks import (
     MAX_TOKENS,
     assert_idle,
     delta,
-    held_blocks,
     prefill,
     prefill_params,
     prompts,
@@ -116,18 +115,6 @@ def test_parallel_dispatch_transfer_kv_before_prefill(engine_qwen2: OfflineEngin
     after = engine.counters()
     assert delta(after, before, "pulls_done") == len(batch)
     assert delta(after, before, "rapid_sends") == len(batch)
-
-
-def test_lease_expiry_releases_prefill_blocks(engine_qwen2: OfflineEngine) -> None:
-    engine = engine_qwen2
-    prompt = _batch(engine, seed=4)[2]
-    before = engine.counters()
-    prefill(engine, [prompt])
-    # No D ever asks: the blocks stay held (until the lease ends)...
-    assert held_blocks(engine) == _blocks(engine, prompt)
-    # ...and then come back, reported as a lease expiry.
-    assert_idle(engine)
-    assert delta(engine.counters(), before, "leases_expired") == 1
 
 
 def test_decode_abort_while_pulling_frees_both_sides(engine_qwen2: OfflineEngine) -> None:
