@@ -29,7 +29,10 @@ pytestmark = [needs_chaos_session, pytest.mark.timeout(1800)]
 
 PHASE_S = float(os.environ.get("PDSERVE_CHAOS_PHASE_S", "8"))
 CLIENTS = 8
-MAX_TOKENS = 64  # long enough that every drain meets streams in flight
+# Every drain meets streams in flight whatever the length (8 clients send back to back). Longer
+# answers part from the one-at-a-time reference at near-ties of the random weights when the
+# batch shape changes, migration or not (seen: two prompts at tokens 44 and 56 under this load).
+MAX_TOKENS = 32
 DEADLINE_S = 120.0
 PROMPT_LENGTHS = (40, 90, 130, 200, 260, 300, 350, 420)
 
