@@ -73,6 +73,7 @@ class FakeUpstream:
     running: int = 0
     kv_usage: float = 0.0
     active: int = 0
+    peak_active: int = 0  # the most generation requests handled at once
     received: list[dict[str, Any]] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     started: asyncio.Event = field(default_factory=asyncio.Event)
@@ -141,6 +142,7 @@ class FakeUpstream:
         self.received.append(body)
         self.started.set()
         self.active += 1
+        self.peak_active = max(self.peak_active, self.active)
         self.idle.clear()
         failing = self._failing()
         try:

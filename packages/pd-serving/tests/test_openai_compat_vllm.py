@@ -166,3 +166,29 @@ def test_chat_with_n_logprobs_and_streamed_usage_answers_as_vllm_does(xpyd: Xpyd
                     usage = chunk.usage.model_dump()
             answers.append((text, usage))
     assert answers[0] == answers[1]
+
+
+def _computed_prompt_tokens(urls: list[str]) -> float:
+    """Prompt tokens the instances computed themselves (vLLM's counter, summed)."""
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=30.0).text.splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total{") and (
+                'source="local_compute"' in line
+            ):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_n_sampled_choices_are_prefilled_once(xpyd: Xpyd) -> None:
+    """n choices of one prompt: the first prefills it, the others find it in P's prefix cache
+    and compute only what is past its last full block."""
+    n, length, block_at_most = 4, 600, 128  # vLLM's CPU default block size: 128
+    prompt = [(7 * i + 3) % 400 + 10 for i in range(length)]
+    before = _computed_prompt_tokens(xpyd.prefill_urls)
+    body = {"prompt": prompt, "n": n, "max_tokens": 4, "temperature": 1.0, "seed": 7}
+    answer = httpx.post(f"{xpyd.proxy_url}/v1/completions", json=body, timeout=120.0)
+    assert answer.status_code == 200, answer.text
+    assert [c["index"] for c in answer.json()["choices"]] == list(range(n))
+    computed = _computed_prompt_tokens(xpyd.prefill_urls) - before
+    assert length <= computed <= length + (n - 1) * block_at_most, computed  # n x length apart

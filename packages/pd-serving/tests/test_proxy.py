@@ -535,6 +535,40 @@ async def test_batch_and_n_are_single_pd_requests_merged_in_order(
     assert all("n" not in r and r["model"] == MODEL for r in upstreams["D"].received)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_n_choices_of_one_prompt_share_one_prefill(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream], stream: bool
+) -> None:
+    """The followers reach P only once the first choice's prefill answered (their prompt is in
+    P's prefix cache by then); different prompts of a batch go at once."""
+    upstreams["P"].answer_delay_s = 0.05
+    url, _ = await make_proxy()
+    body = {"prompt": "a", "n": 3, "max_tokens": 2, "temperature": 1.0, "stream": stream}
+    status, _ = await _post(url, "/v1/completions", body)
+    assert status == 200
+    assert len(upstreams["P"].received) == 3
+    # The lead's prefill ran alone, then the two followers' together (3 at once without).
+    assert upstreams["P"].peak_active == 2, "a follower prefilled beside the lead"
+    assert len(upstreams["D"].received) == 3
+
+    upstreams["P"].peak_active = 0
+    status, _ = await _post(url, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2})
+    assert status == 200
+    assert upstreams["P"].peak_active == 2, "two prompts waited for each other"
+
+
+async def test_a_client_cannot_make_a_request_wait_on_a_prefill_group(
+    make_proxy: Factory, upstreams: dict[str, FakeUpstream]
+) -> None:
+    url, _ = await make_proxy()
+    async with aiohttp.ClientSession() as session:
+        headers = {"x-pdserve-prefill-group": "follow:nothing-of-ours"}
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2}
+        async with session.post(f"{url}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+    assert len(upstreams["P"].received) == 1
+
+
 async def test_scoring_request_goes_to_one_instance(
     make_proxy: Factory, upstreams: dict[str, FakeUpstream]
 ) -> None:

@@ -43,6 +43,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
@@ -93,6 +94,10 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 # A client may lower its request's deadline (seconds, > 0); it can never raise it.
 DEADLINE_HEADER = "x-request-timeout-s"
+# Set only on the proxy's calls to itself (``_serve_parts``): "lead:ID" or "follow:ID". The n
+# choices of one prompt share one prefill: the followers wait until the lead's P has answered
+# (its KV is in P's prefix cache), so their own prefills compute only the last partial block.
+PREFILL_GROUP_HEADER = "x-pdserve-prefill-group"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SSE_DONE = b"data: [DONE]"
@@ -489,6 +494,8 @@ class PdProxy:
         self.app.router.add_post("/admin/migrate", self.live.handle_migrate)
         # What starts migrations: drains and rebalancing (triggers.py).
         self.flows: set[_Flow] = set()  # the requests under way
+        # _serve_parts' groups of choices of one prompt: set once the lead's prefill is done.
+        self.prefill_groups: dict[str, asyncio.Event] = {}
         self.drains = Drains(self)
         self.live.on_change = self.drains.streams_changed
         self.app.router.add_post("/admin/drain", self.drains.handle_drain)
@@ -698,6 +705,7 @@ class PdProxy:
                 body = parts[0].body
                 local = openai_compat.needs_no_decode(path, body)
                 flow = _Flow(self, request, path, body, started, local_only=local)
+                flow.join_prefill_group(request.headers.get(PREFILL_GROUP_HEADER, ""))
                 response = await flow.run(timeout_s)
             status = response.status
             return response
@@ -738,9 +746,17 @@ class PdProxy:
         host, port = sockname[0], sockname[1]
         url = f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
         headers = {k: v for k, v in request.headers.items() if k.lower() == DEADLINE_HEADER}
+        groups: dict[int, str] = {}  # prompt index -> its choices' prefill group (n > 1)
+        part_headers = []
+        for part in parts:
+            role = "follow" if part.prompt_index in groups else "lead"
+            group = groups.setdefault(part.prompt_index, uuid.uuid4().hex)
+            part_headers.append({**headers, PREFILL_GROUP_HEADER: f"{role}:{group}"})
+        for group in groups.values():
+            self.prefill_groups[group] = asyncio.Event()
         calls = [
-            asyncio.ensure_future(self._client.post(url, json=p.body, headers=headers))
-            for p in parts
+            asyncio.ensure_future(self._client.post(url, json=p.body, headers=h))
+            for p, h in zip(parts, part_headers, strict=True)
         ]
         try:
             responses = await asyncio.gather(*calls)
@@ -748,6 +764,9 @@ class PdProxy:
             for call in calls:
                 await _cancel_post(call)
             raise
+        finally:
+            for group in groups.values():
+                self.prefill_groups.pop(group).set()
         try:
             for resp in responses:
                 if resp.status != 200:
@@ -1063,12 +1082,34 @@ class _Flow:
         self.decode_called = False  # the route's D got a call (else its probe is unused)
         self.out: web.StreamResponse | None = None
         self.first_event: dict[str, Any] = {}
+        # n choices of one prompt (PREFILL_GROUP_HEADER): the lead sets it once its prefill is
+        # done (or it needs none); a follower waits for it before it is routed.
+        self.prefill_done: asyncio.Event | None = None
+        self.after_prefill: asyncio.Event | None = None
+
+    def join_prefill_group(self, header: str) -> None:
+        """``lead:ID`` or ``follow:ID`` from the proxy's own split; anything else (a client's
+        header, a group already over) is ignored."""
+        role, _, group = header.partition(":")
+        event = self.proxy.prefill_groups.get(group)
+        if event is None:
+            return
+        if role == "lead":
+            self.prefill_done = event
+        elif role == "follow":
+            self.after_prefill = event
+
+    def _prefill_finished(self) -> None:
+        if self.prefill_done is not None:
+            self.prefill_done.set()
 
     async def run(self, timeout_s: float) -> web.StreamResponse:
         deadline = asyncio.timeout(timeout_s)
         self.proxy.flows.add(self)
         try:
             async with deadline:
+                if self.after_prefill is not None:
+                    await self.after_prefill.wait()
                 self.key = await self.proxy.engine_key(self.path, self.body, self.key)
                 return await self._attempts()
         except TimeoutError:
@@ -1079,6 +1120,7 @@ class _Flow:
             self._settle(self.plan.client_gone(), "client went away")
             raise
         finally:
+            self._prefill_finished()  # a lead that failed: its followers prefill themselves
             await self._stop_prefill()
             self._unused_decode()
             self.proxy.flows.discard(self)
@@ -1212,6 +1254,7 @@ class _Flow:
         assert self.route is not None
         decode, prefill, transfer = self.route.decode, self.route.prefill, self.plan.transfer
         if transfer is None or prefill is None:
+            self._prefill_finished()  # D prefills: nothing to wait for
             self.decode_called = True
             async with (
                 self._first_token(Stage.LOCAL, decode, None) as timer,
@@ -1294,6 +1337,7 @@ class _Flow:
         self.router.record_success(prefill, time.monotonic())
         self.p_answer = data.get("kv_transfer_params") if isinstance(data, dict) else None
         self.plan.prefill_answered()
+        self._prefill_finished()
 
     # -- D's answer to the client ----------------------------------------------------------
     async def _relay(
