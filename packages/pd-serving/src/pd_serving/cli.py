@@ -17,12 +17,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pd_serving.launcher import ChildFailed
 from pd_serving.model import DEFAULT_ARCH, TINY_ARCHES, cache_dir, default_model_dir, make_model
-from pd_serving.servers import KVT_TRANSPORTS, Connector, CpuSettings, connector_extra
+from pd_serving.servers import KVT_TRANSPORTS, Connector, CpuSettings, Role, connector_extra
 from pd_serving.wheel_tags import ensure_wheel_tags
 from pd_serving.workload import parse_length_dist, parse_rates
 
@@ -351,6 +351,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
         flush=True,
     )
+    if args.drain_grace > 0:  # SIGTERM to one of them drains it through the proxy first
+        proxy_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        proxy_host = f"[{proxy_host}]" if ":" in proxy_host else proxy_host
+        drain_url = f"http://{proxy_host}:{args.port}/admin/drain"
+        for server in servers:
+            if server.role is not Role.SINGLE:
+                server.drain_via = (drain_url, args.drain_grace)
     store = _kv_store(
         args.kvs,
         args.kvs_pool,
@@ -428,8 +435,9 @@ def _kv_store(
 async def _run_proxy(
     proxy, host: str, port: int, deployment=None, drain_grace_s: float = 0.0
 ) -> int:
-    """Serve until SIGINT, SIGTERM or a child's exit. SIGTERM first drains every instance
-    (nothing new is sent, the requests running finish) for at most ``drain_grace_s``."""
+    """Serve until SIGINT, SIGTERM or a child's exit (but that of an instance drained: SIGTERM
+    to it, see ``supervise``). SIGTERM first drains every instance (nothing new is sent, the
+    requests running finish) for at most ``drain_grace_s``."""
     from pd_serving.proxy import READY_LINE, serve
 
     loop = asyncio.get_running_loop()
@@ -440,12 +448,22 @@ async def _run_proxy(
     # A child that dies ends the deployment: the proxy must not answer 502 forever.
     child_exited = asyncio.Event()
 
-    def on_child_exit(_fut: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop may be closed by then
-            loop.call_soon_threadsafe(child_exited.set)
+    def exited(name: str) -> None:
+        if proxy.drains.phase(name) == "drained":  # SIGTERM to it drained it (supervise.py)
+            print(f"pdserve: {name} drained and stopped; serving on the others", flush=True)
+            return
+        child_exited.set()
 
-    for fut in deployment.exited_futures() if deployment is not None else []:
-        fut.add_done_callback(on_child_exit)
+    def on_child_exit(name: str) -> Callable[[object], None]:
+        def callback(_fut: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed by then
+                loop.call_soon_threadsafe(exited, name)
+
+        return callback
+
+    if deployment is not None:
+        for server, fut in zip(deployment.servers, deployment.exited_futures(), strict=True):
+            fut.add_done_callback(on_child_exit(server.name))
     runner = await serve(proxy, host, port)
     print(f"{READY_LINE} http://{host}:{port}", flush=True)
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(child_exited.wait())]
@@ -720,7 +738,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         metavar="S",
         help="on SIGTERM, drain every instance (nothing new goes to them, the running requests "
-        "finish) for at most S seconds before stopping them; 0 = stop at once; default 30",
+        "finish) for at most S seconds before stopping them; a SIGTERM to one P or D drains only "
+        "it (its streams migrate to the others) and the rest go on serving; 0 = stop at once; "
+        "default 30",
     )
     p.set_defaults(func=cmd_up)
 

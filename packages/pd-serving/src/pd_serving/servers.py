@@ -110,6 +110,9 @@ class VllmServer:
     # The CPUs all its processes run on when not only its worker's cores (``cpus``), e.g. a
     # single instance with one OpenMP thread whose API server and engine core get a core more.
     process_cpus: frozenset[int] | None = None
+    # (the proxy's /admin/drain URL, grace seconds): run under ``pd_serving.supervise``, so a
+    # SIGTERM to it drains it through the proxy before vLLM stops. None: vLLM itself.
+    drain_via: tuple[str, float] | None = None
     process: ManagedProcess | None = None
 
     @property
@@ -187,7 +190,12 @@ class VllmServer:
             }
             args += ["--kv-events-config", json.dumps(events)]
         args += engine_cli_args(self.cpu.arch)
-        return python_argv("vllm.entrypoints.openai.api_server", *args, *self.extra_args)
+        vllm = python_argv("vllm.entrypoints.openai.api_server", *args, *self.extra_args)
+        if self.drain_via is None:
+            return vllm
+        drain_url, grace_s = self.drain_via
+        supervisor = ("--drain", drain_url, "--instance", self.name, "--grace", f"{grace_s:g}")
+        return python_argv("pd_serving.supervise", *supervisor, "--", *vllm)
 
     @property
     def cpu_bind(self) -> str:
