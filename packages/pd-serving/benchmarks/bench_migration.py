@@ -489,8 +489,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stages",
         action="store_true",
-        help="per-stage timings of the hand-off: D2's metrics and direct probes (slower)",
+        help="then a pass that reads D2's metrics around each stop (--stage-contexts)",
     )
+    parser.add_argument(
+        "--stage-contexts",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[256, 16384],
+    )
+    parser.add_argument("--stage-rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, default=RESULTS / "migration.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "migration_downtime.png")
     return parser
@@ -543,6 +549,16 @@ async def _smoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``--stages``: the pass that reads D2's metrics around each stop (its own rounds)."""
+    staged = argparse.Namespace(**vars(args))
+    if args.stages:
+        staged.contexts = [c for c in args.stage_contexts if c <= max(args.contexts)]
+        staged.systems = ["precopy", "none"]
+        staged.rounds = args.stage_rounds
+    return staged
+
+
 def run(args: argparse.Namespace) -> int:
     from pd_serving.client import load_tokenizer
     from pd_serving.deploy import Deployment
@@ -568,11 +584,15 @@ def run(args: argparse.Namespace) -> int:
         prefill = deployment.by_role(Role.PREFILL)[0]
         decodes = deployment.by_role(Role.DECODE)
         started = time.time()
-        result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, args))
+        staged = _stage_args(args)
+        timed = argparse.Namespace(**{**vars(args), "stages": False})
+        result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, timed))
+        if staged.stages:  # after the timed pass: its metrics scrapes would be in its windows
+            stage_result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, staged))
     rows = summarize(result, args)
     table = markdown(rows, args)
     print(table)
-    stages = stage_rows(result, args)
+    stages = stage_rows(stage_result if staged.stages else result, staged)
     print(json.dumps(stages, indent=1))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
