@@ -10,7 +10,12 @@ client asks ``POST /admin/migrate`` to move it off its D; ``--after-tokens`` mor
 other D. Per request, the gap between the last token before the switch and the first after it,
 minus the median inter-token gap of the same request, is the switch's extra gap ("downtime").
 Context lengths (``--contexts``: tokens at the switch) and rounds (the systems' order flips
-every round) as given; the tokens of both systems are compared with each other.
+every round) as given. ``none`` streams the same request unmoved, on the D the pre-copied one
+started on: the truth its tokens are compared with, and the gaps D1's time per output token
+while pre-copying is held to (the same token positions). Each pre-copied migration's stages
+(the proxy's marks, ``stages_ms`` in the admin answer) go in the JSON's ``stages``; with
+``--stages`` a second pass (``--stage-contexts``) also reads D2's own metrics of the migrated
+request (its queue: the pull; its first step; its TTFT).
 
     flock /tmp/bench.lock uv run --frozen python packages/pd-serving/benchmarks/bench_migration.py
 
