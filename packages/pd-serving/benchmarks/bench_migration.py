@@ -10,7 +10,12 @@ client asks ``POST /admin/migrate`` to move it off its D; ``--after-tokens`` mor
 other D. Per request, the gap between the last token before the switch and the first after it,
 minus the median inter-token gap of the same request, is the switch's extra gap ("downtime").
 Context lengths (``--contexts``: tokens at the switch) and rounds (the systems' order flips
-every round) as given; the tokens of both systems are compared with each other.
+every round) as given. ``none`` streams the same request unmoved, on the D the pre-copied one
+started on: the truth its tokens are compared with, and the gaps D1's time per output token
+while pre-copying is held to (the same token positions). Each pre-copied migration's stages
+(the proxy's marks, ``stages_ms`` in the admin answer) go in the JSON's ``stages``; with
+``--stages`` a second pass (``--stage-contexts``) also reads D2's own metrics of the migrated
+request (its queue: the pull; its first step; its TTFT).
 
     flock /tmp/bench.lock uv run --frozen python packages/pd-serving/benchmarks/bench_migration.py
 
@@ -34,9 +39,15 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 # The smoke run's stand-in upstreams are the tests' (stand_ins.py there).
 TESTS = Path(__file__).resolve().parents[1] / "tests"
-SYSTEMS = ("precopy", "recompute")
-# How each system moves a request: (pull the KV, pre-copy first).
-HOW = {"precopy": (True, True), "recompute": (False, False), "stop_and_copy": (True, False)}
+SYSTEMS = ("precopy", "recompute", "none")
+# How each system moves a request: (pull the KV, pre-copy first); "none" is not moved (D1's
+# time per output token without a migration, at the same token positions).
+HOW = {
+    "precopy": (True, True),
+    "recompute": (False, False),
+    "stop_and_copy": (True, False),
+    "none": (True, True),
+}
 LLUMNIX_DOWNTIME_MS = (20, 30)  # Llumnix (OSDI '24), published, for any context length
 
 
@@ -63,9 +74,9 @@ async def _start_proxy(
     return f"http://127.0.0.1:{port}", proxy, runner
 
 
-async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int) -> dict:
-    """One streaming request moved after ``migrate_after`` tokens: token ids, arrival times,
-    the admin endpoint's answer."""
+async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int | None) -> dict:
+    """One streaming request moved after ``migrate_after`` tokens (None: not moved): token ids,
+    arrival times (``time.monotonic()``, the proxy's clock), the admin endpoint's answer."""
     times: list[float] = []
     tokens: list[int] = []
     asked: asyncio.Task[Any] | None = None
@@ -86,28 +97,162 @@ async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int)
             event = json.loads(line[5:])
             ids = [t for c in event.get("choices") or [] for t in c.get("token_ids") or []]
             if ids:
-                now = time.perf_counter()
+                now = time.monotonic()
                 tokens += ids
                 times += [now] * len(ids)
-            if asked is None and len(tokens) >= migrate_after:
+            if asked is None and migrate_after is not None and len(tokens) >= migrate_after:
                 asked, asked_at = asyncio.create_task(migrate()), len(tokens)
-    assert asked is not None
+                asked_t = time.monotonic()
+    if asked is None:
+        return {"tokens": tokens, "times": times, "answer": [], "asked_at": 0}
     answer = await asked
-    return {"tokens": tokens, "times": times, "answer": answer["requests"], "asked_at": asked_at}
+    return {
+        "tokens": tokens,
+        "times": times,
+        "answer": answer["requests"],
+        "asked_at": asked_at,
+        "asked_t": asked_t,
+    }
 
 
-def _tpot_ratio(sample: dict) -> float | None:
+def _started_on(sample: dict) -> str:
+    """The D (of two, d0 and d1) a moved request started on."""
+    [moved] = sample["answer"] or [{}]
+    return "d0" if moved.get("to") == "d1" else "d1"
+
+
+def _gaps(sample: dict) -> list[float]:
+    return [b - a for a, b in zip(sample["times"], sample["times"][1:], strict=False)]
+
+
+def _tpot_ratio(sample: dict, unmoved: dict | None = None) -> float | None:
     """Median gap while the migration runs on the old D (after the ask, before the switch)
-    over the median gap before the ask."""
+    over the median gap of the same request not moved (``unmoved``, the same token positions)
+    or, without one, over the median gap before the ask."""
     [moved] = sample["answer"] or [{}]
     if moved.get("outcome") != "moved":
         return None
     at, asked = moved["tokens_before"], sample["asked_at"]
-    gaps = [b - a for a, b in zip(sample["times"], sample["times"][1:], strict=False)]
-    during, before = gaps[asked : at - 1], gaps[: asked - 1]
-    if not during or not before:
+    gaps = _gaps(sample)
+    during = gaps[asked : at - 1]
+    base = _gaps(unmoved)[asked : at - 1] if unmoved is not None else gaps[: asked - 1]
+    if not during or not base:
         return None
-    return statistics.median(during) / statistics.median(before)
+    return statistics.median(during) / statistics.median(base)
+
+
+def _stages(sample: dict, prompt_tokens: int) -> dict[str, float] | None:
+    """One migration's hand-off, stage by stage (ms), from the proxy's marks (``stages_ms``,
+    live.py) and the client's token times: where the switch's gap goes."""
+    [moved] = sample["answer"] or [{}]
+    if moved.get("outcome") != "moved" or not moved.get("stages_ms"):
+        return None
+    at = moved["tokens_before"]
+    base = moved["asked_at"]
+    mark = {k: base + v / 1000 for k, v in moved["stages_ms"].items()}
+    times = sample["times"]
+    last_d1, first_d2 = times[at - 1], times[at]
+    gaps = _gaps(sample)
+
+    def ms(a: float, b: float) -> float:
+        return (b - a) * 1000
+
+    out = {
+        "context": prompt_tokens + at,
+        "precopied_tokens": moved.get("precopied_tokens", 0),
+        # D2 pulls these at the stop (its prefix cache has the pre-copied ones) and computes 1.
+        "pulled_at_stop_tokens": prompt_tokens + at - 1 - moved.get("precopied_tokens", 0),
+        "tokens_during": at - sample["asked_at"],
+        "proxy_decision": ms(sample["asked_t"], base),
+        "switch_gap": ms(last_d1, first_d2),
+    }
+    if gaps[: at - 1] and gaps[at:]:
+        out["itl_before"] = statistics.median(gaps[: at - 1]) * 1000
+        out["itl_after"] = statistics.median(gaps[at:]) * 1000
+    pairs = {
+        "precopy_rpc": ("asked", "precopy_answered"),
+        "warm_up": ("precopy_answered", "warmed"),
+        "d1_stop_rpc": ("stop_asked", "d1_answered"),
+        "d1_end_after_answer": ("d1_answered", "d1_end"),
+        "last_d1_token_to_client": ("d1_end", None),
+        "switch_wait": (None, "d2_called"),  # from the client's last D1 token
+        "d2_call_to_headers": ("d2_called", "d2_answered"),
+        "d2_headers_to_first_event": ("d2_answered", "d2_first_event"),
+        "first_event_to_client": ("d2_first_event", None),
+    }
+    for name, (a, b) in pairs.items():
+        ta = last_d1 if a is None else mark.get(a)
+        tb = (last_d1 if a == "d1_end" else first_d2) if b is None else mark.get(b)
+        if ta is not None and tb is not None:
+            out[name] = ms(ta, tb)
+    return out
+
+
+async def _metrics(session: Any, url: str) -> dict[str, float]:
+    """A vLLM's Prometheus samples (name{labels} -> value), for differences."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("vllm:"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") or sample.name.endswith("_created"):
+                continue
+            labels = ",".join(
+                f"{k}={v}"
+                for k, v in sorted(sample.labels.items())
+                if k not in ("engine",) and k != "model_name"
+            )
+            out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return out
+
+
+def _diff(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def _scrape_before_stop(session: Any, before_stop: dict[str, dict[str, float]]) -> None:
+    """``--stages``: D2's metrics right before MIGRATE_OUT (after the warm-up), so that the
+    difference after the request covers the migrated request alone."""
+    from pd_serving import live
+
+    original = live.LiveStream._ask_d1
+
+    async def ask_d1(self: Any, source: Any, transfer_id: str) -> None:
+        if self._target is not None:
+            before_stop[self._target.key] = await _metrics(session, self._target.url)
+        await original(self, source, transfer_id)
+
+    live.LiveStream._ask_d1 = ask_d1  # type: ignore[method-assign]
+
+
+# D2's own counts of the migrated request kept in the JSON (sums over that one request).
+D2_METRICS = {
+    "vllm:time_to_first_token_seconds_sum": "ttft_ms",
+    "vllm:request_queue_time_seconds_sum": "queue_ms",
+    "vllm:request_prefill_time_seconds_sum": "prefill_ms",
+    "vllm:request_prefill_kv_computed_tokens_sum": "computed_tokens",
+    "vllm:prompt_tokens_by_source_total{source=local_cache_hit}": "local_hit_tokens",
+    "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}": "pulled_tokens",
+}
+
+
+async def _d2_counts(
+    session: Any, sample: dict, url_of: dict[str, str], before_stop: dict[str, dict[str, float]]
+) -> None:
+    """``--stages``: D2's metrics for the migrated request alone (since the stop was asked):
+    its queue (the pull), its first step (prefill), its TTFT as vLLM counts it."""
+    [moved] = sample["answer"] or [{}]
+    if moved.get("outcome") != "moved" or moved["to"] not in before_stop:
+        return
+    diff = _diff(before_stop.pop(moved["to"]), await _metrics(session, url_of[moved["to"]]))
+    sample["d2"] = {
+        name: diff.get(key, 0.0) * (1000 if name.endswith("_ms") else 1)
+        for key, name in D2_METRICS.items()
+    }
 
 
 def _extra_gap_ms(sample: dict) -> float | None:
@@ -133,10 +278,21 @@ async def measure(
     systems = args.systems
     proxies = {s: await _start_proxy(prefill, decodes, model, *HOW[s]) for s in systems}
     samples: dict[str, dict[int, list[dict]]] = {s: {c: [] for c in args.contexts} for s in systems}
+    url_of = {f"d{i}": d.url for i, d in enumerate(decodes)}
+    # "none" runs on the D the round's pre-copied request started on (the D's differ in speed).
+    unmoved_on = {}
+    if "none" in systems and len(decodes) == 2:
+        unmoved_on = {
+            f"d{i}": await _start_proxy(prefill, [d], model, True) for i, d in enumerate(decodes)
+        }
+    before_stop: dict[str, dict[str, float]] = {}  # D2's metrics as the stop is asked
     try:
         async with aiohttp.ClientSession() as session:
+            if args.stages:
+                _scrape_before_stop(session, before_stop)
             for round_ in range(args.rounds):
                 order = systems if round_ % 2 == 0 else systems[::-1]
+                order = [s for s in order if s != "none"] + ["none"] * ("none" in order)
                 for context in args.contexts:
                     prompt = make_prompt(context - args.migrate_after, 1000 * context + round_)
                     for system in order:
@@ -150,10 +306,16 @@ async def measure(
                             "stream": True,
                         }
                         url = proxies[system][0]
-                        sample = await _one(session, url, body, args.migrate_after)
+                        after = None if system == "none" else args.migrate_after
+                        if system == "none" and unmoved_on and samples["precopy"][context]:
+                            url = unmoved_on[_started_on(samples["precopy"][context][-1])][0]
+                        sample = await _one(session, url, body, after)
+                        sample["prompt_tokens"] = len(prompt)
+                        if args.stages and system == "precopy":
+                            await _d2_counts(session, sample, url_of, before_stop)
                         samples[system][context].append(sample)
     finally:
-        for _, proxy, runner in proxies.values():
+        for _, proxy, runner in [*proxies.values(), *unmoved_on.values()]:
             await proxy.drain_background()
             await runner.cleanup()
     return {"samples": samples}
@@ -174,17 +336,64 @@ def summarize(result: dict, args: argparse.Namespace) -> list[dict]:
             row[f"{system}_moved"] = len(gaps)
             row[f"{system}_extra_gap_ms"] = statistics.median(gaps) if gaps else None
             row[f"{system}_itl_ms"] = statistics.median(itl) * 1000 if itl else None
-            ratios = [r for r in map(_tpot_ratio, runs) if r is not None]
+            unmoved = samples["none"][context] if "none" in samples else [None] * len(runs)
+            ratios = [
+                r
+                for r in map(_tpot_ratio, runs, unmoved)  # against the same request unmoved
+                if r is not None
+            ]
             row[f"{system}_tpot_during"] = statistics.median(ratios) if ratios else None
+            before = [r for r in map(_tpot_ratio, runs) if r is not None]
+            row[f"{system}_tpot_during_over_before"] = statistics.median(before) if before else None
+        # The truth: the request not moved ("none"), else the other system.
+        truth = "none" if "none" in samples else "recompute"
         same = [
             a["tokens"] == b["tokens"]
-            for a, b in zip(samples["precopy"][context], samples["recompute"][context], strict=True)
+            for a, b in zip(samples["precopy"][context], samples[truth][context], strict=True)
         ]
         row["same_tokens"] = f"{sum(same)}/{len(same)}"
-        ours, re = row["precopy_extra_gap_ms"], row["recompute_extra_gap_ms"]
+        row["same_tokens_as"] = truth
+        ours, re = row["precopy_extra_gap_ms"], row.get("recompute_extra_gap_ms")
         row["precopy_over_recompute"] = ours / re if ours is not None and re else None
         rows.append(row)
     return rows
+
+
+def _window(sample: dict, unmoved: dict | None) -> dict[str, Any] | None:
+    """The gaps (ms) on D1 from the ask to the switch, the unmoved request's at the same
+    positions, and when each stage was reached (ms after the token the ask followed)."""
+    [moved] = sample["answer"] or [{}]
+    if moved.get("outcome") != "moved":
+        return None
+    at, asked = moved["tokens_before"], sample["asked_at"]
+    t0 = sample["times"][asked - 1]
+    marks = {k: moved["asked_at"] + v / 1000 for k, v in moved.get("stages_ms", {}).items()}
+    return {
+        "gaps": [round(g * 1000, 2) for g in _gaps(sample)[asked - 1 : at]],
+        "unmoved": [round(g * 1000, 2) for g in _gaps(unmoved)[asked - 1 : at]] if unmoved else [],
+        "marks": {k: round((t - t0) * 1000, 2) for k, t in marks.items()},
+    }
+
+
+def stage_rows(result: dict, args: argparse.Namespace) -> list[dict]:
+    """Per context: the pre-copy hand-off's stages (medians over the rounds, ms), and with
+    ``--stages`` D2's metrics for the migrated request and the direct probes (each round's)."""
+    out = []
+    for context in args.contexts:
+        runs = result["samples"].get("precopy", {}).get(context, [])
+        stages = [s for s in (_stages(r, r.get("prompt_tokens", 0)) for r in runs) if s]
+        keys = sorted({k for s in stages for k in s})
+        row: dict[str, Any] = {
+            "context": context,
+            "stages_ms": {k: statistics.median(s[k] for s in stages if k in s) for k in keys},
+        }
+        unmoved = result["samples"].get("none", {}).get(context, [None] * len(runs))
+        row["tpot_windows"] = [_window(r, u) for r, u in zip(runs, unmoved, strict=False)]
+        d2 = [r["d2"] for r in runs if r.get("d2")]
+        if d2:
+            row["d2_ms"] = {k: statistics.median(x[k] for x in d2) for k in d2[0]}
+        out.append(row)
+    return out
 
 
 def targets(rows: list[dict]) -> dict[str, Any]:
@@ -212,7 +421,7 @@ def plot(rows: list[dict], systems: list[str], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     contexts = [r["context"] for r in rows]
-    for system in systems:
+    for system in _moving(systems):
         ax.plot(
             contexts,
             [r[f"{system}_extra_gap_ms"] for r in rows],
@@ -239,7 +448,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
     def x(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
-    systems = args.systems
+    systems = _moving(args.systems)
     lines = [
         f"Migration after {args.migrate_after} tokens, {args.after_tokens} after; "
         f"{args.rounds} rounds; medians; model {args.arch}.",
@@ -253,10 +462,15 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         lines.append(
             f"| {r['context']} | "
             + " | ".join(ms(r[f"{s}_extra_gap_ms"]) for s in systems)
-            + f" | {x(r['precopy_over_recompute'])} | {x(r['precopy_tpot_during'])} "
+            + f" | {x(r.get('precopy_over_recompute'))} | {x(r['precopy_tpot_during'])} "
             f"| {ms(r['precopy_itl_ms'])} | {r['same_tokens']} |"
         )
     return "\n".join(lines)
+
+
+def _moving(systems: list[str]) -> list[str]:
+    """The systems that move the request (not "none")."""
+    return [s for s in systems if s != "none"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -277,6 +491,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--migrate-after", type=int, default=32)
     parser.add_argument("--after-tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="then a pass that reads D2's metrics around each stop (--stage-contexts)",
+    )
+    parser.add_argument(
+        "--stage-contexts",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[256, 16384],
+    )
+    parser.add_argument("--stage-rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, default=RESULTS / "migration.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "migration_downtime.png")
     return parser
@@ -313,8 +538,10 @@ async def _smoke(args: argparse.Namespace) -> int:
             await d.close()
     rows = summarize(result, args)
     print(markdown(rows, args))
+    stages = stage_rows(result, args)
+    assert all(s["stages_ms"]["switch_gap"] > 0 for s in stages), stages
     n = args.rounds
-    assert all(r[f"{s}_moved"] == n for r in rows for s in args.systems), rows
+    assert all(r[f"{s}_moved"] == n for r in rows for s in _moving(args.systems)), rows
     assert all(r["same_tokens"] == f"{n}/{n}" for r in rows), rows
     print(json.dumps(targets(rows)))
     if args.png:
@@ -325,6 +552,16 @@ async def _smoke(args: argparse.Namespace) -> int:
     assert sample["tokens"] == model_tokens(prompt, args.migrate_after + args.after_tokens)
     print("bench_migration smoke: ok")
     return 0
+
+
+def _stage_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``--stages``: the pass that reads D2's metrics around each stop (its own rounds)."""
+    staged = argparse.Namespace(**vars(args))
+    if args.stages:
+        staged.contexts = [c for c in args.stage_contexts if c <= max(args.contexts)]
+        staged.systems = ["precopy", "none"]
+        staged.rounds = args.stage_rounds
+    return staged
 
 
 def run(args: argparse.Namespace) -> int:
@@ -352,10 +589,16 @@ def run(args: argparse.Namespace) -> int:
         prefill = deployment.by_role(Role.PREFILL)[0]
         decodes = deployment.by_role(Role.DECODE)
         started = time.time()
-        result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, args))
+        staged = _stage_args(args)
+        timed = argparse.Namespace(**{**vars(args), "stages": False})
+        result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, timed))
+        if staged.stages:  # after the timed pass: its metrics scrapes would be in its windows
+            stage_result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, staged))
     rows = summarize(result, args)
     table = markdown(rows, args)
     print(table)
+    stages = stage_rows(stage_result if staged.stages else result, staged)
+    print(json.dumps(stages, indent=1))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
         json.dumps(
@@ -363,6 +606,7 @@ def run(args: argparse.Namespace) -> int:
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "started": started,
                 "rows": rows,
+                "stages": stages,
                 "targets": targets(rows),
                 "llumnix_downtime_ms": LLUMNIX_DOWNTIME_MS,
                 "table": table,
@@ -379,7 +623,7 @@ def main() -> int:
     args = _parser().parse_args()
     if args.smoke:
         args.contexts, args.migrate_after, args.after_tokens, args.rounds = [24, 40], 8, 6, 2
-        args.systems = ["precopy", "recompute", "stop_and_copy"]
+        args.systems = ["precopy", "recompute", "stop_and_copy", "none"]
         return asyncio.run(_smoke(args))
     return run(args)
 

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 from hybrid_connector.contract import PullParams, decode_params
+from pd_serving import live
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, PdProxy, ProxyConfig, serve
 from stand_ins import MODEL, FakeDecode, FakeUpstream, model_tokens
@@ -226,6 +227,15 @@ async def test_a_precopied_migration_warms_the_target_up_first(rig: Rig) -> None
     assert pull.transfer_id.startswith("mig-pre-")
     assert (pull.remote_rpc_address, pull.remote_num_tokens) == (d1.rpc_address, 8)
     assert final["prompt"] == PROMPT + model_tokens(PROMPT, PAUSE_AFTER + 1)
+    moved = answer["requests"][0]
+    assert moved["precopied_tokens"] == 8
+    stages = moved["stages_ms"]
+    order = ["asked", "precopy_answered", "warmed", "stop_asked", "d1_answered"]
+    order += ["d2_called", "d2_answered", "d2_first_event"]
+    assert set(stages) == {*order, "d1_end"}, stages
+    assert [stages[k] for k in order] == sorted(stages[k] for k in order)
+    assert stages["asked"] == 0
+    assert stages["d1_end"] <= stages["d2_called"]
     await rig.proxy.drain_background()
     assert [r.transfer_id for r in d1.releases] == [pull.transfer_id], "C released, once"
     assert rig.proxy.metrics.registry.get_sample_value(
@@ -251,3 +261,52 @@ async def test_a_target_failing_the_warm_up_leaves_the_request_on_d1(rig: Rig) -
     await rig.proxy.drain_background()
     [release] = d1.releases
     assert release.transfer_id.startswith("mig-pre-"), "the pre-copy hold goes back"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"id": "x", "choices": [{"text": "a", "prompt_token_ids": [1, 2, 3], "token_ids": [4]}]},
+        {"choices": [{"prompt_token_ids": [], "token_ids": [4], "text": ""}]},
+        {"choices": [{"prompt_token_ids": None, "token_ids": [4], "text": ""}]},
+        {"choices": [{"text": '"prompt_token_ids": [9]', "token_ids": [4]}]},
+        {"choices": [{"text": "b", "token_ids": [4]}], "usage": None},
+    ],
+)
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_the_echoed_prompt_ids_go_unparsed(
+    event: dict[str, Any], separators: tuple[str, str]
+) -> None:
+    raw = f"data: {json.dumps(event, separators=separators)}\n\n".encode()
+    out = json.loads(live._without_prompt_token_ids(raw)[5:])
+    want = json.loads(json.dumps(event))
+    for choice in want["choices"]:
+        if "prompt_token_ids" in choice:
+            choice["prompt_token_ids"] = None
+    assert out == want
+
+
+@pytest.mark.parametrize(
+    ("choices", "reason"),
+    [
+        ([{"text": "a", "finish_reason": None}], None),
+        ([{"text": "a", "finish_reason": "length"}], "length"),
+        ([{"finish_reason": None}, {"finish_reason": "stop"}], "stop"),
+        ([{"text": '"finish_reason": null'}], None),
+        ([{"text": "a"}], None),
+    ],
+)
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_a_finish_reason_is_found_however_the_json_is_spaced(
+    choices: list[dict[str, Any]], reason: str | None, separators: tuple[str, str]
+) -> None:
+    raw = f"data: {json.dumps({'choices': choices}, separators=separators)}\n\n".encode()
+    assert live._finish_reason(raw) == reason
+
+
+def test_a_prompt_serialized_by_its_new_tokens_is_the_whole_prompts_json() -> None:
+    known = live._PromptJson([5, 6, 7])
+    for tokens in ([5, 6, 7], [5, 6, 7, 8, 9], [5, 6], [1, 6, 7, 8], []):
+        body = live._json_body({"model": MODEL, "max_tokens": 3}, known.encode(tokens))
+        assert json.loads(body) == {"prompt": tokens, "model": MODEL, "max_tokens": 3}
+    assert json.loads(live._json_body({}, known.encode([5]))) == {"prompt": [5]}

@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -61,6 +62,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # MIGRATE_OUT: the instance answers after its next step; a stalled one is refused after this.
 MIGRATE_OUT_TIMEOUT_S = 60.0
 _DONE = b"data: [DONE]"
+_NULL_FINISH = re.compile(rb'"finish_reason"\s*:\s*null')
 
 
 class LiveStreams:
@@ -195,6 +197,11 @@ class LiveStream:
         self._decided: asyncio.Future[Decision] | None = None  # D1's answer, as a decision
         self._outcome: asyncio.Future[dict[str, Any]] | None = None  # for the admin endpoint
         self._ask: asyncio.Task[None] | None = None
+        # When each stage of the asked migration happened (time.monotonic()), for its answer.
+        self._stages: dict[str, float] = {}
+        self._precopied_tokens = 0
+        # The pre-copied tokens as JSON: the stop's call serializes only the tokens after them.
+        self._prompt_json: _PromptJson | None = None
 
     # -- asked by the admin endpoint ---------------------------------------------------------
     def migrate(
@@ -209,9 +216,12 @@ class LiveStream:
         decision = self.plan.requested(target.key, precopy and self.streams.pull_kv)
         if decision.action not in (Action.ASK_D1, Action.ASK_PRECOPY):
             self.streams.migrations.labels("refused").inc()
-            outcome.set_result(self._outcome_of("refused", decision.message, target))
+            refused = self._outcome_of("refused", decision.message, target)
+            outcome.set_result({**refused, "stages_ms": {}, "precopied_tokens": 0})
             return outcome
         self._target, self._outcome = target, outcome
+        self._stages = {"asked": time.monotonic()}
+        self._precopied_tokens = 0
         self._decided = loop.create_future()
         self.migration_id = f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
         if decision.action is Action.ASK_PRECOPY:
@@ -237,6 +247,7 @@ class LiveStream:
             )
         except RpcError as exc:  # unreachable, an older connector, an undecodable answer
             answer = PrecopyResponse(transfer_id, offered=False, reason=f"PRECOPY: {exc!r}")
+        self._mark("precopy_answered")
         if answer.offered:
             decision = self.plan.precopy_offered()
         else:
@@ -244,6 +255,7 @@ class LiveStream:
             decision = self.plan.precopy_refused(answer.reason)
         if decision.action is Action.WARM:
             started = time.monotonic()
+            self._prompt_json = _PromptJson(answer.token_ids)
             try:
                 await self._warm_up(target, source, answer)
             except Exception as exc:  # the proxy's CallFailed, aiohttp's errors, the timeout
@@ -261,6 +273,8 @@ class LiveStream:
                 self._carry(decision)
                 self._finish("refused", decision.message)
                 return
+            self._mark("warmed")
+            self._precopied_tokens = len(answer.token_ids)
             self.streams.precopies.labels("warmed").inc()
             log.info(
                 "transfer %s: %d tokens pre-copied from %s to %s in %.0f ms",
@@ -281,7 +295,8 @@ class LiveStream:
         body = dict(self.flow.body)  # the client's (its cache_salt and model: the same hashes)
         for key in ("stream_options", "min_tokens", "logprobs", "n", "best_of", "suffix"):
             body.pop(key, None)
-        body.update(prompt=list(answer.token_ids), max_tokens=1, stream=False, echo=False)
+        body.pop("prompt", None)
+        body.update(max_tokens=1, stream=False, echo=False)
         body["kv_transfer_params"] = encode_params(
             PullParams(
                 transfer_id=self.precopy_id,
@@ -290,12 +305,15 @@ class LiveStream:
                 remote_num_tokens=len(answer.token_ids),
             )
         )
-        async with self.flow.proxy._open(target, COMPLETIONS, body, Stage.DECODE) as resp:
+        assert self._prompt_json is not None
+        payload = _json_body(body, self._prompt_json.encode(answer.token_ids))
+        async with self.flow.proxy._open(target, COMPLETIONS, payload, Stage.DECODE) as resp:
             async with asyncio.timeout(self.flow.config.attempt_timeout_s):
                 await resp.read()
 
     async def _ask_d1(self, source: Backend, transfer_id: str) -> None:
         assert source.rpc_address is not None
+        self._mark("stop_asked")
         try:
             answer = await migrate_out(
                 source.rpc_address,
@@ -307,6 +325,7 @@ class LiveStream:
             )
         except RpcError as exc:  # unreachable, gone, or an answer that does not decode
             answer = MigrateOutResponse(transfer_id, stopped=False, reason=f"MIGRATE_OUT: {exc!r}")
+        self._mark("d1_answered")
         if answer.stopped:
             self.answer = answer
             if self.prompt_tokens is None:
@@ -393,6 +412,7 @@ class LiveStream:
                     if switch is not None:
                         continue
                     if _finish_reason(event) is not None:
+                        self._mark("d1_end")
                         decision = self.plan.d1_ended()
                         if decision.release_precopy:  # it ended while pre-copying
                             self._carry(decision)
@@ -425,15 +445,25 @@ class LiveStream:
         assert answer is not None
         while True:
             target = self._backend(decision.target)
+            self._mark("d2_called")
             body = self._next_body(answer, source)
+            payload: dict[str, Any] | bytes = body
+            if self._prompt_json is not None:
+                prompt = body.pop("prompt")
+                payload = _json_body(body, self._prompt_json.encode(prompt))
             events = SseEvents()
             try:
                 resp = await stack.enter_async_context(
-                    self.flow.proxy._open(target, COMPLETIONS, body, Stage.DECODE)
+                    self.flow.proxy._open(target, COMPLETIONS, payload, Stage.DECODE)
                 )
+                self._mark("d2_answered")
                 chunks = resp.content.iter_any()
                 async with asyncio.timeout(self.flow.config.attempt_timeout_s):
                     first = await next_events(chunks, events)
+                self._mark("d2_first_event")
+                # Its first event echoes the new prompt's ids (every token so far) when the
+                # client asked for token ids: dropped unparsed, the client has them already.
+                first = [_without_prompt_token_ids(e) for e in first]
                 if not first or _is_error_event(first[0]):
                     message = f"decode {target.url} sent no token of the migrated request"
                     raise _LegFailed(target, Failure.BROKE, message)
@@ -535,6 +565,11 @@ class LiveStream:
         if decision.action in (Action.FAIL, Action.FREE):
             self._finish("failed", decision.message)
 
+    def _mark(self, stage: str) -> None:
+        """The asked migration reached ``stage`` now (the first time counts)."""
+        if self._outcome is not None and not self._outcome.done():
+            self._stages.setdefault(stage, time.monotonic())
+
     def _finish(self, outcome: str, reason: str, target: Backend | None = None) -> None:
         """The asked migration ended (the admin endpoint's answer); once."""
         if self._outcome is not None and not self._outcome.done():
@@ -548,6 +583,12 @@ class LiveStream:
             "to": target.key if target else "",
             "reason": reason,
             "tokens_before": self.generated,  # moved: the tokens the client had before the move
+            # Each stage reached, in ms after the ask (time.monotonic() of the ask: "asked_at").
+            "stages_ms": {k: (t - asked) * 1000 for k, t in self._stages.items()}
+            if (asked := self._stages.get("asked")) is not None
+            else {},
+            "asked_at": self._stages.get("asked", 0.0),
+            "precopied_tokens": self._precopied_tokens,
         }
 
 
@@ -570,11 +611,56 @@ def _event(event: bytes) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
+class _PromptJson:
+    """A prompt's token ids as JSON, kept so that a prompt starting with them is serialized by
+    its new tokens alone (at the stop: the tokens decoded since the pre-copy)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self._open = json.dumps(self.tokens)[:-1].encode()  # "[1, 2, 3": no closing bracket
+
+    def encode(self, tokens: list[int]) -> bytes:
+        """``json.dumps(tokens)``, as bytes."""
+        n = len(self.tokens)
+        if not n or len(tokens) < n or tokens[:n] != self.tokens:
+            return json.dumps(tokens).encode()
+        if len(tokens) == n:
+            return self._open + b"]"
+        return self._open + b", " + json.dumps(tokens[n:])[1:].encode()
+
+
+def _json_body(body: dict[str, Any], prompt: bytes) -> bytes:
+    """``body`` (without its prompt) as JSON with ``prompt``, JSON already, as its prompt."""
+    rest = json.dumps(body).encode() if body else b"{}"
+    return b'{"prompt": ' + prompt + (b", " + rest[1:] if len(rest) > 2 else b"}")
+
+
+def _without_prompt_token_ids(event: bytes) -> bytes:
+    """``event`` with its ``prompt_token_ids`` list as null, found without parsing it (a list
+    of a whole context's ids is most of the event). The key can not occur inside a JSON
+    string: a quote there is escaped."""
+    key = event.find(b'"prompt_token_ids":')
+    if key < 0:
+        return event
+    start = key + len(b'"prompt_token_ids":')
+    while event[start : start + 1] == b" ":
+        start += 1
+    if event[start : start + 1] != b"[":
+        return event
+    end = event.find(b"]", start)
+    if end < 0:
+        return event
+    return event[:start] + b"null" + event[end + 1 :]
+
+
 def _is_error_event(event: bytes) -> bool:
-    return "error" in _event(event)
+    return b'"error"' in event and "error" in _event(event)
 
 
 def _finish_reason(event: bytes) -> str | None:
+    # Parsed only when some choice's finish_reason is not null: most events are tokens.
+    if event.count(b'"finish_reason"') == len(_NULL_FINISH.findall(event)):
+        return None
     for choice in _event(event).get("choices") or []:
         if isinstance(choice, dict) and choice.get("finish_reason") is not None:
             return str(choice["finish_reason"])

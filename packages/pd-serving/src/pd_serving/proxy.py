@@ -101,6 +101,7 @@ PREFILL_GROUP_HEADER = "x-pdserve-prefill-group"
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _SSE_DONE = b"data: [DONE]"
+_JSON = {"Content-Type": "application/json"}
 # How the breaker hears of a failed call (health.FailureKind).
 _BREAKER_KIND = {
     Failure.REFUSED: FailureKind.REFUSED,
@@ -968,7 +969,7 @@ class PdProxy:
         self,
         backend: Backend,
         path: str,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         stage: Stage,
         gate: asyncio.Task[Any] | None = None,
     ) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -994,11 +995,16 @@ class PdProxy:
         self,
         backend: Backend,
         path: str,
-        body: dict[str, Any],
+        body: dict[str, Any] | bytes,
         stage: Stage,
         gate: asyncio.Task[Any] | None,
     ) -> aiohttp.ClientResponse:
-        post = asyncio.ensure_future(self._client.post(f"{backend.url}{path}", json=body))
+        url = f"{backend.url}{path}"
+        if isinstance(body, bytes):  # JSON already (a live migration's prompt of every token)
+            request = self._client.post(url, data=body, headers=_JSON)
+        else:
+            request = self._client.post(url, json=body)
+        post = asyncio.ensure_future(request)
         try:
             if gate is not None:
                 await asyncio.wait({post, gate}, return_when=asyncio.FIRST_COMPLETED)
