@@ -899,8 +899,11 @@ class WorkerSide:
         return self._results.wait_count(name, at_least, timeout_s)
 
     def counters(self) -> dict[str, int]:
-        """Event counts of this worker (offers, pulls_done, leases_expired, ...)."""
-        return self._results.counters()
+        """Event counts of this worker (offers, pulls_done, leases_expired, ..., r3_records)."""
+        counters = self._results.counters()
+        if self.r3 is not None:
+            counters.update({f"r3_{name}": n for name, n in self.r3.counters.items()})
+        return counters
 
     @property
     def metrics_registry(self) -> CollectorRegistry | None:
