@@ -18,6 +18,7 @@ from harness.checks import MAX_TOKENS, assert_idle, delta, prefill, prompts, sal
 from harness.kvs import reset_prefix_cache, scrub_free_blocks, start_failure
 from harness.offline import Gen, OfflineEngine
 from harness.pool import KVS_STORE, count_vllm_start, engine_spec
+from harness.ports import free_port
 from hybrid_connector.r3 import read_record
 
 pytestmark = pytest.mark.timeout(600)
@@ -128,3 +129,33 @@ def test_r3_on_a_model_without_moe_routers_is_refused_at_start(
     error = start_failure(spec)
     assert "r3" in error
     assert "no MoE routers" in error
+
+
+@pytest.mark.engines("engine_r3")
+def test_a_pull_from_another_block_layout_is_refused_and_d_records_its_own(
+    engine_r3: OfflineEngine, kvs_store: Any, models_dir: Any
+) -> None:
+    """P at block 64, D at 32: the routing layer moves only byte for byte, so P refuses the
+    pull, D recomputes the prompt and its record is its own computed routing."""
+    base = engine_spec("engine_r3", models_dir)
+    extra = {k: v for k, v in base.extra_config.items() if k != "kvs"}
+    spec = dataclasses.replace(
+        base, name="engine_r3_b64", block_size=64, extra_config={**extra, "rpc_port": free_port()}
+    )
+    p = OfflineEngine(spec)
+    count_vllm_start(spec.name)
+    try:
+        p.wait_ready()
+        batch = prompts(3104, (2 * 64 + 7,))
+        want_out = engine_r3.generate(batch, MAX_TOKENS, salt=salt())
+        want = _records(want_out, kvs_store)
+        before = engine_r3.counters()
+        got_out = engine_r3.generate(batch, MAX_TOKENS, prefill(p, batch), salt=salt())
+        assert [o.token_ids for o in got_out] == [o.token_ids for o in want_out]
+        _assert_same(_records(got_out, kvs_store), want)
+        after = engine_r3.counters()
+        assert delta(after, before, "pulls_failed") == 1
+        assert delta(after, before, "pulls_done") == 0
+        assert_idle(p, engine_r3)
+    finally:
+        p.close()
