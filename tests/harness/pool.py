@@ -14,7 +14,8 @@ Resources, one per session:
 - KVS engines, sharing one refstore master (``kvs_store``, started with the first of them):
   ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2, TP 1, block 32; b checks each loaded block's
   CRC), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
-  vLLM keeps its states at block boundaries, mamba_cache_mode "align").
+  vLLM keeps its states at block boundaries, mamba_cache_mode "align"), and ``engine_r3`` (the
+  tiny Qwen3-MoE, block 32, KVS on and R3 routing records into the same master).
 - ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
   proxy included) for the xPyD, failover and end-to-end tests.
 
@@ -51,6 +52,7 @@ ENGINES = (
     "engine_kvs_b",
     "engine_kvs_mla",
     "engine_kvs_gdn",
+    "engine_r3",
 )
 DEPLOYMENTS = ("xpyd",)
 RESOURCES = frozenset(ENGINES + DEPLOYMENTS)
@@ -162,7 +164,7 @@ def engine_spec(name: str, models_dir: Path) -> Any:
 
     from harness.offline import EngineSpec
 
-    kvs_arch = kvs_engine_arch(name)
+    kvs_arch = kvs_engine_arch(name) or ("qwen3-moe" if name == "engine_r3" else None)
     arch = kvs_arch or name.removeprefix("engine_").removesuffix("_tp2")
     tp = 2 if name.endswith("_tp2") else 1
     extra: dict[str, Any] = {
@@ -172,7 +174,9 @@ def engine_spec(name: str, models_dir: Path) -> Any:
     }
     if kvs_arch is not None:
         extra["kvs"] = {"store": KVS_STORE, "verify": "crc" if name == "engine_kvs_b" else "header"}
-    block_size = {"qwen2": 32 * tp}.get(arch)
+    if name == "engine_r3":
+        extra["r3"] = {"store": KVS_STORE}
+    block_size = {"qwen2": 32 * tp, "qwen3-moe": 32}.get(arch)
     return EngineSpec(
         name=name,
         model=str(tiny_model_dir(models_dir, arch)),
@@ -217,7 +221,7 @@ class EnginePool:
         """Start engine ``name`` now (also again, after a test closed it), counted."""
         from harness.offline import OfflineEngine
 
-        if kvs_engine_arch(name) is not None:
+        if kvs_engine_arch(name) is not None or name == "engine_r3":
             self.start_store()
         self.engines[name] = OfflineEngine(engine_spec(name, self.models_dir))
         count_vllm_start(name)
@@ -272,6 +276,7 @@ engine_kvs_a = _engine_fixture("engine_kvs_a")
 engine_kvs_b = _engine_fixture("engine_kvs_b")
 engine_kvs_mla = _engine_fixture("engine_kvs_mla")
 engine_kvs_gdn = _engine_fixture("engine_kvs_gdn")
+engine_r3 = _engine_fixture("engine_r3")
 
 
 @pytest.fixture(scope="session")

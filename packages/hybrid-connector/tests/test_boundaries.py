@@ -38,6 +38,7 @@ PURE_MODULES = [
     "hybrid_connector.kvs",
     "hybrid_connector.kvs_keys",
     "hybrid_connector.kvs_worker",
+    "hybrid_connector.r3",
 ]
 
 

@@ -132,6 +132,22 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
         "--kvs-pool", default="2G", help="the store's pool when pdserve starts it (default 2G)"
     )
     parser.add_argument(
+        "--r3",
+        nargs="?",
+        const="pdserve",
+        default=None,
+        metavar="STORE",
+        help="record MoE routing (hybrid, a MoE model): each finished request's "
+        "kv_transfer_params['r3'] names its record in the refstore master STORE (default "
+        "pdserve; started here unless one runs already); read with hybrid_connector.r3",
+    )
+    parser.add_argument(
+        "--r3-routed-experts",
+        action="store_true",
+        help="with --r3: the proxy also inlines each non-streamed answer's record as "
+        "choices[0].routed_experts (base64 .npy, as vLLM's enable_return_routed_experts)",
+    )
+    parser.add_argument(
         "--kvs-peer",
         action="append",
         default=[],
@@ -336,6 +352,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         if connector is not Connector.HYBRID:
             raise SystemExit("pdserve: --kvs needs --connector hybrid")
         extra["kvs"] = {"store": args.kvs}
+    if args.r3 is not None:
+        if connector is not Connector.HYBRID:
+            raise SystemExit("pdserve: --r3 needs --connector hybrid")
+        extra["r3"] = {"store": args.r3}
     servers = plan_servers(
         model,
         log_dir=log_dir,
@@ -366,12 +386,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         disk=args.kvs_disk,
         disk_size=args.kvs_disk_size,
     )
-    with store, Deployment(servers) as deployment:
+    # R3's records go to the KV store's master, or to one of their own.
+    r3_store = _kv_store(args.r3 if args.r3 not in (None, args.kvs) else None, args.kvs_pool)
+    with store, r3_store, Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
         for name, value in _failover_settings(args).items():
             setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
+        config.routed_experts = args.r3 is not None and args.r3_routed_experts
         triggers_from_args(args, config)
         proxy = PdProxy(config)
         return asyncio.run(

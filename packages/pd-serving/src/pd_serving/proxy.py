@@ -72,6 +72,7 @@ from pd_serving.kv_feed import KvEventFeed
 from pd_serving.live import LiveStreams
 from pd_serving.prefix_index import Applied, PrefixIndex
 from pd_serving.rebalance import RebalanceConfig
+from pd_serving.routed_experts import RoutedExperts
 from pd_serving.routing import (
     Backend,
     NoBackend,
@@ -207,6 +208,9 @@ class ProxyConfig:
     rebalance: RebalanceConfig | None = None
     # A drain's migrations at once, retries of a refused one (drain.py).
     drain: DrainConfig = field(default_factory=DrainConfig)
+    # R3: inline each non-streamed answer's routing record as ``choices[0].routed_experts``
+    # (routed_experts.py); the ``kv_transfer_params["r3"]`` reference passes through either way.
+    routed_experts: bool = False
 
 
 class _Metrics:
@@ -505,6 +509,7 @@ class PdProxy:
         self.rebalancer: Rebalancer | None = None
         if config.rebalance is not None:
             self.rebalancer = Rebalancer(self, config.rebalance)
+        self.routed_experts = RoutedExperts() if config.routed_experts else None
         self.app.on_startup.append(self._on_startup)
         self.app.on_cleanup.append(self._on_cleanup)
 
@@ -595,6 +600,8 @@ class PdProxy:
             await client.close()
         self._rpc_clients.clear()
         await self.live.close()
+        if self.routed_experts is not None:
+            self.routed_experts.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -1362,6 +1369,8 @@ class _Flow:
                     stage, backend, Failure.BROKE, f"{stage} {backend.url} broke off: {exc!r}"
                 ) from exc
             self._succeeded(backend)
+            if self.proxy.routed_experts is not None:
+                data = await self.proxy.routed_experts.attach(data)
             return web.Response(body=data, status=200, content_type="application/json")
 
         events = SseEvents()

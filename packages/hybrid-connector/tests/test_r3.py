@@ -1,0 +1,260 @@
+"""R3 without vLLM: the row scatter and gather, keys and params, the peer check, the config, the
+worker's recorder on a KV-cache-shaped tensor with routers standing in for vLLM's (a capture
+hook each), and records stored into and read back from a real refstore master."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import refstore
+import torch
+from hybrid_connector import r3
+from hybrid_connector.config import R3Config, parse_config
+from hybrid_connector.errors import ConfigError, PeerError
+from hybrid_connector.metadata import HybridConnectorMetadata, R3Copy
+from hybrid_connector.protocol import LayoutSpec, SegmentSpec
+from hybrid_connector.r3_worker import R3Recorder
+
+ROWS = r3.RowGeometry(layers=3, top_k=2, dtype="uint8")
+
+
+# ------------------------------------------------------------------ rows
+@pytest.mark.parametrize(
+    ("experts", "dtype"), [(1, "uint8"), (254, "uint8"), (255, "uint16"), (32766, "uint16")]
+)
+def test_the_narrowest_dtype_keeps_its_maximum_for_no_row(experts: int, dtype: str) -> None:
+    assert r3.routing_dtype(experts) == np.dtype(dtype)
+    assert r3.no_row(dtype) >= experts
+
+
+def test_too_many_experts_are_refused() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        r3.routing_dtype(40000)
+
+
+def test_rows_scattered_by_slot_gather_back_in_token_order() -> None:
+    block_size, num_blocks = 4, 6
+    buffer = np.full((num_blocks, block_size, ROWS.layers, ROWS.top_k), 255, np.uint8)
+    block_ids = [5, 2, 3]  # the request's blocks, from token 0
+    tokens = 10
+    slots = np.array(
+        [block_ids[t // block_size] * block_size + t % block_size for t in range(tokens)]
+    )
+    rng = np.random.default_rng(0)
+    want = rng.integers(0, 8, (tokens, ROWS.layers, ROWS.top_k), dtype=np.uint8)
+    # a prefill of 7 tokens with a padding row, then three decode steps of one token
+    for layer in range(ROWS.layers):
+        r3.scatter_rows(
+            buffer, np.append(slots[:7], -1), layer, np.vstack([want[:7, layer], [[9, 9]]])
+        )
+    for t in range(7, tokens):
+        for layer in range(ROWS.layers):
+            r3.scatter_rows(buffer, slots[t : t + 1], layer, want[t : t + 1, layer])
+    got = r3.gather_rows(buffer, block_ids, tokens)
+    assert got.tobytes() == want.tobytes()
+    assert r3.missing_rows(got) == 0
+    assert (buffer == 9).sum() == 0  # the padding row went nowhere
+    # one token more than was written: a row is missing
+    assert r3.missing_rows(r3.gather_rows(buffer, block_ids, tokens + 1)) == 1
+    with pytest.raises(ValueError, match="need 4 blocks"):
+        r3.blocks_of(block_ids, 13, block_size)
+
+
+def test_a_stored_object_says_whether_every_row_is_there() -> None:
+    rows = np.zeros((4, 2, 2), np.uint8)
+    assert r3.stored_object(rows)["complete"][0] == 1
+    rows[2, 1, 0] = 255
+    assert r3.stored_object(rows)["complete"][0] == 0
+    assert r3.missing_rows(rows) == 1
+
+
+def test_record_params_are_plain_json_with_a_unique_key() -> None:
+    keys = {r3.record_key() for _ in range(100)}
+    assert len(keys) == 100
+    assert all(k.startswith("r3/") and len(k.encode()) <= 64 for k in keys)
+    params = r3.record_params(keys.pop(), "node", 17, ROWS)
+    assert json.loads(json.dumps(params)) == params
+    assert params["tokens"] == 17
+    assert (params["layers"], params["top_k"], params["dtype"], params["complete"]) == (
+        3,
+        2,
+        "uint8",
+        True,
+    )
+
+
+# ------------------------------------------------------------------ peers and config
+def _layout(block_size: int = 32, names: tuple[str, ...] = ("l0", r3.ROUTING_LAYER)) -> LayoutSpec:
+    return LayoutSpec(
+        layer_names=list(names),
+        layer_offsets=[0] * len(names),
+        region_ids=[0] * len(names),
+        num_blocks=8,
+        block_size=block_size,
+        segments=[SegmentSpec("kv", 0, block_size * 256, block_size * 256)],
+        kind="blocks_major",
+        total_heads=2,
+        num_heads=2,
+    )
+
+
+def test_routing_rows_go_only_to_an_equal_block_layout() -> None:
+    r3.check_peer(_layout(), _layout())
+    with pytest.raises(PeerError, match="equal KV block layouts"):
+        r3.check_peer(_layout(), _layout(64))
+    # without the layer on either side there is nothing to check (the names differ anyway)
+    r3.check_peer(_layout(names=("l0",)), _layout(64))
+
+
+def test_r3_config() -> None:
+    assert parse_config({"r3": True}, is_producer=False).r3 == R3Config()
+    assert parse_config({"r3": False}, is_producer=False).r3 is None
+    assert parse_config({}, is_producer=False).r3 is None
+    cfg = parse_config({"r3": {"store": "s", "ttl_s": 5}}, is_producer=False).r3
+    assert cfg == R3Config(store="s", ttl_s=5.0)
+    with pytest.raises(ConfigError, match="ttl_s"):
+        parse_config({"r3": {"ttl_s": 0}}, is_producer=False)
+    with pytest.raises(ConfigError, match="storage"):
+        parse_config({"r3": {"storage": "s"}}, is_producer=False)
+
+
+def test_the_copies_are_metadata_work() -> None:
+    meta = HybridConnectorMetadata()
+    assert meta.is_empty()
+    meta.r3_copies.append(R3Copy("r", "r3/x", [1], 3))
+    assert not meta.is_empty()
+
+
+# ------------------------------------------------------------------ the recorder
+class _Router:
+    """Stands in for vLLM's BaseRouter: holds the capture hook its select_experts calls."""
+
+    def __init__(self) -> None:
+        self.capture_fn: Any = None
+
+    def set_capture_fn(self, fn: Any) -> None:
+        self.capture_fn = fn
+
+
+class _DictStore:
+    def __init__(self) -> None:
+        self.objects: dict[bytes, Any] = {}
+
+    def put_keyed(self, items: list[tuple[bytes, Any]], ttl: float | None = None) -> list[Any]:
+        for key, obj in items:
+            self.objects[key] = {k: np.array(v) for k, v in obj.items()}
+        return [key for key, _ in items]
+
+    def close(self) -> None:
+        pass
+
+
+def _recorder(store: Any, *, tp_rank: int = 0, layers: int = 3) -> tuple[R3Recorder, Any]:
+    rows = r3.RowGeometry(layers=layers, top_k=2, dtype="uint8")
+    recorder = R3Recorder(R3Config(), rows, tp_rank=tp_rank, connect=lambda: store)
+    return recorder, rows
+
+
+def _template(num_blocks: int = 6, block_size: int = 4) -> torch.Tensor:
+    # vLLM's CPU layer: [num_blocks, kv_heads, block_size, 2 * head_dim] bf16
+    return torch.zeros(num_blocks, 2, block_size, 8, dtype=torch.bfloat16)
+
+
+def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finished_request() -> None:
+    store = _DictStore()
+    recorder, rows = _recorder(store)
+    routers = [_Router() for _ in range(rows.layers)]
+    slots: dict[str, torch.Tensor] = {}
+    template = _template()
+    tensor = recorder.attach(template, 4, "l0", routers, slots.get)
+    try:
+        assert tensor.shape == template.shape
+        assert tensor.stride() == template.stride()
+        assert tensor.dtype == template.dtype
+        assert tensor.data_ptr() != template.data_ptr()
+        rng = np.random.default_rng(1)
+        want = rng.integers(0, 8, (6, rows.layers, 2), dtype=np.int32)
+        slots["l0"] = torch.tensor([4 * 3 + 0, 4 * 3 + 1, 4 * 3 + 2, 4 * 3 + 3, 4 * 1 + 0, -1])
+        for layer, router in enumerate(routers):
+            # vLLM's topk_ids: int32 [tokens, top_k], padding row included
+            router.capture_fn(torch.from_numpy(np.vstack([want[:5, layer], [[7, 7]]])))
+        slots.clear()
+        routers[0].capture_fn(torch.zeros(3, 2, dtype=torch.int32))  # no forward: ignored
+        recorder.copy_out([R3Copy("req", "r3/a", [3, 1], 5), R3Copy("short", "r3/b", [3, 1], 6)])
+        assert recorder.wait_stored(2, timeout_s=10)
+        stored = store.objects[b"r3/a"]
+        assert stored["rows"].tobytes() == want[:5].astype(np.uint8).tobytes()
+        assert stored["complete"][0] == 1
+        assert store.objects[b"r3/b"]["complete"][0] == 0  # token 5 never went through
+        assert recorder.counters["incomplete"] == 1
+        assert recorder.counters["captures"] == rows.layers
+    finally:
+        recorder.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("hybrid-connector-r3")]
+
+
+def test_only_rank_0_stores_and_a_mismatch_is_refused_at_start() -> None:
+    store = _DictStore()
+    recorder, rows = _recorder(store, tp_rank=1)
+    routers = [_Router() for _ in range(rows.layers)]
+    recorder.attach(_template(), 4, "l0", routers, lambda name: None)
+    recorder.copy_out([R3Copy("req", "r3/a", [1], 1)])
+    recorder.close()
+    assert store.objects == {}
+    assert recorder.counters["records"] == 1
+    with pytest.raises(ConfigError, match="2 MoE routers, its config says 3"):
+        _recorder(store)[0].attach(_template(), 4, "l0", [_Router(), _Router()], lambda name: None)
+    # 64 layers x 2 ids do not fit one layer's 32 B of KV per token
+    with pytest.raises(ConfigError, match="does not fit"):
+        _recorder(store, layers=64)[0].attach(
+            _template(), 4, "l0", [_Router() for _ in range(64)], lambda name: None
+        )
+
+
+# ------------------------------------------------------------------ through a real store
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("REFSTORE_DIR", str(tmp_path / "refstore"))
+    with refstore.MasterThread("r3-test", "8M"), refstore.Client("r3-test") as client:
+        yield client
+
+
+def test_a_record_reads_back_from_the_store_and_waits_for_a_late_put(store: Any) -> None:
+    rows = np.arange(5 * 3 * 2, dtype=np.uint8).reshape(5, 3, 2) % 8
+    key = r3.record_key()
+    params = {"transfer_id": "x", "r3": r3.record_params(key, "r3-test", 5, ROWS)}
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(r3.read_record(params, store)))
+    reader.start()  # may look before or after the put: it waits on the key events
+    store.put_keyed([(key.encode(), r3.stored_object(rows))], ttl=30)
+    reader.join(timeout=30)
+    assert got
+    assert got[0].tobytes() == rows.tobytes()
+    assert got[0].dtype == np.uint8
+    assert np.array_equal(r3.read_record(params["r3"], store), rows)  # the dict alone does too
+    assert store.stats().held == 0
+
+
+def test_missing_incomplete_and_mismatched_records_raise(store: Any) -> None:
+    missing = r3.record_params(r3.record_key(), "r3-test", 5, ROWS)
+    with pytest.raises(r3.R3RecordError, match="not in the store"):
+        r3.read_record({"r3": missing}, store, timeout_s=0)
+    with pytest.raises(r3.R3RecordError, match="no r3 record"):
+        r3.read_record({"transfer_id": "x"}, store)
+    with pytest.raises(r3.R3RecordError, match="the engine said so"):
+        r3.read_record({**missing, "complete": False}, store)
+    partial = np.zeros((5, 3, 2), np.uint8)
+    partial[4] = 255
+    key = r3.record_key()
+    store.put_keyed([(key.encode(), r3.stored_object(partial))], ttl=30)
+    with pytest.raises(r3.R3RecordError, match="1 of 5 token rows missing"):
+        r3.read_record(r3.record_params(key, "r3-test", 5, ROWS), store)
+    with pytest.raises(r3.R3RecordError, match="expected uint8\\[6, 3, 2\\]"):
+        r3.read_record(r3.record_params(key, "r3-test", 6, ROWS), store)
+    with pytest.raises(r3.R3RecordError, match="newer"):
+        r3.read_record({**missing, "version": 99}, store)

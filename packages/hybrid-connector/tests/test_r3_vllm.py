@@ -1,0 +1,161 @@
+"""R3 through vLLM: the routing records of the tiny Qwen3-MoE (``engine_r3``: kv_both, block 32,
+KVS on, records into the harness's refstore master).
+
+A record is the routing the engine computed for each token of the request, wherever its KV came
+from: one instance computing everything, D pulling the prompt's KV (and its rows) from P, a
+prefix-cache hit, a KVS load after the instance forgot the prefix and its free blocks were filled
+with noise. The records of the same greedy requests are byte for byte the same each way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from harness.checks import MAX_TOKENS, assert_idle, delta, prefill, prompts, salt, wait_for
+from harness.kvs import reset_prefix_cache, scrub_free_blocks, start_failure
+from harness.offline import Gen, OfflineEngine
+from harness.pool import KVS_STORE, count_vllm_start, engine_spec
+from harness.ports import free_port
+from hybrid_connector.r3 import read_record
+
+pytestmark = pytest.mark.timeout(600)
+
+BLOCK = 32
+EXPERTS, LAYERS, TOP_K = 8, 2, 2  # the tiny Qwen3-MoE
+
+
+def _records(outs: list[Gen], store: Any) -> list[np.ndarray]:
+    records = []
+    for out in outs:
+        params = out.kv_transfer_params
+        assert params is not None
+        assert "r3" in params
+        ref = params["r3"]
+        assert ref["complete"] is True
+        assert ref["store"] == KVS_STORE
+        assert (ref["layers"], ref["top_k"], ref["dtype"]) == (LAYERS, TOP_K, "uint8")
+        rows = read_record(params, store)
+        assert rows.shape == (ref["tokens"], LAYERS, TOP_K)
+        assert int(rows.max()) < EXPERTS
+        # top-k picks distinct experts for every token and layer
+        assert (rows[..., 0] != rows[..., 1]).all()
+        records.append(rows)
+    return records
+
+
+def _assert_same(got: list[np.ndarray], want: list[np.ndarray]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        assert a.tobytes() == b.tobytes()
+
+
+def test_one_instance_and_pd_record_the_same_routing(
+    engine_r3: OfflineEngine, kvs_store: Any
+) -> None:
+    engine = engine_r3
+    batch = prompts(3101, (37, BLOCK, 2 * BLOCK + 45))
+    want_out = engine.generate(batch, MAX_TOKENS, salt=salt())
+    want = _records(want_out, kvs_store)
+    for rows, prompt in zip(want, batch, strict=True):
+        # the prompt, then every generated token but the last (never through the model)
+        assert rows.shape[0] == len(prompt) + MAX_TOKENS - 1
+    before = engine.counters()
+    p_params = prefill(engine, batch)
+    assert all("r3" in p for p in p_params)  # P's own record (its prompt) rides along
+    got_out = engine.generate(batch, MAX_TOKENS, p_params, salt=salt())
+    assert [o.token_ids for o in got_out] == [o.token_ids for o in want_out]
+    _assert_same(_records(got_out, kvs_store), want)
+    after = engine.counters()
+    assert delta(after, before, "pulls_done") == len(batch)
+    assert delta(after, before, "pulls_failed") == 0
+    assert delta(after, before, "r3_incomplete") == 0
+    assert_idle(engine)
+
+
+def test_a_prefix_cache_hit_records_what_computing_it_did(
+    engine_r3: OfflineEngine, kvs_store: Any
+) -> None:
+    engine = engine_r3
+    batch = prompts(3102, (3 * BLOCK + 5,))
+    shared = salt()
+    first = engine.generate(batch, MAX_TOKENS, salt=shared)
+    before = dict(engine.stats()["by_source"])
+    second = engine.generate(batch, MAX_TOKENS, salt=shared)
+    after = dict(engine.stats()["by_source"])
+    assert after.get("local_cache_hit", 0) - before.get("local_cache_hit", 0) == 3 * BLOCK
+    assert [o.token_ids for o in second] == [o.token_ids for o in first]
+    _assert_same(_records(second, kvs_store), _records(first, kvs_store))
+    assert_idle(engine)
+
+
+def test_a_kvs_hit_loads_the_rows_with_the_kv(engine_r3: OfflineEngine, kvs_store: Any) -> None:
+    """The prefix is stored, vLLM's own cache forgets it, every free block (the routing layer
+    too) is overwritten: the second request's rows can only have come from the store."""
+    engine = engine_r3
+    batch = prompts(3103, (4 * BLOCK + 9,))
+    reports = engine.counters().get("kvs_save_reports", 0)
+    first = engine.generate(batch, MAX_TOKENS)
+    wait_for(
+        "the prompt's KVS saves",
+        lambda: engine.counters().get("kvs_save_reports", 0) > reports,
+        timeout=60,
+    )
+    want = _records(first, kvs_store)
+    assert engine.call(reset_prefix_cache)
+    assert engine.call(scrub_free_blocks) > 0
+    before = dict(engine.stats()["by_source"])
+    second = engine.generate(batch, MAX_TOKENS)
+    after = dict(engine.stats()["by_source"])
+    loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    assert loaded == 4 * BLOCK
+    assert [o.token_ids for o in second] == [o.token_ids for o in first]
+    _assert_same(_records(second, kvs_store), want)
+    assert_idle(engine)
+
+
+@pytest.mark.starts_vllm
+def test_r3_on_a_model_without_moe_routers_is_refused_at_start(
+    models_dir: Any,
+) -> None:
+    base = engine_spec("engine_qwen2", models_dir)
+    spec = dataclasses.replace(
+        base, name="qwen2-r3", extra_config={**base.extra_config, "r3": True}
+    )
+    count_vllm_start("qwen2-r3")
+    error = start_failure(spec)
+    assert "r3" in error
+    assert "no MoE routers" in error
+
+
+@pytest.mark.engines("engine_r3")
+def test_a_pull_from_another_block_layout_is_refused_and_d_records_its_own(
+    engine_r3: OfflineEngine, kvs_store: Any, models_dir: Any
+) -> None:
+    """P at block 64, D at 32: the routing layer moves only byte for byte, so P refuses the
+    pull, D recomputes the prompt and its record is its own computed routing."""
+    base = engine_spec("engine_r3", models_dir)
+    extra = {k: v for k, v in base.extra_config.items() if k != "kvs"}
+    spec = dataclasses.replace(
+        base, name="engine_r3_b64", block_size=64, extra_config={**extra, "rpc_port": free_port()}
+    )
+    p = OfflineEngine(spec)
+    count_vllm_start(spec.name)
+    try:
+        p.wait_ready()
+        batch = prompts(3104, (2 * 64 + 7,))
+        want_out = engine_r3.generate(batch, MAX_TOKENS, salt=salt())
+        want = _records(want_out, kvs_store)
+        before = engine_r3.counters()
+        got_out = engine_r3.generate(batch, MAX_TOKENS, prefill(p, batch), salt=salt())
+        assert [o.token_ids for o in got_out] == [o.token_ids for o in want_out]
+        _assert_same(_records(got_out, kvs_store), want)
+        after = engine_r3.counters()
+        assert delta(after, before, "pulls_failed") == 1
+        assert delta(after, before, "pulls_done") == 0
+        assert_idle(p, engine_r3)
+    finally:
+        p.close()

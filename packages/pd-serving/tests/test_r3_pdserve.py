@@ -1,0 +1,95 @@
+"""R3 through ``pdserve up --r3 --r3-routed-experts`` (1P1D of the tiny Qwen3-MoE, vLLM's
+OpenAI servers, the proxy): the answer's ``kv_transfer_params["r3"]`` names D's record, which
+holds the same routing as one instance computing the request alone, and the proxy's inlined
+``routed_experts`` is that record, as vLLM encodes the field."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import re
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from harness.pool import STARTUP_TIMEOUT_S, count_vllm_start, pdserve_up, tiny_model_dir
+
+pytestmark = [pytest.mark.starts_vllm, pytest.mark.timeout(900)]
+
+STORE = f"pdserve-r3-{os.getpid()}"
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.load(resp)
+
+
+def _external_tokens(url: str) -> float:
+    """Prompt tokens this instance got from a KV transfer (vLLM's by-source counter)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    pattern = (
+        r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)'
+    )
+    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))
+
+
+@pytest.fixture(scope="module")
+def deployment(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    from pd_serving.launcher import stop_all, wait_all_ready
+
+    model = tiny_model_dir(models_dir, "qwen3-moe")
+    log_dir = tmp_path_factory.mktemp("r3-pdserve-logs")
+    args = ("--prefill", "1", "--decode", "1", "--r3", STORE, "--r3-routed-experts")
+    pdserve = pdserve_up(model, log_dir, *args)
+    count_vllm_start("pdserve-r3", 2)
+    try:
+        pdserve.start()
+        wait_all_ready([pdserve], STARTUP_TIMEOUT_S)
+        assert pdserve.health_url is not None
+        with urllib.request.urlopen(pdserve.health_url) as resp:
+            health = json.load(resp)
+        yield {
+            "model": str(model),
+            "proxy": pdserve.health_url.removesuffix("/health"),
+            "prefill": health["prefill"][0]["url"],
+            "decode": health["decode"][0]["url"],
+        }
+    finally:
+        stop_all([pdserve])
+
+
+def test_the_proxy_answers_with_d_record_equal_to_a_single_instance(deployment: dict) -> None:
+    import refstore
+    from hybrid_connector.r3 import read_record
+
+    body = {
+        "model": deployment["model"],
+        "prompt": [list(range(10, 150))],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    pulled = _external_tokens(deployment["decode"])
+    got = _post(f"{deployment['proxy']}/v1/completions", body)
+    assert _external_tokens(deployment["decode"]) > pulled  # D pulled the prompt's KV
+    # P alone, no transfer, no hit on what it prefilled for D
+    want = _post(f"{deployment['prefill']}/v1/completions", {**body, "cache_salt": "alone"})
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    ref = got["kv_transfer_params"]["r3"]
+    assert ref["store"] == STORE
+    assert ref["tokens"] == 140 + 12 - 1
+    with refstore.Client(STORE) as client:
+        rows = read_record(got["kv_transfer_params"], client)
+        alone = read_record(want["kv_transfer_params"], client)
+    assert rows.tobytes() == alone.tobytes()
+    inline = np.load(io.BytesIO(base64.b64decode(got["choices"][0]["routed_experts"])))
+    assert inline.dtype == rows.dtype
+    assert inline.tobytes() == rows.tobytes()
