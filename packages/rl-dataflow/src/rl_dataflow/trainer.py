@@ -111,6 +111,7 @@ class MoeTrainer:
         clip: float = 0.2,
         seed: int = 0,
         threads: int | None = None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -118,7 +119,7 @@ class MoeTrainer:
             torch.set_num_threads(threads)
         torch.manual_seed(seed)
         self.model_dir = Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         self.model.train()
         self.config = self.model.config
         self.routers = [
