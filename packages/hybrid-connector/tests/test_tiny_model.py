@@ -63,6 +63,7 @@ def test_qwen2_bytes_unchanged_by_the_multi_arch_recipe(tmp_path: Path) -> None:
     [
         ("mla", "deepseek_v2", "DeepseekV2ForCausalLM"),
         ("gdn", "qwen3_next", "Qwen3NextForCausalLM"),
+        ("qwen3-moe", "qwen3_moe", "Qwen3MoeForCausalLM"),
     ],
 )
 def test_each_arch_is_deterministic(

@@ -59,6 +59,20 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError("kvs.min_load_blocks must be at least 1")
 
 
+class R3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``kv_connector_extra_config["r3"]``: record each request's MoE routing (``r3.py``);
+    ``true`` is this with its defaults."""
+
+    # The node's refstore master that takes the finished requests' records.
+    store: str = "default"
+    # A record's lease in the store (seconds): the trainer reads it within this time.
+    ttl_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ttl_s <= 86400:
+            raise ConfigError(f"r3.ttl_s must be in (0, 86400], got {self.ttl_s}")
+
+
 class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Every key of ``kv_connector_extra_config`` the connector understands.
 
@@ -88,6 +102,8 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kvt_transport: str = "auto"
     # The shared KV store; None: off.
     kvs: KvsConfig | None = None
+    # Routing records of MoE models (R3); None: off. ``true`` in the JSON: the defaults.
+    r3: R3Config | None = None
 
     def __post_init__(self) -> None:
         if self.kvt_transport not in KVT_TRANSPORTS:
@@ -136,8 +152,11 @@ class HybridConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 def parse_config(extra: Mapping[str, Any] | None, *, is_producer: bool) -> HybridConfig:
     """Validate ``kv_connector_extra_config``; raise ConfigError naming the bad key."""
+    raw = dict(extra or {})
+    if isinstance(raw.get("r3"), bool):  # "r3": true / false, shorthand for {} / off
+        raw["r3"] = {} if raw["r3"] else None
     try:
-        cfg = msgspec.convert(dict(extra or {}), HybridConfig, strict=False)
+        cfg = msgspec.convert(raw, HybridConfig, strict=False)
     except msgspec.ValidationError as err:
         raise ConfigError(f"invalid kv_connector_extra_config: {err}") from err
     if is_producer and cfg.rpc_port == 0:

@@ -12,6 +12,7 @@ and ``WorkerSide`` and the connector's plain metadata/results onto vLLM's classe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.forward_context import get_forward_context, is_forward_context_available
 
+from hybrid_connector import r3
 from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup
@@ -94,6 +97,72 @@ def _kvs_scheduler(
         identity=identity,
         lookups=Lookups(connect, hold_s=kvs.hold_s) if kvs.load else None,
     )
+
+
+def r3_rows(vllm_config: VllmConfig) -> r3.RowGeometry:
+    """R3: a token's routing row from the model's config (its MoE layers, top-k, expert count);
+    ConfigError for a model without MoE routers. The worker checks it against the routers."""
+    hf = vllm_config.model_config.hf_text_config
+    experts = next(
+        (int(v) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+         if (v := getattr(hf, k, None))),
+        0,
+    )  # fmt: skip
+    top_k = int(getattr(hf, "num_experts_per_tok", 0) or 0)
+    if experts <= 0 or top_k <= 0:
+        raise ConfigError(
+            f"r3: {vllm_config.model_config.model} has no MoE routers (its config names no "
+            "experts per token): routing records need a MoE model; turn r3 off"
+        )
+    total = int(getattr(hf, "num_hidden_layers", 0) or 0)
+    dense = set(getattr(hf, "mlp_only_layers", None) or ())
+    step = int(getattr(hf, "decoder_sparse_step", 1) or 1)  # Qwen-MoE: every step-th layer
+    first = int(getattr(hf, "first_k_dense_replace", 0) or 0)  # DeepSeek: dense first layers
+    freq = int(getattr(hf, "moe_layer_freq", 1) or 1)
+    layers = sum(
+        1
+        for i in range(total)
+        if i not in dense and (i + 1) % step == 0 and i >= first and i % freq == 0
+    )
+    if layers == 0:
+        raise ConfigError(f"r3: {vllm_config.model_config.model} has no MoE layers")
+    return r3.RowGeometry(layers, top_k, r3.routing_dtype(experts).name)
+
+
+def _with_routing_layer(groups: list[KvGroup] | None) -> list[KvGroup]:
+    """R3: the routing buffer is one more layer of the first full-attention group."""
+    for i, group in enumerate(groups or ()):
+        if group.family == "attention":
+            assert groups is not None
+            routed = dataclasses.replace(group, layer_names=(*group.layer_names, r3.ROUTING_LAYER))
+            return [*groups[:i], routed, *groups[i + 1 :]]
+    raise ConfigError("r3: the routing rows live in a full-attention KV-cache group; none here")
+
+
+def _moe_routers(vllm_config: VllmConfig) -> list[Any]:
+    """The MoE layers' routers (vLLM's ``BaseRouter``s with a capture hook), in layer order."""
+    compilation = vllm_config.compilation_config
+    context = compilation.static_forward_context
+    runners = [context[name] for name in compilation.static_all_moe_layers]
+    runners.sort(key=lambda runner: int(runner.layer_id))
+    routers = [getattr(runner, "router", None) for runner in runners]
+    if not routers or not all(hasattr(router, "set_capture_fn") for router in routers):
+        raise ConfigError(
+            "r3: this model's MoE layers have no router with a capture hook "
+            f"({[type(router).__name__ for router in routers][:3]})"
+        )
+    return routers
+
+
+def _forward_slots(layer_name: str) -> torch.Tensor | None:
+    """The running forward pass's slot mapping of ``layer_name``'s group (None outside one, or
+    with micro-batches)."""
+    if not is_forward_context_available():
+        return None
+    slots = get_forward_context().slot_mapping
+    if not isinstance(slots, dict):
+        return None
+    return slots.get(layer_name)
 
 
 def _adopt_vllm_logging() -> None:
@@ -299,6 +368,9 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank=self.tp_rank,
             attn_isa=cpu_attn_isa(vllm_config),
         )
+        self.r3_rows = r3_rows(vllm_config) if self.config.r3 is not None else None
+        if self.r3_rows is not None:
+            self.kv_groups = _with_routing_layer(self.kv_groups)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._send_done_server: SendDoneServer | None = None
@@ -311,6 +383,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.kv_groups,
                 tp_size=tp_size,
                 kvs=_kvs_scheduler(vllm_config, self.config, self.kv_groups, tp_size),
+                r3_rows=self.r3_rows,
             )
         else:
             name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"
@@ -328,6 +401,8 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        if self.r3_rows is not None:
+            kv_caches = self._attach_r3(kv_caches)
         self._worker.register_kv_caches(
             kv_caches,
             self.block_size,
@@ -336,6 +411,24 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
         )
+
+    def _attach_r3(self, kv_caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """R3: the routing buffer, hooked to the routers, as one more layer of its group."""
+        from hybrid_connector.r3_worker import R3Recorder
+
+        assert self._worker is not None
+        assert self.r3_rows is not None
+        assert self.config.r3 is not None
+        assert self.kv_groups is not None
+        group = next(g for g in self.kv_groups if r3.ROUTING_LAYER in g.layer_names)
+        first = group.layer_names[0]
+        recorder = R3Recorder(
+            self.config.r3, self.r3_rows, tp_rank=self.tp_rank, name=f"-tp{self.tp_rank}"
+        )
+        self._worker.r3 = recorder  # closed with the worker
+        routers = _moe_routers(self._vllm_config)
+        tensor = recorder.attach(kv_caches[first], group.block_size, first, routers, _forward_slots)
+        return {**kv_caches, r3.ROUTING_LAYER: tensor}
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

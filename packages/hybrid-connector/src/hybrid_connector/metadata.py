@@ -99,6 +99,19 @@ class KvsSave:
     chains: list[bytes]
 
 
+@dataclass(frozen=True)
+class R3Copy:
+    """R3: request ``request_id`` finished; copy its routing rows (tokens ``0..num_tokens-1``,
+    in ``block_ids`` of the attention group, from token 0) into the store under ``key``. Bound
+    before the step's forward pass, which is the first that may write into blocks vLLM freed
+    when the request finished: the copy needs no hold on them."""
+
+    request_id: str
+    key: str
+    block_ids: list[int]
+    num_tokens: int
+
+
 @dataclass
 class HybridConnectorMetadata:
     # P: finished requests whose blocks are offered (requests not in final_prefills).
@@ -112,6 +125,7 @@ class HybridConnectorMetadata:
     final_prefills: list[FinalPrefill] = field(default_factory=list)
     kvs_loads: list[KvsLoad] = field(default_factory=list)
     kvs_saves: list[KvsSave] = field(default_factory=list)
+    r3_copies: list[R3Copy] = field(default_factory=list)
     # P: where the scheduler half (the owner of P's blocks) takes SEND_DONE ("host:port"). Set
     # in every metadata, read by the worker.
     scheduler_address: str = ""
@@ -126,6 +140,7 @@ class HybridConnectorMetadata:
             or self.final_prefills
             or self.kvs_loads
             or self.kvs_saves
+            or self.r3_copies
         )
 
 

@@ -36,6 +36,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from hybrid_connector import r3
 from hybrid_connector.config import HybridConfig
 from hybrid_connector.contract import (
     ContractError,
@@ -51,6 +52,7 @@ from hybrid_connector.metadata import (
     FinalPrefill,
     HybridConnectorMetadata,
     OfferSpec,
+    R3Copy,
     RecvSpec,
     ReleaseSpec,
 )
@@ -104,8 +106,14 @@ class SchedulerSide:
         groups: list[KvGroup] | None = None,
         tp_size: int = 1,
         kvs: KvsScheduler | None = None,
+        r3_rows: r3.RowGeometry | None = None,
     ) -> None:
         self._config = config
+        # R3 (None: off): the routing row of a token, and the group whose blocks hold the rows.
+        self._r3_rows = r3_rows
+        self._r3_group = next(
+            (i for i, g in enumerate(groups or ()) if r3.ROUTING_LAYER in g.layer_names), 0
+        )
         # The shared KV store's half (None: off): loads for requests without a PD pull, saves.
         self.kvs = kvs
         # KVS loads in flight (the worker reports them like pulls).
@@ -393,7 +401,37 @@ class SchedulerSide:
         self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM finished ``request``; ``block_ids``: its blocks per KV-cache group. Returns
-        (keep every group's blocks until the worker reports the request, params for D)."""
+        (keep every group's blocks until the worker reports the request, params for D), with
+        R3 on the reference of its routing record under ``"r3"``."""
+        record = self._r3_record(request, block_ids)
+        delay_free, params = self._finish(request, block_ids)
+        if record is not None:
+            params = {**(params or {}), "r3": record}
+        return delay_free, params
+
+    def _r3_record(
+        self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
+    ) -> dict[str, Any] | None:
+        """R3: plan the copy of a normally finished request's rows into the store (in the next
+        metadata) and return the record's reference."""
+        rows = self._r3_rows
+        if rows is None or request.status.name not in _FINISHED_NORMALLY:
+            return None
+        num_tokens = int(request.num_computed_tokens)
+        group = self._groups[self._r3_group]
+        try:
+            blocks = r3.blocks_of(block_ids[self._r3_group], num_tokens, group.block_size)
+        except ValueError as err:
+            log.warning("request %s: no r3 record (%s)", request.request_id, err)
+            return None
+        key = r3.record_key()
+        self._meta.r3_copies.append(R3Copy(request.request_id, key, blocks, num_tokens))
+        assert self._config.r3 is not None
+        return r3.record_params(key, self._config.r3.store, num_tokens, rows)
+
+    def _finish(
+        self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         self._prefilling.pop(request_id, None)
         self._drain()

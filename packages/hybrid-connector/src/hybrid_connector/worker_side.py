@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import numpy as np
 from simple_rpc import CallContext, Client, LoopThread, Server
 
-from hybrid_connector import common, consumer, producer
+from hybrid_connector import common, consumer, producer, r3
 from hybrid_connector.config import HybridConfig, KvsConfig
 from hybrid_connector.errors import ConfigError, PeerError, TransferError
 from hybrid_connector.layout import CacheGeometry, KvGroup, describe_kv_cache_groups
@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from hybrid_connector.kvs_worker import KvsWorker
+    from hybrid_connector.r3_worker import R3Recorder
 
 log = logging.getLogger(__name__)
 
@@ -410,6 +411,7 @@ class ProducerShell(_Shell["producer.ProducerEvent", "producer.ProducerAction"])
         for g, (mine, theirs) in enumerate(zip(self._spec.groups, req.layout.groups, strict=True)):
             if not req.block_ids[g]:
                 continue  # D holds all of this group already (its prefix hit)
+            r3.check_peer(mine, theirs)
             blocks = plan_copy(
                 mine,
                 theirs,
@@ -640,6 +642,8 @@ class WorkerSide:
         self.rpc_address: str | None = None
         self.local_spec: CacheSpec | None = None
         self.kvs: KvsWorker | None = None
+        # R3: the routing buffer and record puts (connector.py attaches it; None: off).
+        self.r3: R3Recorder | None = None
         # KVS saves are reported to the scheduler half by SEND_DONE (its address: the metadata's).
         self._kvs_send_done: SendDoneClient | None = None
         self._tp_rank = 0
@@ -765,6 +769,9 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
+        if meta.r3_copies and self.r3 is not None:
+            # Now, before this step's forward pass: the first that may reuse their blocks.
+            self.r3.copy_out(meta.r3_copies)
         if self.kvs is not None and meta.kvs_loads and meta.to_recv:
             # Loaded from the store and pulled from P: done when both are.
             pulled = {recv.request_id for recv in meta.to_recv}
@@ -927,6 +934,8 @@ class WorkerSide:
             self._event_waiter.close()
         if self.kvs is not None:
             self.kvs.close()
+        if self.r3 is not None:
+            self.r3.close()
         if self._engine is not None:
             self._engine.close()
         self._kv_caches = {}
