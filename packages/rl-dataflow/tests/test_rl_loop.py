@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from rl_dataflow.models import tiny_moe_model
+from hybrid_connector.tiny_model import make_tiny_model
 from rl_dataflow.rl_loop import R3, LoopConfig, run_loop
 
 STEPS = 8
@@ -15,7 +15,7 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_moe_model(tmp_path_factory.mktemp("moe") / "model")
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "model", arch="qwen3-moe")
 
 
 @pytest.mark.starts_vllm
@@ -34,7 +34,7 @@ def test_loop_raises_the_reward_and_leaves_the_pool_as_it_was(model_dir, tmp_pat
     assert out["memprof"]
     for s in steps:
         assert s["micro_batches"] > 1  # the batch went through PackMicroBatches in pieces
-        assert s["routed_token_layers"] > 0
+        assert s["routed_tokens"] > 0
         # The engine runs the weights the trainer exported (in bf16): had the reload left the
         # engine's experts stale or garbled, its log-probs would drift from the trainer's.
         assert s["logprob_abs_diff_mean"] < 0.1, s

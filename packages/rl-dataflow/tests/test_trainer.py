@@ -10,13 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rl_dataflow.models import tiny_moe_model  # noqa: E402
+from hybrid_connector.tiny_model import make_tiny_model  # noqa: E402
 from rl_dataflow.trainer import MoeTrainer, Sample, group_advantages  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny_moe_model(tmp_path_factory.mktemp("moe") / "model")
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "model", arch="qwen3-moe")
 
 
 @pytest.fixture

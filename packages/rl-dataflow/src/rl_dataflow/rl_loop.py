@@ -15,14 +15,14 @@ One step::
     <-- model.safetensors into the model dir, collective_rpc("reload_weights"),
         reset_prefix_cache()  (the next rollout samples from the new policy)
 
-Routing records come from one function (``RecordSource``): the engine's own recorder
-(``hybrid_connector.r3.read_record`` of each finished request's ``kv_transfer_params["r3"]``) when
-this hybrid_connector has it, else a stand-in that computes the routing the rollout's weights
-give in bfloat16 with transformers (``ShadowRecords``).
+Routing records come from one function (``RecordSource``); the default, ``engine_records``,
+takes the engine's own recorder's objects (HybridConnector with ``kv_connector_extra_config["r3"]``
+on; ``hybrid_connector.r3``) by reference, straight into the manifest.
 
-``R3`` modes: ``off`` records nothing and routes in the trainer by itself; ``observe`` records and
-passes the records along but does not replay them (to count how often the trainer's routing
-differs); ``replay`` is R3 on. memprof runs in this process (as in every pipeline actor).
+``R3`` modes: ``off`` records nothing (the connector runs without r3) and the trainer routes by
+itself; ``replay`` (R3 on) replays the records. With ``compare`` the trainer also runs the batch
+without replay (no gradient) to count how often its own routing differs from the rollout's.
+memprof runs in this process (as in every pipeline actor).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +43,8 @@ import refstore
 from .pipeline import Batch, GroupBySample, PackMicroBatches, SortByLength, _start_memprof
 
 REFSTORE_NAME = "rl-loop"
+# Engine steps after a rollout for the connector to let go of the finished requests (one does).
+_MAX_IDLE_STEPS = 16
 
 # A fast, quiet, offline engine on a small CPU; set before vLLM is imported.
 VLLM_ENV = {
@@ -57,7 +60,6 @@ VLLM_ENV = {
 
 class R3(enum.StrEnum):
     OFF = "off"
-    OBSERVE = "observe"
     REPLAY = "replay"
 
 
@@ -72,7 +74,7 @@ class LoopConfig(msgspec.Struct, frozen=True):
     target_lo: int = 100
     target_hi: int = 164
     r3: str = R3.REPLAY.value
-    record_source: str = "auto"  # "engine" (vLLM's recorder), "shadow" (stand-in), "auto"
+    compare: bool = False  # also measure the batch without replay (R3 on only)
     micro_batch_tokens: int = 192
     temperature: float = 1.0
     seed: int = 0
@@ -89,63 +91,97 @@ def reward(completion: np.ndarray, config: LoopConfig) -> float:
 
 # -- routing records ---------------------------------------------------------------------------
 
-# (request outputs, samples' token ids) -> one int array [len(tokens) - 1, layers, top_k] each.
-RecordSource = Callable[[Sequence[Any], Sequence[np.ndarray]], list[np.ndarray]]
+# (the engine's finished requests, each sample's token ids, the loop's refstore client) -> a
+# Manifest of each sample's routing rows [len(tokens) - 1, layers, top_k], in sample order; the
+# trainer releases its refs once it has trained on them.
+RecordSource = Callable[[Sequence[Any], Sequence[np.ndarray], refstore.Client], refstore.Manifest]
 
 
-def engine_recorder_available() -> bool:
-    try:
-        from hybrid_connector import r3  # noqa: F401
+class RecordError(RuntimeError):
+    """A request's routing record is missing, incomplete or not the sample's shape."""
+
+
+def engine_records(
+    outputs: Sequence[Any],
+    tokens: Sequence[np.ndarray],
+    client: refstore.Client,
+    timeout_s: float = 10.0,
+) -> refstore.Manifest:
+    """The engine recorder's own objects, by reference: each finished request's
+    ``kv_transfer_params["r3"]`` names a keyed object in refstore (``hybrid_connector.r3``) that
+    the worker stores just after the request ends; the manifest points at those objects (one per
+    sample, rows from 0), so no routing byte is copied before the trainer's gather."""
+    keys, lengths, geometry = [], [], None
+    for output, ids in zip(outputs, tokens, strict=True):
+        params = (output.kv_transfer_params or {}).get("r3")
+        if params is None:
+            raise RecordError(f"request {output.request_id}: no r3 record (is r3 on?)")
+        if not params.get("complete", False):
+            raise RecordError(f"request {output.request_id}: r3 record incomplete")
+        if int(params["tokens"]) != len(ids) - 1:
+            raise RecordError(
+                f"request {output.request_id}: r3 record of {params['tokens']} tokens, the"
+                f" sample has {len(ids) - 1} model inputs"
+            )
+        mine = (int(params["layers"]), int(params["top_k"]), str(params["dtype"]))
+        if geometry is not None and mine != geometry:
+            raise RecordError(f"r3 records of two shapes in one batch: {geometry}, {mine}")
+        geometry = mine
+        keys.append(str(params["key"]).encode())
+        lengths.append(len(ids) - 1)
+    refs = _lookup_all(client, keys, timeout_s)
+    assert geometry is not None
+    layers, top_k, dtype = geometry
+    for ref, key in zip(refs, keys, strict=True):
+        if not bool(np.asarray(client.get(ref)["complete"])[0]):  # a view: reads one byte
+            client.release(refs)
+            raise RecordError(f"r3 record {key.decode()}: rows missing in the stored record")
+    return refstore.Manifest.from_refs(
+        refs, lengths, dtype=dtype, row_shape=(layers, top_k), key="rows"
+    )
+
+
+def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) -> list[Any]:
+    """The refs of ``keys``, waiting (on the master's key events) for those not stored yet."""
+    found: dict[bytes, Any] = {}
+
+    def look() -> None:
+        # One call finds every key up to the first one not stored yet; then on from the next.
+        todo = [k for k in keys if k not in found]
+        while todo:
+            refs = client.lookup(todo, hold_s=0)
+            found.update(zip(todo, refs, strict=False))
+            todo = todo[len(refs) + 1 :]
+
+    look()
+    if len(found) < len(keys):
+        subscription = client.subscribe_keys()
+        try:
+            look()  # stored between the first look and subscribing
+            deadline = time.monotonic() + timeout_s
+            while len(found) < len(keys):
+                left = deadline - time.monotonic()
+                if left <= 0 or not subscription.wait(left) or not subscription.alive:
+                    break
+                subscription.take()
+                look()
+        finally:
+            subscription.close()
+    missing = [k.decode() for k in keys if k not in found]
+    if missing:
+        raise RecordError(f"{len(missing)} r3 records not in the store: {missing[:3]}")
+    return [found[k] for k in keys]
+
+
+def _free_port() -> int:
+    try:  # below the kernel's ephemeral range, where another process's connect cannot take it
+        from pd_serving.launcher import free_port
+
+        return free_port()
     except ImportError:
-        return False
-    return True
-
-
-class EngineRecords:
-    """The engine's own records: ``hybrid_connector.r3.read_record`` of each request's
-    ``kv_transfer_params["r3"]`` (rows: the prompt, then the generated tokens the model ran)."""
-
-    def __init__(self, client: refstore.Client) -> None:
-        from hybrid_connector import r3
-
-        self._read = r3.read_record
-        self.client = client
-
-    def __call__(self, outputs: Sequence[Any], tokens: Sequence[np.ndarray]) -> list[np.ndarray]:
-        out = []
-        for output, ids in zip(outputs, tokens, strict=True):
-            params = (output.kv_transfer_params or {}).get("r3")
-            if params is None:
-                raise RuntimeError(f"request {output.request_id}: no R3 record")
-            record = np.asarray(self._read(params, self.client))
-            out.append(record[: len(ids) - 1])
-        return out
-
-
-class ShadowRecords:
-    """Stand-in for the engine's recorder: the routing the rollout's weights (the checkpoint, in
-    bfloat16) pick, computed with transformers over each sample's model inputs."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model_dir = model_dir
-        self.refresh()
-
-    def refresh(self) -> None:
-        import torch
-
-        from .trainer import MoeTrainer
-
-        self.model = MoeTrainer(self.model_dir, dtype=torch.bfloat16)
-
-    def __call__(self, outputs: Sequence[Any], tokens: Sequence[np.ndarray]) -> list[np.ndarray]:
-        import torch
-
-        out = []
-        with torch.no_grad():
-            for ids in tokens:
-                inputs = torch.as_tensor(ids[None, :-1], dtype=torch.long)
-                out.append(self.model.forward(inputs).own_routes[0].numpy().astype(np.int32))
-        return out
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
 
 
 def reload_moe_weights(worker: Any) -> int:
@@ -202,7 +238,9 @@ class RLLoop:
             from .trainer import MoeTrainer
 
             self.trainer = MoeTrainer(self.model_dir, lr=config.lr, seed=config.seed)
-            self.records, self.record_source_name = self._records(record_source)
+            self.records: RecordSource | None = None
+            if R3(config.r3) is R3.REPLAY:
+                self.records = record_source or engine_records
         except BaseException:
             self.close()
             raise
@@ -218,15 +256,19 @@ class RLLoop:
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
-        kwargs: dict[str, Any] = {}
-        wants_engine = self.config.record_source in ("engine", "auto")
-        if R3(self.config.r3) is not R3.OFF and wants_engine and engine_recorder_available():
-            kwargs["kv_transfer_config"] = KVTransferConfig(
+        # The connector in both modes (R3 off is the same engine without the recorder).
+        # kv_both: the connector's transfer server listens on a fixed port (nobody pulls here).
+        extra: dict[str, Any] = {"rpc_port": _free_port()}
+        if R3(self.config.r3) is R3.REPLAY:
+            extra["r3"] = {"store": REFSTORE_NAME}
+        kwargs = {
+            "kv_transfer_config": KVTransferConfig(
                 kv_connector="HybridConnector",
                 kv_connector_module_path="hybrid_connector.connector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"r3": True},
+                kv_connector_extra_config=extra,
             )
+        }
         return LLM(
             model=str(self.model_dir),
             enforce_eager=True,
@@ -237,21 +279,22 @@ class RLLoop:
             **kwargs,
         )
 
+    def _finish_records(self) -> None:
+        """Step the engine until it holds no finished request: ``generate`` returns when the last
+        request finishes, and the connector gathers a finished request's routing rows (and frees
+        its blocks) at the engine's next step, as vLLM's own busy loop would run it."""
+        core = self.llm.llm_engine.engine_core.engine_core  # in process (no multiprocessing)
+        for _ in range(_MAX_IDLE_STEPS):
+            if not core.scheduler.has_requests():
+                return
+            core.step()
+        raise RuntimeError(f"the engine still holds requests after {_MAX_IDLE_STEPS} steps")
+
     def _close_llm(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None:
             engine_core.shutdown()
         del self.llm
-
-    def _records(self, given: RecordSource | None) -> tuple[RecordSource | None, str]:
-        if R3(self.config.r3) is R3.OFF:
-            return None, "none"
-        if given is not None:
-            return given, getattr(given, "__name__", type(given).__name__)
-        source = self.config.record_source
-        if source == "engine" or (source == "auto" and engine_recorder_available()):
-            return EngineRecords(self.client), "engine"
-        return ShadowRecords(self.model_dir), "shadow"
 
     # -- one step --------------------------------------------------------------------------------
     def rollout(self) -> tuple[Batch, dict[str, float]]:
@@ -275,6 +318,7 @@ class RLLoop:
             for i in range(n)
         ]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._finish_records()
         timings["generate"] = time.perf_counter() - t0
         tokens, completions, logprobs = [], [], []
         for out in outputs:
@@ -296,20 +340,9 @@ class RLLoop:
         r3: Any = None
         if self.records is not None:
             t1 = time.perf_counter()
-            records = self.records(outputs, tokens)
-            timings["record"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            packed = np.concatenate(records).astype(np.int32, copy=False)
-            ref = self.client.put({"routes": packed})  # the one copy into shared memory
-            r3 = refstore.Manifest.from_packed(
-                ref,
-                lengths,
-                dtype=np.int32,
-                row_shape=packed.shape[1:],
-                key="routes",
-                sample_ids=sample_ids,
-            )
-            timings["put"] = time.perf_counter() - t1
+            r3 = self.records(outputs, tokens, self.client)
+            r3.sample_id[:] = sample_ids
+            timings["records"] = time.perf_counter() - t1
         batch = Batch(
             sample_ids,
             prompt_ids.astype(np.int64) + self.steps * cfg.prompts,
@@ -353,8 +386,14 @@ class RLLoop:
                         for i, tokens in enumerate(mb.tokens)
                     ]
                 )
+            compared = {}
+            if self.config.compare and replay:  # the same batch, the same weights, no replay
+                t1 = time.perf_counter()
+                compared = self.trainer.measure(groups, replay=False)
+                compared = {f"{k}_without_replay": v for k, v in compared.items()}
+                compared["compare_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            stats = self.trainer.grpo_step(groups, replay=replay)
+            stats = {**self.trainer.grpo_step(groups, replay=replay), **compared}
             compute_s = time.perf_counter() - t1
         finally:
             refs = {
@@ -378,8 +417,6 @@ class RLLoop:
         self.llm.collective_rpc(reload_moe_weights)
         self.llm.reset_prefix_cache()
         t2 = time.perf_counter()
-        if isinstance(self.records, ShadowRecords):
-            self.records.refresh()  # the stand-in follows the engine's weights
         return {"export": t1 - t0, "reload": t2 - t1}
 
     def step(self) -> dict[str, Any]:
@@ -395,7 +432,8 @@ class RLLoop:
         timings["stages"] = time.perf_counter() - t0
         stats, train_timings = self.train(micro_batches)
         timings.update(train_timings)
-        timings["step"] = time.perf_counter() - started  # without the weight sync
+        # Without the weight sync, nor the comparison's extra forward pass.
+        timings["step"] = time.perf_counter() - started - stats.get("compare_s", 0.0)
         timings.update(self.sync_weights())
         timings["step_with_sync"] = time.perf_counter() - started
         self.steps += 1
@@ -437,7 +475,6 @@ def run_loop(
         return {
             "steps": results,
             "pool_back_to_baseline": loop.pool_back_to_baseline(),
-            "record_source": loop.record_source_name,
             "memprof": loop.memprof,
         }
     finally:

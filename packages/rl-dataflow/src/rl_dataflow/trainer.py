@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Forward", "MoeTrainer", "RouterState", "Sample", "group_advantages"]
+__all__ = ["Agreement", "Forward", "MoeTrainer", "RouterState", "Sample", "group_advantages"]
 
 
 class RouterState:
@@ -203,13 +203,11 @@ class MoeTrainer:
         step): PPO's clipped surrogate with group-normalised advantages, ratios against the
         trainer's own log-probs before the update (on-policy: one update per rollout), token-mean
         per sequence, mean over sequences. Also returns how the trainer's log-probs and routing
-        compare with the rollout's."""
+        (in this forward, before the update) agree with the rollout's (``Agreement``)."""
         samples = sum(len(mb) for mb in micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
-        tokens = diff_sum = 0
-        diff_max = 0.0
-        routed = rerouted = 0
+        agreement = Agreement()
         for mb in micro_batches:
             batch = self.pad(mb, replay)
             fwd = self.forward(batch["input_ids"], batch["attention_mask"], batch.get("routes"))
@@ -223,32 +221,20 @@ class MoeTrainer:
             loss = -per_seq.sum() / samples
             loss.backward()
             loss_total += float(loss.detach())
-            with torch.no_grad():
-                if any(s.rollout_logprobs is not None for s in mb):
-                    gap = (fwd.logprobs - batch["old"]).abs()[mask]
-                    diff_sum += float(gap.sum())
-                    diff_max = max(diff_max, float(gap.max()) if gap.numel() else 0.0)
-                    tokens += int(mask.sum())
-                recorded = [s.routes for s in mb]
-                if all(r is not None for r in recorded):
-                    r_mask = batch["attention_mask"].bool().clone()
-                    r_mask[torch.arange(len(mb)), batch["attention_mask"].sum(-1) - 1] = False
-                    rec = batch.get("routes")
-                    if rec is None:
-                        rec = self.pad(mb, True)["routes"]
-                    same = _same_experts(fwd.own_routes, rec)[r_mask]
-                    routed += int(same.numel())
-                    rerouted += int((~same).sum())
+            agreement.add(self, mb, batch, fwd)
         self.optimizer.step()
         self.steps += 1
-        return {
-            "loss": loss_total,
-            "samples": samples,
-            "logprob_abs_diff_mean": diff_sum / tokens if tokens else float("nan"),
-            "logprob_abs_diff_max": diff_max,
-            "routed_token_layers": routed,
-            "rerouted_share": rerouted / routed if routed else float("nan"),
-        }
+        return {"loss": loss_total, "samples": samples, **agreement.result()}
+
+    def measure(self, micro_batches: list[list[Sample]], *, replay: bool) -> dict[str, float]:
+        """``Agreement`` of a forward pass over the batch (no gradient, no update)."""
+        agreement = Agreement()
+        with torch.no_grad():
+            for mb in micro_batches:
+                batch = self.pad(mb, replay)
+                fwd = self.forward(batch["input_ids"], batch["attention_mask"], batch.get("routes"))
+                agreement.add(self, mb, batch, fwd)
+        return agreement.result()
 
     # -- weights out ---------------------------------------------------------------------------
     def export_weights(self, model_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -300,3 +286,51 @@ def checkpoint_state_dict(model: Any, dtype: torch.dtype) -> dict[str, torch.Ten
         else:
             out[name] = tensor.contiguous()
     return out
+
+
+class Agreement:
+    """How a trainer forward agrees with the rollout: |trainer - rollout| token log-probs over
+    the completions (mean, max), and the share of model inputs (tokens: any MoE layer; token
+    layers) where the trainer's router picks another expert set than the rollout recorded."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.diff_sum = 0.0
+        self.diff_max = 0.0
+        self.routed_tokens = self.rerouted_tokens = 0
+        self.routed_layers = self.rerouted_layers = 0
+
+    def add(self, trainer: MoeTrainer, mb: list[Sample], batch: dict, fwd: Forward) -> None:
+        with torch.no_grad():
+            mask = batch["completion"]
+            if any(s.rollout_logprobs is not None for s in mb):
+                gap = (fwd.logprobs.detach() - batch["old"]).abs()[mask]
+                self.diff_sum += float(gap.sum())
+                self.diff_max = max(self.diff_max, float(gap.max()) if gap.numel() else 0.0)
+                self.tokens += int(mask.sum())
+            if any(s.routes is None for s in mb):
+                return
+            inputs = batch["attention_mask"].bool().clone()
+            inputs[torch.arange(len(mb)), batch["attention_mask"].sum(-1) - 1] = False
+            recorded = batch.get("routes")
+            if recorded is None:
+                recorded = trainer.pad(mb, True)["routes"]
+            same = _same_experts(fwd.own_routes, recorded)[inputs]  # [inputs, layers]
+            self.routed_layers += int(same.numel())
+            self.rerouted_layers += int((~same).sum())
+            self.routed_tokens += int(same.shape[0])
+            self.rerouted_tokens += int((~same.all(-1)).sum())
+
+    def result(self) -> dict[str, float]:
+        nan = float("nan")
+        return {
+            "logprob_abs_diff_mean": self.diff_sum / self.tokens if self.tokens else nan,
+            "logprob_abs_diff_max": self.diff_max,
+            "routed_tokens": self.routed_tokens,
+            "rerouted_token_share": (
+                self.rerouted_tokens / self.routed_tokens if self.routed_tokens else nan
+            ),
+            "rerouted_layer_share": (
+                self.rerouted_layers / self.routed_layers if self.routed_layers else nan
+            ),
+        }
