@@ -142,7 +142,8 @@ def engine_records(
 
 
 def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) -> list[Any]:
-    """The refs of ``keys``, waiting (on the master's key events) for those not stored yet."""
+    """The refs of ``keys``, waiting for those not stored yet on the master's key events (which
+    name the keys bound: one lookup at the start, one at the end, one after lost events)."""
     found: dict[bytes, Any] = {}
 
     def look() -> None:
@@ -158,13 +159,21 @@ def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) ->
         subscription = client.subscribe_keys()
         try:
             look()  # stored between the first look and subscribing
+            pending = {k for k in keys if k not in found}
             deadline = time.monotonic() + timeout_s
-            while len(found) < len(keys):
+            while pending:
                 left = deadline - time.monotonic()
-                if left <= 0 or not subscription.wait(left) or not subscription.alive:
+                if left <= 0 or not subscription.wait(left):
                     break
-                subscription.take()
-                look()
+                for event in subscription.take():
+                    if isinstance(event, refstore.KeysStored):
+                        pending.difference_update(event.keys)
+                    elif isinstance(event, refstore.KeysLost):  # resync
+                        look()
+                        pending = {k for k in keys if k not in found}
+                if not subscription.alive:
+                    break
+            look()
         finally:
             subscription.close()
     missing = [k.decode() for k in keys if k not in found]
