@@ -132,3 +132,25 @@ def test_grpo_steps_raise_the_likelihood_of_rewarded_tokens(trainer):
     assert stats["samples"] == 8
     assert after[0] > before[0] + 0.1
     assert after[1] < before[1]
+
+
+def test_padded_records_and_per_sample_routes_give_one_batch(trainer):
+    """The loop gathers records straight into the padded layout; a sample's own routes are the
+    other way in. Both must build the same batch."""
+    rng = np.random.default_rng(1)
+    lengths = [9, 5, 7]
+    routes = [rng.integers(0, 8, (n - 1, trainer.moe_layers, 2), dtype=np.uint8) for n in lengths]
+    samples = [
+        Sample(rng.integers(0, 512, n), 3, 0.5, routes=r)
+        for n, r in zip(lengths, routes, strict=True)
+    ]
+    padded = np.zeros((3, max(lengths) - 1, trainer.moe_layers, 2), np.uint8)
+    for i, r in enumerate(routes):
+        padded[i, : len(r)] = r
+    bare = [Sample(s.tokens, s.prompt_len, s.advantage) for s in samples]
+    a = trainer.pad(samples, replay=True)
+    b = trainer.pad(bare, replay=True, recorded=padded)
+    assert torch.equal(a["routes"], b["routes"])
+    assert torch.equal(a["recorded"], b["recorded"])
+    with pytest.raises(ValueError, match="without recorded routes"):
+        trainer.pad(bare, replay=True)

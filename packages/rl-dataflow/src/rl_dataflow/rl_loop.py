@@ -373,16 +373,17 @@ class RLLoop:
         t0 = time.perf_counter()
         replay = R3(self.config.r3) is R3.REPLAY
         groups: list[list[Sample]] = []
+        recorded: list[np.ndarray | None] = []
         materialise_s = 0.0
         try:
             for mb in micro_batches:
-                routes: list[np.ndarray | None] = [None] * len(mb.tokens)
+                rows = None
                 if isinstance(mb.r3, refstore.Manifest):
                     t1 = time.perf_counter()
-                    rows = refstore.materialize(mb.r3, client=self.client)  # one copy
+                    # One copy per byte, straight into the trainer's padded layout.
+                    rows = refstore.materialize(mb.r3, client=self.client, layout="padded")
                     materialise_s += time.perf_counter() - t1
-                    bounds = np.cumsum(mb.lengths)[:-1]
-                    routes = list(np.split(rows, bounds))
+                recorded.append(rows)
                 groups.append(
                     [
                         Sample(
@@ -390,7 +391,6 @@ class RLLoop:
                             int(mb.columns["prompt_len"][i]),
                             float(mb.columns["advantage"][i]),
                             mb.columns["logprobs"][i],
-                            routes[i],
                         )
                         for i, tokens in enumerate(mb.tokens)
                     ]
@@ -398,11 +398,14 @@ class RLLoop:
             compared = {}
             if self.config.compare and replay:  # the same batch, the same weights, no replay
                 t1 = time.perf_counter()
-                compared = self.trainer.measure(groups, replay=False)
+                compared = self.trainer.measure(groups, replay=False, recorded=recorded)
                 compared = {f"{k}_without_replay": v for k, v in compared.items()}
                 compared["compare_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            stats = {**self.trainer.grpo_step(groups, replay=replay), **compared}
+            stats = {
+                **self.trainer.grpo_step(groups, replay=replay, recorded=recorded),
+                **compared,
+            }
             compute_s = time.perf_counter() - t1
         finally:
             refs = {

@@ -167,9 +167,14 @@ class MoeTrainer:
         token_logprobs = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         return Forward(token_logprobs, logits, own.reshape(batch, time_, self.moe_layers, -1))
 
-    def pad(self, samples: list[Sample], replay: bool) -> dict[str, torch.Tensor]:
+    def pad(
+        self, samples: list[Sample], replay: bool, recorded: np.ndarray | None = None
+    ) -> dict[str, torch.Tensor]:
         """The samples right-padded into one batch: ids, attention mask, completion mask (over
-        next-token positions), rollout log-probs and (with ``replay``) routes."""
+        next-token positions), rollout log-probs, and the recorded routes (``"recorded"``; also
+        ``"routes"`` with ``replay``): from ``recorded`` when given (already padded, [samples,
+        >= longest - 1, layers, top_k], e.g. gathered straight into that layout), else from each
+        sample's ``routes``."""
         width = max(len(s.tokens) for s in samples)
         ids = torch.zeros(len(samples), width, dtype=torch.long)
         attention = torch.zeros(len(samples), width, dtype=torch.long)
@@ -183,33 +188,44 @@ class MoeTrainer:
             completion[i, s.prompt_len - 1 : n - 1] = True
             if s.rollout_logprobs is not None:
                 old[i, s.prompt_len - 1 : n - 1] = torch.as_tensor(s.rollout_logprobs)
-            if replay:
-                if s.routes is None:
-                    raise ValueError("replay asked for a sample without recorded routes")
+            if recorded is None and s.routes is not None:
                 if len(s.routes) != n - 1:
                     raise ValueError(f"{len(s.routes)} recorded rows for {n - 1} model inputs")
                 routes[i, : n - 1] = torch.as_tensor(s.routes, dtype=torch.long)
             # Position n - 1 (the last token) never goes through the model: any valid id.
         out = {"input_ids": ids, "attention_mask": attention, "completion": completion, "old": old}
+        has_routes = recorded is not None or all(s.routes is not None for s in samples)
+        if recorded is not None:
+            rows = min(recorded.shape[1], width - 1)
+            routes[:, :rows] = torch.from_numpy(np.ascontiguousarray(recorded[:, :rows]))
+        if has_routes:
+            out["recorded"] = routes
         if replay:
+            if not has_routes:
+                raise ValueError("replay asked for a sample without recorded routes")
             out["routes"] = routes
         return out
 
     # -- the GRPO step -------------------------------------------------------------------------
     def grpo_step(
-        self, micro_batches: list[list[Sample]], *, replay: bool
+        self,
+        micro_batches: list[list[Sample]],
+        *,
+        replay: bool,
+        recorded: list[np.ndarray | None] | None = None,
     ) -> dict[str, float | int]:
         """One policy-gradient step over all micro-batches (gradients accumulated, one optimiser
         step): PPO's clipped surrogate with group-normalised advantages, ratios against the
         trainer's own log-probs before the update (on-policy: one update per rollout), token-mean
         per sequence, mean over sequences. Also returns how the trainer's log-probs and routing
-        (in this forward, before the update) agree with the rollout's (``Agreement``)."""
+        (in this forward, before the update) agree with the rollout's (``Agreement``).
+        ``recorded``: each micro-batch's routes, padded (see ``pad``), instead of the samples'."""
         samples = sum(len(mb) for mb in micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         agreement = Agreement()
-        for mb in micro_batches:
-            batch = self.pad(mb, replay)
+        for i, mb in enumerate(micro_batches):
+            batch = self.pad(mb, replay, recorded[i] if recorded else None)
             fwd = self.forward(batch["input_ids"], batch["attention_mask"], batch.get("routes"))
             mask = batch["completion"]
             advantage = torch.tensor([s.advantage for s in mb], dtype=torch.float32)[:, None]
@@ -226,12 +242,18 @@ class MoeTrainer:
         self.steps += 1
         return {"loss": loss_total, "samples": samples, **agreement.result()}
 
-    def measure(self, micro_batches: list[list[Sample]], *, replay: bool) -> dict[str, float]:
+    def measure(
+        self,
+        micro_batches: list[list[Sample]],
+        *,
+        replay: bool,
+        recorded: list[np.ndarray | None] | None = None,
+    ) -> dict[str, float]:
         """``Agreement`` of a forward pass over the batch (no gradient, no update)."""
         agreement = Agreement()
         with torch.no_grad():
-            for mb in micro_batches:
-                batch = self.pad(mb, replay)
+            for i, mb in enumerate(micro_batches):
+                batch = self.pad(mb, replay, recorded[i] if recorded else None)
                 fwd = self.forward(batch["input_ids"], batch["attention_mask"], batch.get("routes"))
                 agreement.add(self, mb, batch, fwd)
         return agreement.result()
@@ -308,13 +330,11 @@ class Agreement:
                 self.diff_sum += float(gap.sum())
                 self.diff_max = max(self.diff_max, float(gap.max()) if gap.numel() else 0.0)
                 self.tokens += int(mask.sum())
-            if any(s.routes is None for s in mb):
+            recorded = batch.get("recorded")
+            if recorded is None:
                 return
             inputs = batch["attention_mask"].bool().clone()
             inputs[torch.arange(len(mb)), batch["attention_mask"].sum(-1) - 1] = False
-            recorded = batch.get("routes")
-            if recorded is None:
-                recorded = trainer.pad(mb, True)["routes"]
             same = _same_experts(fwd.own_routes, recorded)[inputs]  # [inputs, layers]
             self.routed_layers += int(same.numel())
             self.rerouted_layers += int((~same).sum())
