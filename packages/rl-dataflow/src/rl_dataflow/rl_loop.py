@@ -3,16 +3,17 @@
 One step::
 
     vLLM LLM (offline, in this process)         refstore (pool)          MoeTrainer (torch)
-    generate G samples per prompt ----------->  put: routing records
-      + per-token logprobs                      [rows, layers, top_k]
-      + routing records (record source)             |  Manifest (a few bytes per sample)
-    reward, group advantages                        v
+    generate G samples per prompt               the recorder's objects:
+      + per-token logprobs                      one per request, rows
+      + the connector's R3 recorder  -------->  [tokens, layers, top_k]
+    reward, group advantages                        |  Manifest over them (no copy)
     Batch(tokens, advantages, logprobs, Manifest) -> GroupBySample -> SortByLength
                                                   -> PackMicroBatches -> [Batch]
                                                                             |
-                    trainer: materialise each micro-batch's records (one copy), replay them in
-                    every MoE block, GRPO loss, backward; one Adam step; release the refs
-    <-- model.safetensors into the model dir, collective_rpc("reload_weights"),
+                    trainer: gather each micro-batch's records into its padded layout (one
+                    copy), replay them in every MoE block, GRPO loss, backward; one Adam step;
+                    release the objects
+    <-- model.safetensors into the model dir, collective_rpc(reload_moe_weights),
         reset_prefix_cache()  (the next rollout samples from the new policy)
 
 Routing records come from one function (``RecordSource``); the default, ``engine_records``,
