@@ -38,3 +38,16 @@ def test_loop_raises_the_reward_and_leaves_the_pool_as_it_was(model_dir, tmp_pat
         # The engine runs the weights the trainer exported (in bf16): had the reload left the
         # engine's experts stale or garbled, its log-probs would drift from the trainer's.
         assert s["logprob_abs_diff_mean"] < 0.1, s
+
+
+@pytest.mark.starts_vllm
+def test_loop_with_r3_off_records_nothing(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("REFSTORE_DIR", str(tmp_path / "refstore"))
+    (tmp_path / "refstore").mkdir()
+    config = LoopConfig(prompts=4, group_size=4, lr=2e-2, r3=R3.OFF.value)
+    out = run_loop(config, model_dir, tmp_path / "work", 3)
+    assert out["pool_back_to_baseline"]
+    for s in out["steps"]:
+        assert s["routed_tokens"] == 0  # no records reached the trainer
+        assert "records" not in s["timings"]
+        assert s["logprob_abs_diff_mean"] < 0.1, s  # the weights still reach the engine
