@@ -1,4 +1,6 @@
-"""``rl-dataflow demo``: run the pipeline with R3 off, by value and by ref, and print step times."""
+"""``rl-dataflow demo``: a few steps of the RL loop on the tiny MoE model (vLLM rollout, R3 by
+reference, GRPO with routing replay, weights reloaded into the engine); ``rl-dataflow pipeline``:
+the Ray pipeline with R3 off, by value and by ref, and its step times."""
 
 from __future__ import annotations
 
@@ -79,7 +81,15 @@ def format_table(results: dict, config: PipelineConfig, r3_format: str | None = 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rl-dataflow", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the pipeline with R3 off / by value / by ref")
+    loop = sub.add_parser("demo", help="a few RL steps on the tiny MoE model with R3 replay")
+    loop.add_argument("--steps", type=int, default=8)
+    loop.add_argument("--prompts", type=int, default=8)
+    loop.add_argument("--group-size", type=int, default=8)
+    loop.add_argument("--completion-len", type=int, default=16)
+    loop.add_argument("--lr", type=float, default=2e-2)
+    loop.add_argument("--r3", choices=["off", "replay"], default="replay")
+    loop.add_argument("--model", help="model directory (default: the tiny qwen3-moe, built)")
+    demo = sub.add_parser("pipeline", help="run the pipeline with R3 off / by value / by ref")
     demo.add_argument("--steps", type=int, default=3)
     demo.add_argument("--samples", type=int, default=64)
     demo.add_argument("--mean-len", type=int, default=1024)
@@ -101,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.command == "demo":
+        return _demo(args)
     config = PipelineConfig(
         samples=args.samples,
         mean_len=args.mean_len,
@@ -125,6 +137,35 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     out.print(format_table(results, config))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .progress import console, loop_progress
+    from .rl_loop import LoopConfig, run_loop
+
+    config = LoopConfig(
+        prompts=args.prompts,
+        group_size=args.group_size,
+        completion_len=args.completion_len,
+        lr=args.lr,
+        r3=args.r3,
+    )
+    out = console()
+    with tempfile.TemporaryDirectory(prefix="rl-dataflow-loop-") as work:
+        os.environ.setdefault("REFSTORE_DIR", work)
+        model = args.model
+        if model is None:
+            from hybrid_connector.tiny_model import make_tiny_model
+
+            model = make_tiny_model(os.path.join(work, "qwen3-moe"), arch="qwen3-moe")
+        with loop_progress(out, args.steps, f"RL loop, R3 {args.r3}") as progress:
+            result = run_loop(config, model, work, args.steps, progress=progress)
+    rewards = [s["reward"] for s in result["steps"]]
+    out.print(
+        f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {len(rewards)} steps; refstore pool"
+        f" back to baseline: {result['pool_back_to_baseline']}; memprof: {result['memprof']}"
+    )
     return 0
 
 

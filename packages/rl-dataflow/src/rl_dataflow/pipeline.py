@@ -107,6 +107,8 @@ class Batch:
     r3: Any = None
     r3_offsets: np.ndarray | None = None  # value mode: row offset of each sample in ``r3``
     timings: dict[str, float] = field(default_factory=dict)
+    # Small per-sample values that follow the samples (the RL loop's advantages, log-probs).
+    columns: dict[str, list[Any]] = field(default_factory=dict)
 
     def reorder(self, order: np.ndarray) -> Batch:
         """The samples in a new order; recordings follow (by value: copied, by ref: metadata)."""
@@ -126,6 +128,7 @@ class Batch:
             r3,
             offsets,
             dict(self.timings),
+            {name: [values[i] for i in order] for name, values in self.columns.items()},
         )
 
     def split(self, bounds: list[tuple[int, int]]) -> list[Batch]:
@@ -153,6 +156,7 @@ class Batch:
                     r3,
                     offsets,
                     dict(self.timings),
+                    {name: values[begin:end] for name, values in self.columns.items()},
                 )
             )
         return out

