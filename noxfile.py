@@ -146,12 +146,16 @@ def rl_dataflow(session: nox.Session) -> None:
 def cross(session: nox.Session) -> None:
     """The whole workspace, no vLLM started: the cross-package tests (tests/, in random order:
     the seed is in pytest's header, `-- --random-order-seed=N` replays it) and pd-serving's tests
-    that need its vllm extra installed (making the tiny model, checking `pdserve up`'s plans)."""
+    that need its vllm extra installed (making the tiny model, checking `pdserve up`'s plans),
+    and rl-dataflow's trainer (torch)."""
     _sync(session, None)
     session.run("pytest", str(ROOT / "tests"), *NO_VLLM, "--random-order", *session.posargs)
     pd_tests = ROOT / "packages" / "pd-serving" / "tests"
     no_start = "needs_vllm and not starts_vllm and not fresh_venv"
     session.run("pytest", str(pd_tests), "-m", no_start, *session.posargs)
+    # rl-dataflow's trainer needs torch and transformers (the workspace's), not its own session's.
+    trainer = ROOT / "packages" / "rl-dataflow" / "tests" / "test_trainer.py"
+    session.run("pytest", str(trainer), *NO_VLLM, *session.posargs)
 
 
 def _benchmarks(only: list[str] | None = None) -> list[Path]:
@@ -183,6 +187,7 @@ def vllm(session: nox.Session) -> None:
     suites = [
         ROOT / "packages" / "hybrid-connector" / "tests",
         ROOT / "packages" / "pd-serving" / "tests",
+        ROOT / "packages" / "rl-dataflow" / "tests",
         ROOT / "tests",
     ]
     session.run(
