@@ -258,3 +258,35 @@ def test_missing_incomplete_and_mismatched_records_raise(store: Any) -> None:
         r3.read_record(r3.record_params(key, "r3-test", 6, ROWS), store)
     with pytest.raises(r3.R3RecordError, match="newer"):
         r3.read_record({**missing, "version": 99}, store)
+
+
+class _GatedStore(_DictStore):
+    """Holds its first put until ``release`` is set; records each call's batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[int] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put_keyed(self, items: list[tuple[bytes, Any]], ttl: float | None = None) -> list[Any]:
+        self.calls.append(len(items))
+        self.entered.set()
+        assert self.release.wait(10)
+        return super().put_keyed(items, ttl)
+
+
+def test_records_queued_during_a_put_go_in_one_batch() -> None:
+    store = _GatedStore()
+    recorder, _ = _recorder(store)
+    template = _template()
+    recorder.attach(template, 4, "l0", [_Router() for _ in range(3)], {}.get)
+    try:
+        recorder.copy_out([R3Copy("first", "r3/first", [0], 0)])
+        assert store.entered.wait(10)  # the put thread is in its first put
+        recorder.copy_out([R3Copy(f"r{i}", f"r3/{i}", [1 + i], 0) for i in range(3)])
+        store.release.set()
+        assert recorder.wait_stored(4, timeout_s=10)
+        assert store.calls == [1, 3]
+    finally:
+        recorder.close()

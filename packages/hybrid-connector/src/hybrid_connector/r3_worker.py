@@ -41,6 +41,9 @@ _Put = tuple[str, dict[str, np.ndarray]]  # a record's key and what is stored un
 _TORCH_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16}  # uint16 ids < 0x7FFF
 
 
+PUT_BATCH = 64  # records in one put_keyed at most
+
+
 class R3Recorder:
     """One worker's routing buffer and its record puts (owner of the put thread)."""
 
@@ -158,19 +161,35 @@ class R3Recorder:
                 self._puts.put((copy.key, stored))
 
     def _run(self) -> None:
-        while (item := self._puts.get()) is not None:
-            key, stored = item
+        closing = False
+        while not closing and (item := self._puts.get()) is not None:
+            # Every record queued by now goes in one put_keyed (one allocation and one seal
+            # round trip for a whole batch of finished requests, not one per request).
+            batch = [item]
+            while len(batch) < PUT_BATCH:
+                try:
+                    more = self._puts.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    closing = True
+                    break
+                batch.append(more)
             try:
                 if self._client is None:
                     self._client = self._connect()
-                (ref,) = self._client.put_keyed([(key.encode(), stored)], ttl=self._config.ttl_s)
-                outcome = "stored" if ref is not None else "failed"
+                pairs = [(key.encode(), stored) for key, stored in batch]
+                refs = self._client.put_keyed(pairs, ttl=self._config.ttl_s)
+                outcomes = ["stored" if ref is not None else "failed" for ref in refs]
             except Exception as exc:
-                log.warning("r3: record %s not stored (%s)", key, exc)
+                log.warning(
+                    "r3: %d record(s) not stored (%s), first %s", len(batch), exc, batch[0][0]
+                )
                 self._drop_client()
-                outcome = "failed"
+                outcomes = ["failed"] * len(batch)
             with self.stored:
-                self.counters[outcome] += 1
+                for outcome in outcomes:
+                    self.counters[outcome] += 1
                 self.stored.notify_all()
 
     def wait_stored(self, at_least: int, timeout_s: float) -> bool:
