@@ -93,6 +93,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _resources(item) or item.get_closest_marker("destroys"):
             item.add_marker(pytest.mark.starts_vllm)
+        # A test that starts vLLM needs it installed, whether or not it says so.
+        if item.get_closest_marker("starts_vllm") and not item.get_closest_marker("needs_vllm"):
+            item.add_marker(pytest.mark.needs_vllm)
     # Last: tests that end a shared resource.
     items.sort(key=lambda item: item.get_closest_marker("destroys") is not None)
 
