@@ -17,9 +17,6 @@ without replay.
         --rounds 3 --steps 6 --out packages/rl-dataflow/benchmarks/results/r3_loop.json
     python packages/rl-dataflow/benchmarks/bench_r3_loop.py --smoke   # 1 round, 2 steps
 
-``--batched-record-puts`` is a what-if for the engine's recorder: its put thread takes every
-record queued so far and stores them with one ``put_keyed`` call instead of one call per record
-(patched into ``hybrid_connector.r3_worker`` in the child processes only).
 """
 
 from __future__ import annotations
@@ -43,41 +40,8 @@ AGREEMENT = (
 )
 
 
-def _batch_record_puts() -> None:
-    """The recorder's put thread storing every queued record in one call (the what-if)."""
-    import queue
-
-    from hybrid_connector import r3_worker
-
-    def run(self) -> None:
-        stop = False
-        while not stop and (item := self._puts.get()) is not None:
-            items = [item]
-            while True:
-                try:
-                    nxt = self._puts.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stop = True
-                    break
-                items.append(nxt)
-            if self._client is None:
-                self._client = self._connect()
-            pairs = [(key.encode(), stored) for key, stored in items]
-            refs = self._client.put_keyed(pairs, ttl=self._config.ttl_s)
-            with self.stored:
-                for ref in refs:
-                    self.counters["stored" if ref is not None else "failed"] += 1
-                self.stored.notify_all()
-
-    r3_worker.R3Recorder._run = run
-
-
 def child(args: argparse.Namespace) -> None:
     """One run in this process: warm-up + measured steps; JSON on stdout's last line."""
-    if args.batched_record_puts:
-        _batch_record_puts()
     from hybrid_connector.tiny_model import make_tiny_model
     from rl_dataflow.rl_loop import LoopConfig, run_loop
 
@@ -117,8 +81,6 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     for name in ("steps", "warmup", "prompts", "group_size", "completion_len", "lr"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     cmd += ["--model-cache", args.model_cache]
-    if args.batched_record_puts:
-        cmd.append("--batched-record-puts")
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -198,7 +160,6 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "qwen3-moe"))
-    parser.add_argument("--batched-record-puts", action="store_true")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()
