@@ -5,6 +5,7 @@ holds the same routing as one instance computing the request alone, and the prox
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import json
@@ -93,3 +94,59 @@ def test_the_proxy_answers_with_d_record_equal_to_a_single_instance(deployment: 
     inline = np.load(io.BytesIO(base64.b64decode(got["choices"][0]["routed_experts"])))
     assert inline.dtype == rows.dtype
     assert inline.tobytes() == rows.tobytes()
+
+
+@pytest.mark.parametrize("dead", ["decode", "prefill"])
+async def test_after_a_failover_the_record_is_still_a_single_instance_s(
+    deployment: dict, dead: str
+) -> None:
+    """A refused D: the other D pulls P's KV and its rows; a refused P: D prefills by itself.
+    Either way the answer's record is the one of a single instance computing it alone."""
+    import refstore
+    from harness.ports import dead_address
+    from hybrid_connector.r3 import read_record
+    from pd_serving.launcher import free_port
+    from pd_serving.proxy import Backend, PdProxy, ProxyConfig, serve
+
+    dead_url = f"http://{dead_address()}"
+    p_urls = [dead_url] if dead == "prefill" else [deployment["prefill"]]
+    d_urls = [dead_url, deployment["decode"]] if dead == "decode" else [deployment["decode"]]
+    config = ProxyConfig(
+        prefill=[Backend(u) for u in p_urls],
+        decode=[Backend(u) for u in d_urls],
+        model_names=[deployment["model"]],
+        health=None,  # no active checks: the requests themselves meet the dead instance
+    )
+    proxy = PdProxy(config)
+    port = free_port()
+    runner = await serve(proxy, "127.0.0.1", port)
+    bodies = [
+        {
+            "model": deployment["model"],
+            "prompt": [list(range(20 + i, 150 + i))],
+            "max_tokens": 10,
+            "temperature": 0,
+        }
+        for i in range(2)  # round robin over two D's: one of two meets the dead one first
+    ]
+    try:
+        # The proxy runs on this loop: the blocking calls go on a thread.
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        got = [await asyncio.to_thread(_post, url, b) for b in bodies]
+        failovers = proxy.metrics.registry.get_sample_value(
+            "pdserve_failovers_total", {"stage": dead, "reason": "refused"}
+        )
+    finally:
+        await runner.cleanup()
+    assert failovers is not None
+    assert failovers >= 1
+    want = [
+        _post(f"{deployment['prefill']}/v1/completions", {**b, "cache_salt": f"alone-{dead}"})
+        for b in bodies
+    ]
+    with refstore.Client(STORE) as client:
+        for g, w in zip(got, want, strict=True):
+            assert g["choices"][0]["text"] == w["choices"][0]["text"]
+            assert g["kv_transfer_params"]["r3"]["complete"] is True
+            rows = read_record(g["kv_transfer_params"], client)
+            assert rows.tobytes() == read_record(w["kv_transfer_params"], client).tobytes()
