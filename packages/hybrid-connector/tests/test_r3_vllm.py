@@ -65,7 +65,7 @@ def test_one_instance_and_pd_record_the_same_routing(
         assert rows.shape[0] == len(prompt) + MAX_TOKENS - 1
     before = engine.counters()
     p_params = prefill(engine, batch)
-    assert all("r3" in p for p in p_params)  # P's own record (its prompt) rides along
+    assert not any("r3" in p for p in p_params)  # the rows go with the KV; D records
     got_out = engine.generate(batch, MAX_TOKENS, p_params, salt=salt())
     assert [o.token_ids for o in got_out] == [o.token_ids for o in want_out]
     _assert_same(_records(got_out, kvs_store), want)

@@ -402,8 +402,12 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM finished ``request``; ``block_ids``: its blocks per KV-cache group. Returns
         (keep every group's blocks until the worker reports the request, params for D), with
-        R3 on the reference of its routing record under ``"r3"``."""
-        record = self._r3_record(request, block_ids)
+        R3 on the reference of its routing record under ``"r3"``. P records nothing for a
+        prefill it hands to D: its rows travel to D with the KV, and D's record is the request's
+        (a prompt-only record on P would be one more object in the store that nobody reads)."""
+        record = (
+            None if self._offer_of(request) is not None else self._r3_record(request, block_ids)
+        )
         delay_free, params = self._finish(request, block_ids)
         if record is not None:
             params = {**(params or {}), "r3": record}
