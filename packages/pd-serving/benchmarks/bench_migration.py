@@ -51,6 +51,87 @@ HOW = {
 LLUMNIX_DOWNTIME_MS = (20, 30)  # Llumnix (OSDI '24), published, for any context length
 
 
+class CpuProbe:
+    """Per-thread CPU (``/proc/PID/task/TID/schedstat``: ns on a CPU, ns waiting on a run queue)
+    of the deployment's processes and this one, grouped as "instance:process" (``decode0:worker``),
+    and each core's busy time (``/proc/stat``, which also counts the box's other work). Read at
+    two token positions of a request (``--cpu-probe``: its own pass, the reads cost this process
+    a few ms): what ran while D1 decoded."""
+
+    def __init__(self, groups: dict[int, str]) -> None:
+        self.groups = groups  # pid -> "instance:process"
+
+    @classmethod
+    def of(cls, servers: list[Any]) -> CpuProbe:
+        import os
+
+        leaders = {s.process.pid: s.name for s in servers if s.process and s.process.pid}
+        groups: dict[int, str] = {os.getpid(): "bench:proxy+client"}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/comm") as f:
+                    comm = f.read().strip()
+            except OSError:
+                continue
+            pgid = int(fields[2])
+            if pgid in leaders:
+                kind = (
+                    "worker"
+                    if "Worker" in comm
+                    else "engine"
+                    if "EngineCor" in comm  # comm is cut at 15 characters
+                    else "api"
+                    if int(entry) == pgid or "python" in comm or "vllm" in comm.lower()
+                    else comm
+                )
+                groups[int(entry)] = f"{leaders[pgid]}:{kind}"
+        return cls(groups)
+
+    def snapshot(self) -> dict[str, Any]:
+        import os
+
+        run: dict[str, float] = {}
+        wait: dict[str, float] = {}
+        for pid, group in self.groups.items():
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        on_cpu, queued, _ = f.read().split()
+                except (OSError, ValueError):
+                    continue
+                run[group] = run.get(group, 0.0) + int(on_cpu) / 1e6
+                wait[group] = wait.get(group, 0.0) + int(queued) / 1e6
+        cores: dict[str, float] = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *ticks = line.split()
+                if name.startswith("cpu") and name != "cpu":
+                    t = [int(x) for x in ticks]
+                    idle = t[3] + t[4]
+                    cores[name] = (sum(t[:8]) - idle) * 1000 / os.sysconf("SC_CLK_TCK")
+        return {"t": time.monotonic(), "run": run, "wait": wait, "cores": cores}
+
+
+def _cpu_delta(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """CPU ms (``run``), run-queue wait ms (``wait``) per group and core busy ms between two
+    snapshots, over ``ms`` of wall time."""
+    return {
+        "ms": (b["t"] - a["t"]) * 1000,
+        **{
+            key: {k: round(v - a[key].get(k, 0.0), 3) for k, v in b[key].items()}
+            for key in ("run", "wait", "cores")
+        },
+    }
+
+
 async def _start_proxy(
     prefill: Any, decodes: list[Any], model: str, pull_kv: bool, precopy: bool = True
 ):
@@ -74,13 +155,23 @@ async def _start_proxy(
     return f"http://127.0.0.1:{port}", proxy, runner
 
 
-async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int | None) -> dict:
+async def _one(
+    session: Any,
+    url: str,
+    body: dict[str, Any],
+    migrate_after: int | None,
+    *,
+    probe: CpuProbe | None = None,
+    probe_at: tuple[int, int] = (0, 0),
+) -> dict:
     """One streaming request moved after ``migrate_after`` tokens (None: not moved): token ids,
-    arrival times (``time.monotonic()``, the proxy's clock), the admin endpoint's answer."""
+    arrival times (``time.monotonic()``, the proxy's clock), the admin endpoint's answer;
+    ``probe``: CPU snapshots at the token counts ``probe_at`` (the first one before the ask)."""
     times: list[float] = []
     tokens: list[int] = []
     asked: asyncio.Task[Any] | None = None
     asked_at = 0
+    snaps: list[dict[str, Any]] = []
 
     async def migrate() -> dict[str, Any]:
         async with session.get(f"{url}/health") as resp:
@@ -100,11 +191,14 @@ async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int 
                 now = time.monotonic()
                 tokens += ids
                 times += [now] * len(ids)
+                if probe is not None and len(snaps) < 2 and len(tokens) >= probe_at[len(snaps)]:
+                    snaps.append(probe.snapshot())
             if asked is None and migrate_after is not None and len(tokens) >= migrate_after:
                 asked, asked_at = asyncio.create_task(migrate()), len(tokens)
                 asked_t = time.monotonic()
+    cpu = {"cpu": _cpu_delta(*snaps)} if len(snaps) == 2 else {}
     if asked is None:
-        return {"tokens": tokens, "times": times, "answer": [], "asked_at": 0}
+        return {"tokens": tokens, "times": times, "answer": [], "asked_at": 0, **cpu}
     answer = await asked
     return {
         "tokens": tokens,
@@ -112,6 +206,7 @@ async def _one(session: Any, url: str, body: dict[str, Any], migrate_after: int 
         "answer": answer["requests"],
         "asked_at": asked_at,
         "asked_t": asked_t,
+        **cpu,
     }
 
 
@@ -272,6 +367,8 @@ async def measure(
     model: str,
     make_prompt: Callable[[int, int], Any],
     args: argparse.Namespace,
+    *,
+    probe: CpuProbe | None = None,
 ) -> dict:
     import aiohttp
 
@@ -309,7 +406,8 @@ async def measure(
                         after = None if system == "none" else args.migrate_after
                         if system == "none" and unmoved_on and samples["precopy"][context]:
                             url = unmoved_on[_started_on(samples["precopy"][context][-1])][0]
-                        sample = await _one(session, url, body, after)
+                        at = (args.migrate_after, args.migrate_after + args.probe_window)
+                        sample = await _one(session, url, body, after, probe=probe, probe_at=at)
                         sample["prompt_tokens"] = len(prompt)
                         if args.stages and system == "precopy":
                             await _d2_counts(session, sample, url_of, before_stop)
@@ -392,6 +490,63 @@ def stage_rows(result: dict, args: argparse.Namespace) -> list[dict]:
         d2 = [r["d2"] for r in runs if r.get("d2")]
         if d2:
             row["d2_ms"] = {k: statistics.median(x[k] for x in d2) for k in d2[0]}
+        out.append(row)
+    return out
+
+
+def _as_roles(delta: dict[str, Any], d1: str) -> dict[str, Any]:
+    """A CPU delta's groups named by role: D1 (the D the request started on), D2, P."""
+
+    def role(group: str) -> str:
+        name, _, kind = group.partition(":")
+        if name.startswith("decode"):
+            name = "D1" if f"d{name.removeprefix('decode')}" == d1 else "D2"
+        elif name.startswith("prefill"):
+            name = "P"
+        return f"{name}:{kind}"
+
+    return {
+        "ms": delta["ms"],
+        "run": {role(k): v for k, v in delta["run"].items()},
+        "wait": {role(k): v for k, v in delta["wait"].items()},
+        "cores": delta["cores"],
+    }
+
+
+def cpu_rows(result: dict, args: argparse.Namespace) -> list[dict]:
+    """``--cpu-probe``: per context, the CPU each process took (``run``) and waited for
+    (``wait``) between the ask and ``--probe-window`` tokens later, medians over the rounds, for
+    the pre-copied request and the same one unmoved (at the same token positions), and their
+    difference: what the pre-copy adds on the box while D1 decodes."""
+    out = []
+    samples = result["samples"]
+    for context in args.contexts:
+        row: dict[str, Any] = {"context": context}
+        moved = samples["precopy"][context]
+        for system in ("precopy", "none"):
+            deltas = [
+                _as_roles(r["cpu"], _started_on(m))
+                for r, m in zip(samples[system][context], moved, strict=False)
+                if r.get("cpu")
+            ]
+            if not deltas:
+                continue
+            summary: dict[str, Any] = {"ms": statistics.median(d["ms"] for d in deltas)}
+            for key in ("run", "wait", "cores"):
+                names = sorted({k for d in deltas for k in d[key]})
+                summary[key] = {
+                    k: round(statistics.median(d[key].get(k, 0.0) for d in deltas), 2)
+                    for k in names
+                }
+            row[system] = summary
+        if "precopy" in row and "none" in row:
+            row["added"] = {
+                key: {
+                    k: round(v - row["none"][key].get(k, 0.0), 2)
+                    for k, v in row["precopy"][key].items()
+                }
+                for key in ("run", "wait")
+            }
         out.append(row)
     return out
 
@@ -502,6 +657,14 @@ def _parser() -> argparse.ArgumentParser:
         default=[256, 16384],
     )
     parser.add_argument("--stage-rounds", type=int, default=2)
+    parser.add_argument(
+        "--cpu-probe",
+        action="store_true",
+        help="then a pass that reads each process's CPU from the ask on (--probe-window)",
+    )
+    parser.add_argument("--probe-window", type=int, default=8, help="tokens after the ask")
+    parser.add_argument("--probe-rounds", type=int, default=4)
+    parser.add_argument("--probe-contexts", type=lambda s: [int(x) for x in s.split(",")])
     parser.add_argument("--json", type=Path, default=RESULTS / "migration.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "migration_downtime.png")
     return parser
@@ -564,6 +727,15 @@ def _stage_args(args: argparse.Namespace) -> argparse.Namespace:
     return staged
 
 
+def _probe_args(args: argparse.Namespace) -> argparse.Namespace:
+    """``--cpu-probe``: the pass that reads each process's CPU around the ask."""
+    probed = argparse.Namespace(**{**vars(args), "stages": False})
+    probed.contexts = args.probe_contexts or args.contexts
+    probed.systems = ["precopy", "none"]
+    probed.rounds = args.probe_rounds
+    return probed
+
+
 def run(args: argparse.Namespace) -> int:
     from pd_serving.client import load_tokenizer
     from pd_serving.deploy import Deployment
@@ -594,6 +766,15 @@ def run(args: argparse.Namespace) -> int:
         result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, timed))
         if staged.stages:  # after the timed pass: its metrics scrapes would be in its windows
             stage_result = asyncio.run(measure(prefill, decodes, str(model), make_prompt, staged))
+        cpu: list[dict] = []
+        if args.cpu_probe:  # its own pass too: the reads cost this process a few ms
+            probed = _probe_args(args)
+            probe = CpuProbe.of(deployment.servers)
+            probe_result = asyncio.run(
+                measure(prefill, decodes, str(model), make_prompt, probed, probe=probe)
+            )
+            cpu = cpu_rows(probe_result, probed)
+            print(json.dumps(cpu, indent=1))
     rows = summarize(result, args)
     table = markdown(rows, args)
     print(table)
@@ -607,6 +788,7 @@ def run(args: argparse.Namespace) -> int:
                 "started": started,
                 "rows": rows,
                 "stages": stages,
+                "cpu": cpu,
                 "targets": targets(rows),
                 "llumnix_downtime_ms": LLUMNIX_DOWNTIME_MS,
                 "table": table,
