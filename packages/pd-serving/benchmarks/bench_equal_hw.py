@@ -317,8 +317,13 @@ async def smoke_measure(plans) -> list:
         SystemUnderTest(DP, urls[DP], [[a.url, b.url]]),
         SystemUnderTest(PD, urls[PD], [[p.url], [d.url]]),
     ]
+    low = {
+        kind: [SweepRequest(i, 0.0, n, 2, f"{kind} {i}") for i in range(2)]
+        for kind, n in (("short", 1), ("long", 8))
+    }
     try:
-        return await run_equal_hw(systems, MODEL, plans, rounds=2, timeout_s=30)
+        turns = await run_equal_hw(systems, MODEL, plans, rounds=2, timeout_s=30)
+        return turns, await run_low_load(systems, MODEL, low, rounds=2, timeout_s=30)
     finally:
         for runner in runners:
             await runner.cleanup()
@@ -342,7 +347,11 @@ def smoke() -> int:
     for plan in plans.values():
         for req in plan:
             req.prompt = f"prompt {req.index}"
-    turns = asyncio.run(smoke_measure(plans))
+    turns, low = asyncio.run(smoke_measure(plans))
+    breakdown = publish_low_load(low, console)["rows"]
+    assert [(r["kind"], r["system"], r["requests"], r["failed"]) for r in breakdown] == [
+        (kind, s, 2, 0) for kind in ("short", "long") for s in (SINGLE, DP, PD)
+    ], breakdown
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "equal_hw.json"
         meta = {"command": "bench_equal_hw.py --smoke"}
