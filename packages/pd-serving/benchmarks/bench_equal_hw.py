@@ -45,7 +45,8 @@ from rich.console import Console
 
 RESULTS = Path(__file__).parent / "results"
 SINGLE, DP, PD = "single, 2 cores", "2x single, DP", "1P1D"
-PD_CORE0 = "1P1D, P on core 0"
+PD_NO_BYPASS = "1P1D, no bypass"
+PD_SHARED = "1P1D, P on both cores (nice)"
 
 
 def build_plans(args, tokenizer, mix: MixSpec) -> dict[float, list[SweepRequest]]:
@@ -134,18 +135,18 @@ def run(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
     )
-    compare_core0 = args.compare_core0
+    compare_shared = args.compare_shared_p
     servers = plan_servers(
         model,
         log_dir=log_dir,
         connector=Connector.HYBRID,
-        prefill=2 if compare_core0 else 1,
+        prefill=2 if compare_shared else 1,
         decode=1,
         single=1,
         cpu=base,
     )
-    # prefill0: 1P1D's P, sharing both cores with D at a lower priority; prefill1 (with
-    # --compare-core0): the P of one core, which DP's first instance is too.
+    # prefill0: 1P1D's P, on core 0 (DP's first instance too); prefill1 (--compare-shared-p):
+    # a P on both cores with D's core shared at a lower priority.
     shared_p = replace(
         base,
         cpu_bind="0-1",
@@ -156,8 +157,8 @@ def run(args) -> int:
     )
     settings = {
         "single0": replace(base, cpu_bind="0-1", omp_threads=2),
-        "prefill0": shared_p,
-        "prefill1": replace(base, cpu_bind="0", omp_threads=1),
+        "prefill0": replace(base, cpu_bind="0", omp_threads=1),
+        "prefill1": shared_p,
         "decode0": replace(
             base, cpu_bind="1", omp_threads=1, worker_in_engine=args.d_worker_in_engine
         ),
@@ -177,11 +178,15 @@ def run(args) -> int:
     config = proxy_config_for(servers, Connector.HYBRID)
     by_name = {s.name: s for s in servers}
     p, d = config.prefill[0], config.decode[0]
-    proxies = {PD: ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", d.url]}
-    dp_first = by_name["prefill1" if compare_core0 else "prefill0"]
-    if compare_core0:
+    pair = ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", d.url]
+    bypass = ["--bypass-below-tokens", str(args.bypass_below_tokens)]
+    proxies = {PD: pair + bypass}
+    if args.bypass_below_tokens and args.compare_no_bypass:
+        proxies[PD_NO_BYPASS] = pair
+    if compare_shared:
         p1 = config.prefill[1]
-        proxies[PD_CORE0] = ["--prefill", f"{p1.url}@{p1.rpc_address}", "--decode", d.url]
+        proxies[PD_SHARED] = ["--prefill", f"{p1.url}@{p1.rpc_address}", "--decode", d.url]
+    dp_first = by_name["prefill0"]
     proxies[DP] = ["--decode", dp_first.url, "--decode", d.url]  # no P: each prefills its own
     console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
     load_before = os.getloadavg()
@@ -222,16 +227,17 @@ def run(args) -> int:
                     [prefill.process, decode.process, procs[PD]],
                 ),
             ]
-            if compare_core0:
-                core0 = by_name["prefill1"]
-                systems.append(
-                    SystemUnderTest(
-                        PD_CORE0,
-                        urls[PD_CORE0],
-                        [[core0.url], [decode.url]],
-                        [core0.process, decode.process, procs[PD_CORE0]],
+            for name, p_name in ((PD_NO_BYPASS, "prefill0"), (PD_SHARED, "prefill1")):
+                if name in procs:
+                    pp = by_name[p_name]
+                    systems.append(
+                        SystemUnderTest(
+                            name,
+                            urls[name],
+                            [[pp.url], [decode.url]],
+                            [pp.process, decode.process, procs[name]],
+                        )
                     )
-                )
             every = [s.process for s in servers] + list(procs.values())
             low = []
             if low_load:
@@ -268,11 +274,14 @@ def run(args) -> int:
         "systems": {
             SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2",
             DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
-            PD: f"P on cores 0-1 (OMP 2, nice {args.p_nice}, OMP_WAIT_POLICY="
+            PD: f"P on core 0, D on core 1 (OMP 1 each), pdserve proxy, sequential dispatch, "
+            f"prompts under {args.bypass_below_tokens} estimated tokens (characters / 4) to D "
+            "alone (--bypass-below-tokens)",
+            PD_NO_BYPASS: "the same P, D and dispatch, every prompt through P",
+            PD_SHARED: f"P on cores 0-1 (OMP 2, nice {args.p_nice}, OMP_WAIT_POLICY="
             f"{args.p_omp_wait_policy or 'unset'}, worker in engine core: "
-            f"{args.p_worker_in_engine}), D on core 1 (OMP 1, worker in engine core: "
-            f"{args.d_worker_in_engine}), pdserve proxy, sequential dispatch",
-            PD_CORE0: "P on core 0 (OMP 1), the same D, pdserve proxy, sequential dispatch",
+            f"{args.p_worker_in_engine}), the same D, every prompt through P",
+            "D worker in engine core": args.d_worker_in_engine,
         },
         "low_load": publish_low_load(low, console) if low else None,
         "prefix_caching": False,
@@ -396,10 +405,22 @@ def main() -> int:
     )
     parser.add_argument("--low-load-output", type=int, default=16, help="tokens each answers")
     parser.add_argument(
-        "--compare-core0",
+        "--bypass-below-tokens",
+        type=int,
+        default=256,
+        help="1P1D's proxy sends prompts under this many estimated tokens to D alone "
+        "(the bench tokenizer: about 2.4 characters a token, so 256 is about 430 real ones)",
+    )
+    parser.add_argument(
+        "--compare-no-bypass",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also 1P1D with P on core 0 alone (one thread), next to the default 1P1D",
+        help="also 1P1D with every prompt through P",
+    )
+    parser.add_argument(
+        "--compare-shared-p",
+        action="store_true",
+        help="also 1P1D with P on both cores (two threads) at a lower priority (--p-*)",
     )
     parser.add_argument("--p-nice", type=int, default=10, help="1P1D's P: nice")
     parser.add_argument(
