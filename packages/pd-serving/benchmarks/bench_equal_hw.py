@@ -31,10 +31,13 @@ from pd_serving.equal_hw import (
     SystemUnderTest,
     compare_systems,
     judge,
+    low_load_breakdown,
+    low_load_markdown,
     markdown_table,
     payload,
     render_table,
     run_equal_hw,
+    run_low_load,
     write_plot,
 )
 from pd_serving.workload import LengthDist, MixSpec, SweepRequest, parse_rates, plan_mixed
@@ -42,6 +45,8 @@ from rich.console import Console
 
 RESULTS = Path(__file__).parent / "results"
 SINGLE, DP, PD = "single, 2 cores", "2x single, DP", "1P1D"
+PD_NO_BYPASS = "1P1D, no bypass"
+PD_SHARED = "1P1D, P on both cores (nice)"
 
 
 def build_plans(args, tokenizer, mix: MixSpec) -> dict[float, list[SweepRequest]]:
@@ -57,6 +62,31 @@ def build_plans(args, tokenizer, mix: MixSpec) -> dict[float, list[SweepRequest]
             req.prompt = exact_length_prompt(tokenizer, req.prompt_tokens, seed=seed)
         plans[rate] = plan
     return plans
+
+
+def plan_low_load(args, tokenizer, mix: MixSpec) -> dict[str, list[SweepRequest]]:
+    """``--low-load`` requests of each kind, lengths drawn from the mix's, sent one at a time."""
+    import random
+
+    from pd_serving.client import exact_length_prompt
+
+    rng = random.Random(args.seed + 77)
+    out: dict[str, list[SweepRequest]] = {}
+    for kind, dist in (("short", mix.short_prompt), ("long", mix.long_prompt)):
+        reqs = []
+        for i in range(args.low_load):
+            n = min(dist.sample(rng), args.max_model_len - args.low_load_output)
+            prompt = exact_length_prompt(tokenizer, n, seed=900_000 + 1000 * (kind == "long") + i)
+            reqs.append(SweepRequest(i, 0.0, n, args.low_load_output, prompt))
+        out[kind] = reqs
+    return out
+
+
+def publish_low_load(samples, console: Console) -> dict:
+    rows = low_load_breakdown(samples, reference=SINGLE)
+    console.print("one request at a time (p50 of each stage, ms):")
+    console.print(low_load_markdown(rows), markup=False, highlight=False, soft_wrap=True)
+    return {"rows": [r.__dict__ for r in rows]}
 
 
 def publish(args, turns, mix: MixSpec, meta: dict, console: Console, *, json_path: Path | None):
@@ -93,7 +123,7 @@ def run(args) -> int:
     from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
     from pd_serving.model import cache_dir, make_bench_model
     from pd_serving.proxy import READY_LINE
-    from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
+    from pd_serving.servers import Connector, CpuSettings, plan_servers
     from pd_serving.timings import custom_buckets_arg
 
     console = Console(width=200)
@@ -105,13 +135,36 @@ def run(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
     )
+    compare_shared = args.compare_shared_p
     servers = plan_servers(
-        model, log_dir=log_dir, connector=Connector.HYBRID, prefill=1, decode=1, single=1, cpu=base
+        model,
+        log_dir=log_dir,
+        connector=Connector.HYBRID,
+        prefill=2 if compare_shared else 1,
+        decode=1,
+        single=1,
+        cpu=base,
     )
-    binding = {Role.PREFILL: ("0", 1), Role.DECODE: ("1", 1), Role.SINGLE: ("0-1", 2)}
+    # prefill0: 1P1D's P, on core 0 (DP's first instance too); prefill1 (--compare-shared-p):
+    # a P on both cores with D's core shared at a lower priority.
+    shared_p = replace(
+        base,
+        cpu_bind="0-1",
+        omp_threads=2,
+        nice=args.p_nice,
+        omp_wait_policy=args.p_omp_wait_policy or None,
+        worker_in_engine=args.p_worker_in_engine,
+    )
+    settings = {
+        "single0": replace(base, cpu_bind="0-1", omp_threads=2),
+        "prefill0": replace(base, cpu_bind="0", omp_threads=1),
+        "prefill1": shared_p,
+        "decode0": replace(
+            base, cpu_bind="1", omp_threads=1, worker_in_engine=args.d_worker_in_engine
+        ),
+    }
     for server in servers:
-        bind, threads = binding[server.role]
-        server.cpu = replace(base, cpu_bind=bind, omp_threads=threads)
+        server.cpu = settings[server.name]
         # Same prompts for every system: no instance may answer one from its prefix cache.
         server.extra_args += [
             "--no-enable-prefix-caching",
@@ -120,28 +173,36 @@ def run(args) -> int:
         ]
     tokenizer = load_tokenizer(model)
     plans = build_plans(args, tokenizer, mix)
+    low_load = plan_low_load(args, tokenizer, mix) if args.low_load else {}
     warm = [SweepRequest(i, 0.0, 0, 8, f"warm up {i} " * (1 + 200 * (i % 2))) for i in range(4)]
     config = proxy_config_for(servers, Connector.HYBRID)
+    by_name = {s.name: s for s in servers}
     p, d = config.prefill[0], config.decode[0]
-    proxies = {
-        PD: ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", d.url],
-        DP: ["--decode", p.url, "--decode", d.url],  # no P: each instance prefills its own
-    }
+    pair = ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", d.url]
+    bypass = ["--bypass-below-tokens", str(args.bypass_below_tokens)]
+    proxies = {PD: pair + bypass}
+    if args.bypass_below_tokens and args.compare_no_bypass:
+        proxies[PD_NO_BYPASS] = pair
+    if compare_shared:
+        p1 = config.prefill[1]
+        proxies[PD_SHARED] = ["--prefill", f"{p1.url}@{p1.rpc_address}", "--decode", d.url]
+    dp_first = by_name["prefill0"]
+    proxies[DP] = ["--decode", dp_first.url, "--decode", d.url]  # no P: each prefills its own
     console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
     load_before = os.getloadavg()
     with Deployment(servers) as dep:
         dep.start(timeout=600)
         procs, urls = {}, {}
-        for name, backends in proxies.items():
+        for k, (name, backends) in enumerate(proxies.items()):
             port = free_port()
-            tag = "pd" if name == PD else "dp"
+            tag = f"proxy{k}"
             procs[name] = ManagedProcess(
-                f"proxy-{tag}",
+                tag,
                 [
                     sys.executable, "-m", "pd_serving.cli", "proxy", "--port", str(port),
                     "--connector", "hybrid", "--model-name", str(model), *backends,
                 ],
-                log_path=log_dir / f"proxy-{tag}.log",
+                log_path=log_dir / f"{tag}.log",
                 ready_marker=READY_LINE,
                 health_url=f"http://127.0.0.1:{port}/health",
             )  # fmt: skip
@@ -150,14 +211,14 @@ def run(args) -> int:
             for proc in procs.values():
                 proc.start()
             wait_all_ready(list(procs.values()), timeout=120)
-            single, prefill, decode = (dep.by_role(r)[0] for r in Role)
+            single, prefill, decode = by_name["single0"], by_name["prefill0"], by_name["decode0"]
             systems = [
                 SystemUnderTest(SINGLE, single.url, [[single.url]], [single.process]),
                 SystemUnderTest(
                     DP,
                     urls[DP],
-                    [[prefill.url, decode.url]],
-                    [prefill.process, decode.process, procs[DP]],
+                    [[dp_first.url, decode.url]],
+                    [dp_first.process, decode.process, procs[DP]],
                 ),
                 SystemUnderTest(
                     PD,
@@ -166,7 +227,30 @@ def run(args) -> int:
                     [prefill.process, decode.process, procs[PD]],
                 ),
             ]
+            for name, p_name in ((PD_NO_BYPASS, "prefill0"), (PD_SHARED, "prefill1")):
+                if name in procs:
+                    pp = by_name[p_name]
+                    systems.append(
+                        SystemUnderTest(
+                            name,
+                            urls[name],
+                            [[pp.url], [decode.url]],
+                            [pp.process, decode.process, procs[name]],
+                        )
+                    )
             every = [s.process for s in servers] + list(procs.values())
+            low = []
+            if low_load:
+                low = asyncio.run(
+                    run_low_load(
+                        systems,
+                        str(model),
+                        low_load,
+                        rounds=args.rounds,
+                        every_process=every,
+                        console=console,
+                    )
+                )
             turns = asyncio.run(
                 run_equal_hw(
                     systems,
@@ -190,8 +274,16 @@ def run(args) -> int:
         "systems": {
             SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2",
             DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
-            PD: "P on core 0, D on core 1, pdserve proxy, sequential dispatch",
+            PD: f"P on core 0, D on core 1 (OMP 1 each), pdserve proxy, sequential dispatch, "
+            f"prompts under {args.bypass_below_tokens} estimated tokens (characters / 4) to D "
+            "alone (--bypass-below-tokens)",
+            PD_NO_BYPASS: "the same P, D and dispatch, every prompt through P",
+            PD_SHARED: f"P on cores 0-1 (OMP 2, nice {args.p_nice}, OMP_WAIT_POLICY="
+            f"{args.p_omp_wait_policy or 'unset'}, worker in engine core: "
+            f"{args.p_worker_in_engine}), the same D, every prompt through P",
+            "D worker in engine core": args.d_worker_in_engine,
         },
+        "low_load": publish_low_load(low, console) if low else None,
         "prefix_caching": False,
         "max_num_seqs": args.max_num_seqs,
     }
@@ -234,8 +326,13 @@ async def smoke_measure(plans) -> list:
         SystemUnderTest(DP, urls[DP], [[a.url, b.url]]),
         SystemUnderTest(PD, urls[PD], [[p.url], [d.url]]),
     ]
+    low = {
+        kind: [SweepRequest(i, 0.0, n, 2, f"{kind} {i}") for i in range(2)]
+        for kind, n in (("short", 1), ("long", 8))
+    }
     try:
-        return await run_equal_hw(systems, MODEL, plans, rounds=2, timeout_s=30)
+        turns = await run_equal_hw(systems, MODEL, plans, rounds=2, timeout_s=30)
+        return turns, await run_low_load(systems, MODEL, low, rounds=2, timeout_s=30)
     finally:
         for runner in runners:
             await runner.cleanup()
@@ -259,7 +356,11 @@ def smoke() -> int:
     for plan in plans.values():
         for req in plan:
             req.prompt = f"prompt {req.index}"
-    turns = asyncio.run(smoke_measure(plans))
+    turns, low = asyncio.run(smoke_measure(plans))
+    breakdown = publish_low_load(low, console)["rows"]
+    assert [(r["kind"], r["system"], r["requests"], r["failed"]) for r in breakdown] == [
+        (kind, s, 2, 0) for kind in ("short", "long") for s in (SINGLE, DP, PD)
+    ], breakdown
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "equal_hw.json"
         meta = {"command": "bench_equal_hw.py --smoke"}
@@ -294,6 +395,42 @@ def main() -> int:
         type=float,
         default=300.0,
         help="no rate starts after this many seconds of measuring (bounded lock holds)",
+    )
+    parser.add_argument(
+        "--low-load",
+        type=int,
+        default=8,
+        help="first, this many short and as many long prompts to every system one at a time "
+        "(the TTFT breakdown per stage; 0: none)",
+    )
+    parser.add_argument("--low-load-output", type=int, default=16, help="tokens each answers")
+    parser.add_argument(
+        "--bypass-below-tokens",
+        type=int,
+        default=256,
+        help="1P1D's proxy sends prompts under this many estimated tokens to D alone "
+        "(the bench tokenizer: about 2.4 characters a token, so 256 is about 430 real ones)",
+    )
+    parser.add_argument(
+        "--compare-no-bypass",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also 1P1D with every prompt through P",
+    )
+    parser.add_argument(
+        "--compare-shared-p",
+        action="store_true",
+        help="also 1P1D with P on both cores (two threads) at a lower priority (--p-*)",
+    )
+    parser.add_argument("--p-nice", type=int, default=10, help="1P1D's P: nice")
+    parser.add_argument(
+        "--p-omp-wait-policy", default="passive", help="1P1D's P: OMP_WAIT_POLICY ('' unset)"
+    )
+    parser.add_argument(
+        "--p-worker-in-engine", action=argparse.BooleanOptionalAction, default=False
+    )
+    parser.add_argument(
+        "--d-worker-in-engine", action=argparse.BooleanOptionalAction, default=False
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "equal_hw.json")
     args = parser.parse_args()

@@ -288,3 +288,23 @@ def test_top_logprobs_parse_vllm_token_id_names() -> None:
     choice = {"logprobs": {"top_logprobs": [{"token_id:12": -0.5, "token_id:3": -1.5}, None]}}
     assert _top_logprobs(choice) == [{12: -0.5, 3: -1.5}, {}]
     assert _top_logprobs({"text": "x"}) == []
+
+
+def test_up_places_p_and_d_on_the_cores_threads_and_priority_asked() -> None:
+    from pd_serving.cli import _place
+
+    args = build_parser().parse_args(
+        ["up", "--prefill-cpus", "0-1", "--prefill-threads", "2", "--prefill-nice", "10",
+         "--prefill-omp-wait-policy", "passive", "--decode-worker-in-engine"]
+    )  # fmt: skip
+    servers = plan_servers(Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID)
+    _place(servers, args)
+    p, d = servers
+    assert (p.cpus, p.cpu.omp_threads, p.cpu.nice) == ({0, 1}, 2, 10)
+    assert p.env()["OMP_WAIT_POLICY"] == "passive"
+    assert d.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert (d.cpu.omp_threads, d.cpu.nice, d.cpu.cpu_bind) == (1, 0, None)
+    # Nothing asked: one core and one thread each, normal priority.
+    plain = plan_servers(Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID)
+    _place(plain, build_parser().parse_args(["up"]))
+    assert [(s.cpu.omp_threads, s.cpu.nice, s.cpu.cpu_bind) for s in plain] == [(1, 0, None)] * 2

@@ -165,3 +165,45 @@ def test_fixed_kinds_of_a_small_mix():
     mix = MixSpec(0.5, LengthDist("fixed", 8), LengthDist("fixed", 2), LengthDist("fixed", 1))
     plan = plan_mixed(10.0, 20, mix, seed=1)
     assert {(r.prompt_tokens, r.output_tokens) for r in plan} <= {(8, 2), (1, 256)}
+
+
+def test_low_load_breakdown_takes_each_stage_per_request():
+    from pd_serving.equal_hw import (
+        E2E,
+        PREFILL,
+        QUEUE,
+        REST,
+        LowLoadSample,
+        low_load_breakdown,
+        low_load_markdown,
+        request_stage_s,
+    )
+
+    def hist(seconds, count):
+        return Histogram((1.0, math.inf), (count, count), seconds)
+
+    before = [{QUEUE: hist(1.0, 3), PREFILL: hist(2.0, 3), E2E: hist(3.0, 3), TTFT: hist(2.0, 3)}]
+    after = [{QUEUE: hist(1.01, 4), PREFILL: hist(2.05, 4), E2E: hist(3.06, 4), TTFT: hist(2.0, 3)}]
+    stage = request_stage_s(before, after)
+    assert stage[QUEUE] == pytest.approx(0.01)
+    assert stage[E2E] == pytest.approx(0.06)
+    assert math.isnan(stage[TTFT])  # the count did not move: not this request's
+    p = {QUEUE: 0.0, PREFILL: 0.05, E2E: 0.06, TTFT: 0.055}
+    d = {QUEUE: 0.01, PREFILL: 0.02, E2E: 0.5, TTFT: 0.03}
+    single = {QUEUE: 0.0, PREFILL: 0.04, E2E: 0.4, TTFT: 0.042}
+    samples = [
+        LowLoadSample("single", "short", sample(0, 45.0, [20.0]), [single]),
+        LowLoadSample("1P1D", "short", sample(0, 100.0, [20.0]), [p, d]),
+        LowLoadSample("1P1D", "short", sample(1, 0.0, [], error="boom"), [p, d]),
+    ]
+    rows = low_load_breakdown(samples, reference="single")
+    pd_row = rows[1]
+    assert (pd_row.requests, pd_row.failed) == (2, 1)
+    assert pd_row.stages_p50_ms["P forward (prefill)"] == pytest.approx(50.0)
+    assert pd_row.stages_p50_ms["D waits for KV (queue)"] == pytest.approx(10.0)
+    assert pd_row.stages_p50_ms[REST] == pytest.approx(100.0 - 60.0 - 30.0)
+    assert rows[0].stages_p50_ms[REST] == pytest.approx(3.0)
+    assert pd_row.vs_reference == pytest.approx(100.0 / 45.0)
+    table = low_load_markdown(rows)
+    assert "| **client TTFT p50** | 45 | 100 |" in table
+    assert "2.22x" in table

@@ -228,3 +228,21 @@ def test_free_port_is_below_the_kernels_ephemeral_range() -> None:
     assert all(1024 <= port < low for port in ports), ports
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports.pop()))
+
+
+NICE = "import os\nprint(f'nice={os.nice(0)}', flush=True)\n"
+
+
+def test_nice_lowers_the_childs_priority(tmp_path: Path) -> None:
+    script = tmp_path / "nice.py"
+    script.write_text(NICE)
+    proc = ManagedProcess(
+        "nice", [sys.executable, str(script)], log_path=tmp_path / "n.log", nice=7
+    )
+    proc.start()
+    try:
+        proc.exited.result(timeout=30)
+    finally:
+        proc.stop()
+    assert f"nice={os.nice(0) + 7}" in proc.log_tail()
+    assert proc.respawn().nice == 7

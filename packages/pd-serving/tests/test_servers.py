@@ -120,3 +120,25 @@ def test_kv_events_give_each_instance_its_endpoint_and_the_proxy_its_sources(
     plain = plan_servers(tmp_path, log_dir=tmp_path, connector=Connector.HYBRID)
     assert all("--kv-events-config" not in s.argv() for s in plain)
     assert all(b.kv_events is None for b in proxy_config_for(plain, Connector.HYBRID).decode)
+
+
+def test_cpu_settings_reach_the_childs_environment_and_priority(tmp_path: Path) -> None:
+    (server,) = plan_servers(
+        tmp_path,
+        log_dir=tmp_path,
+        connector=Connector.HYBRID,
+        prefill=1,
+        decode=0,
+        cpu=CpuSettings(
+            cpu_bind="0-1", omp_threads=2, nice=10, omp_wait_policy="passive",
+            worker_in_engine=True,
+        ),
+    )  # fmt: skip
+    env = server.env()
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert env["OMP_WAIT_POLICY"] == "passive"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert server.make_process().nice == 10
+    (plain,) = plan_servers(tmp_path, log_dir=tmp_path, connector=Connector.HYBRID, decode=0)
+    assert "OMP_WAIT_POLICY" not in plain.env() or "OMP_WAIT_POLICY" in os.environ
+    assert plain.make_process().nice == 0

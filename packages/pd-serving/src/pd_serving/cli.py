@@ -313,6 +313,57 @@ def _cpu_settings(args: argparse.Namespace) -> CpuSettings:
     )
 
 
+def _add_placement_options(parser: argparse.ArgumentParser) -> None:
+    """Where each role's vLLM processes run: cores, OpenMP threads, CPU priority."""
+    for role in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{role}-cpus",
+            default=None,
+            metavar="LIST",
+            help=f"cores every process of each {role} instance runs on (e.g. 0-1; its OpenMP "
+            "threads are bound one per core); default: one core each, P from core 0 up, D from "
+            "the last core down",
+        )
+        parser.add_argument(
+            f"--{role}-threads", type=int, default=1, metavar="N", help="OpenMP threads"
+        )
+        parser.add_argument(
+            f"--{role}-nice", type=int, default=0, metavar="N", help="CPU priority (os.nice)"
+        )
+        parser.add_argument(
+            f"--{role}-omp-wait-policy",
+            choices=["active", "passive"],
+            default=None,
+            help="OMP_WAIT_POLICY of its OpenMP threads (passive: a thread done with its share "
+            "of a step sleeps instead of spinning); default unset",
+        )
+        parser.add_argument(
+            f"--{role}-worker-in-engine",
+            action="store_true",
+            help="run vLLM's worker inside its engine-core process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0): no shared-memory queue whose reader spins 1 s "
+            "after every step",
+        )
+
+
+def _place(servers, args: argparse.Namespace) -> None:
+    """The placement options onto the planned P's and D's."""
+    from dataclasses import replace
+
+    for server in servers:
+        if server.role is Role.SINGLE:
+            continue
+        role = server.role.value
+        server.cpu = replace(
+            server.cpu,
+            cpu_bind=getattr(args, f"{role}_cpus") or server.cpu.cpu_bind,
+            omp_threads=getattr(args, f"{role}_threads"),
+            nice=getattr(args, f"{role}_nice"),
+            omp_wait_policy=getattr(args, f"{role}_omp_wait_policy"),
+            worker_in_engine=getattr(args, f"{role}_worker_in_engine"),
+        )
+
+
 def _resolve_model(args: argparse.Namespace) -> Path:
     if args.model is not None:
         if not (args.model / "config.json").is_file():
@@ -366,6 +417,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         extra_connector_config=extra,
         kv_events=args.kv_events,
     )
+    _place(servers, args)
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
@@ -743,6 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_instance_options(p)
     p.add_argument("--prefill", type=int, default=1)
     p.add_argument("--decode", type=int, default=1)
+    _add_placement_options(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(

@@ -28,7 +28,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -420,6 +420,203 @@ async def run_equal_hw(
         for proc in every_process:
             proc.resume()
     return turns
+
+
+# --- low load: where one request's TTFT goes ------------------------------------------------
+
+QUEUE = "vllm:request_queue_time_seconds"
+PREFILL = "vllm:request_prefill_time_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+STAGE_HISTOGRAMS = (QUEUE, PREFILL, E2E, TTFT)
+
+# What each stage's histograms mean for one request, in the table's order. Two-stage systems
+# (P, then D): P's queue and forward step, D's queue (for a request that came with
+# kv_transfer_params: its wait for the KV, the pull included) and its step for the last prompt
+# token; the rest of the client's TTFT is the proxy and the HTTP hops (tokenizing, P's answer,
+# D's first SSE event). One-stage systems: the instance's queue and prefill.
+TWO_STAGE_ROWS = (
+    ("P queue", 0, QUEUE),
+    ("P forward (prefill)", 0, PREFILL),
+    ("P whole request", 0, E2E),
+    ("D waits for KV (queue)", 1, QUEUE),
+    ("D step, last prompt token", 1, PREFILL),
+    ("D first token (vLLM TTFT)", 1, TTFT),
+)
+ONE_STAGE_ROWS = (
+    ("instance queue", 0, QUEUE),
+    ("instance forward (prefill)", 0, PREFILL),
+    ("instance first token (vLLM TTFT)", 0, TTFT),
+)
+REST = "proxy + HTTP (rest of client TTFT)"
+
+
+@dataclass
+class LowLoadSample:
+    """One request sent alone: the client's sample and, per stage (P's instances, then D's; one
+    stage for a plain instance), its own seconds in each of ``STAGE_HISTOGRAMS`` (the sum's
+    difference around it; nan where the count did not move by exactly one)."""
+
+    system: str
+    kind: str  # "short" or "long"
+    sample: RequestSample
+    stages: list[dict[str, float]]
+
+
+def request_stage_s(
+    before: Sequence[dict[str, Histogram]], after: Sequence[dict[str, Histogram]]
+) -> dict[str, float]:
+    """One stage's (its instances added up) seconds per histogram for the one request sent
+    between the two reads."""
+    out = {}
+    for name in STAGE_HISTOGRAMS:
+        diff = total(a.get(name, EMPTY) for a in after) - total(b.get(name, EMPTY) for b in before)
+        out[name] = diff.sum if diff.count == 1 else float("nan")
+    return out
+
+
+@dataclass
+class LowLoadRow:
+    """One system and prompt kind at concurrency 1: medians over its requests, ms."""
+
+    system: str
+    kind: str
+    requests: int
+    failed: int
+    prompt_tokens_p50: float
+    ttft_p50_ms: float
+    ttft_mean_ms: float
+    stages_p50_ms: dict[str, float]
+    vs_reference: float = float("nan")  # TTFT p50 / the reference system's, same kind
+
+
+def _median(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return percentile(finite, 50) if finite else float("nan")
+
+
+def low_load_breakdown(
+    samples: Sequence[LowLoadSample], *, reference: str | None = None
+) -> list[LowLoadRow]:
+    """Per (kind, system), in the order given: the client's TTFT and each stage's median. The
+    rest (client TTFT minus P's whole request minus D's first token, per request) is what the
+    proxy and the HTTP hops add."""
+    systems = list(dict.fromkeys(s.system for s in samples))
+    kinds = list(dict.fromkeys(s.kind for s in samples))
+    reference = reference or (systems[0] if systems else None)
+    rows = []
+    for kind in kinds:
+        for system in systems:
+            mine = [s for s in samples if s.system == system and s.kind == kind]
+            if not mine:
+                continue
+            done = [s for s in mine if s.sample.ok]
+            two = any(len(s.stages) > 1 for s in done)
+            stages: dict[str, float] = {}
+            for label, i, name in TWO_STAGE_ROWS if two else ONE_STAGE_ROWS:
+                stages[label] = _median(
+                    [1000 * s.stages[i].get(name, math.nan) for s in done if i < len(s.stages)]
+                )
+            last = [(1, TTFT), (0, E2E)] if two else [(0, TTFT)]
+            stages[REST] = _median(
+                [
+                    s.sample.ttft_ms
+                    - sum(1000 * s.stages[i].get(n, math.nan) for i, n in last if i < len(s.stages))
+                    for s in done
+                ]
+            )
+            ttfts = [s.sample.ttft_ms for s in done]
+            rows.append(
+                LowLoadRow(
+                    system=system,
+                    kind=kind,
+                    requests=len(mine),
+                    failed=len(mine) - len(done),
+                    prompt_tokens_p50=_median([s.sample.prompt_tokens for s in mine]),
+                    ttft_p50_ms=_median(ttfts),
+                    ttft_mean_ms=sum(ttfts) / len(ttfts) if ttfts else float("nan"),
+                    stages_p50_ms=stages,
+                )
+            )
+    for row in rows:
+        ref = next((r for r in rows if r.system == reference and r.kind == row.kind), None)
+        if ref is not None and ref.ttft_p50_ms > 0:
+            row.vs_reference = row.ttft_p50_ms / ref.ttft_p50_ms
+    return rows
+
+
+def low_load_markdown(rows: Sequence[LowLoadRow]) -> str:
+    """Stages down, (kind, system) across; a stage a system does not have reads "-"."""
+    head = [f"{r.kind}: {r.system}" for r in rows]
+    labels = list(dict.fromkeys(label for r in rows for label in r.stages_p50_ms))
+    lines = [
+        "| stage, ms (p50) | " + " | ".join(head) + " |",
+        "|---|" + "---:|" * len(rows),
+        "| prompt tokens (p50) | " + " | ".join(f"{r.prompt_tokens_p50:.0f}" for r in rows) + " |",
+    ]
+    for label in labels:
+        cells = [_ms(r.stages_p50_ms.get(label, math.nan)) for r in rows]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| **client TTFT p50** | " + " | ".join(_ms(r.ttft_p50_ms) for r in rows) + " |")
+    lines.append(
+        "| vs the single instance | "
+        + " | ".join("-" if not math.isfinite(r.vs_reference) else f"{r.vs_reference:.2f}x"
+                     for r in rows)
+        + " |"
+    )  # fmt: skip
+    return "\n".join(lines)
+
+
+async def run_low_load(
+    systems: Sequence[SystemUnderTest],
+    model: str,
+    requests: dict[str, list[SweepRequest]],
+    *,
+    rounds: int = 2,
+    every_process: Sequence[ManagedProcess] = (),
+    timeout_s: float = 180.0,
+    console: Console | None = None,
+) -> list[LowLoadSample]:
+    """Each kind's requests on every system, one at a time (the next leaves when the previous
+    answered), the systems taking turns in ``rounds`` slices; every instance of the system's
+    stages is read around each request, so each stage's time is that request's own."""
+    out: list[LowLoadSample] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for r in range(rounds):
+            for kind, reqs in requests.items():
+                part = reqs[r::rounds]
+                k = r % len(systems)
+                for system in [*systems[k:], *systems[:k]]:
+                    activate(system, every_process)
+                    await _healthy(session, system)
+                    if console:
+                        console.print(
+                            f"  one at a time, round {r + 1}: {system.name}, {len(part)} {kind}"
+                        )
+                    for req in part:
+                        before = await _read_low_load(session, system)
+                        (sample,), _ = await run_open_loop(
+                            session, system.url, model, [replace(req, arrival_s=0.0)],
+                            timeout_s=timeout_s,
+                        )  # fmt: skip
+                        after = await _read_low_load(session, system)
+                        stages = [request_stage_s(b, a) for b, a in zip(before, after, strict=True)]
+                        out.append(LowLoadSample(system.name, kind, sample, stages))
+        for proc in every_process:
+            proc.resume()
+    return out
+
+
+async def _read_low_load(session, system: SystemUnderTest) -> list[list[dict[str, Histogram]]]:
+    async def one(url: str) -> dict[str, Histogram]:
+        try:
+            async with session.get(f"{url}/metrics") as resp:
+                if resp.status != 200:
+                    return {}
+                return parse_metrics(await resp.text(), STAGE_HISTOGRAMS)
+        except aiohttp.ClientError:
+            return {}
+
+    return [[await one(url) for url in stage] for stage in system.stages]
 
 
 # --- output ----------------------------------------------------------------------------------

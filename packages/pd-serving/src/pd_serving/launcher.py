@@ -49,15 +49,19 @@ def _die_with_parent() -> None:
         _libc_prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def _child_setup(cpus: frozenset[int] | None) -> Callable[[], None]:
-    """What the child runs between fork and exec: die with the parent, and (``cpus``) run on
-    those CPUs only; every process it forks (vLLM's engine core and workers) inherits them."""
-    if cpus is None:
+def _child_setup(cpus: frozenset[int] | None, nice: int = 0) -> Callable[[], None]:
+    """What the child runs between fork and exec: die with the parent, (``cpus``) run on those
+    CPUs only, and (``nice``) at that lower CPU priority; every process it forks (vLLM's engine
+    core and workers) inherits both."""
+    if cpus is None and not nice:
         return _die_with_parent
 
     def setup() -> None:
         _die_with_parent()
-        os.sched_setaffinity(0, cpus)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if nice:
+            os.nice(nice)
 
     return setup
 
@@ -101,7 +105,7 @@ class ManagedProcess:
     ``ready`` resolves when ``ready_marker`` appeared in the child's output and ``health_url`` (if
     given) answered 200; it fails with :class:`ChildFailed` if the child exits first. ``cpus``
     confines the child and everything it forks to those CPUs (``None``: wherever the parent may
-    run).
+    run); ``nice`` lowers their CPU priority by that much (``os.nice``: 0 keeps the parent's).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class ManagedProcess:
         health_url: str | None = None,
         cwd: Path | None = None,
         cpus: Iterable[int] | None = None,
+        nice: int = 0,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -124,6 +129,7 @@ class ManagedProcess:
         self.health_url = health_url
         self.cwd = cwd
         self.cpus = None if cpus is None else frozenset(cpus)
+        self.nice = nice
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.exited: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -150,8 +156,8 @@ class ManagedProcess:
             env=self.env,
             cwd=self.cwd,
             start_new_session=True,
-            # Only prctl and sched_setaffinity, resolved beforehand:
-            preexec_fn=_child_setup(self.cpus),  # noqa: PLW1509
+            # Only prctl, sched_setaffinity and nice, resolved beforehand:
+            preexec_fn=_child_setup(self.cpus, self.nice),  # noqa: PLW1509
         )
         for target, suffix in ((self._read_output, "out"), (self._wait_exit, "wait")):
             thread = threading.Thread(target=target, name=f"{self.name}-{suffix}", daemon=True)
@@ -272,6 +278,7 @@ class ManagedProcess:
             health_url=self.health_url,
             cwd=self.cwd,
             cpus=self.cpus,
+            nice=self.nice,
         )
 
     def restart(self, timeout: float = 20.0) -> ManagedProcess:

@@ -59,6 +59,17 @@ class CpuSettings:
     # the worker's OpenMP threads, so one instance's busy loops never take the other's core.
     pin_processes: bool = True
     max_num_seqs: int = 16
+    # Lower CPU priority of every process of the instance (os.nice): a P sharing D's core at a
+    # higher nice gets that core while D idles and yields it when D steps.
+    nice: int = 0
+    # OMP_WAIT_POLICY for its OpenMP threads, e.g. "passive": a thread that finished its part
+    # of a step sleeps instead of spinning on a core another instance decodes on. None: unset.
+    omp_wait_policy: str | None = None
+    # Run vLLM's worker inside the engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the
+    # uniprocess executor): no shared-memory queue between them, whose reader spins in
+    # sched_yield for 1 s after every read (vllm's shm_broadcast busy_loop_s), taking that
+    # second from whatever else runs on its core.
+    worker_in_engine: bool = False
     # The tiny model family served: adds the vLLM options it needs (TINY_ENGINE_ARGS).
     arch: str = DEFAULT_ARCH
 
@@ -241,6 +252,10 @@ class VllmServer:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        if self.cpu.omp_wait_policy is not None:
+            env["OMP_WAIT_POLICY"] = self.cpu.omp_wait_policy
+        if self.cpu.worker_in_engine:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.connector is Connector.NIXL:
             # NIXL's handshake side channel needs its own port per instance on one host.
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
@@ -255,6 +270,7 @@ class VllmServer:
             env=self.env(),
             health_url=f"{self.url}/health",
             cpus=self.cpus,
+            nice=self.cpu.nice,
         )
         return self.process
 
