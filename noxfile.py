@@ -47,7 +47,9 @@ PYTHON = "3.11"
 subprocess.run([sys.executable, str(ROOT / ".ci" / "fix_wheel_tags.py")], check=False)
 NO_VLLM = ("-m", "not starts_vllm and not fresh_venv")
 # Smoke runs that start vLLM: `nox -s bench -- --smoke` runs them.
-SMOKE_STARTS_VLLM = frozenset({"bench_prefill_overhead.py", "bench_kvs_multiturn.py"})
+SMOKE_STARTS_VLLM = frozenset(
+    {"bench_prefill_overhead.py", "bench_kvs_multiturn.py", "bench_r3_decode.py"}
+)
 # The benchmarks' heavy competitors (NIXL with its CUDA builds, Mooncake's transfer engine): only
 # the sessions that run them install this group.
 TRANSFER_COMPETITORS = ("dev", "bench", "transfer-competitors")

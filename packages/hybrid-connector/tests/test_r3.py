@@ -198,6 +198,30 @@ def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finishe
     assert not [t for t in threading.enumerate() if t.name.startswith("hybrid-connector-r3")]
 
 
+def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor() -> None:
+    # vLLM may hand the same slot-mapping tensor object to every pass, its content changed in
+    # place: the write plan is made again at each pass's first MoE layer.
+    store = _DictStore()
+    recorder, rows = _recorder(store)
+    routers = [_Router() for _ in range(rows.layers)]
+    slot_tensor = torch.tensor([4 * 2 + 0, 4 * 2 + 1, -1])
+    recorder.attach(_template(), 4, "l0", routers, {"l0": slot_tensor}.get)
+    try:
+        rng = np.random.default_rng(2)
+        want = rng.integers(0, 8, (4, rows.layers, 2), dtype=np.int32)
+        for tokens, slots in ((slice(0, 2), [8, 9, -1]), (slice(2, 4), [10, 11, -1])):
+            slot_tensor.copy_(torch.tensor(slots))
+            for layer, router in enumerate(routers):
+                ids = np.vstack([want[tokens, layer], [[7, 7]]])
+                router.capture_fn(torch.from_numpy(ids))
+        recorder.copy_out([R3Copy("req", "r3/a", [2], 4)])
+        assert recorder.wait_stored(1, timeout_s=10)
+        assert store.objects[b"r3/a"]["rows"].tobytes() == want.astype(np.uint8).tobytes()
+        assert store.objects[b"r3/a"]["complete"][0] == 1
+    finally:
+        recorder.close()
+
+
 def test_only_rank_0_stores_and_a_mismatch_is_refused_at_start() -> None:
     store = _DictStore()
     recorder, rows = _recorder(store, tp_rank=1)

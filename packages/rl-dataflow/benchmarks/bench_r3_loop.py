@@ -15,6 +15,9 @@ without replay.
 
     flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
         --rounds 3 --steps 6 --out packages/rl-dataflow/benchmarks/results/r3_loop.json
+    flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
+        --arch qwen3-moe-wide --rounds 2 --steps 4 \\
+        --out packages/rl-dataflow/benchmarks/results/r3_loop_wide.json
     python packages/rl-dataflow/benchmarks/bench_r3_loop.py --smoke   # 1 round, 2 steps
 
 """
@@ -56,7 +59,7 @@ def child(args: argparse.Namespace) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="bench-r3-") as work:
         os.environ["REFSTORE_DIR"] = work
-        model = make_tiny_model(args.model_cache, arch="qwen3-moe")
+        model = make_tiny_model(_model_dir(args), arch=args.arch)
         result = run_loop(config, model, work, args.warmup + args.steps)
     steps = result["steps"][args.warmup :]
     out = {
@@ -76,11 +79,18 @@ def child(args: argparse.Namespace) -> None:
     print(json.dumps(out))
 
 
+def _model_dir(args: argparse.Namespace) -> str:
+    """The tiny model at ``--model-cache``; another arch beside it, under its own name."""
+    if args.arch == "qwen3-moe":
+        return args.model_cache
+    return str(Path(args.model_cache).parent / args.arch)
+
+
 def run_child(mode: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", mode]
     for name in ("steps", "warmup", "prompts", "group_size", "completion_len", "lr"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    cmd += ["--model-cache", args.model_cache]
+    cmd += ["--model-cache", args.model_cache, "--arch", args.arch]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -160,6 +170,12 @@ def main() -> None:
     parser.add_argument("--completion-len", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "qwen3-moe"))
+    parser.add_argument(
+        "--arch",
+        default="qwen3-moe",
+        choices=["qwen3-moe", "qwen3-moe-wide"],
+        help="the tiny MoE (2 layers of 128, 8 experts) or the larger one (8 of 512, 32 experts)",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args()

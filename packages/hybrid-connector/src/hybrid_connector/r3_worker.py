@@ -37,7 +37,7 @@ from hybrid_connector.metadata import R3Copy
 
 log = logging.getLogger(__name__)
 
-_Put = tuple[str, dict[str, np.ndarray]]  # a record's key and what is stored under it
+_Put = tuple[str, str, np.ndarray]  # a record's key, its request, its rows
 _TORCH_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16}  # uint16 ids < 0x7FFF
 
 
@@ -66,6 +66,17 @@ class R3Recorder:
         self._tensor: torch.Tensor | None = None
         self._slot_layer = ""
         self._slots: Callable[[str], torch.Tensor | None] = lambda name: None
+        # The buffer as one flat tensor of ids, and the running forward pass's write plan: for
+        # each MoE layer, the flat index of every (kept token, k) entry (made once per pass, at
+        # its first MoE layer, instead of once per layer).
+        self._flat: torch.Tensor | None = None
+        self._layer_offsets: torch.Tensor | None = None  # [layers, 1, top_k]: l * top_k + k
+        self._block_elems = 0
+        self._plan_slots: torch.Tensor | None = None
+        self._plan_rows = -1
+        self._plan_index: torch.Tensor | None = None  # [layers, kept tokens, top_k]
+        self._plan_keep: torch.Tensor | None = None  # kept rows of topk_ids (None: the first n)
+        self._plan_n = 0
         self._puts: queue.SimpleQueue[_Put | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client: Any = None
@@ -113,6 +124,12 @@ class R3Recorder:
             (block_stride // step, layers * top_k, top_k, 1),
         )
         self._tensor = tensor
+        self._flat = typed
+        self._block_elems = block_stride // step
+        self._layer_offsets = (
+            torch.arange(layers * top_k, dtype=torch.int64, device=template.device)
+            .reshape(layers, 1, top_k)
+        )  # fmt: skip
         self._slot_layer = slot_layer
         self._slots = slots
         for index, router in enumerate(routers):
@@ -125,40 +142,65 @@ class R3Recorder:
 
     # ------------------------------------------------------------------ the forward pass
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """A router's hook: this layer's ids of the step's tokens into their slots."""
-        blocks = self.blocks
+        """A router's hook: this layer's ids of the step's tokens into their slots (one
+        conversion and one ``put_`` per layer; the slots' flat index is planned once per pass)."""
+        flat = self._flat
         slots = self._slots(self._slot_layer)
-        if blocks is None or slots is None or topk_ids.dim() != 2:
+        if flat is None or slots is None or topk_ids.dim() != 2:
             return  # outside a forward pass with KV (a dummy run)
-        n = min(int(slots.shape[0]), int(topk_ids.shape[0]))
-        slots = slots[:n].to(torch.int64)
-        keep = slots >= 0
-        slots = slots[keep]
-        block_size = blocks.shape[1]
-        blocks[slots // block_size, slots % block_size, layer] = topk_ids[:n][keep].to(blocks.dtype)
+        rows = int(topk_ids.shape[0])
+        # A new pass starts at the first MoE layer; the slot tensor or the row count changing
+        # within one (never seen) plans again rather than write to stale slots.
+        if layer == 0 or slots is not self._plan_slots or rows != self._plan_rows:
+            self._plan(slots, rows)
+        index = self._plan_index
+        assert index is not None
+        keep = self._plan_keep
+        ids = topk_ids[: self._plan_n] if keep is None else topk_ids.index_select(0, keep)
+        flat.put_(index[layer], ids.to(flat.dtype))
         self.counters["captures"] += 1
+
+    def _plan(self, slots: torch.Tensor, rows: int) -> None:
+        """The flat index of each layer's ids for this pass's slots (negative: padding, kept
+        out)."""
+        assert self.blocks is not None
+        assert self._layer_offsets is not None
+        n = min(int(slots.shape[0]), rows)
+        s = slots[:n].to(torch.int64)
+        keep = None
+        if n and bool((s < 0).any()):
+            keep = torch.nonzero(s >= 0).squeeze(1)
+            s = s.index_select(0, keep)
+        block_size = int(self.blocks.shape[1])
+        row_elems = self.rows.layers * self.rows.top_k
+        base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
+        self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
+        self._plan_keep = keep
+        self._plan_n = n
+        self._plan_slots = slots
+        self._plan_rows = rows
 
     # ------------------------------------------------------------------ finished requests
     def copy_out(self, copies: Sequence[R3Copy]) -> None:
-        """Gather each finished request's rows now (before the step's forward pass may reuse
-        its blocks) and queue the put."""
+        """Gather the finished requests' rows now (before the step's forward pass may reuse
+        their blocks), all in one copy, and queue the puts; the completeness check runs on the
+        put thread. Only TP rank 0 stores (and checks): every rank holds the same rows."""
         blocks = self.blocks
-        if blocks is None:
+        if blocks is None or not copies:
             return
+        self.counters["records"] += len(copies)
+        if self._tp_rank != 0:
+            return
+        ids = [b for copy in copies for b in copy.block_ids]
+        index = torch.as_tensor(ids, dtype=torch.int64, device=blocks.device)
+        gathered = blocks[index].cpu().numpy().view(self.rows.dtype)  # a copy
+        gathered = gathered.reshape(-1, self.rows.layers, self.rows.top_k)
+        block_size = int(blocks.shape[1])
+        start = 0
         for copy in copies:
-            self.counters["records"] += 1
-            ids = torch.as_tensor(copy.block_ids, dtype=torch.int64, device=blocks.device)
-            rows = blocks[ids].reshape(-1, self.rows.layers, self.rows.top_k)[: copy.num_tokens]
-            array = rows.cpu().numpy().view(self.rows.dtype).copy()
-            stored = r3.stored_object(array)
-            if not stored["complete"][0]:
-                self.counters["incomplete"] += 1
-                log.warning(
-                    "r3: request %s: %d of %d token rows missing; its record says incomplete",
-                    copy.request_id, r3.missing_rows(array), copy.num_tokens,
-                )  # fmt: skip
-            if self._tp_rank == 0:
-                self._puts.put((copy.key, stored))
+            rows = gathered[start : start + copy.num_tokens]
+            start += len(copy.block_ids) * block_size
+            self._puts.put((copy.key, copy.request_id, rows))
 
     def _run(self) -> None:
         closing = False
@@ -175,10 +217,12 @@ class R3Recorder:
                     closing = True
                     break
                 batch.append(more)
+            pairs = [
+                (key.encode(), self._checked(request_id, rows)) for key, request_id, rows in batch
+            ]
             try:
                 if self._client is None:
                     self._client = self._connect()
-                pairs = [(key.encode(), stored) for key, stored in batch]
                 refs = self._client.put_keyed(pairs, ttl=self._config.ttl_s)
                 outcomes = ["stored" if ref is not None else "failed" for ref in refs]
             except Exception as exc:
@@ -191,6 +235,18 @@ class R3Recorder:
                 for outcome in outcomes:
                     self.counters[outcome] += 1
                 self.stored.notify_all()
+
+    def _checked(self, request_id: str, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """What is stored for one record; a record with rows missing says so (WARNING)."""
+        stored = r3.stored_object(rows)
+        if not stored["complete"][0]:
+            with self.stored:
+                self.counters["incomplete"] += 1
+            log.warning(
+                "r3: request %s: %d of %d token rows missing; its record says incomplete",
+                request_id, r3.missing_rows(rows), len(rows),
+            )  # fmt: skip
+        return stored
 
     def wait_stored(self, at_least: int, timeout_s: float) -> bool:
         """Block until ``at_least`` records were stored (tests and tools, never a step)."""
@@ -212,6 +268,8 @@ class R3Recorder:
             self._thread = None
         self._drop_client()
         self.blocks = None
+        self._flat = None
+        self._plan_slots = self._plan_index = self._plan_keep = None
         self._tensor = None
 
 

@@ -43,6 +43,7 @@ __all__ = [
     "TINY_MODEL_SPEC",
     "TINY_SPECS",
     "WIDE_QWEN2_SPEC",
+    "WIDE_QWEN3_MOE_SPEC",
     "make_tiny_model",
 ]
 
@@ -149,6 +150,30 @@ WIDE_QWEN2_SPEC: dict[str, int | float | str] = {
     "torch_dtype": "bfloat16",
 }
 
+# A larger Qwen3-MoE for benchmarks whose point is how a per-token cost compares with a model
+# that computes something (R3's share of decode throughput and of an RL step): 8 layers of
+# 512, 8 query heads and 4 KV heads of 64 dims, 32 experts of 256, top 4 (Qwen3-30B-A3B's
+# top-k is 8 of 128). About 110M parameters (220 MB in bf16). KV per token per layer: 1 KiB;
+# a routing row: 8 layers x 4 ids = 32 B. Not served by the tests (not in TINY_ARCHES);
+# ``make_tiny_model(path, "qwen3-moe-wide")`` builds it with qwen2's tokenizer.
+WIDE_QWEN3_MOE_SPEC: dict[str, Any] = {
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 256,
+    "intermediate_size": 1024,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 512,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
 # The spec of every arch (TINY_MODEL_SPEC is the qwen2 one, kept under its old name).
 TINY_SPECS: dict[str, dict[str, Any]] = {
     "qwen2": TINY_MODEL_SPEC,
@@ -192,9 +217,20 @@ OFFLINE_KV_CACHE_BYTES = 1 << 30
 
 # Bump an arch's version when its recipe changes, so an old directory is rebuilt instead of
 # silently reused. qwen2 stays at 2: its bytes are those of the single-arch recipe.
-_RECIPE_VERSIONS = {"qwen2": 2, "mla": 2, "gdn": 1, "qwen3-moe": 1, "qwen2-wide": 1}
-# Every arch make_tiny_model builds: the tests' and the benchmarks' wider one.
-_ALL_SPECS: dict[str, dict[str, Any]] = {**TINY_SPECS, "qwen2-wide": WIDE_QWEN2_SPEC}
+_RECIPE_VERSIONS = {
+    "qwen2": 2,
+    "mla": 2,
+    "gdn": 1,
+    "qwen3-moe": 1,
+    "qwen2-wide": 1,
+    "qwen3-moe-wide": 1,
+}
+# Every arch make_tiny_model builds: the tests' and the benchmarks' wider ones.
+_ALL_SPECS: dict[str, dict[str, Any]] = {
+    **TINY_SPECS,
+    "qwen2-wide": WIDE_QWEN2_SPEC,
+    "qwen3-moe-wide": WIDE_QWEN3_MOE_SPEC,
+}
 _SEED = 1234
 _MARKER = "tiny_model_complete.json"
 
@@ -363,12 +399,21 @@ def _wide_qwen2_config(eos_token_id: int, pad_token_id: int) -> Any:
     return _config_from_spec(Qwen2Config, spec, 0.02, eos_token_id, pad_token_id)
 
 
+def _wide_qwen3_moe_config(eos_token_id: int, pad_token_id: int) -> Any:
+    from transformers import Qwen3MoeConfig
+
+    # 0.02 as qwen2-wide: eight 512-wide layers at 0.2 overflow bf16.
+    spec = {**WIDE_QWEN3_MOE_SPEC, "use_sliding_window": False}
+    return _config_from_spec(Qwen3MoeConfig, spec, 0.02, eos_token_id, pad_token_id)
+
+
 _CONFIGS = {
     "qwen2": _qwen2_config,
     "mla": _mla_config,
     "gdn": _gdn_config,
     "qwen3-moe": _qwen3_moe_config,
     "qwen2-wide": _wide_qwen2_config,
+    "qwen3-moe-wide": _wide_qwen3_moe_config,
 }
 
 
