@@ -45,6 +45,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# The same --before mechanism as the prefill-overhead bench (this directory is on sys.path).
+from bench_prefill_overhead import _use_code_dir
+
 # Nothing of the project is imported at module level: a child running ``@before`` imports it
 # from the other checkout (_use_code_dir).
 RESULTS = Path(__file__).parent / "results"
@@ -59,22 +62,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _use_code_dir(code_dir: str) -> None:
-    """Import the project's packages from ``code_dir`` instead of this checkout (every sys.path
-    entry under REPO_ROOT/packages pointed at the same path under ``code_dir``)."""
-    ours = str(REPO_ROOT / "packages")
-    theirs = str(Path(code_dir).resolve() / "packages")
-    sys.path[:] = [
-        theirs + entry[len(ours) :] if entry.startswith(ours + os.sep) else entry
-        for entry in sys.path
-    ]
-    moved = [entry for entry in sys.path if entry.startswith(theirs + os.sep)]
-    assert moved, f"no sys.path entry under {ours}: is the project installed editable?"
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [*moved, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    )
 
 
 def _prompts(count: int, length: int) -> list[list[int]]:

@@ -157,6 +157,7 @@ WIDE_QWEN2_SPEC: dict[str, int | float | str] = {
 # a routing row: 8 layers x 4 ids = 32 B. Not served by the tests (not in TINY_ARCHES);
 # ``make_tiny_model(path, "qwen3-moe-wide")`` builds it with qwen2's tokenizer.
 WIDE_QWEN3_MOE_SPEC: dict[str, Any] = {
+    **_QWEN3_MOE_SPEC,
     "hidden_size": 512,
     "num_hidden_layers": 8,
     "num_attention_heads": 8,
@@ -166,12 +167,6 @@ WIDE_QWEN3_MOE_SPEC: dict[str, Any] = {
     "num_experts_per_tok": 4,
     "moe_intermediate_size": 256,
     "intermediate_size": 1024,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": True,
-    "vocab_size": 512,
-    "max_position_embeddings": 4096,
-    "torch_dtype": "bfloat16",
 }
 
 # The spec of every arch (TINY_MODEL_SPEC is the qwen2 one, kept under its old name).

@@ -356,6 +356,12 @@ def activate(system: SystemUnderTest, every: Sequence[ManagedProcess]) -> None:
         proc.resume()
 
 
+def turn_order(systems: Sequence[Any], round_index: int) -> list[Any]:
+    """The systems of round ``round_index``, rotated so each takes the first turn in turn."""
+    k = round_index % len(systems)
+    return [*systems[k:], *systems[:k]]
+
+
 async def _healthy(session: aiohttp.ClientSession, system: SystemUnderTest) -> None:
     """After a resume: each of the system's servers answers /health (one call each)."""
     for url in [system.url, *(u for stage in system.stages for u in stage)]:
@@ -395,8 +401,7 @@ async def run_equal_hw(
                     console.print(f"  out of time budget: {rate:g} req/s and above not run")
                 break
             for r, part in enumerate(split_rounds(plan, rounds)):
-                k = r % len(systems)
-                for system in [*systems[k:], *systems[:k]]:
+                for system in turn_order(systems, r):
                     activate(system, every_process)
                     await _healthy(session, system)
                     if console:
@@ -584,8 +589,7 @@ async def run_low_load(
         for r in range(rounds):
             for kind, reqs in requests.items():
                 part = reqs[r::rounds]
-                k = r % len(systems)
-                for system in [*systems[k:], *systems[:k]]:
+                for system in turn_order(systems, r):
                     activate(system, every_process)
                     await _healthy(session, system)
                     if console:
