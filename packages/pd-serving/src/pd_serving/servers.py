@@ -115,6 +115,8 @@ class VllmServer:
     rpc_port: int = field(default_factory=free_port)  # the connector's control port (P side)
     served_model_name: str | None = None
     extra_args: list[str] = field(default_factory=list)
+    # Environment variables of its own, over the inherited ones and the CPU settings'.
+    extra_env: dict[str, str] = field(default_factory=dict)
     extra_connector_config: dict[str, Any] = field(default_factory=dict)
     # Where vLLM publishes its KV-cache events (zmq PUB; the proxy subscribes); None: none.
     kv_events_port: int | None = None
@@ -260,6 +262,7 @@ class VllmServer:
             # NIXL's handshake side channel needs its own port per instance on one host.
             env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = self.host
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.rpc_port)
+        env.update(self.extra_env)
         return env
 
     def make_process(self) -> ManagedProcess:

