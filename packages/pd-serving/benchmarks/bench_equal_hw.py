@@ -3,7 +3,8 @@
 Three systems on the same two cores, measured one at a time (the others paused), taking turns
 in rounds at each rate (``pd_serving.equal_hw``): one vLLM instance on both cores, two
 instances with a core each behind the proxy (data parallel), 1P1D with P on core 0 and D on
-core 1, short prompts (under ``--bypass-below-tokens``) to D alone; first, with ``--low-load``,
+core 1 (``--pd-layout``; ``--compare-layout`` adds others: ``pd_serving.equal_hw.LAYOUTS``),
+short prompts (under ``--bypass-below-tokens``) to D alone; first, with ``--low-load``,
 every system one request at a time, short and long prompts apart, each stage's time read from
 vLLM's histograms around each request (the TTFT breakdown). Open-loop Poisson arrivals of a
 mix of long prompts (1-4k tokens, 32 out) and short

@@ -6,7 +6,8 @@ they take no CPU), taking turns::
     single   one vLLM instance, every process on cores 0-1, 2 OpenMP threads
     2x DP    two vLLM instances, one per core, behind `pdserve proxy` (no P: each prefills
              its own requests; the proxy balances by load)
-    1P1D     P on core 0, D on core 1, behind `pdserve proxy` (HybridConnector)
+    1P1D     P on core 0, D on core 1, behind `pdserve proxy` (HybridConnector); other
+             placements of P and D: :data:`LAYOUTS`, each with its `pdserve up` flags
 
     rate r:   round 1: single, 2x DP, 1P1D   round 2: 2x DP, 1P1D, single   ...
               (each round a slice of the same Poisson schedule; the order rotates)
