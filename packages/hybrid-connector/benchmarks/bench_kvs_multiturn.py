@@ -226,16 +226,21 @@ async def paired_misses(
     two fresh prompts (``--miss-tokens``) sent one after the other to one instance, after
     ``--miss-gap-ms`` of idle (the previous trial's saves are done). The first miss sees an
     idle instance; the second starts while the first one's save may still run on its core.
-    Both systems get the same two prompts (their caches and stores are their own: fresh to
-    each), on the same instance index (one per pair, alternating)."""
+    Every system gets the same two prompts (their caches and stores are their own: fresh to
+    each), on the same instance index (one per pair, alternating). With more than two systems
+    (``--kvs-variants``) the order rotates, and reverses every other turn of the rotation."""
     rng = random.Random(f"{args.seed}/paired")
-    for name in (LOCAL, KVS):  # warm-up, not counted: every instance's first requests
+    systems = list(urls)
+    for name in systems:  # warm-up, not counted: every instance's first requests
         for url in urls[name]:
             for _ in range(2):
                 await _ttft(http, url, model, _fresh(rng, args.miss_tokens))
     rows = []
+    n = len(systems)
     for p in range(args.miss_pairs):
-        order = [LOCAL, KVS] if p % 2 == 0 else [KVS, LOCAL]
+        order = systems[p % n :] + systems[: p % n]
+        if (p // n) % 2:
+            order.reverse()
         prompts = [_fresh(rng, args.miss_tokens) for _ in range(2)]
         row: dict[str, Any] = {"order": order, "instance": p % 2}
         for name in order:
@@ -255,7 +260,8 @@ async def context_trials(
     ``full``: the local system's other instance, C + N never seen there (computes it all);
     ``hit``: the local system's instance i, C in its cache (computes N over it);
     ``load``: the KVS system's other instance, C in the store only (loads C, computes N);
-    ``kvs_hit``: the KVS system's instance i (its own cache, as ``hit``).
+    ``kvs_hit``: the KVS system's instance i (C in its own cache, C + N's blocks in the store
+    from ``load``: loads those, computes the last partial block).
     Every send after ``--miss-gap-ms`` of idle."""
     rng = random.Random(f"{args.seed}/context")
     rows = []
@@ -311,17 +317,25 @@ def paired_stats(ratios_: list[float], limit: float, seed: int = 0) -> dict[str,
 
 
 def summarize_paired(
-    rows: list[dict[str, Any]], context: list[dict[str, Any]], limit: float
+    rows: list[dict[str, Any]], context: list[dict[str, Any]], limit: float, systems: list[str]
 ) -> dict[str, Any]:
-    out: dict[str, Any] = {"pairs": rows, "context_trials": context}
+    """Per system against ``local`` (and each KVS variant against ``kvs``): ``ratio_*`` keys
+    are ``kvs`` / ``local``; ``ratios`` holds every pairing."""
+    out: dict[str, Any] = {"pairs": rows, "context_trials": context, "ratios": {}}
+    pairings = [(v, LOCAL) for v in systems if v != LOCAL]
+    pairings += [(v, KVS) for v in systems if v not in (LOCAL, KVS)]
     for label, pick in (
         ("first", lambda t: t[0]),
         ("second", lambda t: t[1]),
         ("trial", lambda t: t[0] + t[1]),
     ):
-        per_pair = [pick(r[KVS]) / pick(r[LOCAL]) for r in rows]
-        out[f"ratio_{label}"] = paired_stats(per_pair, limit)
-        for name in (LOCAL, KVS):
+        for num, den in pairings:
+            per_pair = [pick(r[num]) / pick(r[den]) for r in rows]
+            stats = paired_stats(per_pair, limit)
+            out["ratios"][f"{num}/{den} {label}"] = stats
+            if (num, den) == (KVS, LOCAL):
+                out[f"ratio_{label}"] = stats
+        for name in systems:
             out[f"{name}_{label}_p50_ms"] = statistics.median(pick(r[name]) for r in rows) * 1e3
     if context:
         out["context_p50_ms"] = {
@@ -515,14 +529,20 @@ def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
     import refstore
     from pd_serving.launcher import stop_all, wait_all_ready
 
-    store_name = f"bench-kvs-{uuid.uuid4().hex[:6]}"
-    store = refstore.connect(store_name, autostart=True, pool_size=args.pool)
-    kvs = {"store": store_name, **json.loads(args.kvs_extra)}
+    variants = {KVS: json.loads(args.kvs_extra), **json.loads(args.kvs_variants)}
+    stores = {
+        name: refstore.connect(f"bench-kvs-{uuid.uuid4().hex[:6]}", autostart=True,
+                               pool_size=args.pool)
+        for name in variants
+    }  # fmt: skip
+    configs: dict[str, dict[str, Any] | None] = {LOCAL: None}
+    for name, extra in variants.items():
+        configs[name] = {"store": stores[name].name, **extra}
     processes: list[Any] = []
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     try:
         urls: dict[str, list[str]] = {}
-        for name, config in ((LOCAL, None), (KVS, kvs)):
+        for name, config in configs.items():
             servers, started = start_servers(name, model, config, args, work / name)
             urls[name] = [s.url for s in servers]
             processes += started
@@ -536,20 +556,27 @@ def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
             return rows, context
 
         rows, context = asyncio.run(trials())
-        results.update(summarize_paired(rows, context, args.miss_limit))
-        results["store"] = {k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")}
+        results.update(summarize_paired(rows, context, args.miss_limit, list(configs)))
+        results["store"] = {
+            name: {k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")}
+            for name, store in stores.items()
+        }
     finally:
         stop_all(processes)
-        store.shutdown_master()
-        store.close()
-    for label in ("first", "second", "trial"):
-        r = results[f"ratio_{label}"]
+        for store in stores.values():
+            store.shutdown_master()
+            store.close()
+    for key, r in results["ratios"].items():
         print(
-            f"misses kvs/local ({label}): median {r['median']:.3f}x, 95% CI "
+            f"misses {key}: median {r['median']:.3f}x, 95% CI "
             f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}, p10-p90 {r['p10']:.3f}-{r['p90']:.3f}, "
             f"{r[f'above_{args.miss_limit}']} of {r['n']} above {args.miss_limit}x, sign test "
-            f"p={r['sign_test_p']:.3g}; p50 local {results[f'local_{label}_p50_ms']:.1f} ms, "
-            f"kvs {results[f'kvs_{label}_p50_ms']:.1f} ms"
+            f"p={r['sign_test_p']:.3g}"
+        )
+    for name in configs:
+        print(
+            f"{name} miss p50 ms: first {results[f'{name}_first_p50_ms']:.1f}, second "
+            f"{results[f'{name}_second_p50_ms']:.1f}"
         )
     if context:
         c = results["context_p50_ms"]
@@ -616,6 +643,11 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=2240)
     parser.add_argument("--new-tokens", type=int, default=448)
     parser.add_argument("--kvs-extra", default="{}", help="JSON merged into the kvs config")
+    parser.add_argument(
+        "--kvs-variants",
+        default="{}",
+        help='--misses-only: more KVS systems, {"name": {kvs keys}}, each on its own store',
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
