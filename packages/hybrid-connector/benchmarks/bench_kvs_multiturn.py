@@ -227,8 +227,11 @@ async def paired_misses(
     ``--miss-gap-ms`` of idle (the previous trial's saves are done). The first miss sees an
     idle instance; the second starts while the first one's save may still run on its core.
     Every system gets the same two prompts (their caches and stores are their own: fresh to
-    each), on the same instance index (one per pair, alternating). With more than two systems
-    (``--kvs-variants``) the order rotates, and reverses every other turn of the rotation."""
+    each), on the same instance index (one per pair, alternating). The order changes every
+    second pair (A B, A B, B A, B A, ...: each instance index sees every order); with more than
+    two systems (``--kvs-variants``) it rotates, and reverses every other turn of the rotation.
+    Pairs are also summarised per instance index (``by_instance``): each system's two servers
+    may differ by more than the effect, and the median over pairs mixes the two."""
     rng = random.Random(f"{args.seed}/paired")
     systems = list(urls)
     for name in systems:  # warm-up, not counted: every instance's first requests
@@ -238,8 +241,10 @@ async def paired_misses(
     rows = []
     n = len(systems)
     for p in range(args.miss_pairs):
-        order = systems[p % n :] + systems[: p % n]
-        if (p // n) % 2:
+        # Each instance index sees every order: the order's turn and the instance's cross.
+        turn = p // 2
+        order = systems[turn % n :] + systems[: turn % n]
+        if (turn // n) % 2:
             order.reverse()
         prompts = [_fresh(rng, args.miss_tokens) for _ in range(2)]
         row: dict[str, Any] = {"order": order, "instance": p % 2}
@@ -332,6 +337,15 @@ def summarize_paired(
         for num, den in pairings:
             per_pair = [pick(r[num]) / pick(r[den]) for r in rows]
             stats = paired_stats(per_pair, limit)
+            by_instance = {
+                i: statistics.median(
+                    x for x, r in zip(per_pair, rows, strict=True) if r["instance"] == i
+                )
+                for i in sorted({r["instance"] for r in rows})
+            }
+            stats["by_instance_median"] = by_instance
+            # Every instance index alike: the geometric mean of their medians.
+            stats["instances_geomean"] = statistics.geometric_mean(by_instance.values())
             out["ratios"][f"{num}/{den} {label}"] = stats
             if (num, den) == (KVS, LOCAL):
                 out[f"ratio_{label}"] = stats
@@ -571,7 +585,9 @@ def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
             f"misses {key}: median {r['median']:.3f}x, 95% CI "
             f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}, p10-p90 {r['p10']:.3f}-{r['p90']:.3f}, "
             f"{r[f'above_{args.miss_limit}']} of {r['n']} above {args.miss_limit}x, sign test "
-            f"p={r['sign_test_p']:.3g}"
+            f"p={r['sign_test_p']:.3g}; per instance "
+            + ", ".join(f"{v:.3f}x" for v in r["by_instance_median"].values())
+            + f" (geometric mean {r['instances_geomean']:.3f}x)"
         )
     for name in configs:
         print(
