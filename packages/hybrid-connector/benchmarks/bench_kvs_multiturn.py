@@ -210,6 +210,160 @@ async def _misses(
     return out
 
 
+def _fresh(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+async def _ttft(http: aiohttp.ClientSession, url: str, model: str, prompt: list[int]) -> float:
+    ttft, _, _ = await _complete(http, url, model, prompt, 1)
+    return ttft
+
+
+async def paired_misses(
+    http: aiohttp.ClientSession, urls: dict[str, list[str]], model: str, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """``--miss-pairs`` pairs of trials, the two systems taking turns A B B A ...: a trial is
+    two fresh prompts (``--miss-tokens``) sent one after the other to one instance, after
+    ``--miss-gap-ms`` of idle (the previous trial's saves are done). The first miss sees an
+    idle instance; the second starts while the first one's save may still run on its core.
+    Every system gets the same two prompts (their caches and stores are their own: fresh to
+    each), on the same instance index (one per pair, alternating). The order changes every
+    second pair (A B, A B, B A, B A, ...: each instance index sees every order); with more than
+    two systems (``--kvs-variants``) it rotates, and reverses every other turn of the rotation.
+    Pairs are also summarised per instance index (``by_instance``): each system's two servers
+    may differ by more than the effect, and the median over pairs mixes the two."""
+    rng = random.Random(f"{args.seed}/paired")
+    systems = list(urls)
+    for name in systems:  # warm-up, not counted: every instance's first requests
+        for url in urls[name]:
+            for _ in range(2):
+                await _ttft(http, url, model, _fresh(rng, args.miss_tokens))
+    rows = []
+    n = len(systems)
+    for p in range(args.miss_pairs):
+        # Each instance index sees every order: the order's turn and the instance's cross.
+        turn = p // 2
+        order = systems[turn % n :] + systems[: turn % n]
+        if (turn // n) % 2:
+            order.reverse()
+        prompts = [_fresh(rng, args.miss_tokens) for _ in range(2)]
+        row: dict[str, Any] = {"order": order, "instance": p % 2}
+        for name in order:
+            await asyncio.sleep(args.miss_gap_ms / 1e3)
+            url = urls[name][p % 2]
+            row[name] = [await _ttft(http, url, model, prompt) for prompt in prompts]
+        rows.append(row)
+    return rows
+
+
+async def context_trials(
+    http: aiohttp.ClientSession, urls: dict[str, list[str]], model: str, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Where a 2k+ turn's time goes, ``--context-trials`` times: a fresh context C
+    (``--context-tokens``) is sent (one answer token) to instance i, then C + N (``--new-tokens``
+    fresh ones, a turn's new answer and message) to
+    ``full``: the local system's other instance, C + N never seen there (computes it all);
+    ``hit``: the local system's instance i, C in its cache (computes N over it);
+    ``load``: the KVS system's other instance, C in the store only (loads C, computes N);
+    ``kvs_hit``: the KVS system's instance i (C in its own cache, C + N's blocks in the store
+    from ``load``: loads those, computes the last partial block).
+    Every send after ``--miss-gap-ms`` of idle."""
+    rng = random.Random(f"{args.seed}/context")
+    rows = []
+    gap = args.miss_gap_ms / 1e3
+    for q in range(args.context_trials):
+        i = q % 2
+        context = _fresh(rng, args.context_tokens)
+        turn = context + _fresh(rng, args.new_tokens)
+        other = _fresh(rng, args.context_tokens) + turn[args.context_tokens :]
+        row: dict[str, Any] = {"instance": i}
+        order = [LOCAL, KVS] if q % 2 == 0 else [KVS, LOCAL]
+        for name in order:
+            await asyncio.sleep(gap)
+            await _ttft(http, urls[name][i], model, context)
+            await asyncio.sleep(gap)
+            if name == LOCAL:
+                row["full"] = await _ttft(http, urls[name][1 - i], model, other)
+                await asyncio.sleep(gap)
+                row["hit"] = await _ttft(http, urls[name][i], model, turn)
+            else:
+                row["load"] = await _ttft(http, urls[name][1 - i], model, turn)
+                await asyncio.sleep(gap)
+                row["kvs_hit"] = await _ttft(http, urls[name][i], model, turn)
+        rows.append(row)
+    return rows
+
+
+def paired_stats(ratios_: list[float], limit: float, seed: int = 0) -> dict[str, Any]:
+    """Median of per-pair ratios, its 95% bootstrap interval, the spread, and a two-sided
+    sign test of "the median is ``limit``" (exact binomial)."""
+    from math import comb
+
+    xs = sorted(ratios_)
+    n = len(xs)
+    rng = random.Random(seed)
+    boot = sorted(statistics.median(rng.choices(xs, k=n)) for _ in range(5000))
+    above = sum(x > limit for x in xs)
+    below = sum(x < limit for x in xs)
+    m = above + below
+    tail = sum(comb(m, k) for k in range(min(above, below) + 1)) / 2**m if m else 1.0
+    return {
+        "n": n,
+        "median": statistics.median(xs),
+        "ci95": [boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]],
+        "p10": xs[int(0.1 * (n - 1))],
+        "p90": xs[round(0.9 * (n - 1))],
+        "min": xs[0],
+        "max": xs[-1],
+        f"above_{limit}": above,
+        f"below_{limit}": below,
+        "sign_test_p": min(1.0, 2 * tail),
+    }
+
+
+def summarize_paired(
+    rows: list[dict[str, Any]], context: list[dict[str, Any]], limit: float, systems: list[str]
+) -> dict[str, Any]:
+    """Per system against ``local`` (and each KVS variant against ``kvs``): ``ratio_*`` keys
+    are ``kvs`` / ``local``; ``ratios`` holds every pairing."""
+    out: dict[str, Any] = {"pairs": rows, "context_trials": context, "ratios": {}}
+    pairings = [(v, LOCAL) for v in systems if v != LOCAL]
+    pairings += [(v, KVS) for v in systems if v not in (LOCAL, KVS)]
+    for label, pick in (
+        ("first", lambda t: t[0]),
+        ("second", lambda t: t[1]),
+        ("trial", lambda t: t[0] + t[1]),
+    ):
+        for num, den in pairings:
+            per_pair = [pick(r[num]) / pick(r[den]) for r in rows]
+            stats = paired_stats(per_pair, limit)
+            by_instance = {
+                i: statistics.median(
+                    x for x, r in zip(per_pair, rows, strict=True) if r["instance"] == i
+                )
+                for i in sorted({r["instance"] for r in rows})
+            }
+            stats["by_instance_median"] = by_instance
+            # Every instance index alike: the geometric mean of their medians.
+            stats["instances_geomean"] = statistics.geometric_mean(by_instance.values())
+            out["ratios"][f"{num}/{den} {label}"] = stats
+            if (num, den) == (KVS, LOCAL):
+                out[f"ratio_{label}"] = stats
+        for name in systems:
+            out[f"{name}_{label}_p50_ms"] = statistics.median(pick(r[name]) for r in rows) * 1e3
+    if context:
+        out["context_p50_ms"] = {
+            k: statistics.median(r[k] for r in context) * 1e3
+            for k in ("full", "hit", "load", "kvs_hit")
+        }
+        out["context_ratios"] = {
+            "hit/full": paired_stats([r["hit"] / r["full"] for r in context], 0.3),
+            "load/full": paired_stats([r["load"] / r["full"] for r in context], 0.3),
+            "load-hit_ms": paired_stats([(r["load"] - r["hit"]) * 1e3 for r in context], 0.0),
+        }
+    return out
+
+
 def compare_answers(
     reference: dict[str, Any], other: dict[str, Any]
 ) -> tuple[list[str], list[str], list[tuple[str, int]]]:
@@ -384,6 +538,76 @@ def routing_decisions(url: str) -> dict[str, float]:
     return out
 
 
+def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
+    """``--misses-only``: the local and KVS systems up at once, the paired trials, the JSON."""
+    import refstore
+    from pd_serving.launcher import stop_all, wait_all_ready
+
+    variants = {KVS: json.loads(args.kvs_extra), **json.loads(args.kvs_variants)}
+    stores = {
+        name: refstore.connect(f"bench-kvs-{uuid.uuid4().hex[:6]}", autostart=True,
+                               pool_size=args.pool)
+        for name in variants
+    }  # fmt: skip
+    configs: dict[str, dict[str, Any] | None] = {LOCAL: None}
+    for name, extra in variants.items():
+        configs[name] = {"store": stores[name].name, **extra}
+    processes: list[Any] = []
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    try:
+        urls: dict[str, list[str]] = {}
+        for name, config in configs.items():
+            servers, started = start_servers(name, model, config, args, work / name)
+            urls[name] = [s.url for s in servers]
+            processes += started
+        wait_all_ready(processes, timeout=900)
+
+        async def trials() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+            timeout = aiohttp.ClientTimeout(total=3600)
+            async with aiohttp.ClientSession(timeout=timeout) as http:
+                rows = await paired_misses(http, urls, "tiny", args)
+                context = await context_trials(http, urls, "tiny", args)
+            return rows, context
+
+        rows, context = asyncio.run(trials())
+        results.update(summarize_paired(rows, context, args.miss_limit, list(configs)))
+        results["store"] = {
+            name: {k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")}
+            for name, store in stores.items()
+        }
+    finally:
+        stop_all(processes)
+        for store in stores.values():
+            store.shutdown_master()
+            store.close()
+    for key, r in results["ratios"].items():
+        print(
+            f"misses {key}: median {r['median']:.3f}x, 95% CI "
+            f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}, p10-p90 {r['p10']:.3f}-{r['p90']:.3f}, "
+            f"{r[f'above_{args.miss_limit}']} of {r['n']} above {args.miss_limit}x, sign test "
+            f"p={r['sign_test_p']:.3g}; per instance "
+            + ", ".join(f"{v:.3f}x" for v in r["by_instance_median"].values())
+            + f" (geometric mean {r['instances_geomean']:.3f}x)"
+        )
+    for name in configs:
+        print(
+            f"{name} miss p50 ms: first {results[f'{name}_first_p50_ms']:.1f}, second "
+            f"{results[f'{name}_second_p50_ms']:.1f}"
+        )
+    if context:
+        c = results["context_p50_ms"]
+        print(
+            f"context {args.context_tokens} + {args.new_tokens} new: p50 full {c['full']:.1f} ms, "
+            f"local hit {c['hit']:.1f} ms, store load {c['load']:.1f} ms, kvs local hit "
+            f"{c['kvs_hit']:.1f} ms; hit/full "
+            f"{results['context_ratios']['hit/full']['median']:.3f}x, load/full "
+            f"{results['context_ratios']['load/full']['median']:.3f}x"
+        )
+    if not args.smoke:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sessions", type=int, default=32)
@@ -423,12 +647,34 @@ def main() -> None:
         default=policy.store_weight,
         help="kvs+routing: the proxy's --store-weight",
     )
+    parser.add_argument(
+        "--misses-only",
+        action="store_true",
+        help="only the paired measurements: misses (A B B A ...) and where a 2k+ turn's time goes",
+    )
+    parser.add_argument("--miss-pairs", type=int, default=40)
+    parser.add_argument("--miss-gap-ms", type=float, default=300.0)
+    parser.add_argument("--miss-limit", type=float, default=1.05, help="the target kvs/local")
+    parser.add_argument("--context-trials", type=int, default=16)
+    parser.add_argument("--context-tokens", type=int, default=2240)
+    parser.add_argument("--new-tokens", type=int, default=448)
+    parser.add_argument("--kvs-extra", default="{}", help="JSON merged into the kvs config")
+    parser.add_argument(
+        "--kvs-variants",
+        default="{}",
+        help='--misses-only: more KVS systems, {"name": {kvs keys}}, each on its own store',
+    )
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--json", type=Path, default=RESULTS / "kvs_multiturn.json")
+    parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.json is None:
+        name = "kvs_multiturn_misses.json" if args.misses_only else "kvs_multiturn.json"
+        args.json = RESULTS / name
     if args.smoke:
         args.sessions, args.turns, args.system, args.user, args.answer = 4, 3, 128, 96, 16
         args.miss_prompts, args.miss_tokens, args.rounds = 2, 256, 1
+        args.miss_pairs, args.context_trials, args.miss_gap_ms = 2, 1, 0.0
+        args.context_tokens, args.new_tokens = 256, 64
     import refstore
     from pd_serving.launcher import stop_all, wait_all_ready
 
@@ -438,6 +684,9 @@ def main() -> None:
         args.kv_mib = 16 if args.model_size == "tiny" else 64
     work = Path(tempfile.mkdtemp(prefix="bench-kvs-"))
     model = make_model(work, args.model_size)
+    if args.misses_only:
+        paired_main(args, model, work)
+        return
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     store_names = {name: f"bench-kvs-{uuid.uuid4().hex[:6]}" for name in (KVS, ROUTED)}
     stores = {

@@ -7,6 +7,7 @@ package, and the whole path through vLLM in ``test_kvs_vllm.py``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -294,8 +295,33 @@ def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
         assert store.unheld == []  # holds are the lookup's: the scheduler half ends them
     finally:
         worker.close()
-    assert store.closed == 1
+    assert store.closed == 2  # the load thread's client and the save thread's
     assert not [t for t in threading.enumerate() if t.name.startswith("hybrid-connector-kvs")]
+
+
+def test_the_save_thread_gives_way_and_loads_keep_the_workers_priority() -> None:
+    """Saves run niced (``save_nice`` added to the worker's nice value) on their own thread:
+    on an instance's one core the forward pass wins; a load (a request waits) is not niced."""
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = _worker(cache, store, reports, save_nice=3)
+    try:
+        chains = _chains(1)
+        _save_and_wait(worker, reports, [1], chains)
+        worker.handle([KvsLoad("r1", [[4]], chains, _sources(store, chains))], [])
+        assert reports.wait("r1") is False
+        threads = {
+            t.name: t.native_id
+            for t in threading.enumerate()
+            if t.name.startswith("hybrid-connector-kvs")
+        }
+        assert sorted(threads) == ["hybrid-connector-kvs-load", "hybrid-connector-kvs-save"]
+        assert os.getpriority(os.PRIO_PROCESS, threads["hybrid-connector-kvs-load"]) == base
+        assert os.getpriority(os.PRIO_PROCESS, threads["hybrid-connector-kvs-save"]) == min(
+            base + 3, 19
+        )
+    finally:
+        worker.close()
 
 
 @pytest.mark.parametrize("damage", ["flip", "short", "swap", "layout", "gone"])

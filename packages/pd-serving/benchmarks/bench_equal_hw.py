@@ -3,7 +3,8 @@
 Three systems on the same two cores, measured one at a time (the others paused), taking turns
 in rounds at each rate (``pd_serving.equal_hw``): one vLLM instance on both cores, two
 instances with a core each behind the proxy (data parallel), 1P1D with P on core 0 and D on
-core 1, short prompts (under ``--bypass-below-tokens``) to D alone; first, with ``--low-load``,
+core 1 (``--pd-layout``; ``--compare-layout`` adds others: ``pd_serving.equal_hw.LAYOUTS``),
+short prompts (under ``--bypass-below-tokens``) to D alone; first, with ``--low-load``,
 every system one request at a time, short and long prompts apart, each stage's time read from
 vLLM's histograms around each request (the TTFT breakdown). Open-loop Poisson arrivals of a
 mix of long prompts (1-4k tokens, 32 out) and short
@@ -30,12 +31,16 @@ from dataclasses import replace
 from pathlib import Path
 
 from pd_serving.equal_hw import (
+    LAYOUTS,
+    Layout,
+    Placement,
     Slo,
     SystemUnderTest,
     compare_systems,
     judge,
     low_load_breakdown,
     low_load_markdown,
+    make_layout,
     markdown_table,
     payload,
     render_table,
@@ -49,7 +54,26 @@ from rich.console import Console
 RESULTS = Path(__file__).parent / "results"
 SINGLE, DP, PD = "single, 2 cores", "2x single, DP", "1P1D"
 PD_NO_BYPASS = "1P1D, no bypass"
-PD_SHARED = "1P1D, P on both cores (nice)"
+
+
+def layout_of(name: str, args) -> Layout:
+    return make_layout(
+        name,
+        low_nice=args.p_nice,
+        low_omp_wait_policy=args.p_omp_wait_policy or None,
+        low_worker_in_engine=args.p_worker_in_engine,
+        d_worker_in_engine=args.d_worker_in_engine,
+    )
+
+
+def describe_layout(layout: Layout) -> str:
+    def one(p: Placement) -> str:
+        return (
+            f"cores {p.cpus}, OMP {p.threads}, nice {p.nice}, OMP_WAIT_POLICY="
+            f"{p.omp_wait_policy or 'unset'}, worker in engine core: {p.worker_in_engine}"
+        )
+
+    return f"P: {one(layout.prefill)}; D: {one(layout.decode)}"
 
 
 def build_plans(args, tokenizer, mix: MixSpec) -> dict[float, list[SweepRequest]]:
@@ -138,33 +162,30 @@ def run(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
     )
-    compare_shared = args.compare_shared_p
+    layouts = list(dict.fromkeys([args.pd_layout, *args.compare_layout]))
+    names = {args.pd_layout: PD} | {lay: f"{PD}, {lay}" for lay in layouts if lay != args.pd_layout}
+    # One instance per distinct placement: DP runs on the split layout's P and D (a request
+    # without kv_transfer_params is a plain request to them); layouts share what they can.
+    split = layout_of("split", args)
+    wanted = {"prefill": [split.prefill], "decode": [split.decode]}
+    for lay in layouts:
+        chosen = layout_of(lay, args)
+        for role, where in (("prefill", chosen.prefill), ("decode", chosen.decode)):
+            if where not in wanted[role]:
+                wanted[role].append(where)
     servers = plan_servers(
         model,
         log_dir=log_dir,
         connector=Connector.HYBRID,
-        prefill=2 if compare_shared else 1,
-        decode=1,
+        prefill=len(wanted["prefill"]),
+        decode=len(wanted["decode"]),
         single=1,
         cpu=base,
     )
-    # prefill0: 1P1D's P, on core 0 (DP's first instance too); prefill1 (--compare-shared-p):
-    # a P on both cores with D's core shared at a lower priority.
-    shared_p = replace(
-        base,
-        cpu_bind="0-1",
-        omp_threads=2,
-        nice=args.p_nice,
-        omp_wait_policy=args.p_omp_wait_policy or None,
-        worker_in_engine=args.p_worker_in_engine,
-    )
-    settings = {
-        "single0": replace(base, cpu_bind="0-1", omp_threads=2),
-        "prefill0": replace(base, cpu_bind="0", omp_threads=1),
-        "prefill1": shared_p,
-        "decode0": replace(
-            base, cpu_bind="1", omp_threads=1, worker_in_engine=args.d_worker_in_engine
-        ),
+    settings = {"single0": replace(base, cpu_bind="0-1", omp_threads=2)} | {
+        f"{role}{i}": where.apply(base)
+        for role, places in wanted.items()
+        for i, where in enumerate(places)
     }
     for server in servers:
         server.cpu = settings[server.name]
@@ -174,24 +195,53 @@ def run(args) -> int:
             "--custom-histogram-buckets",
             custom_buckets_arg(),
         ]
+
+    def instances(lay: str) -> tuple[str, str]:
+        chosen = layout_of(lay, args)
+        return (
+            f"prefill{wanted['prefill'].index(chosen.prefill)}",
+            f"decode{wanted['decode'].index(chosen.decode)}",
+        )
+
     tokenizer = load_tokenizer(model)
     plans = build_plans(args, tokenizer, mix)
     low_load = plan_low_load(args, tokenizer, mix) if args.low_load else {}
     warm = [SweepRequest(i, 0.0, 0, 8, f"warm up {i} " * (1 + 200 * (i % 2))) for i in range(4)]
     config = proxy_config_for(servers, Connector.HYBRID)
     by_name = {s.name: s for s in servers}
-    p, d = config.prefill[0], config.decode[0]
-    pair = ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", d.url]
+    by_url = {b.url: b for b in config.prefill}
     bypass = ["--bypass-below-tokens", str(args.bypass_below_tokens)]
-    proxies = {PD: pair + bypass}
-    if args.bypass_below_tokens and args.compare_no_bypass:
-        proxies[PD_NO_BYPASS] = pair
-    if compare_shared:
-        p1 = config.prefill[1]
-        proxies[PD_SHARED] = ["--prefill", f"{p1.url}@{p1.rpc_address}", "--decode", d.url]
-    dp_first = by_name["prefill0"]
-    proxies[DP] = ["--decode", dp_first.url, "--decode", d.url]  # no P: each prefills its own
+    idle = ["--bypass-idle-below-tokens", str(args.bypass_idle_below_tokens)]
+    proxies: dict[str, list[str]] = {}
+    pd_idle = f"{PD}, idle bypass under {args.compare_idle_bypass}"
+    pd_systems: dict[str, tuple[str, str]] = {}  # system -> (P's name, D's name)
+    for lay in layouts:
+        p_name, d_name = instances(lay)
+        p = by_url[by_name[p_name].url]
+        pair = ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", by_name[d_name].url]
+        proxies[names[lay]] = pair + bypass + idle
+        pd_systems[names[lay]] = (p_name, d_name)
+        if lay != args.pd_layout:
+            continue
+        if args.bypass_below_tokens and args.compare_no_bypass:
+            proxies[PD_NO_BYPASS] = pair
+            pd_systems[PD_NO_BYPASS] = (p_name, d_name)
+        if args.compare_idle_bypass != args.bypass_idle_below_tokens:
+            other = ["--bypass-idle-below-tokens", str(args.compare_idle_bypass)]
+            proxies[pd_idle] = pair + bypass + other
+            pd_systems[pd_idle] = (p_name, d_name)
+    dp_first, dp_second = (by_name[n] for n in instances("split"))
+    proxies[DP] = ["--decode", dp_first.url, "--decode", dp_second.url]  # no P: each prefills
     console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
+    for name, (p_name, d_name) in pd_systems.items():
+        console.print(f"  {name}: P {p_name}, D {d_name}", highlight=False)
+    for server in servers:
+        c = server.cpu
+        console.print(
+            f"  {server.name}: cores {c.cpu_bind}, OMP {c.omp_threads}, nice {c.nice}, "
+            f"wait {c.omp_wait_policy}, worker in engine {c.worker_in_engine}",
+            highlight=False,
+        )
     load_before = os.getloadavg()
     with Deployment(servers) as dep:
         dep.start(timeout=600)
@@ -214,33 +264,26 @@ def run(args) -> int:
             for proc in procs.values():
                 proc.start()
             wait_all_ready(list(procs.values()), timeout=120)
-            single, prefill, decode = by_name["single0"], by_name["prefill0"], by_name["decode0"]
+            single = by_name["single0"]
             systems = [
                 SystemUnderTest(SINGLE, single.url, [[single.url]], [single.process]),
                 SystemUnderTest(
                     DP,
                     urls[DP],
-                    [[dp_first.url, decode.url]],
-                    [dp_first.process, decode.process, procs[DP]],
-                ),
-                SystemUnderTest(
-                    PD,
-                    urls[PD],
-                    [[prefill.url], [decode.url]],
-                    [prefill.process, decode.process, procs[PD]],
+                    [[dp_first.url, dp_second.url]],
+                    [dp_first.process, dp_second.process, procs[DP]],
                 ),
             ]
-            for name, p_name in ((PD_NO_BYPASS, "prefill0"), (PD_SHARED, "prefill1")):
-                if name in procs:
-                    pp = by_name[p_name]
-                    systems.append(
-                        SystemUnderTest(
-                            name,
-                            urls[name],
-                            [[pp.url], [decode.url]],
-                            [pp.process, decode.process, procs[name]],
-                        )
+            for name, (p_name, d_name) in pd_systems.items():
+                pp, dd = by_name[p_name], by_name[d_name]
+                systems.append(
+                    SystemUnderTest(
+                        name,
+                        urls[name],
+                        [[pp.url], [dd.url]],
+                        [pp.process, dd.process, procs[name]],
                     )
+                )
             every = [s.process for s in servers] + list(procs.values())
             low = []
             if low_load:
@@ -277,15 +320,27 @@ def run(args) -> int:
         "systems": {
             SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2",
             DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
-            PD: f"P on core 0, D on core 1 (OMP 1 each), pdserve proxy, sequential dispatch, "
-            f"prompts under {args.bypass_below_tokens} estimated tokens (characters / 4) to D "
-            "alone (--bypass-below-tokens)",
-            PD_NO_BYPASS: "the same P, D and dispatch, every prompt through P",
-            PD_SHARED: f"P on cores 0-1 (OMP 2, nice {args.p_nice}, OMP_WAIT_POLICY="
-            f"{args.p_omp_wait_policy or 'unset'}, worker in engine core: "
-            f"{args.p_worker_in_engine}), the same D, every prompt through P",
-            "D worker in engine core": args.d_worker_in_engine,
+            **{
+                names[lay]: f"{describe_layout(layout_of(lay, args))}; pdserve proxy, "
+                "sequential dispatch, "
+                f"prompts under {args.bypass_below_tokens} estimated tokens (characters / 4) "
+                "to D alone (--bypass-below-tokens), and prompts under "
+                f"{args.bypass_idle_below_tokens} while D and P are idle "
+                "(--bypass-idle-below-tokens; 0: never)"
+                for lay in layouts
+            },
+            PD_NO_BYPASS: f"{PD}'s P, D and dispatch, every prompt through P",
+            pd_idle: f"{PD} with --bypass-idle-below-tokens {args.compare_idle_bypass}",
         },
+        "pd_layout": args.pd_layout,
+        "layouts": {
+            names[lay]: {
+                "layout": lay,
+                "pdserve_up_flags": " ".join(layout_of(lay, args).pdserve_flags()),
+            }
+            for lay in layouts
+        },
+        "instances": {s.name: s.cpu.__dict__ for s in servers},
         "low_load": publish_low_load(low, console) if low else None,
         "prefix_caching": False,
         "max_num_seqs": args.max_num_seqs,
@@ -415,19 +470,44 @@ def main() -> int:
         "(the bench tokenizer: about 2.4 characters a token, so 256 is about 430 real ones)",
     )
     parser.add_argument(
+        "--bypass-idle-below-tokens",
+        type=int,
+        default=0,
+        help="1P1D's proxy also sends prompts under this many estimated tokens to D alone "
+        "while D and P are idle (0: never)",
+    )
+    parser.add_argument(
+        "--compare-idle-bypass",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also 1P1D (its layout) with --bypass-idle-below-tokens N",
+    )
+    parser.add_argument(
         "--compare-no-bypass",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also 1P1D with every prompt through P",
     )
     parser.add_argument(
-        "--compare-shared-p",
-        action="store_true",
-        help="also 1P1D with P on both cores (two threads) at a lower priority (--p-*)",
+        "--pd-layout",
+        choices=LAYOUTS,
+        default="split",
+        help="where 1P1D's P and D run (split: a core each; shared-d: D on both cores, P on "
+        "core 0 at a lower priority; shared-p: P on both cores at a lower priority)",
     )
-    parser.add_argument("--p-nice", type=int, default=10, help="1P1D's P: nice")
     parser.add_argument(
-        "--p-omp-wait-policy", default="passive", help="1P1D's P: OMP_WAIT_POLICY ('' unset)"
+        "--compare-layout",
+        choices=LAYOUTS,
+        action="append",
+        default=[],
+        help="also 1P1D on this layout (repeatable), named '1P1D, LAYOUT'",
+    )
+    parser.add_argument("--p-nice", type=int, default=10, help="a P sharing a core with D: nice")
+    parser.add_argument(
+        "--p-omp-wait-policy",
+        default="passive",
+        help="a P sharing a core with D: OMP_WAIT_POLICY ('' unset)",
     )
     parser.add_argument(
         "--p-worker-in-engine", action=argparse.BooleanOptionalAction, default=False

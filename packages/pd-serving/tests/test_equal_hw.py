@@ -207,3 +207,36 @@ def test_low_load_breakdown_takes_each_stage_per_request():
     table = low_load_markdown(rows)
     assert "| **client TTFT p50** | 45 | 100 |" in table
     assert "2.22x" in table
+
+
+@pytest.mark.parametrize("name", ["split", "shared-p", "shared-d"])
+def test_every_layout_is_what_its_pdserve_up_flags_deploy(name):
+    from pathlib import Path
+
+    from pd_serving.cli import _place, build_parser
+    from pd_serving.equal_hw import make_layout
+    from pd_serving.servers import Connector, CpuSettings, plan_servers
+
+    layout = make_layout(name)
+    base = CpuSettings()
+    servers = plan_servers(Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID, cpu=base)
+    _place(servers, build_parser().parse_args(["up", *layout.pdserve_flags()]))
+    p, d = servers
+    assert p.cpu == layout.prefill.apply(base)
+    assert d.cpu == layout.decode.apply(base)
+
+
+def test_shared_d_gives_d_both_cores_and_p_core_0_at_a_lower_priority():
+    from pd_serving.equal_hw import make_layout
+    from pd_serving.servers import CpuSettings
+
+    layout = make_layout("shared-d", low_nice=10, low_omp_wait_policy="passive")
+    p, d = layout.prefill.apply(CpuSettings()), layout.decode.apply(CpuSettings())
+    assert (d.cpu_bind, d.omp_threads, d.nice, d.worker_in_engine) == ("0-1", 2, 0, True)
+    assert (p.cpu_bind, p.omp_threads, p.nice, p.omp_wait_policy) == ("0", 1, 10, "passive")
+    assert make_layout("split").pdserve_flags() == [
+        "--prefill-cpus", "0", "--prefill-threads", "1", "--decode-cpus", "1",
+        "--decode-threads", "1",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="unknown layout"):
+        make_layout("both")

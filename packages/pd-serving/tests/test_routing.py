@@ -185,6 +185,25 @@ def test_short_prompts_bypass_prefill_and_long_ones_do_not() -> None:
     assert off.route(RequestKey(prompt_text="x")).prefill is p[0]
 
 
+def test_any_prompt_under_the_idle_bound_bypasses_while_d_and_every_p_are_idle() -> None:
+    p, d = _backends("p", 2), _backends("d", 1)
+    router = Router(p, d, RoutingPolicy(bypass_below_tokens=32, bypass_idle_below_tokens=1000))
+    long = RequestKey(prompt_text="x" * 2000)  # 500 tokens by estimate
+    assert router.route(long) == Route(decode=d[0], prefill=None, bypass_reason="idle")
+    assert router.route(RequestKey(prompt_text="x" * 100)).bypass_reason == "short_prompt"
+    assert router.route(RequestKey(prompt_text="x" * 4000)).prefill is not None  # over the bound
+    d[0].inflight = 1  # D decodes something: a long prompt's prefill would stall it
+    assert router.route(long).prefill is not None
+    d[0].inflight, p[1].inflight = 0, 1  # a prompt prefilling on P is about to reach D
+    assert router.route(long).prefill is not None
+    p[1].inflight = 0
+    assert router.route(long).bypass_reason == "idle"
+    off = Router(p, d, RoutingPolicy(bypass_below_tokens=32))
+    assert off.route(long).prefill is not None
+    with pytest.raises(ValueError):
+        RoutingPolicy(bypass_idle_below_tokens=-1)
+
+
 def test_a_prompt_a_decode_served_recently_bypasses_to_that_decode() -> None:
     p, d = _backends("p", 1), _backends("d", 3)
     router = Router(p, d, RoutingPolicy(bypass_below_tokens=32))
@@ -367,11 +386,13 @@ def test_cli_routing_options_make_the_policy() -> None:
     args = build_parser().parse_args(
         [
             *("proxy", "--decode", "http://d", "--bypass-below-tokens", "64"),
+            *("--bypass-idle-below-tokens", "8192"),
             *("--prefix-chars", "0", "--breaker-failures", "5", "--health-interval-s", "0"),
         ]
     )
     policy, health = routing_from_args(args)
     assert policy.bypass_below_tokens == 64
+    assert policy.bypass_idle_below_tokens == 8192
     assert policy.prefix_chars == 0
     assert policy.breaker.failures == 5
     assert health is None

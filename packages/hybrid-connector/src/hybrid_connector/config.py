@@ -44,8 +44,14 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Gather a save's bytes layer by layer while the forward pass runs (each layer as soon as
     # it is written), not all after it: the save is in the store sooner after the step.
     save_by_layer: bool = True
+    # Added to the nice value of the worker's save thread (0-19; 0: the worker's own, at most
+    # 19 in all): its gathers and puts run when the forward pass on its core leaves time;
+    # loads keep the worker's priority (a request waits for them).
+    save_nice: int = 19
 
     def __post_init__(self) -> None:
+        if not 0 <= self.save_nice <= 19:
+            raise ConfigError(f"kvs.save_nice must be in [0, 19], got {self.save_nice}")
         if self.verify not in KVS_VERIFY:
             raise ConfigError(f"kvs.verify must be one of {', '.join(KVS_VERIFY)}")
         if not 0 <= self.lookup_wait_s <= self.lookup_timeout_s:

@@ -1,8 +1,13 @@
 """KVS, worker half: copy blocks between vLLM's KV cache and the shared store, off the step.
 
-One thread per worker (``KvsWorker``) owns this rank's refstore client and does every copy:
-loads first (a request waits for them), then the gathers of saves, then their puts. vLLM's
-hooks only queue: ``handle`` (from ``bind_connector_metadata``) queues loads at once and keeps
+Two threads per worker (``KvsWorker``), each with its own refstore client: the load thread
+does loads (a request waits for them); the save thread the gathers of saves, then their puts,
+at a lower CPU priority (``save_nice``): on a core it shares with the forward pass (an instance
+pinned to one core) its copies take what the pass leaves, so a save never slows the step
+that computes another request's prompt, nor the answer of the one it saves (the copies are
+the same work, done later; on a core that never idles they still take their share). vLLM's
+hooks only queue:
+``handle`` (from ``bind_connector_metadata``) queues loads at once and keeps
 the step's saves; ``layer_written`` (``save_kv_layer``: the forward pass wrote one layer) queues
 the gather of that layer's segments of every save of the step into its staging buffer, so the
 copy overlaps the rest of the forward pass (``save_by_layer``); ``step_done``
@@ -261,22 +266,27 @@ class KvsWorker:
         self._gathers: collections.deque[tuple[tuple[KvsSave, ...], list[tuple[int, int]]]] = (
             collections.deque()
         )
-        self._staged: dict[int, list[_StagedGroup]] = {}  # save id -> its groups (KVS thread)
-        self._running = False  # the KVS thread is doing a job (taken off the queues)
+        self._staged: dict[int, list[_StagedGroup]] = {}  # save id -> its groups (save thread)
+        self._running = 0  # jobs taken off the queues and not done yet
         self._connect = connect
         self._report_load = report_load
         self._report_save = report_save
-        self._client: Any = None
+        self._clients: dict[str, Any] = {}  # "load" / "save" -> that thread's client
         self._cond = threading.Condition()
         self._loads: collections.deque[KvsLoad] = collections.deque()
         self._saves: collections.deque[KvsSave] = collections.deque()
         self._step_saves: list[KvsSave] = []
         self._closing = False
         self.counters: collections.Counter[str] = collections.Counter()
-        self._thread = threading.Thread(
-            target=self._main, name=f"hybrid-connector-kvs{name}", daemon=True
-        )
-        self._thread.start()
+        self._threads = [
+            threading.Thread(
+                target=self._main, args=(role,), name=f"hybrid-connector-kvs-{role}{name}",
+                daemon=True,
+            )
+            for role in ("load", "save")
+        ]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
 
     # ------------------------------------------------------------------ vLLM's thread
     def handle(self, loads: Sequence[KvsLoad], saves: Sequence[KvsSave]) -> None:
@@ -285,7 +295,7 @@ class KvsWorker:
         if loads:
             with self._cond:
                 self._loads.extend(loads)
-                self._cond.notify()
+                self._cond.notify_all()
 
     def layer_written(self, layer_name: str) -> None:
         """The forward pass wrote ``layer_name`` (save_kv_layer): gather it for the saves."""
@@ -295,36 +305,49 @@ class KvsWorker:
         if where:
             with self._cond:
                 self._gathers.append((tuple(self._step_saves), where))
-                self._cond.notify()
+                self._cond.notify_all()
 
     def step_done(self) -> None:
         saves, self._step_saves = self._step_saves, []
         if saves:
             with self._cond:
                 self._saves.extend(saves)
-                self._cond.notify()
+                self._cond.notify_all()
 
-    # ------------------------------------------------------------------ the KVS thread
-    def _main(self) -> None:
+    # ------------------------------------------------------------------ the KVS threads
+    def _main(self, role: str) -> None:
+        if role == "save" and self._config.save_nice:
+            tid = threading.get_native_id()  # this thread only: a PRIO_PROCESS target on Linux
+            try:
+                nice = os.getpriority(os.PRIO_PROCESS, tid) + self._config.save_nice
+                os.setpriority(os.PRIO_PROCESS, tid, min(nice, 19))
+            except OSError as exc:
+                log.warning("KVS: the save thread keeps its CPU priority (%s)", exc)
         try:
-            self._store()  # connect now: the first load must not pay for it
+            self._store(role)  # connect now: the first job must not pay for it
         except Exception as exc:  # the store is down: the first job tries again
             log.warning("KVS: the store is not reachable yet (%s)", exc)
         while True:
             with self._cond:
-                while not (self._loads or self._gathers or self._saves or self._closing):
-                    self._cond.wait()
                 gather = None
-                if self._loads:
-                    job: KvsLoad | KvsSave | None = self._loads.popleft()
-                elif self._gathers:  # a step's layers, queued before its saves' puts
-                    job, gather = None, self._gathers.popleft()
-                elif self._saves:
-                    job = self._saves.popleft()
-                else:
-                    self._staged.clear()
-                    return  # closing, and nothing left to do
-                self._running = True
+                job: KvsLoad | KvsSave | None = None
+                while True:
+                    if role == "load":
+                        if self._loads:
+                            job = self._loads.popleft()
+                            break
+                    elif self._gathers:  # a step's layers, queued before its saves' puts
+                        gather = self._gathers.popleft()
+                        break
+                    elif self._saves:
+                        job = self._saves.popleft()
+                        break
+                    if self._closing:
+                        if role == "save":
+                            self._staged.clear()
+                        return  # closing, and nothing left to do
+                    self._cond.wait()
+                self._running += 1
             try:
                 if gather is not None:
                     self._run_gather(*gather)
@@ -334,7 +357,7 @@ class KvsWorker:
                     self._run_save(job)
             finally:
                 with self._cond:
-                    self._running = False
+                    self._running -= 1
                     self._cond.notify_all()
 
     def wait_idle(self, timeout_s: float) -> bool:
@@ -345,13 +368,14 @@ class KvsWorker:
                 timeout=timeout_s,
             )
 
-    def _store(self) -> Any:
-        if self._client is None:
-            self._client = self._connect()
-        return self._client
+    def _store(self, role: str) -> Any:
+        client = self._clients.get(role)
+        if client is None:
+            client = self._clients[role] = self._connect()
+        return client
 
-    def _drop_client(self) -> None:
-        client, self._client = self._client, None
+    def _drop_client(self, role: str) -> None:
+        client = self._clients.pop(role, None)
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
@@ -368,7 +392,7 @@ class KvsWorker:
                 exc,
             )
             if isinstance(exc, ConnectionError):  # the store is gone: a new client next time
-                self._drop_client()
+                self._drop_client("load")
             self._report_load(load.request_id, True)
         else:
             self.counters["loads"] += 1
@@ -378,7 +402,7 @@ class KvsWorker:
     def _load(self, load: KvsLoad) -> None:
         if load.error:
             raise KvsLoadError(load.error)
-        client = self._store()
+        client = self._store("load")
         crc = self._config.verify == "crc"
         views: list[Any] = []
         dst_parts, src_parts, len_parts = [], [], []
@@ -432,7 +456,7 @@ class KvsWorker:
             self.counters["save_failures"] += 1
             log.warning("KVS: saving %d block(s) failed (%s)", len(save.chains), exc)
             if isinstance(exc, ConnectionError):
-                self._drop_client()
+                self._drop_client("save")
         finally:
             self._report_save(save.save_id)
 
@@ -502,7 +526,7 @@ class KvsWorker:
                 items.append((key, block))
         if not items:
             return
-        client = self._store()
+        client = self._store("save")
         refs = client.put_keyed(items, ttl=None)
         stored = sum(ref is not None for ref in refs)
         self.counters["saved_objects"] += stored
@@ -511,6 +535,8 @@ class KvsWorker:
     def close(self) -> None:
         with self._cond:
             self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout=60)
-        self._drop_client()
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=60)
+        for role in ("load", "save"):
+            self._drop_client(role)

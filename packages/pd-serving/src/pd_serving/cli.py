@@ -190,6 +190,9 @@ def _add_routing_options(parser: argparse.ArgumentParser) -> None:
          "prompts under N tokens (estimated: characters / 4, or the token ids' count) go to D "
          "alone, and so do prompts whose uncached tail on a D that served their prefix is under "
          "N; 0 turns bypass off"),
+        ("--bypass-idle-below-tokens", int, policy.bypass_idle_below_tokens, "N",
+         "prompts under N tokens also go to D alone while that D and every P have no request "
+         "of this proxy in flight (an idle D on more cores than P prefills faster); 0 = off"),
         ("--prefix-chars", int, policy.prefix_chars, "N",
          "prompt characters hashed to pick P (prefix affinity); 0 = by load only"),
         ("--prefix-overload", float, policy.prefix_overload, "N",
@@ -226,6 +229,7 @@ def routing_from_args(args: argparse.Namespace):
     try:
         policy = RoutingPolicy(
             bypass_below_tokens=args.bypass_below_tokens,
+            bypass_idle_below_tokens=args.bypass_idle_below_tokens,
             prefix_chars=args.prefix_chars,
             prefix_overload=args.prefix_overload,
             decode_prefix_entries=args.decode_prefix_entries,

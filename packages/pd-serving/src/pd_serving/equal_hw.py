@@ -6,7 +6,8 @@ they take no CPU), taking turns::
     single   one vLLM instance, every process on cores 0-1, 2 OpenMP threads
     2x DP    two vLLM instances, one per core, behind `pdserve proxy` (no P: each prefills
              its own requests; the proxy balances by load)
-    1P1D     P on core 0, D on core 1, behind `pdserve proxy` (HybridConnector)
+    1P1D     P on core 0, D on core 1, behind `pdserve proxy` (HybridConnector); other
+             placements of P and D: :data:`LAYOUTS`, each with its `pdserve up` flags
 
     rate r:   round 1: single, 2x DP, 1P1D   round 2: 2x DP, 1P1D, single   ...
               (each round a slice of the same Poisson schedule; the order rotates)
@@ -43,6 +44,85 @@ from pd_serving.timings import parse_histograms as parse_metrics
 from pd_serving.workload import SweepRequest
 
 # --- the systems -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one vLLM instance of a 1P1D layout runs: its cores (every process), OpenMP
+    threads, CPU priority, ``OMP_WAIT_POLICY`` and whether its worker runs inside its
+    engine-core process (``servers.CpuSettings``'s fields of the same meaning)."""
+
+    cpus: str
+    threads: int = 1
+    nice: int = 0
+    omp_wait_policy: str | None = None
+    worker_in_engine: bool = False
+
+    def apply(self, base: Any) -> Any:
+        """``base`` (a ``CpuSettings``) placed here."""
+        return replace(
+            base,
+            cpu_bind=self.cpus,
+            omp_threads=self.threads,
+            nice=self.nice,
+            omp_wait_policy=self.omp_wait_policy,
+            worker_in_engine=self.worker_in_engine,
+        )
+
+    def pdserve_flags(self, role: str) -> list[str]:
+        """The ``pdserve up`` flags that give a ``role`` ("prefill"/"decode") instance this."""
+        flags = [f"--{role}-cpus", self.cpus, f"--{role}-threads", str(self.threads)]
+        if self.nice:
+            flags += [f"--{role}-nice", str(self.nice)]
+        if self.omp_wait_policy:
+            flags += [f"--{role}-omp-wait-policy", self.omp_wait_policy]
+        if self.worker_in_engine:
+            flags.append(f"--{role}-worker-in-engine")
+        return flags
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where 1P1D's P and D run on the two cores."""
+
+    name: str
+    prefill: Placement
+    decode: Placement
+
+    def pdserve_flags(self) -> list[str]:
+        return self.prefill.pdserve_flags("prefill") + self.decode.pdserve_flags("decode")
+
+
+# split:    P on core 0, D on core 1, a thread each (DP's two instances are these);
+# shared-p: P on cores 0-1 (two threads) at a lower priority, D on core 1;
+# shared-d: D on cores 0-1 (two threads, its worker in the engine-core process: no 1 s
+#           sched_yield spin after each step), P on core 0 at a lower priority: whenever D
+#           steps it takes core 0 from P.
+LAYOUTS = ("split", "shared-p", "shared-d")
+
+
+def make_layout(
+    name: str,
+    *,
+    low_nice: int = 10,
+    low_omp_wait_policy: str | None = "passive",
+    low_worker_in_engine: bool = False,
+    d_worker_in_engine: bool = False,
+) -> Layout:
+    """One of ``LAYOUTS``; ``low_*``: the instance that shares a core at a lower priority."""
+    low = {
+        "nice": low_nice,
+        "omp_wait_policy": low_omp_wait_policy,
+        "worker_in_engine": low_worker_in_engine,
+    }
+    split_d = Placement("1", worker_in_engine=d_worker_in_engine)
+    if name == "split":
+        return Layout(name, Placement("0"), split_d)
+    if name == "shared-p":
+        return Layout(name, Placement("0-1", threads=2, **low), split_d)
+    if name == "shared-d":
+        return Layout(name, Placement("0", **low), Placement("0-1", 2, worker_in_engine=True))
+    raise ValueError(f"unknown layout {name!r} (one of {', '.join(LAYOUTS)})")
 
 
 @dataclass

@@ -16,7 +16,11 @@ The decisions, in order:
    under ``bypass_below_tokens``: D prefills only that tail itself, no transfer. That D, unless
    it is overloaded (``prefix_overload`` more pending requests than the least-loaded D).
 3. **Bypass to D, short prompt**: the prompt is under ``bypass_below_tokens`` (estimated):
-   the least-loaded D prefills it; a transfer would cost more than it saves.
+   the least-loaded D prefills it; a transfer would cost more than it saves. **Bypass to an
+   idle D**: a prompt under ``bypass_idle_below_tokens`` goes to D alone too when the proxy has
+   no call open on that D nor on any P (the proxy's own counts: a scrape is seconds old). An
+   idle D prefilling on all its cores beats P on fewer cores plus the transfer, and no decode
+   is there to stall; under load D is busy and the prompt goes through P.
 4. Otherwise **PD**: D by cached prefix (below), else by load; P by cached prefix, else by
    prefix affinity (rendezvous hashing of the prompt's first ``prefix_chars`` characters, or
    ``prefix_chars // 4`` token ids, over the eligible P's), the least-loaded P when the affine
@@ -177,7 +181,8 @@ def request_key(body: dict[str, Any]) -> RequestKey:
 class Route:
     decode: Backend
     prefill: Backend | None  # None: D prefills locally (bypass, or no P configured/healthy)
-    bypass_reason: str | None = None  # why no P ("short_prompt", "prefix_cached", "no_prefill")
+    # Why no P ("short_prompt", "prefix_cached", "idle", "no_prefill", ...).
+    bypass_reason: str | None = None
     # How the prefix index decided D and P (module docstring); None: it was not asked.
     decode_cache: str | None = None
     prefill_cache: str | None = None
@@ -198,6 +203,9 @@ class RoutingPolicy:
     # Prompts (or a prefix-cached request's uncached tail) under this many tokens skip P;
     # 0 turns both bypasses off.
     bypass_below_tokens: int = 0
+    # Prompts under this many tokens skip P too while D and every P are idle (no call of the
+    # proxy open on them); 0 = off.
+    bypass_idle_below_tokens: int = 0
     # Characters of the prompt hashed for P affinity (token ids: a quarter as many); 0 = off.
     prefix_chars: int = 256
     # The affine P (or D holding the prefix) is skipped when it has this many more pending
@@ -217,7 +225,13 @@ class RoutingPolicy:
     cache_load_tokens: float = 256.0
 
     def __post_init__(self) -> None:
-        if min(self.bypass_below_tokens, self.prefix_chars, self.decode_prefix_entries) < 0:
+        sizes = (
+            self.bypass_below_tokens,
+            self.bypass_idle_below_tokens,
+            self.prefix_chars,
+            self.decode_prefix_entries,
+        )
+        if min(sizes) < 0:
             raise ValueError("bypass, prefix and LRU sizes cannot be negative")
         if self.prefix_overload < 0 or self.kv_weight < 0:
             raise ValueError("prefix_overload and kv_weight cannot be negative")
@@ -564,6 +578,13 @@ class Router:
             return replace(local, bypass_reason="no_prefill")
         if 0 < key.tokens < self.policy.bypass_below_tokens and not key.empty:
             return replace(local, bypass_reason="short_prompt")
+        if (
+            0 < key.tokens < self.policy.bypass_idle_below_tokens
+            and not key.empty
+            and decode.inflight == 0
+            and all(b.inflight == 0 for b in self.prefill)
+        ):
+            return replace(local, bypass_reason="idle")
         prefill, p_reason = self._prefill_and_reason(key, exclude_prefill, now)
         if prefill is None:
             return replace(local, bypass_reason="no_healthy_prefill")
