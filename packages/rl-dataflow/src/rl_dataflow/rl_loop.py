@@ -36,7 +36,6 @@ from __future__ import annotations
 import enum
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -199,17 +198,6 @@ def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) ->
     return [found[k] for k in keys]
 
 
-def _free_port() -> int:
-    try:  # below the kernel's ephemeral range, where another process's connect cannot take it
-        from pd_serving.launcher import free_port
-
-        return free_port()
-    except ImportError:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
-
-
 # -- the loop ----------------------------------------------------------------------------------
 
 
@@ -282,7 +270,6 @@ class RLLoop:
             max_num_seqs=max_num_seqs,
             kv_cache_bytes=cfg.kv_cache_bytes,
             seed=cfg.seed,
-            free_port=_free_port,
         )
 
     # -- one step --------------------------------------------------------------------------------

@@ -118,8 +118,8 @@ class OfflineEngine:
         max_num_seqs: int,
         kv_cache_bytes: int,
         seed: int,
-        free_port: Callable[[], int],
     ) -> None:
+        from pd_serving.launcher import free_port
         from vllm import LLM
         from vllm.config import KVTransferConfig
 
