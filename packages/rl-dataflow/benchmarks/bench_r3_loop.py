@@ -7,6 +7,9 @@ Per round, in alternating order, one fresh process (a fresh engine) per run:
 - ``compare``: as ``replay``, plus a no-gradient forward without replay on the same batch and
   weights, for the agreement figures (its steps are not timed against the others).
 
+``--serving pd``: the rollout runs on a 1P1D of vLLM's OpenAI servers behind pd-serving's proxy
+(P records the prompt's routing, D pulls KV and rows and records the rest).
+
 Timed: the step (rollout + records + stages + trainer step; the weight sync apart). Reported per
 round: medians over the measured steps, the ratio replay / off in that round, and over rounds the
 median and the range of those ratios. Agreement (from ``compare``): the share of model inputs whose
@@ -18,6 +21,9 @@ without replay.
     flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
         --arch qwen3-moe-wide --rounds 2 --steps 4 \\
         --out packages/rl-dataflow/benchmarks/results/r3_loop_wide.json
+    flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
+        --serving pd --rounds 3 --steps 6 \\
+        --out packages/rl-dataflow/benchmarks/results/r3_loop_pd.json
     python packages/rl-dataflow/benchmarks/bench_r3_loop.py --smoke   # 1 round, 2 steps
 
 """
@@ -56,6 +62,7 @@ def child(args: argparse.Namespace) -> None:
         lr=args.lr,
         r3="off" if mode == "off" else "replay",
         compare=mode == "compare",
+        serving=args.serving,
     )
     with tempfile.TemporaryDirectory(prefix="bench-r3-") as work:
         os.environ["REFSTORE_DIR"] = work
@@ -90,7 +97,7 @@ def run_child(mode: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--child", mode]
     for name in ("steps", "warmup", "prompts", "group_size", "completion_len", "lr"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    cmd += ["--model-cache", args.model_cache, "--arch", args.arch]
+    cmd += ["--model-cache", args.model_cache, "--arch", args.arch, "--serving", args.serving]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-4000:])
@@ -175,6 +182,12 @@ def main() -> None:
         default="qwen3-moe",
         choices=["qwen3-moe", "qwen3-moe-wide"],
         help="the tiny MoE (2 layers of 128, 8 experts) or the larger one (8 of 512, 32 experts)",
+    )
+    parser.add_argument(
+        "--serving",
+        default="offline",
+        choices=["offline", "pd"],
+        help="rollout in process (vllm.LLM) or through a 1P1D behind pd-serving's proxy",
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out")
