@@ -29,7 +29,7 @@ from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
 from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, PeerStatus, Stats
-from .putget import Payloads
+from .putget import Payloads, gather
 from .ref import Ref
 from .subscription import KeySubscription
 
@@ -62,6 +62,7 @@ __all__ = [
     "Stats",
     "UnknownObject",
     "connect",
+    "gather",
     "materialize",
     "start_master_process",
 ]

@@ -524,3 +524,17 @@ class Payloads:
             np.ascontiguousarray(addresses, np.uint64),
             np.ascontiguousarray(lengths, np.uint64),
         )
+
+
+def gather(buffer: Any, offsets: np.ndarray, addresses: np.ndarray, lengths: np.ndarray) -> None:
+    """For every ``i``, copy ``lengths[i]`` bytes from ``addresses[i]`` (memory of this process
+    the caller keeps valid) into ``buffer`` (writable, e.g. a numpy array) at ``offsets[i]``
+    (uint64 arrays of one length): the way in of ``Payloads.copy_out``, for bytes scattered
+    over other buffers that are to be put. One native loop, every range in ``buffer`` checked
+    first; large copies run without the GIL."""
+    _fastpath.copy_in_segments(
+        buffer,
+        np.ascontiguousarray(offsets, np.uint64),
+        np.ascontiguousarray(addresses, np.uint64),
+        np.ascontiguousarray(lengths, np.uint64),
+    )
