@@ -32,6 +32,12 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_wait_s: float = 0.005
     # Looked-up objects are kept from eviction this long, for the load to read them.
     hold_s: float = 30.0
+    # A hit of a request that pulls nothing from P, on a model of one KV-cache group, is copied
+    # in the step that admits the request, before its forward pass (on vLLM's worker thread,
+    # from this node's pool: no call, no network), and the request computes the rest in that
+    # same step; off (and for PD pulls and hybrid models), the request waits outside the
+    # running set while the load thread copies, as for a pull, and runs a step later.
+    load_in_step: bool = True
     # Load only hits of at least this many blocks past vLLM's local prefix hit.
     min_load_blocks: int = 1
     # Soft-pin a block once this many requests loaded it (hot prefixes: system prompts); 0: never.
