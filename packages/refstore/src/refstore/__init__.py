@@ -29,7 +29,7 @@ from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
 from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, PeerStatus, Stats
-from .putget import Payloads, gather
+from .putget import Payloads, checksum, gather
 from .ref import Ref
 from .subscription import KeySubscription
 
@@ -61,6 +61,7 @@ __all__ = [
     "RefstoreError",
     "Stats",
     "UnknownObject",
+    "checksum",
     "connect",
     "gather",
     "materialize",
