@@ -13,7 +13,7 @@ Resources, one per session:
   for all of them.
 - KVS engines, sharing one refstore master (``kvs_store``, started with the first of them):
   ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2, TP 1, block 32; b checks each loaded block's
-  CRC), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
+  checksum), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
   vLLM keeps its states at block boundaries, mamba_cache_mode "align"), and ``engine_r3`` (the
   tiny Qwen3-MoE, block 32, KVS on and R3 routing records into the same master).
 - ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
@@ -177,7 +177,8 @@ def engine_spec(name: str, models_dir: Path) -> Any:
         "transfer_timeout_s": TRANSFER_TIMEOUT_S,
     }
     if kvs_arch is not None:
-        extra["kvs"] = {"store": KVS_STORE, "verify": "crc" if name == "engine_kvs_b" else "header"}
+        verify = "checksum" if name == "engine_kvs_b" else "header"
+        extra["kvs"] = {"store": KVS_STORE, "verify": verify}
     if name == "engine_r3":
         extra["r3"] = {"store": KVS_STORE}
     block_size = {"qwen2": 32 * tp, "qwen3-moe": 32}.get(arch)

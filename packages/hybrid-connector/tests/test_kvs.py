@@ -251,7 +251,7 @@ class Reports:
 
 
 def _worker(cache: Cache, store: FakeStore, reports: Reports, **config: Any) -> KvsWorker:
-    config.setdefault("verify", "crc")
+    config.setdefault("verify", "checksum")
     return KvsWorker(
         KvsConfig(**config),
         cache.geometry(),
@@ -440,14 +440,14 @@ def test_in_step_loads_without_a_client_fail_until_the_load_thread_makes_one() -
         worker.close()
 
 
-def test_header_verification_skips_only_the_crc() -> None:
+def test_header_verification_skips_only_the_checksum() -> None:
     cache, store, reports = Cache(), FakeStore(), Reports()
     worker = _worker(cache, store, reports, verify="header")
     try:
         chains = _chains(1)
         _save_and_wait(worker, reports, [1], chains)
         key = next(iter(store.objects))
-        store.objects[key][0] ^= 1  # payload damage: not seen without the CRC
+        store.objects[key][0] ^= 1  # payload damage: not seen without the checksum
         worker.handle([KvsLoad("a", [[3]], chains, _sources(store, chains))], [])
         assert reports.wait("a") is False
         store.objects[key] = store.objects[key][:-1]  # a short object still is
@@ -513,9 +513,9 @@ def test_a_save_takes_each_layer_as_the_forward_pass_writes_it(by_layer: bool) -
         assert (int(layer0[0]), int(layer1[0])) == ((1, 2) if by_layer else (3, 4))
         assert np.all(layer0 == layer0[0])
         assert np.all(layer1 == layer1[0])
-        # The CRC, taken layer by layer as they came, is the payload's.
+        # The checksum is the payload's, as gathered layer by layer.
         copy = GroupCopy.of(cache.geometry().groups[0], cache.geometry().buffers)
-        check_trailer(stored, kvs_keys.object_key(chains[0], 0, 0), copy, crc=True)
+        check_trailer(stored, kvs_keys.object_key(chains[0], 0, 0), copy, checksum=True)
         assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
         worker.layer_written("l0")  # no save in this step: nothing to gather
         assert worker.wait_idle(30)
@@ -1131,7 +1131,7 @@ def test_a_hybrid_cache_saves_and_loads_the_state_where_it_is_asked() -> None:
     )
     geometry = CacheGeometry(cache.geometry().buffers, (state, attention))
     worker = KvsWorker(
-        KvsConfig(verify="crc"),
+        KvsConfig(verify="checksum"),
         geometry,
         tp_rank=0,
         tp_size=1,

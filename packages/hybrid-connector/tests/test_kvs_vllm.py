@@ -3,12 +3,13 @@ by the same one after its own cache forgot it, and by a D that pulls only what t
 from P (nothing, when it has every full block, even from a P that is gone); every fault falls
 back to recompute.
 
-Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b checks
-each block's CRC), ``engine_kvs_mla`` and ``engine_kvs_gdn`` (a Gated DeltaNet hybrid: attention
-blocks plus the linear layers' states) share one refstore master (``kvs_store``). Each test uses
-prompts of its own (a seed each), so no test hits what another one stored, and ends with the
-engines idle (no request, every block back in vLLM's pool, no save holding a block) and no
-hold left in the store.
+Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b
+checks each block's checksum), ``engine_kvs_mla`` and ``engine_kvs_gdn`` (a Gated DeltaNet
+hybrid: attention blocks plus the linear layers' states) share one refstore master
+(``kvs_store``). Each test uses prompts of its own (a seed each), so no test hits what another
+one stored, and ends with the engines idle (no request, every block back in vLLM's pool, no
+save holding a block) and the store back to its counts at the test's start (``kvs_clean``: no
+hold, no leased, reserved or pinned object, no client connection added).
 """
 
 from __future__ import annotations
@@ -431,7 +432,7 @@ def test_a_damaged_object_is_refused_and_recomputed(
     damage: str,
     kvs_clean: Any,
 ) -> None:
-    """b checks CRCs: a flipped byte is caught; a checks headers: a short object is."""
+    """b checks checksums: a flipped byte is caught; a checks headers: a short object is."""
     seed = {"corrupt": 2507, "short": 2508}[damage]
     loader, saver = (
         (engine_kvs_b, engine_kvs_a) if damage == "corrupt" else (engine_kvs_a, engine_kvs_b)

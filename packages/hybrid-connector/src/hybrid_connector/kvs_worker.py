@@ -26,14 +26,15 @@ latent, only rank 0 saves; every rank loads it): each layer's segments of the bl
 order (a state group's block is one state: each linear layer's conv and recurrent state), then
 a trailer that names what the bytes are::
 
-    payload (block_nbytes) | magic "KVSBLK01" | key (19) | layout fingerprint (16) |
-                             payload length (u64) | CRC32 of the payload (u32) | zero pad to 64
+    payload (block_nbytes) | magic "KVSBLK02" | key (19) | layout fingerprint (16) |
+                             payload length (u64) | XXH64 of the payload (u64) | zero pad to 64
 
 A load locates every object it reads in the pool at once (refstore's ``payloads``: headers
 checked, no view per object), checks their trailers against what it asked for (the key, this
-rank's layout, the length, and with ``verify="crc"`` the CRC) before a byte reaches vLLM's
-blocks, then copies every segment in one native loop with the GIL released once (a thread
-that copies in many calls waits for the GIL after each one while vLLM's threads spin). Any
+rank's layout, the length, and with ``verify="checksum"`` the payload's XXH64, which every save
+writes) before a byte reaches vLLM's blocks, then copies every segment in one native loop with
+the GIL released once (a thread that copies in many calls waits for the GIL after each one while
+vLLM's threads spin). Any
 mismatch, a missing object or a failing store fails the load: an async one is reported
 failed, an in-step one by its blocks (vLLM recomputes either). A save gathers the scattered
 block segments into its staging buffer the same way (``refstore.gather``).
@@ -48,7 +49,6 @@ import logging
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,8 +63,8 @@ from hybrid_connector.metadata import NO_BLOCK, KvsLoad, KvsSave
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVSBLK01"
-_TRAILER = struct.Struct(f"<8s{kvs_keys.KEY_BYTES}s16sQI")
+MAGIC = b"KVSBLK02"
+_TRAILER = struct.Struct(f"<8s{kvs_keys.KEY_BYTES}s16sQQ")
 TRAILER_BYTES = 64
 
 
@@ -85,9 +85,6 @@ class _StagedGroup:
     lengths: np.ndarray  # (n, L*S)
     segments: int  # S: segments per layer
     gathered: np.ndarray  # (L,) bool
-    layer_nbytes: int  # one layer's bytes in a payload (payloads are layer-major)
-    crcs: list[int]  # per object, the CRC32 of its first ``crc_layers`` layers
-    crc_layers: int = 0
 
     def gather(self, layers: Sequence[int] | None = None) -> None:
         """Copy these layers' segments (None: every layer not gathered yet) into staging."""
@@ -101,27 +98,6 @@ class _StagedGroup:
             self.lengths[:, cols].ravel(),
         )  # fmt: skip
         self.gathered[todo] = True
-        self._advance_crcs()
-
-    def _advance_crcs(self) -> None:
-        """Extend each object's CRC over the layers now gathered in order (layers come in
-        order, so the checksum pass runs beside the forward pass too)."""
-        first = self.crc_layers
-        last = first
-        while last < len(self.gathered) and self.gathered[last]:
-            last += 1
-        if last == first:
-            return
-        stride = len(self.staging) // len(self.picked)
-        start, end = first * self.layer_nbytes, last * self.layer_nbytes
-        for i in range(len(self.picked)):
-            base = i * stride
-            self.crcs[i] = zlib.crc32(self.staging[base + start : base + end], self.crcs[i])
-        self.crc_layers = last
-
-    def payload_crc(self, i: int) -> int | None:
-        """Object ``i``'s payload CRC32, if every layer went into it (else None)."""
-        return self.crcs[i] if self.crc_layers == len(self.gathered) else None
 
 
 @dataclass(frozen=True)
@@ -181,14 +157,12 @@ class GroupCopy:
         return addresses.ravel(), lengths.ravel()
 
 
-def trailer(key: bytes, fingerprint: bytes, payload: np.ndarray, crc: int | None = None) -> bytes:
-    """``crc``: the payload's CRC32 when the caller has it already."""
-    value = zlib.crc32(payload) if crc is None else crc
-    packed = _TRAILER.pack(MAGIC, key, fingerprint, len(payload), value)
+def trailer(key: bytes, fingerprint: bytes, payload: np.ndarray) -> bytes:
+    packed = _TRAILER.pack(MAGIC, key, fingerprint, len(payload), refstore.checksum(payload))
     return packed.ljust(TRAILER_BYTES, b"\0")
 
 
-def check_trailer(obj: np.ndarray, key: bytes, copy: GroupCopy, *, crc: bool) -> np.ndarray:
+def check_trailer(obj: np.ndarray, key: bytes, copy: GroupCopy, *, checksum: bool) -> np.ndarray:
     """The payload of a stored block, if its trailer says it is the block asked for."""
     if len(obj) != copy.block_nbytes + TRAILER_BYTES:
         raise KvsLoadError(
@@ -205,8 +179,8 @@ def check_trailer(obj: np.ndarray, key: bytes, copy: GroupCopy, *, crc: bool) ->
         raise KvsLoadError("the block was stored by another layout")
     if nbytes != copy.block_nbytes:
         raise KvsLoadError(f"payload length {nbytes}, expected {copy.block_nbytes}")
-    if crc and value != zlib.crc32(payload):
-        raise KvsLoadError("CRC mismatch: the stored bytes are corrupt")
+    if checksum and value != refstore.checksum(payload):
+        raise KvsLoadError("checksum mismatch: the stored bytes are corrupt")
     return payload
 
 
@@ -223,7 +197,7 @@ _TRAILERS = np.dtype(
 def check_payloads(
     payloads: Any, index: np.ndarray, keys: Sequence[bytes], copy: GroupCopy
 ) -> None:
-    """``check_trailer`` without the CRC for many stored blocks at once: objects ``index`` of
+    """``check_trailer`` without the checksum for many stored blocks at once: objects ``index`` of
     ``payloads`` (refstore's ``Payloads``) hold the blocks of ``copy`` named ``keys``."""
     lengths = payloads.nbytes[index]
     expected = copy.block_nbytes + TRAILER_BYTES
@@ -522,7 +496,7 @@ class KvsWorker:
             return
         client = self._store("load") if client is None else client
         payloads = client.payloads(refs, ask_master=ask_master)
-        crc = self._config.verify == "crc"
+        checksum = self._config.verify == "checksum"
         src_parts, dst_parts, len_parts = [], [], []
         for g, copy in enumerate(self._copies):
             mine = [i for i, (_, group, _) in enumerate(picked) if group == g]
@@ -532,9 +506,9 @@ class KvsWorker:
             offsets = payloads.offsets[index]
             keys = [kvs_keys.object_key(load.chains[picked[i][0]], g, picked[i][2]) for i in mine]
             check_payloads(payloads, index, keys, copy)
-            if crc:
+            if checksum:
                 for i, key in zip(mine, keys, strict=True):
-                    check_trailer(payloads.array(i), key, copy, crc=True)
+                    check_trailer(payloads.array(i), key, copy, checksum=True)
             blocks = [load.block_ids[g][picked[i][0]] for i in mine]
             dst, lengths = copy.kv_addresses(blocks)
             dst_parts.append(dst)
@@ -595,7 +569,7 @@ class KvsWorker:
                 _StagedGroup(
                     g, rank, picked, staging, src, dst,
                     np.broadcast_to(copy.length[None, :], src.shape), segments,
-                    np.zeros(copy.layers, bool), copy.block_nbytes // copy.layers, [0] * n,
+                    np.zeros(copy.layers, bool),
                 )
             )  # fmt: skip
         return groups
@@ -628,9 +602,7 @@ class KvsWorker:
             for i, (j, _) in enumerate(group.picked):
                 key = kvs_keys.object_key(save.chains[j], group.group, group.rank)
                 block = group.staging[i * stride : (i + 1) * stride]
-                packed = trailer(
-                    key, copy.fingerprint, block[: copy.block_nbytes], group.payload_crc(i)
-                )
+                packed = trailer(key, copy.fingerprint, block[: copy.block_nbytes])
                 block[copy.block_nbytes :] = np.frombuffer(packed, np.uint8)
                 items.append((key, block))
         if not items:
