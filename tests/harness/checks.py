@@ -137,3 +137,33 @@ def assert_same_greedy(got: list[Gen], want: list[Gen], *, near_tie: bool) -> No
                 assert a in ref.logprobs[i], (i, one.token_ids, ref.token_ids)
                 assert b in one.logprobs[i], (i, one.token_ids, ref.token_ids)
                 break
+
+
+def assert_kvs_clean(store: Any, before: Any, *engines: OfflineEngine) -> None:
+    """After a KVS test: the engines idle, no save holding vLLM's blocks, and the store back to
+    ``before`` (its ``stats()`` at the test's start): no hold left for a load (they end with
+    the loads, well within ``hold_s``: they do not lapse), no object leased, reserved or
+    pinned that was not, and as many client connections and key subscribers as before (every
+    client the connectors made for the test, closed or kept, none added)."""
+    assert_idle(*engines)
+    for engine in engines:
+        assert engine.stats()["kvs"]["pending_saves"] == 0
+
+    def back() -> bool:
+        now = store.stats()
+        return (
+            now.held == 0
+            and (now.leased, now.reserved, now.pinned)
+            == (before.leased, before.reserved, before.pinned)
+            and (now.clients, now.subscribers) == (before.clients, before.subscribers)
+        )
+
+    try:
+        wait_for("the store back to its counts before the test", back, timeout=15)
+    except AssertionError:
+        now = store.stats()
+        fields = ("held", "leased", "reserved", "pinned", "clients", "subscribers")
+        raise AssertionError(
+            "the store did not come back: "
+            + ", ".join(f"{f} {getattr(before, f)} -> {getattr(now, f)}" for f in fields)
+        ) from None

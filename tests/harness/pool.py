@@ -13,7 +13,7 @@ Resources, one per session:
   for all of them.
 - KVS engines, sharing one refstore master (``kvs_store``, started with the first of them):
   ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2, TP 1, block 32; b checks each loaded block's
-  CRC), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
+  checksum), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
   vLLM keeps its states at block boundaries, mamba_cache_mode "align"), and ``engine_r3`` (the
   tiny Qwen3-MoE, block 32, KVS on and R3 routing records into the same master).
 - ``xpyd``: one ``pdserve up --prefill 2 --decode 2`` deployment (a real child process, the
@@ -28,6 +28,7 @@ is set, appends it there for a caller that runs several sessions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -176,7 +177,8 @@ def engine_spec(name: str, models_dir: Path) -> Any:
         "transfer_timeout_s": TRANSFER_TIMEOUT_S,
     }
     if kvs_arch is not None:
-        extra["kvs"] = {"store": KVS_STORE, "verify": "crc" if name == "engine_kvs_b" else "header"}
+        verify = "checksum" if name == "engine_kvs_b" else "header"
+        extra["kvs"] = {"store": KVS_STORE, "verify": verify}
     if name == "engine_r3":
         extra["r3"] = {"store": KVS_STORE}
     block_size = {"qwen2": 32 * tp, "qwen3-moe": 32}.get(arch)
@@ -209,16 +211,34 @@ class EnginePool:
         if self.store is None:
             import refstore
 
-            # Patient with peers (a KVS test gives it another node's master): a loaded box
-            # must not turn a peer's hit into a timeout; faults that tests inject fail at once.
-            refstore.start_master_process(
-                KVS_STORE,
-                KVS_POOL,
-                extra_args=["--peer-timeout", "10", "--peer-fetch-timeout", "30"],
-                detach=True,
-            )
+            self._start_master()
             self.store = refstore.Client(KVS_STORE)
         return self.store
+
+    @staticmethod
+    def _start_master() -> None:
+        import refstore
+
+        # Patient with peers (a KVS test gives it another node's master): a loaded box must
+        # not turn a peer's hit into a timeout; faults that tests inject fail at once.
+        refstore.start_master_process(
+            KVS_STORE,
+            KVS_POOL,
+            extra_args=["--peer-timeout", "10", "--peer-fetch-timeout", "30"],
+            detach=True,
+        )
+
+    def restart_store(self) -> None:
+        """Kill the KVS engines' master as a crash would (SIGKILL: what it held is lost) and
+        start a new one under its name; every client re-attaches at its next call."""
+        from refstore import MasterUnavailable, discovery, faults
+
+        from harness.checks import wait_for
+
+        with contextlib.suppress(MasterUnavailable):  # it may die before it answers
+            faults.kill_master(self.start_store())
+        wait_for("the killed master to be gone", lambda: not discovery.master_running(KVS_STORE))
+        self._start_master()
 
     def start(self, name: str) -> Any:
         """Start engine ``name`` now (also again, after a test closed it), counted."""
@@ -286,6 +306,16 @@ engine_r3 = _engine_fixture("engine_r3")
 def kvs_store(engine_pool: EnginePool) -> Any:
     """A refstore client of the KVS engines' store (the engines use it by name)."""
     return engine_pool.start_store()
+
+
+@pytest.fixture
+def kvs_clean(kvs_store: Any) -> Any:
+    """``kvs_clean(*engines)`` at a test's end: the engines idle and the store back to its
+    counts at the test's start (``checks.assert_kvs_clean``)."""
+    from harness.checks import assert_kvs_clean
+
+    before = kvs_store.stats()
+    return lambda *engines: assert_kvs_clean(kvs_store, before, *engines)
 
 
 engine_qwen2_tp2 = _engine_fixture("engine_qwen2_tp2")

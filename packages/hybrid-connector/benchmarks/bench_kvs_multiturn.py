@@ -20,10 +20,13 @@ round), so the box's other load falls on every system alike:
 * ``kvs+routing``: the same as ``kvs`` (a master of its own), the turns sent to a ``pdserve
   proxy`` in front of the two instances instead, which routes each one where its longest prefix
   is cached (the instances' KV-cache events; pd-serving's cache-aware routing) rather than in
-  turn.
+  turn;
+* ``kvs+disk`` (``--systems``): the same as ``kvs`` with the store's disk tier on
+  (``--disk-size``, in the run's temporary directory): blocks its pool (``--pool``) evicts are
+  written there and read back on a hit.
 
-Reported per system: TTFT p50 and p99 of turn 1, of turns 2+ and of turns 2+ with 2k+ tokens
-of context, and of the misses; prompt tokens served from
+Reported per system: TTFT p50 and p99 of each turn, of turns 2+ and of turns 2+ with 2k+
+tokens of context, and of the misses; prompt tokens served from
 the local cache / loaded from the store / computed (vLLM's own counters), throughput
 (answers' tokens per second), and every answer's tokens compared across systems; for
 ``kvs+routing`` also the proxy's routing decisions by reason.
@@ -50,7 +53,7 @@ import aiohttp
 
 RESULTS = Path(__file__).parent / "results"
 LONG_CONTEXT = 2048  # the target's "2k+ tokens of context"
-LOCAL, KVS, ROUTED = "local", "kvs", "kvs+routing"
+LOCAL, KVS, ROUTED, DISK = "local", "kvs", "kvs+routing", "kvs+disk"
 TOP_LOGPROBS = 5
 
 
@@ -67,11 +70,19 @@ def workload(args: argparse.Namespace, round_index: int) -> tuple[list[int], lis
 
 
 async def _complete(
-    http: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[float, list[int], list[list[str]]]:
     """(TTFT s, answer token ids, per position [its token, the top tokens]) of one streamed
-    greedy completion (tokens as text: the API's logprobs name them so)."""
+    greedy completion (tokens as text: the API's logprobs name them so); ``extra`` joins the
+    request body."""
     body = {
+        **(extra or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -183,6 +194,7 @@ def summarize(rounds: list[dict[str, Any]], turns: int) -> dict[str, Any]:
         "ttft_later_ms": _pcts(later),
         f"ttft_later_{LONG_CONTEXT}plus_ms": _pcts(long) if long else None,
         "ttft_by_turn_p50_ms": [statistics.median(ttfts[t]) * 1e3 for t in range(turns)],
+        "ttft_by_turn_p99_ms": [_pcts(ttfts[t])["p99"] for t in range(turns)],
         "ttft_miss_ms": _pcts([x for r in rounds for x in r["misses"]]),
         "tokens_per_s": sum(r["tokens"] for r in rounds) / sum(r["elapsed"] for r in rounds),
         "elapsed_s": sum(r["elapsed"] for r in rounds),
@@ -214,9 +226,21 @@ def _fresh(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 500) for _ in range(n)]
 
 
-async def _ttft(http: aiohttp.ClientSession, url: str, model: str, prompt: list[int]) -> float:
-    ttft, _, _ = await _complete(http, url, model, prompt, 1)
+async def _ttft(
+    http: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int],
+    extra: dict[str, Any] | None = None,
+) -> float:
+    ttft, _, _ = await _complete(http, url, model, prompt, 1, extra=extra)
     return ttft
+
+
+# The KVS system's own servers, each request opting out of the store: a miss with the store off
+# in the same processes (a server process may run 10-20% slower than another for a whole run).
+OFF = "kvs-off"
+OFF_BODY = {"kv_transfer_params": {"kvs": False}}
 
 
 async def paired_misses(
@@ -231,10 +255,13 @@ async def paired_misses(
     second pair (A B, A B, B A, B A, ...: each instance index sees every order); with more than
     two systems (``--kvs-variants``) it rotates, and reverses every other turn of the rotation.
     Pairs are also summarised per instance index (``by_instance``): each system's two servers
-    may differ by more than the effect, and the median over pairs mixes the two."""
+    may differ by more than the effect, and the median over pairs mixes the two. ``kvs-off``
+    is the KVS system's own servers with each request opting out of the store (``OFF_BODY``):
+    the store on and off in the same processes; it gets two fresh prompts of its own (the KVS
+    servers' prefix caches hold the KVS trial's)."""
     rng = random.Random(f"{args.seed}/paired")
     systems = list(urls)
-    for name in systems:  # warm-up, not counted: every instance's first requests
+    for name in [n for n in systems if n != OFF]:  # warm-up, not counted: first requests
         for url in urls[name]:
             for _ in range(2):
                 await _ttft(http, url, model, _fresh(rng, args.miss_tokens))
@@ -247,11 +274,14 @@ async def paired_misses(
         if (turn // n) % 2:
             order.reverse()
         prompts = [_fresh(rng, args.miss_tokens) for _ in range(2)]
+        own = [_fresh(rng, args.miss_tokens) for _ in range(2)]
         row: dict[str, Any] = {"order": order, "instance": p % 2}
         for name in order:
             await asyncio.sleep(args.miss_gap_ms / 1e3)
             url = urls[name][p % 2]
-            row[name] = [await _ttft(http, url, model, prompt) for prompt in prompts]
+            extra = OFF_BODY if name == OFF else None
+            sent = own if name == OFF else prompts
+            row[name] = [await _ttft(http, url, model, prompt, extra) for prompt in sent]
         rows.append(row)
     return rows
 
@@ -329,6 +359,8 @@ def summarize_paired(
     out: dict[str, Any] = {"pairs": rows, "context_trials": context, "ratios": {}}
     pairings = [(v, LOCAL) for v in systems if v != LOCAL]
     pairings += [(v, KVS) for v in systems if v not in (LOCAL, KVS)]
+    if OFF in systems:
+        pairings.append((KVS, OFF))  # the store on and off in the same processes
     for label, pick in (
         ("first", lambda t: t[0]),
         ("second", lambda t: t[1]),
@@ -401,8 +433,15 @@ def ratios(system: dict[str, Any], base: dict[str, Any]) -> dict[str, float | No
         if system[long_key] and base[long_key]
         else None
     )
+    long_p99 = (
+        system[long_key]["p99"] / base[long_key]["p99"]
+        if system[long_key] and base[long_key]
+        else None
+    )
     return {
         "ttft_later_p50": system["ttft_later_ms"]["p50"] / base["ttft_later_ms"]["p50"],
+        "ttft_later_p99": system["ttft_later_ms"]["p99"] / base["ttft_later_ms"]["p99"],
+        f"ttft_later_{LONG_CONTEXT}plus_p99": long_p99,
         f"ttft_later_{LONG_CONTEXT}plus_p50": long_ratio,
         "ttft_miss_p50": system["ttft_miss_ms"]["p50"] / base["ttft_miss_ms"]["p50"],
         "tokens_per_s": system["tokens_per_s"] / base["tokens_per_s"],
@@ -560,6 +599,7 @@ def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
             servers, started = start_servers(name, model, config, args, work / name)
             urls[name] = [s.url for s in servers]
             processes += started
+        urls[OFF] = urls[KVS]
         wait_all_ready(processes, timeout=900)
 
         async def trials() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -570,7 +610,7 @@ def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
             return rows, context
 
         rows, context = asyncio.run(trials())
-        results.update(summarize_paired(rows, context, args.miss_limit, list(configs)))
+        results.update(summarize_paired(rows, context, args.miss_limit, list(urls)))
         results["store"] = {
             name: {k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")}
             for name, store in stores.items()
@@ -589,7 +629,7 @@ def paired_main(args: argparse.Namespace, model: Path, work: Path) -> None:
             + ", ".join(f"{v:.3f}x" for v in r["by_instance_median"].values())
             + f" (geometric mean {r['instances_geomean']:.3f}x)"
         )
-    for name in configs:
+    for name in [*configs, OFF]:
         print(
             f"{name} miss p50 ms: first {results[f'{name}_first_p50_ms']:.1f}, second "
             f"{results[f'{name}_second_p50_ms']:.1f}"
@@ -623,7 +663,13 @@ def main() -> None:
     )
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--pool", default="1G")
+    parser.add_argument("--pool", default="1G", help="each store's pool")
+    parser.add_argument(
+        "--systems",
+        default=f"{LOCAL},{KVS},{ROUTED}",
+        help=f"local and any of {KVS}, {ROUTED}, {DISK} (the store with a disk tier)",
+    )
+    parser.add_argument("--disk-size", default="4G", help=f"{DISK}: the disk tier's size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="each system runs this many")
     parser.add_argument(
@@ -688,16 +734,27 @@ def main() -> None:
         paired_main(args, model, work)
         return
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
-    store_names = {name: f"bench-kvs-{uuid.uuid4().hex[:6]}" for name in (KVS, ROUTED)}
+    results["date"] = time.strftime("%Y-%m-%d")
+    systems = args.systems.split(",")
+    if set(systems) - {LOCAL, KVS, ROUTED, DISK} or LOCAL not in systems:
+        raise SystemExit(f"--systems: local and any of {KVS}, {ROUTED}, {DISK}")
+    store_names = {name: f"bench-kvs-{uuid.uuid4().hex[:6]}" for name in systems if name != LOCAL}
+    disk_dir = work / "disk"
     stores = {
-        name: refstore.connect(store, autostart=True, pool_size=args.pool)
+        name: refstore.connect(
+            store,
+            autostart=True,
+            pool_size=args.pool,
+            **({"disk": str(disk_dir), "disk_size": args.disk_size} if name == DISK else {}),
+        )
         for name, store in store_names.items()
     }
     configs: dict[str, dict[str, Any] | None] = {
-        LOCAL: None,
-        **{name: {"store": store} for name, store in store_names.items()},
+        name: None if name == LOCAL else {"store": store_names[name], **json.loads(args.kvs_extra)}
+        for name in systems
     }
     processes: list[Any] = []
+    proxy_url = ""
     try:
         # Every system's servers up at once (an idle vLLM server waits on its queue), taking
         # turns round by round, the order flipped each round: what the box's other load does to
@@ -709,15 +766,17 @@ def main() -> None:
             )
             processes += started
         wait_all_ready(processes, timeout=900)
-        routing_args = ["--cache-load-tokens", str(args.cache_load_tokens)]
-        routing_args += ["--store-weight", str(args.store_weight)]
-        proxy_url, proxy = start_proxy(
-            servers[ROUTED], store_names[ROUTED], work / ROUTED, routing_args
-        )
-        processes.append(proxy)
-        wait_all_ready([proxy], timeout=120)
         instance_urls = {name: [s.url for s in group] for name, group in servers.items()}
-        urls = {**instance_urls, ROUTED: [proxy_url]}
+        urls = dict(instance_urls)
+        if ROUTED in systems:
+            routing_args = ["--cache-load-tokens", str(args.cache_load_tokens)]
+            routing_args += ["--store-weight", str(args.store_weight)]
+            proxy_url, proxy = start_proxy(
+                servers[ROUTED], store_names[ROUTED], work / ROUTED, routing_args
+            )
+            processes.append(proxy)
+            wait_all_ready([proxy], timeout=120)
+            urls[ROUTED] = [proxy_url]
         raw: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         for round_index in range(args.rounds):
             order = list(configs) if round_index % 2 == 0 else list(reversed(configs))
@@ -730,10 +789,10 @@ def main() -> None:
         for name in configs:
             results[name] = summarize(raw[name], args.turns)
         for name, store in stores.items():
-            results[name]["store"] = {
-                k: getattr(store.stats(), k) for k in ("keys", "used", "evictions")
-            }
-        results[ROUTED]["routing"] = routing_decisions(proxy_url)
+            fields = ("keys", "used", "evictions", "disk_keys", "disk_hits", "disk_writes")
+            results[name]["store"] = {k: getattr(store.stats(), k) for k in fields}
+        if ROUTED in systems:
+            results[ROUTED]["routing"] = routing_decisions(proxy_url)
     finally:
         stop_all(processes)
         for store in stores.values():
@@ -741,12 +800,11 @@ def main() -> None:
             store.close()
     local_answers = results[LOCAL]["answers"]
     bad: list[tuple[str, str, int]] = []
-    for name in (KVS, ROUTED):
+    for name in systems[1:]:
         differ, roots, parted = compare_answers(results[LOCAL], results[name])
         bad += [(name, key, at) for key, at in parted]
-        suffix = "" if name == KVS else "_routing"
-        results[f"answers_differ{suffix}"] = differ
-        results[f"divergent_sessions{suffix}"] = roots
+        results[name]["answers_differ"] = differ
+        results[name]["divergent_sessions"] = roots
         print(
             f"{name} against local: answers identical {len(local_answers) - len(differ)} of "
             f"{len(local_answers)}; sessions parting at a near-tie: {len(roots) - len(parted)} "
@@ -765,21 +823,19 @@ def main() -> None:
             f"{r['tokens_per_s']:6.1f} tok/s; prompt tokens: "
             + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(src.items()))
         )
-    print(f"{ROUTED} routing decisions: {results[ROUTED]['routing']}")
-    results["ratios"] = ratios(results[KVS], results[LOCAL])
-    results["ratios_routing_local"] = ratios(results[ROUTED], results[LOCAL])
-    results["ratios_routing_kvs"] = ratios(results[ROUTED], results[KVS])
-    for label, key in (
-        ("kvs/local", "ratios"),
-        (f"{ROUTED}/local", "ratios_routing_local"),
-        (f"{ROUTED}/kvs", "ratios_routing_kvs"),
-    ):
-        r = results[key]
+    if ROUTED in systems:
+        print(f"{ROUTED} routing decisions: {results[ROUTED]['routing']}")
+    results["ratios"] = {}
+    pairs = [(name, LOCAL) for name in systems[1:]]
+    pairs += [(name, KVS) for name in systems[1:] if name != KVS and KVS in systems]
+    for num, den in pairs:
+        r = results["ratios"][f"{num}/{den}"] = ratios(results[num], results[den])
         long_ratio = r[f"ttft_later_{LONG_CONTEXT}plus_p50"]
-        long_text = f"{long_ratio:.2f}x" if long_ratio is not None else "n/a"
+        long_text = f"{long_ratio:.3f}x" if long_ratio is not None else "n/a"
         print(
-            f"TTFT p50 {label}: turns 2+ {r['ttft_later_p50']:.2f}x, at {LONG_CONTEXT}+ tokens "
-            f"{long_text}, misses {r['ttft_miss_p50']:.2f}x; tok/s {r['tokens_per_s']:.2f}x"
+            f"TTFT p50 {num}/{den}: turns 2+ {r['ttft_later_p50']:.3f}x (p99 "
+            f"{r['ttft_later_p99']:.3f}x), at {LONG_CONTEXT}+ tokens {long_text}, misses "
+            f"{r['ttft_miss_p50']:.3f}x; tok/s {r['tokens_per_s']:.3f}x"
         )
     if not args.smoke:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -31,11 +31,11 @@ from hybrid_connector.kvs_worker import (
     GroupCopy,
     KvsWorker,
     check_trailer,
-    scatter_copy,
 )
 from hybrid_connector.layout import Buffer, CacheGeometry, KvCacheGeometry, KvGroup
 from hybrid_connector.metadata import KvsLoad, KvsSave
 from ipcblock import Segment
+from refstore import Payloads
 
 IDENTITY = kvs_keys.ModelIdentity(model="/models/tiny-qwen2", dtype="bfloat16", tp_size=1)
 GROUP = KvGroup("attention", ("l0", "l1"), 4, "bfloat16", total_heads=2, num_heads=2)
@@ -209,6 +209,14 @@ class FakeStore:
         view.flags.writeable = False
         return view
 
+    def payloads(self, refs: list[Any], ask_master: bool = True) -> Payloads:
+        """refstore's ``payloads``: the objects side by side in one buffer (a copy)."""
+        blobs = [self.get(ref) for ref in refs]
+        sizes = np.array([len(b) for b in blobs], np.uint64)
+        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
+        whole = np.concatenate(blobs) if blobs else np.empty(0, np.uint8)
+        return Payloads(memoryview(whole), offsets, sizes)
+
     def unhold(self, refs: list[Any]) -> None:
         self.unheld.extend(refs)
 
@@ -243,7 +251,7 @@ class Reports:
 
 
 def _worker(cache: Cache, store: FakeStore, reports: Reports, **config: Any) -> KvsWorker:
-    config.setdefault("verify", "crc")
+    config.setdefault("verify", "checksum")
     return KvsWorker(
         KvsConfig(**config),
         cache.geometry(),
@@ -295,7 +303,7 @@ def test_saved_blocks_load_back_byte_for_byte_into_other_blocks() -> None:
         assert store.unheld == []  # holds are the lookup's: the scheduler half ends them
     finally:
         worker.close()
-    assert store.closed == 2  # the load thread's client and the save thread's
+    assert store.closed == 3  # the load thread's client, the save thread's, in-step loads'
     assert not [t for t in threading.enumerate() if t.name.startswith("hybrid-connector-kvs")]
 
 
@@ -353,14 +361,93 @@ def test_a_damaged_or_missing_block_fails_the_load_and_leaves_the_cache_alone(da
         worker.close()
 
 
-def test_header_verification_skips_only_the_crc() -> None:
+def test_an_in_step_load_copies_before_handle_returns_and_reports_failures_by_block() -> None:
+    """In-step loads run on vLLM's thread, inside the hook that hands the step over (before
+    its forward pass): done when it returns. A failed one leaves the cache alone and names
+    its blocks; one without a client (the store was down at start) gets one made on the load
+    thread for the next."""
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    rng = np.random.default_rng(1)
+    cache.buffer[:] = rng.integers(0, 256, cache.buffer.size, dtype=np.uint8)
+    in_step: list[tuple[str, bool]] = []
+    worker = KvsWorker(
+        KvsConfig(),
+        cache.geometry(),
+        tp_rank=0,
+        tp_size=1,
+        connect=lambda: store,
+        report_load=reports,
+        report_save=reports.save,
+        report_in_step=lambda request_id, failed: in_step.append((request_id, failed)),
+    )
+    try:
+        chains = _chains(2)
+        _save_and_wait(worker, reports, [5, 2], chains)
+        expected = [cache.block(layer, b).copy() for layer in (0, 1) for b in (5, 2)]
+        sources = _sources(store, chains)
+        worker.handle([KvsLoad("a", [[11, 12]], chains, sources, in_step=True)], [])
+        got = [cache.block(layer, b) for layer in (0, 1) for b in (11, 12)]
+        assert all(np.array_equal(x, y) for x, y in zip(got, expected, strict=True))
+        assert worker.take_loaded_in_step() == ["a"]
+        assert worker.take_failed_blocks() == set()
+        del store.objects[next(iter(store.objects))]  # evicted between lookup and load
+        before = cache.buffer.copy()
+        worker.handle([KvsLoad("b", [[13, 14]], chains, sources, in_step=True)], [])
+        assert np.array_equal(cache.buffer, before)
+        assert worker.take_loaded_in_step() == ["b"]
+        assert worker.take_failed_blocks() == {13, 14}
+        assert in_step == [("a", False), ("b", True)]
+        assert reports.loads == {}  # never a pull's report: vLLM reads the step's output
+    finally:
+        worker.close()
+
+
+def test_in_step_loads_without_a_client_fail_until_the_load_thread_makes_one() -> None:
+    cache, store, reports = Cache(), FakeStore(), Reports()
+    down = threading.Event()
+    down.set()
+
+    def connect() -> FakeStore:
+        if down.is_set():
+            raise ConnectionError("no master")
+        return store
+
+    worker = KvsWorker(
+        KvsConfig(),
+        cache.geometry(),
+        tp_rank=0,
+        tp_size=1,
+        connect=connect,
+        report_load=reports,
+        report_save=reports.save,
+    )
+    try:
+        assert worker.wait_idle(30)
+        chains = _chains(1)
+        worker.handle([KvsLoad("a", [[3]], chains, [[(FakeRef(b"x"), 0)]], in_step=True)], [])
+        assert worker.take_failed_blocks() == {3}
+        down.clear()  # the store is up: the load thread's next connect succeeds
+        assert worker.wait_idle(30)
+        worker.handle([KvsLoad("b", [[3]], chains, [[(FakeRef(b"x"), 0)]], in_step=True)], [])
+        assert worker.take_failed_blocks() == {3}  # the failed attempt asked for a client
+        assert worker.wait_idle(30)
+        store.objects[b"x"] = np.zeros(1, np.uint8)
+        worker.handle([KvsLoad("c", [[3]], chains, [[(FakeRef(b"x"), 0)]], in_step=True)], [])
+        assert worker.take_failed_blocks() == {3}  # a client now: a short object, refused
+        assert worker.counters["load_failures"] == 3
+        assert worker._clients.get("step") is store
+    finally:
+        worker.close()
+
+
+def test_header_verification_skips_only_the_checksum() -> None:
     cache, store, reports = Cache(), FakeStore(), Reports()
     worker = _worker(cache, store, reports, verify="header")
     try:
         chains = _chains(1)
         _save_and_wait(worker, reports, [1], chains)
         key = next(iter(store.objects))
-        store.objects[key][0] ^= 1  # payload damage: not seen without the CRC
+        store.objects[key][0] ^= 1  # payload damage: not seen without the checksum
         worker.handle([KvsLoad("a", [[3]], chains, _sources(store, chains))], [])
         assert reports.wait("a") is False
         store.objects[key] = store.objects[key][:-1]  # a short object still is
@@ -426,27 +513,15 @@ def test_a_save_takes_each_layer_as_the_forward_pass_writes_it(by_layer: bool) -
         assert (int(layer0[0]), int(layer1[0])) == ((1, 2) if by_layer else (3, 4))
         assert np.all(layer0 == layer0[0])
         assert np.all(layer1 == layer1[0])
-        # The CRC, taken layer by layer as they came, is the payload's.
+        # The checksum is the payload's, as gathered layer by layer.
         copy = GroupCopy.of(cache.geometry().groups[0], cache.geometry().buffers)
-        check_trailer(stored, kvs_keys.object_key(chains[0], 0, 0), copy, crc=True)
+        check_trailer(stored, kvs_keys.object_key(chains[0], 0, 0), copy, checksum=True)
         assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
         worker.layer_written("l0")  # no save in this step: nothing to gather
         assert worker.wait_idle(30)
         assert worker.counters["layer_gathers"] == (2 if by_layer else 0)
     finally:
         worker.close()
-
-
-def test_scatter_copy_moves_more_segments_than_one_call_takes() -> None:
-    src = np.arange(3000 * 8, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    order = np.random.default_rng(1).permutation(3000).astype(np.uint64)
-    scatter_copy(
-        dst.ctypes.data + order * np.uint64(8),
-        src.ctypes.data + np.arange(3000, dtype=np.uint64) * np.uint64(8),
-        np.full(3000, 8, np.uint64),
-    )
-    assert np.array_equal(dst.reshape(3000, 8)[order], src.reshape(3000, 8))
 
 
 def test_group_copy_places_each_layer_segment_in_the_payload() -> None:
@@ -583,18 +658,23 @@ def _output(**scheduled: int) -> Any:
     return SimpleNamespace(num_scheduled_tokens=scheduled)
 
 
-def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
+@pytest.mark.parametrize("in_step", [True, False])
+def test_the_store_hit_past_the_local_hit_is_loaded(in_step: bool) -> None:
+    """In the step that admits the request (vLLM is told the load is not async) or while the
+    request waits, as for a pull: either way the holds last until the load is over."""
     store = FakeStore()
-    planner = _planner(store)
+    planner = _planner(store, load_in_step=in_step)
     tokens = list(range(14))
     chains = kvs_keys.chain(planner.root, tokens, 4)
     for key in kvs_keys.lookup_keys(chains[:2], [GROUP], 1)[0]:
         store.objects[key] = np.zeros(1, np.uint8)  # the store has blocks 0 and 1
     request = _req("r", tokens)
-    assert planner.get_num_new_matched_tokens(request, 4) == (4, True)  # local hit: block 0
+    # The local hit is block 0; the store adds block 1.
+    assert planner.get_num_new_matched_tokens(request, 4) == (4, not in_step)
     blocks = SimpleNamespace(blocks=([Block(i) for i in (20, 21, 22, 23)],))
     load = planner.update_state_after_alloc(request, blocks, 4)
     assert load is not None
+    assert load.in_step is in_step
     assert load.block_ids == [[21]]
     assert load.chains == chains[1:2]
     assert [ref.key for ref, _ in load.sources[0]] == [kvs_keys.object_key(chains[1], 0, 0)]
@@ -608,6 +688,46 @@ def test_the_store_hit_past_the_local_hit_is_loaded() -> None:
     assert planner.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted: no reload
     planner.request_finished(request)  # nothing held any more: nothing unheld twice
     assert len(store.unheld) == 2
+
+
+def test_an_in_step_load_keeps_its_holds_until_its_step_reports_it() -> None:
+    """A request vLLM ends before the report of the step that loads it (an abort): the
+    worker may still read the objects, so their holds go with the report, not before."""
+    store = FakeStore()
+    planner = _planner(store)
+    tokens = list(range(9))
+    chains = kvs_keys.chain(planner.root, tokens, 4)
+    for key in kvs_keys.lookup_keys(chains, [GROUP], 1)[0]:
+        store.objects[key] = np.zeros(1, np.uint8)
+    request = _req("r", tokens)
+    assert planner.get_num_new_matched_tokens(request, 0) == (8, False)
+    load = planner.update_state_after_alloc(request, SimpleNamespace(blocks=([Block(1)],)), 8)
+    assert load is not None
+    assert load.in_step
+    planner.request_finished(request)
+    assert store.unheld == []
+    planner.load_finished("r")
+    assert sorted(ref.key for ref in store.unheld) == sorted(
+        kvs_keys.object_key(c, 0, 0) for c in chains
+    )
+    planner.load_finished("r")  # a second rank's report: nothing more
+    assert len(store.unheld) == 2
+    assert planner._requests == {}
+
+
+def test_a_request_that_pulls_from_p_loads_with_its_pull() -> None:
+    """D's request loads what the store has and pulls the rest: one async receive, in parts."""
+    store = FakeStore()
+    planner = _planner(store)
+    tokens = list(range(9))
+    chains = kvs_keys.chain(planner.root, tokens, 4)
+    for key in kvs_keys.lookup_keys(chains, [GROUP], 1)[0]:
+        store.objects[key] = np.zeros(1, np.uint8)
+    request = _req("r", tokens)
+    assert planner.stored_tokens(request, 0) == 8
+    load = planner.update_state_after_alloc(request, SimpleNamespace(blocks=([Block(1)],)), 8)
+    assert load is not None
+    assert not load.in_step
 
 
 def test_a_lookup_that_does_not_answer_in_time_is_a_miss() -> None:
@@ -678,11 +798,17 @@ def test_blocks_the_store_had_at_lookup_are_not_saved_again() -> None:
     assert [s.block_ids for s in saves] == [[[3]]]
 
 
-def test_requests_with_embeddings_or_images_are_neither_looked_up_nor_saved() -> None:
+@pytest.mark.parametrize("why", ["embeddings", "opted out"])
+def test_requests_with_embeddings_or_opted_out_are_neither_looked_up_nor_saved(why: str) -> None:
     planner = _planner(FakeStore())
+    lookups: FakeLookups = planner._lookups  # type: ignore[assignment]
     request = _req("r", list(range(12)))
-    request.prompt_token_ids = None
+    if why == "embeddings":
+        request.prompt_token_ids = None
+    else:
+        request.kv_transfer_params = {"kvs": False}
     assert planner.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert lookups.pending == {}
     assert planner.plan_saves(_output(r=12)) == []
 
 
@@ -806,7 +932,7 @@ def test_a_block_loaded_by_a_second_request_is_soft_pinned() -> None:
         store.objects[key] = np.zeros(1, np.uint8)
     for n, request_id in enumerate(("r1", "r2", "r3"), 1):
         request = _req(request_id, tokens)
-        assert planner.get_num_new_matched_tokens(request, 0) == (8, True)
+        assert planner.get_num_new_matched_tokens(request, 0) == (8, False)
         blocks = SimpleNamespace(blocks=([Block(i) for i in (1, 2, 3)],))
         assert planner.update_state_after_alloc(request, blocks, 8) is not None
         assert len(lookups.pinned) == (0 if n == 1 else 2)  # pinned once, at the second load
@@ -883,6 +1009,7 @@ def test_a_hybrid_hit_loads_attention_past_the_local_hit_and_the_state_into_the_
     load = planner.update_state_after_alloc(request, blocks, 8)
     assert load is not None
     assert not load.error
+    assert not load.in_step  # vLLM recovers failed in-step loads of one-group models only
     assert load.block_ids == [[kvs.NO_BLOCK, 31], [20, 21]]
     assert load.chains == chains[:2]
     keys = [[ref.key for ref, _ in entries] for entries in load.sources]
@@ -1004,7 +1131,7 @@ def test_a_hybrid_cache_saves_and_loads_the_state_where_it_is_asked() -> None:
     )
     geometry = CacheGeometry(cache.geometry().buffers, (state, attention))
     worker = KvsWorker(
-        KvsConfig(verify="crc"),
+        KvsConfig(verify="checksum"),
         geometry,
         tp_rank=0,
         tp_size=1,

@@ -3,12 +3,13 @@ by the same one after its own cache forgot it, and by a D that pulls only what t
 from P (nothing, when it has every full block, even from a P that is gone); every fault falls
 back to recompute.
 
-Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b checks
-each block's CRC), ``engine_kvs_mla`` and ``engine_kvs_gdn`` (a Gated DeltaNet hybrid: attention
-blocks plus the linear layers' states) share one refstore master (``kvs_store``). Each test uses
-prompts of its own (a seed each), so no test hits what another one stored, and ends with the
-engines idle (no request, every block back in vLLM's pool, no save holding a block) and no
-hold left in the store.
+Shared engines (``tests/harness/pool.py``): ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2; b
+checks each block's checksum), ``engine_kvs_mla`` and ``engine_kvs_gdn`` (a Gated DeltaNet
+hybrid: attention blocks plus the linear layers' states) share one refstore master
+(``kvs_store``). Each test uses prompts of its own (a seed each), so no test hits what another
+one stored, and ends with the engines idle (no request, every block back in vLLM's pool, no
+save holding a block) and the store back to its counts at the test's start (``kvs_clean``: no
+hold, no leased, reserved or pinned object, no client connection added).
 """
 
 from __future__ import annotations
@@ -85,22 +86,13 @@ def _delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
     return after.get(key, 0) - before.get(key, 0)
 
 
-def _assert_clean(store: Any, *engines: OfflineEngine) -> None:
-    """Back to baseline: engines idle, no save holding vLLM's blocks, no hold in the store."""
-    assert_idle(*engines)
-    for engine in engines:
-        assert engine.stats()["kvs"]["pending_saves"] == 0
-    # Well within hold_s (30 s): the holds end with the loads, they do not lapse.
-    wait_for("the store to hold nothing for a load", lambda: store.stats().held == 0, timeout=10)
-
-
 def _tokens(outs: list[Any]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
 # ------------------------------------------------------------------ hits
 def test_a_prefix_computed_on_one_instance_is_loaded_by_another(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     batch = prompts(2501, LENGTHS)
     keys_before = kvs_store.stats().keys
@@ -114,11 +106,11 @@ def test_a_prefix_computed_on_one_instance_is_loaded_by_another(
     after = _by_source(engine_kvs_b)
     assert _delta(after, before, "external_kv_transfer") == stored * BLOCK
     assert _delta(after, before, "local_compute") == sum(len(p) for p in batch) - stored * BLOCK
-    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
 
 
 def test_the_second_instance_extends_what_the_first_stored(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     """A turn 2 (turn 1 plus more tokens) on the other instance loads turn 1's blocks, then
     saves only its own new ones."""
@@ -136,11 +128,11 @@ def test_the_second_instance_extends_what_the_first_stored(
     assert _delta(after, before, "external_kv_transfer") == loaded
     full = (len(turn2) + MAX_TOKENS - 1) // BLOCK
     assert engine_kvs_b.stats()["kvs"]["saved_blocks"] - saved_before == full - loaded // BLOCK
-    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
 
 
 def test_mla_blocks_load_back_after_the_instance_forgot_them(
-    engine_kvs_mla: OfflineEngine, kvs_store: Any
+    engine_kvs_mla: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     engine = engine_kvs_mla
     block = engine.block_size
@@ -152,11 +144,11 @@ def test_mla_blocks_load_back_after_the_instance_forgot_them(
     assert _tokens(got) == _tokens(expected)
     stored = sum(_stored_blocks(p, block) for p in batch)
     assert _delta(_by_source(engine), before, "external_kv_transfer") == stored * block
-    _assert_clean(kvs_store, engine)
+    kvs_clean(engine)
 
 
 def test_gdn_attention_and_state_load_back_as_vllm_own_prefix_hit_would(
-    engine_kvs_gdn: OfflineEngine, kvs_store: Any
+    engine_kvs_gdn: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     """A hybrid prefix: vLLM computes a prompt's first 2 blocks in one block-aligned step and
     keeps the state after them (mamba_cache_mode "align"). The prompt extended then hits that
@@ -196,7 +188,7 @@ def test_gdn_attention_and_state_load_back_as_vllm_own_prefix_hit_would(
     assert _tokens(got) == _tokens(want)
     assert got[0].token_ids == local[0].token_ids
     assert got[0].logprobs == local[0].logprobs
-    _assert_clean(kvs_store, engine)
+    kvs_clean(engine)
 
 
 @pytest.mark.starts_vllm
@@ -232,7 +224,7 @@ def _prefill_and_save(p: OfflineEngine, batch: list[list[int]]) -> list[dict[str
 
 
 def test_d_loads_what_p_saved_and_p_releases_without_a_pull(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     p, d = engine_kvs_a, engine_kvs_b
     batch = prompts(2513, LENGTHS)
@@ -245,7 +237,7 @@ def test_d_loads_what_p_saved_and_p_releases_without_a_pull(
     after = _by_source(d)
     assert _delta(after, sources, "external_kv_transfer") == stored * BLOCK
     assert _delta(after, sources, "local_compute") == sum(map(len, batch)) - stored * BLOCK
-    _assert_clean(kvs_store, p, d)
+    kvs_clean(p, d)
     p_after, d_after = p.counters(), d.counters()
     assert _delta(d_after, d_before, "pulls_started") == 0
     assert _delta(p_after, p_before, "sends_done") == 0
@@ -253,7 +245,7 @@ def test_d_loads_what_p_saved_and_p_releases_without_a_pull(
 
 
 def test_d_pulls_from_p_only_the_blocks_the_store_lacks(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     p, d = engine_kvs_a, engine_kvs_b
     batch = prompts(2514, LENGTHS)
@@ -267,7 +259,7 @@ def test_d_pulls_from_p_only_the_blocks_the_store_lacks(
     assert _tokens(got) == _tokens(expected)
     after = _by_source(d)
     assert _delta(after, sources, "external_kv_transfer") == sum(map(len, batch))
-    _assert_clean(kvs_store, p, d)
+    kvs_clean(p, d)
     wait_for_sends(p, p_before, len(batch))
     d_after = d.counters()
     assert _delta(d_after, d_before, "pulls_done") == len(batch)
@@ -277,7 +269,7 @@ def test_d_pulls_from_p_only_the_blocks_the_store_lacks(
 
 
 def test_d_loads_from_the_store_when_p_is_gone(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     """P computed the prompt and saved it, then died: D's pull names a P nobody answers for,
     and D loads from the store instead of recomputing."""
@@ -289,11 +281,11 @@ def test_d_loads_from_the_store_when_p_is_gone(
     assert _tokens(got) == _tokens(expected)
     stored = sum(_stored_blocks(prompt) for prompt in batch)
     assert _delta(_by_source(d), sources, "external_kv_transfer") == stored * BLOCK
-    _assert_clean(kvs_store, engine_kvs_a, d)
+    kvs_clean(engine_kvs_a, d)
 
 
 def test_gdn_d_loads_stored_attention_and_pulls_the_rest_and_the_state_from_p(
-    engine_kvs_gdn: OfflineEngine, engine_gdn: OfflineEngine, kvs_store: Any
+    engine_kvs_gdn: OfflineEngine, engine_gdn: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     """A hybrid D (GDN) with the store: the store has the prompt's attention blocks (D itself
     computed the prompt once, then its own cache forgot it); P (``engine_gdn``, no store)
@@ -321,11 +313,11 @@ def test_gdn_d_loads_stored_attention_and_pulls_the_rest_and_the_state_from_p(
     assert _delta(after, sources, "local_compute") == 1
     wait_for_sends(p, p_before, 1)
     assert_idle(p)
-    _assert_clean(kvs_store, d)
+    kvs_clean(d)
 
 
 def test_a_gdn_d_whose_p_is_gone_recomputes_the_same_answer(
-    engine_kvs_gdn: OfflineEngine, kvs_store: Any
+    engine_kvs_gdn: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     """The store has the prompt's attention, and its P is gone: the pull fails (the state after
     the prompt was only P's) and D recomputes what it could not pull, token for token."""
@@ -336,21 +328,29 @@ def test_a_gdn_d_whose_p_is_gone_recomputes_the_same_answer(
     assert d.call(reset_prefix_cache)
     got = d.generate([prompt], MAX_TOKENS, [pull_params(dead_address())])
     assert _tokens(got) == _tokens(expected)
-    _assert_clean(kvs_store, d)
+    kvs_clean(d)
 
 
 # ------------------------------------------------------------------ faults: recompute, same tokens
-def _recomputes(engine: OfflineEngine, batch: list[list[int]], expected: list[Any]) -> None:
-    before = _by_source(engine)
+def _recomputes(
+    engine: OfflineEngine, batch: list[list[int]], expected: list[Any], failed_loads: int = 0
+) -> None:
+    """``batch`` on ``engine`` answers ``expected``, every prompt token computed: a miss each,
+    or ``failed_loads`` loads refused (in step: vLLM counted their tokens as loaded when it
+    admitted the requests, then recomputed them from the first refused block; nothing had
+    reached those blocks, so only the recompute gives the expected answer)."""
+    before, failed = _by_source(engine), _counter(engine, "kvs_loads_failed")
     got = engine.generate(batch, MAX_TOKENS)
     assert _tokens(got) == _tokens(expected)
     after = _by_source(engine)
-    assert _delta(after, before, "external_kv_transfer") == 0
-    assert _delta(after, before, "local_compute") == sum(len(p) for p in batch)
+    assert _counter(engine, "kvs_loads_failed") - failed == failed_loads
+    if not failed_loads:
+        assert _delta(after, before, "external_kv_transfer") == 0
+        assert _delta(after, before, "local_compute") == sum(len(p) for p in batch)
 
 
 def test_a_store_that_fails_lookups_and_saves_costs_only_the_hits(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     batch = prompts(2505, LENGTHS)
     faults.inject(kvs_store, "lookup:fail;put_keyed:fail")
@@ -365,11 +365,48 @@ def test_a_store_that_fails_lookups_and_saves_costs_only_the_hits(
     finally:
         faults.clear(kvs_store)
     assert engine_kvs_b.stats()["kvs"]["lookup_misses"] >= len(batch)
-    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
+
+
+def _generate_fresh(engine: OfflineEngine, batch: list[list[int]]) -> tuple[list[Any], int]:
+    """``batch`` on ``engine`` with its own prefix cache emptied first: (outputs, tokens it
+    loaded from the store)."""
+    assert engine.call(reset_prefix_cache)
+    before = _by_source(engine)
+    outs = engine.generate(batch, MAX_TOKENS)
+    return outs, _delta(_by_source(engine), before, "external_kv_transfer")
+
+
+def test_a_stalled_store_is_a_miss_and_no_step_waits_for_it(
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
+) -> None:
+    """The master answers lookups past ``lookup_timeout_s`` (2 s): the request is scheduled as
+    a miss when its lookup times out, and meanwhile b's engine keeps stepping (vLLM is told
+    "ask again"; a step that waited on the lookup would be one step in those seconds, not
+    hundreds). Once the store answers again, b's lookups reach it and load."""
+    batch = prompts(2530, (300,))
+    expected = _compute_and_save(engine_kvs_a, batch)  # in the store: only the stall misses it
+    steps, misses = _counter(engine_kvs_b, "steps"), engine_kvs_b.stats()["kvs"]["lookup_misses"]
+    faults.inject(kvs_store, "lookup:delay=4")
+    try:
+        _recomputes(engine_kvs_b, batch, expected)
+    finally:
+        faults.clear(kvs_store)
+    assert engine_kvs_b.stats()["kvs"]["lookup_misses"] - misses == 1
+    assert _counter(engine_kvs_b, "steps") - steps >= 50
+    stored = _stored_blocks(batch[0]) * BLOCK
+
+    def loads_again() -> bool:
+        got, loaded = _generate_fresh(engine_kvs_b, batch)
+        assert _tokens(got) == _tokens(expected)
+        return loaded == stored
+
+    wait_for("b to load from the store again", loads_again)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
 
 
 def test_an_object_evicted_between_lookup_and_load_is_recomputed(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     batch = prompts(2506, LENGTHS)
     expected = _compute_and_save(engine_kvs_a, batch)
@@ -384,14 +421,18 @@ def test_an_object_evicted_between_lookup_and_load_is_recomputed(
         engine_kvs_b.counters(),
         engine_kvs_b.stats()["kvs"],
     )
-    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "short"])
 def test_a_damaged_object_is_refused_and_recomputed(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, damage: str
+    engine_kvs_a: OfflineEngine,
+    engine_kvs_b: OfflineEngine,
+    kvs_store: Any,
+    damage: str,
+    kvs_clean: Any,
 ) -> None:
-    """b checks CRCs: a flipped byte is caught; a checks headers: a short object is."""
+    """b checks checksums: a flipped byte is caught; a checks headers: a short object is."""
     seed = {"corrupt": 2507, "short": 2508}[damage]
     loader, saver = (
         (engine_kvs_b, engine_kvs_a) if damage == "corrupt" else (engine_kvs_a, engine_kvs_b)
@@ -407,14 +448,12 @@ def test_a_damaged_object_is_refused_and_recomputed(
         whole = np.array(kvs_store.get(ref)).reshape(-1).view(np.uint8)
         faults.evict_keys(kvs_store, keys[3:4])
         kvs_store.put_keyed([(keys[3], whole[:-64].copy())], ttl=None)
-    failed = _counter(loader, "kvs_loads_failed")
-    _recomputes(loader, batch, expected)
-    assert _counter(loader, "kvs_loads_failed") - failed == 1
-    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+    _recomputes(loader, batch, expected, failed_loads=1)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
 
 
 def test_a_full_store_saves_what_fits_and_the_rest_is_recomputed(
-    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any, kvs_clean: Any
 ) -> None:
     batch = prompts(2509, LENGTHS)
     ballast = []
@@ -440,13 +479,17 @@ def test_a_full_store_saves_what_fits_and_the_rest_is_recomputed(
         assert loaded < sum(_stored_blocks(p) for p in batch) * BLOCK  # not everything fit
     finally:
         kvs_store.release(ballast)
-    _assert_clean(kvs_store, engine_kvs_a, engine_kvs_b)
+    kvs_clean(engine_kvs_a, engine_kvs_b)
 
 
 # ------------------------------------------------------------------ restart
 @pytest.mark.destroys("engine_kvs_b")
 def test_a_restarted_instance_loads_what_both_stored_before(
-    engine_pool: Any, engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+    engine_pool: Any,
+    engine_kvs_a: OfflineEngine,
+    engine_kvs_b: OfflineEngine,
+    kvs_store: Any,
+    kvs_clean: Any,
 ) -> None:
     from_a, from_b = prompts(2510, (260,)), prompts(2511, (230,))
     want_a = _compute_and_save(engine_kvs_a, from_a)
@@ -459,4 +502,46 @@ def test_a_restarted_instance_loads_what_both_stored_before(
     assert _tokens(got) == _tokens(want_a) + _tokens(want_b)
     stored = _stored_blocks(from_a[0]) + _stored_blocks(from_b[0])
     assert _delta(_by_source(restarted), before, "external_kv_transfer") == stored * BLOCK
-    _assert_clean(kvs_store, engine_kvs_a, restarted)
+    kvs_clean(engine_kvs_a, restarted)
+
+
+@pytest.mark.destroys("kvs_store")
+def test_a_store_killed_and_restarted_is_missed_then_used_again(
+    engine_pool: Any, engine_kvs_a: OfflineEngine, engine_kvs_b: OfflineEngine, kvs_store: Any
+) -> None:
+    """The master dies (SIGKILL: every stored block is lost) and a new one starts under its
+    name. What the old one held is a miss, recomputed token for token; then every client
+    re-attaches to the new one (MasterRestarted: b's lookups, a's saves, b's in-step loads,
+    whose first load after the restart recomputes) and b loads what a saves there again.
+    Nothing leaks: no hold, no connection added per request, no thread, no socket."""
+    # The pool's current engines: a test that destroys engine_kvs_b may have restarted it.
+    a, b = (engine_pool.get(name) for name in ("engine_kvs_a", "engine_kvs_b"))
+    lost = prompts(2531, LENGTHS)
+    expected = _compute_and_save(a, lost)
+    before = {e.name: e.stats() for e in (a, b)}
+    engine_pool.restart_store()
+    got, loaded = _generate_fresh(b, lost)
+    assert _tokens(got) == _tokens(expected)
+    assert loaded == 0
+    rounds = iter(range(2532, 2600))
+
+    def loads_again() -> bool:
+        batch = prompts(next(rounds), LENGTHS)
+        want = _compute_and_save(a, batch)
+        got, loaded = _generate_fresh(b, batch)
+        assert _tokens(got) == _tokens(want)
+        return loaded == sum(_stored_blocks(p) for p in batch) * BLOCK
+
+    wait_for("b to load what a saved in the new store", loads_again, timeout=120)
+    settled = kvs_store.stats()
+    assert loads_again()  # once more: every client is attached now, none is added
+    assert_idle(a, b)
+    now = kvs_store.stats()
+    assert (now.held, now.leased, now.reserved) == (0, 0, 0)
+    assert (now.clients, now.subscribers) == (settled.clients, settled.subscribers)
+    for engine in (a, b):
+        after = engine.stats()
+        assert after["threads"] == before[engine.name]["threads"]
+        assert [len(f) for f in after["worker_socket_fds"]] == [
+            len(f) for f in before[engine.name]["worker_socket_fds"]
+        ]

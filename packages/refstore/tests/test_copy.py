@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from refstore import Client, MasterThread, _fastpath, codec
+from refstore import Client, MasterThread, ObjectGone, _fastpath, checksum, codec, gather
 
 MIB = 1 << 20
 BIG = _fastpath.RELEASE_GIL_MIN  # from here a copy runs without the GIL, split when asked
@@ -162,3 +162,61 @@ def test_a_split_copy_leaves_no_thread_behind(big_client):
         for _ in range(3):
             big_client.release(big_client.put(payload))
     assert _os_threads() == before  # each copy joins its helpers before it returns
+
+
+def test_payloads_locate_many_objects_and_copy_their_segments_out(client):
+    """``payloads``: where each one-array object's bytes lie, headers checked as a get checks
+    them; ``copy_out`` copies any of their segments to this process's memory in one call."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 256, n, dtype=np.uint8) for n in (64, 4096, 100_000)]
+    refs = client.put_keyed([(b"k%d" % i, a) for i, a in enumerate(arrays)], ttl=None)
+    refs.append(client.put(rng.standard_normal(50).astype(np.float32)))
+    payloads = client.payloads(refs)
+    assert list(payloads.nbytes) == [64, 4096, 100_000, 200]
+    for i, array in enumerate(arrays):
+        assert np.array_equal(payloads.array(i), array)
+        assert checksum(payloads.array(i)) == checksum(array.tobytes())
+    assert checksum(arrays[1]) != checksum(arrays[1][:-1])
+    # The middle of each object, scattered backwards into one buffer.
+    out = np.zeros(3 * 32, np.uint8)
+    at = out.ctypes.data + np.array([64, 32, 0], np.uint64)
+    payloads.copy_out(payloads.offsets[:3] + np.uint64(16), at, np.full(3, 32, np.uint64))
+    assert np.array_equal(out[64:], arrays[0][16:48])
+    assert np.array_equal(out[32:64], arrays[1][16:48])
+    assert np.array_equal(out[:32], arrays[2][16:48])
+    with pytest.raises(ValueError, match="outside"):
+        payloads.copy_out(
+            np.array([len(payloads.view) - 8], np.uint64),
+            np.array([out.ctypes.data], np.uint64),
+            np.array([16], np.uint64),
+        )
+    client.release(refs[3])
+    with pytest.raises(ObjectGone):
+        client.payloads(refs[3:])
+
+
+def test_segment_copies_move_every_segment_whatever_the_order():
+    """The native segment loops, both ways, above and below the size that releases the GIL."""
+    rng = np.random.default_rng(4)
+    for size in (4096, BIG // 1024 + 1):
+        pool = bytearray(rng.integers(0, 256, 1024 * size, dtype=np.uint8).tobytes())
+        order = rng.permutation(1024).astype(np.uint64)
+        offsets = np.arange(1024, dtype=np.uint64) * np.uint64(size)
+        out = np.zeros(1024 * size, np.uint8)
+        lengths = np.full(1024, size, np.uint64)
+        _fastpath.copy_out_segments(
+            pool, offsets, out.ctypes.data + order * np.uint64(size), lengths
+        )
+        rows = np.frombuffer(bytes(pool), np.uint8).reshape(1024, size)
+        assert np.array_equal(out.reshape(1024, size)[order], rows)
+        back = bytearray(len(pool))
+        gather(back, offsets, out.ctypes.data + order * np.uint64(size), lengths)
+        assert back == pool
+    with pytest.raises(TypeError, match="uint64"):
+        _fastpath.copy_out_segments(
+            bytearray(8), np.zeros(1, np.int64), np.zeros(1, np.uint64), np.zeros(1, np.uint64)
+        )
+    with pytest.raises(ValueError, match="lengths"):
+        _fastpath.copy_out_segments(
+            bytearray(8), np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(2, np.uint64)
+        )

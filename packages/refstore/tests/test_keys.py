@@ -174,3 +174,20 @@ def test_an_ignored_hold_lets_an_object_go_between_lookup_and_get(client):
     with pytest.raises(refstore.ObjectEvicted):
         client.get(ref)
     assert client.lookup([b"k"]) == []
+
+
+def test_stats_count_the_connections_and_the_subscribers(master, disconnects):
+    with Client("test") as observer:
+        base = observer.stats()
+        assert base.clients >= 1  # the observer itself
+        c = Client("test")
+        sub = c.subscribe_keys()
+        now = observer.stats()
+        assert now.subscribers == base.subscribers + 1
+        assert now.clients > base.clients
+        c.close()
+        assert not sub.alive
+        for _ in range(now.clients - base.clients):
+            assert disconnects.acquire(timeout=10)
+        after = observer.stats()
+        assert (after.clients, after.subscribers) == (base.clients, base.subscribers)

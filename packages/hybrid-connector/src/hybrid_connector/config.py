@@ -12,7 +12,7 @@ from hybrid_connector.errors import ConfigError
 KVT_TRANSPORTS = ("auto", "tcp", "samehost", "rdma")  # kvt.paths.TRANSPORTS (kvt not imported)
 
 
-KVS_VERIFY = ("crc", "header")
+KVS_VERIFY = ("checksum", "header")
 
 
 class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -32,14 +32,20 @@ class KvsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     lookup_wait_s: float = 0.005
     # Looked-up objects are kept from eviction this long, for the load to read them.
     hold_s: float = 30.0
+    # A hit of a request that pulls nothing from P, on a model of one KV-cache group, is copied
+    # in the step that admits the request, before its forward pass (on vLLM's worker thread,
+    # from this node's pool: no call, no network), and the request computes the rest in that
+    # same step; off (and for PD pulls and hybrid models), the request waits outside the
+    # running set while the load thread copies, as for a pull, and runs a step later.
+    load_in_step: bool = True
     # Load only hits of at least this many blocks past vLLM's local prefix hit.
     min_load_blocks: int = 1
     # Soft-pin a block once this many requests loaded it (hot prefixes: system prompts); 0: never.
     pin_after_loads: int = 2
     # What a load checks before a byte reaches vLLM's blocks. "header": each object's length,
-    # its key (the block it holds) and the layout that wrote it; "crc": also the CRC32 of its
-    # bytes (written on every save), which costs a pass over them (about 2.5x the load time on
-    # a 2-core host; the KVS benchmark measures both).
+    # its key (the block it holds) and the layout that wrote it; "checksum": also the XXH64 of
+    # its bytes (written on every save), which costs one more pass over them (the KVS load
+    # benchmark measures both).
     verify: str = "header"
     # Gather a save's bytes layer by layer while the forward pass runs (each layer as soon as
     # it is written), not all after it: the save is in the store sooner after the step.

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -31,7 +32,7 @@ from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.mapping import rank_heads
-from hybrid_connector.metadata import HybridConnectorMetadata
+from hybrid_connector.metadata import HybridConnectorMetadata, KvsStepReport
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.send_done import SendDoneServer
 from hybrid_connector.worker_side import WorkerSide
@@ -52,8 +53,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The metadata is a plain dataclass (metadata.py imports no vLLM); vLLM sees it as its own.
+# The metadata and the workers' step reports are plain dataclasses (metadata.py imports no
+# vLLM); vLLM sees them as its own.
 KVConnectorMetadata.register(HybridConnectorMetadata)
+KVConnectorWorkerMetadata.register(KvsStepReport)
 
 
 def _kvs_scheduler(
@@ -471,6 +474,18 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(
             finished_recving=results.finished_recving, failed_recving=results.failed_recving
         )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # KVS loads copied in the step (sync): the blocks of those that failed; vLLM recomputes
+        # them. Async loads and pulls fail by request, in failed_recving.
+        assert self._worker is not None
+        return self._worker.take_failed_blocks()
+
+    def build_connector_worker_meta(self) -> KvsStepReport | None:
+        # The step's in-step KVS loads, done or failed: their holds in the store end.
+        assert self._worker is not None
+        loaded = self._worker.take_loaded_in_step()
+        return KvsStepReport(tuple(loaded)) if loaded else None
 
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""

@@ -6,6 +6,8 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
     (new) --first get_num_new_matched_tokens: lookup sent--> LOOKING --answer or deadline--> KNOWN
     KNOWN --vLLM allocated, store has blocks past the local hit: KvsLoad--> LOADING
     LOADING --the worker copied them (finished_recving; failed: vLLM recomputes)--> RUNNING
+    KNOWN --the same, in step: KvsLoad(in_step), the request runs this step--> RUNNING
+        (the step's report, KvsStepReport, ends the holds; failed blocks: vLLM recomputes)
     KNOWN --nothing to load--> RUNNING
     RUNNING --each step: blocks that become full and the store lacks: KvsSave--> RUNNING
     any --request_finished--> (gone); its saves still hold their block references
@@ -13,6 +15,15 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
 - **Nothing waits.** ``get_num_new_matched_tokens`` answers ``None`` (vLLM asks again at its next
   schedule) while the lookup, on the lookup thread, is out; a lookup not answered within
   ``lookup_timeout_s`` counts as a miss. A store that is down is a miss, logged once.
+- **In-step loads** (``load_in_step``, a plain request of a model of one KV-cache group):
+  vLLM is told the hit is not async, so the request is scheduled at once and computes the
+  rest of its prompt in the step that admits it; the worker copies the hit from this node's
+  pool into its blocks before that step's forward pass (no call, no network: the objects are
+  held since the lookup, and a peer's were fetched here before it answered). No step waits
+  for the load and no extra step sees it done. A failed one names its blocks and vLLM
+  recomputes them (which vLLM can do for one group only); the holds end with the step's report
+  (``load_finished``), also for a request that ended before it. A D request that pulls from P
+  and a hybrid model's request load async, as a pull.
 - **Saves hold their blocks.** A save's blocks get a reference in vLLM's pool when it is planned
   (``block_pool.touch``), so vLLM cannot hand them to another request, even after a preemption
   or the request's end, while the worker copies them; every TP rank reports the save done by
@@ -21,7 +32,8 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
 - **What is saved.** Every full block of a request's tokens (prompt and output, as vLLM's prefix
   cache keeps them) past the blocks the store already had at lookup. Blocks of a request whose
   tokens are not plain token ids (prompt embeddings, multimodal input) are never stored: their
-  tokens do not name their bytes.
+  tokens do not name their bytes. A request whose ``kv_transfer_params`` say ``"kvs": false``
+  is neither looked up nor saved.
 - **State groups** (linear attention: GDN, Mamba; vLLM's ``mamba_cache_mode="align"``). vLLM
   keeps a request's recurrent state only at some block boundaries (where a step ended, or a
   prefill checkpoint): in the state group's block ``j`` (a prefix-cache entry: vLLM hashed it)
@@ -62,6 +74,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
 
 MEDIUM = "KVS"
 # A save's SEND_DONE names it "kvs-save:<id>" (P's name their request).
@@ -389,6 +402,10 @@ class _Request:
     # A D request that pulls from P: the pull brings P's state, so the store is asked for the
     # token groups' blocks only and a load writes no state.
     tokens_only: bool = False
+    # Its load is copied in the step that admits it (vLLM was told so: not async).
+    in_step: bool = False
+    # vLLM finished it while its in-step load was still out (forgotten once reported).
+    request_gone: bool = False
 
 
 @dataclass
@@ -421,6 +438,8 @@ class KvsScheduler:
         self._tp_size = tp_size
         self._root = kvs_keys.root_key(identity, self._groups)
         self._has_state = any(kvs_keys.is_state(g) for g in self._groups)
+        # vLLM recovers a failed in-step load by the blocks it names, with one group only.
+        self._in_step = config.load_in_step and len(self._groups) == 1 and not self._has_state
         self._objects = kvs_keys.block_objects(self._groups, tp_size)
         self._lookups = lookups
         self._clock = clock
@@ -464,6 +483,11 @@ class KvsScheduler:
         return tracked.chains
 
     def _storable(self, request: Request) -> bool:
+        """Plain token ids (their tokens name their bytes), and not opted out by the request
+        (``kv_transfer_params: {"kvs": false}``: a prompt that must not be stored)."""
+        params = getattr(request, "kv_transfer_params", None)
+        if isinstance(params, dict) and params.get("kvs") is False:
+            return False
         return request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
 
     def _plan(self, chains: list[bytes], tokens_only: bool = False) -> LookupPlan:
@@ -476,14 +500,23 @@ class KvsScheduler:
         return LookupPlan(tokens, per_block, len(chains), states)
 
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int, tokens_only: bool = False
+        self,
+        request: Request,
+        num_computed_tokens: int,
+        tokens_only: bool = False,
+        pulls: bool = False,
     ) -> tuple[int | None, bool]:
+        """vLLM's hook: (tokens the store adds to the local hit, whether they load async); None
+        while the lookup is out. ``pulls``: a D request that pulls the rest from P (its load is
+        async, done with the pull)."""
         request_id = request.request_id
         tracked = self._requests.get(request_id)
         if tracked is None:
             if not self._storable(request):
                 return 0, False
-            tracked = self._requests[request_id] = _Request(request, tokens_only=tokens_only)
+            tracked = self._requests[request_id] = _Request(
+                request, tokens_only=tokens_only, in_step=self._in_step and not pulls
+            )
             chains = self._chains(tracked)
             # The last prompt token is computed here (to sample), so no lookup for a prompt
             # of under one block and one token.
@@ -517,7 +550,7 @@ class KvsScheduler:
         if count < self._config.min_load_blocks * self._block_size:
             self._unhold(tracked, 0, 0)  # nothing to load: every hold goes
             return 0, False
-        return count, True
+        return count, not tracked.in_step
 
     def _take_answer(self, tracked: _Request, answer: LookupAnswer) -> None:
         """The lookup's answer: the hit's objects per block, what is already stored per group;
@@ -543,7 +576,7 @@ class KvsScheduler:
         store's part of them. With state groups only the token groups' blocks count: the pull
         brings P's state after the prompt, which supersedes any stored one."""
         count, _ = self.get_num_new_matched_tokens(
-            request, num_computed_tokens, tokens_only=self._has_state
+            request, num_computed_tokens, tokens_only=self._has_state, pulls=True
         )
         if count is None:
             return None
@@ -608,6 +641,7 @@ class KvsScheduler:
             block_ids=block_ids,
             chains=tracked.chains[first:last],
             sources=sources,
+            in_step=tracked.in_step,
         )
 
     def _count_loads(self, chains: list[bytes], sources: list[list[tuple[Any, int]]]) -> None:
@@ -636,6 +670,8 @@ class KvsScheduler:
         if tracked is not None:
             tracked.loading = False
             self._release_holds(tracked)
+            if tracked.request_gone:
+                del self._requests[request_id]
 
     def _release_holds(self, tracked: _Request) -> None:
         """Every hold the request's answer still has (the blocks it loads) goes."""
@@ -769,8 +805,13 @@ class KvsScheduler:
 
     # ------------------------------------------------------------------ end
     def request_finished(self, request: Request) -> None:
-        tracked = self._requests.pop(request.request_id, None)
-        if tracked is not None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is not None and tracked.loading and tracked.in_step:
+            # Ended before the report of its step came back (an abort): the worker may still
+            # copy from the objects, whose holds go with the report (``load_finished``).
+            tracked.request_gone = True
+        elif tracked is not None:
+            del self._requests[request.request_id]
             self._release_holds(tracked)  # not loaded, or a load vLLM gave up on
         if self._lookups is not None:
             self._lookups.forget(request.request_id)

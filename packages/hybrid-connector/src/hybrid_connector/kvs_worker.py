@@ -1,20 +1,24 @@
-"""KVS, worker half: copy blocks between vLLM's KV cache and the shared store, off the step.
+"""KVS, worker half: copy blocks between vLLM's KV cache and the shared store.
 
 Two threads per worker (``KvsWorker``), each with its own refstore client: the load thread
-does loads (a request waits for them); the save thread the gathers of saves, then their puts,
-at a lower CPU priority (``save_nice``): on a core it shares with the forward pass (an instance
-pinned to one core) its copies take what the pass leaves, so a save never slows the step
-that computes another request's prompt, nor the answer of the one it saves (the copies are
-the same work, done later; on a core that never idles they still take their share). vLLM's
-hooks only queue:
-``handle`` (from ``bind_connector_metadata``) queues loads at once and keeps
-the step's saves; ``layer_written`` (``save_kv_layer``: the forward pass wrote one layer) queues
-the gather of that layer's segments of every save of the step into its staging buffer, so the
-copy overlaps the rest of the forward pass (``save_by_layer``); ``step_done``
-(``wait_for_save``: every layer is written) queues the saves' puts, each gathering first what no
-layer hook gathered (state groups, whose layers have no such hook, or ``save_by_layer`` off)::
+does the loads a request waits for outside the running set (a D request's, with its pull; a
+hybrid model's); the save thread the gathers of saves, then their puts, at a lower CPU
+priority (``save_nice``): on a core it shares with the forward pass (an instance pinned to one
+core) its copies take what the pass leaves, so a save never slows the step that computes
+another request's prompt, nor the answer of the one it saves (the copies are the same work,
+done later; on a core that never idles they still take their share). vLLM's hooks only queue,
+but for one copy: ``handle`` (from ``bind_connector_metadata``, before the forward pass) copies
+the step's in-step loads at once (``load_in_step``: a plain request of a one-group model,
+whose rest this step computes; from this node's pool, without a call: its objects are held
+since the lookup), queues the other loads and keeps the step's saves; ``layer_written``
+(``save_kv_layer``: the forward pass wrote one layer) queues the gather of that layer's
+segments of every save of the step into its staging buffer, so the copy overlaps the rest of
+the forward pass (``save_by_layer``); ``step_done`` (``wait_for_save``: every layer is written)
+queues the saves' puts, each gathering first what no layer hook gathered (state groups, whose
+layers have no such hook, or ``save_by_layer`` off)::
 
-    handle(saves) --> kept for the step --layer_written(l): gather l of each--> ...
+    handle(loads, saves) --in-step loads: copied now; others: queued--> kept for the step
+        --layer_written(l): gather l of each save--> ...
         --step_done--> put: gather the layers left, trailers, one put_keyed --> reported
 
 An object holds one block of one KV-cache group on one TP rank (a rank-shared group, MLA's
@@ -22,33 +26,35 @@ latent, only rank 0 saves; every rank loads it): each layer's segments of the bl
 order (a state group's block is one state: each linear layer's conv and recurrent state), then
 a trailer that names what the bytes are::
 
-    payload (block_nbytes) | magic "KVSBLK01" | key (19) | layout fingerprint (16) |
-                             payload length (u64) | CRC32 of the payload (u32) | zero pad to 64
+    payload (block_nbytes) | magic "KVSBLK02" | key (19) | layout fingerprint (16) |
+                             payload length (u64) | XXH64 of the payload (u64) | zero pad to 64
 
-A load checks the trailer against what it asked for (the key, this rank's layout, the length,
-and with ``verify="crc"`` the CRC) before a byte reaches vLLM's blocks; any mismatch, a missing
-object or a failing store fails the load, and vLLM recomputes the request. The copies between
-the pool and the scattered block segments are one ``process_vm_readv`` on this process per
-1024 segments (a vectorised scatter/gather in the kernel, no Python loop per segment).
+A load locates every object it reads in the pool at once (refstore's ``payloads``: headers
+checked, no view per object), checks their trailers against what it asked for (the key, this
+rank's layout, the length, and with ``verify="checksum"`` the payload's XXH64, which every save
+writes) before a byte reaches vLLM's blocks, then copies every segment in one native loop with
+the GIL released once (a thread that copies in many calls waits for the GIL after each one while
+vLLM's threads spin). Any
+mismatch, a missing object or a failing store fails the load: an async one is reported
+failed, an in-step one by its blocks (vLLM recomputes either). A save gathers the scattered
+block segments into its staging buffer the same way (``refstore.gather``).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
-import ctypes.util
 import hashlib
 import logging
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import refstore
 
 from hybrid_connector import kvs_keys
 from hybrid_connector.config import KvsConfig
@@ -57,44 +63,13 @@ from hybrid_connector.metadata import NO_BLOCK, KvsLoad, KvsSave
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVSBLK01"
-_TRAILER = struct.Struct(f"<8s{kvs_keys.KEY_BYTES}s16sQI")
+MAGIC = b"KVSBLK02"
+_TRAILER = struct.Struct(f"<8s{kvs_keys.KEY_BYTES}s16sQQ")
 TRAILER_BYTES = 64
-IOV_MAX = 1024
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
-_libc.process_vm_readv.argtypes = [
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.c_ulong,
-    ctypes.c_void_p,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-]
 
 
 class KvsLoadError(Exception):
     """A stored block could not be loaded (gone, short, another layout, corrupt)."""
-
-
-def scatter_copy(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> None:
-    """Copy ``lengths[i]`` bytes from address ``src[i]`` to ``dst[i]``, all in this process:
-    ``process_vm_readv`` on ourselves, IOV_MAX segments per call."""
-    pid = os.getpid()
-    n = len(lengths)
-    local = np.empty((min(n, IOV_MAX), 2), np.uint64)
-    remote = np.empty_like(local)
-    for start in range(0, n, IOV_MAX):
-        stop = min(start + IOV_MAX, n)
-        k = stop - start
-        local[:k, 0], local[:k, 1] = dst[start:stop], lengths[start:stop]
-        remote[:k, 0], remote[:k, 1] = src[start:stop], lengths[start:stop]
-        want = int(lengths[start:stop].sum())
-        got = _libc.process_vm_readv(pid, local.ctypes.data, k, remote.ctypes.data, k, 0)
-        if got != want:
-            err = ctypes.get_errno()
-            raise OSError(err, f"scatter copy moved {got} of {want} bytes: {os.strerror(err)}")
 
 
 @dataclass
@@ -106,13 +81,10 @@ class _StagedGroup:
     picked: list[tuple[int, int]]  # (block of the save, vLLM block)
     staging: np.ndarray  # n objects of block_nbytes + TRAILER_BYTES
     src: np.ndarray  # (n, L*S) addresses in vLLM's cache
-    dst: np.ndarray  # (n, L*S) addresses in staging
+    dst: np.ndarray  # (n, L*S) offsets in staging
     lengths: np.ndarray  # (n, L*S)
     segments: int  # S: segments per layer
     gathered: np.ndarray  # (L,) bool
-    layer_nbytes: int  # one layer's bytes in a payload (payloads are layer-major)
-    crcs: list[int]  # per object, the CRC32 of its first ``crc_layers`` layers
-    crc_layers: int = 0
 
     def gather(self, layers: Sequence[int] | None = None) -> None:
         """Copy these layers' segments (None: every layer not gathered yet) into staging."""
@@ -121,31 +93,11 @@ class _StagedGroup:
         if todo.size == 0:
             return
         cols = (todo[:, None] * self.segments + np.arange(self.segments)[None, :]).ravel()
-        scatter_copy(
-            self.dst[:, cols].ravel(), self.src[:, cols].ravel(), self.lengths[:, cols].ravel()
-        )
+        refstore.gather(
+            self.staging, self.dst[:, cols].ravel(), self.src[:, cols].ravel(),
+            self.lengths[:, cols].ravel(),
+        )  # fmt: skip
         self.gathered[todo] = True
-        self._advance_crcs()
-
-    def _advance_crcs(self) -> None:
-        """Extend each object's CRC over the layers now gathered in order (layers come in
-        order, so the checksum pass runs beside the forward pass too)."""
-        first = self.crc_layers
-        last = first
-        while last < len(self.gathered) and self.gathered[last]:
-            last += 1
-        if last == first:
-            return
-        stride = len(self.staging) // len(self.picked)
-        start, end = first * self.layer_nbytes, last * self.layer_nbytes
-        for i in range(len(self.picked)):
-            base = i * stride
-            self.crcs[i] = zlib.crc32(self.staging[base + start : base + end], self.crcs[i])
-        self.crc_layers = last
-
-    def payload_crc(self, i: int) -> int | None:
-        """Object ``i``'s payload CRC32, if every layer went into it (else None)."""
-        return self.crcs[i] if self.crc_layers == len(self.gathered) else None
 
 
 @dataclass(frozen=True)
@@ -205,14 +157,12 @@ class GroupCopy:
         return addresses.ravel(), lengths.ravel()
 
 
-def trailer(key: bytes, fingerprint: bytes, payload: np.ndarray, crc: int | None = None) -> bytes:
-    """``crc``: the payload's CRC32 when the caller has it already."""
-    value = zlib.crc32(payload) if crc is None else crc
-    packed = _TRAILER.pack(MAGIC, key, fingerprint, len(payload), value)
+def trailer(key: bytes, fingerprint: bytes, payload: np.ndarray) -> bytes:
+    packed = _TRAILER.pack(MAGIC, key, fingerprint, len(payload), refstore.checksum(payload))
     return packed.ljust(TRAILER_BYTES, b"\0")
 
 
-def check_trailer(obj: np.ndarray, key: bytes, copy: GroupCopy, *, crc: bool) -> np.ndarray:
+def check_trailer(obj: np.ndarray, key: bytes, copy: GroupCopy, *, checksum: bool) -> np.ndarray:
     """The payload of a stored block, if its trailer says it is the block asked for."""
     if len(obj) != copy.block_nbytes + TRAILER_BYTES:
         raise KvsLoadError(
@@ -229,9 +179,47 @@ def check_trailer(obj: np.ndarray, key: bytes, copy: GroupCopy, *, crc: bool) ->
         raise KvsLoadError("the block was stored by another layout")
     if nbytes != copy.block_nbytes:
         raise KvsLoadError(f"payload length {nbytes}, expected {copy.block_nbytes}")
-    if crc and value != zlib.crc32(payload):
-        raise KvsLoadError("CRC mismatch: the stored bytes are corrupt")
+    if checksum and value != refstore.checksum(payload):
+        raise KvsLoadError("checksum mismatch: the stored bytes are corrupt")
     return payload
+
+
+_TRAILERS = np.dtype(
+    {
+        "names": ["magic", "key", "fingerprint", "nbytes"],
+        "formats": ["S8", f"V{kvs_keys.KEY_BYTES}", "V16", "<u8"],
+        "offsets": [0, 8, 8 + kvs_keys.KEY_BYTES, 24 + kvs_keys.KEY_BYTES],
+        "itemsize": TRAILER_BYTES,
+    }
+)
+
+
+def check_payloads(
+    payloads: Any, index: np.ndarray, keys: Sequence[bytes], copy: GroupCopy
+) -> None:
+    """``check_trailer`` without the checksum for many stored blocks at once: objects ``index`` of
+    ``payloads`` (refstore's ``Payloads``) hold the blocks of ``copy`` named ``keys``."""
+    lengths = payloads.nbytes[index]
+    expected = copy.block_nbytes + TRAILER_BYTES
+    short = np.flatnonzero(lengths != expected)
+    if short.size:
+        raise KvsLoadError(f"object of {int(lengths[short[0]])} bytes, expected {expected}")
+    trailers = np.empty(len(index), _TRAILERS)
+    at = trailers.ctypes.data + np.arange(len(index), dtype=np.uint64) * np.uint64(TRAILER_BYTES)
+    payloads.copy_out(
+        payloads.offsets[index] + np.uint64(copy.block_nbytes),
+        at,
+        np.full(len(index), TRAILER_BYTES, np.uint64),
+    )
+    if np.any(trailers["magic"] != MAGIC):
+        raise KvsLoadError("not a KVS block (bad magic)")
+    wanted = np.frombuffer(b"".join(keys), _TRAILERS["key"])
+    if np.any(trailers["key"] != wanted):
+        raise KvsLoadError("the object holds another block (key mismatch)")
+    if np.any(trailers["fingerprint"] != np.frombuffer(copy.fingerprint, _TRAILERS["fingerprint"])):
+        raise KvsLoadError("the block was stored by another layout")
+    if np.any(trailers["nbytes"] != copy.block_nbytes):
+        raise KvsLoadError(f"payload length differs from {copy.block_nbytes}")
 
 
 class KvsWorker:
@@ -252,6 +240,7 @@ class KvsWorker:
         connect: Callable[[], Any],
         report_load: Callable[[str, bool], None],
         report_save: Callable[[int], None],
+        report_in_step: Callable[[str, bool], None] | None = None,
         name: str = "",
     ) -> None:
         self._config = config
@@ -271,7 +260,15 @@ class KvsWorker:
         self._connect = connect
         self._report_load = report_load
         self._report_save = report_save
-        self._clients: dict[str, Any] = {}  # "load" / "save" -> that thread's client
+        self._report_in_step = report_in_step
+        # "load" / "save" -> that thread's client; "step": in-step loads' (vLLM's thread reads
+        # it, the load thread makes it: a connect is a call, and a step makes none).
+        self._clients: dict[str, Any] = {}
+        self._renew = False  # the load thread is to make a new "step" client
+        # In-step loads of the current step (vLLM's thread only): the requests loaded, and the
+        # blocks of those that failed (vLLM recomputes them).
+        self._loaded_in_step: list[str] = []
+        self._failed_blocks: set[int] = set()
         self._cond = threading.Condition()
         self._loads: collections.deque[KvsLoad] = collections.deque()
         self._saves: collections.deque[KvsSave] = collections.deque()
@@ -290,12 +287,65 @@ class KvsWorker:
 
     # ------------------------------------------------------------------ vLLM's thread
     def handle(self, loads: Sequence[KvsLoad], saves: Sequence[KvsSave]) -> None:
-        """This step's metadata: loads start now, saves once the forward pass is done."""
+        """This step's metadata (before its forward pass): in-step loads are copied now, the
+        others start on the load thread; saves wait for the end of the forward pass."""
         self._step_saves.extend(saves)
-        if loads:
+        queued = []
+        for load in loads:
+            if load.in_step:
+                self._load_in_step(load)
+            else:
+                queued.append(load)
+        if queued:
             with self._cond:
-                self._loads.extend(loads)
+                self._loads.extend(queued)
                 self._cond.notify_all()
+
+    def _load_in_step(self, load: KvsLoad) -> None:
+        """vLLM's worker thread, before the forward pass that computes the rest of the request:
+        the copy from this node's pool, never a call to the master (``ask_master=False``: an
+        object its header cannot vouch for fails the load). A failed load's blocks are
+        reported (``take_failed_blocks``) and vLLM recomputes them; a failure that may be the
+        client's (the master restarted: the refs are of another pool) gets a new client made
+        on the load thread for the next load."""
+        client = self._clients.get("step")
+        try:
+            if client is None:
+                raise KvsLoadError("no connection to the store yet")
+            self._load(load, client, ask_master=False)
+        except Exception as exc:
+            self.counters["load_failures"] += 1
+            log.warning(
+                "KVS: request %s: loading %d block(s) in the step failed (%s); vLLM recomputes "
+                "them",
+                load.request_id,
+                len(load.chains),
+                exc,
+            )
+            if client is None or not isinstance(exc, KvsLoadError):
+                with self._cond:
+                    self._renew = True
+                    self._cond.notify_all()
+            self._failed_blocks.update(b for ids in load.block_ids for b in ids if b != NO_BLOCK)
+            failed = True
+        else:
+            self.counters["loads"] += 1
+            self.counters["loaded_blocks"] += len(load.chains)
+            failed = False
+        self._loaded_in_step.append(load.request_id)
+        if self._report_in_step is not None:
+            self._report_in_step(load.request_id, failed)
+
+    def take_loaded_in_step(self) -> list[str]:
+        """vLLM's thread, after the step: the requests whose in-step loads it ran (done or
+        failed)."""
+        loaded, self._loaded_in_step = self._loaded_in_step, []
+        return loaded
+
+    def take_failed_blocks(self) -> set[int]:
+        """vLLM's thread, after the step: the blocks of in-step loads that failed."""
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
 
     def layer_written(self, layer_name: str) -> None:
         """The forward pass wrote ``layer_name`` (save_kv_layer): gather it for the saves."""
@@ -325,14 +375,20 @@ class KvsWorker:
                 log.warning("KVS: the save thread keeps its CPU priority (%s)", exc)
         try:
             self._store(role)  # connect now: the first job must not pay for it
+            if role == "load":
+                self._store("step")
         except Exception as exc:  # the store is down: the first job tries again
             log.warning("KVS: the store is not reachable yet (%s)", exc)
         while True:
             with self._cond:
                 gather = None
                 job: KvsLoad | KvsSave | None = None
+                renew = False
                 while True:
                     if role == "load":
+                        if self._renew:
+                            renew, self._renew = True, False
+                            break
                         if self._loads:
                             job = self._loads.popleft()
                             break
@@ -349,7 +405,9 @@ class KvsWorker:
                     self._cond.wait()
                 self._running += 1
             try:
-                if gather is not None:
+                if renew:
+                    self._renew_step_client()
+                elif gather is not None:
                     self._run_gather(*gather)
                 elif isinstance(job, KvsLoad):
                     self._run_load(job)
@@ -362,17 +420,33 @@ class KvsWorker:
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Until every job queued so far is done (True), or ``timeout_s`` passed."""
+
+        def idle() -> bool:
+            return not (self._running or self._loads or self._gathers or self._saves)
+
         with self._cond:
-            return self._cond.wait_for(
-                lambda: not (self._running or self._loads or self._gathers or self._saves),
-                timeout=timeout_s,
-            )
+            return self._cond.wait_for(lambda: idle() and not self._renew, timeout=timeout_s)
 
     def _store(self, role: str) -> Any:
         client = self._clients.get(role)
         if client is None:
             client = self._clients[role] = self._connect()
         return client
+
+    def _renew_step_client(self) -> None:
+        """Load thread: a new client for in-step loads (vLLM's thread takes it up at its next
+        load; the old one is closed here, after the swap)."""
+        try:
+            client = self._connect()
+        except Exception as exc:
+            log.warning("KVS: the store is not reachable (%s); in-step loads fail until it is", exc)
+            client = None
+        old = self._clients.pop("step", None)
+        if client is not None:
+            self._clients["step"] = client
+        if old is not None:
+            with contextlib.suppress(Exception):
+                old.close()
 
     def _drop_client(self, role: str) -> None:
         client = self._clients.pop(role, None)
@@ -399,39 +473,50 @@ class KvsWorker:
             self.counters["loaded_blocks"] += len(load.chains)
             self._report_load(load.request_id, False)
 
-    def _load(self, load: KvsLoad) -> None:
+    def _load(self, load: KvsLoad, client: Any = None, *, ask_master: bool = True) -> None:
+        """Every object this rank reads, located in the pool at once; their trailers checked
+        together; then one copy of every segment into vLLM's blocks (one native call, the GIL
+        released once: a thread that copies in many calls waits for the GIL after each one
+        while vLLM's threads spin)."""
         if load.error:
             raise KvsLoadError(load.error)
-        client = self._store("load")
-        crc = self._config.verify == "crc"
-        views: list[Any] = []
-        dst_parts, src_parts, len_parts = [], [], []
         if len(load.sources) != len(load.chains):
             raise KvsLoadError(f"{len(load.sources)} blocks of objects for {len(load.chains)}")
-        for j, chain in enumerate(load.chains):
-            entries = load.sources[j]
+        picked: list[tuple[int, int, int]] = []  # (block of the load, group, key rank)
+        refs: list[Any] = []
+        for j, entries in enumerate(load.sources):
             objects = self._block_objects(load.block_ids, j)
             if len(entries) != len(objects):
                 raise KvsLoadError(f"block {j}: {len(entries)} objects, expected {len(objects)}")
             for (g, rank), (ref, _index) in zip(objects, entries, strict=True):
-                if rank not in (kvs_keys.SHARED_RANK, self._tp_rank):
-                    continue
-                copy = self._copies[g]
-                obj = client.get(ref, as_="numpy")
-                views.append(obj)
-                payload = check_trailer(
-                    obj.reshape(-1).view(np.uint8), kvs_keys.object_key(chain, g, rank), copy,
-                    crc=crc,
-                )  # fmt: skip
-                dst, lengths = copy.kv_addresses([load.block_ids[g][j]])
-                dst_parts.append(dst)
-                len_parts.append(lengths)
-                src_parts.append(payload.ctypes.data + copy.offset)
-        if dst_parts:
-            scatter_copy(
-                np.concatenate(dst_parts), np.concatenate(src_parts), np.concatenate(len_parts)
-            )
-        del views
+                if rank in (kvs_keys.SHARED_RANK, self._tp_rank):
+                    picked.append((j, g, rank))
+                    refs.append(ref)
+        if not refs:
+            return
+        client = self._store("load") if client is None else client
+        payloads = client.payloads(refs, ask_master=ask_master)
+        checksum = self._config.verify == "checksum"
+        src_parts, dst_parts, len_parts = [], [], []
+        for g, copy in enumerate(self._copies):
+            mine = [i for i, (_, group, _) in enumerate(picked) if group == g]
+            if not mine:
+                continue
+            index = np.asarray(mine)
+            offsets = payloads.offsets[index]
+            keys = [kvs_keys.object_key(load.chains[picked[i][0]], g, picked[i][2]) for i in mine]
+            check_payloads(payloads, index, keys, copy)
+            if checksum:
+                for i, key in zip(mine, keys, strict=True):
+                    check_trailer(payloads.array(i), key, copy, checksum=True)
+            blocks = [load.block_ids[g][picked[i][0]] for i in mine]
+            dst, lengths = copy.kv_addresses(blocks)
+            dst_parts.append(dst)
+            len_parts.append(lengths)
+            src_parts.append((offsets[:, None] + copy.offset[None, :]).ravel())
+        payloads.copy_out(
+            np.concatenate(src_parts), np.concatenate(dst_parts), np.concatenate(len_parts)
+        )
 
     def _block_objects(self, block_ids: Sequence[Sequence[int]], j: int) -> list[tuple[int, int]]:
         """(group, key rank) of the objects block ``j`` of a load reads, in source order."""
@@ -476,17 +561,15 @@ class KvsWorker:
             staging = np.empty(n * stride, np.uint8)
             blocks = np.asarray([b for _, b in picked], np.uint64)[:, None]
             src = copy.base[None, :] + blocks * copy.stride[None, :]
-            dst = (
-                staging.ctypes.data
-                + (np.arange(n, dtype=np.uint64) * np.uint64(stride))[:, None]
-                + copy.offset[None, :]
-            )
+            dst = (np.arange(n, dtype=np.uint64) * np.uint64(stride))[:, None] + copy.offset[
+                None, :
+            ]
             segments = len(copy.base) // copy.layers
             groups.append(
                 _StagedGroup(
                     g, rank, picked, staging, src, dst,
                     np.broadcast_to(copy.length[None, :], src.shape), segments,
-                    np.zeros(copy.layers, bool), copy.block_nbytes // copy.layers, [0] * n,
+                    np.zeros(copy.layers, bool),
                 )
             )  # fmt: skip
         return groups
@@ -519,9 +602,7 @@ class KvsWorker:
             for i, (j, _) in enumerate(group.picked):
                 key = kvs_keys.object_key(save.chains[j], group.group, group.rank)
                 block = group.staging[i * stride : (i + 1) * stride]
-                packed = trailer(
-                    key, copy.fingerprint, block[: copy.block_nbytes], group.payload_crc(i)
-                )
+                packed = trailer(key, copy.fingerprint, block[: copy.block_nbytes])
                 block[copy.block_nbytes :] = np.frombuffer(packed, np.uint8)
                 items.append((key, block))
         if not items:
@@ -538,5 +619,5 @@ class KvsWorker:
             self._cond.notify_all()
         for thread in self._threads:
             thread.join(timeout=60)
-        for role in ("load", "save"):
+        for role in ("load", "save", "step"):
             self._drop_client(role)

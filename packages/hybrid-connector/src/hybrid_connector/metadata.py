@@ -73,7 +73,8 @@ NO_BLOCK = -1  # KvsLoad / KvsSave: this group has no object for this block
 @dataclass(frozen=True)
 class KvsLoad:
     """KVS: copy blocks the store holds into ``block_ids`` (per group, in block order), then
-    report the request like a pull (``TransferResults``)."""
+    report the request like a pull (``TransferResults``); ``in_step``: copy them before this
+    step's forward pass, which computes the rest of the request (``KvsStepReport``)."""
 
     request_id: str
     # Per group, per block: the destination block, or NO_BLOCK where the group loads nothing
@@ -86,6 +87,19 @@ class KvsLoad:
     sources: list[list[tuple[object, int]]]
     # Not empty: the load could not be planned; the worker reports it failed (vLLM recomputes).
     error: str = ""
+    in_step: bool = False
+
+
+@dataclass(frozen=True)
+class KvsStepReport:
+    """A worker's report of a step, back to the scheduler half (vLLM's connector worker
+    metadata): the requests whose in-step KVS load ran (done or failed; a failed one's blocks
+    are in vLLM's ``invalid_block_ids``). vLLM merges every rank's (``aggregate``)."""
+
+    kvs_loaded: tuple[str, ...]
+
+    def aggregate(self, other: KvsStepReport) -> KvsStepReport:
+        return KvsStepReport(self.kvs_loaded + other.kvs_loaded)
 
 
 @dataclass(frozen=True)

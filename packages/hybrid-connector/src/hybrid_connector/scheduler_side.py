@@ -116,7 +116,8 @@ class SchedulerSide:
         )
         # The shared KV store's half (None: off): loads for requests without a PD pull, saves.
         self.kvs = kvs
-        # KVS loads in flight (the worker reports them like pulls).
+        # KVS loads in flight (the worker reports them like pulls); those copied in the step
+        # that admits their request are named in that step's output instead (``KvsStepReport``).
         self._kvs_loading: set[str] = set()
         # This instance's TP size: D needs P's to know which P ranks to pull from.
         self._tp_size = tp_size
@@ -307,7 +308,8 @@ class SchedulerSide:
             load = self.kvs.update_state_after_alloc(request, blocks, num_external_tokens)
             if load is not None:
                 self._meta.kvs_loads.append(load)
-                self._kvs_loading.add(request_id)
+                if not load.in_step:
+                    self._kvs_loading.add(request_id)
         if self._offer_of(request) is not None:
             # Not again after a preemption; never for a request that keeps decoding.
             if not self.holds.is_announced(request_id) and _finishes_with_its_prompt(request):
@@ -395,6 +397,11 @@ class SchedulerSide:
                 self._kvs_loading.discard(request_id)
                 if self.kvs is not None:
                     self.kvs.load_finished(request_id)
+        # The step's in-step loads, every rank's (vLLM aggregates the workers' reports).
+        report = getattr(output, "kv_connector_worker_meta", None)
+        if self.kvs is not None:
+            for request_id in getattr(report, "kvs_loaded", ()):
+                self.kvs.load_finished(request_id)
 
     # ------------------------------------------------------------------ both
     def request_finished(

@@ -118,6 +118,14 @@ class _Results:
                 self._failed.add(request_id)
             self._cond.notify_all()
 
+    def take_loaded_in_step(self) -> list[str]:
+        """vLLM's thread, after a step: the requests whose KVS load ran in it (in-step)."""
+        return [] if self.kvs is None else self.kvs.take_loaded_in_step()
+
+    def take_failed_blocks(self) -> set[int]:
+        """vLLM's thread, after a step: the blocks of its in-step KVS loads that failed."""
+        return set() if self.kvs is None else self.kvs.take_failed_blocks()
+
     def drain(self, wait_s: float = 0.0) -> TransferResults:
         """Take what finished; with ``wait_s`` > 0 first wait that long for anything to finish
         (vLLM's step never waits; tests and tools outside a step may)."""
@@ -598,6 +606,9 @@ def _start_kvs(
         results.count("kvs_loads_failed" if failed else "kvs_loads")
         results.received(request_id, failed=failed)
 
+    def report_in_step(request_id: str, failed: bool) -> None:  # vLLM reads the step's output
+        results.count("kvs_loads_failed" if failed else "kvs_loads")
+
     return KvsWorker(
         config,
         geometry,
@@ -606,6 +617,7 @@ def _start_kvs(
         connect=lambda: refstore.Client(config.store, timeout=10.0),
         report_load=report,
         report_save=report_save,
+        report_in_step=report_in_step,
         name=f"-{name}",
     )
 
@@ -889,6 +901,14 @@ class WorkerSide:
                     loop.call_soon(self._run_batch, batch)
 
             events.when_ready(len(self._layer_index) - 1, finished)
+
+    def take_loaded_in_step(self) -> list[str]:
+        """vLLM's thread, after a step: the requests whose KVS load ran in it (in-step)."""
+        return [] if self.kvs is None else self.kvs.take_loaded_in_step()
+
+    def take_failed_blocks(self) -> set[int]:
+        """vLLM's thread, after a step: the blocks of its in-step KVS loads that failed."""
+        return set() if self.kvs is None else self.kvs.take_failed_blocks()
 
     def drain(self, wait_s: float = 0.0) -> TransferResults:
         """D's (finished_recving, failed_recving) since the last drain."""

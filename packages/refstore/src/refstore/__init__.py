@@ -29,6 +29,7 @@ from .launch import start_master_process
 from .manifest import Manifest, materialize
 from .master import Master, MasterThread
 from .protocol import KeyEvent, KeysLost, KeysRemoved, KeysStored, PeerStatus, Stats
+from .putget import Payloads, checksum, gather
 from .ref import Ref
 from .subscription import KeySubscription
 
@@ -52,6 +53,7 @@ __all__ = [
     "ObjectExpired",
     "ObjectGone",
     "ObjectReleased",
+    "Payloads",
     "PeerError",
     "PeerStatus",
     "PoolFull",
@@ -59,7 +61,9 @@ __all__ = [
     "RefstoreError",
     "Stats",
     "UnknownObject",
+    "checksum",
     "connect",
+    "gather",
     "materialize",
     "start_master_process",
 ]

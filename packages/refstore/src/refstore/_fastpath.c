@@ -444,6 +444,118 @@ static PyObject *copy_from(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* A buffer of n uint64 values (a numpy array): its items, or NULL with an exception set. The
+ * caller releases *held once done. */
+static const uint64_t *u64_items(PyObject *obj, Py_buffer *held, Py_ssize_t *n, const char *what)
+{
+    if (PyObject_GetBuffer(obj, held, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL;
+    const char *format = held->format ? held->format : "B";
+    if (strchr("<=@", format[0]) != NULL && format[0] != '\0')
+        format++;
+    if (held->itemsize != 8 || (strcmp(format, "Q") != 0 && strcmp(format, "L") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous uint64 array", what);
+        PyBuffer_Release(held);
+        return NULL;
+    }
+    *n = held->len / 8;
+    return (const uint64_t *)held->buf;
+}
+
+/* The segment copies: between view[offsets[i]:offsets[i] + lengths[i]] and the caller's
+ * addresses[i], for every i; `out` copies from the view. Every range in the view is checked
+ * first, then one loop copies them all, without the GIL from RELEASE_GIL_MIN bytes in all. */
+static PyObject *copy_segments(PyObject *const *args, Py_ssize_t nargs, int out)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, out ? "copy_out_segments(view, offsets, addresses, lengths)"
+                                             : "copy_in_segments(view, offsets, addresses, lengths)");
+        return NULL;
+    }
+    Py_buffer view, offsets_buf, addresses_buf, lengths_buf;
+    Py_ssize_t n_off = 0, n_addr = 0, n_len = 0;
+    if (PyObject_GetBuffer(args[0], &view, out ? PyBUF_SIMPLE : PyBUF_WRITABLE) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    const uint64_t *offsets = u64_items(args[1], &offsets_buf, &n_off, "offsets");
+    if (offsets == NULL)
+        goto release_view;
+    const uint64_t *addresses = u64_items(args[2], &addresses_buf, &n_addr, "addresses");
+    if (addresses == NULL)
+        goto release_offsets;
+    const uint64_t *lengths = u64_items(args[3], &lengths_buf, &n_len, "lengths");
+    if (lengths == NULL)
+        goto release_addresses;
+    if (n_off != n_addr || n_off != n_len) {
+        PyErr_Format(PyExc_ValueError, "%zd offsets, %zd addresses, %zd lengths", n_off, n_addr,
+                     n_len);
+        goto release_all;
+    }
+    uint64_t total = 0, size = (uint64_t)view.len;
+    for (Py_ssize_t i = 0; i < n_off; i++) {
+        if (offsets[i] > size || lengths[i] > size - offsets[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "segment %zd (%llu bytes at %llu) is outside the buffer (%zd bytes)", i,
+                         (unsigned long long)lengths[i], (unsigned long long)offsets[i], view.len);
+            goto release_all;
+        }
+        total += lengths[i];
+    }
+    char *base = (char *)view.buf;
+    if (total >= RELEASE_GIL_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n_off; i++) {
+            char *at = base + offsets[i], *other = (char *)(uintptr_t)addresses[i];
+            if (out)
+                memcpy(other, at, lengths[i]);
+            else
+                memcpy(at, other, lengths[i]);
+        }
+        Py_END_ALLOW_THREADS
+    } else {
+        for (Py_ssize_t i = 0; i < n_off; i++) {
+            char *at = base + offsets[i], *other = (char *)(uintptr_t)addresses[i];
+            if (out)
+                memcpy(other, at, lengths[i]);
+            else
+                memcpy(at, other, lengths[i]);
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+release_all:
+    PyBuffer_Release(&lengths_buf);
+release_addresses:
+    PyBuffer_Release(&addresses_buf);
+release_offsets:
+    PyBuffer_Release(&offsets_buf);
+release_view:
+    PyBuffer_Release(&view);
+    return result;
+}
+
+PyDoc_STRVAR(copy_out_segments_doc,
+             "copy_out_segments(view, offsets, addresses, lengths)\n\n"
+             "For every i, copy lengths[i] bytes from view[offsets[i]:] to addresses[i] (memory "
+             "of this process the caller keeps valid); the three are uint64 arrays of one length. "
+             "Every range in the view is checked before anything is copied; from RELEASE_GIL_MIN "
+             "bytes in all the copies run without the GIL.");
+
+static PyObject *copy_out_segments(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return copy_segments(args, nargs, 1);
+}
+
+PyDoc_STRVAR(copy_in_segments_doc,
+             "copy_in_segments(view, offsets, addresses, lengths)\n\n"
+             "For every i, copy lengths[i] bytes from addresses[i] (memory of this process the "
+             "caller keeps valid) to view[offsets[i]:], view writable; as copy_out_segments.");
+
+static PyObject *copy_in_segments(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    return copy_segments(args, nargs, 0);
+}
+
 /* The template of a header (seal, put_sealed): bytes of at least the fixed header, to be written
  * 8-byte aligned, within header_len when one is given (>= 0). 0, or -1 with an exception set. */
 static int check_template(PyObject *template, Py_ssize_t at, Py_ssize_t header_len)
@@ -790,6 +902,10 @@ static PyMethodDef methods[] = {
      tensor_capsule_doc},
     {"copy_in", (PyCFunction)(void (*)(void))copy_in, METH_FASTCALL, copy_in_doc},
     {"copy_from", (PyCFunction)(void (*)(void))copy_from, METH_FASTCALL, copy_from_doc},
+    {"copy_out_segments", (PyCFunction)(void (*)(void))copy_out_segments, METH_FASTCALL,
+     copy_out_segments_doc},
+    {"copy_in_segments", (PyCFunction)(void (*)(void))copy_in_segments, METH_FASTCALL,
+     copy_in_segments_doc},
     {"seal", (PyCFunction)(void (*)(void))seal, METH_FASTCALL, seal_doc},
     {"put_sealed", (PyCFunction)(void (*)(void))put_sealed, METH_FASTCALL, put_sealed_doc},
     {"read_sealed", (PyCFunction)(void (*)(void))read_sealed, METH_FASTCALL, read_sealed_doc},

@@ -613,6 +613,8 @@ class Master:
             **({} if self.disk is None else self.disk.stats()),
             **self.peers.totals(),
             peer_served=self._peer_served,
+            clients=self.server.connection_count,
+            subscribers=len(self.feeds),
             peers=self.peers.status(self._clock()),
         )
 

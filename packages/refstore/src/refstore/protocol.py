@@ -230,6 +230,8 @@ class Stats(msgspec.Struct, frozen=True):
     disk_errors: int = 0  # failed writes; reads short, failed or not the bytes written
     disk_evictions: int = 0  # records evicted (LRU) to make room for newer ones
     spill_dropped: int = 0  # evicted keyed cache entries not written (queue full, no room)
+    clients: int = 0  # connections to the master now (the asker's included; peers' too)
+    subscribers: int = 0  # connections that follow the key events
     peers: list[PeerStatus] = []
     err: ErrorInfo | None = None
 
