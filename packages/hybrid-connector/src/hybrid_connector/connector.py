@@ -3,8 +3,8 @@
 One class, two roles. vLLM builds one instance per role: in the scheduler (engine core process)
 and in each worker. The roles never share state: the scheduler tells the worker through vLLM's
 connector metadata (every step); the worker answers through ``get_transfer_results`` (every
-step) and, for blocks the scheduler holds itself, with a SEND_DONE RPC (``send_done``) that
-needs no step.
+step; R3's capture check through ``build_connector_worker_meta``) and, for blocks the scheduler
+holds itself, with a SEND_DONE RPC (``send_done``) that needs no step.
 
 The only module of the package that imports vLLM: it maps vLLM's hooks onto ``SchedulerSide``
 and ``WorkerSide`` and the connector's plain metadata/results onto vLLM's classes.
@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -31,7 +32,7 @@ from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.mapping import rank_heads
-from hybrid_connector.metadata import HybridConnectorMetadata
+from hybrid_connector.metadata import HybridConnectorMetadata, R3Report
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.send_done import SendDoneServer
 from hybrid_connector.worker_side import WorkerSide
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 
 # The metadata is a plain dataclass (metadata.py imports no vLLM); vLLM sees it as its own.
 KVConnectorMetadata.register(HybridConnectorMetadata)
+KVConnectorWorkerMetadata.register(R3Report)
 
 
 def _kvs_scheduler(
@@ -471,6 +473,11 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(
             finished_recving=results.finished_recving, failed_recving=results.failed_recving
         )
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        # R3: after the forward pass, the steps whose pass skipped a routing capture (None: none).
+        assert self._worker is not None
+        return None if self._worker.r3 is None else self._worker.r3.report()
 
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""

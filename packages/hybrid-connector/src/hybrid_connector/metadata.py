@@ -126,6 +126,14 @@ class HybridConnectorMetadata:
     kvs_loads: list[KvsLoad] = field(default_factory=list)
     kvs_saves: list[KvsSave] = field(default_factory=list)
     r3_copies: list[R3Copy] = field(default_factory=list)
+    # R3: blocks of the routing group newly given to a request whose rows this instance's
+    # forward passes will write (not a prefix hit, not a load): "no row" again before the step's
+    # forward pass, so a row never written is never the previous owner's.
+    r3_fresh_blocks: list[int] = field(default_factory=list)
+    # R3: this step's number and how many tokens its forward pass computes (0: none), for the
+    # worker's check that every MoE layer captured every token (``R3Report``).
+    r3_step: int = 0
+    r3_step_tokens: int = 0
     # P: where the scheduler half (the owner of P's blocks) takes SEND_DONE ("host:port"). Set
     # in every metadata, read by the worker.
     scheduler_address: str = ""
@@ -141,6 +149,7 @@ class HybridConnectorMetadata:
             or self.kvs_loads
             or self.kvs_saves
             or self.r3_copies
+            or self.r3_fresh_blocks
         )
 
 
@@ -155,3 +164,16 @@ class TransferResults(NamedTuple):
 
     finished_recving: set[str]
     failed_recving: set[str]
+
+
+@dataclass(frozen=True)
+class R3Report:
+    """Worker -> scheduler (vLLM's ``kv_connector_worker_meta``, after the step's forward pass):
+    R3 steps whose forward pass left some MoE layer's routing of some token uncaptured. The
+    scheduler marks the requests of those steps incomplete. ``connector.py`` registers it as a
+    vLLM ``KVConnectorWorkerMetadata``; TP ranks' reports are merged."""
+
+    missed_steps: tuple[int, ...]
+
+    def aggregate(self, other: R3Report) -> R3Report:
+        return R3Report(tuple(sorted({*self.missed_steps, *other.missed_steps})))

@@ -16,15 +16,20 @@ Contract (what a reader, e.g. an RL trainer replaying the rollout's routing, rel
   logical expert ids (before any EPLB mapping), in the order the router returned them. ``params``
   is the finished request's ``kv_transfer_params`` (or its ``"r3"`` dict); ``client`` a
   ``refstore.Client`` of the node's master named by ``store``.
-- ``complete``: false if the engine knew at the end of the request that some rows are missing;
-  the stored record carries the final word (rows never written are found when it is copied out):
-  ``read_record`` raises ``R3RecordError`` for an incomplete record, never returns a partial one.
+- ``complete``: false if the engine knew at the end of the request that some rows are missing
+  (a forward pass that ran it skipped a capture: the worker checks every pass, ``RowLedger``).
+  The stored record carries the final word, a check of every row when it is copied out: a miss
+  in the request's last forward pass (reported after vLLM ended the request) or rows that came
+  missing with the KV (a P whose capture missed) show there only. ``read_record`` raises
+  ``R3RecordError`` for a record incomplete either way, never returns a partial one.
 
 How the rows travel: the worker keeps a routing buffer laid out like the KV cache, one row
 ``[layers, top_k]`` per token slot of each KV block (an extra "layer" of the attention group,
 ``ROUTING_LAYER``); each MoE router's capture hook scatters its ``topk_ids`` to the slots of the
 step's tokens. A row therefore lives in the KV block of its token and moves exactly as the KV
-does: in a PD pull, a KVS save and load, a live migration; a prefix-cache hit keeps it. When the
+does: in a PD pull, a KVS save and load, a live migration; a prefix-cache hit keeps it. A block
+newly given to a request whose rows the forward passes will write is reset to "no row" first
+(``RowLedger``), so a row is this request's or missing, never a previous owner's. When the
 request finishes, its rows are gathered from its blocks into one refstore object under ``key``.
 
 Imports numpy only (``refstore`` inside ``read_record``): a trainer reads records without vLLM.
@@ -35,7 +40,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +52,7 @@ __all__ = [
     "ROUTING_LAYER",
     "R3RecordError",
     "RowGeometry",
+    "RowLedger",
     "blocks_of",
     "check_peer",
     "gather_rows",
@@ -95,6 +102,87 @@ class RowGeometry:
     @property
     def row_nbytes(self) -> int:
         return self.layers * self.top_k * np.dtype(self.dtype).itemsize
+
+
+class RowLedger:
+    """The scheduler half's R3 bookkeeping: pure, fed the scheduler's events, returning what the
+    worker must do. A token's row is written by this instance's forward pass, or it comes with
+    its block: a prefix-cache hit keeps it, a PD pull or a KVS load brings it. Hence:
+
+    - a block newly given to a request, whose rows this instance's forward passes will write,
+      is reset to "no row" (``allocated``, ``grown``): a row whose capture was skipped then reads
+      as missing, never as the row of the block's previous request;
+    - a step whose forward pass skipped a capture (the worker's ``R3Report``) marks every
+      request it ran; such a request's params say ``complete: false`` (``finished``).
+
+    One request::
+
+        looked_up --allocated--> admitted --allocated (after its load)--> admitted
+            ^      (hits, loads)    |  grown (decode blocks), ran in steps
+            |                       |
+            +---- preempted --------+--finished--> complete (no step of it missed)
+
+    At admission (``looked_up``, then ``allocated``) the leading blocks with a prefix-cache hash
+    are hits and the next ``loaded_tokens`` worth are loaded: those keep what they hold or get
+    (a load writes whole blocks, so they are never reset: on a GPU the reset would race the
+    load's copy). Every later block is reset, including those vLLM adds when the request is
+    scheduled again after its load (vLLM calls ``update_state_after_alloc`` again then, without
+    a lookup first).
+    """
+
+    def __init__(self, block_size: int, history: int = 16) -> None:
+        self._block_size = block_size
+        # Blocks of each admitted request whose rows are accounted for (to the request's end).
+        self._seen: dict[str, int] = {}
+        # The requests each recent step ran (reports may come a few steps late: async scheduling).
+        self._steps: OrderedDict[int, Collection[str]] = OrderedDict()
+        self._history = history
+        self._step = 0
+        self._missed: set[str] = set()
+
+    def looked_up(self, request_id: str) -> None:
+        """vLLM looks ``request_id``'s prefix up: it is being admitted, anew or after a
+        preemption (which freed its blocks)."""
+        self._seen.pop(request_id, None)
+
+    def allocated(self, request_id: str, blocks: Sequence[Any], loaded_tokens: int) -> list[int]:
+        """vLLM allocated ``request_id``'s blocks of the routing group (``blocks``: all of them,
+        from token 0; each with ``block_id``, ``block_hash``, ``is_null``), ``loaded_tokens``
+        to be loaded after its prefix hit. Returns the blocks to reset."""
+        seen = self._seen.get(request_id)
+        if seen is None:  # admitted now
+            hits = 0
+            while hits < len(blocks) and blocks[hits].block_hash is not None:
+                hits += 1
+            seen = hits + math.ceil(max(loaded_tokens, 0) / self._block_size)
+        self._seen[request_id] = max(seen, len(blocks))
+        return [b.block_id for b in blocks[seen:] if not b.is_null]
+
+    def start_step(self, scheduled: Collection[str]) -> int:
+        """A step runs the requests ``scheduled`` (kept by reference): its number."""
+        self._step += 1
+        self._steps[self._step] = scheduled
+        while len(self._steps) > self._history:
+            self._steps.popitem(last=False)
+        return self._step
+
+    def missed(self, steps: Iterable[int]) -> None:
+        """The worker's report: these steps' forward passes skipped a capture."""
+        for step in steps:
+            self._missed.update(r for r in self._steps.get(step, ()) if r in self._seen)
+
+    def finished(self, request_id: str) -> bool:
+        """``request_id`` ended: whether no step that ran it is known to have missed a row."""
+        self._seen.pop(request_id, None)
+        if request_id in self._missed:
+            self._missed.discard(request_id)
+            return False
+        return True
+
+    @property
+    def tracked(self) -> int:
+        """Requests on the ledger (tests: back to 0 when the engine is idle)."""
+        return len(self._seen) + len(self._missed)
 
 
 def record_key() -> str:
