@@ -258,31 +258,36 @@ def test_only_rank_0_stores_and_a_mismatch_is_refused_at_start() -> None:
 
 
 # ------------------------------------------------------------------ fresh blocks, missed captures
-def _blk(block_id: int, *, cached: bool = False) -> Any:
+def _blk(block_id: int) -> Any:
     """vLLM's KVCacheBlock as the scheduler half reads it."""
-    return SimpleNamespace(block_id=block_id, block_hash="h" if cached else None, is_null=False)
+    return SimpleNamespace(block_id=block_id, is_null=block_id == 0)
 
 
 def test_the_ledger_resets_blocks_the_forward_passes_write_and_keeps_hits_and_loads() -> None:
     ledger = r3.RowLedger(block_size=4)
-    # 2 prefix-cache hits, 6 tokens loaded (2 blocks, the second partly), 1 block computed
-    ledger.looked_up("a")
-    blocks = [_blk(7, cached=True), _blk(8, cached=True), _blk(9), _blk(10), _blk(11)]
+    # a hit of 2 blocks, 6 tokens loaded (2 blocks, the second partly), 1 block computed
+    ledger.looked_up("a", hit_tokens=8)
+    blocks = [_blk(7), _blk(8), _blk(9), _blk(10), _blk(11)]
     assert ledger.allocated("a", blocks, loaded_tokens=6) == [11]
     # scheduled again once its load is in (no lookup first): only what is new since
     assert ledger.allocated("a", [*blocks, _blk(12), _blk(13)], loaded_tokens=0) == [12, 13]
     # preempted and admitted again: its blocks were freed; a new hit, nothing loaded
-    ledger.looked_up("a")
-    assert ledger.allocated("a", [_blk(7, cached=True), _blk(3), _blk(4)], 0) == [3, 4]
+    ledger.looked_up("a", hit_tokens=4)
+    assert ledger.allocated("a", [_blk(7), _blk(3), _blk(4)], 0) == [3, 4]
+    # allocated without a lookup (not vLLM's order): every block it holds, never the null one
+    assert ledger.allocated("c", [_blk(0), _blk(6)], 0) == [6]
     # a step that missed a capture marks the requests it ran that are still on the ledger
-    ledger.looked_up("b")
+    ledger.looked_up("b", hit_tokens=0)
     assert ledger.allocated("b", [_blk(5)], 0) == [5]
     first = ledger.start_step({"a": 1, "b": 1})
     second = ledger.start_step({"b": 1, "gone": 1})
     ledger.missed([second])
     assert ledger.finished("a") is True
     assert ledger.finished("b") is False
+    assert ledger.finished("c") is True
     ledger.missed([first])  # late: "a" ended already, nothing to mark
+    ledger.looked_up("d", hit_tokens=0)  # looked up, ended before it was ever allocated
+    assert ledger.finished("d") is True
     assert ledger.tracked == 0
 
 

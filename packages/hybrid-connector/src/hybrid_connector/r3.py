@@ -110,28 +110,33 @@ class RowLedger:
     its block: a prefix-cache hit keeps it, a PD pull or a KVS load brings it. Hence:
 
     - a block newly given to a request, whose rows this instance's forward passes will write,
-      is reset to "no row" (``allocated``, ``grown``): a row whose capture was skipped then reads
-      as missing, never as the row of the block's previous request;
+      is reset to "no row" (``allocated``, and the running requests' new blocks the scheduler
+      half lists itself): a row whose capture was skipped then reads as missing, never as the
+      row of the block's previous request;
     - a step whose forward pass skipped a capture (the worker's ``R3Report``) marks every
       request it ran; such a request's params say ``complete: false`` (``finished``).
 
     One request::
 
-        looked_up --allocated--> admitted --allocated (after its load)--> admitted
-            ^      (hits, loads)    |  grown (decode blocks), ran in steps
-            |                       |
-            +---- preempted --------+--finished--> complete (no step of it missed)
+        looked_up(hit) --allocated(loaded)--> admitted --allocated (after its load)--> admitted
+            ^                                    |  ran in steps
+            +------------ preempted -------------+--finished--> complete (no step of it missed)
 
-    At admission (``looked_up``, then ``allocated``) the leading blocks with a prefix-cache hash
-    are hits and the next ``loaded_tokens`` worth are loaded: those keep what they hold or get
-    (a load writes whole blocks, so they are never reset: on a GPU the reset would race the
-    load's copy). Every later block is reset, including those vLLM adds when the request is
-    scheduled again after its load (vLLM calls ``update_state_after_alloc`` again then, without
-    a lookup first).
+    At admission the first ``hit`` tokens' blocks (vLLM's local prefix-cache hit, block-aligned
+    as vLLM gives it to the connector's lookup) are hits and the next ``loaded`` tokens' blocks
+    are loaded: those keep what they hold or get (a load writes whole blocks, so they are never
+    reset: on a GPU the reset would race the load's copy). Every later block is reset, including
+    those vLLM adds when the request is scheduled again after its load (vLLM calls
+    ``update_state_after_alloc`` again then, without a lookup first). A block's prefix-cache
+    hash cannot tell a hit: vLLM hashes a prompt's full blocks when it allocates them. Should
+    vLLM drop a hit after the lookup (a model's prefix replay window), the tokens are recomputed
+    and their rows captured; only a capture missed there too would leave the old rows.
     """
 
     def __init__(self, block_size: int, history: int = 16) -> None:
         self._block_size = block_size
+        # Requests looked up and not allocated yet: their prefix-cache hit in tokens.
+        self._admitting: dict[str, int] = {}
         # Blocks of each admitted request whose rows are accounted for (to the request's end).
         self._seen: dict[str, int] = {}
         # The requests each recent step ran (reports may come a few steps late: async scheduling).
@@ -140,23 +145,24 @@ class RowLedger:
         self._step = 0
         self._missed: set[str] = set()
 
-    def looked_up(self, request_id: str) -> None:
-        """vLLM looks ``request_id``'s prefix up: it is being admitted, anew or after a
-        preemption (which freed its blocks)."""
+    def looked_up(self, request_id: str, hit_tokens: int) -> None:
+        """vLLM looks ``request_id``'s prefix up (``get_num_new_matched_tokens``): it is being
+        admitted, anew or after a preemption (which freed its blocks), with ``hit_tokens`` of
+        its prompt in vLLM's own prefix cache."""
         self._seen.pop(request_id, None)
+        self._admitting[request_id] = max(hit_tokens, 0)
 
     def allocated(self, request_id: str, blocks: Sequence[Any], loaded_tokens: int) -> list[int]:
         """vLLM allocated ``request_id``'s blocks of the routing group (``blocks``: all of them,
-        from token 0; each with ``block_id``, ``block_hash``, ``is_null``), ``loaded_tokens``
-        to be loaded after its prefix hit. Returns the blocks to reset."""
-        seen = self._seen.get(request_id)
-        if seen is None:  # admitted now
-            hits = 0
-            while hits < len(blocks) and blocks[hits].block_hash is not None:
-                hits += 1
-            seen = hits + math.ceil(max(loaded_tokens, 0) / self._block_size)
-        self._seen[request_id] = max(seen, len(blocks))
-        return [b.block_id for b in blocks[seen:] if not b.is_null]
+        from token 0; each with ``block_id`` and ``is_null``), ``loaded_tokens`` to be loaded
+        after its prefix hit. Returns the blocks to reset."""
+        hit = self._admitting.pop(request_id, None)
+        if hit is not None:  # admitted now
+            kept = hit // self._block_size + math.ceil(max(loaded_tokens, 0) / self._block_size)
+        else:  # scheduled again after its load; or never looked up: reset all it holds
+            kept = self._seen.get(request_id, 0)
+        self._seen[request_id] = max(kept, len(blocks))
+        return [b.block_id for b in blocks[kept:] if not b.is_null]
 
     def start_step(self, scheduled: Collection[str]) -> int:
         """A step runs the requests ``scheduled`` (kept by reference): its number."""
@@ -174,6 +180,7 @@ class RowLedger:
     def finished(self, request_id: str) -> bool:
         """``request_id`` ended: whether no step that ran it is known to have missed a row."""
         self._seen.pop(request_id, None)
+        self._admitting.pop(request_id, None)
         if request_id in self._missed:
             self._missed.discard(request_id)
             return False
@@ -182,7 +189,7 @@ class RowLedger:
     @property
     def tracked(self) -> int:
         """Requests on the ledger (tests: back to 0 when the engine is idle)."""
-        return len(self._seen) + len(self._missed)
+        return len(self._seen) + len(self._admitting) + len(self._missed)
 
 
 def record_key() -> str:

@@ -237,7 +237,7 @@ class SchedulerSide:
         # First hook of a schedule() that admits a request: released blocks count for it.
         self._drain()
         if self._r3_ledger is not None:
-            self._r3_ledger.looked_up(request.request_id)
+            self._r3_ledger.looked_up(request.request_id, num_computed_tokens)
         pull = self._pull_of(request)
         if pull is None:
             if self.kvs is not None:
