@@ -28,7 +28,18 @@ on; ``hybrid_connector.r3``) by reference, straight into the manifest.
 ``R3`` modes: ``off`` records nothing (the connector runs without r3) and the trainer routes by
 itself; ``replay`` (R3 on) replays the records. With ``compare`` the trainer also runs the batch
 without replay (no gradient) to count how often its own routing differs from the rollout's.
-memprof runs in this process (as in every pipeline actor).
+
+``R3Transport``: ``ref`` (the default) carries a manifest as above; ``value`` carries the records
+as verl and slime do, by value through Ray's object store: the rollout copies them out (an
+engine that returns routing with its output hands over such an array), ``ray.put`` -> ``ray.get``
+to the stages (the rollout worker's answer to the driver), the stages rebuild the arrays as they
+reorder and cut the batch, ``ray.put`` -> ``ray.get`` of each micro-batch's rows to the trainer,
+which copies them into its padded layout. Only the records go through Ray (the token ids and
+advantages do not, in either transport), so the two differ by how the records travel alone.
+Ray starts in this process for ``value`` only (``ray.init(num_cpus=2)``).
+
+memprof runs in this process (as in every pipeline actor), and in the P and D servers of
+``serving="pd"``.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import ray
 import refstore
 
 from .pipeline import Batch, GroupBySample, PackMicroBatches, SortByLength, _start_memprof
@@ -55,7 +67,15 @@ from .rollout import (
     reload_moe_weights,
 )
 
-__all__ = ["R3", "LoopConfig", "RLLoop", "Serving", "reload_moe_weights", "run_loop"]
+__all__ = [
+    "R3",
+    "LoopConfig",
+    "R3Transport",
+    "RLLoop",
+    "Serving",
+    "reload_moe_weights",
+    "run_loop",
+]
 
 REFSTORE_NAME = "rl-loop"
 
@@ -76,6 +96,11 @@ class R3(enum.StrEnum):
     REPLAY = "replay"
 
 
+class R3Transport(enum.StrEnum):
+    REF = "ref"  # a refstore Manifest over the engine's own objects: no copy before the gather
+    VALUE = "value"  # the records copied out and sent through Ray's object store (verl, slime)
+
+
 class LoopConfig(msgspec.Struct, frozen=True):
     prompts: int = 4
     group_size: int = 4  # samples per prompt (GRPO group)
@@ -87,6 +112,7 @@ class LoopConfig(msgspec.Struct, frozen=True):
     target_lo: int = 100
     target_hi: int = 164
     r3: str = R3.REPLAY.value
+    r3_transport: str = R3Transport.REF.value  # how the records go from rollout to trainer
     compare: bool = False  # also measure the batch without replay (R3 on only)
     micro_batch_tokens: int = 192
     temperature: float = 1.0
@@ -126,7 +152,9 @@ def engine_records(
     """The engine recorder's own objects, by reference: each finished request's
     ``kv_transfer_params["r3"]`` names a keyed object in refstore (``hybrid_connector.r3``) that
     the worker stores just after the request ends; the manifest points at those objects (one per
-    sample, rows from 0), so no routing byte is copied before the trainer's gather."""
+    sample, rows from 0), so no routing byte is copied before the trainer's gather. A record the
+    engine knew incomplete is refused here; the rows themselves are checked where they are read
+    (``check_rows``, on the trainer's gather: no read of each object before it)."""
     keys, lengths, geometry = [], [], None
     for output, ids in zip(outputs, tokens, strict=True):
         params = (output.kv_transfer_params or {}).get("r3")
@@ -148,13 +176,37 @@ def engine_records(
     refs = _lookup_all(client, keys, timeout_s)
     assert geometry is not None
     layers, top_k, dtype = geometry
-    for ref, key in zip(refs, keys, strict=True):
-        if not bool(np.asarray(client.get(ref)["complete"])[0]):  # a view: reads one byte
-            client.release(refs)
-            raise RecordError(f"r3 record {key.decode()}: rows missing in the stored record")
     return refstore.Manifest.from_refs(
         refs, lengths, dtype=dtype, row_shape=(layers, top_k), key="rows"
     )
+
+
+def check_rows(rows: np.ndarray, lengths: np.ndarray, sample_ids: np.ndarray) -> None:
+    """``rows`` of records as gathered, ``[samples, longest, layers, top_k]`` (padded) or
+    ``[rows, layers, top_k]`` (packed, samples back to back): ``RecordError`` if a row of a
+    sample is missing (an id equal to its dtype's maximum, "no row", in ``hybrid_connector.r3``)."""
+    missing = (rows == np.iinfo(rows.dtype).max).reshape(*rows.shape[: rows.ndim - 2], -1).any(-1)
+    if rows.ndim == 4:  # padded: the rows past each sample's length are padding
+        missing &= np.arange(rows.shape[1]) < np.asarray(lengths)[:, None]
+        bad = np.flatnonzero(missing.any(-1))
+    else:
+        bad = np.unique(np.searchsorted(np.cumsum(lengths), np.flatnonzero(missing), "right"))
+    if len(bad):
+        raise RecordError(
+            f"r3 records of samples {np.asarray(sample_ids)[bad][:5].tolist()}: rows missing"
+        )
+
+
+def copy_records(manifest: refstore.Manifest, client: refstore.Client) -> np.ndarray:
+    """The records of ``manifest`` as one array ``[rows, layers, top_k]`` (samples back to back,
+    a copy, checked whole), the store's objects released: what an engine that returns routing by
+    value with its output hands over."""
+    try:
+        rows = refstore.materialize(manifest, client=client, layout="packed")
+    finally:
+        client.release(list(manifest.refs))
+    check_rows(rows, manifest.length, manifest.sample_id)
+    return rows
 
 
 def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) -> list[Any]:
@@ -215,6 +267,7 @@ class RLLoop:
         for key, value in VLLM_ENV.items():
             os.environ.setdefault(key, value)
         self.config = config
+        self.by_value = R3Transport(config.r3_transport) is R3Transport.VALUE
         self.memprof = _start_memprof()
         self.model_dir = Path(work_dir) / "model"  # the trainer writes its weights here
         if self.model_dir.exists():
@@ -236,6 +289,11 @@ class RLLoop:
             self.records: RecordSource | None = None
             if R3(config.r3) is R3.REPLAY:
                 self.records = record_source or engine_records
+            if self.by_value and self.records is not None:
+                from .cli import init_ray
+
+                init_ray(object_store_gib=1.0)
+                self._closers.append(ray.shutdown)
         except BaseException:
             self.close()
             raise
@@ -299,10 +357,14 @@ class RLLoop:
         lengths = np.array([len(t) - 1 for t in tokens], np.int64)  # model inputs per sample
         sample_ids = np.arange(n, dtype=np.int64) + self.steps * n
         r3: Any = None
+        offsets = None
         if self.records is not None:
             t1 = time.perf_counter()
             r3 = self.records(outputs, tokens, self.client)
             r3.sample_id[:] = sample_ids
+            if self.by_value:
+                r3 = copy_records(r3, self.client)
+                offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
             timings["records"] = time.perf_counter() - t1
         batch = Batch(
             sample_ids,
@@ -310,6 +372,7 @@ class RLLoop:
             lengths,
             tokens,
             r3,
+            offsets,
             columns={
                 "advantage": advantages.tolist(),
                 "prompt_len": [cfg.prompt_len] * n,
@@ -334,6 +397,11 @@ class RLLoop:
                     t1 = time.perf_counter()
                     # One copy per byte, straight into the trainer's padded layout.
                     rows = refstore.materialize(mb.r3, client=self.client, layout="padded")
+                    check_rows(rows, mb.r3.length, mb.sample_ids)
+                    materialise_s += time.perf_counter() - t1
+                elif mb.r3 is not None:  # by value: the rows Ray delivered, into that layout
+                    t1 = time.perf_counter()
+                    rows = _padded(mb)
                     materialise_s += time.perf_counter() - t1
                 recorded.append(rows)
                 groups.append(
@@ -358,7 +426,8 @@ class RLLoop:
                 **self.trainer.grpo_step(groups, replay=replay, recorded=recorded),
                 **compared,
             }
-            compute_s = time.perf_counter() - t1
+            # Without the agreement figures: measurements, not part of a training step.
+            compute_s = time.perf_counter() - t1 - stats["agreement_s"]
         finally:
             refs = {
                 ref
@@ -389,14 +458,27 @@ class RLLoop:
         batch, timings = self.rollout()
         reward_mean = timings.pop("reward")
         t0 = time.perf_counter()
+        ray_s = 0.0
+        if self.by_value and batch.r3 is not None:
+            batch.r3 = _through_ray(batch.r3)  # the rollout worker's answer to the driver
+            ray_s += time.perf_counter() - t0
         for stage in self.stages:
             batch = stage.run(batch)
         micro_batches = self.pack.run(batch)
-        timings["stages"] = time.perf_counter() - t0
+        if self.by_value and batch.r3 is not None:
+            t1 = time.perf_counter()
+            for mb in micro_batches:  # the driver's dispatch to the trainer
+                mb.r3 = _through_ray(mb.r3)
+            ray_s += time.perf_counter() - t1
+        timings["stages"] = time.perf_counter() - t0 - ray_s
+        if self.by_value:
+            timings["ray"] = ray_s
         stats, train_timings = self.train(micro_batches)
         timings.update(train_timings)
-        # Without the weight sync, nor the comparison's extra forward pass.
-        timings["step"] = time.perf_counter() - started - stats.get("compare_s", 0.0)
+        # Without the weight sync, nor the measurements (the comparison's extra forward pass,
+        # the agreement figures).
+        measured = stats.get("compare_s", 0.0) + stats["agreement_s"]
+        timings["step"] = time.perf_counter() - started - measured
         timings.update(self.sync_weights())
         timings["step_with_sync"] = time.perf_counter() - started
         self.steps += 1
@@ -415,6 +497,23 @@ class RLLoop:
     def close(self) -> None:
         while self._closers:
             self._closers.pop()()
+
+
+def _through_ray(rows: np.ndarray) -> np.ndarray:
+    """``rows`` by value through Ray's object store: put (a copy into it), get (numpy comes back
+    zero-copy, read-only)."""
+    return ray.get(ray.put(rows))
+
+
+def _padded(mb: Batch) -> np.ndarray:
+    """A by-value micro-batch's rows in the trainer's padded layout ``[samples, longest,
+    layers, top_k]`` (a copy; what ``materialize(layout="padded")`` makes by reference)."""
+    assert mb.r3_offsets is not None
+    lengths = mb.lengths
+    out = np.zeros((len(lengths), int(lengths.max()), *mb.r3.shape[1:]), mb.r3.dtype)
+    for i, (offset, n) in enumerate(zip(mb.r3_offsets.tolist(), lengths.tolist(), strict=True)):
+        out[i, :n] = mb.r3[offset : offset + n]
+    return out
 
 
 def run_loop(
@@ -438,7 +537,8 @@ def run_loop(
         return {
             "steps": results,
             "pool_back_to_baseline": loop.pool_back_to_baseline(),
-            "memprof": loop.memprof,
+            "memprof": loop.memprof,  # in this process
+            "engine_memprof": loop.engine.memprof(),  # in each server process (pd)
         }
     finally:
         loop.close()
