@@ -48,7 +48,12 @@ subprocess.run([sys.executable, str(ROOT / ".ci" / "fix_wheel_tags.py")], check=
 NO_VLLM = ("-m", "not starts_vllm and not fresh_venv")
 # Smoke runs that start vLLM: `nox -s bench -- --smoke` runs them.
 SMOKE_STARTS_VLLM = frozenset(
-    {"bench_prefill_overhead.py", "bench_kvs_multiturn.py", "bench_r3_decode.py"}
+    {
+        "bench_prefill_overhead.py",
+        "bench_kvs_multiturn.py",
+        "bench_r3_decode.py",
+        "bench_r3_loop.py",
+    }
 )
 # The benchmarks' heavy competitors (NIXL with its CUDA builds, Mooncake's transfer engine): only
 # the sessions that run them install this group.
