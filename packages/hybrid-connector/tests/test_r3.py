@@ -68,12 +68,12 @@ def test_rows_scattered_by_slot_gather_back_in_token_order() -> None:
         r3.blocks_of(block_ids, 13, block_size)
 
 
-def test_a_stored_object_says_whether_every_row_is_there() -> None:
-    rows = np.zeros((4, 2, 2), np.uint8)
-    assert r3.stored_object(rows)["complete"][0] == 1
+def test_a_stored_object_is_the_rows_and_says_which_are_missing() -> None:
+    rows = np.zeros((4, 2, 2), np.uint8)[::-1]  # not contiguous: stored as one
+    assert r3.stored_object(rows).flags.c_contiguous
+    assert r3.missing_rows(r3.stored_object(rows)) == 0
     rows[2, 1, 0] = 255
-    assert r3.stored_object(rows)["complete"][0] == 0
-    assert r3.missing_rows(rows) == 1
+    assert r3.missing_rows(r3.stored_object(rows)) == 1
 
 
 def test_record_params_are_plain_json_with_a_unique_key() -> None:
@@ -150,7 +150,7 @@ class _DictStore:
 
     def put_keyed(self, items: list[tuple[bytes, Any]], ttl: float | None = None) -> list[Any]:
         for key, obj in items:
-            self.objects[key] = {k: np.array(v) for k, v in obj.items()}
+            self.objects[key] = np.array(obj)
         return [key for key, _ in items]
 
     def close(self) -> None:
@@ -201,10 +201,8 @@ def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finishe
         routers[0].capture_fn(torch.zeros(3, 2, dtype=torch.int32))  # no forward: ignored
         recorder.copy_out([R3Copy("req", "r3/a", [3, 1], 5), R3Copy("short", "r3/b", [3, 1], 6)])
         assert recorder.wait_stored(2, timeout_s=10)
-        stored = store.objects[b"r3/a"]
-        assert stored["rows"].tobytes() == want[:5].astype(np.uint8).tobytes()
-        assert stored["complete"][0] == 1
-        assert store.objects[b"r3/b"]["complete"][0] == 0  # token 5 never went through
+        assert store.objects[b"r3/a"].tobytes() == want[:5].astype(np.uint8).tobytes()
+        assert r3.missing_rows(store.objects[b"r3/b"]) == 1  # token 5 never went through
         assert recorder.counters["incomplete"] == 1
         assert recorder.counters["captures"] == rows.layers
     finally:
@@ -233,8 +231,7 @@ def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor(
                 router.capture_fn(torch.from_numpy(ids))
         recorder.copy_out([R3Copy("req", "r3/a", [2], 4)])
         assert recorder.wait_stored(1, timeout_s=10)
-        assert store.objects[b"r3/a"]["rows"].tobytes() == want.astype(np.uint8).tobytes()
-        assert store.objects[b"r3/a"]["complete"][0] == 1
+        assert store.objects[b"r3/a"].tobytes() == want.astype(np.uint8).tobytes()
     finally:
         recorder.close()
 
@@ -390,13 +387,12 @@ def test_a_reused_block_never_hands_on_its_previous_rows_and_a_missed_capture_is
         assert params["r3"]["complete"] is False  # the engine knew
         recorder.begin_step(_step(side, {}, {}))
         assert recorder.wait_stored(2, timeout_s=10)
-        b_obj, a_obj = sorted(store.objects.values(), key=lambda o: len(o["rows"]))  # 4, 8 rows
-        assert a_obj["rows"].tobytes() == a_rows.astype(np.uint8).tobytes()
-        assert a_obj["complete"][0] == 1
-        assert b_obj["complete"][0] == 0  # and the stored object: never A's rows as B's
-        assert r3.missing_rows(b_obj["rows"]) == 3
-        assert (b_obj["rows"][:3, 1:] == 255).all()
-        assert b_obj["rows"][:3, 0].tobytes() == b_rows[:3, 0].astype(np.uint8).tobytes()
+        b_obj, a_obj = sorted(store.objects.values(), key=len)  # 4 rows, 8 rows
+        assert a_obj.tobytes() == a_rows.astype(np.uint8).tobytes()
+        # and the stored rows: never A's as B's
+        assert r3.missing_rows(b_obj) == 3
+        assert (b_obj[:3, 1:] == 255).all()
+        assert b_obj[:3, 0].tobytes() == b_rows[:3, 0].astype(np.uint8).tobytes()
         assert recorder.counters["incomplete"] == 1
         assert recorder.counters["missed_steps"] == 1
         assert side._r3_ledger is not None

@@ -18,10 +18,12 @@ Contract (what a reader, e.g. an RL trainer replaying the rollout's routing, rel
   ``refstore.Client`` of the node's master named by ``store``.
 - ``complete``: false if the engine knew at the end of the request that some rows are missing
   (a forward pass that ran it skipped a capture: the worker checks every pass, ``RowLedger``).
-  The stored record carries the final word, a check of every row when it is copied out: a miss
-  in the request's last forward pass (reported after vLLM ended the request) or rows that came
+  The stored record carries the final word: a row never written is "no row" in it. A miss in
+  the request's last forward pass (reported after vLLM ended the request) or rows that came
   missing with the KV (a P whose capture missed) show there only. ``read_record`` raises
   ``R3RecordError`` for a record incomplete either way, never returns a partial one.
+- The stored object under ``key`` is the rows array alone (``[tokens, layers, top_k]``): a
+  ``refstore.Manifest.from_refs(..., key=None)`` over records gathers them directly.
 
 How the rows travel: the worker keeps a routing buffer laid out like the KV cache, one row
 ``[layers, top_k]`` per token slot of each KV block (an extra "layer" of the attention group,
@@ -251,9 +253,11 @@ def record_params(
     }
 
 
-def stored_object(rows: np.ndarray) -> dict[str, np.ndarray]:
-    """What the worker puts under the record's key: the rows, and whether all are there."""
-    return {"rows": rows, "complete": np.asarray([missing_rows(rows) == 0], dtype=np.uint8)}
+def stored_object(rows: np.ndarray) -> np.ndarray:
+    """What the worker puts under the record's key: the rows ``[tokens, layers, top_k]`` alone
+    (a row never written says so itself: "no row"); readers take it as a manifest's rows with
+    ``key=None``."""
+    return np.ascontiguousarray(rows)
 
 
 def _reference(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -300,9 +304,7 @@ def read_record(params: Mapping[str, Any], client: Any, *, timeout_s: float = 10
     if not refs:
         raise R3RecordError(f"r3 record {ref['key']} is not in the store (not yet, or evicted)")
     try:
-        obj = client.get(refs[0])
-        rows = np.array(obj["rows"])  # a copy: the view dies with the object
-        complete = bool(np.asarray(obj["complete"])[0])
+        rows = np.array(client.get(refs[0]))  # a copy: the view dies with the object
     finally:
         client.unhold(refs)
     shape = (int(ref["tokens"]), int(ref["layers"]), int(ref["top_k"]))
@@ -311,10 +313,9 @@ def read_record(params: Mapping[str, Any], client: Any, *, timeout_s: float = 10
             f"r3 record {ref['key']}: stored {rows.dtype}{list(rows.shape)}, "
             f"expected {ref['dtype']}{list(shape)}"
         )
-    if not complete:
-        raise R3RecordError(
-            f"r3 record {ref['key']}: {missing_rows(rows)} of {shape[0]} token rows missing"
-        )
+    missing = missing_rows(rows)
+    if missing:
+        raise R3RecordError(f"r3 record {ref['key']}: {missing} of {shape[0]} token rows missing")
     return rows
 
 

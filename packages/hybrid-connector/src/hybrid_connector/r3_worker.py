@@ -306,17 +306,17 @@ class R3Recorder:
                     self.counters[outcome] += 1
                 self.stored.notify_all()
 
-    def _checked(self, request_id: str, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """What is stored for one record; a record with rows missing says so (WARNING)."""
-        stored = r3.stored_object(rows)
-        if not stored["complete"][0]:
+    def _checked(self, request_id: str, rows: np.ndarray) -> np.ndarray:
+        """What is stored for one record; a record with rows missing is counted (WARNING)."""
+        missing = r3.missing_rows(rows)
+        if missing:
             with self.stored:
                 self.counters["incomplete"] += 1
             log.warning(
                 "r3: request %s: %d of %d token rows missing; its record says incomplete",
-                request_id, r3.missing_rows(rows), len(rows),
+                request_id, missing, len(rows),
             )  # fmt: skip
-        return stored
+        return r3.stored_object(rows)
 
     def wait_stored(self, at_least: int, timeout_s: float) -> bool:
         """Block until ``at_least`` records were stored (tests and tools, never a step)."""

@@ -176,9 +176,7 @@ def engine_records(
     refs = _lookup_all(client, keys, timeout_s)
     assert geometry is not None
     layers, top_k, dtype = geometry
-    return refstore.Manifest.from_refs(
-        refs, lengths, dtype=dtype, row_shape=(layers, top_k), key="rows"
-    )
+    return refstore.Manifest.from_refs(refs, lengths, dtype=dtype, row_shape=(layers, top_k))
 
 
 def check_rows(rows: np.ndarray, lengths: np.ndarray, sample_ids: np.ndarray) -> None:
