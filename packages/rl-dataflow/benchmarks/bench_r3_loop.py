@@ -46,12 +46,15 @@ import numpy as np
 
 TIMED = (
     "step",
+    "rollout",  # generate + records + the rewards and the batch
     "generate",
     "records",
     "ray",
     "stages",
+    "train",  # materialise + compute + release + the micro-batches' samples
     "materialise",
     "compute",
+    "release",
     "step_with_sync",
 )
 AGREEMENT = (

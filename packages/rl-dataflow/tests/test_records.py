@@ -37,3 +37,38 @@ def test_a_by_value_micro_batch_pads_like_the_gather():
     for i, (offset, n) in enumerate(zip(offsets, lengths, strict=True)):
         assert np.array_equal(out[i, :n], rows[offset : offset + n])
         assert not out[i, n:].any()
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    import refstore
+
+    monkeypatch.setenv("REFSTORE_DIR", str(tmp_path / "refstore"))
+    with refstore.MasterThread("records-test", "8M"), refstore.Client("records-test") as client:
+        yield client
+
+
+@pytest.mark.parametrize("long_lived", [True, False], ids=["subscription", "own"])
+def test_records_are_found_in_order_stored_before_or_while_the_loop_waits(store, long_lived):
+    """Keys bound out of order, some before the lookup (their events already gone by), some
+    while it waits: every ref comes back, in the keys' order."""
+    import threading
+
+    from rl_dataflow.rl_loop import _lookup_all
+
+    keys = [f"r3/{i}".encode() for i in range(4)]
+    rows = [np.full((i + 1, 2, 2), i, np.uint8) for i in range(4)]
+    events = store.subscribe_keys() if long_lived else None
+    store.put_keyed([(keys[i], rows[i]) for i in (3, 1)], ttl=30)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(_lookup_all(store, keys, 30, events)))
+    reader.start()  # may look before or after the puts below: it waits on the key events
+    store.put_keyed([(keys[2], rows[2])], ttl=30)
+    store.put_keyed([(keys[0], rows[0])], ttl=30)
+    reader.join(timeout=60)
+    assert got, "the lookup did not return"
+    assert [np.array(store.get(ref)).tobytes() for ref in got[0]] == [r.tobytes() for r in rows]
+    with pytest.raises(RecordError, match="1 r3 records not in the store"):
+        _lookup_all(store, [*keys, b"r3/never"], 0, events)
+    if events is not None:
+        events.close()

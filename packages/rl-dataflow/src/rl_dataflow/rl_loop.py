@@ -49,6 +49,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -148,13 +149,16 @@ def engine_records(
     tokens: Sequence[np.ndarray],
     client: refstore.Client,
     timeout_s: float = 10.0,
+    subscription: refstore.KeySubscription | None = None,
 ) -> refstore.Manifest:
     """The engine recorder's own objects, by reference: each finished request's
     ``kv_transfer_params["r3"]`` names a keyed object in refstore (``hybrid_connector.r3``) that
     the worker stores just after the request ends; the manifest points at those objects (one per
     sample, rows from 0), so no routing byte is copied before the trainer's gather. A record the
     engine knew incomplete is refused here; the rows themselves are checked where they are read
-    (``check_rows``, on the trainer's gather: no read of each object before it)."""
+    (``check_rows``, on the trainer's gather: no read of each object before it). Records not
+    stored yet are waited for on the master's key events (``subscription``: a long-lived one of
+    the caller's; else one for this call)."""
     keys, lengths, geometry = [], [], None
     for output, ids in zip(outputs, tokens, strict=True):
         params = (output.kv_transfer_params or {}).get("r3")
@@ -173,7 +177,7 @@ def engine_records(
         geometry = mine
         keys.append(str(params["key"]).encode())
         lengths.append(len(ids) - 1)
-    refs = _lookup_all(client, keys, timeout_s)
+    refs = _lookup_all(client, keys, timeout_s, subscription)
     assert geometry is not None
     layers, top_k, dtype = geometry
     return refstore.Manifest.from_refs(refs, lengths, dtype=dtype, row_shape=(layers, top_k))
@@ -207,45 +211,38 @@ def copy_records(manifest: refstore.Manifest, client: refstore.Client) -> np.nda
     return rows
 
 
-def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) -> list[Any]:
-    """The refs of ``keys``, waiting for those not stored yet on the master's key events (which
-    name the keys bound: one lookup at the start, one at the end, one after lost events)."""
-    found: dict[bytes, Any] = {}
-
-    def look() -> None:
-        # One call finds every key up to the first one not stored yet; then on from the next.
-        todo = [k for k in keys if k not in found]
-        while todo:
-            refs = client.lookup(todo, hold_s=0)
-            found.update(zip(todo, refs, strict=False))
-            todo = todo[len(refs) + 1 :]
-
-    look()
+def _lookup_all(
+    client: refstore.Client,
+    keys: list[bytes],
+    timeout_s: float,
+    subscription: refstore.KeySubscription | None = None,
+) -> list[Any]:
+    """The refs of ``keys``: one lookup when every record is stored already; else one more after
+    each batch of the master's key events (on ``subscription``, or one of its own for this call),
+    until every key is bound or ``timeout_s`` passed. A lookup finds the keys up to the first
+    one not bound, so each round asks once, from there."""
+    if subscription is not None and subscription.alive:
+        subscription.take()  # older events: what they name is bound now, the lookup finds it
+    found = client.lookup(keys, hold_s=0)
     if len(found) < len(keys):
-        subscription = client.subscribe_keys()
+        own = subscription is None or not subscription.alive
+        events = client.subscribe_keys() if own else subscription
         try:
-            look()  # stored between the first look and subscribing
-            pending = {k for k in keys if k not in found}
             deadline = time.monotonic() + timeout_s
-            while pending:
+            while len(found) < len(keys):
+                found += client.lookup(keys[len(found) :], hold_s=0)  # bound since
                 left = deadline - time.monotonic()
-                if left <= 0 or not subscription.wait(left):
+                if len(found) == len(keys) or left <= 0 or not events.alive:
                     break
-                for event in subscription.take():
-                    if isinstance(event, refstore.KeysStored):
-                        pending.difference_update(event.keys)
-                    elif isinstance(event, refstore.KeysLost):  # resync
-                        look()
-                        pending = {k for k in keys if k not in found}
-                if not subscription.alive:
-                    break
-            look()
+                if events.wait(left):
+                    events.take()
         finally:
-            subscription.close()
-    missing = [k.decode() for k in keys if k not in found]
-    if missing:
+            if own:
+                events.close()
+    if len(found) < len(keys):
+        missing = [k.decode() for k in keys[len(found) :]]
         raise RecordError(f"{len(missing)} r3 records not in the store: {missing[:3]}")
-    return [found[k] for k in keys]
+    return found
 
 
 # -- the loop ----------------------------------------------------------------------------------
@@ -286,7 +283,11 @@ class RLLoop:
             self.trainer = MoeTrainer(self.model_dir, lr=config.lr, seed=config.seed)
             self.records: RecordSource | None = None
             if R3(config.r3) is R3.REPLAY:
-                self.records = record_source or engine_records
+                # One subscription to the master's key events for the loop's life: a record not
+                # stored yet is waited for without a new connection and thread each step.
+                key_events = self.client.subscribe_keys()
+                self._closers.append(key_events.close)
+                self.records = record_source or partial(engine_records, subscription=key_events)
             if self.by_value and self.records is not None:
                 from .cli import init_ray
 
@@ -427,6 +428,7 @@ class RLLoop:
             # Without the agreement figures: measurements, not part of a training step.
             compute_s = time.perf_counter() - t1 - stats["agreement_s"]
         finally:
+            t1 = time.perf_counter()
             refs = {
                 ref
                 for mb in micro_batches
@@ -435,9 +437,11 @@ class RLLoop:
             }
             if refs:
                 self.client.release(list(refs))
+            release_s = time.perf_counter() - t1
         return stats, {
             "materialise": materialise_s,
             "compute": compute_s,
+            "release": release_s,
             "train": time.perf_counter() - t0,
         }
 
