@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -14,11 +15,13 @@ import pytest
 import refstore
 import torch
 from hybrid_connector import r3
-from hybrid_connector.config import R3Config, parse_config
+from hybrid_connector.config import HybridConfig, R3Config, parse_config
 from hybrid_connector.errors import ConfigError, PeerError
-from hybrid_connector.metadata import HybridConnectorMetadata, R3Copy
+from hybrid_connector.layout import KvGroup
+from hybrid_connector.metadata import HybridConnectorMetadata, R3Copy, StepReport
 from hybrid_connector.protocol import LayoutSpec, SegmentSpec
 from hybrid_connector.r3_worker import R3Recorder
+from hybrid_connector.scheduler_side import SchedulerSide
 
 ROWS = r3.RowGeometry(layers=3, top_k=2, dtype="uint8")
 
@@ -65,12 +68,12 @@ def test_rows_scattered_by_slot_gather_back_in_token_order() -> None:
         r3.blocks_of(block_ids, 13, block_size)
 
 
-def test_a_stored_object_says_whether_every_row_is_there() -> None:
-    rows = np.zeros((4, 2, 2), np.uint8)
-    assert r3.stored_object(rows)["complete"][0] == 1
+def test_a_stored_object_is_the_rows_and_says_which_are_missing() -> None:
+    rows = np.zeros((4, 2, 2), np.uint8)[::-1]  # not contiguous: stored as one
+    assert r3.stored_object(rows).flags.c_contiguous
+    assert r3.missing_rows(r3.stored_object(rows)) == 0
     rows[2, 1, 0] = 255
-    assert r3.stored_object(rows)["complete"][0] == 0
-    assert r3.missing_rows(rows) == 1
+    assert r3.missing_rows(r3.stored_object(rows)) == 1
 
 
 def test_record_params_are_plain_json_with_a_unique_key() -> None:
@@ -147,17 +150,25 @@ class _DictStore:
 
     def put_keyed(self, items: list[tuple[bytes, Any]], ttl: float | None = None) -> list[Any]:
         for key, obj in items:
-            self.objects[key] = {k: np.array(v) for k, v in obj.items()}
+            self.objects[key] = np.array(obj)
         return [key for key, _ in items]
 
     def close(self) -> None:
         pass
 
 
-def _recorder(store: Any, *, tp_rank: int = 0, layers: int = 3) -> tuple[R3Recorder, Any]:
+def _recorder(
+    store: Any, *, tp_rank: int = 0, layers: int = 3, numpy_on_cpu: bool = True
+) -> tuple[R3Recorder, Any]:
     rows = r3.RowGeometry(layers=layers, top_k=2, dtype="uint8")
-    recorder = R3Recorder(R3Config(), rows, tp_rank=tp_rank, connect=lambda: store)
+    recorder = R3Recorder(
+        R3Config(), rows, tp_rank=tp_rank, connect=lambda: store, numpy_on_cpu=numpy_on_cpu
+    )
     return recorder, rows
+
+
+# The CPU path (numpy views) and the device path (torch only, no host sync) on a CPU buffer.
+PATHS = pytest.mark.parametrize("numpy_on_cpu", [True, False], ids=["numpy", "torch"])
 
 
 def _template(num_blocks: int = 6, block_size: int = 4) -> torch.Tensor:
@@ -165,9 +176,12 @@ def _template(num_blocks: int = 6, block_size: int = 4) -> torch.Tensor:
     return torch.zeros(num_blocks, 2, block_size, 8, dtype=torch.bfloat16)
 
 
-def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finished_request() -> None:
+@PATHS
+def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finished_request(
+    numpy_on_cpu: bool,
+) -> None:
     store = _DictStore()
-    recorder, rows = _recorder(store)
+    recorder, rows = _recorder(store, numpy_on_cpu=numpy_on_cpu)
     routers = [_Router() for _ in range(rows.layers)]
     slots: dict[str, torch.Tensor] = {}
     template = _template()
@@ -187,10 +201,8 @@ def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finishe
         routers[0].capture_fn(torch.zeros(3, 2, dtype=torch.int32))  # no forward: ignored
         recorder.copy_out([R3Copy("req", "r3/a", [3, 1], 5), R3Copy("short", "r3/b", [3, 1], 6)])
         assert recorder.wait_stored(2, timeout_s=10)
-        stored = store.objects[b"r3/a"]
-        assert stored["rows"].tobytes() == want[:5].astype(np.uint8).tobytes()
-        assert stored["complete"][0] == 1
-        assert store.objects[b"r3/b"]["complete"][0] == 0  # token 5 never went through
+        assert store.objects[b"r3/a"].tobytes() == want[:5].astype(np.uint8).tobytes()
+        assert r3.missing_rows(store.objects[b"r3/b"]) == 1  # token 5 never went through
         assert recorder.counters["incomplete"] == 1
         assert recorder.counters["captures"] == rows.layers
     finally:
@@ -198,11 +210,14 @@ def test_the_recorder_writes_rows_at_the_forward_pass_slots_and_stores_a_finishe
     assert not [t for t in threading.enumerate() if t.name.startswith("hybrid-connector-r3")]
 
 
-def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor() -> None:
+@PATHS
+def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor(
+    numpy_on_cpu: bool,
+) -> None:
     # vLLM may hand the same slot-mapping tensor object to every pass, its content changed in
     # place: the write plan is made again at each pass's first MoE layer.
     store = _DictStore()
-    recorder, rows = _recorder(store)
+    recorder, rows = _recorder(store, numpy_on_cpu=numpy_on_cpu)
     routers = [_Router() for _ in range(rows.layers)]
     slot_tensor = torch.tensor([4 * 2 + 0, 4 * 2 + 1, -1])
     recorder.attach(_template(), 4, "l0", routers, {"l0": slot_tensor}.get)
@@ -216,8 +231,7 @@ def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor(
                 router.capture_fn(torch.from_numpy(ids))
         recorder.copy_out([R3Copy("req", "r3/a", [2], 4)])
         assert recorder.wait_stored(1, timeout_s=10)
-        assert store.objects[b"r3/a"]["rows"].tobytes() == want.astype(np.uint8).tobytes()
-        assert store.objects[b"r3/a"]["complete"][0] == 1
+        assert store.objects[b"r3/a"].tobytes() == want.astype(np.uint8).tobytes()
     finally:
         recorder.close()
 
@@ -238,6 +252,156 @@ def test_only_rank_0_stores_and_a_mismatch_is_refused_at_start() -> None:
         _recorder(store, layers=64)[0].attach(
             _template(), 4, "l0", [_Router() for _ in range(64)], lambda name: None
         )
+
+
+# ------------------------------------------------------------------ fresh blocks, missed captures
+def _blk(block_id: int) -> Any:
+    """vLLM's KVCacheBlock as the scheduler half reads it."""
+    return SimpleNamespace(block_id=block_id, is_null=block_id == 0)
+
+
+def test_the_ledger_resets_blocks_the_forward_passes_write_and_keeps_hits_and_loads() -> None:
+    ledger = r3.RowLedger(block_size=4)
+    # a hit of 2 blocks, 6 tokens loaded (2 blocks, the second partly), 1 block computed
+    ledger.looked_up("a", hit_tokens=8)
+    blocks = [_blk(7), _blk(8), _blk(9), _blk(10), _blk(11)]
+    assert ledger.allocated("a", blocks, loaded_tokens=6) == [11]
+    # scheduled again once its load is in (no lookup first): only what is new since
+    assert ledger.allocated("a", [*blocks, _blk(12), _blk(13)], loaded_tokens=0) == [12, 13]
+    # preempted and admitted again: its blocks were freed; a new hit, nothing loaded
+    ledger.looked_up("a", hit_tokens=4)
+    assert ledger.allocated("a", [_blk(7), _blk(3), _blk(4)], 0) == [3, 4]
+    # allocated without a lookup (not vLLM's order): every block it holds, never the null one
+    assert ledger.allocated("c", [_blk(0), _blk(6)], 0) == [6]
+    # a step that missed a capture marks the requests it ran that are still on the ledger
+    ledger.looked_up("b", hit_tokens=0)
+    assert ledger.allocated("b", [_blk(5)], 0) == [5]
+    first = ledger.start_step({"a": 1, "b": 1})
+    second = ledger.start_step({"b": 1, "gone": 1})
+    ledger.missed([second])
+    assert ledger.finished("a") is True
+    assert ledger.finished("b") is False
+    assert ledger.finished("c") is True
+    ledger.missed([first])  # late: "a" ended already, nothing to mark
+    ledger.looked_up("d", hit_tokens=0)  # looked up, ended before it was ever allocated
+    assert ledger.finished("d") is True
+    assert ledger.tracked == 0
+
+
+def _routed_side(block_size: int) -> SchedulerSide:
+    groups = [KvGroup("attention", ("l0", r3.ROUTING_LAYER), block_size, "bfloat16")]
+    return SchedulerSide(
+        HybridConfig(r3=R3Config(store="r3-test")),
+        is_producer=False,
+        is_consumer=False,
+        block_size=block_size,
+        groups=groups,
+        r3_rows=ROWS,
+    )
+
+
+def _step(side: SchedulerSide, scheduled: dict[str, int], new_blocks: dict[str, list[int]]) -> Any:
+    """build_connector_meta for a step running ``scheduled``; ``new_blocks``: the running
+    requests' new blocks (vLLM's scheduled_cached_reqs)."""
+    cached = SimpleNamespace(
+        req_ids=list(new_blocks),
+        new_block_ids=[(ids,) for ids in new_blocks.values()],
+        resumed_req_ids=set(),
+    )
+    return side.build_connector_meta(
+        SimpleNamespace(
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_cached_reqs=cached,
+        )
+    )
+
+
+def _finished(request_id: str, tokens: int) -> Any:
+    return SimpleNamespace(
+        request_id=request_id,
+        kv_transfer_params=None,
+        num_computed_tokens=tokens,
+        status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"),
+    )
+
+
+def _forward(routers: list[_Router], ids: np.ndarray, layers: range) -> None:
+    """One forward pass's routers (its slots set by the caller): those of ``layers`` call their
+    hook with ``ids[:, layer]``, the others skip it."""
+    for layer in layers:
+        routers[layer].capture_fn(torch.from_numpy(ids[:, layer]))
+
+
+def test_a_reused_block_never_hands_on_its_previous_rows_and_a_missed_capture_is_flagged() -> None:
+    """A's 8 tokens fill blocks 2 and 3; A ends; B gets block 3 and its forward pass captures
+    layer 0 only (vLLM skipped the other routers' hooks). Block 3 must not pass A's rows off as
+    B's: B's record is incomplete, in its params and in the stored object."""
+    side = _routed_side(block_size=4)
+    store = _DictStore()
+    recorder, rows = _recorder(store)
+    routers = [_Router() for _ in range(rows.layers)]
+    slots: dict[str, torch.Tensor] = {}
+    recorder.attach(_template(), 4, "l0", routers, slots.get)
+    rng = np.random.default_rng(3)
+    try:
+        # A: admitted with blocks 2, 3 (both new: reset), one prefill pass of 8 tokens
+        assert side.get_num_new_matched_tokens(SimpleNamespace(request_id="a"), 0) == (0, False)
+        side.update_state_after_alloc(
+            SimpleNamespace(request_id="a"), SimpleNamespace(blocks=([_blk(2), _blk(3)],)), 0
+        )
+        meta = _step(side, {"a": 8}, {})
+        assert meta.r3_fresh_blocks == [2, 3]
+        recorder.begin_step(meta)
+        a_rows = rng.integers(0, 8, (8, rows.layers, 2)).astype(np.int32)
+        slots["l0"] = torch.arange(8, 16)
+        _forward(routers, a_rows, range(rows.layers))
+        assert recorder.report() == ()
+        _, params = side.request_finished(_finished("a", 8), ([2, 3],))
+        assert params is not None
+        assert params["r3"]["complete"] is True
+        # B: block 3 again; its prefill captures layer 0 only
+        side.get_num_new_matched_tokens(SimpleNamespace(request_id="b"), 0)
+        side.update_state_after_alloc(
+            SimpleNamespace(request_id="b"), SimpleNamespace(blocks=([_blk(3)],)), 0
+        )
+        meta = _step(side, {"b": 3}, {})
+        assert [c.request_id for c in meta.r3_copies] == ["a"]
+        assert meta.r3_fresh_blocks == [3]
+        recorder.begin_step(meta)  # A's rows out first, then block 3 reset
+        b_rows = rng.integers(0, 8, (4, rows.layers, 2)).astype(np.int32)
+        slots["l0"] = torch.arange(12, 15)
+        _forward(routers, b_rows[:3], range(1))
+        missed = recorder.report()
+        assert missed == (meta.r3_step,)
+        side.update_connector_output(
+            SimpleNamespace(
+                kv_connector_worker_meta=StepReport(r3_missed_steps=missed),
+                finished_recving=set(),
+            )
+        )
+        # B decodes one token, every hook called
+        recorder.begin_step(_step(side, {"b": 1}, {"b": []}))
+        slots["l0"] = torch.arange(15, 16)
+        _forward(routers, b_rows[3:], range(rows.layers))
+        assert recorder.report() == ()
+        _, params = side.request_finished(_finished("b", 4), ([3],))
+        assert params is not None
+        assert params["r3"]["complete"] is False  # the engine knew
+        recorder.begin_step(_step(side, {}, {}))
+        assert recorder.wait_stored(2, timeout_s=10)
+        b_obj, a_obj = sorted(store.objects.values(), key=len)  # 4 rows, 8 rows
+        assert a_obj.tobytes() == a_rows.astype(np.uint8).tobytes()
+        # and the stored rows: never A's as B's
+        assert r3.missing_rows(b_obj) == 3
+        assert (b_obj[:3, 1:] == 255).all()
+        assert b_obj[:3, 0].tobytes() == b_rows[:3, 0].astype(np.uint8).tobytes()
+        assert recorder.counters["incomplete"] == 1
+        assert recorder.counters["missed_steps"] == 1
+        assert side._r3_ledger is not None
+        assert side._r3_ledger.tracked == 0
+    finally:
+        recorder.close()
 
 
 # ------------------------------------------------------------------ through a real store

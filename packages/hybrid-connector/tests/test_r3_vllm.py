@@ -19,7 +19,8 @@ from harness.kvs import reset_prefix_cache, scrub_free_blocks, start_failure
 from harness.offline import Gen, OfflineEngine
 from harness.pool import KVS_STORE, count_vllm_start, engine_spec
 from harness.ports import free_port
-from hybrid_connector.r3 import read_record
+from harness.r3 import fill_free_routing_rows, ledger_size, skip_captures
+from hybrid_connector.r3 import R3RecordError, read_record
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -115,6 +116,54 @@ def test_a_kvs_hit_loads_the_rows_with_the_kv(engine_r3: OfflineEngine, kvs_stor
     assert [o.token_ids for o in second] == [o.token_ids for o in first]
     _assert_same(_records(second, kvs_store), want)
     assert_idle(engine)
+
+
+def _stored(params: dict[str, Any], store: Any) -> np.ndarray:
+    """The stored rows of a record, as they are (``read_record`` would refuse incomplete ones)."""
+    key = params["r3"]["key"].encode()
+    refs = wait_for(f"record {key!r}", lambda: store.lookup([key], hold_s=5.0), timeout=30)
+    try:
+        return np.array(store.get(refs[0]))
+    finally:
+        store.unhold(refs)
+
+
+def test_a_skipped_capture_is_flagged_never_filled_by_a_reused_blocks_rows(
+    engine_r3: OfflineEngine, kvs_store: Any
+) -> None:
+    """MoE layer 1's router skips the capture hook, and every free block's routing rows look
+    written (expert 0, as a previous request's would). Each record must say incomplete: in its
+    params when a pass before the request's last one missed (the engine knew at the end), and in
+    the stored object always (the request's new blocks were reset, so layer 1's rows are "no
+    row", never the block's old ones); ``read_record`` refuses both."""
+    engine = engine_r3
+    batch = prompts(3105, (BLOCK + 5, 2 * BLOCK + 9))
+    before = engine.counters()
+    try:
+        assert engine.call(skip_captures, [1]) == [1]
+        assert engine.call(fill_free_routing_rows, 0) > 0
+        decoded = engine.generate(batch, MAX_TOKENS, salt=salt())
+        prefilled = engine.generate(batch, 1, salt=salt())  # the miss is in their last pass
+    finally:
+        assert engine.call(skip_captures, []) == []
+    for outs, engine_knew in ((decoded, True), (prefilled, False)):
+        for out in outs:
+            params = out.kv_transfer_params
+            assert params is not None
+            assert params["r3"]["complete"] is not engine_knew
+            rows = _stored(params, kvs_store)
+            assert (rows[:, 1] == 0xFF).all()  # layer 1: no row, not expert 0
+            assert (rows[:, 0] < EXPERTS).all()  # layer 0 captured
+            match = "the engine said so" if engine_knew else "token rows missing"
+            with pytest.raises(R3RecordError, match=match):
+                read_record(params, kvs_store)
+    after = engine.counters()
+    assert delta(after, before, "r3_incomplete") == 2 * len(batch)
+    assert delta(after, before, "r3_missed_steps") >= 2
+    # every hook back: records complete again
+    _records(engine.generate(batch, MAX_TOKENS, salt=salt()), kvs_store)
+    assert_idle(engine)
+    assert engine.call(ledger_size) == 0
 
 
 @pytest.mark.starts_vllm

@@ -235,3 +235,19 @@ def test_export_speedscope(tmp_path):
     assert names[-1] == "retain_bytearrays"
     assert names[0] == "<module>"
     assert frames[space["samples"][biggest][-1]]["file"].endswith("grow.py")
+
+
+def test_autostart_env_starts_memprof_in_a_child_and_its_children(tmp_path):
+    """What `memprof run` execs with, for launchers of their own (a server's environment)."""
+    env = memprof.autostart_env(tmp_path / "out", interval=3600, signal="none")
+    assert env["PYTHONPATH"].split(os.pathsep)[0].endswith("_bootstrap")
+    code = (
+        "import memprof, subprocess, sys; print(memprof.is_running());"
+        " print(subprocess.run([sys.executable, '-c', 'import memprof;"
+        " print(memprof.is_running())'], capture_output=True, text=True).stdout.strip())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", "True"]
+    assert list((tmp_path / "out").glob("memprof-*.mprof"))  # each wrote its snapshot at exit

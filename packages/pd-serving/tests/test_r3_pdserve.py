@@ -1,7 +1,9 @@
 """R3 through ``pdserve up --r3 --r3-routed-experts`` (1P1D of the tiny Qwen3-MoE, vLLM's
 OpenAI servers, the proxy): the answer's ``kv_transfer_params["r3"]`` names D's record, which
 holds the same routing as one instance computing the request alone, and the proxy's inlined
-``routed_experts`` is that record, as vLLM encodes the field."""
+``routed_experts`` is that record, as vLLM encodes the field. Every answer adds exactly its one
+record to the store (P stores none for a prefill it hands over), no hold is left on it, and P
+and D hold no KV block once the requests are done."""
 
 from __future__ import annotations
 
@@ -31,6 +33,29 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     )
     with urllib.request.urlopen(req, timeout=120) as resp:
         return json.load(resp)
+
+
+def _objects(store: str) -> tuple[int, int]:
+    """(objects in the store, objects a lookup's hold keeps)."""
+    import refstore
+
+    with refstore.Client(store) as client:
+        stats = client.stats()
+    return stats.objects, stats.held
+
+
+def _idle(url: str, model: str) -> bool:
+    """No request running and no KV block held (cached free blocks count as free). An idle
+    instance shows its gauges as of its last step: a one-token request makes it step."""
+    _post(f"{url}/v1/completions", {"model": model, "prompt": [[1]], "max_tokens": 1})
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    gauges = [
+        float(v)
+        for name in ("kv_cache_usage_perc", "num_requests_running")
+        for v in re.findall(rf"^vllm:{name}\{{[^}}]*\}} (\S+)", text, re.M)
+    ]
+    return bool(gauges) and not any(gauges)
 
 
 def _external_tokens(url: str) -> float:
@@ -79,6 +104,7 @@ def test_the_proxy_answers_with_d_record_equal_to_a_single_instance(deployment: 
         "temperature": 0,
     }
     pulled = _external_tokens(deployment["decode"])
+    objects, _ = _objects(STORE)
     got = _post(f"{deployment['proxy']}/v1/completions", body)
     assert _external_tokens(deployment["decode"]) > pulled  # D pulled the prompt's KV
     # P alone, no transfer, no hit on what it prefilled for D
@@ -94,6 +120,7 @@ def test_the_proxy_answers_with_d_record_equal_to_a_single_instance(deployment: 
     inline = np.load(io.BytesIO(base64.b64decode(got["choices"][0]["routed_experts"])))
     assert inline.dtype == rows.dtype
     assert inline.tobytes() == rows.tobytes()
+    assert _objects(STORE) == (objects + 2, 0)  # D's record and P's own, no hold left
 
 
 @pytest.mark.parametrize("dead", ["decode", "prefill"])
@@ -119,6 +146,7 @@ async def test_after_a_failover_the_record_is_still_a_single_instance_s(
     )
     proxy = PdProxy(config)
     port = free_port()
+    objects, _ = _objects(STORE)
     runner = await serve(proxy, "127.0.0.1", port)
     bodies = [
         {
@@ -150,3 +178,16 @@ async def test_after_a_failover_the_record_is_still_a_single_instance_s(
             assert g["kv_transfer_params"]["r3"]["complete"] is True
             rows = read_record(g["kv_transfer_params"], client)
             assert rows.tobytes() == read_record(w["kv_transfer_params"], client).tobytes()
+    assert _objects(STORE) == (objects + len(got) + len(want), 0)
+
+
+def test_p_and_d_hold_no_kv_once_the_requests_are_done(deployment: dict) -> None:
+    """After every test above (pulled, refused, failed over): no block held on P or D. P lets
+    go of a prompt's blocks when D's pull is done (its SEND_DONE, applied at P's next step)."""
+    from harness.checks import wait_for
+
+    for role in ("prefill", "decode"):
+        wait_for(
+            f"{role} to hold no request and no KV block",
+            lambda role=role: _idle(deployment[role], deployment["model"]),
+        )

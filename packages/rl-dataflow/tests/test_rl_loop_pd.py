@@ -1,11 +1,12 @@
 """The RL loop with its rollout on a 1P1D (pd-serving's proxy, vLLM's OpenAI servers): D pulls
-every prompt's KV and its routing rows from P, the records reach the trainer complete, the
-weight sync reaches both instances, and nothing is left in the pool or on the instances."""
+every prompt's KV and its routing rows from P, the records reach the trainer complete and are
+what its experts get, the weight sync reaches both instances, memprof runs in both, and nothing
+is left in the pool, on the instances or in the loop's threads."""
 
 from __future__ import annotations
 
-import json
 import re
+import threading
 import urllib.request
 
 import numpy as np
@@ -34,19 +35,9 @@ def _prompt_tokens(url: str) -> dict[str, float]:
     return out
 
 
-def _kv_blocks_in_use(url: str, model: str) -> float:
-    """vLLM's KV-cache usage: 0 when no block is held (cached free blocks count as free). An
-    idle instance shows its gauges as of its last step: a one-token request makes it step."""
-    body = json.dumps({"model": model, "prompt": "nudge", "max_tokens": 1}).encode()
-    nudge = urllib.request.Request(
-        f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    )
-    urllib.request.urlopen(nudge, timeout=30).close()
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
-        text = resp.read().decode()
-    return sum(
-        float(v) for v in re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)", text, re.M)
-    )
+def _our_threads() -> set[str]:
+    prefixes = ("hybrid-connector", "kvt-", "refstore", "rl-")
+    return {t.name for t in threading.enumerate() if t.name.startswith(prefixes)}
 
 
 def test_loop_through_pd_trains_on_records_d_pulled_from_p(tmp_path, monkeypatch):
@@ -55,21 +46,17 @@ def test_loop_through_pd_trains_on_records_d_pulled_from_p(tmp_path, monkeypatch
     model = make_tiny_model(tmp_path / "qwen3-moe", arch="qwen3-moe")
     config = LoopConfig(prompts=8, group_size=8, lr=2e-2, r3=R3.REPLAY.value, serving="pd")
     count_vllm_start("rl-loop-pd", 2)
+    threads = _our_threads()
     loop = RLLoop(config, model, tmp_path / "work")
     try:
         steps = [loop.step() for _ in range(STEPS)]
-        pool_back = loop.pool_back_to_baseline()  # (the nudges below store records of their own)
+        pool_back = loop.pool_back_to_baseline()  # (idle()'s nudges store records of their own)
+        memprof = loop.engine.memprof()
         (p_url,) = [u for u in loop.engine.instances if u not in loop.engine.decode_urls]
         (d_url,) = loop.engine.decode_urls
         on_p, on_d = _prompt_tokens(p_url), _prompt_tokens(d_url)
         # P lets go of a prompt's blocks once D's pull is done (reported at P's next step).
-        held = [
-            wait_for(
-                f"{u} to hold no KV blocks",
-                lambda u=u: _kv_blocks_in_use(u, loop.engine.model) == 0.0,
-            )
-            for u in loop.engine.instances
-        ]
+        idle = wait_for("P and D to hold no request and no KV block", loop.engine.idle)
     finally:
         loop.close()
     samples = STEPS * config.prompts * config.group_size
@@ -77,8 +64,10 @@ def test_loop_through_pd_trains_on_records_d_pulled_from_p(tmp_path, monkeypatch
     assert on_p.get("local_compute", 0) == samples * config.prompt_len
     assert on_d.get("external_kv_transfer", 0) == samples * config.prompt_len
     assert on_d.get("local_compute", 0) == 0
-    assert all(held)  # P let go of every pulled prompt, D of every answer
+    assert idle  # P let go of every pulled prompt, D of every answer
     assert pool_back
+    assert memprof == [True, True]  # in P's and D's server processes
+    assert _our_threads() <= threads
     rewards = np.array([s["reward"] for s in steps])
     assert rewards[-2:].mean() > rewards[0] + 0.15, rewards
     for s in steps:
@@ -86,5 +75,6 @@ def test_loop_through_pd_trains_on_records_d_pulled_from_p(tmp_path, monkeypatch
         assert s["routed_tokens"] == config.prompts * config.group_size * (
             config.prompt_len + config.completion_len - 1
         )
+        assert s["used_rerouted_token_share"] == 0.0  # the experts got the records' routing
         # Both instances run the trainer's weights: stale or garbled experts on D would show.
         assert s["logprob_abs_diff_mean"] < 0.1, s

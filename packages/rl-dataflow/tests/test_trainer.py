@@ -154,3 +154,25 @@ def test_padded_records_and_per_sample_routes_give_one_batch(trainer):
     assert torch.equal(a["recorded"], b["recorded"])
     with pytest.raises(ValueError, match="without recorded routes"):
         trainer.pad(bare, replay=True)
+
+
+def test_with_replay_the_experts_get_the_recorded_routing_on_every_token(trainer):
+    """Recorded routing unlike the trainer's own: with replay every token's experts are the
+    recorded ones (the agreement says 0% rerouted in use, while the router would pick others);
+    without replay the experts get the router's own choice."""
+    rng = np.random.default_rng(2)
+    experts = trainer.config.num_experts
+    lengths = [9, 6]
+    samples = []
+    for n in lengths:
+        tokens = rng.integers(0, 512, n)
+        with torch.no_grad():
+            own = trainer.forward(torch.as_tensor(tokens)[None]).own_routes[0, : n - 1]
+        other = ((own + 1) % experts).numpy()  # k distinct ids, never the router's own set
+        samples.append(Sample(tokens, 3, 0.5, routes=other))
+    replayed = trainer.measure([samples], replay=True)
+    free = trainer.measure([samples], replay=False)
+    assert replayed["routed_tokens"] == sum(n - 1 for n in lengths)
+    assert replayed["used_rerouted_token_share"] == 0.0
+    assert replayed["rerouted_token_share"] > 0.5  # the router itself would pick otherwise
+    assert free["used_rerouted_token_share"] == free["rerouted_token_share"] == 1.0

@@ -3,8 +3,8 @@
 One class, two roles. vLLM builds one instance per role: in the scheduler (engine core process)
 and in each worker. The roles never share state: the scheduler tells the worker through vLLM's
 connector metadata (every step); the worker answers through ``get_transfer_results`` (every
-step) and, for blocks the scheduler holds itself, with a SEND_DONE RPC (``send_done``) that
-needs no step.
+step; R3's capture check through ``build_connector_worker_meta``) and, for blocks the scheduler
+holds itself, with a SEND_DONE RPC (``send_done``) that needs no step.
 
 The only module of the package that imports vLLM: it maps vLLM's hooks onto ``SchedulerSide``
 and ``WorkerSide`` and the connector's plain metadata/results onto vLLM's classes.
@@ -32,7 +32,7 @@ from hybrid_connector.config import HybridConfig, parse_config
 from hybrid_connector.errors import ConfigError, UnsupportedLayoutError
 from hybrid_connector.layout import KvGroup
 from hybrid_connector.mapping import rank_heads
-from hybrid_connector.metadata import HybridConnectorMetadata, KvsStepReport
+from hybrid_connector.metadata import HybridConnectorMetadata, StepReport
 from hybrid_connector.scheduler_side import SchedulerSide
 from hybrid_connector.send_done import SendDoneServer
 from hybrid_connector.worker_side import WorkerSide
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 # The metadata and the workers' step reports are plain dataclasses (metadata.py imports no
 # vLLM); vLLM sees them as its own.
 KVConnectorMetadata.register(HybridConnectorMetadata)
-KVConnectorWorkerMetadata.register(KvsStepReport)
+KVConnectorWorkerMetadata.register(StepReport)
 
 
 def _kvs_scheduler(
@@ -481,11 +481,13 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         return self._worker.take_failed_blocks()
 
-    def build_connector_worker_meta(self) -> KvsStepReport | None:
-        # The step's in-step KVS loads, done or failed: their holds in the store end.
+    def build_connector_worker_meta(self) -> StepReport | None:
+        # After the forward pass: the step's in-step KVS loads, done or failed (their holds in
+        # the store end), and R3's steps whose pass skipped a routing capture (None: neither).
         assert self._worker is not None
-        loaded = self._worker.take_loaded_in_step()
-        return KvsStepReport(tuple(loaded)) if loaded else None
+        loaded = tuple(self._worker.take_loaded_in_step())
+        missed = () if self._worker.r3 is None else self._worker.r3.report()
+        return StepReport(loaded, missed) if loaded or missed else None
 
     def transfer_counters(self) -> dict[str, int]:
         """Worker role: event counts (offers, sends_done, leases_expired, pulls_done, ...)."""

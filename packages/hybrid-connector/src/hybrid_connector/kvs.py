@@ -7,7 +7,7 @@ same way, through ``stored_tokens``; the pull brings only the blocks after the s
     KNOWN --vLLM allocated, store has blocks past the local hit: KvsLoad--> LOADING
     LOADING --the worker copied them (finished_recving; failed: vLLM recomputes)--> RUNNING
     KNOWN --the same, in step: KvsLoad(in_step), the request runs this step--> RUNNING
-        (the step's report, KvsStepReport, ends the holds; failed blocks: vLLM recomputes)
+        (the step's report, StepReport, ends the holds; failed blocks: vLLM recomputes)
     KNOWN --nothing to load--> RUNNING
     RUNNING --each step: blocks that become full and the store lacks: KvsSave--> RUNNING
     any --request_finished--> (gone); its saves still hold their block references

@@ -74,7 +74,7 @@ NO_BLOCK = -1  # KvsLoad / KvsSave: this group has no object for this block
 class KvsLoad:
     """KVS: copy blocks the store holds into ``block_ids`` (per group, in block order), then
     report the request like a pull (``TransferResults``); ``in_step``: copy them before this
-    step's forward pass, which computes the rest of the request (``KvsStepReport``)."""
+    step's forward pass, which computes the rest of the request (``StepReport``)."""
 
     request_id: str
     # Per group, per block: the destination block, or NO_BLOCK where the group loads nothing
@@ -91,15 +91,24 @@ class KvsLoad:
 
 
 @dataclass(frozen=True)
-class KvsStepReport:
+class StepReport:
     """A worker's report of a step, back to the scheduler half (vLLM's connector worker
-    metadata): the requests whose in-step KVS load ran (done or failed; a failed one's blocks
-    are in vLLM's ``invalid_block_ids``). vLLM merges every rank's (``aggregate``)."""
+    metadata, after the step's forward pass); ``connector.py`` registers it as a vLLM
+    ``KVConnectorWorkerMetadata`` and vLLM merges every rank's (``aggregate``).
 
-    kvs_loaded: tuple[str, ...]
+    ``kvs_loaded``: the requests whose in-step KVS load ran (done or failed; a failed one's
+    blocks are in vLLM's ``invalid_block_ids``). ``r3_missed_steps``: R3 steps whose forward
+    pass left some MoE layer's routing of some token uncaptured; the scheduler marks the
+    requests of those steps incomplete."""
 
-    def aggregate(self, other: KvsStepReport) -> KvsStepReport:
-        return KvsStepReport(self.kvs_loaded + other.kvs_loaded)
+    kvs_loaded: tuple[str, ...] = ()
+    r3_missed_steps: tuple[int, ...] = ()
+
+    def aggregate(self, other: StepReport) -> StepReport:
+        return StepReport(
+            self.kvs_loaded + other.kvs_loaded,
+            tuple(sorted({*self.r3_missed_steps, *other.r3_missed_steps})),
+        )
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,14 @@ class HybridConnectorMetadata:
     kvs_loads: list[KvsLoad] = field(default_factory=list)
     kvs_saves: list[KvsSave] = field(default_factory=list)
     r3_copies: list[R3Copy] = field(default_factory=list)
+    # R3: blocks of the routing group newly given to a request whose rows this instance's
+    # forward passes will write (not a prefix hit, not a load): "no row" again before the step's
+    # forward pass, so a row never written is never the previous owner's.
+    r3_fresh_blocks: list[int] = field(default_factory=list)
+    # R3: this step's number and how many tokens its forward pass computes (0: none), for the
+    # worker's check that every MoE layer captured every token (``StepReport.r3_missed_steps``).
+    r3_step: int = 0
+    r3_step_tokens: int = 0
     # P: where the scheduler half (the owner of P's blocks) takes SEND_DONE ("host:port"). Set
     # in every metadata, read by the worker.
     scheduler_address: str = ""
@@ -155,6 +172,7 @@ class HybridConnectorMetadata:
             or self.kvs_loads
             or self.kvs_saves
             or self.r3_copies
+            or self.r3_fresh_blocks
         )
 
 

@@ -16,15 +16,22 @@ Contract (what a reader, e.g. an RL trainer replaying the rollout's routing, rel
   logical expert ids (before any EPLB mapping), in the order the router returned them. ``params``
   is the finished request's ``kv_transfer_params`` (or its ``"r3"`` dict); ``client`` a
   ``refstore.Client`` of the node's master named by ``store``.
-- ``complete``: false if the engine knew at the end of the request that some rows are missing;
-  the stored record carries the final word (rows never written are found when it is copied out):
-  ``read_record`` raises ``R3RecordError`` for an incomplete record, never returns a partial one.
+- ``complete``: false if the engine knew at the end of the request that some rows are missing
+  (a forward pass that ran it skipped a capture: the worker checks every pass, ``RowLedger``).
+  The stored record carries the final word: a row never written is "no row" in it. A miss in
+  the request's last forward pass (reported after vLLM ended the request) or rows that came
+  missing with the KV (a P whose capture missed) show there only. ``read_record`` raises
+  ``R3RecordError`` for a record incomplete either way, never returns a partial one.
+- The stored object under ``key`` is the rows array alone (``[tokens, layers, top_k]``): a
+  ``refstore.Manifest.from_refs(..., key=None)`` over records gathers them directly.
 
 How the rows travel: the worker keeps a routing buffer laid out like the KV cache, one row
 ``[layers, top_k]`` per token slot of each KV block (an extra "layer" of the attention group,
 ``ROUTING_LAYER``); each MoE router's capture hook scatters its ``topk_ids`` to the slots of the
 step's tokens. A row therefore lives in the KV block of its token and moves exactly as the KV
-does: in a PD pull, a KVS save and load, a live migration; a prefix-cache hit keeps it. When the
+does: in a PD pull, a KVS save and load, a live migration; a prefix-cache hit keeps it. A block
+newly given to a request whose rows the forward passes will write is reset to "no row" first
+(``RowLedger``), so a row is this request's or missing, never a previous owner's. When the
 request finishes, its rows are gathered from its blocks into one refstore object under ``key``.
 
 Imports numpy only (``refstore`` inside ``read_record``): a trainer reads records without vLLM.
@@ -35,7 +42,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +54,7 @@ __all__ = [
     "ROUTING_LAYER",
     "R3RecordError",
     "RowGeometry",
+    "RowLedger",
     "blocks_of",
     "check_peer",
     "gather_rows",
@@ -95,6 +104,94 @@ class RowGeometry:
     @property
     def row_nbytes(self) -> int:
         return self.layers * self.top_k * np.dtype(self.dtype).itemsize
+
+
+class RowLedger:
+    """The scheduler half's R3 bookkeeping: pure, fed the scheduler's events, returning what the
+    worker must do. A token's row is written by this instance's forward pass, or it comes with
+    its block: a prefix-cache hit keeps it, a PD pull or a KVS load brings it. Hence:
+
+    - a block newly given to a request, whose rows this instance's forward passes will write,
+      is reset to "no row" (``allocated``, and the running requests' new blocks the scheduler
+      half lists itself): a row whose capture was skipped then reads as missing, never as the
+      row of the block's previous request;
+    - a step whose forward pass skipped a capture (the worker's ``StepReport``) marks every
+      request it ran; such a request's params say ``complete: false`` (``finished``).
+
+    One request::
+
+        looked_up(hit) --allocated(loaded)--> admitted --allocated (after its load)--> admitted
+            ^                                    |  ran in steps
+            +------------ preempted -------------+--finished--> complete (no step of it missed)
+
+    At admission the first ``hit`` tokens' blocks (vLLM's local prefix-cache hit, block-aligned
+    as vLLM gives it to the connector's lookup) are hits and the next ``loaded`` tokens' blocks
+    are loaded: those keep what they hold or get (a load writes whole blocks, so they are never
+    reset: on a GPU the reset would race the load's copy). Every later block is reset, including
+    those vLLM adds when the request is scheduled again after its load (vLLM calls
+    ``update_state_after_alloc`` again then, without a lookup first). A block's prefix-cache
+    hash cannot tell a hit: vLLM hashes a prompt's full blocks when it allocates them. Should
+    vLLM drop a hit after the lookup (a model's prefix replay window), the tokens are recomputed
+    and their rows captured; only a capture missed there too would leave the old rows.
+    """
+
+    def __init__(self, block_size: int, history: int = 16) -> None:
+        self._block_size = block_size
+        # Requests looked up and not allocated yet: their prefix-cache hit in tokens.
+        self._admitting: dict[str, int] = {}
+        # Blocks of each admitted request whose rows are accounted for (to the request's end).
+        self._seen: dict[str, int] = {}
+        # The requests each recent step ran (reports may come a few steps late: async scheduling).
+        self._steps: OrderedDict[int, Collection[str]] = OrderedDict()
+        self._history = history
+        self._step = 0
+        self._missed: set[str] = set()
+
+    def looked_up(self, request_id: str, hit_tokens: int) -> None:
+        """vLLM looks ``request_id``'s prefix up (``get_num_new_matched_tokens``): it is being
+        admitted, anew or after a preemption (which freed its blocks), with ``hit_tokens`` of
+        its prompt in vLLM's own prefix cache."""
+        self._seen.pop(request_id, None)
+        self._admitting[request_id] = max(hit_tokens, 0)
+
+    def allocated(self, request_id: str, blocks: Sequence[Any], loaded_tokens: int) -> list[int]:
+        """vLLM allocated ``request_id``'s blocks of the routing group (``blocks``: all of them,
+        from token 0; each with ``block_id`` and ``is_null``), ``loaded_tokens`` to be loaded
+        after its prefix hit. Returns the blocks to reset."""
+        hit = self._admitting.pop(request_id, None)
+        if hit is not None:  # admitted now
+            kept = hit // self._block_size + math.ceil(max(loaded_tokens, 0) / self._block_size)
+        else:  # scheduled again after its load; or never looked up: reset all it holds
+            kept = self._seen.get(request_id, 0)
+        self._seen[request_id] = max(kept, len(blocks))
+        return [b.block_id for b in blocks[kept:] if not b.is_null]
+
+    def start_step(self, scheduled: Collection[str]) -> int:
+        """A step runs the requests ``scheduled`` (kept by reference): its number."""
+        self._step += 1
+        self._steps[self._step] = scheduled
+        while len(self._steps) > self._history:
+            self._steps.popitem(last=False)
+        return self._step
+
+    def missed(self, steps: Iterable[int]) -> None:
+        """The worker's report: these steps' forward passes skipped a capture."""
+        for step in steps:
+            self._missed.update(r for r in self._steps.get(step, ()) if r in self._seen)
+
+    def finished(self, request_id: str) -> bool:
+        """``request_id`` ended: whether no step that ran it is known to have missed a row."""
+        self._seen.pop(request_id, None)
+        self._admitting.pop(request_id, None)
+        if request_id in self._missed:
+            self._missed.discard(request_id)
+            return False
+        return True
+
+    @property
+    def tracked(self) -> int:
+        """Requests on the ledger (tests: back to 0 when the engine is idle)."""
+        return len(self._seen) + len(self._admitting) + len(self._missed)
 
 
 def record_key() -> str:
@@ -156,9 +253,11 @@ def record_params(
     }
 
 
-def stored_object(rows: np.ndarray) -> dict[str, np.ndarray]:
-    """What the worker puts under the record's key: the rows, and whether all are there."""
-    return {"rows": rows, "complete": np.asarray([missing_rows(rows) == 0], dtype=np.uint8)}
+def stored_object(rows: np.ndarray) -> np.ndarray:
+    """What the worker puts under the record's key: the rows ``[tokens, layers, top_k]`` alone
+    (a row never written says so itself: "no row"); readers take it as a manifest's rows with
+    ``key=None``."""
+    return np.ascontiguousarray(rows)
 
 
 def _reference(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -205,9 +304,7 @@ def read_record(params: Mapping[str, Any], client: Any, *, timeout_s: float = 10
     if not refs:
         raise R3RecordError(f"r3 record {ref['key']} is not in the store (not yet, or evicted)")
     try:
-        obj = client.get(refs[0])
-        rows = np.array(obj["rows"])  # a copy: the view dies with the object
-        complete = bool(np.asarray(obj["complete"])[0])
+        rows = np.array(client.get(refs[0]))  # a copy: the view dies with the object
     finally:
         client.unhold(refs)
     shape = (int(ref["tokens"]), int(ref["layers"]), int(ref["top_k"]))
@@ -216,10 +313,9 @@ def read_record(params: Mapping[str, Any], client: Any, *, timeout_s: float = 10
             f"r3 record {ref['key']}: stored {rows.dtype}{list(rows.shape)}, "
             f"expected {ref['dtype']}{list(shape)}"
         )
-    if not complete:
-        raise R3RecordError(
-            f"r3 record {ref['key']}: {missing_rows(rows)} of {shape[0]} token rows missing"
-        )
+    missing = missing_rows(rows)
+    if missing:
+        raise R3RecordError(f"r3 record {ref['key']}: {missing} of {shape[0]} token rows missing")
     return rows
 
 

@@ -10,10 +10,17 @@ so ``r3.check_peer`` refuses it (D recomputes, and records its own rows).
 
 Each MoE router's capture hook (vLLM's ``BaseRouter.set_capture_fn``: called in every forward
 with the logical ``topk_ids``, before EPLB mapping) scatters the ids to the step's token slots
-(the forward context's slot mapping of the attention group). ``copy_out`` (from the metadata,
-before the step's forward pass) gathers a finished request's rows and hands them to the put
-thread, which stores them under the record's key; only TP rank 0 stores (every rank holds the
-same rows).
+(the forward context's slot mapping of the attention group). On a CPU the hook works on numpy
+views of the tensors (a torch operation's dispatch costs more than the copy of a step's ids); on
+a GPU it stays on the device without a host sync (padding slots, negative, are sent to a row of
+vLLM's null block, which no request owns, instead of being filtered out).
+
+``begin_step`` (from the metadata, before the step's forward pass): ``copy_out`` gathers the
+finished requests' rows and hands them to the put thread, which stores them under the records'
+keys (only TP rank 0 stores: every rank holds the same rows); then the blocks newly given to
+requests are reset to "no row" (after the copy: a finished request's freed block may be among
+them); then the step's capture check starts: ``report`` (after the forward pass) names the
+steps whose pass left some MoE layer without the routing of all the step's tokens.
 
 Imports torch; vLLM's objects (routers, the slot mapping) come from ``connector.py``.
 """
@@ -33,7 +40,7 @@ import torch
 from hybrid_connector import r3
 from hybrid_connector.config import R3Config
 from hybrid_connector.errors import ConfigError
-from hybrid_connector.metadata import R3Copy
+from hybrid_connector.metadata import HybridConnectorMetadata, R3Copy
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,9 @@ _TORCH_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16}  # uint16 ids < 0x
 
 
 PUT_BATCH = 64  # records in one put_keyed at most
+# Where a padding row's ids go: the first row of vLLM's null block (block 0), which no request
+# owns, so nothing ever reads it.
+_PAD_ROW = 0
 
 
 class R3Recorder:
@@ -55,28 +65,39 @@ class R3Recorder:
         tp_rank: int = 0,
         connect: Callable[[], Any] | None = None,
         name: str = "",
+        numpy_on_cpu: bool = True,
     ) -> None:
         self._config = config
         self.rows = rows
         self._tp_rank = tp_rank
         self._connect = connect or (lambda: _refstore_client(config.store))
         self._name = name
-        self.counters = dict.fromkeys(("captures", "records", "stored", "incomplete", "failed"), 0)
+        # False: the device path (torch operations only) on a CPU buffer too (tests).
+        self._numpy_on_cpu = numpy_on_cpu
+        self.counters = dict.fromkeys(
+            ("captures", "records", "stored", "incomplete", "failed", "resets", "missed_steps"), 0
+        )
         self.blocks: torch.Tensor | None = None  # [num_blocks, block_size, layers, top_k]
         self._tensor: torch.Tensor | None = None
         self._slot_layer = ""
         self._slots: Callable[[str], torch.Tensor | None] = lambda name: None
-        # The buffer as one flat tensor of ids, and the running forward pass's write plan: for
-        # each MoE layer, the flat index of every (kept token, k) entry (made once per pass, at
-        # its first MoE layer, instead of once per layer).
+        # The buffer as one flat tensor of ids (and, on a CPU, its numpy view), and the running
+        # forward pass's write plan: for each MoE layer, the flat index of every (token, k)
+        # entry (made once per pass, at its first MoE layer, instead of once per layer).
         self._flat: torch.Tensor | None = None
-        self._layer_offsets: torch.Tensor | None = None  # [layers, 1, top_k]: l * top_k + k
+        self._flat_np: np.ndarray | None = None  # CPU only
+        self._layer_offsets: np.ndarray | torch.Tensor | None = None  # [layers, 1, top_k]
         self._block_elems = 0
         self._plan_slots: torch.Tensor | None = None
         self._plan_rows = -1
-        self._plan_index: torch.Tensor | None = None  # [layers, kept tokens, top_k]
-        self._plan_keep: torch.Tensor | None = None  # kept rows of topk_ids (None: the first n)
+        self._plan_index: Any = None  # [layers, n, top_k]: numpy on a CPU, else torch
         self._plan_n = 0
+        # The step's capture check: its number, its tokens, the MoE layers that captured them.
+        self._step = 0
+        self._step_tokens = 0
+        self._step_layers = 0  # bit l: layer l captured every token of the pass
+        self._all_layers = (1 << rows.layers) - 1
+        self._missed: list[int] = []
         self._puts: queue.SimpleQueue[_Put | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client: Any = None
@@ -126,10 +147,12 @@ class R3Recorder:
         self._tensor = tensor
         self._flat = typed
         self._block_elems = block_stride // step
-        self._layer_offsets = (
-            torch.arange(layers * top_k, dtype=torch.int64, device=template.device)
-            .reshape(layers, 1, top_k)
-        )  # fmt: skip
+        offsets = np.arange(layers * top_k, dtype=np.int64).reshape(layers, 1, top_k)
+        if typed.device.type == "cpu" and self._numpy_on_cpu:
+            self._flat_np = typed.numpy()
+            self._layer_offsets = offsets
+        else:
+            self._layer_offsets = torch.from_numpy(offsets).to(typed.device)
         self._slot_layer = slot_layer
         self._slots = slots
         for index, router in enumerate(routers):
@@ -143,42 +166,87 @@ class R3Recorder:
     # ------------------------------------------------------------------ the forward pass
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
         """A router's hook: this layer's ids of the step's tokens into their slots (one
-        conversion and one ``put_`` per layer; the slots' flat index is planned once per pass)."""
-        flat = self._flat
+        assignment per layer; the slots' flat index is planned once per pass)."""
         slots = self._slots(self._slot_layer)
-        if flat is None or slots is None or topk_ids.dim() != 2:
+        if self._flat is None or slots is None or topk_ids.dim() != 2:
             return  # outside a forward pass with KV (a dummy run)
         rows = int(topk_ids.shape[0])
         # A new pass starts at the first MoE layer; the slot tensor or the row count changing
         # within one (never seen) plans again rather than write to stale slots.
         if layer == 0 or slots is not self._plan_slots or rows != self._plan_rows:
             self._plan(slots, rows)
-        index = self._plan_index
-        assert index is not None
-        keep = self._plan_keep
-        ids = topk_ids[: self._plan_n] if keep is None else topk_ids.index_select(0, keep)
-        flat.put_(index[layer], ids.to(flat.dtype))
+        n = self._plan_n
+        flat_np = self._flat_np
+        if flat_np is not None:
+            flat_np[self._plan_index[layer]] = topk_ids.numpy()[:n]
+        else:
+            self._flat.put_(self._plan_index[layer], topk_ids[:n].to(self._flat.dtype))
+        if n >= self._step_tokens:
+            self._step_layers |= 1 << layer
         self.counters["captures"] += 1
 
     def _plan(self, slots: torch.Tensor, rows: int) -> None:
-        """The flat index of each layer's ids for this pass's slots (negative: padding, kept
-        out)."""
+        """The flat index of each layer's ids for this pass's slots (a negative slot, padding:
+        the null block's row, ``_PAD_ROW``)."""
         assert self.blocks is not None
-        assert self._layer_offsets is not None
         n = min(int(slots.shape[0]), rows)
-        s = slots[:n].to(torch.int64)
-        keep = None
-        if n and bool((s < 0).any()):
-            keep = torch.nonzero(s >= 0).squeeze(1)
-            s = s.index_select(0, keep)
         block_size = int(self.blocks.shape[1])
         row_elems = self.rows.layers * self.rows.top_k
-        base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
+        if self._flat_np is not None:
+            s = slots.numpy()[:n].astype(np.int64)
+            base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
+            base[s < 0] = _PAD_ROW
+        else:
+            s = slots[:n].to(torch.int64)
+            base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
+            base = torch.where(s < 0, _PAD_ROW, base)
         self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
-        self._plan_keep = keep
         self._plan_n = n
         self._plan_slots = slots
         self._plan_rows = rows
+
+    # ------------------------------------------------------------------ steps
+    def begin_step(self, meta: HybridConnectorMetadata) -> None:
+        """Before the step's forward pass: copy the finished requests' rows out, reset the
+        blocks newly given to requests (in that order: a freed block may be both), start the
+        step's capture check."""
+        if meta.r3_copies:
+            self.copy_out(meta.r3_copies)
+        if meta.r3_fresh_blocks:
+            self.reset(meta.r3_fresh_blocks)
+        self._step, self._step_tokens, self._step_layers = meta.r3_step, meta.r3_step_tokens, 0
+
+    def reset(self, block_ids: Sequence[int]) -> None:
+        """Every row of these blocks to "no row"."""
+        blocks = self.blocks
+        if blocks is None:
+            return
+        self.counters["resets"] += len(block_ids)
+        # r3.no_row as the buffer's torch type holds it (uint16 ids live in an int16 buffer)
+        value = -1 if self.rows.dtype == "uint16" else 0xFF
+        if self._flat_np is not None:
+            blocks.numpy()[np.asarray(block_ids, dtype=np.int64)] = value
+        else:
+            index = torch.as_tensor(block_ids, dtype=torch.int64, device=blocks.device)
+            blocks.index_fill_(0, index, value)
+
+    def report(self) -> tuple[int, ...]:
+        """After the step's forward pass: the steps (this one, if so) whose pass left some MoE
+        layer without the routing of all its tokens (empty: none)."""
+        if self._step_tokens > 0 and self._step_layers != self._all_layers:
+            self._missed.append(self._step)
+            self.counters["missed_steps"] += 1
+            if self.counters["missed_steps"] == 1 or self.counters["missed_steps"] % 1000 == 0:
+                log.warning(
+                    "r3: the forward pass of step %d captured the routing of %s of %d MoE "
+                    "layers for all its %d tokens (%d such steps so far); its requests' "
+                    "records say incomplete",
+                    self._step, bin(self._step_layers).count("1"), self.rows.layers,
+                    self._step_tokens, self.counters["missed_steps"],
+                )  # fmt: skip
+        self._step_tokens = 0
+        missed, self._missed = tuple(self._missed), []
+        return missed
 
     # ------------------------------------------------------------------ finished requests
     def copy_out(self, copies: Sequence[R3Copy]) -> None:
@@ -236,17 +304,17 @@ class R3Recorder:
                     self.counters[outcome] += 1
                 self.stored.notify_all()
 
-    def _checked(self, request_id: str, rows: np.ndarray) -> dict[str, np.ndarray]:
-        """What is stored for one record; a record with rows missing says so (WARNING)."""
-        stored = r3.stored_object(rows)
-        if not stored["complete"][0]:
+    def _checked(self, request_id: str, rows: np.ndarray) -> np.ndarray:
+        """What is stored for one record; a record with rows missing is counted (WARNING)."""
+        missing = r3.missing_rows(rows)
+        if missing:
             with self.stored:
                 self.counters["incomplete"] += 1
             log.warning(
                 "r3: request %s: %d of %d token rows missing; its record says incomplete",
-                request_id, r3.missing_rows(rows), len(rows),
+                request_id, missing, len(rows),
             )  # fmt: skip
-        return stored
+        return r3.stored_object(rows)
 
     def wait_stored(self, at_least: int, timeout_s: float) -> bool:
         """Block until ``at_least`` records were stored (tests and tools, never a step)."""
@@ -268,8 +336,8 @@ class R3Recorder:
             self._thread = None
         self._drop_client()
         self.blocks = None
-        self._flat = None
-        self._plan_slots = self._plan_index = self._plan_keep = None
+        self._flat = self._flat_np = None
+        self._plan_slots = self._plan_index = None
         self._tensor = None
 
 

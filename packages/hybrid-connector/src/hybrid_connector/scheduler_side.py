@@ -55,6 +55,7 @@ from hybrid_connector.metadata import (
     R3Copy,
     RecvSpec,
     ReleaseSpec,
+    StepReport,
 )
 from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrationsOut, Precopied, Stopped
 
@@ -117,7 +118,7 @@ class SchedulerSide:
         # The shared KV store's half (None: off): loads for requests without a PD pull, saves.
         self.kvs = kvs
         # KVS loads in flight (the worker reports them like pulls); those copied in the step
-        # that admits their request are named in that step's output instead (``KvsStepReport``).
+        # that admits their request are named in that step's output instead (``StepReport``).
         self._kvs_loading: set[str] = set()
         # This instance's TP size: D needs P's to know which P ranks to pull from.
         self._tp_size = tp_size
@@ -127,6 +128,10 @@ class SchedulerSide:
         # vLLM's KV-cache groups (None: one attention group of ``block_size``).
         self._groups = groups or [KvGroup("attention", (), block_size)]
         self._has_state = any(g.family == "state" for g in self._groups)
+        # R3: which blocks to reset, which requests a capture missed.
+        self._r3_ledger = (
+            None if r3_rows is None else r3.RowLedger(self._groups[self._r3_group].block_size)
+        )
         self._meta = HybridConnectorMetadata()
         self._kv_cache_manager: KVCacheManager | None = None
         # Requests with kv_transfer_params, from their first hook to request_finished.
@@ -232,6 +237,8 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         # First hook of a schedule() that admits a request: released blocks count for it.
         self._drain()
+        if self._r3_ledger is not None:
+            self._r3_ledger.looked_up(request.request_id, num_computed_tokens)
         pull = self._pull_of(request)
         if pull is None:
             if self.kvs is not None:
@@ -304,6 +311,12 @@ class SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         request_id = request.request_id
+        if self._r3_ledger is not None:
+            self._meta.r3_fresh_blocks.extend(
+                self._r3_ledger.allocated(
+                    request_id, blocks.blocks[self._r3_group], num_external_tokens
+                )
+            )
         if self.kvs is not None and self._pull_of(request) is None:
             load = self.kvs.update_state_after_alloc(request, blocks, num_external_tokens)
             if load is not None:
@@ -391,16 +404,20 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self._drain()
+        # The workers' step report, every rank's (vLLM aggregates them): R3's missed captures
+        # and the step's in-step KVS loads.
+        report = getattr(output, "kv_connector_worker_meta", None)
+        r3_ledger = self._r3_ledger
+        if isinstance(report, StepReport) and r3_ledger is not None and report.r3_missed_steps:
+            r3_ledger.missed(report.r3_missed_steps)
         for request_id in output.finished_recving or ():
             self._recv_in_flight.discard(request_id)
             if request_id in self._kvs_loading:
                 self._kvs_loading.discard(request_id)
                 if self.kvs is not None:
                     self.kvs.load_finished(request_id)
-        # The step's in-step loads, every rank's (vLLM aggregates the workers' reports).
-        report = getattr(output, "kv_connector_worker_meta", None)
-        if self.kvs is not None:
-            for request_id in getattr(report, "kvs_loaded", ()):
+        if self.kvs is not None and isinstance(report, StepReport):
+            for request_id in report.kvs_loaded:
                 self.kvs.load_finished(request_id)
 
     # ------------------------------------------------------------------ both
@@ -412,8 +429,13 @@ class SchedulerSide:
         R3 on the reference of its routing record under ``"r3"``. P records nothing for a
         prefill it hands to D: its rows travel to D with the KV, and D's record is the request's
         (a prompt-only record on P would be one more object in the store that nobody reads)."""
+        complete = (
+            self._r3_ledger.finished(request.request_id) if self._r3_ledger is not None else True
+        )
         record = (
-            None if self._offer_of(request) is not None else self._r3_record(request, block_ids)
+            None
+            if self._offer_of(request) is not None
+            else self._r3_record(request, block_ids, complete)
         )
         delay_free, params = self._finish(request, block_ids)
         if record is not None:
@@ -421,10 +443,13 @@ class SchedulerSide:
         return delay_free, params
 
     def _r3_record(
-        self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...] | list[list[int]],
+        complete: bool,
     ) -> dict[str, Any] | None:
         """R3: plan the copy of a normally finished request's rows into the store (in the next
-        metadata) and return the record's reference."""
+        metadata) and return the record's reference (``complete``: as far as the ledger knows)."""
         rows = self._r3_rows
         if rows is None or request.status.name not in _FINISHED_NORMALLY:
             return None
@@ -438,7 +463,12 @@ class SchedulerSide:
         key = r3.record_key()
         self._meta.r3_copies.append(R3Copy(request.request_id, key, blocks, num_tokens))
         assert self._config.r3 is not None
-        return r3.record_params(key, self._config.r3.store, num_tokens, rows)
+        if not complete:
+            log.warning(
+                "request %s: a forward pass that ran it skipped a routing capture; its r3 "
+                "record says incomplete", request.request_id,
+            )  # fmt: skip
+        return r3.record_params(key, self._config.r3.store, num_tokens, rows, complete=complete)
 
     def _finish(
         self, request: Request, block_ids: tuple[list[int], ...] | list[list[int]]
@@ -562,9 +592,24 @@ class SchedulerSide:
             self._announce_prefills(scheduler_output)
         if self.kvs is not None:
             self._meta.kvs_saves.extend(self.kvs.plan_saves(scheduler_output))
+        if self._r3_ledger is not None:
+            self._r3_step(scheduler_output, self._r3_ledger)
         meta, self._meta = self._meta, HybridConnectorMetadata()
         meta.scheduler_address = self.send_done_address
         return meta
+
+    def _r3_step(self, scheduler_output: SchedulerOutput, ledger: r3.RowLedger) -> None:
+        """R3: the running requests' new blocks to reset, and the step's number and tokens for
+        the worker's capture check. A resumed request's list is all its blocks (vLLM's worker
+        replaces its block table): its new ones were counted when it was allocated."""
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        fresh = self._meta.r3_fresh_blocks
+        for request_id, new in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if new is not None and request_id not in resumed:
+                fresh.extend(new[self._r3_group])
+        self._meta.r3_step = ledger.start_step(scheduler_output.num_scheduled_tokens)
+        self._meta.r3_step_tokens = scheduler_output.total_num_scheduled_tokens
 
     def _announce_prefills(self, scheduler_output: SchedulerOutput) -> None:
         """Rapid transfer_kv: name the P requests whose prompt this step completes."""

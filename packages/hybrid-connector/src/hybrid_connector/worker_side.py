@@ -781,9 +781,10 @@ class WorkerSide:
         """Queue this step's work on the loop thread; returns at once."""
         # Every step, empty ones too: tests count the steps a holding P runs (it should run none).
         self._results.count("steps")
-        if meta.r3_copies and self.r3 is not None:
-            # Now, before this step's forward pass: the first that may reuse their blocks.
-            self.r3.copy_out(meta.r3_copies)
+        if self.r3 is not None:
+            # Now, before this step's forward pass: the first that may reuse finished requests'
+            # blocks, and the first to write into blocks newly given to requests.
+            self.r3.begin_step(meta)
         if self.kvs is not None and meta.kvs_loads and meta.to_recv:
             # Loaded from the store and pulled from P: done when both are.
             pulled = {recv.request_id for recv in meta.to_recv}

@@ -26,6 +26,7 @@ __all__ = [
     "SiteStat",
     "Snapshot",
     "SnapshotFormatError",
+    "autostart_env",
     "diff",
     "flush",
     "is_running",
@@ -127,6 +128,34 @@ def start(
             atexit.register(stop)
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _hooks_registered = True
+
+
+def autostart_env(
+    out_dir: str | os.PathLike[str],
+    *,
+    interval: float = 60.0,
+    keep: int = 5,
+    mean: int = DEFAULT_MEAN,
+    signal: str = "SIGUSR2",
+    seed: int = 0,
+    env: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """``env`` (default: this process's) with what starts memprof in a Python process at its
+    start-up, and in the Python processes it starts in turn: memprof's sitecustomize first on
+    PYTHONPATH, and `start`'s settings (``signal``: a name, a number, or "none"). What
+    `memprof run` execs its command with; for servers started by other launchers."""
+    out = dict(os.environ if env is None else env)
+    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+    out["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, out.get("PYTHONPATH")) if p)
+    out["MEMPROF_AUTOSTART"] = "1"
+    out["MEMPROF_OUT"] = os.path.abspath(os.fspath(out_dir))
+    out["MEMPROF_INTERVAL"] = str(interval)
+    out["MEMPROF_KEEP"] = str(keep)
+    out["MEMPROF_MEAN"] = str(mean)
+    out["MEMPROF_SIGNAL"] = signal
+    if seed:
+        out["MEMPROF_SEED"] = str(seed)
+    return out
 
 
 def stop() -> None:

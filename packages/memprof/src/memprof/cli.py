@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+from . import autostart_env
 from .native import NativeModeUnavailable, native_env
 from .snapfile import (
     GROUP_INNERMOST,
@@ -61,17 +62,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         raise SystemExit(
             "memprof run: give the command after --, e.g. memprof run -- python app.py"
         )
-    env = dict(os.environ)
-    bootstrap = str(Path(__file__).parent / "_bootstrap")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap, env.get("PYTHONPATH")) if p)
-    env["MEMPROF_AUTOSTART"] = "1"
-    env["MEMPROF_OUT"] = str(Path(args.out).resolve())
-    env["MEMPROF_INTERVAL"] = str(args.interval)
-    env["MEMPROF_KEEP"] = str(args.keep)
-    env["MEMPROF_MEAN"] = str(args.mean)
-    env["MEMPROF_SIGNAL"] = args.signal
-    if args.seed:
-        env["MEMPROF_SEED"] = str(args.seed)
+    env = autostart_env(
+        args.out,
+        interval=args.interval,
+        keep=args.keep,
+        mean=args.mean,
+        signal=args.signal,
+        seed=args.seed,
+    )
     if args.native:
         try:
             env = native_env(env, extra_conf=args.malloc_conf)

@@ -88,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     loop.add_argument("--completion-len", type=int, default=16)
     loop.add_argument("--lr", type=float, default=2e-2)
     loop.add_argument("--r3", choices=["off", "replay"], default="replay")
+    loop.add_argument(
+        "--serving",
+        choices=["offline", "pd"],
+        default="offline",
+        help="rollout on vLLM in this process, or on a 1P1D of vLLM's servers behind the proxy",
+    )
+    loop.add_argument(
+        "--r3-transport",
+        choices=["ref", "value"],
+        default="ref",
+        help="records to the trainer by reference (refstore manifests) or by value through Ray",
+    )
     loop.add_argument("--model", help="model directory (default: the tiny qwen3-moe, built)")
     demo = sub.add_parser("pipeline", help="run the pipeline with R3 off / by value / by ref")
     demo.add_argument("--steps", type=int, default=3)
@@ -150,6 +162,8 @@ def _demo(args: argparse.Namespace) -> int:
         completion_len=args.completion_len,
         lr=args.lr,
         r3=args.r3,
+        serving=args.serving,
+        r3_transport=args.r3_transport,
     )
     out = console()
     with tempfile.TemporaryDirectory(prefix="rl-dataflow-loop-") as work:
@@ -159,12 +173,17 @@ def _demo(args: argparse.Namespace) -> int:
             from hybrid_connector.tiny_model import make_tiny_model
 
             model = make_tiny_model(os.path.join(work, "qwen3-moe"), arch="qwen3-moe")
-        with loop_progress(out, args.steps, f"RL loop, R3 {args.r3}") as progress:
+        title = f"RL loop, R3 {args.r3} ({args.r3_transport}), rollout {args.serving}"
+        if args.serving == "pd":
+            out.print("starting P and D (vLLM's OpenAI servers, 1-3 min on a small box)")
+        with loop_progress(out, args.steps, title) as progress:
             result = run_loop(config, model, work, args.steps, progress=progress)
     rewards = [s["reward"] for s in result["steps"]]
+    engines = "".join(f", {'on' if on else 'off'} in an engine" for on in result["engine_memprof"])
     out.print(
         f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f} over {len(rewards)} steps; refstore pool"
         f" back to baseline: {result['pool_back_to_baseline']}; memprof: {result['memprof']}"
+        f" here{engines}"
     )
     return 0
 

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from .pipeline import Progress as ProgressCallback
 
-_LOOP_FIELDS = ("generate", "records", "materialise", "compute", "reload", "step")
+_LOOP_FIELDS = ("generate", "records", "ray", "materialise", "compute", "reload", "step")
 
 
 def console() -> Console:

@@ -28,7 +28,18 @@ on; ``hybrid_connector.r3``) by reference, straight into the manifest.
 ``R3`` modes: ``off`` records nothing (the connector runs without r3) and the trainer routes by
 itself; ``replay`` (R3 on) replays the records. With ``compare`` the trainer also runs the batch
 without replay (no gradient) to count how often its own routing differs from the rollout's.
-memprof runs in this process (as in every pipeline actor).
+
+``R3Transport``: ``ref`` (the default) carries a manifest as above; ``value`` carries the records
+as verl and slime do, by value through Ray's object store: the rollout copies them out (an
+engine that returns routing with its output hands over such an array), ``ray.put`` -> ``ray.get``
+to the stages (the rollout worker's answer to the driver), the stages rebuild the arrays as they
+reorder and cut the batch, ``ray.put`` -> ``ray.get`` of each micro-batch's rows to the trainer,
+which copies them into its padded layout. Only the records go through Ray (the token ids and
+advantages do not, in either transport), so the two differ by how the records travel alone.
+Ray starts in this process for ``value`` only (``ray.init(num_cpus=2)``).
+
+memprof runs in this process (as in every pipeline actor), and in the P and D servers of
+``serving="pd"``.
 """
 
 from __future__ import annotations
@@ -38,11 +49,13 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
+import ray
 import refstore
 
 from .pipeline import Batch, GroupBySample, PackMicroBatches, SortByLength, _start_memprof
@@ -55,7 +68,15 @@ from .rollout import (
     reload_moe_weights,
 )
 
-__all__ = ["R3", "LoopConfig", "RLLoop", "Serving", "reload_moe_weights", "run_loop"]
+__all__ = [
+    "R3",
+    "LoopConfig",
+    "R3Transport",
+    "RLLoop",
+    "Serving",
+    "reload_moe_weights",
+    "run_loop",
+]
 
 REFSTORE_NAME = "rl-loop"
 
@@ -76,6 +97,11 @@ class R3(enum.StrEnum):
     REPLAY = "replay"
 
 
+class R3Transport(enum.StrEnum):
+    REF = "ref"  # a refstore Manifest over the engine's own objects: no copy before the gather
+    VALUE = "value"  # the records copied out and sent through Ray's object store (verl, slime)
+
+
 class LoopConfig(msgspec.Struct, frozen=True):
     prompts: int = 4
     group_size: int = 4  # samples per prompt (GRPO group)
@@ -87,6 +113,7 @@ class LoopConfig(msgspec.Struct, frozen=True):
     target_lo: int = 100
     target_hi: int = 164
     r3: str = R3.REPLAY.value
+    r3_transport: str = R3Transport.REF.value  # how the records go from rollout to trainer
     compare: bool = False  # also measure the batch without replay (R3 on only)
     micro_batch_tokens: int = 192
     temperature: float = 1.0
@@ -122,11 +149,16 @@ def engine_records(
     tokens: Sequence[np.ndarray],
     client: refstore.Client,
     timeout_s: float = 10.0,
+    subscription: refstore.KeySubscription | None = None,
 ) -> refstore.Manifest:
     """The engine recorder's own objects, by reference: each finished request's
     ``kv_transfer_params["r3"]`` names a keyed object in refstore (``hybrid_connector.r3``) that
     the worker stores just after the request ends; the manifest points at those objects (one per
-    sample, rows from 0), so no routing byte is copied before the trainer's gather."""
+    sample, rows from 0), so no routing byte is copied before the trainer's gather. A record the
+    engine knew incomplete is refused here; the rows themselves are checked where they are read
+    (``check_rows``, on the trainer's gather: no read of each object before it). Records not
+    stored yet are waited for on the master's key events (``subscription``: a long-lived one of
+    the caller's; else one for this call)."""
     keys, lengths, geometry = [], [], None
     for output, ids in zip(outputs, tokens, strict=True):
         params = (output.kv_transfer_params or {}).get("r3")
@@ -145,57 +177,72 @@ def engine_records(
         geometry = mine
         keys.append(str(params["key"]).encode())
         lengths.append(len(ids) - 1)
-    refs = _lookup_all(client, keys, timeout_s)
+    refs = _lookup_all(client, keys, timeout_s, subscription)
     assert geometry is not None
     layers, top_k, dtype = geometry
-    for ref, key in zip(refs, keys, strict=True):
-        if not bool(np.asarray(client.get(ref)["complete"])[0]):  # a view: reads one byte
-            client.release(refs)
-            raise RecordError(f"r3 record {key.decode()}: rows missing in the stored record")
-    return refstore.Manifest.from_refs(
-        refs, lengths, dtype=dtype, row_shape=(layers, top_k), key="rows"
-    )
+    return refstore.Manifest.from_refs(refs, lengths, dtype=dtype, row_shape=(layers, top_k))
 
 
-def _lookup_all(client: refstore.Client, keys: list[bytes], timeout_s: float) -> list[Any]:
-    """The refs of ``keys``, waiting for those not stored yet on the master's key events (which
-    name the keys bound: one lookup at the start, one at the end, one after lost events)."""
-    found: dict[bytes, Any] = {}
+def check_rows(rows: np.ndarray, lengths: np.ndarray, sample_ids: np.ndarray) -> None:
+    """``rows`` of records as gathered, ``[samples, longest, layers, top_k]`` (padded) or
+    ``[rows, layers, top_k]`` (packed, samples back to back): ``RecordError`` if a row of a
+    sample is missing (an id equal to its dtype's maximum, "no row", in ``hybrid_connector.r3``)."""
+    missing = (rows == np.iinfo(rows.dtype).max).reshape(*rows.shape[: rows.ndim - 2], -1).any(-1)
+    if rows.ndim == 4:  # padded: the rows past each sample's length are padding
+        missing &= np.arange(rows.shape[1]) < np.asarray(lengths)[:, None]
+        bad = np.flatnonzero(missing.any(-1))
+    else:
+        bad = np.unique(np.searchsorted(np.cumsum(lengths), np.flatnonzero(missing), "right"))
+    if len(bad):
+        raise RecordError(
+            f"r3 records of samples {np.asarray(sample_ids)[bad][:5].tolist()}: rows missing"
+        )
 
-    def look() -> None:
-        # One call finds every key up to the first one not stored yet; then on from the next.
-        todo = [k for k in keys if k not in found]
-        while todo:
-            refs = client.lookup(todo, hold_s=0)
-            found.update(zip(todo, refs, strict=False))
-            todo = todo[len(refs) + 1 :]
 
-    look()
+def copy_records(manifest: refstore.Manifest, client: refstore.Client) -> np.ndarray:
+    """The records of ``manifest`` as one array ``[rows, layers, top_k]`` (samples back to back,
+    a copy, checked whole), the store's objects released: what an engine that returns routing by
+    value with its output hands over."""
+    try:
+        rows = refstore.materialize(manifest, client=client, layout="packed")
+    finally:
+        client.release(list(manifest.refs))
+    check_rows(rows, manifest.length, manifest.sample_id)
+    return rows
+
+
+def _lookup_all(
+    client: refstore.Client,
+    keys: list[bytes],
+    timeout_s: float,
+    subscription: refstore.KeySubscription | None = None,
+) -> list[Any]:
+    """The refs of ``keys``: one lookup when every record is stored already; else one more after
+    each batch of the master's key events (on ``subscription``, or one of its own for this call),
+    until every key is bound or ``timeout_s`` passed. A lookup finds the keys up to the first
+    one not bound, so each round asks once, from there."""
+    if subscription is not None and subscription.alive:
+        subscription.take()  # older events: what they name is bound now, the lookup finds it
+    found = client.lookup(keys, hold_s=0)
     if len(found) < len(keys):
-        subscription = client.subscribe_keys()
+        own = subscription is None or not subscription.alive
+        events = client.subscribe_keys() if own else subscription
         try:
-            look()  # stored between the first look and subscribing
-            pending = {k for k in keys if k not in found}
             deadline = time.monotonic() + timeout_s
-            while pending:
+            while len(found) < len(keys):
+                found += client.lookup(keys[len(found) :], hold_s=0)  # bound since
                 left = deadline - time.monotonic()
-                if left <= 0 or not subscription.wait(left):
+                if len(found) == len(keys) or left <= 0 or not events.alive:
                     break
-                for event in subscription.take():
-                    if isinstance(event, refstore.KeysStored):
-                        pending.difference_update(event.keys)
-                    elif isinstance(event, refstore.KeysLost):  # resync
-                        look()
-                        pending = {k for k in keys if k not in found}
-                if not subscription.alive:
-                    break
-            look()
+                if events.wait(left):
+                    events.take()
         finally:
-            subscription.close()
-    missing = [k.decode() for k in keys if k not in found]
-    if missing:
+            if own:
+                events.close()
+    if len(found) < len(keys):
+        missing = [k.decode() for k in keys[len(found) :]]
         raise RecordError(f"{len(missing)} r3 records not in the store: {missing[:3]}")
-    return [found[k] for k in keys]
+    return found
 
 
 # -- the loop ----------------------------------------------------------------------------------
@@ -215,6 +262,7 @@ class RLLoop:
         for key, value in VLLM_ENV.items():
             os.environ.setdefault(key, value)
         self.config = config
+        self.by_value = R3Transport(config.r3_transport) is R3Transport.VALUE
         self.memprof = _start_memprof()
         self.model_dir = Path(work_dir) / "model"  # the trainer writes its weights here
         if self.model_dir.exists():
@@ -235,7 +283,16 @@ class RLLoop:
             self.trainer = MoeTrainer(self.model_dir, lr=config.lr, seed=config.seed)
             self.records: RecordSource | None = None
             if R3(config.r3) is R3.REPLAY:
-                self.records = record_source or engine_records
+                # One subscription to the master's key events for the loop's life: a record not
+                # stored yet is waited for without a new connection and thread each step.
+                key_events = self.client.subscribe_keys()
+                self._closers.append(key_events.close)
+                self.records = record_source or partial(engine_records, subscription=key_events)
+            if self.by_value and self.records is not None:
+                from .cli import init_ray
+
+                init_ray(object_store_gib=1.0)
+                self._closers.append(ray.shutdown)
         except BaseException:
             self.close()
             raise
@@ -299,10 +356,14 @@ class RLLoop:
         lengths = np.array([len(t) - 1 for t in tokens], np.int64)  # model inputs per sample
         sample_ids = np.arange(n, dtype=np.int64) + self.steps * n
         r3: Any = None
+        offsets = None
         if self.records is not None:
             t1 = time.perf_counter()
             r3 = self.records(outputs, tokens, self.client)
             r3.sample_id[:] = sample_ids
+            if self.by_value:
+                r3 = copy_records(r3, self.client)
+                offsets = np.concatenate(([0], np.cumsum(lengths)[:-1]))
             timings["records"] = time.perf_counter() - t1
         batch = Batch(
             sample_ids,
@@ -310,6 +371,7 @@ class RLLoop:
             lengths,
             tokens,
             r3,
+            offsets,
             columns={
                 "advantage": advantages.tolist(),
                 "prompt_len": [cfg.prompt_len] * n,
@@ -334,6 +396,11 @@ class RLLoop:
                     t1 = time.perf_counter()
                     # One copy per byte, straight into the trainer's padded layout.
                     rows = refstore.materialize(mb.r3, client=self.client, layout="padded")
+                    check_rows(rows, mb.r3.length, mb.sample_ids)
+                    materialise_s += time.perf_counter() - t1
+                elif mb.r3 is not None:  # by value: the rows Ray delivered, into that layout
+                    t1 = time.perf_counter()
+                    rows = _padded(mb)
                     materialise_s += time.perf_counter() - t1
                 recorded.append(rows)
                 groups.append(
@@ -358,8 +425,10 @@ class RLLoop:
                 **self.trainer.grpo_step(groups, replay=replay, recorded=recorded),
                 **compared,
             }
-            compute_s = time.perf_counter() - t1
+            # Without the agreement figures: measurements, not part of a training step.
+            compute_s = time.perf_counter() - t1 - stats["agreement_s"]
         finally:
+            t1 = time.perf_counter()
             refs = {
                 ref
                 for mb in micro_batches
@@ -368,9 +437,11 @@ class RLLoop:
             }
             if refs:
                 self.client.release(list(refs))
+            release_s = time.perf_counter() - t1
         return stats, {
             "materialise": materialise_s,
             "compute": compute_s,
+            "release": release_s,
             "train": time.perf_counter() - t0,
         }
 
@@ -389,14 +460,27 @@ class RLLoop:
         batch, timings = self.rollout()
         reward_mean = timings.pop("reward")
         t0 = time.perf_counter()
+        ray_s = 0.0
+        if self.by_value and batch.r3 is not None:
+            batch.r3 = _through_ray(batch.r3)  # the rollout worker's answer to the driver
+            ray_s += time.perf_counter() - t0
         for stage in self.stages:
             batch = stage.run(batch)
         micro_batches = self.pack.run(batch)
-        timings["stages"] = time.perf_counter() - t0
+        if self.by_value and batch.r3 is not None:
+            t1 = time.perf_counter()
+            for mb in micro_batches:  # the driver's dispatch to the trainer
+                mb.r3 = _through_ray(mb.r3)
+            ray_s += time.perf_counter() - t1
+        timings["stages"] = time.perf_counter() - t0 - ray_s
+        if self.by_value:
+            timings["ray"] = ray_s
         stats, train_timings = self.train(micro_batches)
         timings.update(train_timings)
-        # Without the weight sync, nor the comparison's extra forward pass.
-        timings["step"] = time.perf_counter() - started - stats.get("compare_s", 0.0)
+        # Without the weight sync, nor the measurements (the comparison's extra forward pass,
+        # the agreement figures).
+        measured = stats.get("compare_s", 0.0) + stats["agreement_s"]
+        timings["step"] = time.perf_counter() - started - measured
         timings.update(self.sync_weights())
         timings["step_with_sync"] = time.perf_counter() - started
         self.steps += 1
@@ -415,6 +499,23 @@ class RLLoop:
     def close(self) -> None:
         while self._closers:
             self._closers.pop()()
+
+
+def _through_ray(rows: np.ndarray) -> np.ndarray:
+    """``rows`` by value through Ray's object store: put (a copy into it), get (numpy comes back
+    zero-copy, read-only)."""
+    return ray.get(ray.put(rows))
+
+
+def _padded(mb: Batch) -> np.ndarray:
+    """A by-value micro-batch's rows in the trainer's padded layout ``[samples, longest,
+    layers, top_k]`` (a copy; what ``materialize(layout="padded")`` makes by reference)."""
+    assert mb.r3_offsets is not None
+    lengths = mb.lengths
+    out = np.zeros((len(lengths), int(lengths.max()), *mb.r3.shape[1:]), mb.r3.dtype)
+    for i, (offset, n) in enumerate(zip(mb.r3_offsets.tolist(), lengths.tolist(), strict=True)):
+        out[i, :n] = mb.r3[offset : offset + n]
+    return out
 
 
 def run_loop(
@@ -438,7 +539,8 @@ def run_loop(
         return {
             "steps": results,
             "pool_back_to_baseline": loop.pool_back_to_baseline(),
-            "memprof": loop.memprof,
+            "memprof": loop.memprof,  # in this process
+            "engine_memprof": loop.engine.memprof(),  # in each server process (pd)
         }
     finally:
         loop.close()

@@ -25,12 +25,17 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import logging
+import os
+import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
+
+log = logging.getLogger("rl_dataflow")
 
 
 class Serving(enum.StrEnum):
@@ -70,6 +75,14 @@ class RolloutEngine(Protocol):
         """The weights now in the model directory, in every instance, prefix caches reset."""
         ...
 
+    def idle(self) -> bool:
+        """No request left and no KV block held, in every instance (a leak check)."""
+        ...
+
+    def memprof(self) -> list[bool]:
+        """Whether memprof runs in each engine process apart from this one ([]: none)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -92,12 +105,25 @@ def reload_moe_weights(worker: Any) -> int:
     return repacked
 
 
+def memprof_running(worker: Any = None) -> bool:
+    """Whether memprof samples this process (a vLLM worker's: ``collective_rpc``)."""
+    try:
+        import memprof
+    except ImportError:
+        return False
+    return memprof.is_running()
+
+
 class MoeReloadExtension:
-    """vLLM worker extension (``--worker-extension-cls``): ``reload_moe_weights`` as a worker
-    method, callable by name through the server's ``/collective_rpc``."""
+    """vLLM worker extension (``--worker-extension-cls``): ``reload_moe_weights`` (and
+    ``memprof_running``) as worker methods, callable by name through ``/collective_rpc``."""
 
     def reload_moe_weights(self) -> int:
         return reload_moe_weights(self)
+
+    def memprof_running(self) -> dict[str, bool]:
+        # A dict: the server's /collective_rpc answers anything else as its str().
+        return {"running": memprof_running(self)}
 
 
 WORKER_EXTENSION = f"{MoeReloadExtension.__module__}.{MoeReloadExtension.__qualname__}"
@@ -193,6 +219,17 @@ class OfflineEngine:
         self.llm.collective_rpc(reload_moe_weights)
         self.llm.reset_prefix_cache()
 
+    def idle(self) -> bool:
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        # Every block but vLLM's null block is free (cached free blocks count as free).
+        return (
+            not scheduler.has_requests() and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        )
+
+    def memprof(self) -> list[bool]:
+        return []  # the engine runs in this process
+
     def close(self) -> None:
         engine_core = getattr(self.llm.llm_engine, "engine_core", None)
         if engine_core is not None:
@@ -262,9 +299,11 @@ class PdEngine:
             ),
             extra_connector_config=extra,
         )
-        # The development endpoints (/collective_rpc, /reset_prefix_cache) and the reload method.
+        # The development endpoints (/collective_rpc, /reset_prefix_cache) and the reload method;
+        # memprof from each server's start-up (snapshots beside its log).
         for server in servers:
             server.extra_env["VLLM_SERVER_DEV_MODE"] = "1"
+            server.extra_env.update(_memprof_env(log_dir / "memprof" / server.name))
             server.extra_args += ["--worker-extension-cls", WORKER_EXTENSION]
         self._closers: list[Callable[[], None]] = []
         self._loop = asyncio.new_event_loop()
@@ -335,6 +374,24 @@ class PdEngine:
 
         return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, seeds, strict=True))))
 
+    async def _rpc(self, url: str, method: str) -> list[Any]:
+        body = {"method": method, "timeout": self.request_timeout_s}
+        return (await self._post(f"{url}/collective_rpc", body))["results"]
+
+    async def _idle(self) -> bool:
+        async def one(url: str) -> bool:
+            # An idle instance shows its gauges as of its last step: a one-token request (and
+            # its R3 record, if on) makes it step.
+            nudge = {"model": self.model, "prompt": [[1]], "max_tokens": 1}
+            await self._post(f"{url}/v1/completions", nudge)
+            async with self._http.get(f"{url}/metrics") as resp:
+                text = await resp.text()
+            usage = re.findall(r"^vllm:kv_cache_usage_perc\{[^}]*\} (\S+)", text, re.M)
+            running = re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)", text, re.M)
+            return sum(map(float, usage)) == 0.0 and sum(map(float, running)) == 0.0
+
+        return all(await asyncio.gather(*(one(u) for u in self.instances)))
+
     async def _reload(self) -> None:
         # Every instance reloads, then every prefix cache goes: no instance serves a cached block
         # of the old policy to a request of the new one.
@@ -351,6 +408,25 @@ class PdEngine:
     def reload_weights(self) -> None:
         self._call(self._reload())
 
+    def idle(self) -> bool:
+        return self._call(self._idle())
+
+    def memprof(self) -> list[bool]:
+        async def each() -> list[Any]:
+            return await asyncio.gather(*(self._rpc(u, "memprof_running") for u in self.instances))
+
+        return [all(rank["running"] is True for rank in ranks) for ranks in self._call(each())]
+
     def close(self) -> None:
         while self._closers:
             self._closers.pop()()
+
+
+def _memprof_env(out_dir: Path) -> dict[str, str]:
+    """The environment that starts memprof in a server process ({} without memprof)."""
+    try:
+        import memprof
+    except ImportError:
+        log.warning("memprof is not installed: the P and D servers run without it")
+        return {}
+    return memprof.autostart_env(out_dir, env={"PYTHONPATH": os.environ.get("PYTHONPATH", "")})

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ class RouterState:
         self.layers = layers
         self.replay: torch.Tensor | None = None  # long [tokens, layers, top_k] or None
         self.own: list[torch.Tensor | None] = [None] * layers  # long [tokens, top_k] per layer
+        self.used: list[torch.Tensor | None] = [None] * layers  # what the experts were given
 
 
 def _replayable_forward(state: RouterState, layer: int) -> Any:
@@ -62,6 +64,7 @@ def _replayable_forward(state: RouterState, layer: int) -> Any:
                     f"replayed routing of layer {layer} is {tuple(indices.shape)}, the forward"
                     f" needs {tuple(own.shape)} (tokens, top_k)"
                 )
+        state.used[layer] = indices
         top = router_probs.gather(1, indices)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -75,6 +78,7 @@ class Forward:
     logprobs: torch.Tensor  # float [batch, time - 1]: log p(token t+1 | tokens <= t)
     logits: torch.Tensor  # float [batch, time, vocab]
     own_routes: torch.Tensor  # long [batch, time, layers, top_k]: the trainer's own choice
+    used_routes: torch.Tensor  # long [batch, time, layers, top_k]: what the experts were given
 
 
 @dataclass
@@ -162,10 +166,13 @@ class MoeTrainer:
         finally:
             self.state.replay = None
         own = torch.stack([o for o in self.state.own if o is not None], dim=1)
+        used = torch.stack([u for u in self.state.used if u is not None], dim=1)
         self.state.own = [None] * self.moe_layers
+        self.state.used = [None] * self.moe_layers
         logprobs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
         token_logprobs = logprobs.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-        return Forward(token_logprobs, logits, own.reshape(batch, time_, self.moe_layers, -1))
+        shape = (batch, time_, self.moe_layers, -1)
+        return Forward(token_logprobs, logits, own.reshape(shape), used.reshape(shape))
 
     def pad(
         self, samples: list[Sample], replay: bool, recorded: np.ndarray | None = None
@@ -218,12 +225,14 @@ class MoeTrainer:
         step): PPO's clipped surrogate with group-normalised advantages, ratios against the
         trainer's own log-probs before the update (on-policy: one update per rollout), token-mean
         per sequence, mean over sequences. Also returns how the trainer's log-probs and routing
-        (in this forward, before the update) agree with the rollout's (``Agreement``).
+        (in this forward, before the update) agree with the rollout's (``Agreement``), and the
+        seconds that took (``agreement_s``: a measurement, not part of a training step).
         ``recorded``: each micro-batch's routes, padded (see ``pad``), instead of the samples'."""
         samples = sum(len(mb) for mb in micro_batches)
         self.optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
         agreement = Agreement()
+        agreement_s = 0.0
         for i, mb in enumerate(micro_batches):
             batch = self.pad(mb, replay, recorded[i] if recorded else None)
             fwd = self.forward(batch["input_ids"], batch["attention_mask"], batch.get("routes"))
@@ -237,10 +246,17 @@ class MoeTrainer:
             loss = -per_seq.sum() / samples
             loss.backward()
             loss_total += float(loss.detach())
+            started = time.perf_counter()
             agreement.add(self, mb, batch, fwd)
+            agreement_s += time.perf_counter() - started
         self.optimizer.step()
         self.steps += 1
-        return {"loss": loss_total, "samples": samples, **agreement.result()}
+        return {
+            "loss": loss_total,
+            "samples": samples,
+            **agreement.result(),
+            "agreement_s": agreement_s,
+        }
 
     def measure(
         self,
@@ -312,8 +328,11 @@ def checkpoint_state_dict(model: Any, dtype: torch.dtype) -> dict[str, torch.Ten
 
 class Agreement:
     """How a trainer forward agrees with the rollout: |trainer - rollout| token log-probs over
-    the completions (mean, max), and the share of model inputs (tokens: any MoE layer; token
-    layers) where the trainer's router picks another expert set than the rollout recorded."""
+    the completions (mean, max); the share of model inputs (tokens: any MoE layer; token
+    layers) where the trainer's router picks another expert set than the rollout recorded
+    (``rerouted``); and the share of tokens whose experts in this forward were another set than
+    the recorded one (``used_rerouted_token_share``: 0 with replay, by construction and checked
+    here on every token)."""
 
     def __init__(self) -> None:
         self.tokens = 0
@@ -321,6 +340,7 @@ class Agreement:
         self.diff_max = 0.0
         self.routed_tokens = self.rerouted_tokens = 0
         self.routed_layers = self.rerouted_layers = 0
+        self.used_rerouted_tokens = 0
 
     def add(self, trainer: MoeTrainer, mb: list[Sample], batch: dict, fwd: Forward) -> None:
         with torch.no_grad():
@@ -340,6 +360,8 @@ class Agreement:
             self.rerouted_layers += int((~same).sum())
             self.routed_tokens += int(same.shape[0])
             self.rerouted_tokens += int((~same.all(-1)).sum())
+            used_same = _same_experts(fwd.used_routes, recorded)[inputs]
+            self.used_rerouted_tokens += int((~used_same.all(-1)).sum())
 
     def result(self) -> dict[str, float]:
         nan = float("nan")
@@ -352,5 +374,8 @@ class Agreement:
             ),
             "rerouted_layer_share": (
                 self.rerouted_layers / self.routed_layers if self.routed_layers else nan
+            ),
+            "used_rerouted_token_share": (
+                self.used_rerouted_tokens / self.routed_tokens if self.routed_tokens else nan
             ),
         }
