@@ -234,6 +234,8 @@ class _Stream:
     paused: asyncio.Event = field(default_factory=asyncio.Event)
     proceed: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # the caller went away
+    transport: Any = None
 
 
 @dataclass
@@ -241,7 +243,13 @@ class FakeDecode:
     """A D with HybridConnector as the proxy sees it: ``/v1/completions`` streaming the model
     (``next_token``; prompts are token ids), and a transfer_kv server answering MIGRATE_OUT
     (the stream ends after one more token; the answer has its tokens, as D1's connector's) and
-    RELEASE (recorded)."""
+    RELEASE (recorded).
+
+    Faults: ``fail_new`` answers 503 to generation requests; ``die_on`` ("precopy" or
+    "migrate_out") makes the instance die when that RPC comes (``die``: every stream and
+    connection dropped, nothing listens); ``break_at_stop`` drops a stopped stream's
+    connection before its last token (D1 dying after the stop); ``close_rpc`` stops only the
+    transfer server (connections refused)."""
 
     name: str
     refuse_migration: bool = False
@@ -252,6 +260,9 @@ class FakeDecode:
     # A request not migrated in stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
     pause_after: int | None = None
     token_delay_s: float = 0.0
+    fail_new: bool = False
+    die_on: str = ""
+    break_at_stop: bool = False
     received: list[dict[str, Any]] = field(default_factory=list)
     streams: dict[str, _Stream] = field(default_factory=dict)
     releases: list[ReleaseRequest] = field(default_factory=list)
@@ -280,8 +291,25 @@ class FakeDecode:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+        await self.close_rpc()
+
+    async def close_rpc(self) -> None:
         if self._rpc is not None:
             await self._rpc.close()
+            self._rpc = None
+
+    async def die(self) -> None:
+        """Every stream's connection dropped, then nothing listens (a killed instance)."""
+        for stream in self.streams.values():
+            if stream.transport is not None:
+                stream.transport.abort()
+        await self.close()
+
+    async def _dying(self) -> None:
+        """In an RPC handler: the instance dies; the call is never answered."""
+        asyncio.get_running_loop().create_task(self.die())
+        await asyncio.Event().wait()
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -289,6 +317,8 @@ class FakeDecode:
         self.called.set()
         if self.hang:
             await asyncio.Event().wait()
+        if self.fail_new:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
         if self.refuse_unstreamed and not body.get("stream"):
             return web.json_response({"error": {"message": "busy"}}, status=503)
         params = decode_params(body.get("kv_transfer_params"))
@@ -296,12 +326,22 @@ class FakeDecode:
         key = (
             params.transfer_id if isinstance(params, PullParams) else f"local-{len(self.received)}"
         )
-        stream = self.streams[key] = _Stream(list(body["prompt"]))
+        stream = self.streams[key] = _Stream(list(body["prompt"]), transport=request.transport)
+        try:
+            return await self._stream(request, body, params, stream)
+        except asyncio.CancelledError:
+            stream.closed.set()
+            raise
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], params: Any, stream: _Stream
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         last = stream.prompt[-1]
         for i in range(body["max_tokens"]):
-            if i == self.pause_after and not params.transfer_id.startswith("mig-"):
+            first_d = isinstance(params, PullParams) and not params.transfer_id.startswith("mig-")
+            if i == self.pause_after and first_d:
                 stream.paused.set()
                 await stream.proceed.wait()
             if self.token_delay_s:
@@ -309,14 +349,20 @@ class FakeDecode:
             last = next_token(last)
             stream.outputs.append(last)
             ends = i == body["max_tokens"] - 1 or len(stream.outputs) == stream.stop_at
+            if ends and self.break_at_stop and stream.stop_at is not None:
+                stream.ended.set()  # stopped, its KV held; the connection drops first
+                assert stream.transport is not None
+                stream.transport.abort()
+                return resp
+            # As vLLM: token ids (and the prompt's, first) when asked, else null.
+            ids = body.get("return_token_ids")
             choice = {
                 "index": 0,
                 "text": f" t{last}",
-                "token_ids": [last],
                 "finish_reason": "length" if ends else None,
+                "prompt_token_ids": stream.prompt if i == 0 and ids else None,
+                "token_ids": [last] if ids else None,
             }
-            if i == 0 and body.get("return_token_ids"):
-                choice["prompt_token_ids"] = stream.prompt
             event = {
                 "id": f"cmpl-{self.name}-{len(self.received)}",
                 "object": "text_completion",
@@ -336,6 +382,8 @@ class FakeDecode:
 
     async def _on_migrate_out(self, req: MigrateOutRequest, _ctx: CallContext):
         stream = self.streams.get(req.transfer_id)
+        if self.die_on == "migrate_out":
+            await self._dying()
         if stream is None or self.refuse_migration:
             return MigrateOutResponse(req.transfer_id, stopped=False, reason="not here")
         stream.stop_at = len(stream.outputs) + 1
@@ -353,6 +401,8 @@ class FakeDecode:
 
     async def _on_precopy(self, req: PrecopyRequest, _ctx: CallContext) -> PrecopyResponse:
         stream = self.streams.get(req.transfer_id)
+        if self.die_on == "precopy":
+            await self._dying()
         if stream is None or not self.precopy_block:
             return PrecopyResponse(req.transfer_id, offered=False, reason="not here")
         tokens = stream.prompt + stream.outputs
