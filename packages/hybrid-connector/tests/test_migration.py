@@ -477,6 +477,21 @@ def test_a_model_whose_full_blocks_change_refuses_precopy(groups: list, reason: 
     assert reason in answer.reason
 
 
+def test_an_instance_without_prefix_caching_refuses_precopy() -> None:
+    """The pre-copied blocks would have no cache to land in on the new D."""
+    side = SchedulerSide(
+        HybridConfig(rpc_port=8201),
+        is_producer=True,
+        is_consumer=True,
+        block_size=BLOCK,
+        prefix_caching=False,
+    )
+    side.migrations.track("X", _d1_request())  # type: ignore[arg-type]
+    [answer] = _ask_precopy(side)
+    assert not answer.offered
+    assert "prefix caching is off" in answer.reason
+
+
 def test_precopy_reaches_the_scheduler_half_through_the_worker(no_thread_leak: None) -> None:
     side, manager = _side()
     request = _d1_request()

@@ -229,6 +229,7 @@ def model_tokens(prompt: list[int], n: int) -> list[int]:
 @dataclass
 class _Stream:
     prompt: list[int]
+    max_tokens: int = 0
     outputs: list[int] = field(default_factory=list)
     stop_at: int | None = None
     paused: asyncio.Event = field(default_factory=asyncio.Event)
@@ -263,6 +264,8 @@ class FakeDecode:
     fail_new: bool = False
     die_on: str = ""
     break_at_stop: bool = False
+    # /metrics: KV usage as the running streams' tokens over this many (0: always 0).
+    kv_capacity: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     streams: dict[str, _Stream] = field(default_factory=dict)
     releases: list[ReleaseRequest] = field(default_factory=list)
@@ -276,6 +279,8 @@ class FakeDecode:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -306,6 +311,21 @@ class FakeDecode:
                 stream.transport.abort()
         await self.close()
 
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        running = [s for s in self.streams.values() if not s.ended.is_set()]
+        held = sum(len(s.prompt) + len(s.outputs) for s in running)
+        usage = min(1.0, held / self.kv_capacity) if self.kv_capacity else 0.0
+        text = (
+            f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+            f'vllm:num_requests_running{{model_name="{MODEL}"}} {len(running)}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {usage}\n'
+            f'vllm:num_preemptions_total{{model_name="{MODEL}"}} 0\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
     async def _dying(self) -> None:
         """In an RPC handler: the instance dies; the call is never answered."""
         asyncio.get_running_loop().create_task(self.die())
@@ -326,7 +346,9 @@ class FakeDecode:
         key = (
             params.transfer_id if isinstance(params, PullParams) else f"local-{len(self.received)}"
         )
-        stream = self.streams[key] = _Stream(list(body["prompt"]), transport=request.transport)
+        stream = self.streams[key] = _Stream(
+            list(body["prompt"]), body["max_tokens"], transport=request.transport
+        )
         try:
             return await self._stream(request, body, params, stream)
         except asyncio.CancelledError:
@@ -386,6 +408,9 @@ class FakeDecode:
             await self._dying()
         if stream is None or self.refuse_migration:
             return MigrateOutResponse(req.transfer_id, stopped=False, reason="not here")
+        # As D1's connector: a request that ends by itself first is not stopped.
+        if stream.ended.is_set() or len(stream.outputs) + 1 >= stream.max_tokens:
+            return MigrateOutResponse(req.transfer_id, stopped=False, reason="request finished")
         stream.stop_at = len(stream.outputs) + 1
         stream.proceed.set()
         await stream.ended.wait()
@@ -506,3 +531,81 @@ async def wait_until(
             return reading
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
+
+
+class TcpRelay:
+    """A TCP relay in front of an instance (``upstream``: host:port), for what a proxy sees of
+    that instance dying while it answers: ``die()`` drops every connection and stops
+    listening (then connections are refused). With ``die_on``, it dies the first time those
+    bytes come from upstream: before passing them on, or, with ``pass_first``, after."""
+
+    def __init__(self, upstream: str, die_on: bytes = b"", pass_first: bool = False) -> None:
+        self.host, _, port = upstream.rpartition(":")
+        self.port = int(port)
+        self.die_on = die_on
+        self.pass_first = pass_first
+        self.url = ""
+        self.died = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def die(self) -> None:
+        self.died.set()
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        await self.die()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.died.is_set():
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self._writers.update((writer, up_writer))
+        pumps = [
+            asyncio.ensure_future(self._pump(reader, up_writer, watch=False)),
+            asyncio.ensure_future(self._pump(up_reader, writer, watch=True)),
+        ]
+        self._tasks.update(pumps)
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            self._tasks.difference_update(pumps)
+            for w in (writer, up_writer):
+                self._writers.discard(w)
+                w.transport.abort()
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, watch: bool
+    ) -> None:
+        tail = b""
+        while data := await reader.read(65536):
+            seen = watch and bool(self.die_on) and self.die_on in tail + data
+            tail = data[-len(self.die_on) :] if self.die_on else b""
+            if seen and not self.pass_first:
+                await self.die()
+                return
+            writer.write(data)
+            await writer.drain()
+            if seen:
+                await self.die()
+                return

@@ -134,6 +134,11 @@ PATHS = {
         [Action.ASK_D1, Action.HOLD, Action.RECOMPUTE],
         Phase.RECOMPUTING,
     ),
+    "D1 stopped it as it ended whole: the end is forwarded": (
+        [("requested", D2), ("d1_ended", True), ("d1_stopped",)],
+        [Action.ASK_D1, Action.HOLD, Action.END_ON_D1],
+        Phase.DONE,
+    ),
     "D1 unreachable after its whole answer: it is forwarded": (
         [("requested", D2), ("d1_ended", True), ("d1_unreachable", "reset")],
         [Action.ASK_D1, Action.HOLD, Action.END_ON_D1],
@@ -368,9 +373,11 @@ def test_any_order_of_events(events: list[tuple[str, ...]]) -> None:
         ended |= name == "d1_ended"
         releases += decision.release
         if decision.action is Action.CALL:
-            # Only once D1 stopped and every token of its answer went to the client.
+            # Only once D1 stopped and every token of its answer went to the client, and
+            # never past the client's budget.
             assert stopped
             assert ended
+            assert not migration.end_complete
         if decision.action is Action.HOLD:
             assert before is Phase.STOPPING
         if decision.release:

@@ -525,7 +525,8 @@ class LiveStream:
                     if (reason := _finish_reason(event)) is not None:
                         self._mark("d1_end")
                         decision = self.plan.d1_ended(self._complete(reason))
-                        if decision.release_precopy:  # it ended while pre-copying
+                        if decision.release_precopy or decision.release:
+                            # It ended on D1 while pre-copying, or as D1 stopped it.
                             self._carry(decision)
                             self._finish("refused", decision.message)
                         if decision.action is Action.HOLD:
@@ -569,7 +570,7 @@ class LiveStream:
         if reason != "length":
             return True
         limit = self.flow.body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        return limit is None or len(self.output_ids) >= limit
+        return limit is not None and len(self.output_ids) >= limit
 
     async def _switch(
         self, decision: Decision, stack: contextlib.AsyncExitStack

@@ -18,6 +18,7 @@ of the client's. Greedy output is token for token the same as without the migrat
     STOPPING --D1's end came--------------> STOPPING: HOLD (withheld until D1 answers)
     STOPPING --D1 stopped, its end came---> SWITCHING: CALL D2 (prompt + tokens, pull M)
     STOPPING --D1 stopped, end not yet----> STOPPED: WAIT --D1's end--> SWITCHING: CALL D2
+    (an end that answered the request whole: DONE, END_ON_D1, M released: nothing is left)
     SWITCHING --D2's first token----------> MOVED: RELAY (D2's answer is the client's now)
     SWITCHING --D2 failed before a token--> SWITCHING: CALL D1 (once: D1 takes the request
                                             back, pulling M from itself), then RECOMPUTE
@@ -214,8 +215,7 @@ class Migration:
         if self.phase is not Phase.STOPPING:
             return Decision(Action.KEEP)
         if self.end_seen:
-            self.phase = Phase.SWITCHING
-            return Decision(Action.CALL, target=self.target)
+            return self._switch()
         self.phase = Phase.STOPPED
         return Decision(Action.WAIT)
 
@@ -234,8 +234,7 @@ class Migration:
         if self.phase is Phase.STOPPING:
             return Decision(Action.HOLD)
         if self.phase is Phase.STOPPED:
-            self.phase = Phase.SWITCHING
-            return Decision(Action.CALL, target=self.target)
+            return self._switch()
         self.phase = Phase.DONE
         return Decision(Action.END_ON_D1)
 
@@ -295,6 +294,16 @@ class Migration:
         )
 
     # -- internals ----------------------------------------------------------------------------
+    def _switch(self) -> Decision:
+        """D1 stopped and its end came: call the target, unless that end answered the request
+        whole (nothing left to generate: it is forwarded, and M released)."""
+        if self.end_complete:
+            self.phase = Phase.DONE
+            message = "the request ended on D1"
+            return Decision(Action.END_ON_D1, release=self._take_release(), message=message)
+        self.phase = Phase.SWITCHING
+        return Decision(Action.CALL, target=self.target)
+
     def _recompute_on_target(self, message: str) -> Decision:
         """D1 failed mid-migration: the chosen target recomputes (D1 holds nothing for it)."""
         self.failed.add(self.source)
