@@ -164,10 +164,13 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     assert n_pre >= len(prompt) + DECODED_FIRST - bs - 1
     assert offered.token_ids[: len(prompt)] == prompt
 
+    assert len(offered.next_token_ids) == 1
     d2_salt = salt()
     before = engine.stats()
+    # The warm-up's prompt ends with the token after the blocks: it pulls every offered token
+    # and computes that next one, so the blocks it caches hold D1's KV alone.
     [warm] = engine.generate(
-        [offered.token_ids],
+        [offered.token_ids + offered.next_token_ids],
         1,
         [_pull_of(cid, offered.remote_rpc_address, offered.remote_tp_size, n_pre)],
         salt=d2_salt,
@@ -175,7 +178,8 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     assert len(warm.token_ids) == 1
     wait_for_sends(engine, before["counters"], 1)  # D1 -> D2's warm-up; C given back
     warmed = engine.stats()
-    assert delta(warmed["by_source"], before["by_source"], "external_kv_transfer") >= n_pre - 1
+    assert delta(warmed["by_source"], before["by_source"], "external_kv_transfer") == n_pre
+    assert delta(warmed["by_source"], before["by_source"], "local_compute") == 1
 
     answer = _stop(engine, tid, mid)
     _, d1 = on_d1.result()
@@ -185,6 +189,7 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     length = len(prompt) + n
     tokens = prompt + d1.token_ids
     assert tokens[:n_pre] == offered.token_ids, "the pre-copied tokens are the request's"
+    assert tokens[n_pre] == offered.next_token_ids[0]
     [d2] = engine.generate(
         [tokens],
         MAX_TOKENS - n,

@@ -438,6 +438,7 @@ class FakeDecode:
             precopy_id=req.precopy_id,
             remote_rpc_address=self.rpc_address,
             token_ids=tokens[:full],
+            next_token_ids=tokens[full : full + 1],
         )
 
     async def _on_release(self, req: ReleaseRequest, _ctx: CallContext) -> ReleaseResponse:

@@ -353,7 +353,9 @@ class LiveStream:
 
     async def _warm_up(self, target: Backend, source: Backend, answer: PrecopyResponse) -> None:
         """One token on the target from the pre-copied tokens, pulling their KV from the old D:
-        they stay in its prefix cache for the stop's call. Its answer is dropped."""
+        they stay in its prefix cache for the stop's call. Its prompt ends with the token after
+        them (when the old D named it), so that the one token the target computes lies past the
+        cached blocks, and those hold the old D's KV alone. Its answer is dropped."""
         body = dict(self.flow.body)  # the client's (its cache_salt and model: the same hashes)
         for key in ("stream_options", "min_tokens", "logprobs", "n", "best_of", "suffix"):
             body.pop(key, None)
@@ -368,7 +370,8 @@ class LiveStream:
             )
         )
         assert self._prompt_json is not None
-        payload = _json_body(body, self._prompt_json.encode(answer.token_ids))
+        prompt = [*answer.token_ids, *answer.next_token_ids[:1]]
+        payload = _json_body(body, self._prompt_json.encode(prompt))
         async with self.flow.proxy._open(target, COMPLETIONS, payload, Stage.DECODE) as resp:
             async with asyncio.timeout(self.flow.config.attempt_timeout_s):
                 await resp.read()
