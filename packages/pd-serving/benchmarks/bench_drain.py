@@ -108,6 +108,7 @@ async def measure(
         health=None,
     )
     proxy = PdProxy(config)
+    proxy.live.precopy = args.precopy
     port = free_port()
     runner = await serve(proxy, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
@@ -163,6 +164,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-after", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        help="the random-weight model (qwen2-wide: decode slow enough that waiting costs)",
+    )
+    parser.add_argument(
+        "--precopy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="migrations pre-copy (the proxy's default) or stop and copy",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "drain.json")
     return parser
 
@@ -210,12 +222,15 @@ def run(args: argparse.Namespace) -> int:
     from pd_serving.client import load_tokenizer
     from pd_serving.deploy import Deployment
     from pd_serving.model import default_model_dir, make_model
-    from pd_serving.servers import Connector, Role, plan_servers
+    from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
 
-    model = make_model(default_model_dir("qwen2"), "qwen2")
+    model = make_model(default_model_dir(args.arch), args.arch)
     load_tokenizer(model)
     log_dir = Path("/tmp") / f"bench-drain-{int(time.time())}"
-    servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2)
+    longest = args.prompt_tokens + args.max_tokens + 64
+    # Room on one D for every request at its longest (the wide model: 2 KiB a token).
+    cpu = CpuSettings(kv_cache_bytes=max(64 << 20, 2 * args.requests * longest * 2048))
+    servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2, cpu=cpu)
 
     def make_prompt(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % 400 for i in range(n)]

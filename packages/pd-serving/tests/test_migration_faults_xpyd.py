@@ -167,6 +167,8 @@ async def test_d1_failing_mid_migration_the_target_recomputes(
 
     async def warm_up(stream: Any, *args: Any) -> None:
         warming.set()
+        if when == "warming":  # the warm-up goes on only once D1 died (or is cancelled)
+            await relay.died.wait()
         await real_warm_up(stream, *args)
 
     monkeypatch.setattr(live.LiveStream, "_warm_up", warm_up)
