@@ -504,3 +504,57 @@ def test_a_prompt_serialized_by_its_new_tokens_is_the_whole_prompts_json() -> No
         body = live._json_body({"model": MODEL, "max_tokens": 3}, known.encode(tokens))
         assert json.loads(body) == {"prompt": tokens, "model": MODEL, "max_tokens": 3}
     assert json.loads(live._json_body({}, known.encode([5]))) == {"prompt": [5]}
+
+
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_output_token_ids_are_found_not_the_prompts(separators: tuple[str, str]) -> None:
+    event = {
+        "choices": [{"text": '"token_ids": [7]', "prompt_token_ids": [1, 2], "token_ids": [4, 5]}]
+    }
+    raw = f"data: {json.dumps(event, separators=separators)}\n\n".encode()
+    found = live._token_ids(raw)
+    assert found is not None
+    assert json.loads(raw[found[0] : found[1]]) == [4, 5]
+    prompt = live._prompt_token_ids(raw)
+    assert prompt is not None
+    assert json.loads(raw[prompt[0] : prompt[1]]) == [1, 2]
+
+
+def test_a_text_offset_goes_on_after_the_last_token() -> None:
+    event = {"choices": [{"logprobs": {"text_offset": [0, 3], "tokens": [" ab", "cde"]}}]}
+    assert live._next_text_offset(f"data: {json.dumps(event)}\n\n".encode()) == 6
+    assert live._next_text_offset(b"") == 0
+
+
+def test_an_assembled_answer_joins_the_stream() -> None:
+    """What the proxy answers a non-streaming client from the stream its D's sent."""
+    assembler = live._Assembler({"return_token_ids": True, "logprobs": 1})
+
+    def chunk(text: str, ids: list[int], offsets: list[int], end: str | None = None) -> bytes:
+        logprobs = {
+            "text_offset": offsets,
+            "token_logprobs": [-0.5] * len(ids),
+            "tokens": [f"t{i}" for i in ids],
+            "top_logprobs": [{f"t{i}": -0.5} for i in ids],
+        }
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": end}
+        choice |= {"token_ids": ids, "prompt_token_ids": [9, 9] if ids == [1] else None}
+        data = {"id": "c", "created": 5, "model": MODEL, "choices": [choice]}
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    done = assembler.add([chunk("a", [1], [0]), chunk("bc", [2, 3], [2, 4], end="length")])
+    assert not done
+    assert not assembler.add([f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()])
+    assert assembler.add([b"data: [DONE]\n\n"])
+    answer = assembler.answer()
+    [choice] = answer["choices"]
+    assert (choice["text"], choice["token_ids"], choice["prompt_token_ids"]) == (
+        "abc",
+        [1, 2, 3],
+        [9, 9],
+    )
+    assert choice["logprobs"]["text_offset"] == [0, 2, 4]
+    assert choice["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 3
+    assert (answer["id"], answer["created"], answer["object"]) == ("c", 5, "text_completion")
