@@ -33,7 +33,7 @@ SYSTEMS = ("migrate", "wait")
 
 
 async def _round(
-    url: str, model: str, prompts: list[Any], system: str, args: argparse.Namespace
+    url: str, model: str, prompts: list[Any], system: str, args: argparse.Namespace, *, salt: int
 ) -> dict[str, Any]:
     import aiohttp
 
@@ -45,6 +45,8 @@ async def _round(
             assert resp.status == 200, await resp.text()
             return [json.loads(line) for line in (await resp.text()).splitlines()]
 
+    margins: list[list[float]] = [[] for _ in prompts]
+
     async def client(session: Any, i: int) -> list[int]:
         body = {
             "model": model,
@@ -54,6 +56,8 @@ async def _round(
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
+            "logprobs": 2,  # where the systems' tokens part: the margin there (a near-tie?)
+            "cache_salt": f"{system}-{salt}",  # each system's own prefix caches
         }
         tokens: list[int] = []
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -65,6 +69,9 @@ async def _round(
                 assert "error" not in event, event
                 for choice in event.get("choices") or []:
                     tokens += choice.get("token_ids") or []
+                    for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                        best = [*sorted((top or {}).values(), reverse=True), float("-inf")]
+                        margins[i].append(best[0] - best[1])
                 counts[i] = len(tokens)
                 if min(counts) >= args.drain_after:
                     enough.set()
@@ -89,7 +96,7 @@ async def _round(
     assert final["phase"] == "drained", final
     assert final["failed"] == 0, final
     return {"drained_s": final["elapsed_s"], "wall_s": wall, "moved": final["moved"],
-            "tokens": outputs}  # fmt: skip
+            "tokens": outputs, "margins": margins}  # fmt: skip
 
 
 async def measure(
@@ -118,7 +125,7 @@ async def measure(
             prompts = [make_prompt(args.prompt_tokens, 100 * r + i) for i in range(args.requests)]
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for system in order:
-                samples[system].append(await _round(url, model, prompts, system, args))
+                samples[system].append(await _round(url, model, prompts, system, args, salt=r))
     finally:
         await runner.cleanup()
     return {"samples": samples}
@@ -133,16 +140,25 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "wait_drained_s": statistics.median(x["drained_s"] for x in s["wait"]),
         "moved": statistics.median(x["moved"] for x in s["migrate"]),
         "same_tokens": f"{same}/{args.rounds}",
-        # requests whose tokens differ between the systems, over all rounds (index, first diff)
+        # requests whose tokens differ between the systems, over all rounds: (round, index,
+        # first differing token, the top-1 minus top-2 logprob there, the smaller of the two
+        # systems': a near-tie when small)
         "differing": [
-            (r, i, next(k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y))
+            (r, i, k, _margin_at(k, m["margins"][i], w["margins"][i]))
             for r, (m, w) in enumerate(zip(s["migrate"], s["wait"], strict=True))
             for i, (a, b) in enumerate(zip(m["tokens"], w["tokens"], strict=True))
             if a != b
+            for k in [next(k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)]
         ],
     }
     row["wait_over_migrate"] = row["wait_drained_s"] / max(row["migrate_drained_s"], 1e-9)
     return row
+
+
+def _margin_at(k: int, *margins: list[float]) -> float | None:
+    """The smallest top-1 minus top-2 logprob at token ``k`` of the given runs (None: none)."""
+    found = [m[k] for m in margins if k < len(m)]
+    return round(min(found), 4) if found else None
 
 
 def markdown(row: dict[str, Any]) -> str:

@@ -414,6 +414,8 @@ async def measure(
                             "ignore_eos": True,
                             "return_token_ids": True,
                             "stream": True,
+                            # Each system's own prefix caches: none hits what another moved.
+                            "cache_salt": f"{system}-{round_}",
                         }
                         if args.margins:  # where the systems' tokens part: a near-tie?
                             body["logprobs"] = 2

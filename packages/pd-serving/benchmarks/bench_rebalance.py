@@ -51,11 +51,12 @@ async def _preemptions(session: Any, url: str) -> float:
 
 
 async def _round(
-    proxy: Any, url: str, prompts: list[Any], args: Any, *, d0_url: str, model: str
+    proxy: Any, url: str, prompts: list[Any], args: Any, *, d0_url: str, model: str, salt: str
 ) -> dict[str, Any]:
     import aiohttp
 
     first = [asyncio.Event() for _ in prompts]
+    margins: list[list[float]] = [[] for _ in prompts]
     d0, d1 = (b.key for b in proxy.config.decode)
     registry = proxy.metrics.registry
 
@@ -74,6 +75,8 @@ async def _round(
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
+            "logprobs": 2,  # where the systems' tokens part: the margin there (a near-tie?)
+            "cache_salt": salt,  # each system's own prefix caches
         }
         tokens: list[int] = []
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -85,6 +88,9 @@ async def _round(
                 assert "error" not in event, event
                 for choice in event.get("choices") or []:
                     tokens += choice.get("token_ids") or []
+                    for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                        best = [*sorted((top or {}).values(), reverse=True), float("-inf")]
+                        margins[i].append(best[0] - best[1])
                 first[i].set()
         return tokens
 
@@ -120,6 +126,7 @@ async def _round(
         "peak_kv": {k: round(v, 3) for k, v in peak.items()},
         "wall_s": wall,
         "tokens": outputs,
+        "margins": margins,
     }
 
 
@@ -166,7 +173,15 @@ async def measure(
             for system in order:
                 proxy, _, url = proxies[system]
                 samples[system].append(
-                    await _round(proxy, url, prompts, args, d0_url=decodes[0].url, model=model)
+                    await _round(
+                        proxy,
+                        url,
+                        prompts,
+                        args,
+                        d0_url=decodes[0].url,
+                        model=model,
+                        salt=f"{system}-{r}",
+                    )
                 )
     finally:
         for proxy, runner, _ in proxies.values():
@@ -179,6 +194,15 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     s = result["samples"]
     same = sum(a["tokens"] == b["tokens"] for a, b in zip(s["rebalance"], s["off"], strict=True))
     row: dict[str, Any] = {"requests": args.requests, "same_tokens": f"{same}/{args.rounds}"}
+    # Requests whose tokens differ between the systems: (round, index, first differing token,
+    # the top-1 minus top-2 logprob there, the smaller of the two systems': a near-tie if small).
+    row["differing"] = [
+        (r, i, k, _margin_at(k, a["margins"][i], b["margins"][i]))
+        for r, (a, b) in enumerate(zip(s["rebalance"], s["off"], strict=True))
+        for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True))
+        if x != y
+        for k in [next(k for k, (p, q) in enumerate(zip(x, y, strict=False)) if p != q)]
+    ]
     for system in SYSTEMS:
         runs = s[system]
         row[f"{system}_preemptions"] = [r["preemptions"] for r in runs]
@@ -187,6 +211,12 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         row[f"{system}_peak_kv_d1"] = statistics.median(r["peak_kv"]["d1"] for r in runs)
         row[f"{system}_wall_s"] = statistics.median(r["wall_s"] for r in runs)
     return row
+
+
+def _margin_at(k: int, *margins: list[float]) -> float | None:
+    """The smallest top-1 minus top-2 logprob at token ``k`` of the given runs (None: none)."""
+    found = [m[k] for m in margins if k < len(m)]
+    return round(min(found), 4) if found else None
 
 
 def markdown(row: dict[str, Any]) -> str:

@@ -203,6 +203,42 @@ async def test_d1_failing_mid_migration_the_target_recomputes(
     assert (usage["prompt_tokens"], usage["completion_tokens"]) == (PROMPT_TOKENS, MAX_TOKENS)
 
 
+@pytest.mark.parametrize("precopy", [True, False], ids=["warm_up", "after_the_stop"])
+async def test_a_target_that_refuses_leaves_the_request_on_d1(xpyd: Xpyd, precopy: bool) -> None:
+    """The target refuses connections: its warm-up fails and the request stays on D1 (C
+    released), or, stopped and copied, D1 takes the request back, pulling M from itself."""
+    d0, _ = xpyd.decode_urls
+    prompt = _prompt(xpyd, seed=7650 + precopy)
+    source = Backend(d0, rpc_address=_rpc(xpyd, d0), name="source")
+    refusing = Backend(f"http://{dead_address()}", rpc_address=dead_address(), name="refusing")
+    async with (
+        aiohttp.ClientSession() as session,
+        _proxy(xpyd, [source, refusing], precopy=precopy) as (proxy, url),
+    ):
+        want = await _reference(session, xpyd, prompt)
+        _only_on(proxy, source)
+
+        async def move() -> dict[str, Any]:
+            _route_freely(proxy)
+            return await _migrate(session, url, instance="source", to="refusing")
+
+        events = await _stream(session, url, xpyd.model_name, prompt, move)
+        answer = events.pop()["answer"]
+        await proxy.drain_background()
+        await _assert_idle(session, xpyd)
+    if precopy:
+        assert answer["outcome"] == "refused", answer
+        assert "warm-up" in answer["reason"]
+    else:
+        assert (answer["outcome"], answer["to"], answer["recomputed"]) == (
+            "moved",
+            "source",
+            False,
+        )
+    assert _tokens(events) == want
+    assert [e for e in events if "error" in e] == []
+
+
 @pytest.mark.parametrize("third", [True, False], ids=["third_d", "no_d_left"])
 async def test_the_target_and_d1_failing_at_the_switch(xpyd: Xpyd, third: bool) -> None:
     """Stop-and-copy to a D that refuses connections; D1 stopped the request, finished its
