@@ -21,6 +21,7 @@ from harness.checks import (
     assert_idle,
     assert_same_greedy,
     delta,
+    prefill,
     prefill_params,
     prompts,
     pull_params,
@@ -254,15 +255,17 @@ def test_a_migrated_request_of_each_family_decodes_on(family_engine: OfflineEngi
     [expected] = engine.submit([Req(prompt, FAMILY_MAX_TOKENS, cache_salt=salt())]).result()
     before = engine.stats()
 
-    tid, mid = f"t-{uuid.uuid4().hex}", f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
-    d1_request = Req(prompt, FAMILY_MAX_TOKENS, pull_params(engine.rpc_address, tid), salt())
-    on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
+    # P answers first and D1 pulls with its parameters, as test_pd_models.py does.
+    [params] = prefill(engine, [prompt])
+    tid, mid = params["transfer_id"], f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
+    d1_request = Req(prompt, FAMILY_MAX_TOKENS, params, salt())
+    on_d1 = engine.submit([d1_request])
     wait_for(
         "D1 to decode",
         lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
     )
     answer = _stop(engine, tid, mid)
-    _, d1 = on_d1.result()
+    [d1] = on_d1.result()
     assert answer.stopped, answer.reason
     n = len(answer.output_token_ids)
     assert d1.token_ids == answer.output_token_ids
