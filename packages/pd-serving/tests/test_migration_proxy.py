@@ -185,6 +185,23 @@ async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
     )
 
 
+async def test_a_moved_stream_no_longer_counts_as_a_call_on_d1(rig: Rig) -> None:
+    """Its call to D1 ends at the switch: a drain of D1 does not wait for the client's end."""
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    d2.token_delay_s = 0.1  # the client's stream runs on for a while on D2
+    [old] = [b for b in rig.proxy.config.decode if b.name == d1.name]
+    [new] = [b for b in rig.proxy.config.decode if b.name == d2.name]
+    assert rig.proxy.open_on(old) == 1
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    assert answer["requests"][0]["outcome"] == "moved"
+    assert not client.done()
+    assert (rig.proxy.open_on(old), rig.proxy.open_on(new)) == (0, 1)
+    events = await client
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
+    assert rig.proxy.open_on(new) == 0
+
+
 async def test_a_refused_migration_leaves_the_stream_on_d1(rig: Rig) -> None:
     rig.d1.refuse_migration = rig.d2.refuse_migration = True
     client = asyncio.create_task(rig.stream())

@@ -628,6 +628,9 @@ class LiveStream:
             self.generated = generated
             self.moved = True
             self.streams.unregister(self)
+            # The old D's call is over: it no longer counts as open there (a drain of it
+            # waits for nothing more of this request).
+            self.flow.proxy.end_call(self._resp)
             self.backend, self._resp, self._cut = target, resp, None
             self.plan = Migration(target.key)
             if recompute:  # a request without a transfer: it cannot move again

@@ -44,7 +44,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
@@ -488,6 +488,8 @@ class PdProxy:
         self._session: aiohttp.ClientSession | None = None
         self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
         self._background: set[asyncio.Task[None]] = set()
+        # The open calls' ends (``_open``), for a call a live migration leaves early.
+        self._call_ends: dict[aiohttp.ClientResponse, Callable[[], None]] = {}
         self.app = web.Application(client_max_size=16 * 1024 * 1024)
         self.app.router.add_post(COMPLETIONS, self._handle_generate)
         self.app.router.add_post(CHAT_COMPLETIONS, self._handle_generate)
@@ -987,16 +989,34 @@ class PdProxy:
         backend.inflight += 1
         self.metrics.inflight.labels(backend.key).inc()
         self.drains.calls_changed(backend)
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                backend.inflight -= 1
+                self.metrics.inflight.labels(backend.key).dec()
+                self.drains.calls_changed(backend)
+
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._post(backend, path, body, stage, gate)
+            self._call_ends[resp] = end
             yield resp
         finally:
             if resp is not None:
                 resp.close()
-            backend.inflight -= 1
-            self.metrics.inflight.labels(backend.key).dec()
-            self.drains.calls_changed(backend)
+                self._call_ends.pop(resp, None)
+            end()
+
+    def end_call(self, resp: aiohttp.ClientResponse) -> None:
+        """A call whose answer the request left before the call's context closes (a live
+        migration moved it to another D): its connection closes and it no longer counts as
+        open on its backend (a drain waits for nothing there, the router sees its load go)."""
+        resp.close()
+        if (end := self._call_ends.pop(resp, None)) is not None:
+            end()
 
     async def _post(
         self,
