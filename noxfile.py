@@ -228,8 +228,12 @@ def chaos(session: nox.Session) -> None:
     `-k chaos` for one): not a default session (CI runs its harness and judge tests, no vLLM,
     in `e2e`); the counts go to the JSON below."""
     _sync(session, None)
-    report = ROOT / "packages" / "pd-serving" / "benchmarks" / "results" / "chaos.json"
-    env = {"PDSERVE_CHAOS": "1", "PDSERVE_CHAOS_REPORT": str(report)}
+    results = ROOT / "packages" / "pd-serving" / "benchmarks" / "results"
+    env = {
+        "PDSERVE_CHAOS": "1",
+        "PDSERVE_CHAOS_REPORT": str(results / "chaos.json"),
+        "PDSERVE_DRAIN_CHAOS_REPORT": str(results / "drain_chaos.json"),
+    }
     session.run(
         "flock",
         "/tmp/bench.lock",

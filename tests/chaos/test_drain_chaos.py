@@ -4,7 +4,8 @@ namespace) of its own, 8 streaming greedy clients; each D in turn is drained (``
 
 No request may fail and none may differ by a token from the deployment's answer without a
 drain (``load.py``'s judge); each drain must end drained; afterwards no KV blocks are held anywhere
-and no process is left.
+and no process is left. The report (outcomes, each drain's last report) is also written as JSON
+to ``$PDSERVE_DRAIN_CHAOS_REPORT`` when that is set.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ async def test_2p2d_drains_each_d_in_turn_under_load(
                 before_each=nudge_prefills,
             )
         summary = report(load.outcomes, windows, failed_over=None, extra={"drains": drains})
+        if out := os.environ.get("PDSERVE_DRAIN_CHAOS_REPORT"):
+            settings = {"clients": CLIENTS, "max_tokens": MAX_TOKENS, "phase_s": PHASE_S}
+            text = json.dumps({**summary, "settings": settings}, indent=2)
+            await asyncio.to_thread(Path(out).write_text, text)
         with capsys.disabled():
             brief = {k: v for k, v in summary.items() if k != "violation_samples"}
             print(f"\ndrain chaos report:\n{json.dumps(brief, indent=2)}")

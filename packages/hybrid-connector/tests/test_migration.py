@@ -374,7 +374,9 @@ def test_precopy_offers_the_full_blocks_and_the_request_decodes_on() -> None:
     assert request.num_computed_tokens == 99
     # Blocks below the last computed token's (block 3 holds token 98, maybe still in flight).
     assert len(answer.token_ids) == 3 * BLOCK
-    assert answer.token_ids == [*request.prompt_token_ids, *request.output_token_ids][:96]
+    every = [*request.prompt_token_ids, *request.output_token_ids]
+    assert answer.token_ids == every[:96]
+    assert answer.next_token_ids == [every[96]], "the warm-up's prompt ends with it"
     assert (answer.precopy_id, answer.remote_rpc_address) == (PRE, "127.0.0.1:8201")
     assert meta.to_offer == [OfferSpec(PRE, PRE, [[11, 12, 13]], 96)]
     assert manager.block_pool.refs == Counter({11: 1, 12: 1, 13: 1})
@@ -475,6 +477,21 @@ def test_a_model_whose_full_blocks_change_refuses_precopy(groups: list, reason: 
     [answer] = _ask_precopy(side)
     assert not answer.offered
     assert reason in answer.reason
+
+
+def test_an_instance_without_prefix_caching_refuses_precopy() -> None:
+    """The pre-copied blocks would have no cache to land in on the new D."""
+    side = SchedulerSide(
+        HybridConfig(rpc_port=8201),
+        is_producer=True,
+        is_consumer=True,
+        block_size=BLOCK,
+        prefix_caching=False,
+    )
+    side.migrations.track("X", _d1_request())  # type: ignore[arg-type]
+    [answer] = _ask_precopy(side)
+    assert not answer.offered
+    assert "prefix caching is off" in answer.reason
 
 
 def test_precopy_reaches_the_scheduler_half_through_the_worker(no_thread_leak: None) -> None:

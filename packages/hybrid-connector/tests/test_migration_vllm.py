@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 from harness.checks import (
     assert_idle,
+    assert_same_greedy,
     delta,
+    prefill,
     prefill_params,
     prompts,
     pull_params,
@@ -27,7 +29,7 @@ from harness.checks import (
     wait_for,
     wait_for_sends,
 )
-from harness.offline import OfflineEngine, Req
+from harness.offline import Gen, OfflineEngine, Req
 from hybrid_connector.contract import PullParams, encode_params
 from hybrid_connector.control import migrate_out, precopy, release_transfer
 from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse, PrecopyResponse
@@ -163,10 +165,13 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     assert n_pre >= len(prompt) + DECODED_FIRST - bs - 1
     assert offered.token_ids[: len(prompt)] == prompt
 
+    assert len(offered.next_token_ids) == 1
     d2_salt = salt()
     before = engine.stats()
+    # The warm-up's prompt ends with the token after the blocks: it pulls every offered token
+    # and computes that next one, so the blocks it caches hold D1's KV alone.
     [warm] = engine.generate(
-        [offered.token_ids],
+        [offered.token_ids + offered.next_token_ids],
         1,
         [_pull_of(cid, offered.remote_rpc_address, offered.remote_tp_size, n_pre)],
         salt=d2_salt,
@@ -174,7 +179,8 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     assert len(warm.token_ids) == 1
     wait_for_sends(engine, before["counters"], 1)  # D1 -> D2's warm-up; C given back
     warmed = engine.stats()
-    assert delta(warmed["by_source"], before["by_source"], "external_kv_transfer") >= n_pre - 1
+    assert delta(warmed["by_source"], before["by_source"], "external_kv_transfer") == n_pre
+    assert delta(warmed["by_source"], before["by_source"], "local_compute") == 1
 
     answer = _stop(engine, tid, mid)
     _, d1 = on_d1.result()
@@ -184,6 +190,7 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     length = len(prompt) + n
     tokens = prompt + d1.token_ids
     assert tokens[:n_pre] == offered.token_ids, "the pre-copied tokens are the request's"
+    assert tokens[n_pre] == offered.next_token_ids[0]
     [d2] = engine.generate(
         [tokens],
         MAX_TOKENS - n,
@@ -222,4 +229,91 @@ def test_a_precopy_nobody_pulls_is_released_and_d1_finishes_unchanged(
     _release(engine, cid)
     _, d1 = on_d1.result()
     assert d1.token_ids == expected.token_ids, "D1 finished as if never asked"
+    assert_idle(engine)
+
+
+# ------------------------------------------------------------------ every family PD supports
+
+
+FAMILY_MAX_TOKENS = 160
+
+
+@pytest.fixture(params=["mla", "gdn"])
+def family_engine(request: pytest.FixtureRequest) -> OfflineEngine:
+    return request.getfixturevalue(f"engine_{request.param}")
+
+
+@pytest.mark.engines("engine_mla", "engine_gdn")
+def test_a_migrated_request_of_each_family_decodes_on(family_engine: OfflineEngine) -> None:
+    """MLA (one latent per token) and Gated DeltaNet (attention layers and a recurrent state):
+    D2 continues from D1's KV, and for GDN from D1's state after all but the last token (its
+    running state's slot, which D1's last step wrote), and computes that one. Compared as the
+    PD tests compare these families (``test_pd_models.py``): equal up to a near-tie."""
+    engine = family_engine
+    has_state = engine.ready_info["has_state"]
+    [prompt] = prompts(seed=4545, lengths=(min(2 * engine.block_size + 13, 300),))
+    [expected] = engine.submit([Req(prompt, FAMILY_MAX_TOKENS, cache_salt=salt())]).result()
+    before = engine.stats()
+
+    # P answers first and D1 pulls with its parameters, as test_pd_models.py does.
+    [params] = prefill(engine, [prompt])
+    tid, mid = params["transfer_id"], f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
+    d1_request = Req(prompt, FAMILY_MAX_TOKENS, params, salt())
+    on_d1 = engine.submit([d1_request])
+    wait_for(
+        "D1 to decode",
+        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+    )
+    answer = _stop(engine, tid, mid)
+    [d1] = on_d1.result()
+    assert answer.stopped, answer.reason
+    n = len(answer.output_token_ids)
+    assert d1.token_ids == answer.output_token_ids
+    length = len(prompt) + n
+    assert answer.num_tokens == length - 1, "KV (and the state) for all but D1's last token"
+    d2_params = _pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)
+    d2_request = Req(prompt + d1.token_ids, FAMILY_MAX_TOKENS - n, d2_params, salt())
+    [d2] = engine.submit([d2_request]).result()
+    migrated = Gen(d2.request_id, d1.token_ids + d2.token_ids, d1.logprobs + d2.logprobs, None)
+    assert_same_greedy([migrated], [expected], near_tie=True)
+    wait_for_sends(engine, before["counters"], 2)  # P -> D1, D1 -> D2
+    after = engine.stats()
+    pulled = delta(after["by_source"], before["by_source"], "external_kv_transfer")
+    moved_prompt = len(prompt) - 1 if has_state else len(prompt)
+    assert pulled == moved_prompt + (length - 1), after["by_source"]
+    # P's prompt (all but its last token with a state: D1 computed that one), D2's one token.
+    computed = delta(after["by_source"], before["by_source"], "local_compute")
+    assert computed == len(prompt) + 1, after["by_source"]
+    assert_idle(engine)
+
+
+@pytest.mark.engines("engine_mla", "engine_gdn")
+def test_precopy_on_each_family_is_offered_or_refused_with_its_reason(
+    family_engine: OfflineEngine,
+) -> None:
+    """GDN: refused, a state changes with every token (a pre-copied state would be stale by
+    the stop), so its migration is a plain stop-and-copy. MLA: offered where D2 can keep the
+    blocks in its prefix cache; refused, saying so, where vLLM turned prefix caching off."""
+    engine = family_engine
+    [prompt] = prompts(seed=4646, lengths=(min(2 * engine.block_size + 7, 300),))
+    tid = f"t-{uuid.uuid4().hex}"
+    cid = f"{MIGRATION_ID_PREFIX}pre-{uuid.uuid4().hex}"
+    d1_request = Req(prompt, FAMILY_MAX_TOKENS, pull_params(engine.rpc_address, tid), salt())
+    on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
+    wait_for(
+        "D1 to decode",
+        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+    )
+    offered = _precopy(engine, tid, cid)
+    if engine.ready_info["has_state"]:
+        assert not offered.offered
+        assert "state" in offered.reason, offered.reason
+    elif not engine.ready_info["prefix_caching"]:
+        assert not offered.offered
+        assert "prefix caching" in offered.reason, offered.reason
+    else:
+        assert offered.offered, offered.reason
+        assert len(offered.token_ids) % engine.block_size == 0
+        _release(engine, cid)
+    on_d1.result()
     assert_idle(engine)

@@ -33,7 +33,7 @@ SYSTEMS = ("migrate", "wait")
 
 
 async def _round(
-    url: str, model: str, prompts: list[Any], system: str, args: argparse.Namespace
+    url: str, model: str, prompts: list[Any], system: str, args: argparse.Namespace, *, salt: int
 ) -> dict[str, Any]:
     import aiohttp
 
@@ -45,6 +45,8 @@ async def _round(
             assert resp.status == 200, await resp.text()
             return [json.loads(line) for line in (await resp.text()).splitlines()]
 
+    margins: list[list[float]] = [[] for _ in prompts]
+
     async def client(session: Any, i: int) -> list[int]:
         body = {
             "model": model,
@@ -54,6 +56,8 @@ async def _round(
             "ignore_eos": True,
             "stream": True,
             "return_token_ids": True,
+            "logprobs": 2,  # where the systems' tokens part: the margin there (a near-tie?)
+            "cache_salt": f"{system}-{salt}",  # each system's own prefix caches
         }
         tokens: list[int] = []
         async with session.post(f"{url}/v1/completions", json=body) as resp:
@@ -65,6 +69,9 @@ async def _round(
                 assert "error" not in event, event
                 for choice in event.get("choices") or []:
                     tokens += choice.get("token_ids") or []
+                    for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                        best = [*sorted((top or {}).values(), reverse=True), float("-inf")]
+                        margins[i].append(best[0] - best[1])
                 counts[i] = len(tokens)
                 if min(counts) >= args.drain_after:
                     enough.set()
@@ -89,7 +96,7 @@ async def _round(
     assert final["phase"] == "drained", final
     assert final["failed"] == 0, final
     return {"drained_s": final["elapsed_s"], "wall_s": wall, "moved": final["moved"],
-            "tokens": outputs}  # fmt: skip
+            "tokens": outputs, "margins": margins}  # fmt: skip
 
 
 async def measure(
@@ -108,6 +115,7 @@ async def measure(
         health=None,
     )
     proxy = PdProxy(config)
+    proxy.live.precopy = args.precopy
     port = free_port()
     runner = await serve(proxy, "127.0.0.1", port)
     url = f"http://127.0.0.1:{port}"
@@ -117,7 +125,7 @@ async def measure(
             prompts = [make_prompt(args.prompt_tokens, 100 * r + i) for i in range(args.requests)]
             order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
             for system in order:
-                samples[system].append(await _round(url, model, prompts, system, args))
+                samples[system].append(await _round(url, model, prompts, system, args, salt=r))
     finally:
         await runner.cleanup()
     return {"samples": samples}
@@ -132,16 +140,25 @@ def summarize(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         "wait_drained_s": statistics.median(x["drained_s"] for x in s["wait"]),
         "moved": statistics.median(x["moved"] for x in s["migrate"]),
         "same_tokens": f"{same}/{args.rounds}",
-        # requests whose tokens differ between the systems, over all rounds (index, first diff)
+        # requests whose tokens differ between the systems, over all rounds: (round, index,
+        # first differing token, the top-1 minus top-2 logprob there, the smaller of the two
+        # systems': a near-tie when small)
         "differing": [
-            (r, i, next(k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y))
+            (r, i, k, _margin_at(k, m["margins"][i], w["margins"][i]))
             for r, (m, w) in enumerate(zip(s["migrate"], s["wait"], strict=True))
             for i, (a, b) in enumerate(zip(m["tokens"], w["tokens"], strict=True))
             if a != b
+            for k in [next(k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)]
         ],
     }
     row["wait_over_migrate"] = row["wait_drained_s"] / max(row["migrate_drained_s"], 1e-9)
     return row
+
+
+def _margin_at(k: int, *margins: list[float]) -> float | None:
+    """The smallest top-1 minus top-2 logprob at token ``k`` of the given runs (None: none)."""
+    found = [m[k] for m in margins if k < len(m)]
+    return round(min(found), 4) if found else None
 
 
 def markdown(row: dict[str, Any]) -> str:
@@ -163,6 +180,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--drain-after", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--arch",
+        default="qwen2",
+        help="the random-weight model (qwen2-wide: decode slow enough that waiting costs)",
+    )
+    parser.add_argument(
+        "--precopy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="migrations pre-copy (the proxy's default) or stop and copy",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "drain.json")
     return parser
 
@@ -210,12 +238,15 @@ def run(args: argparse.Namespace) -> int:
     from pd_serving.client import load_tokenizer
     from pd_serving.deploy import Deployment
     from pd_serving.model import default_model_dir, make_model
-    from pd_serving.servers import Connector, Role, plan_servers
+    from pd_serving.servers import Connector, CpuSettings, Role, plan_servers
 
-    model = make_model(default_model_dir("qwen2"), "qwen2")
+    model = make_model(default_model_dir(args.arch), args.arch)
     load_tokenizer(model)
     log_dir = Path("/tmp") / f"bench-drain-{int(time.time())}"
-    servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2)
+    longest = args.prompt_tokens + args.max_tokens + 64
+    # Room on one D for every request at its longest (the wide model: 2 KiB a token).
+    cpu = CpuSettings(kv_cache_bytes=max(64 << 20, 2 * args.requests * longest * 2048))
+    servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2, cpu=cpu)
 
     def make_prompt(n: int, seed: int) -> list[int]:
         return [3 + (seed * 7919 + i * 104729) % 400 for i in range(n)]

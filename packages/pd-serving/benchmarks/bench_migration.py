@@ -169,6 +169,7 @@ async def _one(
     ``probe``: CPU snapshots at the token counts ``probe_at`` (the first one before the ask)."""
     times: list[float] = []
     tokens: list[int] = []
+    margins: list[float] = []  # top-1 minus top-2 logprob per token (when logprobs asked)
     asked: asyncio.Task[Any] | None = None
     asked_at = 0
     snaps: list[dict[str, Any]] = []
@@ -187,6 +188,10 @@ async def _one(
                 continue
             event = json.loads(line[5:])
             ids = [t for c in event.get("choices") or [] for t in c.get("token_ids") or []]
+            for choice in event.get("choices") or []:
+                for top in (choice.get("logprobs") or {}).get("top_logprobs") or []:
+                    best = sorted((top or {}).values(), reverse=True)
+                    margins.append(best[0] - best[1] if len(best) > 1 else float("inf"))
             if ids:
                 now = time.monotonic()
                 tokens += ids
@@ -198,11 +203,19 @@ async def _one(
                 asked_t = time.monotonic()
     cpu = {"cpu": _cpu_delta(*snaps)} if len(snaps) == 2 else {}
     if asked is None:
-        return {"tokens": tokens, "times": times, "answer": [], "asked_at": 0, **cpu}
+        return {
+            "tokens": tokens,
+            "times": times,
+            "margins": margins,
+            "answer": [],
+            "asked_at": 0,
+            **cpu,
+        }
     answer = await asked
     return {
         "tokens": tokens,
         "times": times,
+        "margins": margins,
         "answer": answer["requests"],
         "asked_at": asked_at,
         "asked_t": asked_t,
@@ -401,7 +414,11 @@ async def measure(
                             "ignore_eos": True,
                             "return_token_ids": True,
                             "stream": True,
+                            # Each system's own prefix caches: none hits what another moved.
+                            "cache_salt": f"{system}-{round_}",
                         }
+                        if args.margins:  # where the systems' tokens part: a near-tie?
+                            body["logprobs"] = 2
                         url = proxies[system][0]
                         after = None if system == "none" else args.migrate_after
                         if system == "none" and unmoved_on and samples["precopy"][context]:
@@ -451,10 +468,33 @@ def summarize(result: dict, args: argparse.Namespace) -> list[dict]:
         ]
         row["same_tokens"] = f"{sum(same)}/{len(same)}"
         row["same_tokens_as"] = truth
+        for system in _moving(args.systems):
+            row[f"{system}_parted"] = _parted(samples[system][context], samples[truth][context])
         ours, re = row["precopy_extra_gap_ms"], row.get("recompute_extra_gap_ms")
         row["precopy_over_recompute"] = ours / re if ours is not None and re else None
         rows.append(row)
     return rows
+
+
+def _parted(moved: list[dict], truth: list[dict]) -> list[dict[str, Any]]:
+    """Where each moved request's tokens part from the unmoved one's: the token (counted from
+    the switch) and the unmoved run's top-1 minus top-2 logprob there (a near-tie when small)."""
+    out = []
+    for round_, (a, b) in enumerate(zip(moved, truth, strict=True)):
+        pairs = enumerate(zip(a["tokens"], b["tokens"], strict=False))
+        k = next((i for i, (x, y) in pairs if x != y), None)
+        if k is None:
+            continue
+        [answer] = a["answer"] or [{}]
+        margins = b.get("margins") or []
+        out.append(
+            {
+                "round": round_,
+                "after_switch": k - answer.get("tokens_before", 0),
+                "margin": round(margins[k], 4) if k < len(margins) else None,
+            }
+        )
+    return out
 
 
 def _window(sample: dict, unmoved: dict | None) -> dict[str, Any] | None:
@@ -665,6 +705,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-window", type=int, default=8, help="tokens after the ask")
     parser.add_argument("--probe-rounds", type=int, default=4)
     parser.add_argument("--probe-contexts", type=lambda s: [int(x) for x in s.split(",")])
+    parser.add_argument(
+        "--margins",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask top-2 logprobs: the margin where a moved request's tokens part",
+    )
+    parser.add_argument(
+        "--worker-in-engine",
+        action="store_true",
+        help="each instance's worker inside its engine process (no spinning shm reader)",
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "migration.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "migration_downtime.png")
     return parser
@@ -749,6 +800,7 @@ def run(args: argparse.Namespace) -> int:
     cpu = CpuSettings(
         max_model_len=max(2048, longest),
         kv_cache_bytes=max(64 << 20, 6 * longest * 2048),  # the wide model: 2 KiB a token
+        worker_in_engine=args.worker_in_engine,
     )
     servers = plan_servers(model, log_dir=log_dir, connector=Connector.HYBRID, decode=2, cpu=cpu)
     vocab = 400

@@ -229,11 +229,14 @@ def model_tokens(prompt: list[int], n: int) -> list[int]:
 @dataclass
 class _Stream:
     prompt: list[int]
+    max_tokens: int = 0
     outputs: list[int] = field(default_factory=list)
     stop_at: int | None = None
     paused: asyncio.Event = field(default_factory=asyncio.Event)
     proceed: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # the caller went away
+    transport: Any = None
 
 
 @dataclass
@@ -241,7 +244,13 @@ class FakeDecode:
     """A D with HybridConnector as the proxy sees it: ``/v1/completions`` streaming the model
     (``next_token``; prompts are token ids), and a transfer_kv server answering MIGRATE_OUT
     (the stream ends after one more token; the answer has its tokens, as D1's connector's) and
-    RELEASE (recorded)."""
+    RELEASE (recorded).
+
+    Faults: ``fail_new`` answers 503 to generation requests; ``die_on`` ("precopy" or
+    "migrate_out") makes the instance die when that RPC comes (``die``: every stream and
+    connection dropped, nothing listens); ``break_at_stop`` drops a stopped stream's
+    connection before its last token (D1 dying after the stop); ``close_rpc`` stops only the
+    transfer server (connections refused)."""
 
     name: str
     refuse_migration: bool = False
@@ -252,6 +261,11 @@ class FakeDecode:
     # A request not migrated in stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
     pause_after: int | None = None
     token_delay_s: float = 0.0
+    fail_new: bool = False
+    die_on: str = ""
+    break_at_stop: bool = False
+    # /metrics: KV usage as the running streams' tokens over this many (0: always 0).
+    kv_capacity: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
     streams: dict[str, _Stream] = field(default_factory=dict)
     releases: list[ReleaseRequest] = field(default_factory=list)
@@ -265,6 +279,8 @@ class FakeDecode:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -280,8 +296,40 @@ class FakeDecode:
     async def close(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+            self._runner = None
+        await self.close_rpc()
+
+    async def close_rpc(self) -> None:
         if self._rpc is not None:
             await self._rpc.close()
+            self._rpc = None
+
+    async def die(self) -> None:
+        """Every stream's connection dropped, then nothing listens (a killed instance)."""
+        for stream in self.streams.values():
+            if stream.transport is not None:
+                stream.transport.abort()
+        await self.close()
+
+    async def _health(self, _request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _metrics(self, _request: web.Request) -> web.Response:
+        running = [s for s in self.streams.values() if not s.ended.is_set()]
+        held = sum(len(s.prompt) + len(s.outputs) for s in running)
+        usage = min(1.0, held / self.kv_capacity) if self.kv_capacity else 0.0
+        text = (
+            f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0\n'
+            f'vllm:num_requests_running{{model_name="{MODEL}"}} {len(running)}\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {usage}\n'
+            f'vllm:num_preemptions_total{{model_name="{MODEL}"}} 0\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def _dying(self) -> None:
+        """In an RPC handler: the instance dies; the call is never answered."""
+        asyncio.get_running_loop().create_task(self.die())
+        await asyncio.Event().wait()
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -289,6 +337,8 @@ class FakeDecode:
         self.called.set()
         if self.hang:
             await asyncio.Event().wait()
+        if self.fail_new:
+            return web.json_response({"error": {"message": "busy"}}, status=503)
         if self.refuse_unstreamed and not body.get("stream"):
             return web.json_response({"error": {"message": "busy"}}, status=503)
         params = decode_params(body.get("kv_transfer_params"))
@@ -296,12 +346,24 @@ class FakeDecode:
         key = (
             params.transfer_id if isinstance(params, PullParams) else f"local-{len(self.received)}"
         )
-        stream = self.streams[key] = _Stream(list(body["prompt"]))
+        stream = self.streams[key] = _Stream(
+            list(body["prompt"]), body["max_tokens"], transport=request.transport
+        )
+        try:
+            return await self._stream(request, body, params, stream)
+        except asyncio.CancelledError:
+            stream.closed.set()
+            raise
+
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], params: Any, stream: _Stream
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         last = stream.prompt[-1]
         for i in range(body["max_tokens"]):
-            if i == self.pause_after and not params.transfer_id.startswith("mig-"):
+            first_d = isinstance(params, PullParams) and not params.transfer_id.startswith("mig-")
+            if i == self.pause_after and first_d:
                 stream.paused.set()
                 await stream.proceed.wait()
             if self.token_delay_s:
@@ -309,14 +371,20 @@ class FakeDecode:
             last = next_token(last)
             stream.outputs.append(last)
             ends = i == body["max_tokens"] - 1 or len(stream.outputs) == stream.stop_at
+            if ends and self.break_at_stop and stream.stop_at is not None:
+                stream.ended.set()  # stopped, its KV held; the connection drops first
+                assert stream.transport is not None
+                stream.transport.abort()
+                return resp
+            # As vLLM: token ids (and the prompt's, first) when asked, else null.
+            ids = body.get("return_token_ids")
             choice = {
                 "index": 0,
                 "text": f" t{last}",
-                "token_ids": [last],
                 "finish_reason": "length" if ends else None,
+                "prompt_token_ids": stream.prompt if i == 0 and ids else None,
+                "token_ids": [last] if ids else None,
             }
-            if i == 0 and body.get("return_token_ids"):
-                choice["prompt_token_ids"] = stream.prompt
             event = {
                 "id": f"cmpl-{self.name}-{len(self.received)}",
                 "object": "text_completion",
@@ -336,8 +404,13 @@ class FakeDecode:
 
     async def _on_migrate_out(self, req: MigrateOutRequest, _ctx: CallContext):
         stream = self.streams.get(req.transfer_id)
+        if self.die_on == "migrate_out":
+            await self._dying()
         if stream is None or self.refuse_migration:
             return MigrateOutResponse(req.transfer_id, stopped=False, reason="not here")
+        # As D1's connector: a request that ends by itself first is not stopped.
+        if stream.ended.is_set() or len(stream.outputs) + 1 >= stream.max_tokens:
+            return MigrateOutResponse(req.transfer_id, stopped=False, reason="request finished")
         stream.stop_at = len(stream.outputs) + 1
         stream.proceed.set()
         await stream.ended.wait()
@@ -353,6 +426,8 @@ class FakeDecode:
 
     async def _on_precopy(self, req: PrecopyRequest, _ctx: CallContext) -> PrecopyResponse:
         stream = self.streams.get(req.transfer_id)
+        if self.die_on == "precopy":
+            await self._dying()
         if stream is None or not self.precopy_block:
             return PrecopyResponse(req.transfer_id, offered=False, reason="not here")
         tokens = stream.prompt + stream.outputs
@@ -363,6 +438,7 @@ class FakeDecode:
             precopy_id=req.precopy_id,
             remote_rpc_address=self.rpc_address,
             token_ids=tokens[:full],
+            next_token_ids=tokens[full : full + 1],
         )
 
     async def _on_release(self, req: ReleaseRequest, _ctx: CallContext) -> ReleaseResponse:
@@ -456,3 +532,81 @@ async def wait_until(
             return reading
         await asyncio.sleep(delay)
         delay = min(delay * 2, 1.0)
+
+
+class TcpRelay:
+    """A TCP relay in front of an instance (``upstream``: host:port), for what a proxy sees of
+    that instance dying while it answers: ``die()`` drops every connection and stops
+    listening (then connections are refused). With ``die_on``, it dies the first time those
+    bytes come from upstream: before passing them on, or, with ``pass_first``, after."""
+
+    def __init__(self, upstream: str, die_on: bytes = b"", pass_first: bool = False) -> None:
+        self.host, _, port = upstream.rpartition(":")
+        self.port = int(port)
+        self.die_on = die_on
+        self.pass_first = pass_first
+        self.url = ""
+        self.died = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def die(self) -> None:
+        self.died.set()
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        await self.die()
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.died.is_set():
+            writer.transport.abort()
+            return
+        up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        self._writers.update((writer, up_writer))
+        pumps = [
+            asyncio.ensure_future(self._pump(reader, up_writer, watch=False)),
+            asyncio.ensure_future(self._pump(up_reader, writer, watch=True)),
+        ]
+        self._tasks.update(pumps)
+        try:
+            await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            self._tasks.difference_update(pumps)
+            for w in (writer, up_writer):
+                self._writers.discard(w)
+                w.transport.abort()
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, watch: bool
+    ) -> None:
+        tail = b""
+        while data := await reader.read(65536):
+            seen = watch and bool(self.die_on) and self.die_on in tail + data
+            tail = data[-len(self.die_on) :] if self.die_on else b""
+            if seen and not self.pass_first:
+                await self.die()
+                return
+            writer.write(data)
+            await writer.drain()
+            if seen:
+                await self.die()
+                return

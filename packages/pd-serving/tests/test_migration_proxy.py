@@ -34,6 +34,7 @@ class Rig:
     d2: FakeDecode
     proxy: PdProxy
     url: str
+    d3: FakeDecode | None = None  # only the instances the proxy knows
 
     async def stream(self, **extra: Any) -> list[dict[str, Any]]:
         """The client's events (``[DONE]`` as {"done": True})."""
@@ -46,6 +47,7 @@ class Rig:
             "stream_options": {"include_usage": True},
             **extra,
         }
+        body = {k: v for k, v in body.items() if v is not None}
         events = []
         async with (
             aiohttp.ClientSession() as session,
@@ -59,6 +61,16 @@ class Rig:
                     events.append(json.loads(line[5:]))
         return events
 
+    async def complete(self, **extra: Any) -> dict[str, Any]:
+        """A non-streaming client's answer."""
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, **extra}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{self.url}/v1/completions", json=body) as resp,
+        ):
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
     async def migrate(self, **query: str) -> dict[str, Any]:
         async with (
             aiohttp.ClientSession() as session,
@@ -70,6 +82,18 @@ class Rig:
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
+    async for made in _rig(2):
+        yield made
+
+
+@pytest.fixture
+async def rig3() -> AsyncIterator[Rig]:
+    """Three D's: a recompute may go to the third."""
+    async for made in _rig(3):
+        yield made
+
+
+async def _rig(decodes: int) -> AsyncIterator[Rig]:
     p = FakeUpstream(
         "P",
         kv_params=lambda kv: {
@@ -78,29 +102,26 @@ async def rig() -> AsyncIterator[Rig]:
             "remote_rpc_address": "127.0.0.1:1",
         },
     )
-    d1, d2 = (FakeDecode(f"d{i}", pause_after=PAUSE_AFTER) for i in (1, 2))
-    for upstream in (p, d1, d2):
+    ds = [FakeDecode(f"d{i}", pause_after=PAUSE_AFTER) for i in range(1, decodes + 1)]
+    for upstream in (p, *ds):
         await upstream.start()
     config = ProxyConfig(
         prefill=[Backend(p.url, rpc_address="127.0.0.1:1", name="p")],
-        decode=[
-            Backend(d1.url, rpc_address=d1.rpc_address, name="d1"),
-            Backend(d2.url, rpc_address=d2.rpc_address, name="d2"),
-        ],
+        decode=[Backend(d.url, rpc_address=d.rpc_address, name=d.name) for d in ds],
         model_names=[MODEL],
         health=None,
     )
     proxy = PdProxy(config)
     port = free_port()
     runner = await serve(proxy, "127.0.0.1", port)
-    rig = Rig(p, d1, d2, proxy, f"http://127.0.0.1:{port}")
+    rig = Rig(p, ds[0], ds[1], proxy, f"http://127.0.0.1:{port}", *ds[2:])
     try:
         yield rig
         await proxy.drain_background()
         assert proxy.live.streams == {}, "every stream unregistered"
     finally:
         await runner.cleanup()
-        for upstream in (p, d1, d2):
+        for upstream in (p, *ds):
             await upstream.close()
 
 
@@ -109,15 +130,22 @@ def _tokens(events: list[dict[str, Any]]) -> list[int]:
 
 
 async def _paused(rig: Rig) -> tuple[FakeDecode, FakeDecode]:
-    """The D the proxy picked streamed PAUSE_AFTER tokens and waits: (it, the other one)."""
-    called = [asyncio.create_task(d.called.wait()) for d in (rig.d1, rig.d2)]
+    """The D the proxy picked streamed PAUSE_AFTER tokens and waits: (it, another one)."""
+    source, *others = await _paused_all(rig)
+    return source, others[0]
+
+
+async def _paused_all(rig: Rig) -> list[FakeDecode]:
+    """The D the proxy picked (streamed PAUSE_AFTER tokens, waits), then the others."""
+    ds = [d for d in (rig.d1, rig.d2, rig.d3) if d is not None]
+    called = [asyncio.create_task(d.called.wait()) for d in ds]
     await asyncio.wait(called, return_when=asyncio.FIRST_COMPLETED)
     for task in called:
         task.cancel()
-    source, target = (rig.d1, rig.d2) if rig.d1.called.is_set() else (rig.d2, rig.d1)
+    [source] = [d for d in ds if d.called.is_set()]
     [stream] = source.streams.values()
     await stream.paused.wait()
-    return source, target
+    return [source, *(d for d in ds if d is not source)]
 
 
 async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
@@ -155,6 +183,23 @@ async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
     assert rig.proxy.metrics.registry.get_sample_value(
         "pdserve_migrations_total", {"outcome": "moved"}
     )
+
+
+async def test_a_moved_stream_no_longer_counts_as_a_call_on_d1(rig: Rig) -> None:
+    """Its call to D1 ends at the switch: a drain of D1 does not wait for the client's end."""
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    d2.token_delay_s = 0.1  # the client's stream runs on for a while on D2
+    [old] = [b for b in rig.proxy.config.decode if b.name == d1.name]
+    [new] = [b for b in rig.proxy.config.decode if b.name == d2.name]
+    assert rig.proxy.open_on(old) == 1
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    assert answer["requests"][0]["outcome"] == "moved"
+    assert not client.done()
+    assert (rig.proxy.open_on(old), rig.proxy.open_on(new)) == (0, 1)
+    events = await client
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
+    assert rig.proxy.open_on(new) == 0
 
 
 async def test_a_refused_migration_leaves_the_stream_on_d1(rig: Rig) -> None:
@@ -219,7 +264,7 @@ async def test_a_precopied_migration_warms_the_target_up_first(rig: Rig) -> None
     assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
     warm_up, final = d2.received
     so_far = PROMPT + model_tokens(PROMPT, PAUSE_AFTER)
-    assert warm_up["prompt"] == so_far[:8], "the full blocks D1 had computed"
+    assert warm_up["prompt"] == so_far[:9], "the full blocks D1 had computed, the next token"
     assert (warm_up["max_tokens"], warm_up["stream"]) == (1, False)
     assert "stream_options" not in warm_up
     pull = decode_params(warm_up["kv_transfer_params"])
@@ -261,6 +306,172 @@ async def test_a_target_failing_the_warm_up_leaves_the_request_on_d1(rig: Rig) -
     await rig.proxy.drain_background()
     [release] = d1.releases
     assert release.transfer_id.startswith("mig-pre-"), "the pre-copy hold goes back"
+
+
+def _count(rig: Rig, outcome: str) -> float:
+    value = rig.proxy.metrics.registry.get_sample_value(
+        "pdserve_migrations_total", {"outcome": outcome}
+    )
+    return value or 0.0
+
+
+@pytest.mark.parametrize("when", ["precopy", "migrate_out", "after_stop"])
+async def test_d1_dying_mid_migration_the_target_recomputes_the_clients_tokens(
+    rig: Rig, when: str
+) -> None:
+    """Before the stop (PRECOPY or MIGRATE_OUT never answered, every connection dropped) or
+    after it (D1 stopped the request, its stream broke before its last token): the target
+    recomputes from what the client has, no pull, and the stream goes on token for token."""
+    rig.d1.precopy_block = rig.d2.precopy_block = 4 * (when == "precopy")
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    if when == "after_stop":
+        d1.break_at_stop = True
+    else:
+        d1.die_on = when
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    events = await client
+    [moved] = answer["requests"]
+    assert (moved["outcome"], moved["recomputed"], moved["to"]) == ("moved", True, d2.name)
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS), "none lost, repeated or reordered"
+    had = model_tokens(PROMPT, PAUSE_AFTER)  # what the client had when D1 went
+    [body] = d2.received
+    assert body["prompt"] == PROMPT + had
+    assert body["max_tokens"] == MAX_TOKENS - PAUSE_AFTER
+    assert "kv_transfer_params" not in body, "no pull: D1 may be gone"
+    chunks = [e for e in events if e.get("choices")]
+    assert sum(c["finish_reason"] is not None for e in chunks for c in e["choices"]) == 1
+    assert [e["usage"] for e in events if e.get("usage")] == [
+        {"prompt_tokens": 5, "completion_tokens": 12, "total_tokens": 17}
+    ]
+    assert _count(rig, "recomputed") == 1
+    await rig.proxy.drain_background()
+    if when == "after_stop":  # D1 is alive: M is released there
+        assert [r.transfer_id[:4] for r in d1.releases] == ["mig-"]
+
+
+async def test_d1_unreachable_for_the_stop_is_cut_and_the_target_recomputes(rig: Rig) -> None:
+    """D1's transfer address refuses (D1 streams on): its stream is closed where the client
+    has it, and the target recomputes from there."""
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    await d1.close_rpc()
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    events = await client
+    assert answer["requests"][0]["recomputed"] is True, answer
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
+    [stream] = d1.streams.values()
+    await stream.closed.wait()  # the proxy closed D1's call: vLLM would abort the request
+    [body] = d2.received
+    assert body["prompt"] == PROMPT + model_tokens(PROMPT, PAUSE_AFTER)
+
+
+async def test_the_target_and_d1_failing_at_the_switch_recompute_on_a_third_d(
+    rig3: Rig,
+) -> None:
+    client = asyncio.create_task(rig3.stream())
+    d1, d2, d3 = await _paused_all(rig3)
+    await d2.close()  # refuses connections
+    d1.fail_new = True  # taking the request back fails too
+    answer = await rig3.migrate(instance=d1.name, to=d2.name)
+    events = await client
+    [moved] = answer["requests"]
+    assert (moved["outcome"], moved["recomputed"], moved["to"]) == ("moved", True, d3.name)
+    assert _tokens(events) == model_tokens(PROMPT, MAX_TOKENS)
+    [body] = d3.received
+    assert body["prompt"] == PROMPT + model_tokens(PROMPT, PAUSE_AFTER + 1)
+    assert "kv_transfer_params" not in body
+    await rig3.proxy.drain_background()
+    assert [r.transfer_id[:4] for r in d1.releases] == ["mig-"], "nobody pulls M: released"
+
+
+async def test_no_d_left_to_recompute_on_ends_the_stream_in_its_error(rig: Rig) -> None:
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    await d2.close()
+    d1.fail_new = True
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    events = await client
+    assert answer["requests"][0]["outcome"] == "failed"
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1, errors
+    assert "no decode instance left" in errors[0]["message"]
+    assert _tokens(events) == model_tokens(PROMPT, PAUSE_AFTER + 1), "what came, once"
+    assert events[-1] == {"done": True}
+    await rig.proxy.drain_background()
+    assert [r.transfer_id[:4] for r in d1.releases] == ["mig-"]
+
+
+@pytest.mark.parametrize("token_ids", [True, None])
+async def test_a_non_streaming_request_moves_and_gets_one_answer(
+    rig: Rig, token_ids: bool | None
+) -> None:
+    client = asyncio.create_task(rig.complete(return_token_ids=token_ids))
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    got = await client
+    assert answer["requests"][0]["outcome"] == "moved", answer
+    [choice] = got["choices"]
+    tokens = model_tokens(PROMPT, MAX_TOKENS)
+    assert choice["text"] == "".join(f" t{t}" for t in tokens), "every token once"
+    assert choice["token_ids"] == (tokens if token_ids else None)
+    assert choice["prompt_token_ids"] == (PROMPT if token_ids else None)
+    assert choice["finish_reason"] == "length"
+    assert got["usage"] == {
+        "prompt_tokens": 5,
+        "total_tokens": 17,
+        "completion_tokens": 12,
+        "prompt_tokens_details": None,
+    }
+    assert got["object"] == "text_completion"
+    # The proxy streamed it from D1 (token ids and usage asked), then from D2 (pulling M).
+    d1_body = d1.received[0]
+    assert (d1_body["stream"], d1_body["return_token_ids"]) == (True, True)
+    assert d1_body["stream_options"] == {"include_usage": True}
+    [d2_body] = d2.received
+    assert d2_body["prompt"] == PROMPT + tokens[: PAUSE_AFTER + 1]
+    assert isinstance(decode_params(d2_body["kv_transfer_params"]), PullParams)
+
+
+async def test_a_non_streaming_request_whose_d1_dies_is_recomputed_from_the_prompt(
+    rig: Rig,
+) -> None:
+    """The client has no token yet: the target recomputes from the prompt (and the tokens
+    the proxy collected), and answers once."""
+    client = asyncio.create_task(rig.complete())
+    d1, d2 = await _paused(rig)
+    d1.die_on = "migrate_out"
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    got = await client
+    assert answer["requests"][0]["recomputed"] is True, answer
+    tokens = model_tokens(PROMPT, MAX_TOKENS)
+    assert got["choices"][0]["text"] == "".join(f" t{t}" for t in tokens)
+    assert got["usage"]["completion_tokens"] == MAX_TOKENS
+    [body] = d2.received
+    assert body["prompt"] == PROMPT + tokens[:PAUSE_AFTER]
+
+
+async def test_token_ids_the_client_did_not_ask_for_stay_out_of_its_stream(rig: Rig) -> None:
+    client = asyncio.create_task(rig.stream(return_token_ids=None))
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    events = await client
+    assert answer["requests"][0]["outcome"] == "moved"
+    choices = [c for e in events for c in e.get("choices") or []]
+    assert {c["token_ids"] for c in choices} == {None}
+    assert {c["prompt_token_ids"] for c in choices} == {None}
+    texts = "".join(c["text"] for c in choices)
+    assert texts == "".join(f" t{t}" for t in model_tokens(PROMPT, MAX_TOKENS))
+    assert d1.received[0]["return_token_ids"] is True, "the proxy asked D1 for them"
+
+
+async def test_a_recomputed_stream_is_not_migrated_again(rig: Rig) -> None:
+    client = asyncio.create_task(rig.stream())
+    d1, d2 = await _paused(rig)
+    d1.die_on = "migrate_out"
+    await rig.migrate(instance=d1.name, to=d2.name)
+    assert await rig.migrate(instance=d2.name) == {"instance": d2.name, "requests": []}
+    await client
 
 
 @pytest.mark.parametrize(
@@ -310,3 +521,57 @@ def test_a_prompt_serialized_by_its_new_tokens_is_the_whole_prompts_json() -> No
         body = live._json_body({"model": MODEL, "max_tokens": 3}, known.encode(tokens))
         assert json.loads(body) == {"prompt": tokens, "model": MODEL, "max_tokens": 3}
     assert json.loads(live._json_body({}, known.encode([5]))) == {"prompt": [5]}
+
+
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_output_token_ids_are_found_not_the_prompts(separators: tuple[str, str]) -> None:
+    event = {
+        "choices": [{"text": '"token_ids": [7]', "prompt_token_ids": [1, 2], "token_ids": [4, 5]}]
+    }
+    raw = f"data: {json.dumps(event, separators=separators)}\n\n".encode()
+    found = live._token_ids(raw)
+    assert found is not None
+    assert json.loads(raw[found[0] : found[1]]) == [4, 5]
+    prompt = live._prompt_token_ids(raw)
+    assert prompt is not None
+    assert json.loads(raw[prompt[0] : prompt[1]]) == [1, 2]
+
+
+def test_a_text_offset_goes_on_after_the_last_token() -> None:
+    event = {"choices": [{"logprobs": {"text_offset": [0, 3], "tokens": [" ab", "cde"]}}]}
+    assert live._next_text_offset(f"data: {json.dumps(event)}\n\n".encode()) == 6
+    assert live._next_text_offset(b"") == 0
+
+
+def test_an_assembled_answer_joins_the_stream() -> None:
+    """What the proxy answers a non-streaming client from the stream its D's sent."""
+    assembler = live._Assembler({"return_token_ids": True, "logprobs": 1})
+
+    def chunk(text: str, ids: list[int], offsets: list[int], end: str | None = None) -> bytes:
+        logprobs = {
+            "text_offset": offsets,
+            "token_logprobs": [-0.5] * len(ids),
+            "tokens": [f"t{i}" for i in ids],
+            "top_logprobs": [{f"t{i}": -0.5} for i in ids],
+        }
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": end}
+        choice |= {"token_ids": ids, "prompt_token_ids": [9, 9] if ids == [1] else None}
+        data = {"id": "c", "created": 5, "model": MODEL, "choices": [choice]}
+        return f"data: {json.dumps(data)}\n\n".encode()
+
+    usage = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    done = assembler.add([chunk("a", [1], [0]), chunk("bc", [2, 3], [2, 4], end="length")])
+    assert not done
+    assert not assembler.add([f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode()])
+    assert assembler.add([b"data: [DONE]\n\n"])
+    answer = assembler.answer()
+    [choice] = answer["choices"]
+    assert (choice["text"], choice["token_ids"], choice["prompt_token_ids"]) == (
+        "abc",
+        [1, 2, 3],
+        [9, 9],
+    )
+    assert choice["logprobs"]["text_offset"] == [0, 2, 4]
+    assert choice["finish_reason"] == "length"
+    assert answer["usage"]["completion_tokens"] == 3
+    assert (answer["id"], answer["created"], answer["object"]) == ("c", 5, "text_completion")

@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 from harness.pool import Xpyd
+from pd_serving import live
 from pd_serving.client import complete, exact_length_prompt, greedy_body, load_tokenizer
 from pd_serving.launcher import free_port
 from pd_serving.proxy import PdProxy, serve
@@ -192,3 +193,67 @@ async def test_a_stream_moves_between_real_decodes_token_for_token(
         got_logprobs, reference.top_logprobs, reference.token_ids, strict=True
     ):
         assert got_top[token] == pytest.approx(want_top[token], abs=0.05)
+
+
+async def test_a_non_streaming_request_moves_and_gets_the_unmoved_answer(
+    xpyd: Xpyd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside the streamed case: a non-streaming request (logprobs and token ids asked) is
+    streamed from its D by the proxy, moves after MIGRATE_AFTER tokens, and its client gets one
+    answer: the fields, text, tokens, text offsets, usage and finish reason of P1's own answer
+    to the same body."""
+    model = xpyd.model_name
+    prompt = exact_length_prompt(load_tokenizer(xpyd.model), PROMPT_TOKENS, seed=7350)
+    config = xpyd.proxy_config(prefill_count=1)
+    config.health = None
+    proxy = PdProxy(config)
+    body = greedy_body(model, prompt, max_tokens=MAX_TOKENS, stream=False, logprobs=1)
+    enough = asyncio.Event()
+    real_add = live._Assembler.add
+
+    def add(assembler: live._Assembler, events: list[bytes]) -> bool:
+        done = real_add(assembler, events)
+        if len(assembler.token_ids) >= MIGRATE_AFTER:
+            enough.set()
+        return done
+
+    monkeypatch.setattr(live._Assembler, "add", add)
+    port = free_port()
+    runner = await serve(proxy, "127.0.0.1", port)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{xpyd.reference_url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                want = await resp.json()
+
+            async def client() -> dict[str, Any]:
+                async with session.post(f"{url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    return await resp.json()
+
+            answer = asyncio.create_task(client())
+            await enough.wait()
+            [source] = list(proxy.live.streams)
+            async with session.post(f"{url}/admin/migrate", params={"instance": source}) as resp:
+                [moved] = (await resp.json())["requests"]
+            got = await answer
+        await proxy.drain_background()
+    finally:
+        await runner.cleanup()
+    assert moved["outcome"] == "moved", moved
+    assert MIGRATE_AFTER <= moved["tokens_before"] < MAX_TOKENS
+    assert set(got) == set(want), "the fields of vLLM's own answer"
+    [choice], [want_choice] = got["choices"], want["choices"]
+    assert set(choice) == set(want_choice)
+    assert choice["token_ids"] == want_choice["token_ids"], "token for token"
+    assert choice["prompt_token_ids"] == want_choice["prompt_token_ids"]
+    assert choice["text"] == want_choice["text"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert got["usage"][key] == want["usage"][key], key
+    logprobs, want_logprobs = choice["logprobs"], want_choice["logprobs"]
+    assert logprobs["tokens"] == want_logprobs["tokens"]
+    assert logprobs["text_offset"] == want_logprobs["text_offset"], "offsets run on across D's"
+    assert logprobs["token_logprobs"] == pytest.approx(want_logprobs["token_logprobs"], abs=0.05)
+    assert got["object"] == "text_completion"

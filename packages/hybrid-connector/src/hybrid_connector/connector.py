@@ -387,6 +387,7 @@ class HybridConnector(KVConnectorBase_V1, SupportsHMA):
                 tp_size=tp_size,
                 kvs=_kvs_scheduler(vllm_config, self.config, self.kv_groups, tp_size),
                 r3_rows=self.r3_rows,
+                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
             )
         else:
             name = f"{transfer_config.kv_role}-{str(transfer_config.engine_id)[:8]}"

@@ -42,10 +42,12 @@ A second request for X while one is pending is refused. Every request is answere
 Pre-copy (``PRECOPY``, before MIGRATE_OUT): a decoding request's full blocks never change again,
 so they can move while it decodes on. D1 references R's full blocks (each group's first
 ``num_tokens / block_size``) under a pre-copy id C, offers them as a P's prompt and answers with
-their tokens; R runs on untouched. The proxy sends D2 a one-token request whose prompt is those
-tokens, pulling C from D1: the blocks land in D2's prefix cache, and the stop that follows pulls
-only the blocks after them. C's blocks go back as any offer's (SEND_DONE after the send, a
-release, the lease); R's own blocks are vLLM's as before::
+their tokens and the one after them; R runs on untouched. The proxy sends D2 a one-token request
+whose prompt is those tokens and that next one, pulling C from D1 (all of C's tokens: the token
+D2 computes is the next one, in a block it does not cache): the blocks land in D2's prefix
+cache holding D1's own KV, and the stop that follows pulls only the blocks after them. C's
+blocks go back as any offer's (SEND_DONE after the send, a release, the lease); R's own blocks
+are vLLM's as before::
 
     (none) --precopy(X, C), X not running here / C in use--> answered: refused
     (none) --precopy(X, C)--> PRECOPY PENDING --next build_connector_meta, R running with a
@@ -131,8 +133,10 @@ class PrecopyRequest(msgspec.Struct, frozen=True):
 
 class PrecopyResponse(msgspec.Struct, frozen=True):
     """``offered``: the KV of ``token_ids`` (the request's first tokens, whole blocks) is
-    offered under ``precopy_id`` and held until pulled, released or the lease passes. Otherwise
-    ``reason`` says why not (nothing is held)."""
+    offered under ``precopy_id`` and held until pulled, released or the lease passes;
+    ``next_token_ids``: the token after them (the warm-up's prompt ends with it, so that the
+    one token the warm-up computes is past the offered blocks and each block it caches holds
+    D1's own KV). Otherwise ``reason`` says why not (nothing is held)."""
 
     transfer_id: str
     offered: bool
@@ -141,6 +145,7 @@ class PrecopyResponse(msgspec.Struct, frozen=True):
     remote_rpc_address: str = ""
     remote_tp_size: int = 1
     token_ids: list[int] = []
+    next_token_ids: list[int] = []
 
 
 PRECOPY: Method[PrecopyRequest, PrecopyResponse] = Method(
@@ -288,7 +293,9 @@ class MigrationsOut:
 
     def _answer(self, precopy: _Precopy, num_tokens: int) -> Callable[[int], None]:
         request = precopy.request
-        tokens = [*(request.prompt_token_ids or ()), *request.output_token_ids][:num_tokens]
+        # num_tokens is below the last computed token: the token after the blocks exists.
+        every = [*(request.prompt_token_ids or ()), *request.output_token_ids]
+        tokens, after = every[:num_tokens], every[num_tokens : num_tokens + 1]
 
         def answer(tp_size: int) -> None:
             precopy.reply(
@@ -299,6 +306,7 @@ class MigrationsOut:
                     remote_rpc_address=self._rpc_address,
                     remote_tp_size=tp_size,
                     token_ids=tokens,
+                    next_token_ids=after,
                 )
             )
 

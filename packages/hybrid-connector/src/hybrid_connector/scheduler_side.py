@@ -108,8 +108,12 @@ class SchedulerSide:
         tp_size: int = 1,
         kvs: KvsScheduler | None = None,
         r3_rows: r3.RowGeometry | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         self._config = config
+        # Pre-copied blocks land in the new D's prefix cache (the D's of a deployment share
+        # their settings): without one here, a pre-copy would only move the blocks twice.
+        self._prefix_caching = prefix_caching
         # R3 (None: off): the routing row of a token, and the group whose blocks hold the rows.
         self._r3_rows = r3_rows
         self._r3_group = next(
@@ -153,7 +157,10 @@ class SchedulerSide:
         as it is only in full-attention groups of one block size."""
         changing = sorted({g.family for g in self._groups} - {"attention", "mla"})
         if changing:
+            # A state changes with every token: pre-copied, it would be stale by the stop.
             return 0, f"the model has {'/'.join(changing)} KV-cache groups"
+        if not self._prefix_caching:
+            return 0, "prefix caching is off (the pre-copied blocks would have no cache to land in)"
         sizes = {g.block_size for g in self._groups}
         if len(sizes) != 1:
             return 0, "the KV-cache groups have different block sizes"

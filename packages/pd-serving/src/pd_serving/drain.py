@@ -23,9 +23,9 @@ own (``now`` comes in), so the tests drive it event by event::
 A refusal is retried because its usual cause is passing (the request is not admitted on the
 instance yet); one that keeps being refused, a failed migration and a request with nowhere to
 go finish on the instance, and the drain waits for them: drained means nothing runs there any
-more, not that everything moved. Calls that cannot migrate at all (non-streaming, chat, a
-prompt the D prefilled itself, a P's prefill) count in ``calls`` and are waited for the same
-way; the report names them (``in_place``).
+more, not that everything moved. Calls that cannot migrate at all (chat, a prompt the D
+prefilled itself, a P's prefill) count in ``calls`` and are waited for the same way; the report
+names them (``in_place``).
 """
 
 from __future__ import annotations

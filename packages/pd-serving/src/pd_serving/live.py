@@ -1,10 +1,11 @@
-"""Live migration of streaming requests between decode instances: the proxy's I/O shell.
+"""Live migration of decoding requests between decode instances: the proxy's I/O shell.
 
-``POST /admin/migrate?instance=NAME[&to=NAME][&limit=N]`` moves the streaming requests that D
-``NAME`` serves to another D (``to``, or the Router's pick), each while its client's stream goes
-on: no token lost, repeated or reordered, greedy output token for token as if never moved, and
-no prompt recomputed (the new D pulls the KV from the old one). The answer lists each request
-and how its migration ended (``moved``, ``refused`` with the reason, ``failed``).
+``POST /admin/migrate?instance=NAME[&to=NAME][&limit=N]`` moves the requests that D ``NAME``
+decodes to another D (``to``, or the Router's pick), each while its client's stream goes on: no
+token lost, repeated or reordered, greedy output token for token as if never moved, and no
+prompt recomputed (the new D pulls the KV from the old one). The answer lists each request and
+how its migration ended (``moved``, with ``recomputed`` when the old D failed on the way and the
+new one recomputed; ``refused`` with the reason; ``failed``).
 
 What each request does is decided by ``migration.Migration`` (its docstring has the diagram);
 this module carries it out. ``LiveStream.relay`` is the rest of a client's stream once its first
@@ -13,17 +14,24 @@ withholds that D's end while a migration is asked, calls the next D with the pro
 token so far (``/v1/completions`` with token ids, ``max_tokens`` lowered by what was generated,
 ``kv_transfer_params`` pulling the old D's KV with ``remote_num_tokens``), and relays its events
 rewritten as the same stream (the first event's id and creation time; usage counted from the
-client's prompt; the new prompt's token ids not echoed). A migrated request can move again.
-Before the stop it pre-copies (``LiveStreams.precopy``): PRECOPY to the old D, then a one-token
-warm-up on the next D pulling the offered full blocks into its prefix cache, so the stop's call
-pulls only the blocks after them.
+client's prompt; logprobs' text offsets running on; the new prompt's token ids not echoed). A
+migrated request can move again. Before the stop it pre-copies (``LiveStreams.precopy``):
+PRECOPY to the old D, then a one-token warm-up on the next D pulling the offered full blocks into
+its prefix cache, so the stop's call pulls only the blocks after them.
 
-Migrates: streaming ``/v1/completions`` with HybridConnector, on a D whose transfer address the
-proxy knows (``--decode URL@RPC``), served through a transfer (a PD request, or one migrated in;
-a D that prefilled the prompt itself is not migrated), without ``echo`` or ``prompt_logprobs``.
-Token for token for greedy requests; a seeded sampler starts again from its seed on the new D,
-presence and frequency penalties count the earlier tokens as prompt there, and a stop string
-cut by the move is not seen.
+The D's are asked for token ids (``return_token_ids``; taken out of the events again when the
+client did not ask for them): the proxy knows every token the client has, so when the old D
+fails mid-migration (its stream breaks, its transfer address cannot be reached) the new D
+recomputes from the prompt and those tokens, without a pull, and the stream goes on from there.
+A non-streaming request is streamed from its D's (with usage) and answered whole at its end
+(``LiveStream.assemble``): it migrates as a stream does, and its client gets one answer.
+
+Migrates: ``/v1/completions`` with HybridConnector, on a D whose transfer address the proxy
+knows (``--decode URL@RPC``), served through a transfer (a PD request, or one migrated in; a D
+that prefilled the prompt itself, or one that recomputed a request, is not migrated), without
+``echo``, ``prompt_logprobs``, ``n`` > 1 or ``best_of``. Token for token for greedy requests; a
+seeded sampler starts again from its seed on the new D, presence and frequency penalties count
+the earlier tokens as prompt there, and a stop string cut by the move is not seen.
 
 Imports nothing of ``proxy`` (it imports this module): the proxy hands in its flow objects and
 its ``CallFailed``.
@@ -47,7 +55,7 @@ from hybrid_connector.contract import PullParams, encode_params
 from hybrid_connector.control import migrate_out, precopy
 from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse, PrecopyResponse
 from prometheus_client import Counter
-from simple_rpc import Client, RpcError
+from simple_rpc import Client, RpcError, TransportError
 
 from pd_serving.failover import Failure, Stage
 from pd_serving.migration import Action, Decision, Migration
@@ -66,7 +74,7 @@ _NULL_FINISH = re.compile(rb'"finish_reason"\s*:\s*null')
 
 
 class LiveStreams:
-    """The proxy's migratable streams, by the key of the D serving each, and the admin
+    """The proxy's migratable answers, by the key of the D serving each, and the admin
     endpoint that migrates them. ``proxy`` is the ``PdProxy``; ``call_failed`` builds its
     exception for a failed call (``CallFailed(stage, backend, failure, message)``), which a
     stream raises as the proxy's own relay does."""
@@ -86,7 +94,8 @@ class LiveStreams:
         self._rpc_clients: dict[str, Client] = {}
         self.migrations = Counter(
             "pdserve_migrations",
-            "Live migrations of streaming requests, by outcome (moved, refused, failed)",
+            "Live migrations of decoding requests, by outcome (moved; recomputed: the old D "
+            "failed and the new one recomputed from the client's tokens; refused; failed)",
             ["outcome"],
             registry=proxy.metrics.registry,
         )
@@ -98,22 +107,42 @@ class LiveStreams:
             registry=proxy.metrics.registry,
         )
 
-    def open(self, flow: Any, backend: Backend, stage: Stage) -> LiveStream | None:
-        """The stream of ``flow`` from ``backend``, if it can migrate (see the module)."""
+    def migratable(self, flow: Any, backend: Backend, stage: Stage) -> bool:
+        """Whether ``flow``'s answer from ``backend`` can migrate (see the module)."""
         body = flow.body
+        return (
+            flow.path == COMPLETIONS
+            and stage is Stage.DECODE
+            and flow.plan.transfer is not None
+            and bool(backend.rpc_address)
+            and not body.get("echo")
+            and body.get("prompt_logprobs") is None
+            and body.get("best_of") in (None, 1)
+            and body.get("n") in (None, 1)
+            # A non-streaming answer is streamed from the D's and answered whole; one with
+            # routed-expert records attached stays as the D answers it.
+            and (bool(body.get("stream")) or self.proxy.routed_experts is None)
+        )
+
+    def decode_body(self, flow: Any, backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
+        """D's body for ``flow``'s call to ``backend``: a migratable answer asks for token ids
+        (the client's tokens, should a D recompute them), and a non-streaming one is streamed
+        (with usage) so that it can be stopped and continued."""
+        if not self.migratable(flow, backend, Stage.DECODE):
+            return body
+        body = {**body, "return_token_ids": True}
+        if not body.get("stream"):
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+
+    def open(
+        self, flow: Any, backend: Backend, stage: Stage, resp: aiohttp.ClientResponse
+    ) -> LiveStream | None:
+        """The answer of ``flow`` from ``backend`` (``resp``), if it can migrate."""
         transfer = flow.plan.transfer
-        if (
-            flow.path != COMPLETIONS
-            or stage is not Stage.DECODE
-            or transfer is None
-            or not backend.rpc_address
-            or not body.get("stream")
-            or body.get("echo")
-            or body.get("prompt_logprobs") is not None
-            or body.get("best_of") not in (None, 1)
-        ):
+        if transfer is None or not self.migratable(flow, backend, stage):
             return None
-        return LiveStream(self, flow, backend, transfer.transfer_id)
+        return LiveStream(self, flow, backend, transfer.transfer_id, resp)
 
     def register(self, stream: LiveStream) -> None:
         self.streams.setdefault(stream.backend.key, set()).add(stream)
@@ -179,20 +208,46 @@ class LiveStreams:
 
 
 class LiveStream:
-    """The rest of one client's stream, from the D serving it now, through its migrations."""
+    """The rest of one client's answer, from the D serving it now, through its migrations: the
+    client's stream, or for a non-streaming client the stream the proxy asked its D's for,
+    answered whole at its end (``assemble``)."""
 
-    def __init__(self, streams: LiveStreams, flow: Any, backend: Backend, transfer_id: str) -> None:
+    def __init__(
+        self,
+        streams: LiveStreams,
+        flow: Any,
+        backend: Backend,
+        transfer_id: str,
+        resp: aiohttp.ClientResponse,
+    ) -> None:
         self.streams = streams
         self.flow = flow  # proxy._Flow: body, first_event, _write, proxy, router, config
         self.backend = backend  # the D streaming now
         self.transfer_id = transfer_id  # what its request's kv_transfer_params name there
         self.plan = Migration(backend.key)
+        self.streaming = bool(flow.body.get("stream"))
+        # How a D's failure reads to the proxy: bytes went to a streaming client, none to one
+        # answered whole (the proxy may then try again from the start).
+        self._broke = Failure.BROKE_MID_STREAM if self.streaming else Failure.BROKE
+        # The proxy asked the D's for token ids the client did not: taken out of its events.
+        self.strip_ids = self.streaming and not flow.body.get("return_token_ids")
         self.prompt_tokens: int | None = None  # the client's prompt, counted by the first answer
         self.generated = 0  # tokens generated before the current D's request
         self.moved = False  # the stream comes from a later D (its events are rewritten)
         self.answer: MigrateOutResponse | None = None
         self.migration_id = ""
         self.precopy_id = ""  # the pre-copy's transfer id on the old D (when pre-copying)
+        # Every output token id the client has (or, answered whole, the proxy collected), and
+        # the client's prompt's (its first D's first event has them, unparsed until needed).
+        self.output_ids: list[int] = []
+        self._prompt_ids: list[int] | None = None
+        self._prompt_raw = b""
+        self.recomputed = False  # a D recomputed it: no transfer id, it cannot move again
+        self._resp = resp  # the current D's answer (closed to cut it where the client has it)
+        self._cut: Decision | None = None  # a RECOMPUTE decided while D1's answer was open
+        self._last_logprobs = b""  # the last event sent with logprobs (the text offsets)
+        self._offset_base = 0  # added to a later D's text offsets
+        self._assembler: _Assembler | None = None if self.streaming else _Assembler(flow.body)
         self._target: Backend | None = None
         self._decided: asyncio.Future[Decision] | None = None  # D1's answer, as a decision
         self._outcome: asyncio.Future[dict[str, Any]] | None = None  # for the admin endpoint
@@ -213,7 +268,10 @@ class LiveStream:
         outcome: asyncio.Future[dict[str, Any]] = loop.create_future()
         if precopy is None:
             precopy = self.streams.precopy
-        decision = self.plan.requested(target.key, precopy and self.streams.pull_kv)
+        if self.recomputed:
+            decision = Decision(Action.REFUSE, message="recomputed: no KV transfer to move by")
+        else:
+            decision = self.plan.requested(target.key, precopy and self.streams.pull_kv)
         if decision.action not in (Action.ASK_D1, Action.ASK_PRECOPY):
             self.streams.migrations.labels("refused").inc()
             refused = self._outcome_of("refused", decision.message, target)
@@ -245,7 +303,11 @@ class LiveStream:
                 timeout_s=MIGRATE_OUT_TIMEOUT_S,
                 client=self.streams.client(source.rpc_address),
             )
-        except RpcError as exc:  # unreachable, an older connector, an undecodable answer
+        except TransportError as exc:  # D1 unreachable: it may be gone
+            self._mark("precopy_answered")
+            self._decide(self.plan.d1_unreachable(f"PRECOPY: {exc!r}"))
+            return
+        except RpcError as exc:  # an older connector, an undecodable answer
             answer = PrecopyResponse(transfer_id, offered=False, reason=f"PRECOPY: {exc!r}")
         self._mark("precopy_answered")
         if answer.offered:
@@ -291,12 +353,14 @@ class LiveStream:
 
     async def _warm_up(self, target: Backend, source: Backend, answer: PrecopyResponse) -> None:
         """One token on the target from the pre-copied tokens, pulling their KV from the old D:
-        they stay in its prefix cache for the stop's call. Its answer is dropped."""
+        they stay in its prefix cache for the stop's call. Its prompt ends with the token after
+        them (when the old D named it), so that the one token the target computes lies past the
+        cached blocks, and those hold the old D's KV alone. Its answer is dropped."""
         body = dict(self.flow.body)  # the client's (its cache_salt and model: the same hashes)
         for key in ("stream_options", "min_tokens", "logprobs", "n", "best_of", "suffix"):
             body.pop(key, None)
         body.pop("prompt", None)
-        body.update(max_tokens=1, stream=False, echo=False)
+        body.update(max_tokens=1, stream=False, echo=False, return_token_ids=False)
         body["kv_transfer_params"] = encode_params(
             PullParams(
                 transfer_id=self.precopy_id,
@@ -306,7 +370,8 @@ class LiveStream:
             )
         )
         assert self._prompt_json is not None
-        payload = _json_body(body, self._prompt_json.encode(answer.token_ids))
+        prompt = [*answer.token_ids, *answer.next_token_ids[:1]]
+        payload = _json_body(body, self._prompt_json.encode(prompt))
         async with self.flow.proxy._open(target, COMPLETIONS, payload, Stage.DECODE) as resp:
             async with asyncio.timeout(self.flow.config.attempt_timeout_s):
                 await resp.read()
@@ -323,7 +388,14 @@ class LiveStream:
                 timeout_s=MIGRATE_OUT_TIMEOUT_S,
                 client=self.streams.client(source.rpc_address),
             )
-        except RpcError as exc:  # unreachable, gone, or an answer that does not decode
+        except TransportError as exc:  # D1 unreachable: it may be gone
+            self._mark("d1_answered")
+            log.warning(
+                "transfer %s: %s unreachable for MIGRATE_OUT: %r", transfer_id, source.key, exc
+            )
+            self._decide(self.plan.d1_unreachable(f"MIGRATE_OUT: {exc!r}"))
+            return
+        except RpcError as exc:  # an answer that does not decode, an older connector
             answer = MigrateOutResponse(transfer_id, stopped=False, reason=f"MIGRATE_OUT: {exc!r}")
         self._mark("d1_answered")
         if answer.stopped:
@@ -343,10 +415,31 @@ class LiveStream:
             if answer.stopped
             else f"refused: {answer.reason}",
         )
+        self._decide(decision)
+
+    def _decide(self, decision: Decision) -> None:
+        """D1's answer (or its absence) as a decision, for a relay holding D1's end. A RECOMPUTE
+        cuts D1's answer: the relay reads no further and takes the decision instead."""
+        self._carry(decision)
+        if decision.action is Action.RECOMPUTE:
+            self._cut = decision
+            self._resp.close()  # the relay's read ends; D1 (if alive) aborts the request
+        elif decision.action is Action.END_ON_D1 and decision.release:
+            self._finish("refused", decision.message)
         if self._decided is not None and not self._decided.done():
             self._decided.set_result(decision)
 
     # -- the stream --------------------------------------------------------------------------
+    def take_first(self, first: list[bytes]) -> list[bytes]:
+        """The first D's first events, as the client gets them (the proxy writes them): their
+        token ids counted, the prompt's kept unparsed."""
+        event = first[0]
+        if self._prompt_raw == b"" and (found := _prompt_token_ids(event)) is not None:
+            self._prompt_raw = event[found[0] : found[1]]
+            if self.strip_ids:
+                event = event[: found[0]] + b"null" + event[found[1] :]
+        return [self._out(e) for e in [event, *first[1:]]]
+
     async def relay(
         self,
         chunks: AsyncIterator[bytes],
@@ -389,6 +482,25 @@ class LiveStream:
             self._finish("failed", "the stream ended first")  # no-op once decided
             await leg.aclose()
 
+    async def assemble(
+        self, chunks: AsyncIterator[bytes], events: Any, first: list[bytes]
+    ) -> dict[str, Any]:
+        """A non-streaming client's answer: the stream of its D's (``first``: the first D's
+        first events, through ``take_first``), across migrations, as the one answer the client
+        asked for."""
+        assert self._assembler is not None
+        upstream_error = next(filter(_is_error_event, first), None)
+        done = self._assembler.add(first)  # nothing goes to the client before the end
+        if not done:
+            done, upstream_error = await self.relay(chunks, events, done, upstream_error)
+        if not done:
+            message = f"decode {self.backend.url} ended its stream without [DONE]"
+            raise self.streams.call_failed(Stage.DECODE, self.backend, Failure.BROKE, message)
+        if upstream_error is not None:
+            why = upstream_error.strip()[:300].decode(errors="replace")
+            raise self.streams.call_failed(Stage.DECODE, self.backend, Failure.BROKE, why)
+        return self._assembler.answer()
+
     async def _relay_leg(
         self,
         chunks: AsyncIterator[bytes],
@@ -397,9 +509,10 @@ class LiveStream:
         done: bool,
         upstream_error: bytes | None,
     ) -> tuple[Decision | None, bool, bytes | None]:
-        """One D's stream to its end (``first``: its events already read): (the CALL decision
-        when the request moves on, [DONE] seen, an error event). The finish chunk of a D the
-        request leaves goes on without its end, and what follows it (usage, [DONE]) is dropped."""
+        """One D's stream to its end (``first``: its events already read): (the CALL or
+        RECOMPUTE decision when the request moves on, [DONE] seen, an error event). The finish
+        chunk of a D the request leaves goes on without its end, and what follows it (usage,
+        [DONE]) is dropped."""
         switch: Decision | None = None
         try:
             while batch := first or await next_events(chunks, events):
@@ -408,49 +521,82 @@ class LiveStream:
                     continue
                 upstream_error = upstream_error or next(filter(_is_error_event, batch), None)
                 out: list[bytes] = []
-                for event in batch:
+                for raw in batch:
                     if switch is not None:
                         continue
-                    if _finish_reason(event) is not None:
+                    event = self._out(raw)
+                    if (reason := _finish_reason(event)) is not None:
                         self._mark("d1_end")
-                        decision = self.plan.d1_ended()
-                        if decision.release_precopy:  # it ended while pre-copying
+                        decision = self.plan.d1_ended(self._complete(reason))
+                        if decision.release_precopy or decision.release:
+                            # It ended on D1 while pre-copying, or as D1 stopped it.
                             self._carry(decision)
                             self._finish("refused", decision.message)
                         if decision.action is Action.HOLD:
                             assert self._decided is not None
                             decision = await self._decided
-                        if decision.action is Action.CALL:
+                        if decision.action in (Action.CALL, Action.RECOMPUTE):
                             switch = decision
-                            out.append(self._out(_unfinished(event)))
+                            out.append(_unfinished(event))
                             continue
-                    out.append(self._out(event))
-                done = await self.flow._write(out) or done
+                    out.append(event)
+                done = await self._write(out) or done
         except (aiohttp.ClientError, TimeoutError) as exc:
-            if done:
-                return None, done, upstream_error
-            self._carry(self.plan.d1_failed(repr(exc)))
-            message = f"decode {self.backend.url} broke off a stream: {exc!r}"
-            raise _LegFailed(self.backend, Failure.BROKE_MID_STREAM, message) from exc
+            if switch is not None or done:
+                return switch, done, upstream_error
+            return self._broke_off(repr(exc)), done, upstream_error
         if switch is None and not done:
-            self._carry(self.plan.d1_failed("ended without [DONE]"))
+            return self._broke_off("ended without [DONE]"), done, upstream_error
         return switch, done, upstream_error
+
+    def _broke_off(self, why: str) -> Decision:
+        """D1's stream ended before its end: the cut asked, a recompute, or its failure."""
+        if self._cut is not None:
+            return self._cut
+        decision = self.plan.d1_failed(why)
+        self._carry(decision)
+        if decision.action is Action.RECOMPUTE:
+            log.warning("transfer %s: %s; %s recomputes", self.transfer_id, why, decision.target)
+            return decision
+        message = f"decode {self.backend.url} broke off a stream: {why}"
+        raise _LegFailed(self.backend, self._broke, message)
+
+    async def _write(self, out: list[bytes]) -> bool:
+        """Events to the client (or, answered whole, to its answer); True at ``[DONE]``."""
+        if self._assembler is not None:
+            return self._assembler.add(out)
+        return bool(await self.flow._write(out))
+
+    def _complete(self, reason: str) -> bool:
+        """An end with ``reason`` answers the request whole (a stop, or the client's whole
+        max_tokens), so that a recompute would have nothing left to generate."""
+        if reason != "length":
+            return True
+        limit = self.flow.body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        return limit is not None and len(self.output_ids) >= limit
 
     async def _switch(
         self, decision: Decision, stack: contextlib.AsyncExitStack
     ) -> tuple[AsyncIterator[bytes], Any, list[bytes]]:
-        """Call the next D with prompt + tokens until one streams (the plan may send the request
-        back to the old D): its stream and its first events."""
-        source, answer = self.backend, self.answer
-        assert answer is not None
+        """Call the next D (prompt + tokens, pulling the old D's KV, or recomputing them) until
+        one streams (the plan may send the request back to the old D, or on to another one
+        that recomputes): its stream and its first events."""
+        source = self.backend
+        if decision.action is Action.RECOMPUTE and self._ask is not None and not self._ask.done():
+            self._ask.cancel()  # a warm-up or an RPC to the old D: it no longer matters
         while True:
+            if decision.action is Action.RECOMPUTE and not decision.target:
+                decision = self._recompute_target()
+            if decision.action is Action.FAIL:
+                self._carry(decision)
+                raise _LegFailed(source, self._broke, decision.message)
             target = self._backend(decision.target)
+            recompute = decision.action is Action.RECOMPUTE
             self._mark("d2_called")
-            body = self._next_body(answer, source)
-            payload: dict[str, Any] | bytes = body
-            if self._prompt_json is not None:
-                prompt = body.pop("prompt")
-                payload = _json_body(body, self._prompt_json.encode(prompt))
+            if recompute:
+                generated, payload = len(self.output_ids), self._recompute_body()
+            else:
+                generated, payload = self._next_body(source)
             events = SseEvents()
             try:
                 resp = await stack.enter_async_context(
@@ -461,8 +607,8 @@ class LiveStream:
                 async with asyncio.timeout(self.flow.config.attempt_timeout_s):
                     first = await next_events(chunks, events)
                 self._mark("d2_first_event")
-                # Its first event echoes the new prompt's ids (every token so far) when the
-                # client asked for token ids: dropped unparsed, the client has them already.
+                # Its first event echoes the new prompt's ids (every token so far): dropped
+                # unparsed, the client has them already.
                 first = [_without_prompt_token_ids(e) for e in first]
                 if not first or _is_error_event(first[0]):
                     message = f"decode {target.url} sent no token of the migrated request"
@@ -473,43 +619,58 @@ class LiveStream:
                 self.flow.router.record_failure(target, time.monotonic(), message[:300])
                 await stack.aclose()
                 decision = self.plan.called_failed(message)
-                if decision.action is Action.CALL:
-                    continue
                 self._carry(decision)
-                raise _LegFailed(target, Failure.BROKE_MID_STREAM, message) from exc
+                if decision.action in (Action.CALL, Action.RECOMPUTE):
+                    continue
+                raise _LegFailed(target, self._broke, message) from exc
             self.plan.called_first_token()
-            self.generated = len(answer.prompt_token_ids) + len(answer.output_token_ids)
-            self.generated -= self.prompt_tokens or 0
+            self._offset_base = _next_text_offset(self._last_logprobs)
+            self.generated = generated
             self.moved = True
             self.streams.unregister(self)
-            self.backend, self.transfer_id = target, self.migration_id
+            # The old D's call is over: it no longer counts as open there (a drain of it
+            # waits for nothing more of this request).
+            self.flow.proxy.end_call(self._resp)
+            self.backend, self._resp, self._cut = target, resp, None
             self.plan = Migration(target.key)
-            self.streams.register(self)
-            self._finish("moved", "", target)
+            if recompute:  # a request without a transfer: it cannot move again
+                self.recomputed, self.transfer_id = True, ""
+            else:
+                self.transfer_id = self.migration_id
+                self.streams.register(self)
+            self._finish("recomputed" if recompute else "moved", "", target)
             log.info(
-                "transfer %s: moved from %s to %s after %d tokens",
+                "transfer %s: %s from %s to %s after %d tokens",
                 self.migration_id,
+                "recomputed" if recompute else "moved",
                 source.key,
                 target.key,
                 self.generated,
             )
             return chunks, events, first
 
-    def _next_body(self, answer: MigrateOutResponse, source: Backend) -> dict[str, Any]:
-        """The client's body for the next D: every token so far as the prompt, the rest of its
-        budget, a pull of the old D's KV for all but the last token."""
-        body = dict(self.flow.body)
+    def _recompute_target(self) -> Decision:
+        """A D for a recompute that named none: the router's pick of those not failed."""
+        try:
+            target = self.flow.router.pick_decode(self.flow.key, set(self.plan.failed))
+        except NoBackend:
+            return self.plan.no_target(
+                f"no decode instance left to recompute on ({self.plan.reason or 'all failed'})"
+            )
+        return self.plan.recompute_on(target.key)
+
+    def _next_body(self, source: Backend) -> tuple[int, dict[str, Any] | bytes]:
+        """(the tokens generated so far, the client's body for the next D: every token so far
+        as the prompt, the rest of its budget, a pull of the old D's KV for all but the last
+        token)."""
+        answer = self.answer
+        assert answer is not None
         tokens = [*answer.prompt_token_ids, *answer.output_token_ids]
-        body["prompt"] = tokens
         generated = len(tokens) - (self.prompt_tokens or len(answer.prompt_token_ids))
-        limit = body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-        if limit is not None:
-            body["max_tokens"] = max(1, limit - generated)
-        if body.get("min_tokens"):
-            body["min_tokens"] = max(0, body["min_tokens"] - generated)
+        body = self._body_with_prompt(tokens, generated)
         if not self.streams.pull_kv:
             self.flow.proxy._release_on_prefill(source, self.migration_id, "recomputed elsewhere")
-            return body
+            return generated, body
         body["kv_transfer_params"] = encode_params(
             PullParams(
                 transfer_id=self.migration_id,
@@ -518,11 +679,58 @@ class LiveStream:
                 remote_num_tokens=answer.num_tokens,
             )
         )
+        if self._prompt_json is None:
+            return generated, body
+        return generated, _json_body(body, self._prompt_json.encode(body.pop("prompt")))
+
+    def _recompute_body(self) -> dict[str, Any]:
+        """The client's body for a D that recomputes: the prompt and the tokens the client has,
+        no pull (the old D may be gone)."""
+        prompt = self.prompt_ids()
+        if prompt is None:
+            raise _LegFailed(self.backend, self._broke, "the client's prompt ids are unknown")
+        return self._body_with_prompt([*prompt, *self.output_ids], len(self.output_ids))
+
+    def _body_with_prompt(self, tokens: list[int], generated: int) -> dict[str, Any]:
+        """The body the client's D got (token ids asked, streamed), with ``tokens`` as its
+        prompt and its budget lowered by the tokens generated so far."""
+        body = self.streams.decode_body(self.flow, self.backend, dict(self.flow.body))
+        body.pop("kv_transfer_params", None)
+        body["prompt"] = tokens
+        limit = body.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+        if limit is not None:
+            body["max_tokens"] = max(1, limit - generated)
+        if body.get("min_tokens"):
+            body["min_tokens"] = max(0, body["min_tokens"] - generated)
         return body
 
+    def prompt_ids(self) -> list[int] | None:
+        """The client's prompt's token ids (the first D's first event, or D1's answer)."""
+        if self._prompt_ids is None:
+            if self.answer is not None and not self.moved:
+                self._prompt_ids = list(self.answer.prompt_token_ids)
+            elif self._prompt_raw:
+                self._prompt_ids = json.loads(self._prompt_raw)
+        if self._prompt_ids is not None and self.prompt_tokens is None:
+            self.prompt_tokens = len(self._prompt_ids)
+        return self._prompt_ids
+
     def _out(self, event: bytes) -> bytes:
-        """An event as the client gets it: the first D's as it is, a later one's rewritten."""
-        return self._rewrite(event) if self.moved else event
+        """An event as the client gets it (the first D's as it is, a later one's rewritten), its
+        token ids counted (and taken out when the client did not ask for them)."""
+        if self.moved:
+            return self._rewrite(event)
+        found = _token_ids(event)
+        if found is None:
+            return event
+        start, end = found
+        if end - start > 2:  # not "[]"
+            self.output_ids.extend(int(t) for t in event[start + 1 : end - 1].split(b","))
+            if b'"logprobs":{' in event or b'"logprobs": {' in event:
+                self._last_logprobs = event
+        if self.strip_ids:
+            event = event[:start] + b"null" + event[end:]
+        return event
 
     def _rewrite(self, event: bytes) -> bytes:
         """An event of a later D as part of the client's stream."""
@@ -535,16 +743,34 @@ class LiveStream:
         for key in ("id", "created"):
             if key in first and key in data:
                 data[key] = first[key]
+        logprobs_seen = False
         for choice in data.get("choices") or []:
-            choice.pop("prompt_token_ids", None)
+            if "prompt_token_ids" in choice:
+                choice["prompt_token_ids"] = None
+            ids = choice.get("token_ids") or []
+            self.output_ids.extend(ids)
+            if self.strip_ids and "token_ids" in choice:
+                choice["token_ids"] = None
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict) and logprobs.get("text_offset"):
+                base = self._offset_base
+                logprobs["text_offset"] = [o + base for o in logprobs["text_offset"]]
+                logprobs_seen = True
         usage = data.get("usage")
-        if isinstance(usage, dict) and self.prompt_tokens is not None:
-            completion = int(usage.get("completion_tokens") or 0) + self.generated
-            usage["prompt_tokens"] = self.prompt_tokens
-            usage["completion_tokens"] = completion
-            usage["total_tokens"] = self.prompt_tokens + completion
-            usage.pop("prompt_tokens_details", None)
-        return f"data: {json.dumps(data)}\n\n".encode()
+        if isinstance(usage, dict):
+            prompt_tokens = self.prompt_tokens
+            if prompt_tokens is None and (prompt := self.prompt_ids()) is not None:
+                prompt_tokens = len(prompt)
+            if prompt_tokens is not None:
+                completion = int(usage.get("completion_tokens") or 0) + self.generated
+                usage["prompt_tokens"] = prompt_tokens
+                usage["completion_tokens"] = completion
+                usage["total_tokens"] = prompt_tokens + completion
+                usage.pop("prompt_tokens_details", None)
+        out = f"data: {json.dumps(data)}\n\n".encode()
+        if logprobs_seen:
+            self._last_logprobs = out
+        return out
 
     # -- internals ---------------------------------------------------------------------------
     def _backend(self, key: str) -> Backend:
@@ -555,7 +781,8 @@ class LiveStream:
         return found
 
     def _carry(self, decision: Decision) -> None:
-        """A decision's side effect: RELEASE of the migration's transfer on the old D."""
+        """A decision's side effect: RELEASE of the migration's transfers on the old D; once
+        per decision, by whoever got it from the plan."""
         if decision.release and self.migration_id:
             self.flow.proxy._release_on_prefill(self.backend, self.migration_id, decision.message)
         if decision.release_precopy and self.precopy_id:
@@ -571,10 +798,14 @@ class LiveStream:
             self._stages.setdefault(stage, time.monotonic())
 
     def _finish(self, outcome: str, reason: str, target: Backend | None = None) -> None:
-        """The asked migration ended (the admin endpoint's answer); once."""
+        """The asked migration ended (the admin endpoint's answer); once. ``recomputed``: moved,
+        the new D recomputing the context (the old one failed)."""
         if self._outcome is not None and not self._outcome.done():
             self.streams.migrations.labels(outcome).inc()
-            self._outcome.set_result(self._outcome_of(outcome, reason, target or self._target))
+            moved = "moved" if outcome == "recomputed" else outcome
+            result = self._outcome_of(moved, reason, target or self._target)
+            result["recomputed"] = outcome == "recomputed"
+            self._outcome.set_result(result)
 
     def _outcome_of(self, outcome: str, reason: str, target: Backend | None) -> dict[str, Any]:
         return {
@@ -589,6 +820,93 @@ class LiveStream:
             else {},
             "asked_at": self._stages.get("asked", 0.0),
             "precopied_tokens": self._precopied_tokens,
+        }
+
+
+class _Assembler:
+    """A non-streaming client's answer, from the stream its D's sent (token ids, usage): the
+    answer vLLM would have given without a stream, its choice's text, token ids and logprobs
+    joined (the stream's text offsets already run on across D's)."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.token_ids_asked = bool(body.get("return_token_ids"))
+        self.logprobs_asked = body.get("logprobs") is not None
+        self.head: dict[str, Any] = {}
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.logprobs: dict[str, list[Any]] = {
+            "text_offset": [],
+            "token_logprobs": [],
+            "tokens": [],
+            "top_logprobs": [],
+        }
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+        self.usage: dict[str, Any] | None = None
+        self.system_fingerprint: Any = None
+
+    def add(self, events: list[bytes]) -> bool:
+        """The client's next events; True at ``[DONE]``."""
+        done = False
+        for event in events:
+            if event.rstrip() == _DONE:
+                done = True
+                continue
+            data = _event(event)
+            if not data or "error" in data:
+                continue
+            if not self.head:
+                self.head = {k: data.get(k) for k in ("id", "created", "model")}
+            if data.get("usage"):
+                self.usage = data["usage"]
+            if data.get("system_fingerprint") is not None:
+                self.system_fingerprint = data["system_fingerprint"]
+            for choice in data.get("choices") or []:
+                self.text.append(choice.get("text") or "")
+                self.token_ids.extend(choice.get("token_ids") or [])
+                if self.prompt_token_ids is None and choice.get("prompt_token_ids"):
+                    self.prompt_token_ids = choice["prompt_token_ids"]
+                if isinstance(logprobs := choice.get("logprobs"), dict):
+                    for key, values in self.logprobs.items():
+                        values.extend(logprobs.get(key) or [])
+                if choice.get("finish_reason") is not None:
+                    self.finish_reason = choice["finish_reason"]
+                    self.stop_reason = choice.get("stop_reason")
+        return done
+
+    def answer(self) -> dict[str, Any]:
+        usage = dict(self.usage or {})
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        completion = len(self.token_ids) or int(usage.get("completion_tokens") or 0)
+        choice = {
+            "index": 0,
+            "text": "".join(self.text),
+            "logprobs": self.logprobs if self.logprobs_asked else None,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "token_ids": self.token_ids if self.token_ids_asked else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": self.prompt_token_ids if self.token_ids_asked else None,
+            "routed_experts": None,
+        }
+        return {
+            "id": self.head.get("id"),
+            "object": "text_completion",
+            "created": self.head.get("created"),
+            "model": self.head.get("model"),
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": self.system_fingerprint,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "total_tokens": prompt_tokens + completion,
+                "completion_tokens": completion,
+                "prompt_tokens_details": usage.get("prompt_tokens_details"),
+            },
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
         }
 
 
@@ -651,6 +969,36 @@ def _without_prompt_token_ids(event: bytes) -> bytes:
     if end < 0:
         return event
     return event[:start] + b"null" + event[end + 1 :]
+
+
+_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*(\[[^\]]*\]|null)')
+_PROMPT_TOKEN_IDS = re.compile(rb'"prompt_token_ids"\s*:\s*(\[[^\]]*\])')
+
+
+def _token_ids(event: bytes) -> tuple[int, int] | None:
+    """Where an event's output ``token_ids`` list (or null) is, found without parsing it. The
+    key can not occur inside a JSON string (a quote there is escaped), nor match the prompt's."""
+    found = _TOKEN_IDS.search(event)
+    return None if found is None else found.span(1)
+
+
+def _prompt_token_ids(event: bytes) -> tuple[int, int] | None:
+    """Where an event's ``prompt_token_ids`` list is (a first event's), unparsed."""
+    found = _PROMPT_TOKEN_IDS.search(event)
+    return None if found is None else found.span(1)
+
+
+def _next_text_offset(event: bytes) -> int:
+    """The text offset after the last token of ``event`` (the last one the client got with
+    logprobs): where a later D's offsets, which start at 0, go on from."""
+    if not event:
+        return 0
+    for choice in _event(event).get("choices") or []:
+        logprobs = choice.get("logprobs") or {}
+        offsets, tokens = logprobs.get("text_offset") or [], logprobs.get("tokens") or []
+        if offsets and tokens:
+            return int(offsets[-1]) + len(tokens[-1])
+    return 0
 
 
 def _is_error_event(event: bytes) -> bool:

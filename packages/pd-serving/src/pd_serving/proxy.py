@@ -44,7 +44,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
@@ -488,6 +488,8 @@ class PdProxy:
         self._session: aiohttp.ClientSession | None = None
         self._rpc_clients: dict[str, Client] = {}  # P's transfer_kv address -> its client
         self._background: set[asyncio.Task[None]] = set()
+        # The open calls' ends (``_open``), for a call a live migration leaves early.
+        self._call_ends: dict[aiohttp.ClientResponse, Callable[[], None]] = {}
         self.app = web.Application(client_max_size=16 * 1024 * 1024)
         self.app.router.add_post(COMPLETIONS, self._handle_generate)
         self.app.router.add_post(CHAT_COMPLETIONS, self._handle_generate)
@@ -987,16 +989,34 @@ class PdProxy:
         backend.inflight += 1
         self.metrics.inflight.labels(backend.key).inc()
         self.drains.calls_changed(backend)
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                backend.inflight -= 1
+                self.metrics.inflight.labels(backend.key).dec()
+                self.drains.calls_changed(backend)
+
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self._post(backend, path, body, stage, gate)
+            self._call_ends[resp] = end
             yield resp
         finally:
             if resp is not None:
                 resp.close()
-            backend.inflight -= 1
-            self.metrics.inflight.labels(backend.key).dec()
-            self.drains.calls_changed(backend)
+                self._call_ends.pop(resp, None)
+            end()
+
+    def end_call(self, resp: aiohttp.ClientResponse) -> None:
+        """A call whose answer the request left before the call's context closes (a live
+        migration moved it to another D): its connection closes and it no longer counts as
+        open on its backend (a drain waits for nothing there, the router sees its load go)."""
+        resp.close()
+        if (end := self._call_ends.pop(resp, None)) is not None:
+            end()
 
     async def _post(
         self,
@@ -1285,6 +1305,8 @@ class _Flow:
             d_params = self.proxy._decode_params(prefill, transfer.transfer_id, None)
             gate = self.p_task
         d_body = {**self.body, "kv_transfer_params": d_params}
+        # A migratable answer asks D for token ids (and is streamed: live.py).
+        d_body = self.proxy.live.decode_body(self, decode, d_body)
         self.decode_called = True
         async with (
             self._first_token(Stage.DECODE, decode, gate) as timer,
@@ -1360,7 +1382,8 @@ class _Flow:
         stage: Stage,
         first_token: asyncio.Timeout,
     ) -> web.StreamResponse:
-        if not self.body.get("stream", False):
+        live = self.proxy.live.open(self, backend, stage, resp)
+        if not self.body.get("stream", False) and live is None:
             try:
                 data = await resp.read()
                 json.loads(data)
@@ -1387,10 +1410,19 @@ class _Flow:
             detail = first[0].strip()[:300].decode(errors="replace")
             message = f"{stage} {backend.url} streamed an error before the first token: {detail}"
             raise CallFailed(stage, backend, Failure.BROKE, message)
+        if live is not None:  # token ids counted (and taken out if the client did not ask)
+            first = live.take_first(first)
+        self.first_event = _event_json(first[0])
+        if live is not None and not live.streaming:
+            # Answered whole: the proxy streamed it from D (and from the D's it moved to).
+            self.router.record_success(backend, time.monotonic())
+            answer = await live.assemble(chunks, events, first)
+            self._succeeded(None)
+            self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
+            return web.json_response(answer)
         first_token.reschedule(None)  # from here on only the deadline bounds the stream
         self.router.record_success(backend, time.monotonic())
         self.metrics.first_byte_seconds.observe(time.perf_counter() - self.started)
-        self.first_event = _event_json(first[0])
         out = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
@@ -1403,9 +1435,8 @@ class _Flow:
         self.plan.sent_to_client()
         done = await self._write(first)
         upstream_error = next(filter(_is_error_event, first), None)  # after tokens: relayed
-        live = None if done else self.proxy.live.open(self, backend, stage)
         try:
-            if live is not None:  # may move to another D on the way (live.py)
+            if live is not None and not done:  # may move to another D on the way (live.py)
                 done, upstream_error = await live.relay(chunks, events, done, upstream_error)
             else:
                 while batch := await next_events(chunks, events):
