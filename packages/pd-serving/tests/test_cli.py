@@ -25,6 +25,7 @@ from pd_serving.demo import compare
 from pd_serving.launcher import ManagedProcess, free_port
 from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
+from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
 from pd_serving.servers import Connector, CpuSettings, connector_extra, plan_servers
 from stand_ins import MODEL, FakeKvPublisher, FakeUpstream
 
@@ -231,7 +232,9 @@ async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> No
         async with (
             aiohttp.ClientSession() as session,
             session.post(
-                f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "x"}
+                # Long enough to go through P with the default bypass of short prompts.
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": MODEL, "prompt": "x " * 4 * DEFAULT_BYPASS_BELOW_TOKENS},
             ) as resp,
         ):
             assert resp.status == 200

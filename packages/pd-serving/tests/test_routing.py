@@ -399,3 +399,24 @@ def test_cli_routing_options_make_the_policy() -> None:
     args = build_parser().parse_args(["up", "--breaker-failures", "0"])
     with pytest.raises(SystemExit, match="at least one failure"):
         routing_from_args(args)
+
+
+@pytest.mark.parametrize("command", [["up"], ["proxy", "--decode", "http://d"]])
+def test_pdserve_bypasses_short_prompts_by_default(command: list[str]) -> None:
+    """The commands a user runs default to what measured best (routing.DEFAULT_BYPASS_...):
+    a short prompt goes to D alone, a long one through P; `--bypass-below-tokens 0` turns it
+    off."""
+    from pd_serving.cli import build_parser, routing_from_args
+    from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
+
+    assert DEFAULT_BYPASS_BELOW_TOKENS > 0
+    policy, _ = routing_from_args(build_parser().parse_args(command))
+    assert policy.bypass_below_tokens == DEFAULT_BYPASS_BELOW_TOKENS
+    router = Router([Backend("http://p", name="p")], [Backend("http://d", name="d")], policy)
+    short = RequestKey(prompt_token_ids=tuple(range(DEFAULT_BYPASS_BELOW_TOKENS - 1)))
+    long = RequestKey(prompt_token_ids=tuple(range(DEFAULT_BYPASS_BELOW_TOKENS)))
+    assert router.route(short).bypass_reason == "short_prompt"
+    assert router.route(long).prefill is not None
+    off, _ = routing_from_args(build_parser().parse_args([*command, "--bypass-below-tokens", "0"]))
+    assert Router([Backend("http://p")], [Backend("http://d")], off).route(short).prefill
+    assert RoutingPolicy().bypass_below_tokens == 0  # a Router built in code: told, not guessed

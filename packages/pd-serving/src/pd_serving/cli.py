@@ -178,7 +178,7 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
 # -- routing and health options (helper "routing"; one block for `up` and `proxy`) ----------
 def _add_routing_options(parser: argparse.ArgumentParser) -> None:
     from pd_serving.health import HealthCheckConfig
-    from pd_serving.routing import RoutingPolicy
+    from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS, RoutingPolicy
 
     policy, health = RoutingPolicy(), HealthCheckConfig()
     group = parser.add_argument_group(
@@ -186,7 +186,7 @@ def _add_routing_options(parser: argparse.ArgumentParser) -> None:
     )
     # (flag, type, default, metavar, help); the flag's name is the field's, "-" for "_".
     options = [
-        ("--bypass-below-tokens", int, policy.bypass_below_tokens, "N",
+        ("--bypass-below-tokens", int, DEFAULT_BYPASS_BELOW_TOKENS, "N",
          "prompts under N tokens (estimated: characters / 4, or the token ids' count) go to D "
          "alone, and so do prompts whose uncached tail on a D that served their prefix is under "
          "N; 0 turns bypass off"),

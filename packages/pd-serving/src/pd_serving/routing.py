@@ -196,9 +196,17 @@ class NoBackend(Exception):
         self.role = role
 
 
+# `pdserve up` and `pdserve proxy`'s --bypass-below-tokens: what measured best on equal
+# hardware (benchmarks/bench_equal_hw.py; README, "Low load"): a short prompt's TTFT 1.13x one
+# instance's against 2.1x through P, and more goodput under the mixed load. RoutingPolicy()
+# itself bypasses nothing: a Router built in code sends every prompt through P unless told.
+DEFAULT_BYPASS_BELOW_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class RoutingPolicy:
-    """How the Router decides (``pdserve up/proxy`` flags of the same names)."""
+    """How the Router decides (``pdserve up/proxy`` flags of the same names; their defaults are
+    these but for ``bypass_below_tokens``: ``DEFAULT_BYPASS_BELOW_TOKENS`` there)."""
 
     # Prompts (or a prefix-cached request's uncached tail) under this many tokens skip P;
     # 0 turns both bypasses off.
