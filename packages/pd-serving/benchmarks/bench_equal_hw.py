@@ -31,12 +31,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from pd_serving.equal_hw import (
+    BUSY_OTHER_CPU,
     LAYOUTS,
     Layout,
     Placement,
     Slo,
     SystemUnderTest,
     compare_systems,
+    cpu_snapshot,
+    cpu_use,
     judge,
     low_load_breakdown,
     low_load_markdown,
@@ -52,6 +55,20 @@ from pd_serving.workload import LengthDist, MixSpec, SweepRequest, parse_rates, 
 from rich.console import Console
 
 RESULTS = Path(__file__).parent / "results"
+BUSY_SAMPLE_S = 3.0
+
+
+def other_cpu_now() -> float:
+    """Cores' worth of CPU the box uses over a few seconds before anything is started: other
+    jobs'."""
+    import time as clock
+
+    before = cpu_snapshot()
+    clock.sleep(BUSY_SAMPLE_S)  # a measurement window, not a wait for something
+    use = cpu_use(before, cpu_snapshot(), {}, ticks_per_s=float(os.sysconf("SC_CLK_TCK")))
+    return use.share("other") if use else 0.0
+
+
 SINGLE, DP, PD = "single, 2 cores", "2x single, DP", "1P1D"
 PD_NO_BYPASS = "1P1D, no bypass"
 
@@ -126,7 +143,7 @@ def publish(args, turns, mix: MixSpec, meta: dict, console: Console, *, json_pat
     console.print(render_table(points, title))
     console.print(markdown_table(points), markup=False, highlight=False, soft_wrap=True)
     verdict = judge(points, single=SINGLE, others=[DP], pd=PD)
-    console.print(f"verdict: {verdict}", highlight=False)
+    console.print(f"verdict: {verdict.describe()}", highlight=False)
     meta |= {
         "mix": mix.describe(),
         "rates": args.rates,
@@ -134,7 +151,7 @@ def publish(args, turns, mix: MixSpec, meta: dict, console: Console, *, json_pat
         "rounds": args.rounds,
         "seed": args.seed,
         "slo": {"ttft_ms": slo.ttft_ms, "itl_p99_per_request_ms": slo.itl_ms},
-        "verdict": verdict.__dict__,
+        "verdict": verdict.describe(),
     }
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,10 +167,18 @@ def run(args) -> int:
     from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
     from pd_serving.model import cache_dir, make_bench_model
     from pd_serving.proxy import READY_LINE
-    from pd_serving.servers import Connector, CpuSettings, plan_servers
+    from pd_serving.servers import Connector, CpuSettings, parse_cpu_list, plan_servers
     from pd_serving.timings import custom_buckets_arg
 
     console = Console(width=200)
+    other = other_cpu_now()
+    console.print(f"the rest of the box: {other:.2f} cores busy (load {os.getloadavg()[0]:.1f})")
+    if other > BUSY_OTHER_CPU and not args.allow_busy:
+        console.print(
+            f"refused: other jobs use {other:.2f} cores (over {BUSY_OTHER_CPU}); their CPU "
+            "would be measured as the systems'. Wait, or --allow-busy (the rounds are flagged)."
+        )
+        return 2
     model = make_bench_model(args.model)
     mix = MixSpec(long_share=args.long_share)
     log_dir = cache_dir() / "logs" / f"equal-hw-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -213,7 +238,9 @@ def run(args) -> int:
     bypass = ["--bypass-below-tokens", str(args.bypass_below_tokens)]
     idle = ["--bypass-idle-below-tokens", str(args.bypass_idle_below_tokens)]
     proxies: dict[str, list[str]] = {}
+    proxy_cpus: dict[str, frozenset[int]] = {}  # proxies pinned to cores (else unpinned)
     pd_idle = f"{PD}, idle bypass under {args.compare_idle_bypass}"
+    pd_pinned = f"{PD}, proxy on core(s) {args.compare_proxy_cpus}"
     pd_systems: dict[str, tuple[str, str]] = {}  # system -> (P's name, D's name)
     for lay in layouts:
         p_name, d_name = instances(lay)
@@ -224,12 +251,16 @@ def run(args) -> int:
         if lay != args.pd_layout:
             continue
         if args.bypass_below_tokens and args.compare_no_bypass:
-            proxies[PD_NO_BYPASS] = pair
+            proxies[PD_NO_BYPASS] = [*pair, "--bypass-below-tokens", "0"]
             pd_systems[PD_NO_BYPASS] = (p_name, d_name)
         if args.compare_idle_bypass != args.bypass_idle_below_tokens:
             other = ["--bypass-idle-below-tokens", str(args.compare_idle_bypass)]
             proxies[pd_idle] = pair + bypass + other
             pd_systems[pd_idle] = (p_name, d_name)
+        if args.compare_proxy_cpus:
+            proxies[pd_pinned] = pair + bypass + idle
+            pd_systems[pd_pinned] = (p_name, d_name)
+            proxy_cpus[pd_pinned] = parse_cpu_list(args.compare_proxy_cpus)
     dp_first, dp_second = (by_name[n] for n in instances("split"))
     proxies[DP] = ["--decode", dp_first.url, "--decode", dp_second.url]  # no P: each prefills
     console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
@@ -258,6 +289,7 @@ def run(args) -> int:
                 log_path=log_dir / f"{tag}.log",
                 ready_marker=READY_LINE,
                 health_url=f"http://127.0.0.1:{port}/health",
+                cpus=proxy_cpus.get(name),
             )  # fmt: skip
             urls[name] = f"http://127.0.0.1:{port}"
         try:
@@ -331,7 +363,9 @@ def run(args) -> int:
             },
             PD_NO_BYPASS: f"{PD}'s P, D and dispatch, every prompt through P",
             pd_idle: f"{PD} with --bypass-idle-below-tokens {args.compare_idle_bypass}",
+            pd_pinned: f"{PD} with its proxy process on cores {args.compare_proxy_cpus}",
         },
+        "other_cpu_before": other,
         "pd_layout": args.pd_layout,
         "layouts": {
             names[lay]: {
@@ -514,6 +548,17 @@ def main() -> int:
     )
     parser.add_argument(
         "--d-worker-in-engine", action=argparse.BooleanOptionalAction, default=False
+    )
+    parser.add_argument(
+        "--compare-proxy-cpus",
+        default="",
+        metavar="CPUS",
+        help="also 1P1D with its proxy process pinned to these cores (e.g. P's: 0)",
+    )
+    parser.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help=f"run even when other jobs use over {BUSY_OTHER_CPU} cores before the start",
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "equal_hw.json")
     args = parser.parse_args()
