@@ -3,16 +3,16 @@
 Two parts, each system measured alone (the other paused with SIGSTOP):
 
 1. Token identity: each prompt, one at a time, on the single instance and through 1P1D; TTFT
-   and TPOT side by side. TPOT is vLLM's own (its inter-token histogram read before and after
-   each request, ``timings``), checked against the client's stream: an answer the client read
-   in a burst is marked, never shown as a TPOT of 0.
+   and TPOT side by side, and the path each prompt took through 1P1D (P then D, or D alone:
+   the proxy's default bypass of short prompts). TPOT is vLLM's own (its inter-token histogram
+   read before and after each request, ``timings``), checked against the client's stream: an
+   answer the client read in a burst is marked, never shown as a TPOT of 0.
 2. A short mixed load (``equal_hw``): Poisson arrivals of long prompts that answer briefly and
    short prompts that decode long. On one instance every long prefill stalls the decoding of
    the others (their ITL p99); 1P1D prefills on P and keeps D decoding.
 
-The single instance's processes run on both cores, P's on one and D's on the other: the same
-hardware (its worker keeps one OpenMP thread, as P's and D's, so that the tokens can be
-compared: ``benchmarks/bench_equal_hw.py`` gives it two, and compares tokens like for like).
+Equal hardware, as ``benchmarks/bench_equal_hw.py``: the single instance's processes and its
+two OpenMP threads on both cores, P's on one core and D's on the other, one thread each.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pd_serving.equal_hw import (
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
 from pd_serving.model import cache_dir, default_model_dir, make_bench_model, make_model
 from pd_serving.proxy import READY_LINE, Dispatch
+from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
 from pd_serving.servers import (
     Connector,
     CpuSettings,
@@ -50,16 +51,17 @@ from pd_serving.servers import (
     cpu_bind_for,
     plan_servers,
 )
-from pd_serving.timings import EMPTY, ITL, custom_buckets_arg, parse_histograms
+from pd_serving.timings import EMPTY, ITL, Histogram, custom_buckets_arg, parse_histograms
 from pd_serving.workload import LengthDist, MixSpec, SweepRequest, plan_mixed
 
 DEMO_PROMPT_TOKENS = (16, 127, 128, 300, 700, 1000)
 
-# D computes the last prompt token of an MLA model on the absorbed decode path where a single
-# instance ran it on the prefill path: with random weights a greedy near-tie can flip. These archs
-# are compared as vLLM's own tests do: equal up to the first divergence, and there each side's
-# token among the other's top TOP_LOGPROBS.
-NEAR_TIE_ARCHS = frozenset({"mla"})
+# Greedy tokens of a random-weight model can flip at a near tie when two instances add the same
+# sums in another order: the single instance's two OpenMP threads split them otherwise than P's
+# and D's one, and D computes an MLA model's last prompt token on the absorbed decode path where
+# one instance runs the prefill path. Answers are compared as vLLM's own tests do: token for
+# token, else equal up to the first divergence and there each side's token among the other's top
+# TOP_LOGPROBS ("near tie at N"); anything else is a difference.
 TOP_LOGPROBS = 5
 
 
@@ -137,31 +139,86 @@ class Answer:
     """One demo request: the client's completion and vLLM's own step times for it."""
 
     completion: Completion
-    server_tpot_s: float  # mean inter-token latency of this request on the decoding instance
+    # Mean inter-token latency of this request on the decoding instance; nan: not read.
+    server_tpot_s: float
+    path: str = ""  # 1P1D: "P -> D", or "D alone" (bypassed)
 
     @property
     def client_tpot_s(self) -> float:
         return self.completion.tpot_s
 
     @property
+    def server_known(self) -> bool:
+        return math.isfinite(self.server_tpot_s) and self.server_tpot_s > 0
+
+    @property
+    def client_saw_every_gap(self) -> bool:
+        """Every token came in a chunk of its own, the last one after the first (a stream
+        read in one burst has chunks of several tokens, or none after the first)."""
+        chunks = self.completion.chunk_tokens
+        return len(chunks) > 1 and all(n == 1 for n in chunks) and self.client_tpot_s > 0
+
+    @property
     def burst(self) -> bool:
         """The client's TPOT is not vLLM's: it read tokens that had queued up."""
-        if not math.isfinite(self.server_tpot_s) or self.server_tpot_s <= 0:
-            return False
+        if not self.server_known:
+            return not self.client_saw_every_gap
         deviation = abs(self.client_tpot_s - self.server_tpot_s) / self.server_tpot_s
         return deviation > TPOT_TOLERANCE
 
     def tpot_cell(self) -> str:
-        """vLLM's TPOT; marked when the client's reading of the stream disagrees."""
-        if not math.isfinite(self.server_tpot_s):
-            return f"{self.client_tpot_s * 1000:.1f}"
-        mark = "*" if self.burst else ""
-        return f"{self.server_tpot_s * 1000:.1f}{mark}"
+        """vLLM's TPOT, marked "*" when the client's reading of the stream disagrees; without
+        vLLM's figure the client's, marked "?" (unchecked), if the client saw every gap, else
+        "-". Never a TPOT of 0 for an answer of several tokens."""
+        if self.completion.completion_tokens < 2:
+            return "-"  # one token: no time per output token
+        if self.server_known:
+            return _tpot_ms(self.server_tpot_s) + ("*" if self.burst else "")
+        if self.client_saw_every_gap:
+            return _tpot_ms(self.client_tpot_s) + "?"
+        return "-"
 
 
-async def _itl(session: aiohttp.ClientSession, url: str):
-    async with session.get(f"{url}/metrics") as resp:
-        return parse_histograms(await resp.text(), [ITL])[ITL]
+def _tpot_ms(seconds: float) -> str:
+    ms = seconds * 1000
+    return f"{ms:.1f}" if ms >= 0.05 else "<0.1"
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str | None:
+    """An instance's (or the proxy's) /metrics text; None when it cannot be read."""
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            return await resp.text() if resp.status == 200 else None
+    except aiohttp.ClientError:
+        return None
+
+
+async def _itl(session: aiohttp.ClientSession, url: str) -> Histogram:
+    text = await _metrics(session, url)
+    return EMPTY if text is None else parse_histograms(text, [ITL])[ITL]
+
+
+def request_tpot_s(before: Histogram, after: Histogram) -> float:
+    """One request's mean step time from the decoding instance's ITL histogram read around it;
+    nan when either read failed or the histogram did not move."""
+    if before is EMPTY or after is EMPTY:
+        return float("nan")
+    step = after - before
+    return step.mean if step.count > 0 else float("nan")
+
+
+BYPASSES = "pdserve_bypass_total"
+
+
+def bypass_count(metrics_text: str | None) -> float:
+    """Requests the proxy sent to D alone so far (every reason); nan when not read."""
+    if metrics_text is None:
+        return float("nan")
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(BYPASSES + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 async def _one_by_one(
@@ -177,13 +234,19 @@ async def _one_by_one(
     task,
 ) -> list[Answer]:
     answers = []
+    proxied = url != decode_url
     for prompt in prompts:
         before = await _itl(session, decode_url)
+        bypassed = bypass_count(await _metrics(session, url)) if proxied else math.nan
         completion = await complete(
             session, url, model_name, prompt, max_tokens=max_tokens, logprobs=logprobs
         )
-        step = await _itl(session, decode_url) - before if before is not EMPTY else EMPTY
-        answers.append(Answer(completion, step.mean if step.count else float("nan")))
+        tpot = request_tpot_s(before, await _itl(session, decode_url))
+        path = ""
+        if proxied:
+            now = bypass_count(await _metrics(session, url))
+            path = "?" if math.isnan(now - bypassed) else "D alone" if now > bypassed else "P -> D"
+        answers.append(Answer(completion, tpot, path))
         progress.advance(task)
     return answers
 
@@ -243,11 +306,13 @@ def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connecto
     p_core, d_core = cpu_bind_for(Role.PREFILL, 0), cpu_bind_for(Role.DECODE, 0)
     for server in servers:
         if server.role is Role.SINGLE and "nobind" not in (p_core, d_core):
-            # Equal hardware: the single instance's processes get P's core and D's. Its worker
-            # keeps one OpenMP thread, as P's and D's: two threads add up a long prompt's bf16
-            # sums in another order, which flips greedy tokens of a random-weight model.
-            server.cpu = replace(server.cpu, cpu_bind=d_core)
-            server.process_cpus = frozenset({int(p_core), int(d_core)})
+            # Equal hardware: the single instance gets P's core and D's, every process and an
+            # OpenMP thread on each.
+            cores = sorted({int(p_core), int(d_core)})
+            server.cpu = replace(
+                server.cpu, cpu_bind=",".join(map(str, cores)), omp_threads=len(cores)
+            )
+            server.process_cpus = frozenset(cores)
         # vLLM's step times in fine buckets (its default ITL ladder starts at 10 ms).
         server.extra_args += ["--custom-histogram-buckets", custom_buckets_arg()]
     return servers
@@ -290,7 +355,6 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         model = args.model.resolve()
     log_dir = args.log_dir or cache_dir() / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    near_ties = args.arch in NEAR_TIE_ARCHS
     tokenizer = load_tokenizer(model)
     lengths = DEMO_PROMPT_TOKENS[: args.requests] if args.requests <= 6 else None
     lengths = lengths or tuple(16 + (i * 997) % 1000 for i in range(args.requests))
@@ -333,11 +397,11 @@ def run_demo(args: argparse.Namespace) -> int:
                     model_name=str(model),
                     prompts=prompts,
                     max_tokens=args.max_tokens,
-                    logprobs=TOP_LOGPROBS if near_ties else None,
+                    logprobs=TOP_LOGPROBS,
                     console=console,
                 )
             )
-            code = _report(console, lengths, pairs, near_ties=near_ties)
+            code = _report(console, lengths, pairs)
             points = []
             if args.load_requests:
                 console.print(
@@ -365,43 +429,72 @@ def run_demo(args: argparse.Namespace) -> int:
     return code
 
 
+@dataclass
+class IdentityRow:
+    """One prompt of part 1, as the table shows it and the summary stores it."""
+
+    prompt_tokens: int
+    output_tokens: int
+    path: str
+    ttft_single_ms: float
+    ttft_pd_ms: float
+    tpot_single: str  # the cells: vLLM's, marked, never 0
+    tpot_pd: str
+    same: str  # "yes", "near tie at N" or "NO"
+
+
+def identity_rows(lengths: tuple[int, ...], results: list[tuple[Answer, Answer]]):
+    return [
+        IdentityRow(
+            prompt_tokens=n,
+            output_tokens=pd.completion.completion_tokens,
+            path=pd.path,
+            ttft_single_ms=1000 * single.completion.ttft_s,
+            ttft_pd_ms=1000 * pd.completion.ttft_s,
+            tpot_single=single.tpot_cell(),
+            tpot_pd=pd.tpot_cell(),
+            same=compare(single.completion, pd.completion, near_ties=True),
+        )
+        for n, (single, pd) in zip(lengths, results, strict=True)
+    ]
+
+
 def _report(
-    console: Console,
-    lengths: tuple[int, ...],
-    results: list[tuple[Answer, Answer]],
-    *,
-    near_ties: bool = False,
+    console: Console, lengths: tuple[int, ...], results: list[tuple[Answer, Answer]]
 ) -> int:
     table = Table(title="greedy completions: single instance vs 1P1D through the proxy")
-    for col in ("prompt tok", "out tok", "TTFT single ms", "TTFT 1P1D ms", "TPOT single ms"):
+    for col in (
+        "prompt tok", "out tok", "1P1D path", "TTFT single ms", "TTFT 1P1D ms",
+        "TPOT single ms", "TPOT 1P1D ms",
+    ):  # fmt: skip
         table.add_column(col, justify="right")
-    table.add_column("TPOT 1P1D ms", justify="right")
-    table.add_column("same text")
-    all_equal = True
-    bursts = []
-    for n, (single, pd) in zip(lengths, results, strict=True):
-        verdict = compare(single.completion, pd.completion, near_ties=near_ties)
-        equal = verdict != "NO"
-        all_equal &= equal
-        for name, answer in (("single", single), ("1P1D", pd)):
-            if answer.burst:
-                bursts.append(
-                    f"{n} tokens on {name}: client {answer.client_tpot_s * 1000:.1f} ms, "
-                    f"vLLM {answer.server_tpot_s * 1000:.1f} ms"
-                )
+    table.add_column("same tokens")
+    rows = identity_rows(lengths, results)
+    for row in rows:
+        equal = row.same != "NO"
         table.add_row(
-            str(n),
-            str(pd.completion.completion_tokens),
-            _ms(single.completion.ttft_s),
-            _ms(pd.completion.ttft_s),
-            single.tpot_cell(),
-            pd.tpot_cell(),
-            f"[green]{verdict}[/green]" if equal else "[red]NO[/red]",
+            str(row.prompt_tokens),
+            str(row.output_tokens),
+            row.path,
+            f"{row.ttft_single_ms:.0f}",
+            f"{row.ttft_pd_ms:.0f}",
+            row.tpot_single,
+            row.tpot_pd,
+            f"[green]{row.same}[/green]" if equal else "[red]NO[/red]",
         )
     console.print(table)
+    bursts = [
+        f"{n} tokens on {name}: client {answer.client_tpot_s * 1000:.1f} ms, "
+        f"vLLM {answer.server_tpot_s * 1000:.1f} ms"
+        for n, pair in zip(lengths, results, strict=True)
+        for name, answer in zip(("single", "1P1D"), pair, strict=True)
+        if answer.burst and answer.server_known
+    ]
     console.print(
         "TPOT: vLLM's own mean step time for the request (its inter-token histogram), "
-        "checked against the client's stream."
+        "checked against the client's stream. 1P1D path: the proxy sends prompts under "
+        f"{DEFAULT_BYPASS_BELOW_TOKENS} estimated tokens (characters / 4) to D alone.",
+        highlight=False,
     )
     if bursts:
         console.print(
@@ -409,27 +502,41 @@ def _report(
             "TPOT is not the step time: " + "; ".join(bursts),
             highlight=False,
         )
+    if any(a.tpot_cell().endswith("?") for pair in results for a in pair):
+        console.print("? vLLM's histogram could not be read: the client's TPOT, unchecked.")
     sample = results[-1][1].completion.text.replace("\n", " ")
     console.print(f"last answer (random weights, so no meaning): {sample[:80]!r}")
-    if all_equal and near_ties:
-        console.print(
-            "[bold green]1P1D answered like the single instance (token for token up to the first "
-            "near tie, where each side's token is in the other's top 5: MLA's absorbed decode "
-            "path on D).[/]"
-        )
-        return 0
-    if all_equal:
+    verdicts = [row.same for row in rows]
+    if all(v == "yes" for v in verdicts):
         console.print("[bold green]1P1D answered token for token like the single instance.[/]")
+        return 0
+    if "NO" not in verdicts:
+        console.print(
+            "[bold green]1P1D answered like the single instance: token for token up to the "
+            f"first near tie, where each side's token is in the other's top {TOP_LOGPROBS} "
+            "(random weights; the same sums added in another order: the single instance's two "
+            "OpenMP threads, or D's absorbed decode path for an MLA model).[/]",
+            highlight=False,
+        )
         return 0
     console.print("[bold red]1P1D and the single instance differ.[/]")
     return 1
 
 
+def timing_summary(point) -> str:
+    """The timings column: whether the client's ITL and TTFT agree with vLLM's."""
+    if point.timing_agrees and point.ttft_agrees:
+        return "client agrees with vLLM"
+    notes = [n for ok, n in ((point.timing_agrees, point.timing_note),
+                             (point.ttft_agrees, point.ttft_note)) if not ok]  # fmt: skip
+    return "; ".join(notes)
+
+
 def _report_load(console: Console, points, slo: Slo) -> None:
     table = Table(title="mixed load on the same two cores (ITL: the gaps between tokens)")
     for col in (
-        "system", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "ITL p99 vLLM ms",
-        "longest stall ms",
+        "system", "TTFT p50 ms", "TTFT p99 ms", "TTFT mean ms client / vLLM", "TPOT p50 ms",
+        "ITL p50 ms", "ITL p99 ms", "ITL p99 vLLM ms", "longest stall ms",
         f"within SLO (TTFT<={slo.ttft_ms:g}, ITL p99<={slo.itl_ms:g} ms)", "timings",
     ):  # fmt: skip
         table.add_column(col, justify="right")
@@ -438,14 +545,22 @@ def _report_load(console: Console, points, slo: Slo) -> None:
             p.system,
             f"{p.ttft_p50_ms:.0f}",
             f"{p.ttft_p99_ms:.0f}",
+            f"{p.ttft_mean_ms:.0f} / {p.server_ttft_mean_ms:.0f}",
+            f"{p.tpot_p50_ms:.1f}" if p.timing_agrees else f"{p.server_tpot_p50_ms:.1f} (vLLM)",
             f"{p.itl_p50_ms:.1f}" if p.timing_agrees else f"{p.server_itl_p50_ms:.1f} (vLLM)",
             f"{p.checked_itl_p99_ms:.1f}",
             f"{p.server_itl_p99_ms:.1f}",
             f"{p.itl_max_ms:.0f}",
             f"{100 * p.slo_attainment:.0f}%",
-            "client agrees with vLLM" if p.timing_agrees else p.timing_note,
+            timing_summary(p),
         )
     console.print(table)
+    console.print(
+        "TTFT vLLM: per request, the single instance's own TTFT; on 1P1D P's whole request "
+        "plus D's TTFT (or D's alone for a prompt that bypassed P). The client's is higher by "
+        "the proxy and HTTP hops.",
+        highlight=False,
+    )
     by = {p.system: p for p in points}
     single, pd = by.get("single"), by.get("1P1D")
     if not (single and pd and single.checked_itl_p99_ms > 0):
