@@ -193,6 +193,10 @@ def run(args) -> int:
     # without kv_transfer_params is a plain request to them); layouts share what they can.
     split = layout_of("split", args)
     wanted = {"prefill": [split.prefill], "decode": [split.decode]}
+    # A P for idle times: shared-p's placement (both cores, two threads, a lower priority).
+    wide = layout_of("shared-p", args).prefill
+    if args.compare_idle_wide_p and wide not in wanted["prefill"]:
+        wanted["prefill"].append(wide)
     for lay in layouts:
         chosen = layout_of(lay, args)
         for role, where in (("prefill", chosen.prefill), ("decode", chosen.decode)):
@@ -241,7 +245,9 @@ def run(args) -> int:
     proxy_cpus: dict[str, frozenset[int]] = {}  # proxies pinned to cores (else unpinned)
     pd_idle = f"{PD}, idle bypass under {args.compare_idle_bypass}"
     pd_pinned = f"{PD}, proxy on core(s) {args.compare_proxy_cpus}"
+    pd_wide = f"{PD}, wide P when idle"
     pd_systems: dict[str, tuple[str, str]] = {}  # system -> (P's name, D's name)
+    wide_p: dict[str, str] = {}  # system -> its P for idle times' URL
     for lay in layouts:
         p_name, d_name = instances(lay)
         p = by_url[by_name[p_name].url]
@@ -257,6 +263,12 @@ def run(args) -> int:
             other = ["--bypass-idle-below-tokens", str(args.compare_idle_bypass)]
             proxies[pd_idle] = pair + bypass + other
             pd_systems[pd_idle] = (p_name, d_name)
+        if args.compare_idle_wide_p:
+            w = by_url[by_name[f"prefill{wanted['prefill'].index(wide)}"].url]
+            proxies[pd_wide] = [*pair, "--prefill-when-idle", f"{w.url}@{w.rpc_address}"]
+            proxies[pd_wide] += bypass + idle
+            pd_systems[pd_wide] = (p_name, d_name)
+            wide_p[pd_wide] = w.url
         if args.compare_proxy_cpus:
             proxies[pd_pinned] = pair + bypass + idle
             pd_systems[pd_pinned] = (p_name, d_name)
@@ -306,14 +318,16 @@ def run(args) -> int:
                     [dp_first.process, dp_second.process, procs[DP]],
                 ),
             ]
+            by_server_url = {s.url: s for s in servers}
             for name, (p_name, d_name) in pd_systems.items():
                 pp, dd = by_name[p_name], by_name[d_name]
+                ps = [pp] + ([by_server_url[wide_p[name]]] if name in wide_p else [])
                 systems.append(
                     SystemUnderTest(
                         name,
                         urls[name],
-                        [[pp.url], [dd.url]],
-                        [pp.process, dd.process, procs[name]],
+                        [[p.url for p in ps], [dd.url]],
+                        [*(p.process for p in ps), dd.process, procs[name]],
                     )
                 )
             every = [s.process for s in servers] + list(procs.values())
@@ -364,6 +378,8 @@ def run(args) -> int:
             PD_NO_BYPASS: f"{PD}'s P, D and dispatch, every prompt through P",
             pd_idle: f"{PD} with --bypass-idle-below-tokens {args.compare_idle_bypass}",
             pd_pinned: f"{PD} with its proxy process on cores {args.compare_proxy_cpus}",
+            pd_wide: f"{PD} and a P for idle times ({describe_layout(layout_of('shared-p', args))}"
+            "; the proxy's --prefill-when-idle: it prefills while D and P are idle)",
         },
         "other_cpu_before": other,
         "pd_layout": args.pd_layout,
@@ -554,6 +570,12 @@ def main() -> int:
         default="",
         metavar="CPUS",
         help="also 1P1D with its proxy process pinned to these cores (e.g. P's: 0)",
+    )
+    parser.add_argument(
+        "--compare-idle-wide-p",
+        action="store_true",
+        help="also 1P1D with a second P on both cores (two threads, a lower priority: --p-*) "
+        "that prefills only while D and the first P are idle (pdserve proxy --prefill-when-idle)",
     )
     parser.add_argument(
         "--allow-busy",

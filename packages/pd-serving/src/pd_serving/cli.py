@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -661,13 +662,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         url, _, rpc = spec.partition("@")
         return backend(url, rpc or None)
 
-    unknown = set(events) - {s.partition("@")[0].rstrip("/") for s in [*args.prefill, *args.decode]}
+    specs = [*args.prefill, *args.prefill_when_idle, *args.decode]
+    unknown = set(events) - {s.partition("@")[0].rstrip("/") for s in specs}
     if unknown:
         raise SystemExit(
             f"pdserve: --kv-events-from names no --prefill/--decode: {sorted(unknown)}"
         )
     config = ProxyConfig(
-        prefill=[spec_backend(spec) for spec in args.prefill],
+        prefill=[spec_backend(spec) for spec in args.prefill]
+        + [dataclasses.replace(spec_backend(s), when_idle=True) for s in args.prefill_when_idle],
         # A D's @RPC (its connector's transfer_kv address) lets its requests migrate live.
         decode=[spec_backend(spec) for spec in args.decode],
         connector=Connector(args.connector),
@@ -826,6 +829,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
     p.add_argument("--prefill", action="append", default=[], metavar="URL[@RPC]")
+    p.add_argument(
+        "--prefill-when-idle",
+        action="append",
+        default=[],
+        metavar="URL[@RPC]",
+        help="a P that prefills only while D and every P are idle: one that shares their cores "
+        "on more of them (repeatable)",
+    )
     p.add_argument("--decode", action="append", required=True, metavar="URL[@RPC]")
     p.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
     p.add_argument("--dispatch", choices=["sequential", "parallel"], default=None)
