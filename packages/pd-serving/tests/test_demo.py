@@ -75,3 +75,17 @@ def test_bypasses_are_counted_from_the_proxys_metrics():
     assert bypass_count(text) == 4.0
     assert bypass_count("") == 0.0
     assert math.isnan(bypass_count(None))
+
+
+def test_the_75m_model_is_the_default_for_qwen2_only():
+    from pd_serving.cli import build_parser
+    from pd_serving.demo import uses_bench_model
+
+    def uses(*argv: str) -> bool:
+        return uses_bench_model(build_parser().parse_args(["demo", *argv]))
+
+    assert uses()
+    assert uses("--bench-model")
+    assert not uses("--tiny")
+    assert not uses("--arch", "mla")
+    assert not uses("--model", "/some/model")

@@ -875,7 +875,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         p.set_defaults(func=func)
 
-    p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")
+    p = sub.add_parser("demo", help="1P1D next to a single instance on the same two cores")
     _add_instance_options(p)
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -890,14 +890,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-rate",
         type=float,
         default=None,
-        help="their Poisson rate, req/s (default 8 on the tiny model, 2 on --bench-model)",
+        help="their Poisson rate, req/s (default 2 on the 75M model, 8 on the tiny one)",
     )
-    p.add_argument(
+    models = p.add_mutually_exclusive_group()
+    models.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tiny model instead of the 75M one: faster, but it prefills a long prompt in "
+        "a few decode steps' time, too little to stall decoding (what PD is for)",
+    )
+    models.add_argument(
         "--bench-model",
         action="store_true",
-        help="the equal-hardware benchmark's 75M-parameter model instead of the tiny one: its "
-        "long prefills stall decoding on one instance (make-model once, ~30 s)",
+        help="the equal-hardware benchmark's 75M-parameter Qwen2 (the default for --arch "
+        "qwen2 without --model; made once, ~30 s): its long prefills stall decoding on one "
+        "instance",
     )
+    p.add_argument("--json", type=Path, default=None, help="also write the run's summary here")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="TTFT/TPOT of 1P1D against a single instance")

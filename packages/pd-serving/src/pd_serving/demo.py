@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -37,10 +38,17 @@ from pd_serving.equal_hw import (
     SystemUnderTest,
     activate,
     compare_systems,
+    payload,
     run_equal_hw,
 )
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
-from pd_serving.model import cache_dir, default_model_dir, make_bench_model, make_model
+from pd_serving.model import (
+    DEFAULT_ARCH,
+    cache_dir,
+    default_model_dir,
+    make_bench_model,
+    make_model,
+)
 from pd_serving.proxy import READY_LINE, Dispatch
 from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
 from pd_serving.servers import (
@@ -59,9 +67,12 @@ DEMO_PROMPT_TOKENS = (16, 127, 128, 300, 700, 1000)
 # Greedy tokens of a random-weight model can flip at a near tie when two instances add the same
 # sums in another order: the single instance's two OpenMP threads split them otherwise than P's
 # and D's one, and D computes an MLA model's last prompt token on the absorbed decode path where
-# one instance runs the prefill path. Answers are compared as vLLM's own tests do: token for
-# token, else equal up to the first divergence and there each side's token among the other's top
-# TOP_LOGPROBS ("near tie at N"); anything else is a difference.
+# one instance runs the prefill path. So 1P1D's answers are compared token for token with D
+# alone (one instance on P's and D's thread count; near ties allowed only for NEAR_TIE_ARCHS),
+# and with the single instance as vLLM's own tests compare: token for token, else equal up to
+# the first divergence and there each side's token among the other's top TOP_LOGPROBS ("near
+# tie at N"); anything else is a difference.
+NEAR_TIE_ARCHS = frozenset({"mla"})
 TOP_LOGPROBS = 5
 
 
@@ -261,22 +272,29 @@ async def _identity_check(
     max_tokens: int,
     logprobs: int | None,
     console: Console,
-) -> list[tuple[Answer, Answer]]:
-    """Every prompt on the single instance (1P1D paused), then through 1P1D (single paused)."""
+) -> list[tuple[Answer, Answer, Answer]]:
+    """Every prompt on the single instance (1P1D paused), then through 1P1D and to D alone
+    (single paused): (single's, 1P1D's, D's) answers. D alone is one vLLM instance on P's and
+    D's thread count: the reference for token identity (the single instance's two threads add
+    sums in another order)."""
     out: dict[str, list[Answer]] = {}
+    decode_url = pd.stages[-1][0]
     async with aiohttp.ClientSession() as session:
         with _progress(console) as progress:
             for system in (single, pd):
                 activate(system, every)
-                # The first request of an instance pays lazy initialisation.
-                await complete(session, system.url, model_name, "warm up", max_tokens=2)
+                # The first requests pay lazy initialisation (P's too, the logprobs path's).
+                for warm in (prompts[0], prompts[-1]):
+                    await complete(
+                        session, system.url, model_name, warm, max_tokens=2, logprobs=logprobs
+                    )
                 task = progress.add_task(
                     f"requests, one at a time: {system.name}", total=len(prompts)
                 )
                 out[system.name] = await _one_by_one(
                     session,
                     system.url,
-                    system.stages[-1][0],
+                    decode_url if system is pd else system.url,
                     model_name,
                     prompts,
                     max_tokens=max_tokens,
@@ -284,7 +302,25 @@ async def _identity_check(
                     progress=progress,
                     task=task,
                 )
-    return list(zip(out[single.name], out[pd.name], strict=True))
+            task = progress.add_task("the same to D alone", total=len(prompts))
+            out["D"] = await _one_by_one(
+                session,
+                decode_url,
+                decode_url,
+                model_name,
+                prompts,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                progress=progress,
+                task=task,
+            )
+    return list(zip(out[single.name], out[pd.name], out["D"], strict=True))
+
+
+def uses_bench_model(args: argparse.Namespace) -> bool:
+    """The 75M benchmark model (a Qwen2): the default for qwen2 unless a model or --tiny is
+    asked; the other architectures run their tiny model."""
+    return args.model is None and not args.tiny and args.arch == DEFAULT_ARCH
 
 
 def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connector: Connector):
@@ -297,7 +333,7 @@ def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connecto
         single=1,
         cpu=CpuSettings(
             # The benchmark model's KV is 12 KiB a token: 64 MiB would hold 5k tokens.
-            kv_cache_bytes=max(args.kv_cache_mib, 384 if args.bench_model else 0) << 20,
+            kv_cache_bytes=max(args.kv_cache_mib, 384 if uses_bench_model(args) else 0) << 20,
             max_model_len=args.max_model_len,
             arch=args.arch,
         ),
@@ -345,7 +381,12 @@ def run_demo(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=110)
     connector = Connector(args.connector)
     dispatch = Dispatch(args.dispatch or Dispatch.SEQUENTIAL)  # as pdserve up; see cli.py
-    if args.bench_model:
+    if args.bench_model and args.arch != DEFAULT_ARCH:
+        raise SystemExit(
+            f"pdserve: the 75M model is a {DEFAULT_ARCH}; --arch {args.arch} runs tiny"
+        )
+    bench_model = uses_bench_model(args)
+    if bench_model:
         with console.status("making the benchmark model (75M parameters, once)"):
             model = make_bench_model()
     elif args.model is None:
@@ -359,7 +400,7 @@ def run_demo(args: argparse.Namespace) -> int:
     lengths = DEMO_PROMPT_TOKENS[: args.requests] if args.requests <= 6 else None
     lengths = lengths or tuple(16 + (i * 997) % 1000 for i in range(args.requests))
     prompts = [exact_length_prompt(tokenizer, n, seed=i) for i, n in enumerate(lengths)]
-    load_rate = args.load_rate or (BENCH_MODEL_RATE if args.bench_model else TINY_MODEL_RATE)
+    load_rate = args.load_rate or (BENCH_MODEL_RATE if bench_model else TINY_MODEL_RATE)
     plan = plan_mixed(
         load_rate, args.load_requests, DEMO_MIX, seed=7, max_model_len=args.max_model_len
     )
@@ -401,8 +442,9 @@ def run_demo(args: argparse.Namespace) -> int:
                     console=console,
                 )
             )
-            code = _report(console, lengths, pairs)
+            code = _report(console, lengths, pairs, near_ties=args.arch in NEAR_TIE_ARCHS)
             points = []
+            slo = BENCH_MODEL_SLO if bench_model else TINY_MODEL_SLO
             if args.load_requests:
                 console.print(
                     f"mixed load: {args.load_requests} Poisson arrivals at {load_rate:g} "
@@ -419,13 +461,29 @@ def run_demo(args: argparse.Namespace) -> int:
                         warmup=warm,
                     )
                 )
-                slo = BENCH_MODEL_SLO if args.bench_model else TINY_MODEL_SLO
                 points = compare_systems(turns, slo, long_prompt_above=64)
         finally:
             stop_all([proxy])
         console.print("stopping every instance ...")
     if points:
         _report_load(console, points, slo)
+    if args.json is not None:
+        meta = {
+            "command": "pdserve " + " ".join(sys.argv[1:]),
+            "model": str(model),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "load": {"rate": load_rate, "requests": args.load_requests, "mix": DEMO_MIX.describe()},
+            "slo": {"ttft_ms": slo.ttft_ms, "itl_p99_per_request_ms": slo.itl_ms},
+        }
+        summary = payload(points, meta) | {
+            "identity": [
+                asdict(r)
+                for r in identity_rows(lengths, pairs, near_ties=args.arch in NEAR_TIE_ARCHS)
+            ]
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+        console.print(f"wrote {args.json}")
     return code
 
 
@@ -440,10 +498,16 @@ class IdentityRow:
     ttft_pd_ms: float
     tpot_single: str  # the cells: vLLM's, marked, never 0
     tpot_pd: str
-    same: str  # "yes", "near tie at N" or "NO"
+    same_as_d: str  # 1P1D against D alone: "yes" ("near tie at N" for NEAR_TIE_ARCHS) or "NO"
+    same_as_single: str  # against the single instance: "yes", "near tie at N" or "NO"
 
 
-def identity_rows(lengths: tuple[int, ...], results: list[tuple[Answer, Answer]]):
+def identity_rows(
+    lengths: tuple[int, ...],
+    results: list[tuple[Answer, Answer, Answer]],
+    *,
+    near_ties: bool = False,
+) -> list[IdentityRow]:
     return [
         IdentityRow(
             prompt_tokens=n,
@@ -453,14 +517,23 @@ def identity_rows(lengths: tuple[int, ...], results: list[tuple[Answer, Answer]]
             ttft_pd_ms=1000 * pd.completion.ttft_s,
             tpot_single=single.tpot_cell(),
             tpot_pd=pd.tpot_cell(),
-            same=compare(single.completion, pd.completion, near_ties=True),
+            same_as_d=compare(alone.completion, pd.completion, near_ties=near_ties),
+            same_as_single=compare(single.completion, pd.completion, near_ties=True),
         )
-        for n, (single, pd) in zip(lengths, results, strict=True)
+        for n, (single, pd, alone) in zip(lengths, results, strict=True)
     ]
 
 
+def _verdict_cell(verdict: str) -> str:
+    return f"[green]{verdict}[/green]" if verdict != "NO" else "[red]NO[/red]"
+
+
 def _report(
-    console: Console, lengths: tuple[int, ...], results: list[tuple[Answer, Answer]]
+    console: Console,
+    lengths: tuple[int, ...],
+    results: list[tuple[Answer, Answer, Answer]],
+    *,
+    near_ties: bool = False,
 ) -> int:
     table = Table(title="greedy completions: single instance vs 1P1D through the proxy")
     for col in (
@@ -468,10 +541,10 @@ def _report(
         "TPOT single ms", "TPOT 1P1D ms",
     ):  # fmt: skip
         table.add_column(col, justify="right")
-    table.add_column("same tokens")
-    rows = identity_rows(lengths, results)
+    table.add_column("1P1D = D alone")
+    table.add_column("1P1D = single")
+    rows = identity_rows(lengths, results, near_ties=near_ties)
     for row in rows:
-        equal = row.same != "NO"
         table.add_row(
             str(row.prompt_tokens),
             str(row.output_tokens),
@@ -480,14 +553,15 @@ def _report(
             f"{row.ttft_pd_ms:.0f}",
             row.tpot_single,
             row.tpot_pd,
-            f"[green]{row.same}[/green]" if equal else "[red]NO[/red]",
+            _verdict_cell(row.same_as_d),
+            _verdict_cell(row.same_as_single),
         )
     console.print(table)
     bursts = [
         f"{n} tokens on {name}: client {answer.client_tpot_s * 1000:.1f} ms, "
         f"vLLM {answer.server_tpot_s * 1000:.1f} ms"
-        for n, pair in zip(lengths, results, strict=True)
-        for name, answer in zip(("single", "1P1D"), pair, strict=True)
+        for n, answers in zip(lengths, results, strict=True)
+        for name, answer in zip(("single", "1P1D"), answers, strict=False)
         if answer.burst and answer.server_known
     ]
     console.print(
@@ -502,25 +576,29 @@ def _report(
             "TPOT is not the step time: " + "; ".join(bursts),
             highlight=False,
         )
-    if any(a.tpot_cell().endswith("?") for pair in results for a in pair):
+    if any(a.tpot_cell().endswith("?") for answers in results for a in answers[:2]):
         console.print("? vLLM's histogram could not be read: the client's TPOT, unchecked.")
     sample = results[-1][1].completion.text.replace("\n", " ")
     console.print(f"last answer (random weights, so no meaning): {sample[:80]!r}")
-    verdicts = [row.same for row in rows]
-    if all(v == "yes" for v in verdicts):
-        console.print("[bold green]1P1D answered token for token like the single instance.[/]")
-        return 0
-    if "NO" not in verdicts:
+    console.print(
+        "1P1D = D alone: the same prompt to D as a plain request (one vLLM instance on P's and "
+        "D's one thread). 1P1D = single: against the single instance, whose two threads add "
+        f"the same sums in another order: a near tie (each side's token in the other's top "
+        f"{TOP_LOGPROBS} at the first difference) can flip a greedy token of random weights.",
+        highlight=False,
+    )
+    exact = [row.same_as_d for row in rows]
+    if "NO" in exact or any(row.same_as_single == "NO" for row in rows):
+        console.print("[bold red]1P1D differs from one vLLM instance.[/]")
+        return 1
+    if all(v == "yes" for v in exact):
+        console.print("[bold green]1P1D answered token for token like one vLLM instance.[/]")
+    else:
         console.print(
-            "[bold green]1P1D answered like the single instance: token for token up to the "
-            f"first near tie, where each side's token is in the other's top {TOP_LOGPROBS} "
-            "(random weights; the same sums added in another order: the single instance's two "
-            "OpenMP threads, or D's absorbed decode path for an MLA model).[/]",
-            highlight=False,
+            "[bold green]1P1D answered like one vLLM instance up to near ties (MLA: D computes "
+            "the last prompt token on the absorbed decode path).[/]"
         )
-        return 0
-    console.print("[bold red]1P1D and the single instance differ.[/]")
-    return 1
+    return 0
 
 
 def timing_summary(point) -> str:
@@ -577,6 +655,6 @@ def _report_load(console: Console, points, slo: Slo) -> None:
         console.print(
             f"1P1D's ITL p99 is {ratio:.2f}x the single instance's ({stalls}): this model "
             "prefills a long prompt in a few steps' time, too little to stall decoding. Run "
-            "`pdserve demo --bench-model` (a 75M model) to see a long prefill stall one instance "
-            "and not 1P1D."
+            "`pdserve demo` without --tiny (the 75M model) to see a long prefill stall one "
+            "instance and not 1P1D."
         )
