@@ -80,6 +80,7 @@ def layout_of(name: str, args) -> Layout:
         low_omp_wait_policy=args.p_omp_wait_policy or None,
         low_worker_in_engine=args.p_worker_in_engine,
         d_worker_in_engine=args.d_worker_in_engine,
+        worker_in_engine=args.worker_in_engine,
     )
 
 
@@ -211,7 +212,8 @@ def run(args) -> int:
         single=1,
         cpu=base,
     )
-    settings = {"single0": replace(base, cpu_bind="0-1", omp_threads=2)} | {
+    single = replace(base, cpu_bind="0-1", omp_threads=2, worker_in_engine=args.worker_in_engine)
+    settings = {"single0": single} | {
         f"{role}{i}": where.apply(base)
         for role, places in wanted.items()
         for i, where in enumerate(places)
@@ -364,7 +366,8 @@ def run(args) -> int:
         "cpu_count": os.cpu_count(),
         "load_avg": {"before": load_before, "after": os.getloadavg()},
         "systems": {
-            SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2",
+            SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2, worker in "
+            f"engine core: {args.worker_in_engine}",
             DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
             **{
                 names[lay]: f"{describe_layout(layout_of(lay, args))}; pdserve proxy, "
@@ -564,6 +567,14 @@ def main() -> int:
     )
     parser.add_argument(
         "--d-worker-in-engine", action=argparse.BooleanOptionalAction, default=False
+    )
+    parser.add_argument(
+        "--worker-in-engine",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="every instance, the single one too, runs vLLM's worker in its engine-core "
+        "process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no worker spinning a second after each "
+        "step on the cores it shares)",
     )
     parser.add_argument(
         "--compare-proxy-cpus",

@@ -119,16 +119,18 @@ def make_layout(
     low_omp_wait_policy: str | None = "passive",
     low_worker_in_engine: bool = False,
     d_worker_in_engine: bool = False,
+    worker_in_engine: bool = False,
 ) -> Layout:
-    """One of ``LAYOUTS``; ``low_*``: the instance that shares a core at a lower priority."""
+    """One of ``LAYOUTS``; ``low_*``: the instance that shares a core at a lower priority;
+    ``worker_in_engine``: every instance's worker in its engine-core process."""
     low = {
         "nice": low_nice,
         "omp_wait_policy": low_omp_wait_policy,
-        "worker_in_engine": low_worker_in_engine,
+        "worker_in_engine": low_worker_in_engine or worker_in_engine,
     }
-    split_d = Placement("1", worker_in_engine=d_worker_in_engine)
+    split_d = Placement("1", worker_in_engine=d_worker_in_engine or worker_in_engine)
     if name == "split":
-        return Layout(name, Placement("0"), split_d)
+        return Layout(name, Placement("0", worker_in_engine=worker_in_engine), split_d)
     if name == "shared-p":
         return Layout(name, Placement("0-1", threads=2, **low), split_d)
     if name == "shared-d":
