@@ -311,3 +311,23 @@ def test_up_places_p_and_d_on_the_cores_threads_and_priority_asked() -> None:
     plain = plan_servers(Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID)
     _place(plain, build_parser().parse_args(["up"]))
     assert [(s.cpu.omp_threads, s.cpu.nice, s.cpu.cpu_bind) for s in plain] == [(1, 0, None)] * 2
+
+
+def test_up_places_a_p_for_idle_times_on_every_core_of_the_others() -> None:
+    from pd_serving.cli import _place, _place_when_idle
+
+    args = build_parser().parse_args(
+        ["up", "--prefill-cpus", "0", "--decode-cpus", "1", "--prefill-when-idle", "1"]
+    )
+    servers = plan_servers(
+        Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID, prefill=2, decode=1
+    )
+    _place(servers, args)
+    assert _place_when_idle(servers, args.prefill_when_idle) == {"prefill-idle0"}
+    p, idle, d = servers
+    assert (p.name, p.cpus, p.cpu.omp_threads) == ("prefill0", {0}, 1)
+    assert (idle.cpus, idle.cpu.omp_threads, idle.cpu.nice) == ({0, 1}, 2, 10)
+    assert idle.env()["OMP_WAIT_POLICY"] == "passive"
+    assert d.cpus == {1}
+    assert all(s.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" for s in servers)
+    assert _place_when_idle(servers, 0) == set()

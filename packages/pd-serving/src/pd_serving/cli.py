@@ -369,6 +369,41 @@ def _place(servers, args: argparse.Namespace) -> None:
         )
 
 
+# A P for idle times shares the other instances' cores at this lower priority, its OpenMP
+# threads sleeping when done with their share of a step (README, "Low load").
+WHEN_IDLE_NICE = 10
+
+
+def _place_when_idle(servers, count: int) -> set[str]:
+    """The last ``count`` planned P's become P's for idle times (routing.Backend.when_idle):
+    on every core the other P's and D's use, a thread per core, at a lower priority; every
+    instance's worker runs in its engine-core process. Their names."""
+    from dataclasses import replace
+
+    if count <= 0:
+        return set()
+    prefill = [s for s in servers if s.role is Role.PREFILL]
+    idle, others = prefill[-count:], [s for s in servers if s.role is not Role.SINGLE]
+    others = [s for s in others if s not in idle]
+    cores = sorted(set().union(*(s.cpus or () for s in others)))
+    for server in others:
+        # A worker in its own process spins a second after each step (vLLM's shared-memory
+        # queue), on the very cores the P for idle times would prefill on.
+        server.cpu = replace(server.cpu, worker_in_engine=True)
+    for server in idle:
+        server.name = f"prefill-idle{idle.index(server)}"
+        if cores:
+            server.cpu = replace(
+                server.cpu,
+                cpu_bind=",".join(map(str, cores)),
+                omp_threads=len(cores),
+                nice=WHEN_IDLE_NICE,
+                omp_wait_policy="passive",
+                worker_in_engine=True,
+            )
+    return {s.name for s in idle}
+
+
 def _resolve_model(args: argparse.Namespace) -> Path:
     if args.model is not None:
         if not (args.model / "config.json").is_file():
@@ -416,13 +451,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         model,
         log_dir=log_dir,
         connector=connector,
-        prefill=args.prefill,
+        prefill=args.prefill + args.prefill_when_idle,
         decode=args.decode,
         cpu=_cpu_settings(args),
         extra_connector_config=extra,
         kv_events=args.kv_events,
     )
     _place(servers, args)
+    idle_names = _place_when_idle(servers, args.prefill_when_idle)
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
@@ -448,6 +484,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     with store, r3_store, Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
+        for backend in config.prefill:
+            backend.when_idle = backend.name in idle_names
         for name, value in _failover_settings(args).items():
             setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
@@ -801,6 +839,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start P and D vLLM instances and the proxy; Ctrl-C stops all")
     _add_instance_options(p)
     p.add_argument("--prefill", type=int, default=1)
+    p.add_argument(
+        "--prefill-when-idle",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N P's for idle times: on every core of the other P's and D's, a thread per "
+        f"core, nice {WHEN_IDLE_NICE}; they prefill only while D and every P are idle (one "
+        "long prompt at a time on all cores)",
+    )
     p.add_argument("--decode", type=int, default=1)
     _add_placement_options(p)
     p.add_argument("--host", default="127.0.0.1")
