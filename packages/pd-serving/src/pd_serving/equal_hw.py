@@ -946,6 +946,7 @@ COLUMNS = (
     "system",
     "done / failed",
     "TTFT p50/p90/p99 ms",
+    "TTFT mean ms client / vLLM",
     "ITL p50/p90/p99 ms, client",
     "ITL p50/p90/p99 ms, vLLM",
     "ITL p99 checked (rounds)",
@@ -970,15 +971,26 @@ def _row(p: EqualHwPoint) -> list[str]:
         p.system,
         f"{p.completed} / {p.failed}",
         _ms(p.ttft_p50_ms, p.ttft_p90_ms, p.ttft_p99_ms),
+        f"{_ms(p.ttft_mean_ms)} / {_ms(p.server_ttft_mean_ms)}",
         _ms(p.itl_p50_ms, p.itl_p90_ms, p.itl_p99_ms),
         _ms(p.server_itl_p50_ms, p.server_itl_p90_ms, p.server_itl_p99_ms),
         checked,
         f"{_ms(p.tpot_p50_ms)} / {_ms(p.server_tpot_p50_ms)}",
         f"{p.goodput_rps:.2f}{_spread(p, 'goodput_rps').replace(' ms', '')}",
-        "agree" if p.timing_agrees else p.timing_note,
+        timings_cell(p),
         same,
         f"{p.load_avg_1m:.0f}",
     ]
+
+
+def timings_cell(p: EqualHwPoint) -> str:
+    """ "agree" when the client's ITL and TTFT agree with vLLM's; else what does not."""
+    if p.timing_agrees and p.ttft_agrees:
+        return "agree"
+    return "; ".join(
+        note for ok, note in ((p.timing_agrees, p.timing_note), (p.ttft_agrees, p.ttft_note))
+        if not ok
+    )  # fmt: skip
 
 
 def markdown_table(points: Sequence[EqualHwPoint]) -> str:
