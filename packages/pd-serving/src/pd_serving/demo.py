@@ -269,6 +269,7 @@ async def _identity_check(
     *,
     model_name: str,
     prompts: list[str],
+    warmups: list[str],
     max_tokens: int,
     logprobs: int | None,
     console: Console,
@@ -283,8 +284,9 @@ async def _identity_check(
         with _progress(console) as progress:
             for system in (single, pd):
                 activate(system, every)
-                # The first requests pay lazy initialisation (P's too, the logprobs path's).
-                for warm in (prompts[0], prompts[-1]):
+                # The first requests pay lazy initialisation (P's too, the logprobs path's);
+                # prompts of their own, or the measured ones would come from a prefix cache.
+                for warm in warmups:
                     await complete(
                         session, system.url, model_name, warm, max_tokens=2, logprobs=logprobs
                     )
@@ -400,6 +402,8 @@ def run_demo(args: argparse.Namespace) -> int:
     lengths = DEMO_PROMPT_TOKENS[: args.requests] if args.requests <= 6 else None
     lengths = lengths or tuple(16 + (i * 997) % 1000 for i in range(args.requests))
     prompts = [exact_length_prompt(tokenizer, n, seed=i) for i, n in enumerate(lengths)]
+    # A short prompt and one long enough to go through P, unlike any measured one.
+    warmups = [exact_length_prompt(tokenizer, n, seed=90_000 + n) for n in (16, max(lengths))]
     load_rate = args.load_rate or (BENCH_MODEL_RATE if bench_model else TINY_MODEL_RATE)
     plan = plan_mixed(
         load_rate, args.load_requests, DEMO_MIX, seed=7, max_model_len=args.max_model_len
@@ -437,6 +441,7 @@ def run_demo(args: argparse.Namespace) -> int:
                     every,
                     model_name=str(model),
                     prompts=prompts,
+                    warmups=warmups,
                     max_tokens=args.max_tokens,
                     logprobs=TOP_LOGPROBS,
                     console=console,
