@@ -243,6 +243,7 @@ async def _one_by_one(
     logprobs: int | None,
     progress: Progress,
     task,
+    extra: dict | None = None,
 ) -> list[Answer]:
     answers = []
     proxied = url != decode_url
@@ -250,8 +251,9 @@ async def _one_by_one(
         before = await _itl(session, decode_url)
         bypassed = bypass_count(await _metrics(session, url)) if proxied else math.nan
         completion = await complete(
-            session, url, model_name, prompt, max_tokens=max_tokens, logprobs=logprobs
-        )
+            session, url, model_name, prompt, max_tokens=max_tokens, logprobs=logprobs,
+            extra=extra,
+        )  # fmt: skip
         tpot = request_tpot_s(before, await _itl(session, decode_url))
         path = ""
         if proxied:
@@ -305,6 +307,8 @@ async def _identity_check(
                     task=task,
                 )
             task = progress.add_task("the same to D alone", total=len(prompts))
+            # Salted: D computes the whole prompt itself, none of it from the blocks 1P1D's
+            # transfers left in its prefix cache.
             out["D"] = await _one_by_one(
                 session,
                 decode_url,
@@ -315,6 +319,7 @@ async def _identity_check(
                 logprobs=logprobs,
                 progress=progress,
                 task=task,
+                extra={"cache_salt": "pdserve-demo-reference"},
             )
     return list(zip(out[single.name], out[pd.name], out["D"], strict=True))
 
