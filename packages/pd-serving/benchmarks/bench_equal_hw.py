@@ -256,11 +256,15 @@ def run(args) -> int:
         pair = ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", by_name[d_name].url]
         proxies[names[lay]] = pair + bypass + idle
         pd_systems[names[lay]] = (p_name, d_name)
+        if args.proxy_on_p_cores:  # as `pdserve up --proxy-cpus prefill`: off D's cores
+            proxy_cpus[names[lay]] = parse_cpu_list(layout_of(lay, args).prefill.cpus)
         if lay != args.pd_layout:
             continue
         if args.bypass_below_tokens and args.compare_no_bypass:
             proxies[PD_NO_BYPASS] = [*pair, "--bypass-below-tokens", "0"]
             pd_systems[PD_NO_BYPASS] = (p_name, d_name)
+            if names[lay] in proxy_cpus:
+                proxy_cpus[PD_NO_BYPASS] = proxy_cpus[names[lay]]
         if args.compare_idle_bypass != args.bypass_idle_below_tokens:
             other = ["--bypass-idle-below-tokens", str(args.compare_idle_bypass)]
             proxies[pd_idle] = pair + bypass + other
@@ -271,12 +275,16 @@ def run(args) -> int:
             proxies[pd_wide] += bypass + idle
             pd_systems[pd_wide] = (p_name, d_name)
             wide_p[pd_wide] = w.url
+            if names[lay] in proxy_cpus:
+                proxy_cpus[pd_wide] = proxy_cpus[names[lay]]
         if args.compare_proxy_cpus:
             proxies[pd_pinned] = pair + bypass + idle
             pd_systems[pd_pinned] = (p_name, d_name)
             proxy_cpus[pd_pinned] = parse_cpu_list(args.compare_proxy_cpus)
     dp_first, dp_second = (by_name[n] for n in instances("split"))
     proxies[DP] = ["--decode", dp_first.url, "--decode", dp_second.url]  # no P: each prefills
+    if args.proxy_on_p_cores:  # where 1P1D's runs: on the first instance's core
+        proxy_cpus[DP] = parse_cpu_list(split.prefill.cpus)
     console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
     for name, (p_name, d_name) in pd_systems.items():
         console.print(f"  {name}: P {p_name}, D {d_name}", highlight=False)
@@ -368,10 +376,11 @@ def run(args) -> int:
         "systems": {
             SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2, worker in "
             f"engine core: {args.worker_in_engine}",
-            DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
+            DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P; the "
+            f"proxy on core 0: {args.proxy_on_p_cores}",
             **{
-                names[lay]: f"{describe_layout(layout_of(lay, args))}; pdserve proxy, "
-                "sequential dispatch, "
+                names[lay]: f"{describe_layout(layout_of(lay, args))}; pdserve proxy (on P's "
+                f"cores: {args.proxy_on_p_cores}), sequential dispatch, "
                 f"prompts under {args.bypass_below_tokens} estimated tokens (characters / 4) "
                 "to D alone (--bypass-below-tokens), and prompts under "
                 f"{args.bypass_idle_below_tokens} while D and P are idle "
@@ -575,6 +584,12 @@ def main() -> int:
         help="every instance, the single one too, runs vLLM's worker in its engine-core "
         "process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no worker spinning a second after each "
         "step on the cores it shares)",
+    )
+    parser.add_argument(
+        "--proxy-on-p-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="1P1D's proxy on P's cores (pdserve up's default), DP's on the first instance's",
     )
     parser.add_argument(
         "--compare-proxy-cpus",

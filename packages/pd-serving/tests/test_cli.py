@@ -7,6 +7,7 @@ Tests marked ``needs_vllm`` make the tiny model (torch, transformers) or pass th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -331,3 +332,23 @@ def test_up_places_a_p_for_idle_times_on_every_core_of_the_others() -> None:
     assert d.cpus == {1}
     assert all(s.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" for s in servers)
     assert _place_when_idle(servers, 0) == set()
+
+
+def test_up_runs_its_proxy_on_the_p_cores_by_default() -> None:
+    from pd_serving.cli import proxy_cores
+
+    servers = plan_servers(
+        Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID, prefill=2, decode=1
+    )
+    p0, p1, _d = servers
+    for server, core in zip(servers, "012", strict=True):
+        server.cpu = dataclasses.replace(server.cpu, cpu_bind=core)
+    eight = range(8)
+    assert proxy_cores(servers, "prefill", machine=eight) == {0, 1}
+    assert proxy_cores(servers, "prefill", idle={p1.name}, machine=eight) == {0}
+    assert proxy_cores(servers, "prefill", machine=range(2)) is None  # P's on every core
+    assert proxy_cores(servers, "any", machine=eight) is None
+    assert proxy_cores(servers, "2-3", machine=eight) == {2, 3}
+    p0.cpu = dataclasses.replace(p0.cpu, cpu_bind="nobind")
+    assert proxy_cores(servers, "prefill", machine=eight) is None  # a P unpinned: so is it
+    assert build_parser().parse_args(["up"]).proxy_cpus == "prefill"
