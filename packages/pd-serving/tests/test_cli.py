@@ -335,7 +335,7 @@ def test_up_places_a_p_for_idle_times_on_every_core_of_the_others() -> None:
 
 
 def test_up_runs_its_proxy_on_the_p_cores_by_default() -> None:
-    from pd_serving.cli import proxy_cores
+    from pd_serving.servers import proxy_cores
 
     servers = plan_servers(
         Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID, prefill=2, decode=1

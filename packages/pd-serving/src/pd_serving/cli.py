@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pd_serving.launcher import ChildFailed
@@ -404,29 +404,6 @@ def _place_when_idle(servers, count: int) -> set[str]:
     return {s.name for s in idle}
 
 
-def proxy_cores(
-    servers, spec: str, *, idle: Collection[str] = (), machine: Collection[int] | None = None
-) -> frozenset[int] | None:
-    """Where ``pdserve up``'s proxy runs: ``prefill`` (the default) on the cores of the P's
-    (not those of the P's for idle times, named in ``idle``): off D's cores, where each relayed
-    token would preempt D's decoding (README, "Equal hardware"); ``any`` wherever the OS puts
-    it; or a core list. None: unpinned (also when the P's are not pinned, or cover every
-    core of the ``machine``)."""
-    from pd_serving.servers import parse_cpu_list
-
-    if spec == "any":
-        return None
-    if spec != "prefill":
-        return parse_cpu_list(spec)
-    prefill = [s for s in servers if s.role is Role.PREFILL and s.name not in idle]
-    cores = [s.cpus for s in prefill]
-    if not cores or any(c is None for c in cores):
-        return None
-    union = frozenset().union(*cores)
-    machine = range(os.cpu_count() or 1) if machine is None else machine
-    return None if union >= set(machine) else union
-
-
 def _resolve_model(args: argparse.Namespace) -> Path:
     if args.model is not None:
         if not (args.model / "config.json").is_file():
@@ -515,6 +492,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         config.routed_experts = args.r3 is not None and args.r3_routed_experts
         triggers_from_args(args, config)
         proxy = PdProxy(config)
+        from pd_serving.servers import proxy_cores
+
         cores = proxy_cores(servers, args.proxy_cpus, idle=idle_names)
         if cores is not None:  # this thread serves the proxy; threads it starts inherit it
             os.sched_setaffinity(0, cores)

@@ -58,6 +58,7 @@ from pd_serving.servers import (
     connector_extra,
     cpu_bind_for,
     plan_servers,
+    proxy_cores,
 )
 from pd_serving.timings import EMPTY, ITL, Histogram, custom_buckets_arg, parse_histograms
 from pd_serving.workload import LengthDist, MixSpec, SweepRequest, plan_mixed
@@ -380,6 +381,8 @@ def _proxy_process(
         log_path=log_dir / "proxy.log",
         ready_marker=READY_LINE,
         health_url=f"http://127.0.0.1:{port}/health",
+        # As `pdserve up` runs it: on P's cores, off D's.
+        cpus=proxy_cores(deployment.servers, "prefill"),
     )
     return proc, f"http://127.0.0.1:{port}"
 
