@@ -496,7 +496,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         cores = proxy_cores(servers, args.proxy_cpus, idle=idle_names)
         if cores is not None:  # this thread serves the proxy; threads it starts inherit it
-            os.sched_setaffinity(0, cores)
+            try:
+                os.sched_setaffinity(0, cores)
+            except OSError as exc:
+                raise SystemExit(f"pdserve: --proxy-cpus {args.proxy_cpus}: {exc}") from None
         return asyncio.run(
             _run_proxy(proxy, args.host, args.port, deployment, drain_grace_s=args.drain_grace)
         )
