@@ -135,6 +135,7 @@ class HostedCluster:
         address = self.lab["proxy"].address
         port = free_port()
         argv = [sys.executable, "-m", "pd_serving.cli", "proxy", "--dispatch", self.dispatch]
+        argv += ["--bypass-below-tokens", "0"]  # every prompt through P: P's faults matter
         for inst in self.by_role(Role.PREFILL):
             argv += ["--prefill", f"{inst.url}@{inst.server.rpc_address}"]
         for inst in self.by_role(Role.DECODE):

@@ -407,6 +407,9 @@ def pdserve_up(model: Path, log_dir: Path, *args: str) -> Any:
             str(port),
             "--log-dir",
             str(log_dir),
+            # The tests check the transfer: every prompt through P, as the flag's 0 says.
+            "--bypass-below-tokens",
+            "0",
             *args,
         ],
         log_path=log_dir / "pdserve.log",

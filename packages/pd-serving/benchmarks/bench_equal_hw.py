@@ -31,12 +31,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from pd_serving.equal_hw import (
+    BUSY_OTHER_CPU,
     LAYOUTS,
     Layout,
     Placement,
     Slo,
     SystemUnderTest,
     compare_systems,
+    cpu_snapshot,
+    cpu_use,
     judge,
     low_load_breakdown,
     low_load_markdown,
@@ -52,6 +55,20 @@ from pd_serving.workload import LengthDist, MixSpec, SweepRequest, parse_rates, 
 from rich.console import Console
 
 RESULTS = Path(__file__).parent / "results"
+BUSY_SAMPLE_S = 3.0
+
+
+def other_cpu_now() -> float:
+    """Cores' worth of CPU the box uses over a few seconds before anything is started: other
+    jobs'."""
+    import time as clock
+
+    before = cpu_snapshot()
+    clock.sleep(BUSY_SAMPLE_S)  # a measurement window, not a wait for something
+    use = cpu_use(before, cpu_snapshot(), {}, ticks_per_s=float(os.sysconf("SC_CLK_TCK")))
+    return use.share("other") if use else 0.0
+
+
 SINGLE, DP, PD = "single, 2 cores", "2x single, DP", "1P1D"
 PD_NO_BYPASS = "1P1D, no bypass"
 
@@ -63,6 +80,7 @@ def layout_of(name: str, args) -> Layout:
         low_omp_wait_policy=args.p_omp_wait_policy or None,
         low_worker_in_engine=args.p_worker_in_engine,
         d_worker_in_engine=args.d_worker_in_engine,
+        worker_in_engine=args.worker_in_engine,
     )
 
 
@@ -126,7 +144,7 @@ def publish(args, turns, mix: MixSpec, meta: dict, console: Console, *, json_pat
     console.print(render_table(points, title))
     console.print(markdown_table(points), markup=False, highlight=False, soft_wrap=True)
     verdict = judge(points, single=SINGLE, others=[DP], pd=PD)
-    console.print(f"verdict: {verdict}", highlight=False)
+    console.print(f"verdict: {verdict.describe()}", highlight=False)
     meta |= {
         "mix": mix.describe(),
         "rates": args.rates,
@@ -134,7 +152,7 @@ def publish(args, turns, mix: MixSpec, meta: dict, console: Console, *, json_pat
         "rounds": args.rounds,
         "seed": args.seed,
         "slo": {"ttft_ms": slo.ttft_ms, "itl_p99_per_request_ms": slo.itl_ms},
-        "verdict": verdict.__dict__,
+        "verdict": verdict.describe(),
     }
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,10 +168,18 @@ def run(args) -> int:
     from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
     from pd_serving.model import cache_dir, make_bench_model
     from pd_serving.proxy import READY_LINE
-    from pd_serving.servers import Connector, CpuSettings, plan_servers
+    from pd_serving.servers import Connector, CpuSettings, parse_cpu_list, plan_servers
     from pd_serving.timings import custom_buckets_arg
 
     console = Console(width=200)
+    other = other_cpu_now()
+    console.print(f"the rest of the box: {other:.2f} cores busy (load {os.getloadavg()[0]:.1f})")
+    if other > BUSY_OTHER_CPU and not args.allow_busy:
+        console.print(
+            f"refused: other jobs use {other:.2f} cores (over {BUSY_OTHER_CPU}); their CPU "
+            "would be measured as the systems'. Wait, or --allow-busy (the rounds are flagged)."
+        )
+        return 2
     model = make_bench_model(args.model)
     mix = MixSpec(long_share=args.long_share)
     log_dir = cache_dir() / "logs" / f"equal-hw-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -168,6 +194,10 @@ def run(args) -> int:
     # without kv_transfer_params is a plain request to them); layouts share what they can.
     split = layout_of("split", args)
     wanted = {"prefill": [split.prefill], "decode": [split.decode]}
+    # A P for idle times: shared-p's placement (both cores, two threads, a lower priority).
+    wide = layout_of("shared-p", args).prefill
+    if args.compare_idle_wide_p and wide not in wanted["prefill"]:
+        wanted["prefill"].append(wide)
     for lay in layouts:
         chosen = layout_of(lay, args)
         for role, where in (("prefill", chosen.prefill), ("decode", chosen.decode)):
@@ -182,7 +212,8 @@ def run(args) -> int:
         single=1,
         cpu=base,
     )
-    settings = {"single0": replace(base, cpu_bind="0-1", omp_threads=2)} | {
+    single = replace(base, cpu_bind="0-1", omp_threads=2, worker_in_engine=args.worker_in_engine)
+    settings = {"single0": single} | {
         f"{role}{i}": where.apply(base)
         for role, places in wanted.items()
         for i, where in enumerate(places)
@@ -213,25 +244,47 @@ def run(args) -> int:
     bypass = ["--bypass-below-tokens", str(args.bypass_below_tokens)]
     idle = ["--bypass-idle-below-tokens", str(args.bypass_idle_below_tokens)]
     proxies: dict[str, list[str]] = {}
+    proxy_cpus: dict[str, frozenset[int]] = {}  # proxies pinned to cores (else unpinned)
     pd_idle = f"{PD}, idle bypass under {args.compare_idle_bypass}"
+    pd_pinned = f"{PD}, proxy on core(s) {args.compare_proxy_cpus}"
+    pd_wide = f"{PD}, wide P when idle"
     pd_systems: dict[str, tuple[str, str]] = {}  # system -> (P's name, D's name)
+    wide_p: dict[str, str] = {}  # system -> its P for idle times' URL
     for lay in layouts:
         p_name, d_name = instances(lay)
         p = by_url[by_name[p_name].url]
         pair = ["--prefill", f"{p.url}@{p.rpc_address}", "--decode", by_name[d_name].url]
         proxies[names[lay]] = pair + bypass + idle
         pd_systems[names[lay]] = (p_name, d_name)
+        if args.proxy_on_p_cores:  # as `pdserve up --proxy-cpus prefill`: off D's cores
+            proxy_cpus[names[lay]] = parse_cpu_list(layout_of(lay, args).prefill.cpus)
         if lay != args.pd_layout:
             continue
         if args.bypass_below_tokens and args.compare_no_bypass:
-            proxies[PD_NO_BYPASS] = pair
+            proxies[PD_NO_BYPASS] = [*pair, "--bypass-below-tokens", "0"]
             pd_systems[PD_NO_BYPASS] = (p_name, d_name)
+            if names[lay] in proxy_cpus:
+                proxy_cpus[PD_NO_BYPASS] = proxy_cpus[names[lay]]
         if args.compare_idle_bypass != args.bypass_idle_below_tokens:
             other = ["--bypass-idle-below-tokens", str(args.compare_idle_bypass)]
             proxies[pd_idle] = pair + bypass + other
             pd_systems[pd_idle] = (p_name, d_name)
+        if args.compare_idle_wide_p:
+            w = by_url[by_name[f"prefill{wanted['prefill'].index(wide)}"].url]
+            proxies[pd_wide] = [*pair, "--prefill-when-idle", f"{w.url}@{w.rpc_address}"]
+            proxies[pd_wide] += bypass + idle
+            pd_systems[pd_wide] = (p_name, d_name)
+            wide_p[pd_wide] = w.url
+            if names[lay] in proxy_cpus:
+                proxy_cpus[pd_wide] = proxy_cpus[names[lay]]
+        if args.compare_proxy_cpus:
+            proxies[pd_pinned] = pair + bypass + idle
+            pd_systems[pd_pinned] = (p_name, d_name)
+            proxy_cpus[pd_pinned] = parse_cpu_list(args.compare_proxy_cpus)
     dp_first, dp_second = (by_name[n] for n in instances("split"))
     proxies[DP] = ["--decode", dp_first.url, "--decode", dp_second.url]  # no P: each prefills
+    if args.proxy_on_p_cores:  # where 1P1D's runs: on the first instance's core
+        proxy_cpus[DP] = parse_cpu_list(split.prefill.cpus)
     console.print(f"[bold]equal hardware[/bold]: model {model}; logs in {log_dir}")
     for name, (p_name, d_name) in pd_systems.items():
         console.print(f"  {name}: P {p_name}, D {d_name}", highlight=False)
@@ -258,6 +311,7 @@ def run(args) -> int:
                 log_path=log_dir / f"{tag}.log",
                 ready_marker=READY_LINE,
                 health_url=f"http://127.0.0.1:{port}/health",
+                cpus=proxy_cpus.get(name),
             )  # fmt: skip
             urls[name] = f"http://127.0.0.1:{port}"
         try:
@@ -274,14 +328,16 @@ def run(args) -> int:
                     [dp_first.process, dp_second.process, procs[DP]],
                 ),
             ]
+            by_server_url = {s.url: s for s in servers}
             for name, (p_name, d_name) in pd_systems.items():
                 pp, dd = by_name[p_name], by_name[d_name]
+                ps = [pp] + ([by_server_url[wide_p[name]]] if name in wide_p else [])
                 systems.append(
                     SystemUnderTest(
                         name,
                         urls[name],
-                        [[pp.url], [dd.url]],
-                        [pp.process, dd.process, procs[name]],
+                        [[p.url for p in ps], [dd.url]],
+                        [*(p.process for p in ps), dd.process, procs[name]],
                     )
                 )
             every = [s.process for s in servers] + list(procs.values())
@@ -318,11 +374,13 @@ def run(args) -> int:
         "cpu_count": os.cpu_count(),
         "load_avg": {"before": load_before, "after": os.getloadavg()},
         "systems": {
-            SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2",
-            DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P",
+            SINGLE: "one instance, every process on cores 0-1, OMP_NUM_THREADS=2, worker in "
+            f"engine core: {args.worker_in_engine}",
+            DP: "instances on core 0 and core 1 (OMP 1 each), pdserve proxy by load, no P; the "
+            f"proxy on core 0: {args.proxy_on_p_cores}",
             **{
-                names[lay]: f"{describe_layout(layout_of(lay, args))}; pdserve proxy, "
-                "sequential dispatch, "
+                names[lay]: f"{describe_layout(layout_of(lay, args))}; pdserve proxy (on P's "
+                f"cores: {args.proxy_on_p_cores}), sequential dispatch, "
                 f"prompts under {args.bypass_below_tokens} estimated tokens (characters / 4) "
                 "to D alone (--bypass-below-tokens), and prompts under "
                 f"{args.bypass_idle_below_tokens} while D and P are idle "
@@ -331,7 +389,11 @@ def run(args) -> int:
             },
             PD_NO_BYPASS: f"{PD}'s P, D and dispatch, every prompt through P",
             pd_idle: f"{PD} with --bypass-idle-below-tokens {args.compare_idle_bypass}",
+            pd_pinned: f"{PD} with its proxy process on cores {args.compare_proxy_cpus}",
+            pd_wide: f"{PD} and a P for idle times ({describe_layout(layout_of('shared-p', args))}"
+            "; the proxy's --prefill-when-idle: it prefills while D and P are idle)",
         },
+        "other_cpu_before": other,
         "pd_layout": args.pd_layout,
         "layouts": {
             names[lay]: {
@@ -514,6 +576,37 @@ def main() -> int:
     )
     parser.add_argument(
         "--d-worker-in-engine", action=argparse.BooleanOptionalAction, default=False
+    )
+    parser.add_argument(
+        "--worker-in-engine",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="every instance, the single one too, runs vLLM's worker in its engine-core "
+        "process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no worker spinning a second after each "
+        "step on the cores it shares)",
+    )
+    parser.add_argument(
+        "--proxy-on-p-cores",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="1P1D's proxy on P's cores (pdserve up's default), DP's on the first instance's",
+    )
+    parser.add_argument(
+        "--compare-proxy-cpus",
+        default="",
+        metavar="CPUS",
+        help="also 1P1D with its proxy process pinned to these cores (e.g. P's: 0)",
+    )
+    parser.add_argument(
+        "--compare-idle-wide-p",
+        action="store_true",
+        help="also 1P1D with a second P on both cores (two threads, a lower priority: --p-*) "
+        "that prefills only while D and the first P are idle (pdserve proxy --prefill-when-idle)",
+    )
+    parser.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help=f"run even when other jobs use over {BUSY_OTHER_CPU} cores before the start",
     )
     parser.add_argument("--json", type=Path, default=RESULTS / "equal_hw.json")
     args = parser.parse_args()

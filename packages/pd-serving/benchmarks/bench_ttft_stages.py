@@ -293,6 +293,8 @@ def run(args) -> int:
                 config.decode[0].url,
                 "--prefill",
                 f"{config.prefill[0].url}@{config.prefill[0].rpc_address}",
+                "--bypass-below-tokens",  # the stages of the path through P are measured
+                "0",
             ]
             procs.append(
                 ManagedProcess(

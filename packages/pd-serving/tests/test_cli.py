@@ -7,6 +7,7 @@ Tests marked ``needs_vllm`` make the tiny model (torch, transformers) or pass th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from pd_serving.demo import compare
 from pd_serving.launcher import ManagedProcess, free_port
 from pd_serving.model import TINY_ARCHES, default_model_dir, engine_cli_args
 from pd_serving.proxy import READY_LINE
+from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
 from pd_serving.servers import Connector, CpuSettings, connector_extra, plan_servers
 from stand_ins import MODEL, FakeKvPublisher, FakeUpstream
 
@@ -231,7 +233,9 @@ async def test_pdserve_proxy_in_front_of_running_instances(tmp_path: Path) -> No
         async with (
             aiohttp.ClientSession() as session,
             session.post(
-                f"http://127.0.0.1:{port}/v1/completions", json={"model": MODEL, "prompt": "x"}
+                # Long enough to go through P with the default bypass of short prompts.
+                f"http://127.0.0.1:{port}/v1/completions",
+                json={"model": MODEL, "prompt": "x " * 4 * DEFAULT_BYPASS_BELOW_TOKENS},
             ) as resp,
         ):
             assert resp.status == 200
@@ -308,3 +312,43 @@ def test_up_places_p_and_d_on_the_cores_threads_and_priority_asked() -> None:
     plain = plan_servers(Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID)
     _place(plain, build_parser().parse_args(["up"]))
     assert [(s.cpu.omp_threads, s.cpu.nice, s.cpu.cpu_bind) for s in plain] == [(1, 0, None)] * 2
+
+
+def test_up_places_a_p_for_idle_times_on_every_core_of_the_others() -> None:
+    from pd_serving.cli import _place, _place_when_idle
+
+    args = build_parser().parse_args(
+        ["up", "--prefill-cpus", "0", "--decode-cpus", "1", "--prefill-when-idle", "1"]
+    )
+    servers = plan_servers(
+        Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID, prefill=2, decode=1
+    )
+    _place(servers, args)
+    assert _place_when_idle(servers, args.prefill_when_idle) == {"prefill-idle0"}
+    p, idle, d = servers
+    assert (p.name, p.cpus, p.cpu.omp_threads) == ("prefill0", {0}, 1)
+    assert (idle.cpus, idle.cpu.omp_threads, idle.cpu.nice) == ({0, 1}, 2, 10)
+    assert idle.env()["OMP_WAIT_POLICY"] == "passive"
+    assert d.cpus == {1}
+    assert all(s.env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" for s in servers)
+    assert _place_when_idle(servers, 0) == set()
+
+
+def test_up_runs_its_proxy_on_the_p_cores_by_default() -> None:
+    from pd_serving.servers import proxy_cores
+
+    servers = plan_servers(
+        Path("/m"), log_dir=Path("/l"), connector=Connector.HYBRID, prefill=2, decode=1
+    )
+    p0, p1, _d = servers
+    for server, core in zip(servers, "012", strict=True):
+        server.cpu = dataclasses.replace(server.cpu, cpu_bind=core)
+    eight = range(8)
+    assert proxy_cores(servers, "prefill", machine=eight) == {0, 1}
+    assert proxy_cores(servers, "prefill", idle={p1.name}, machine=eight) == {0}
+    assert proxy_cores(servers, "prefill", machine=range(2)) is None  # P's on every core
+    assert proxy_cores(servers, "any", machine=eight) is None
+    assert proxy_cores(servers, "2-3", machine=eight) == {2, 3}
+    p0.cpu = dataclasses.replace(p0.cpu, cpu_bind="nobind")
+    assert proxy_cores(servers, "prefill", machine=eight) is None  # a P unpinned: so is it
+    assert build_parser().parse_args(["up"]).proxy_cpus == "prefill"

@@ -240,3 +240,66 @@ def test_shared_d_gives_d_both_cores_and_p_core_0_at_a_lower_priority():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="unknown layout"):
         make_layout("both")
+
+
+def test_cpu_ticks_per_process_group_and_core():
+    from pd_serving.equal_hw import core_ticks, group_cpu_ticks
+
+    stats = [
+        "10 (vllm) S 1 10 10 0 -1 0 0 0 0 0 300 20 0 0",
+        "11 (VLLM::Engine (core)) R 10 10 10 0 -1 0 0 0 0 0 500 30 0 0",
+        "12 (proxy) S 1 12 12 0 -1 0 0 0 0 0 7 3 0 0",
+        "garbage",
+    ]
+    assert group_cpu_ticks(stats) == {10: 850, 12: 10}
+    proc_stat = (
+        "cpu  10 0 10 70 10 0 0 0 0 0\n"
+        "cpu0 5 0 5 30 10 0 0 0 0 0\n"
+        "cpu1 5 0 5 40 0 0 0 0 0 0\nintr 1 2\n"
+    )
+    assert core_ticks(proc_stat) == [(10, 50), (10, 50)]
+
+
+def test_cpu_use_splits_systems_client_and_the_rest_of_the_box():
+    from pd_serving.equal_hw import CpuSnapshot, cpu_use
+
+    before = CpuSnapshot(0.0, {100: 0, 200: 0}, [(0, 0), (0, 0)], client_s=1.0)
+    after = CpuSnapshot(10.0, {100: 500, 200: 100}, [(800, 1000), (600, 1000)], client_s=2.0)
+    use = cpu_use(before, after, {"decode0": 100, "proxy": 200, "idle": 300}, ticks_per_s=100)
+    assert use is not None
+    assert use.seconds["decode0"] == 5.0
+    assert use.seconds["proxy"] == 1.0
+    assert "idle" not in use.seconds  # paused: used nothing
+    assert use.seconds["client"] == 1.0
+    # 14 s of busy cores, 6 of them ours (our own process group counts as ours too).
+    assert 0 < use.seconds["other"] <= 8.0
+    assert use.core_busy == [0.8, 0.6]
+    assert use.share("decode0") == 0.5
+    assert cpu_use(None, after, {}, ticks_per_s=100) is None
+
+
+def test_judge_round_by_round_and_flags_busy_rounds():
+    def two_rounds(system, itls, goodputs, other=0.0):
+        turns = [
+            turn(system, [sample(r, 100, [itl] * 10)], step_s=itl / 1000, rnd=r)
+            for r, itl in enumerate(itls)
+        ]
+        p = summarize(turns, Slo(1, 1))
+        for r, g in zip(p.rounds, goodputs, strict=True):
+            r["goodput_rps"], r["other_cpu_share"] = g, other
+        p.slo_attainment, p.goodput_rps = 1.0, sum(goodputs) / 2
+        return p
+
+    points = [
+        two_rounds("single", [400, 400], [1.0, 1.0]),
+        two_rounds("dp", [300, 300], [1.0, 1.2]),
+        two_rounds("pd", [100, 300], [1.5, 1.5], other=0.5),
+    ]
+    verdict = judge(points, single="single", others=["dp"], pd="pd")
+    first, second = verdict.rounds
+    assert math.isclose(first["itl_p99_ratio"], 0.25, rel_tol=0.05)
+    assert math.isclose(second["goodput_ratio"], 1.25)
+    assert first["busy"]
+    assert second["busy"]
+    assert not verdict.met_in_every_round  # round 1: ITL 0.75x, goodput 1.25x
+    assert verdict.describe()["met_in_every_round"] is False

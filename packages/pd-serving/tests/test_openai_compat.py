@@ -8,6 +8,7 @@ from pd_serving.openai_compat import (
     COMPLETIONS,
     CompatError,
     StreamMerger,
+    is_greedy,
     merge_answers,
     needs_no_decode,
     prompts,
@@ -56,6 +57,20 @@ def test_batch_times_n_is_numbered_as_vllm() -> None:
         split(COMPLETIONS, {"prompt": "a", "n": 0})
     with pytest.raises(CompatError):
         split(COMPLETIONS, {"prompt": ["a"] * 2000})
+
+
+def test_greedy_is_vllms_rule() -> None:
+    """vLLM raises a temperature in (0, 1e-2) to 1e-2 and samples greedily, refusing n > 1,
+    below 1e-5: only 0 is greedy."""
+    for temperature in (0, 0.0):
+        assert is_greedy({"temperature": temperature})
+        with pytest.raises(CompatError, match="greedy"):
+            split(COMPLETIONS, {"prompt": "a", "n": 2, "temperature": temperature})
+    for temperature in (1e-9, 9.99e-6, 1e-5, 0.5, None, "hot", True, -1.0):
+        assert not is_greedy({"temperature": temperature})
+    assert not is_greedy({})  # the model's default: the instances decide
+    assert len(split(COMPLETIONS, {"prompt": "a", "n": 2, "temperature": 1e-6})) == 2
+    assert len(split(COMPLETIONS, {"prompt": "a", "n": 1, "temperature": 0})) == 1
 
 
 def test_scoring_needs_no_decode() -> None:

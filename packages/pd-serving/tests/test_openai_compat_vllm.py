@@ -6,7 +6,10 @@ logprobs, usage, finish reasons, choice order; or both refuse it.
 The cases are what completions clients written for vLLM send: a list of one prompt (LangChain,
 lm-eval), a batch of prompts (strings and token ids), ``n`` > 1, ``echo`` with ``logprobs`` and
 ``max_tokens: 0`` (scoring a text), no ``model`` at all; and chat with ``n``, logprobs and a
-streamed usage chunk. Greedy throughout (the tiny model's answers are deterministic).
+streamed usage chunk. Greedy (the tiny model's answers are deterministic), and ``n`` > 1 sampled
+with a fixed ``seed``: vLLM runs choice i with ``seed + i`` on its own generator, the proxy
+sends choice i as a single request with that seed (``openai_compat``), so the sampled choices
+are the same tokens, streamed or not, on completions and chat.
 """
 
 from __future__ import annotations
@@ -88,6 +91,15 @@ COMPLETION_CASES = {
     "n_choices": {"prompt": "def add(a, b):", "n": 2},
     "batch_times_n": {"prompt": ["def add(a, b):", "The quick brown fox"], "n": 2},
     "echo_scoring": {"prompt": "The quick brown fox", "echo": True, "logprobs": 1, "max_tokens": 0},
+    # vLLM raises a temperature under 1e-2 to 1e-2 and samples: only 0 refuses n > 1.
+    "n_tiny_temperature": {"prompt": "def add(a, b):", "n": 2, "temperature": 1e-6, "seed": 3},
+    "n_negative_temperature": {"prompt": "def add(a, b):", "n": 2, "temperature": -1.0},
+}
+# n > 1 sampled: the same seed on both sides; a temperature that spreads the choices apart.
+SAMPLED = {"temperature": 0.9, "seed": 1234, "max_tokens": 12}
+SAMPLED_CASES = {
+    "n_choices": {"prompt": "def add(a, b):", "n": 4, "logprobs": 2},
+    "batch_times_n": {"prompt": ["def add(a, b):", "The quick brown fox"], "n": 3},
 }
 
 
@@ -100,29 +112,59 @@ def test_completions_answer_as_vllm_does(xpyd: Xpyd, case: str) -> None:
         assert want["choices"][0]["logprobs"]["tokens"], "vLLM scored the prompt"
 
 
-@pytest.mark.parametrize("case", ["list_of_one_prompt", "batch_of_texts"])
-def test_streamed_completions_carry_the_same_choices_and_usage(xpyd: Xpyd, case: str) -> None:
-    body = {"max_tokens": 8, "temperature": 0.0, **COMPLETION_CASES[case]}
+@pytest.mark.parametrize("case", sorted(SAMPLED_CASES))
+def test_sampled_n_choices_are_vllms(xpyd: Xpyd, case: str) -> None:
+    body = {**SAMPLED, **SAMPLED_CASES[case]}
     model = xpyd.model_name
-    answers = []
-    for client in _clients(xpyd):
-        with client:
-            stream = client.completions.create(
-                model=model, stream=True, stream_options={"include_usage": True}, **body
-            )
-            texts: dict[int, str] = {}
-            finish: dict[int, str | None] = {}
-            usage = None
-            for chunk in stream:
-                for choice in chunk.choices:
-                    texts[choice.index] = texts.get(choice.index, "") + choice.text
-                    if choice.finish_reason is not None:
-                        finish[choice.index] = choice.finish_reason
-                if chunk.usage is not None:
-                    assert usage is None, "one usage chunk"
-                    usage = chunk.usage.model_dump()
-            answers.append((texts, finish, usage))
-    assert answers[0] == answers[1]
+    want = _assert_same_answer(xpyd, lambda c: c.completions.create(model=model, **body))
+    assert want, "vLLM refused it"
+    choices = want["choices"]
+    assert [c["index"] for c in choices] == list(range(len(choices)))
+    # Sampled, not greedy: one prompt's choices are not all the same text.
+    n = body["n"]
+    assert len({c["text"] for c in choices[:n]}) > 1, choices
+
+
+def _streamed(client: Any, create: Any, text_of: Any) -> tuple[dict, dict, Any]:
+    """(text per choice index, finish reason per index, the one usage chunk) of a stream."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    usage = None
+    with client:
+        for chunk in create(client):
+            for choice in chunk.choices:
+                texts[choice.index] = texts.get(choice.index, "") + (text_of(choice) or "")
+                if choice.finish_reason is not None:
+                    finish[choice.index] = choice.finish_reason
+            if chunk.usage is not None:
+                assert usage is None, "one usage chunk"
+                usage = chunk.usage.model_dump()
+    return texts, finish, usage
+
+
+STREAMED_CASES = {
+    "list_of_one_prompt": {"max_tokens": 8, "temperature": 0.0, "prompt": ["def add(a, b):"]},
+    "batch_of_texts": {"max_tokens": 8, "temperature": 0.0, **COMPLETION_CASES["batch_of_texts"]},
+    **{f"sampled_{k}": {**SAMPLED, **v} for k, v in SAMPLED_CASES.items()},
+}
+
+
+@pytest.mark.parametrize("case", sorted(STREAMED_CASES))
+def test_streamed_completions_carry_the_same_choices_and_usage(xpyd: Xpyd, case: str) -> None:
+    body = STREAMED_CASES[case]
+    model = xpyd.model_name
+
+    def create(client: Any) -> Any:
+        return client.completions.create(
+            model=model, stream=True, stream_options={"include_usage": True}, **body
+        )
+
+    got, want = (_streamed(c, create, lambda choice: choice.text) for c in _clients(xpyd))
+    assert got == want
+    texts = want[0]
+    assert sorted(texts) == list(range(len(texts)))
+    assert want[2] is not None
+    assert want[2]["completion_tokens"] > 0
 
 
 def test_a_request_without_model_is_served_as_vllm_serves_it(xpyd: Xpyd) -> None:
@@ -166,6 +208,32 @@ def test_chat_with_n_logprobs_and_streamed_usage_answers_as_vllm_does(xpyd: Xpyd
                     usage = chunk.usage.model_dump()
             answers.append((text, usage))
     assert answers[0] == answers[1]
+
+
+def test_chat_sampled_n_choices_are_vllms(xpyd: Xpyd) -> None:
+    model = xpyd.model_name
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    body = {**SAMPLED, "n": 3, "logprobs": True, "top_logprobs": 2}
+    want = _assert_same_answer(
+        xpyd, lambda c: c.chat.completions.create(model=model, messages=messages, **body)
+    )
+    assert len({c["message"]["content"] for c in want["choices"]}) > 1, want["choices"]
+
+    def create(client: Any) -> Any:
+        return client.chat.completions.create(
+            model=model,
+            messages=messages,
+            stream=True,
+            stream_options={"include_usage": True},
+            **{**SAMPLED, "n": 3},
+        )
+
+    got, streamed = (
+        _streamed(c, create, lambda choice: choice.delta.content) for c in _clients(xpyd)
+    )
+    assert got == streamed
+    # The stream's choices are the non-streamed answer's, in the same order.
+    assert [streamed[0][i] for i in range(3)] == [c["message"]["content"] for c in want["choices"]]
 
 
 def _computed_prompt_tokens(urls: list[str]) -> float:

@@ -204,6 +204,28 @@ def test_any_prompt_under_the_idle_bound_bypasses_while_d_and_every_p_are_idle()
         RoutingPolicy(bypass_idle_below_tokens=-1)
 
 
+def test_a_p_for_idle_times_prefills_only_while_d_and_every_p_are_idle() -> None:
+    narrow, wide = Backend("http://p0", name="p0"), Backend("http://p1", name="p1", when_idle=True)
+    (d,) = _backends("d", 1)
+    router = Router([narrow, wide], [d], RoutingPolicy())
+    long = RequestKey(prompt_text="x" * 4000)
+    assert router.route(long).prefill is wide  # nothing in flight: every core for this one
+    wide.inflight = 1  # it prefills; the next prompt goes to the P on fewer cores
+    assert router.route(long).prefill is narrow
+    wide.inflight, d.inflight = 0, 1  # D decodes: the wide P would take its core
+    for _ in range(4):
+        assert router.route(long).prefill is narrow
+    d.inflight, narrow.inflight = 0, 1
+    assert router.route(long).prefill is narrow  # one prefilling: not idle, wide stays out
+    narrow.inflight = 0
+    assert router.pick_prefill(long) is narrow  # a retry's pick: not known to be idle
+    # Only the P for idle times is eligible: it takes over rather than no P at all.
+    assert router.route(long, exclude_prefill=["p0"]).prefill is wide
+    d.inflight = 1
+    assert router.route(long, exclude_prefill=["p0"]).prefill is wide
+    assert wide.describe()["when_idle"] is True
+
+
 def test_a_prompt_a_decode_served_recently_bypasses_to_that_decode() -> None:
     p, d = _backends("p", 1), _backends("d", 3)
     router = Router(p, d, RoutingPolicy(bypass_below_tokens=32))
@@ -399,3 +421,24 @@ def test_cli_routing_options_make_the_policy() -> None:
     args = build_parser().parse_args(["up", "--breaker-failures", "0"])
     with pytest.raises(SystemExit, match="at least one failure"):
         routing_from_args(args)
+
+
+@pytest.mark.parametrize("command", [["up"], ["proxy", "--decode", "http://d"]])
+def test_pdserve_bypasses_short_prompts_by_default(command: list[str]) -> None:
+    """The commands a user runs default to what measured best (routing.DEFAULT_BYPASS_...):
+    a short prompt goes to D alone, a long one through P; `--bypass-below-tokens 0` turns it
+    off."""
+    from pd_serving.cli import build_parser, routing_from_args
+    from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
+
+    assert DEFAULT_BYPASS_BELOW_TOKENS > 0
+    policy, _ = routing_from_args(build_parser().parse_args(command))
+    assert policy.bypass_below_tokens == DEFAULT_BYPASS_BELOW_TOKENS
+    router = Router([Backend("http://p", name="p")], [Backend("http://d", name="d")], policy)
+    short = RequestKey(prompt_token_ids=tuple(range(DEFAULT_BYPASS_BELOW_TOKENS - 1)))
+    long = RequestKey(prompt_token_ids=tuple(range(DEFAULT_BYPASS_BELOW_TOKENS)))
+    assert router.route(short).bypass_reason == "short_prompt"
+    assert router.route(long).prefill is not None
+    off, _ = routing_from_args(build_parser().parse_args([*command, "--bypass-below-tokens", "0"]))
+    assert Router([Backend("http://p")], [Backend("http://d")], off).route(short).prefill
+    assert RoutingPolicy().bypass_below_tokens == 0  # a Router built in code: told, not guessed

@@ -13,6 +13,7 @@ from pd_serving.timings import (
     TTFT,
     Histogram,
     check_itl,
+    check_ttft,
     custom_buckets_arg,
     parse_histograms,
     total,
@@ -144,3 +145,46 @@ def test_quantile_is_within_the_bounds(counts, q):
     value = h.quantile(q)
     if h.count > 0 and len(bounds) > 1:
         assert 0.0 <= value <= bounds[-2]
+
+
+def _ttft_hist(seconds: list[float]) -> Histogram:
+    bounds = (*FINE_BUCKETS_S, math.inf)
+    cumulative = tuple(float(sum(s <= b for s in seconds)) for b in bounds)
+    return Histogram(bounds, cumulative, sum(seconds))
+
+
+def test_ttft_of_one_instance_agrees_with_its_histogram():
+    server = [0.10, 0.12, 0.30, 0.11]
+    client = [1000 * s + 5 for s in server]  # the HTTP hop
+    check = check_ttft(client, [(EMPTY, _ttft_hist(server))])
+    assert check.agrees, check.note
+    assert math.isclose(check.rest_mean_ms, 5.0)
+    assert math.isclose(check.server_mean_ms, 157.5)
+    assert 100 <= check.last_stage_p50_ms <= 125
+    assert "agrees" in check.note
+
+
+def test_ttft_across_p_and_d_adds_ps_whole_requests_to_ds_first_tokens():
+    # Two requests through P (whole request 0.5 s each), one bypassed to D alone; D's TTFT of
+    # each (its wait for the KV included) 0.04 s.
+    p_whole, d_first = _ttft_hist([0.5, 0.5]), _ttft_hist([0.04, 0.04, 0.04])
+    client = [550.0, 552.0, 50.0]
+    check = check_ttft(client, [(p_whole, _ttft_hist([0.45, 0.45])), (EMPTY, d_first)])
+    assert math.isclose(check.server_mean_ms, (1000 + 120) / 3)
+    assert check.agrees, check.note
+    assert check.last_stage_p50_ms < 50  # D's own TTFT, not the request's
+
+
+def test_a_late_client_is_flagged():
+    server = [0.05] * 10
+    check = check_ttft([150.0] * 10, [(EMPTY, _ttft_hist(server))])
+    assert not check.agrees
+    assert "late" in check.note
+
+
+def test_ttft_counts_must_match():
+    check = check_ttft([50.0, 50.0], [(EMPTY, _ttft_hist([0.05]))])
+    assert not check.agrees
+    assert "1 first tokens for 2 requests" in check.note
+    assert not check_ttft([50.0], []).agrees
+    assert "no server" in check_ttft([50.0], []).note

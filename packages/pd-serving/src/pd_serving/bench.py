@@ -348,6 +348,9 @@ def _proxy_processes(
                 dispatch.value,
                 "--model-name",
                 str(model),
+                # The connectors are compared: every prompt goes through P and its transfer.
+                "--bypass-below-tokens",
+                "0",
             ]
             for b in config.prefill:
                 argv += ["--prefill", f"{b.url}@{b.rpc_address}" if b.rpc_address else b.url]

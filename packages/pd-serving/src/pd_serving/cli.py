@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -178,7 +179,7 @@ def _add_instance_options(parser: argparse.ArgumentParser) -> None:
 # -- routing and health options (helper "routing"; one block for `up` and `proxy`) ----------
 def _add_routing_options(parser: argparse.ArgumentParser) -> None:
     from pd_serving.health import HealthCheckConfig
-    from pd_serving.routing import RoutingPolicy
+    from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS, RoutingPolicy
 
     policy, health = RoutingPolicy(), HealthCheckConfig()
     group = parser.add_argument_group(
@@ -186,7 +187,7 @@ def _add_routing_options(parser: argparse.ArgumentParser) -> None:
     )
     # (flag, type, default, metavar, help); the flag's name is the field's, "-" for "_".
     options = [
-        ("--bypass-below-tokens", int, policy.bypass_below_tokens, "N",
+        ("--bypass-below-tokens", int, DEFAULT_BYPASS_BELOW_TOKENS, "N",
          "prompts under N tokens (estimated: characters / 4, or the token ids' count) go to D "
          "alone, and so do prompts whose uncached tail on a D that served their prefix is under "
          "N; 0 turns bypass off"),
@@ -368,6 +369,41 @@ def _place(servers, args: argparse.Namespace) -> None:
         )
 
 
+# A P for idle times shares the other instances' cores at this lower priority, its OpenMP
+# threads sleeping when done with their share of a step (README, "Low load").
+WHEN_IDLE_NICE = 10
+
+
+def _place_when_idle(servers, count: int) -> set[str]:
+    """The last ``count`` planned P's become P's for idle times (routing.Backend.when_idle):
+    on every core the other P's and D's use, a thread per core, at a lower priority; every
+    instance's worker runs in its engine-core process. Their names."""
+    from dataclasses import replace
+
+    if count <= 0:
+        return set()
+    prefill = [s for s in servers if s.role is Role.PREFILL]
+    idle, others = prefill[-count:], [s for s in servers if s.role is not Role.SINGLE]
+    others = [s for s in others if s not in idle]
+    cores = sorted(set().union(*(s.cpus or () for s in others)))
+    for server in others:
+        # A worker in its own process spins a second after each step (vLLM's shared-memory
+        # queue), on the very cores the P for idle times would prefill on.
+        server.cpu = replace(server.cpu, worker_in_engine=True)
+    for server in idle:
+        server.name = f"prefill-idle{idle.index(server)}"
+        if cores:
+            server.cpu = replace(
+                server.cpu,
+                cpu_bind=",".join(map(str, cores)),
+                omp_threads=len(cores),
+                nice=WHEN_IDLE_NICE,
+                omp_wait_policy="passive",
+                worker_in_engine=True,
+            )
+    return {s.name for s in idle}
+
+
 def _resolve_model(args: argparse.Namespace) -> Path:
     if args.model is not None:
         if not (args.model / "config.json").is_file():
@@ -415,13 +451,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         model,
         log_dir=log_dir,
         connector=connector,
-        prefill=args.prefill,
+        prefill=args.prefill + args.prefill_when_idle,
         decode=args.decode,
         cpu=_cpu_settings(args),
         extra_connector_config=extra,
         kv_events=args.kv_events,
     )
     _place(servers, args)
+    idle_names = _place_when_idle(servers, args.prefill_when_idle)
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
@@ -447,12 +484,22 @@ def cmd_up(args: argparse.Namespace) -> int:
     with store, r3_store, Deployment(servers) as deployment:
         deployment.start(timeout=args.startup_timeout)
         config = deployment.proxy_config(connector, dispatch)
+        for backend in config.prefill:
+            backend.when_idle = backend.name in idle_names
         for name, value in _failover_settings(args).items():
             setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
         config.routed_experts = args.r3 is not None and args.r3_routed_experts
         triggers_from_args(args, config)
         proxy = PdProxy(config)
+        from pd_serving.servers import proxy_cores
+
+        cores = proxy_cores(servers, args.proxy_cpus, idle=idle_names)
+        if cores is not None:  # this thread serves the proxy; threads it starts inherit it
+            try:
+                os.sched_setaffinity(0, cores)
+            except OSError as exc:
+                raise SystemExit(f"pdserve: --proxy-cpus {args.proxy_cpus}: {exc}") from None
         return asyncio.run(
             _run_proxy(proxy, args.host, args.port, deployment, drain_grace_s=args.drain_grace)
         )
@@ -661,13 +708,15 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         url, _, rpc = spec.partition("@")
         return backend(url, rpc or None)
 
-    unknown = set(events) - {s.partition("@")[0].rstrip("/") for s in [*args.prefill, *args.decode]}
+    specs = [*args.prefill, *args.prefill_when_idle, *args.decode]
+    unknown = set(events) - {s.partition("@")[0].rstrip("/") for s in specs}
     if unknown:
         raise SystemExit(
             f"pdserve: --kv-events-from names no --prefill/--decode: {sorted(unknown)}"
         )
     config = ProxyConfig(
-        prefill=[spec_backend(spec) for spec in args.prefill],
+        prefill=[spec_backend(spec) for spec in args.prefill]
+        + [dataclasses.replace(spec_backend(s), when_idle=True) for s in args.prefill_when_idle],
         # A D's @RPC (its connector's transfer_kv address) lets its requests migrate live.
         decode=[spec_backend(spec) for spec in args.decode],
         connector=Connector(args.connector),
@@ -798,6 +847,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start P and D vLLM instances and the proxy; Ctrl-C stops all")
     _add_instance_options(p)
     p.add_argument("--prefill", type=int, default=1)
+    p.add_argument(
+        "--proxy-cpus",
+        default="prefill",
+        metavar="LIST|prefill|any",
+        help="cores the proxy runs on: prefill (default: the P's, off D's cores), any (the OS "
+        "decides), or a list such as 0-1",
+    )
+    p.add_argument(
+        "--prefill-when-idle",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N P's for idle times: on every core of the other P's and D's, a thread per "
+        f"core, nice {WHEN_IDLE_NICE}; they prefill only while D and every P are idle (one "
+        "long prompt at a time on all cores)",
+    )
     p.add_argument("--decode", type=int, default=1)
     _add_placement_options(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -826,6 +891,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("proxy", help="only the proxy, in front of running vLLM instances")
     p.add_argument("--prefill", action="append", default=[], metavar="URL[@RPC]")
+    p.add_argument(
+        "--prefill-when-idle",
+        action="append",
+        default=[],
+        metavar="URL[@RPC]",
+        help="a P that prefills only while D and every P are idle: one that shares their cores "
+        "on more of them (repeatable)",
+    )
     p.add_argument("--decode", action="append", required=True, metavar="URL[@RPC]")
     p.add_argument("--connector", choices=[c.value for c in Connector], default="hybrid")
     p.add_argument("--dispatch", choices=["sequential", "parallel"], default=None)
@@ -864,7 +937,7 @@ def build_parser() -> argparse.ArgumentParser:
             )
         p.set_defaults(func=func)
 
-    p = sub.add_parser("demo", help="1P1D next to a single instance on the tiny model")
+    p = sub.add_parser("demo", help="1P1D next to a single instance on the same two cores")
     _add_instance_options(p)
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -879,14 +952,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-rate",
         type=float,
         default=None,
-        help="their Poisson rate, req/s (default 8 on the tiny model, 2 on --bench-model)",
+        help="their Poisson rate, req/s (default 2 on the 75M model, 8 on the tiny one)",
     )
-    p.add_argument(
+    models = p.add_mutually_exclusive_group()
+    models.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tiny model instead of the 75M one: faster, but it prefills a long prompt in "
+        "a few decode steps' time, too little to stall decoding (what PD is for)",
+    )
+    models.add_argument(
         "--bench-model",
         action="store_true",
-        help="the equal-hardware benchmark's 75M-parameter model instead of the tiny one: its "
-        "long prefills stall decoding on one instance (make-model once, ~30 s)",
+        help="the equal-hardware benchmark's 75M-parameter Qwen2 (the default for --arch "
+        "qwen2 without --model; made once, ~30 s): its long prefills stall decoding on one "
+        "instance",
     )
+    p.add_argument("--json", type=Path, default=None, help="also write the run's summary here")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="TTFT/TPOT of 1P1D against a single instance")

@@ -3,26 +3,27 @@
 Two parts, each system measured alone (the other paused with SIGSTOP):
 
 1. Token identity: each prompt, one at a time, on the single instance and through 1P1D; TTFT
-   and TPOT side by side. TPOT is vLLM's own (its inter-token histogram read before and after
-   each request, ``timings``), checked against the client's stream: an answer the client read
-   in a burst is marked, never shown as a TPOT of 0.
+   and TPOT side by side, and the path each prompt took through 1P1D (P then D, or D alone:
+   the proxy's default bypass of short prompts). TPOT is vLLM's own (its inter-token histogram
+   read before and after each request, ``timings``), checked against the client's stream: an
+   answer the client read in a burst is marked, never shown as a TPOT of 0.
 2. A short mixed load (``equal_hw``): Poisson arrivals of long prompts that answer briefly and
    short prompts that decode long. On one instance every long prefill stalls the decoding of
    the others (their ITL p99); 1P1D prefills on P and keeps D decoding.
 
-The single instance's processes run on both cores, P's on one and D's on the other: the same
-hardware (its worker keeps one OpenMP thread, as P's and D's, so that the tokens can be
-compared: ``benchmarks/bench_equal_hw.py`` gives it two, and compares tokens like for like).
+Equal hardware, as ``benchmarks/bench_equal_hw.py``: the single instance's processes and its
+two OpenMP threads on both cores, P's on one core and D's on the other, one thread each.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -37,11 +38,19 @@ from pd_serving.equal_hw import (
     SystemUnderTest,
     activate,
     compare_systems,
+    payload,
     run_equal_hw,
 )
 from pd_serving.launcher import ManagedProcess, free_port, stop_all, wait_all_ready
-from pd_serving.model import cache_dir, default_model_dir, make_bench_model, make_model
+from pd_serving.model import (
+    DEFAULT_ARCH,
+    cache_dir,
+    default_model_dir,
+    make_bench_model,
+    make_model,
+)
 from pd_serving.proxy import READY_LINE, Dispatch
+from pd_serving.routing import DEFAULT_BYPASS_BELOW_TOKENS
 from pd_serving.servers import (
     Connector,
     CpuSettings,
@@ -49,16 +58,21 @@ from pd_serving.servers import (
     connector_extra,
     cpu_bind_for,
     plan_servers,
+    proxy_cores,
 )
-from pd_serving.timings import EMPTY, ITL, custom_buckets_arg, parse_histograms
+from pd_serving.timings import EMPTY, ITL, Histogram, custom_buckets_arg, parse_histograms
 from pd_serving.workload import LengthDist, MixSpec, SweepRequest, plan_mixed
 
 DEMO_PROMPT_TOKENS = (16, 127, 128, 300, 700, 1000)
 
-# D computes the last prompt token of an MLA model on the absorbed decode path where a single
-# instance ran it on the prefill path: with random weights a greedy near-tie can flip. These archs
-# are compared as vLLM's own tests do: equal up to the first divergence, and there each side's
-# token among the other's top TOP_LOGPROBS.
+# Greedy tokens of a random-weight model can flip at a near tie when two instances add the same
+# sums in another order: the single instance's two OpenMP threads split them otherwise than P's
+# and D's one, and D computes an MLA model's last prompt token on the absorbed decode path where
+# one instance runs the prefill path. So 1P1D's answers are compared token for token with D
+# alone (one instance on P's and D's thread count; near ties allowed only for NEAR_TIE_ARCHS),
+# and with the single instance as vLLM's own tests compare: token for token, else equal up to
+# the first divergence and there each side's token among the other's top TOP_LOGPROBS ("near
+# tie at N"); anything else is a difference.
 NEAR_TIE_ARCHS = frozenset({"mla"})
 TOP_LOGPROBS = 5
 
@@ -137,31 +151,86 @@ class Answer:
     """One demo request: the client's completion and vLLM's own step times for it."""
 
     completion: Completion
-    server_tpot_s: float  # mean inter-token latency of this request on the decoding instance
+    # Mean inter-token latency of this request on the decoding instance; nan: not read.
+    server_tpot_s: float
+    path: str = ""  # 1P1D: "P -> D", or "D alone" (bypassed)
 
     @property
     def client_tpot_s(self) -> float:
         return self.completion.tpot_s
 
     @property
+    def server_known(self) -> bool:
+        return math.isfinite(self.server_tpot_s) and self.server_tpot_s > 0
+
+    @property
+    def client_saw_every_gap(self) -> bool:
+        """Every token came in a chunk of its own, the last one after the first (a stream
+        read in one burst has chunks of several tokens, or none after the first)."""
+        chunks = self.completion.chunk_tokens
+        return len(chunks) > 1 and all(n == 1 for n in chunks) and self.client_tpot_s > 0
+
+    @property
     def burst(self) -> bool:
         """The client's TPOT is not vLLM's: it read tokens that had queued up."""
-        if not math.isfinite(self.server_tpot_s) or self.server_tpot_s <= 0:
-            return False
+        if not self.server_known:
+            return not self.client_saw_every_gap
         deviation = abs(self.client_tpot_s - self.server_tpot_s) / self.server_tpot_s
         return deviation > TPOT_TOLERANCE
 
     def tpot_cell(self) -> str:
-        """vLLM's TPOT; marked when the client's reading of the stream disagrees."""
-        if not math.isfinite(self.server_tpot_s):
-            return f"{self.client_tpot_s * 1000:.1f}"
-        mark = "*" if self.burst else ""
-        return f"{self.server_tpot_s * 1000:.1f}{mark}"
+        """vLLM's TPOT, marked "*" when the client's reading of the stream disagrees; without
+        vLLM's figure the client's, marked "?" (unchecked), if the client saw every gap, else
+        "-". Never a TPOT of 0 for an answer of several tokens."""
+        if self.completion.completion_tokens < 2:
+            return "-"  # one token: no time per output token
+        if self.server_known:
+            return _tpot_ms(self.server_tpot_s) + ("*" if self.burst else "")
+        if self.client_saw_every_gap:
+            return _tpot_ms(self.client_tpot_s) + "?"
+        return "-"
 
 
-async def _itl(session: aiohttp.ClientSession, url: str):
-    async with session.get(f"{url}/metrics") as resp:
-        return parse_histograms(await resp.text(), [ITL])[ITL]
+def _tpot_ms(seconds: float) -> str:
+    ms = seconds * 1000
+    return f"{ms:.1f}" if ms >= 0.05 else "<0.1"
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> str | None:
+    """An instance's (or the proxy's) /metrics text; None when it cannot be read."""
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            return await resp.text() if resp.status == 200 else None
+    except aiohttp.ClientError:
+        return None
+
+
+async def _itl(session: aiohttp.ClientSession, url: str) -> Histogram:
+    text = await _metrics(session, url)
+    return EMPTY if text is None else parse_histograms(text, [ITL])[ITL]
+
+
+def request_tpot_s(before: Histogram, after: Histogram) -> float:
+    """One request's mean step time from the decoding instance's ITL histogram read around it;
+    nan when either read failed or the histogram did not move."""
+    if before is EMPTY or after is EMPTY:
+        return float("nan")
+    step = after - before
+    return step.mean if step.count > 0 else float("nan")
+
+
+BYPASSES = "pdserve_bypass_total"
+
+
+def bypass_count(metrics_text: str | None) -> float:
+    """Requests the proxy sent to D alone so far (every reason); nan when not read."""
+    if metrics_text is None:
+        return float("nan")
+    total = 0.0
+    for line in metrics_text.splitlines():
+        if line.startswith(BYPASSES + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 async def _one_by_one(
@@ -175,15 +244,23 @@ async def _one_by_one(
     logprobs: int | None,
     progress: Progress,
     task,
+    extra: dict | None = None,
 ) -> list[Answer]:
     answers = []
+    proxied = url != decode_url
     for prompt in prompts:
         before = await _itl(session, decode_url)
+        bypassed = bypass_count(await _metrics(session, url)) if proxied else math.nan
         completion = await complete(
-            session, url, model_name, prompt, max_tokens=max_tokens, logprobs=logprobs
-        )
-        step = await _itl(session, decode_url) - before if before is not EMPTY else EMPTY
-        answers.append(Answer(completion, step.mean if step.count else float("nan")))
+            session, url, model_name, prompt, max_tokens=max_tokens, logprobs=logprobs,
+            extra=extra,
+        )  # fmt: skip
+        tpot = request_tpot_s(before, await _itl(session, decode_url))
+        path = ""
+        if proxied:
+            now = bypass_count(await _metrics(session, url))
+            path = "?" if math.isnan(now - bypassed) else "D alone" if now > bypassed else "P -> D"
+        answers.append(Answer(completion, tpot, path))
         progress.advance(task)
     return answers
 
@@ -195,25 +272,34 @@ async def _identity_check(
     *,
     model_name: str,
     prompts: list[str],
+    warmups: list[str],
     max_tokens: int,
     logprobs: int | None,
     console: Console,
-) -> list[tuple[Answer, Answer]]:
-    """Every prompt on the single instance (1P1D paused), then through 1P1D (single paused)."""
+) -> list[tuple[Answer, Answer, Answer]]:
+    """Every prompt on the single instance (1P1D paused), then through 1P1D and to D alone
+    (single paused): (single's, 1P1D's, D's) answers. D alone is one vLLM instance on P's and
+    D's thread count: the reference for token identity (the single instance's two threads add
+    sums in another order)."""
     out: dict[str, list[Answer]] = {}
+    decode_url = pd.stages[-1][0]
     async with aiohttp.ClientSession() as session:
         with _progress(console) as progress:
             for system in (single, pd):
                 activate(system, every)
-                # The first request of an instance pays lazy initialisation.
-                await complete(session, system.url, model_name, "warm up", max_tokens=2)
+                # The first requests pay lazy initialisation (P's too, the logprobs path's);
+                # prompts of their own, or the measured ones would come from a prefix cache.
+                for warm in warmups:
+                    await complete(
+                        session, system.url, model_name, warm, max_tokens=2, logprobs=logprobs
+                    )
                 task = progress.add_task(
                     f"requests, one at a time: {system.name}", total=len(prompts)
                 )
                 out[system.name] = await _one_by_one(
                     session,
                     system.url,
-                    system.stages[-1][0],
+                    decode_url if system is pd else system.url,
                     model_name,
                     prompts,
                     max_tokens=max_tokens,
@@ -221,7 +307,28 @@ async def _identity_check(
                     progress=progress,
                     task=task,
                 )
-    return list(zip(out[single.name], out[pd.name], strict=True))
+            task = progress.add_task("the same to D alone", total=len(prompts))
+            # Salted: D computes the whole prompt itself, none of it from the blocks 1P1D's
+            # transfers left in its prefix cache.
+            out["D"] = await _one_by_one(
+                session,
+                decode_url,
+                decode_url,
+                model_name,
+                prompts,
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                progress=progress,
+                task=task,
+                extra={"cache_salt": "pdserve-demo-reference"},
+            )
+    return list(zip(out[single.name], out[pd.name], out["D"], strict=True))
+
+
+def uses_bench_model(args: argparse.Namespace) -> bool:
+    """The 75M benchmark model (a Qwen2): the default for qwen2 unless a model or --tiny is
+    asked; the other architectures run their tiny model."""
+    return args.model is None and not args.tiny and args.arch == DEFAULT_ARCH
 
 
 def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connector: Connector):
@@ -234,7 +341,7 @@ def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connecto
         single=1,
         cpu=CpuSettings(
             # The benchmark model's KV is 12 KiB a token: 64 MiB would hold 5k tokens.
-            kv_cache_bytes=max(args.kv_cache_mib, 384 if args.bench_model else 0) << 20,
+            kv_cache_bytes=max(args.kv_cache_mib, 384 if uses_bench_model(args) else 0) << 20,
             max_model_len=args.max_model_len,
             arch=args.arch,
         ),
@@ -243,11 +350,13 @@ def _demo_servers(args: argparse.Namespace, model: Path, log_dir: Path, connecto
     p_core, d_core = cpu_bind_for(Role.PREFILL, 0), cpu_bind_for(Role.DECODE, 0)
     for server in servers:
         if server.role is Role.SINGLE and "nobind" not in (p_core, d_core):
-            # Equal hardware: the single instance's processes get P's core and D's. Its worker
-            # keeps one OpenMP thread, as P's and D's: two threads add up a long prompt's bf16
-            # sums in another order, which flips greedy tokens of a random-weight model.
-            server.cpu = replace(server.cpu, cpu_bind=d_core)
-            server.process_cpus = frozenset({int(p_core), int(d_core)})
+            # Equal hardware: the single instance gets P's core and D's, every process and an
+            # OpenMP thread on each.
+            cores = sorted({int(p_core), int(d_core)})
+            server.cpu = replace(
+                server.cpu, cpu_bind=",".join(map(str, cores)), omp_threads=len(cores)
+            )
+            server.process_cpus = frozenset(cores)
         # vLLM's step times in fine buckets (its default ITL ladder starts at 10 ms).
         server.extra_args += ["--custom-histogram-buckets", custom_buckets_arg()]
     return servers
@@ -272,6 +381,8 @@ def _proxy_process(
         log_path=log_dir / "proxy.log",
         ready_marker=READY_LINE,
         health_url=f"http://127.0.0.1:{port}/health",
+        # As `pdserve up` runs it: on P's cores, off D's.
+        cpus=proxy_cores(deployment.servers, "prefill"),
     )
     return proc, f"http://127.0.0.1:{port}"
 
@@ -280,7 +391,12 @@ def run_demo(args: argparse.Namespace) -> int:
     console = Console() if sys.stdout.isatty() else Console(width=110)
     connector = Connector(args.connector)
     dispatch = Dispatch(args.dispatch or Dispatch.SEQUENTIAL)  # as pdserve up; see cli.py
-    if args.bench_model:
+    if args.bench_model and args.arch != DEFAULT_ARCH:
+        raise SystemExit(
+            f"pdserve: the 75M model is a {DEFAULT_ARCH}; --arch {args.arch} runs tiny"
+        )
+    bench_model = uses_bench_model(args)
+    if bench_model:
         with console.status("making the benchmark model (75M parameters, once)"):
             model = make_bench_model()
     elif args.model is None:
@@ -290,12 +406,13 @@ def run_demo(args: argparse.Namespace) -> int:
     else:
         model = args.model.resolve()
     log_dir = args.log_dir or cache_dir() / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    near_ties = args.arch in NEAR_TIE_ARCHS
     tokenizer = load_tokenizer(model)
     lengths = DEMO_PROMPT_TOKENS[: args.requests] if args.requests <= 6 else None
     lengths = lengths or tuple(16 + (i * 997) % 1000 for i in range(args.requests))
     prompts = [exact_length_prompt(tokenizer, n, seed=i) for i, n in enumerate(lengths)]
-    load_rate = args.load_rate or (BENCH_MODEL_RATE if args.bench_model else TINY_MODEL_RATE)
+    # A short prompt and one long enough to go through P, unlike any measured one.
+    warmups = [exact_length_prompt(tokenizer, n, seed=90_000 + n) for n in (16, max(lengths))]
+    load_rate = args.load_rate or (BENCH_MODEL_RATE if bench_model else TINY_MODEL_RATE)
     plan = plan_mixed(
         load_rate, args.load_requests, DEMO_MIX, seed=7, max_model_len=args.max_model_len
     )
@@ -332,13 +449,15 @@ def run_demo(args: argparse.Namespace) -> int:
                     every,
                     model_name=str(model),
                     prompts=prompts,
+                    warmups=warmups,
                     max_tokens=args.max_tokens,
-                    logprobs=TOP_LOGPROBS if near_ties else None,
+                    logprobs=TOP_LOGPROBS,
                     console=console,
                 )
             )
-            code = _report(console, lengths, pairs, near_ties=near_ties)
+            code = _report(console, lengths, pairs, near_ties=args.arch in NEAR_TIE_ARCHS)
             points = []
+            slo = BENCH_MODEL_SLO if bench_model else TINY_MODEL_SLO
             if args.load_requests:
                 console.print(
                     f"mixed load: {args.load_requests} Poisson arrivals at {load_rate:g} "
@@ -355,53 +474,114 @@ def run_demo(args: argparse.Namespace) -> int:
                         warmup=warm,
                     )
                 )
-                slo = BENCH_MODEL_SLO if args.bench_model else TINY_MODEL_SLO
                 points = compare_systems(turns, slo, long_prompt_above=64)
         finally:
             stop_all([proxy])
         console.print("stopping every instance ...")
     if points:
         _report_load(console, points, slo)
+    if args.json is not None:
+        meta = {
+            "command": "pdserve " + " ".join(sys.argv[1:]),
+            "model": str(model),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "load": {"rate": load_rate, "requests": args.load_requests, "mix": DEMO_MIX.describe()},
+            "slo": {"ttft_ms": slo.ttft_ms, "itl_p99_per_request_ms": slo.itl_ms},
+        }
+        summary = payload(points, meta) | {
+            "identity": [
+                asdict(r)
+                for r in identity_rows(lengths, pairs, near_ties=args.arch in NEAR_TIE_ARCHS)
+            ]
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1) + "\n")
+        console.print(f"wrote {args.json}")
     return code
+
+
+@dataclass
+class IdentityRow:
+    """One prompt of part 1, as the table shows it and the summary stores it."""
+
+    prompt_tokens: int
+    output_tokens: int
+    path: str
+    ttft_single_ms: float
+    ttft_pd_ms: float
+    tpot_single: str  # the cells: vLLM's, marked, never 0
+    tpot_pd: str
+    same_as_d: str  # 1P1D against D alone: "yes" ("near tie at N" for NEAR_TIE_ARCHS) or "NO"
+    same_as_single: str  # against the single instance: "yes", "near tie at N" or "NO"
+
+
+def identity_rows(
+    lengths: tuple[int, ...],
+    results: list[tuple[Answer, Answer, Answer]],
+    *,
+    near_ties: bool = False,
+) -> list[IdentityRow]:
+    return [
+        IdentityRow(
+            prompt_tokens=n,
+            output_tokens=pd.completion.completion_tokens,
+            path=pd.path,
+            ttft_single_ms=1000 * single.completion.ttft_s,
+            ttft_pd_ms=1000 * pd.completion.ttft_s,
+            tpot_single=single.tpot_cell(),
+            tpot_pd=pd.tpot_cell(),
+            same_as_d=compare(alone.completion, pd.completion, near_ties=near_ties),
+            same_as_single=compare(single.completion, pd.completion, near_ties=True),
+        )
+        for n, (single, pd, alone) in zip(lengths, results, strict=True)
+    ]
+
+
+def _verdict_cell(verdict: str) -> str:
+    return f"[green]{verdict}[/green]" if verdict != "NO" else "[red]NO[/red]"
 
 
 def _report(
     console: Console,
     lengths: tuple[int, ...],
-    results: list[tuple[Answer, Answer]],
+    results: list[tuple[Answer, Answer, Answer]],
     *,
     near_ties: bool = False,
 ) -> int:
     table = Table(title="greedy completions: single instance vs 1P1D through the proxy")
-    for col in ("prompt tok", "out tok", "TTFT single ms", "TTFT 1P1D ms", "TPOT single ms"):
+    for col in (
+        "prompt tok", "out tok", "1P1D path", "TTFT single ms", "TTFT 1P1D ms",
+        "TPOT single ms", "TPOT 1P1D ms",
+    ):  # fmt: skip
         table.add_column(col, justify="right")
-    table.add_column("TPOT 1P1D ms", justify="right")
-    table.add_column("same text")
-    all_equal = True
-    bursts = []
-    for n, (single, pd) in zip(lengths, results, strict=True):
-        verdict = compare(single.completion, pd.completion, near_ties=near_ties)
-        equal = verdict != "NO"
-        all_equal &= equal
-        for name, answer in (("single", single), ("1P1D", pd)):
-            if answer.burst:
-                bursts.append(
-                    f"{n} tokens on {name}: client {answer.client_tpot_s * 1000:.1f} ms, "
-                    f"vLLM {answer.server_tpot_s * 1000:.1f} ms"
-                )
+    table.add_column("1P1D = D alone")
+    table.add_column("1P1D = single")
+    rows = identity_rows(lengths, results, near_ties=near_ties)
+    for row in rows:
         table.add_row(
-            str(n),
-            str(pd.completion.completion_tokens),
-            _ms(single.completion.ttft_s),
-            _ms(pd.completion.ttft_s),
-            single.tpot_cell(),
-            pd.tpot_cell(),
-            f"[green]{verdict}[/green]" if equal else "[red]NO[/red]",
+            str(row.prompt_tokens),
+            str(row.output_tokens),
+            row.path,
+            f"{row.ttft_single_ms:.0f}",
+            f"{row.ttft_pd_ms:.0f}",
+            row.tpot_single,
+            row.tpot_pd,
+            _verdict_cell(row.same_as_d),
+            _verdict_cell(row.same_as_single),
         )
     console.print(table)
+    bursts = [
+        f"{n} tokens on {name}: client {answer.client_tpot_s * 1000:.1f} ms, "
+        f"vLLM {answer.server_tpot_s * 1000:.1f} ms"
+        for n, answers in zip(lengths, results, strict=True)
+        for name, answer in zip(("single", "1P1D"), answers, strict=False)
+        if answer.burst and answer.server_known
+    ]
     console.print(
         "TPOT: vLLM's own mean step time for the request (its inter-token histogram), "
-        "checked against the client's stream."
+        "checked against the client's stream. 1P1D path: the proxy sends prompts under "
+        f"{DEFAULT_BYPASS_BELOW_TOKENS} estimated tokens (characters / 4) to D alone.",
+        highlight=False,
     )
     if bursts:
         console.print(
@@ -409,27 +589,45 @@ def _report(
             "TPOT is not the step time: " + "; ".join(bursts),
             highlight=False,
         )
+    if any(a.tpot_cell().endswith("?") for answers in results for a in answers[:2]):
+        console.print("? vLLM's histogram could not be read: the client's TPOT, unchecked.")
     sample = results[-1][1].completion.text.replace("\n", " ")
     console.print(f"last answer (random weights, so no meaning): {sample[:80]!r}")
-    if all_equal and near_ties:
+    console.print(
+        "1P1D = D alone: the same prompt to D as a plain request (one vLLM instance on P's and "
+        "D's one thread). 1P1D = single: against the single instance, whose two threads add "
+        f"the same sums in another order: a near tie (each side's token in the other's top "
+        f"{TOP_LOGPROBS} at the first difference) can flip a greedy token of random weights.",
+        highlight=False,
+    )
+    exact = [row.same_as_d for row in rows]
+    if "NO" in exact or any(row.same_as_single == "NO" for row in rows):
+        console.print("[bold red]1P1D differs from one vLLM instance.[/]")
+        return 1
+    if all(v == "yes" for v in exact):
+        console.print("[bold green]1P1D answered token for token like one vLLM instance.[/]")
+    else:
         console.print(
-            "[bold green]1P1D answered like the single instance (token for token up to the first "
-            "near tie, where each side's token is in the other's top 5: MLA's absorbed decode "
-            "path on D).[/]"
+            "[bold green]1P1D answered like one vLLM instance up to near ties (MLA: D computes "
+            "the last prompt token on the absorbed decode path).[/]"
         )
-        return 0
-    if all_equal:
-        console.print("[bold green]1P1D answered token for token like the single instance.[/]")
-        return 0
-    console.print("[bold red]1P1D and the single instance differ.[/]")
-    return 1
+    return 0
+
+
+def timing_summary(point) -> str:
+    """The timings column: whether the client's ITL and TTFT agree with vLLM's."""
+    if point.timing_agrees and point.ttft_agrees:
+        return "client agrees with vLLM"
+    notes = [n for ok, n in ((point.timing_agrees, point.timing_note),
+                             (point.ttft_agrees, point.ttft_note)) if not ok]  # fmt: skip
+    return "; ".join(notes)
 
 
 def _report_load(console: Console, points, slo: Slo) -> None:
     table = Table(title="mixed load on the same two cores (ITL: the gaps between tokens)")
     for col in (
-        "system", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "ITL p99 vLLM ms",
-        "longest stall ms",
+        "system", "TTFT p50 ms", "TTFT p99 ms", "TTFT mean ms client / vLLM", "TPOT p50 ms",
+        "ITL p50 ms", "ITL p99 ms", "ITL p99 vLLM ms", "longest stall ms",
         f"within SLO (TTFT<={slo.ttft_ms:g}, ITL p99<={slo.itl_ms:g} ms)", "timings",
     ):  # fmt: skip
         table.add_column(col, justify="right")
@@ -438,14 +636,22 @@ def _report_load(console: Console, points, slo: Slo) -> None:
             p.system,
             f"{p.ttft_p50_ms:.0f}",
             f"{p.ttft_p99_ms:.0f}",
+            f"{p.ttft_mean_ms:.0f} / {p.server_ttft_mean_ms:.0f}",
+            f"{p.tpot_p50_ms:.1f}" if p.timing_agrees else f"{p.server_tpot_p50_ms:.1f} (vLLM)",
             f"{p.itl_p50_ms:.1f}" if p.timing_agrees else f"{p.server_itl_p50_ms:.1f} (vLLM)",
             f"{p.checked_itl_p99_ms:.1f}",
             f"{p.server_itl_p99_ms:.1f}",
             f"{p.itl_max_ms:.0f}",
             f"{100 * p.slo_attainment:.0f}%",
-            "client agrees with vLLM" if p.timing_agrees else p.timing_note,
+            timing_summary(p),
         )
     console.print(table)
+    console.print(
+        "TTFT vLLM: per request, the single instance's own TTFT; on 1P1D P's whole request "
+        "plus D's TTFT (or D's alone for a prompt that bypassed P). The client's is higher by "
+        "the proxy and HTTP hops.",
+        highlight=False,
+    )
     by = {p.system: p for p in points}
     single, pd = by.get("single"), by.get("1P1D")
     if not (single and pd and single.checked_itl_p99_ms > 0):
@@ -462,6 +668,6 @@ def _report_load(console: Console, points, slo: Slo) -> None:
         console.print(
             f"1P1D's ITL p99 is {ratio:.2f}x the single instance's ({stalls}): this model "
             "prefills a long prompt in a few steps' time, too little to stall decoding. Run "
-            "`pdserve demo --bench-model` (a 75M model) to see a long prefill stall one instance "
-            "and not 1P1D."
+            "`pdserve demo` without --tiny (the 75M model) to see a long prefill stall one "
+            "instance and not 1P1D."
         )

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,18 @@ from rich.table import Table
 
 from pd_serving.launcher import ManagedProcess
 from pd_serving.sweep import RequestSample, compare_tokens, percentile, run_open_loop, split_rounds
-from pd_serving.timings import EMPTY, HISTOGRAMS, ITL, TPOT, TTFT, Histogram, check_itl, total
+from pd_serving.timings import (
+    E2E,
+    EMPTY,
+    HISTOGRAMS,
+    ITL,
+    TPOT,
+    TTFT,
+    Histogram,
+    check_itl,
+    check_ttft,
+    total,
+)
 from pd_serving.timings import parse_histograms as parse_metrics
 from pd_serving.workload import SweepRequest
 
@@ -108,16 +119,18 @@ def make_layout(
     low_omp_wait_policy: str | None = "passive",
     low_worker_in_engine: bool = False,
     d_worker_in_engine: bool = False,
+    worker_in_engine: bool = False,
 ) -> Layout:
-    """One of ``LAYOUTS``; ``low_*``: the instance that shares a core at a lower priority."""
+    """One of ``LAYOUTS``; ``low_*``: the instance that shares a core at a lower priority;
+    ``worker_in_engine``: every instance's worker in its engine-core process."""
     low = {
         "nice": low_nice,
         "omp_wait_policy": low_omp_wait_policy,
-        "worker_in_engine": low_worker_in_engine,
+        "worker_in_engine": low_worker_in_engine or worker_in_engine,
     }
-    split_d = Placement("1", worker_in_engine=d_worker_in_engine)
+    split_d = Placement("1", worker_in_engine=d_worker_in_engine or worker_in_engine)
     if name == "split":
-        return Layout(name, Placement("0"), split_d)
+        return Layout(name, Placement("0", worker_in_engine=worker_in_engine), split_d)
     if name == "shared-p":
         return Layout(name, Placement("0-1", threads=2, **low), split_d)
     if name == "shared-d":
@@ -149,6 +162,9 @@ class Turn:
     # Per stage, the histograms' difference over the turn (instances of a stage added up).
     server: list[dict[str, Histogram]]
     load_avg_1m: float
+    # CPU seconds over the turn: each process the benchmark started (by name), the client (this
+    # process), "other" (everything else on the box), and each core's busy share.
+    cpu: CpuUse | None = None
 
 
 @dataclass(frozen=True)
@@ -165,6 +181,129 @@ class Slo:
         gaps = sample.itl_ms + [0.0] * sample.tokens_sharing_a_chunk
         itl = percentile(gaps, 99) if gaps else 0.0
         return sample.ttft_ms <= self.ttft_ms and itl <= self.itl_ms
+
+
+# --- where the CPU goes during a turn --------------------------------------------------------
+
+
+def group_cpu_ticks(stats: Iterable[str]) -> dict[int, int]:
+    """User + system clock ticks per process group, from ``/proc/<pid>/stat`` texts (each
+    process the benchmark starts leads a group of its own, its children in it)."""
+    out: dict[int, int] = {}
+    for text in stats:
+        _, _, after = text.rpartition(")")  # the command name may hold spaces and parentheses
+        fields = after.split()
+        if len(fields) < 13:
+            continue
+        try:
+            group, ticks = int(fields[2]), int(fields[11]) + int(fields[12])
+        except ValueError:
+            continue
+        out[group] = out.get(group, 0) + ticks
+    return out
+
+
+def core_ticks(proc_stat: str) -> list[tuple[int, int]]:
+    """(busy, total) clock ticks of each core, from ``/proc/stat`` (idle and iowait are not
+    busy; guest time is inside user time already)."""
+    out = []
+    for line in proc_stat.splitlines():
+        name, *values = line.split()
+        if not (name.startswith("cpu") and name[3:].isdigit()) or len(values) < 8:
+            continue
+        ticks = [int(v) for v in values[:8]]
+        total_ticks = sum(ticks)
+        out.append((total_ticks - ticks[3] - ticks[4], total_ticks))
+    return out
+
+
+@dataclass
+class CpuUse:
+    """CPU seconds over one turn: per process the benchmark started (by name), ``client``
+    (the benchmark's own process: the load generator) and ``other`` (the rest of the box:
+    other jobs); and each core's busy share."""
+
+    wall_s: float
+    seconds: dict[str, float]
+    core_busy: list[float]
+
+    def share(self, name: str) -> float:
+        """Cores' worth of ``name``'s CPU over the turn (1.0: one core all the time)."""
+        return self.seconds.get(name, 0.0) / self.wall_s if self.wall_s > 0 else float("nan")
+
+
+@dataclass
+class CpuSnapshot:
+    at: float
+    groups: dict[int, int]
+    cores: list[tuple[int, int]]
+    client_s: float
+
+
+def cpu_snapshot() -> CpuSnapshot | None:
+    """Every process group's CPU ticks, the cores' and this process's own; None off Linux."""
+    import resource
+
+    try:
+        cores = core_ticks(Path("/proc/stat").read_text())
+    except OSError:
+        return None
+    stats = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stats.append(Path(entry.path, "stat").read_text())
+            except OSError:
+                continue  # exited meanwhile
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return CpuSnapshot(
+        time.monotonic(), group_cpu_ticks(stats), cores, usage.ru_utime + usage.ru_stime
+    )
+
+
+def cpu_use(
+    before: CpuSnapshot | None,
+    after: CpuSnapshot | None,
+    groups: dict[str, int],
+    *,
+    ticks_per_s: float,
+) -> CpuUse | None:
+    """What the processes leading ``groups`` (name -> process group), the client and the rest
+    of the box used between the snapshots."""
+    if before is None or after is None:
+        return None
+    seconds = {
+        name: (after.groups.get(g, 0) - before.groups.get(g, 0)) / ticks_per_s
+        for name, g in groups.items()
+    }
+    client = after.client_s - before.client_s
+    mine = set(groups.values()) | {os.getpgrp()}
+    busy = sum(a[0] - b[0] for a, b in zip(after.cores, before.cores, strict=False))
+    ours = sum(after.groups.get(g, 0) - before.groups.get(g, 0) for g in mine)
+    other = max(0.0, (busy - ours) / ticks_per_s)
+    seconds = {k: v for k, v in seconds.items() if v > 0} | {"client": client, "other": other}
+    shares = [
+        (a[0] - b[0]) / (a[1] - b[1]) if a[1] > b[1] else float("nan")
+        for a, b in zip(after.cores, before.cores, strict=False)
+    ]
+    return CpuUse(after.at - before.at, seconds, shares)
+
+
+def cpu_share(turns: Sequence[Turn]) -> dict[str, float]:
+    """Cores' worth of each name's CPU over the turns together."""
+    used = [t.cpu for t in turns if t.cpu is not None]
+    wall = sum(u.wall_s for u in used)
+    names = dict.fromkeys(n for u in used for n in u.seconds)
+    return {n: sum(u.seconds.get(n, 0.0) for u in used) / wall for n in names} if wall else {}
+
+
+def core_busy(turns: Sequence[Turn]) -> list[float]:
+    used = [t.cpu for t in turns if t.cpu is not None and t.cpu.core_busy]
+    if not used:
+        return []
+    wall = sum(u.wall_s for u in used)
+    cores = min(len(u.core_busy) for u in used)
+    return [sum(u.core_busy[i] * u.wall_s for u in used) / wall for i in range(cores)]
 
 
 # --- the maths -------------------------------------------------------------------------------
@@ -195,7 +334,8 @@ class EqualHwPoint:
     server_itl_p99_ms: float
     server_tpot_p50_ms: float
     server_tpot_p99_ms: float
-    # Sum over the stages of each stage's mean TTFT (P's prefill, then D's first token).
+    # Per request, the server's part of the TTFT (timings.check_ttft: the earlier stages'
+    # whole requests, then the last stage's first token), and the last stage's own TTFT.
     server_ttft_mean_ms: float
     timing_agrees: bool
     timing_note: str
@@ -215,6 +355,15 @@ class EqualHwPoint:
     first_divergence: int | None = None
     long_ttft_p50_ms: float = float("nan")  # requests of the long kind only
     errors: list[str] = field(default_factory=list)
+    ttft_mean_ms: float = float("nan")  # the client's
+    server_ttft_p50_ms: float = float("nan")  # the last stage's TTFT histogram (D's on 1P1D)
+    server_ttft_p99_ms: float = float("nan")
+    ttft_rest_ms: float = float("nan")  # client mean - server mean: proxy, HTTP, client
+    ttft_agrees: bool = False
+    ttft_note: str = ""
+    # CPU seconds per second of the turns: by process name, "client", "other"; and per core.
+    cpu_share: dict[str, float] = field(default_factory=dict)
+    core_busy: list[float] = field(default_factory=list)
 
     @property
     def checked_itl_p99_ms(self) -> float:
@@ -257,7 +406,7 @@ def summarize(
         decode_tokens,
         decode[ITL],
     )
-    ttft_means = [h[TTFT].mean for h in stage_hists if h[TTFT].count]
+    ttft = check_ttft([s.ttft_ms for s in done], [(h[E2E], h[TTFT]) for h in stage_hists])
     tpots = [s.tpot_ms for s in done if s.output_tokens > 1]
     long_ttfts = [
         s.ttft_ms
@@ -276,6 +425,8 @@ def summarize(
                 "server_itl_p99_ms": 1000 * hist.quantile(0.99),
                 "ttft_p50_ms": percentile([s.ttft_ms for s in ok], 50),
                 "goodput_rps": _goodput(t.samples, t.wall_s, slo),
+                "load_avg_1m": t.load_avg_1m,
+                "other_cpu_share": t.cpu.share("other") if t.cpu else float("nan"),
             }
         )
 
@@ -303,7 +454,7 @@ def summarize(
         server_itl_p99_ms=1000 * decode[ITL].quantile(0.99),
         server_tpot_p50_ms=1000 * decode[TPOT].quantile(0.5),
         server_tpot_p99_ms=1000 * decode[TPOT].quantile(0.99),
-        server_ttft_mean_ms=1000 * sum(ttft_means) if ttft_means else float("nan"),
+        server_ttft_mean_ms=ttft.server_mean_ms,
         timing_agrees=check.agrees,
         timing_note=check.note,
         burst_share=check.burst_share,
@@ -316,6 +467,14 @@ def summarize(
         rounds=rounds,
         long_ttft_p50_ms=percentile(long_ttfts, 50),
         errors=[f"#{s.index}: {s.error}" for s in samples if s.error][:5],
+        ttft_mean_ms=ttft.client_mean_ms,
+        server_ttft_p50_ms=ttft.last_stage_p50_ms,
+        server_ttft_p99_ms=ttft.last_stage_p99_ms,
+        ttft_rest_ms=ttft.rest_mean_ms,
+        ttft_agrees=ttft.agrees,
+        ttft_note=ttft.note,
+        cpu_share=cpu_share(turns),
+        core_busy=core_busy(turns),
     )
 
 
@@ -366,16 +525,73 @@ def first_divergence(
     return earliest
 
 
+# A round during which the rest of the box (other jobs) used more than this many cores' worth
+# of CPU is flagged busy: its numbers are not the systems' own.
+BUSY_OTHER_CPU = 0.15
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The targets, judged at the highest rate the single instance sustains (meets the SLO for
-    at least ``sustain`` of its requests)."""
+    at least ``sustain`` of its requests), over all rounds and round by round (each round is
+    the same slice of the schedule for every system)."""
 
     rate: float | None
     itl_p99_ratio: float | None  # 1P1D's checked ITL p99 / single's
     goodput_ratio: float | None  # 1P1D's goodput / the better single-instance setup's
     itl_target_met: bool
     goodput_target_met: bool
+    # Per round: {"round", "itl_p99_ratio", "goodput_ratio", "other_cpu_max", "busy"}.
+    rounds: tuple[dict[str, Any], ...] = ()
+    itl_target: float = 0.5
+    goodput_target: float = 1.3
+
+    @property
+    def met_in_every_round(self) -> bool:
+        return bool(self.rounds) and all(
+            r["itl_p99_ratio"] is not None
+            and r["itl_p99_ratio"] <= self.itl_target
+            and r["goodput_ratio"] is not None
+            and r["goodput_ratio"] >= self.goodput_target
+            for r in self.rounds
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "met_in_every_round": self.met_in_every_round}
+
+
+def _round_ratios(
+    by: dict[tuple[str, float], EqualHwPoint], rate: float, single: str, others: Sequence[str],
+    pd: str,
+) -> tuple[dict[str, Any], ...]:  # fmt: skip
+    s, d = by[(single, rate)], by[(pd, rate)]
+    key = "itl_p99_ms" if s.timing_agrees and d.timing_agrees else "server_itl_p99_ms"
+    setups = [by[(o, rate)] for o in [single, *others] if (o, rate) in by]
+    out = []
+    for r in sorted({x["round"] for x in d.rounds}):
+
+        def at(p: EqualHwPoint, r=r) -> dict[str, float] | None:
+            return next((x for x in p.rounds if x["round"] == r), None)
+
+        mine, theirs = at(d), at(s)
+        best = max((x["goodput_rps"] for x in map(at, setups) if x), default=0.0)
+        rounds = [x for x in (at(p) for p in [*setups, d]) if x]
+        other = max((x.get("other_cpu_share", math.nan) for x in rounds), default=math.nan)
+        itl = (
+            mine[key] / theirs[key]
+            if mine and theirs and theirs[key] > 0 and math.isfinite(mine[key])
+            else None
+        )
+        out.append(
+            {
+                "round": r,
+                "itl_p99_ratio": itl,
+                "goodput_ratio": mine["goodput_rps"] / best if mine and best > 0 else None,
+                "other_cpu_max": other,
+                "busy": bool(other > BUSY_OTHER_CPU),
+            }
+        )
+    return tuple(out)
 
 
 def judge(
@@ -405,6 +621,9 @@ def judge(
         goodput,
         itl is not None and itl <= itl_target,
         goodput is not None and goodput >= goodput_target,
+        _round_ratios(by, rate, single, others, pd),
+        itl_target,
+        goodput_target,
     )
 
 
@@ -467,6 +686,8 @@ async def run_equal_hw(
     bounded time); the rates measured so far are returned whole."""
     started = time.monotonic()
     turns: list[Turn] = []
+    groups = {p.name: p.pid for p in every_process if p.pid is not None}  # each leads a group
+    ticks = float(os.sysconf("SC_CLK_TCK"))
     connector = aiohttp.TCPConnector(limit=0)  # open loop: the client must never queue
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=None)
@@ -490,9 +711,11 @@ async def run_equal_hw(
                         )
                     load = os.getloadavg()[0]
                     before = await _read_stages(session, system)
+                    cpu_before = cpu_snapshot()
                     samples, wall = await run_open_loop(
                         session, system.url, model, part, timeout_s=timeout_s
                     )
+                    cpu = cpu_use(cpu_before, cpu_snapshot(), groups, ticks_per_s=ticks)
                     after = await _read_stages(session, system)
                     server = [
                         {
@@ -501,7 +724,7 @@ async def run_equal_hw(
                         }
                         for sb, sa in zip(before, after, strict=True)
                     ]
-                    turns.append(Turn(system.name, rate, r, samples, wall, server, load))
+                    turns.append(Turn(system.name, rate, r, samples, wall, server, load, cpu))
         for proc in every_process:
             proc.resume()
     return turns
@@ -511,7 +734,6 @@ async def run_equal_hw(
 
 QUEUE = "vllm:request_queue_time_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
-E2E = "vllm:e2e_request_latency_seconds"
 STAGE_HISTOGRAMS = (QUEUE, PREFILL, E2E, TTFT)
 
 # What each stage's histograms mean for one request, in the table's order. Two-stage systems
@@ -724,6 +946,7 @@ COLUMNS = (
     "system",
     "done / failed",
     "TTFT p50/p90/p99 ms",
+    "TTFT mean ms client / vLLM",
     "ITL p50/p90/p99 ms, client",
     "ITL p50/p90/p99 ms, vLLM",
     "ITL p99 checked (rounds)",
@@ -748,15 +971,26 @@ def _row(p: EqualHwPoint) -> list[str]:
         p.system,
         f"{p.completed} / {p.failed}",
         _ms(p.ttft_p50_ms, p.ttft_p90_ms, p.ttft_p99_ms),
+        f"{_ms(p.ttft_mean_ms)} / {_ms(p.server_ttft_mean_ms)}",
         _ms(p.itl_p50_ms, p.itl_p90_ms, p.itl_p99_ms),
         _ms(p.server_itl_p50_ms, p.server_itl_p90_ms, p.server_itl_p99_ms),
         checked,
         f"{_ms(p.tpot_p50_ms)} / {_ms(p.server_tpot_p50_ms)}",
         f"{p.goodput_rps:.2f}{_spread(p, 'goodput_rps').replace(' ms', '')}",
-        "agree" if p.timing_agrees else p.timing_note,
+        timings_cell(p),
         same,
         f"{p.load_avg_1m:.0f}",
     ]
+
+
+def timings_cell(p: EqualHwPoint) -> str:
+    """ "agree" when the client's ITL and TTFT agree with vLLM's; else what does not."""
+    if p.timing_agrees and p.ttft_agrees:
+        return "agree"
+    return "; ".join(
+        note for ok, note in ((p.timing_agrees, p.timing_note), (p.ttft_agrees, p.ttft_note))
+        if not ok
+    )  # fmt: skip
 
 
 def markdown_table(points: Sequence[EqualHwPoint]) -> str:

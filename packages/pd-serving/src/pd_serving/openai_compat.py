@@ -11,9 +11,14 @@ its own, and their answers merged back into the one answer vLLM gives::
     one SSE stream <──StreamMerger.chunk(part, chunk) ... usage_chunk()──         (stream: true)
 
 Numbering is vLLM's: choice ``index`` = prompt_index * n + choice_index; usage counts each
-prompt's tokens once (not once per choice) and every choice's completion tokens. A seeded
-request's choices get seeds ``seed + choice_index``, as vLLM's parallel sampling gives its
-children, so seeded sampling gives the same tokens.
+prompt's tokens once (not once per choice) and every choice's completion tokens.
+
+Seeds are vLLM's too: its parallel sampling (``vllm.v1.engine.parallel_sampling``) runs choice
+``i`` as a child request with ``seed + i``, and each request samples from its own generator
+seeded with its seed, drawn once per token it samples. A seeded request's choice ``i`` is
+therefore the single request with ``seed + i``: on D its generator starts fresh with D's first
+token (P's one sampled token is dropped), so one prefill on P and n decodes on D draw what
+vLLM's n children draw, and the answers are vLLM's (``tests/test_openai_compat_vllm.py``).
 
 Pure (no I/O): the proxy's shell makes the calls.
 """
@@ -30,6 +35,12 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 MAX_PARTS = 1024
 
 Prompt = str | list[int]
+
+# vLLM's SamplingParams raise a temperature in (0, 1e-2) to 1e-2 (``_MAX_TEMP``: smaller ones
+# overflow), then sample greedily, and refuse n > 1, below 1e-5 (``_SAMPLING_EPS``): so only a
+# temperature of 0 is greedy.
+LOWEST_SAMPLED_TEMPERATURE = 1e-2
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class CompatError(ValueError):
@@ -86,10 +97,24 @@ def choices_n(body: dict[str, Any]) -> int:
         return 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise CompatError("'n' must be a positive integer")
-    if n > 1 and body.get("temperature", 1.0) == 0:
+    if n > 1 and is_greedy(body):
         # vLLM's own refusal (greedy choices would all be the same).
         raise CompatError(f"n must be 1 when using greedy sampling, got {n}.")
     return n
+
+
+def is_greedy(body: dict[str, Any]) -> bool:
+    """vLLM's rule (``vllm.sampling_params.SamplingParams``): a small positive temperature is
+    raised to ``LOWEST_SAMPLED_TEMPERATURE``, then one below ``GREEDY_BELOW_TEMPERATURE`` is
+    greedy. A request that sets none gets the model's default (its generation config, 1.0
+    without one), which only the instances know: the proxy takes it as sampled and the
+    instances decide; a negative or non-number one is refused by the instances (400, relayed)."""
+    temperature = body.get("temperature")
+    if not isinstance(temperature, int | float) or isinstance(temperature, bool):
+        return False
+    if temperature > 0:
+        temperature = max(temperature, LOWEST_SAMPLED_TEMPERATURE)
+    return 0 <= temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def needs_no_decode(path: str, body: dict[str, Any]) -> bool:

@@ -25,6 +25,11 @@ The decisions, in order:
    prefix affinity (rendezvous hashing of the prompt's first ``prefix_chars`` characters, or
    ``prefix_chars // 4`` token ids, over the eligible P's), the least-loaded P when the affine
    one is overloaded; no eligible P -> D prefills (``bypass_reason="no_healthy_prefill"``).
+   **A P for idle times** (``Backend.when_idle``: one that shares the cores of the others, on
+   more of them): it prefills while D and every P are idle (no call of the proxy open on them),
+   and the other P's prefill otherwise (it takes over only when none of them is eligible). One
+   prompt at a time it prefills on every core; under load it stays out of the way of D's decodes
+   and of the P on fewer cores.
 
 **Cached prefix** (with a :class:`~pd_serving.prefix_index.PrefixIndex`, fed by the instances'
 KV-cache events; ``RoutingPolicy.cache_aware``): for the prompt's token ids (``RequestKey.
@@ -92,6 +97,8 @@ class Backend:
     kv_events: str | None = None
     # The shared KV store it loads from (the store's name); its "KVS" events name it.
     kv_store: str | None = None
+    # P only: prefills only while D and every P are idle (module docstring).
+    when_idle: bool = False
     inflight: int = 0
     load: InstanceLoad = field(default_factory=InstanceLoad)
 
@@ -107,6 +114,7 @@ class Backend:
             "kv_events": self.kv_events,
             "kv_store": self.kv_store,
             "inflight": self.inflight,
+            "when_idle": self.when_idle,
         }
 
 
@@ -196,9 +204,17 @@ class NoBackend(Exception):
         self.role = role
 
 
+# `pdserve up` and `pdserve proxy`'s --bypass-below-tokens: what measured best on equal
+# hardware (benchmarks/bench_equal_hw.py; README, "Low load"): a short prompt's TTFT 1.13x one
+# instance's against 2.1x through P, and more goodput under the mixed load. RoutingPolicy()
+# itself bypasses nothing: a Router built in code sends every prompt through P unless told.
+DEFAULT_BYPASS_BELOW_TOKENS = 256
+
+
 @dataclass(frozen=True)
 class RoutingPolicy:
-    """How the Router decides (``pdserve up/proxy`` flags of the same names)."""
+    """How the Router decides (``pdserve up/proxy`` flags of the same names; their defaults are
+    these but for ``bypass_below_tokens``: ``DEFAULT_BYPASS_BELOW_TOKENS`` there)."""
 
     # Prompts (or a prefix-cached request's uncached tail) under this many tokens skip P;
     # 0 turns both bypasses off.
@@ -448,10 +464,15 @@ class Router:
         return self._prefill_and_reason(key, exclude, now)[0]
 
     def _prefill_and_reason(
-        self, key: RequestKey, exclude: Collection[str], now: float | None
+        self, key: RequestKey, exclude: Collection[str], now: float | None, *, idle: bool = False
     ) -> tuple[Backend | None, str | None]:
         now = self.clock() if now is None else now
         eligible = self._eligible(self.prefill, exclude, now)
+        for_idle = [b for b in eligible if b.when_idle]
+        if for_idle and idle:
+            eligible = for_idle
+        elif len(for_idle) < len(eligible):
+            eligible = [b for b in eligible if not b.when_idle]
         cached, reason = self._pick_by_cache("prefill", key, eligible, now)
         if cached is not None:
             return cached, reason
@@ -578,14 +599,10 @@ class Router:
             return replace(local, bypass_reason="no_prefill")
         if 0 < key.tokens < self.policy.bypass_below_tokens and not key.empty:
             return replace(local, bypass_reason="short_prompt")
-        if (
-            0 < key.tokens < self.policy.bypass_idle_below_tokens
-            and not key.empty
-            and decode.inflight == 0
-            and all(b.inflight == 0 for b in self.prefill)
-        ):
+        idle = decode.inflight == 0 and all(b.inflight == 0 for b in self.prefill)
+        if 0 < key.tokens < self.policy.bypass_idle_below_tokens and not key.empty and idle:
             return replace(local, bypass_reason="idle")
-        prefill, p_reason = self._prefill_and_reason(key, exclude_prefill, now)
+        prefill, p_reason = self._prefill_and_reason(key, exclude_prefill, now, idle=idle)
         if prefill is None:
             return replace(local, bypass_reason="no_healthy_prefill")
         return Route(decode=decode, prefill=prefill, decode_cache=d_reason, prefill_cache=p_reason)

@@ -6,6 +6,7 @@ import enum
 import json
 import logging
 import os
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,3 +313,28 @@ def plan_servers(
                 )
             )
     return servers
+
+
+def proxy_cores(
+    servers: Sequence[VllmServer],
+    spec: str,
+    *,
+    idle: Collection[str] = (),
+    machine: Collection[int] | None = None,
+) -> frozenset[int] | None:
+    """Where ``pdserve up``'s proxy runs: ``prefill`` (the default) on the cores of the P's
+    (not those of the P's for idle times, named in ``idle``): off D's cores, where each relayed
+    token would preempt D's decoding (README, "Equal hardware"); ``any`` wherever the OS puts
+    it; or a core list. None: unpinned (also when the P's are not pinned, or cover every
+    core of the ``machine``)."""
+    if spec == "any":
+        return None
+    if spec != "prefill":
+        return parse_cpu_list(spec)
+    prefill = [s for s in servers if s.role is Role.PREFILL and s.name not in idle]
+    cores = [s.cpus for s in prefill]
+    if not cores or any(c is None for c in cores):
+        return None
+    union = frozenset().union(*cores)
+    machine = range(os.cpu_count() or 1) if machine is None else machine
+    return None if union >= set(machine) else union

@@ -14,7 +14,16 @@ client's numbers against them. Pure: no I/O.
                                             +-- after - before (+ other instances)
     /metrics after  --parse--> Histograms --'        |
                                                      v
-    client token times ----------------------> check_itl -> TimingCheck (agrees | burst)
+    client token times ----------------------> check_itl  -> TimingCheck (agrees | burst)
+    client TTFTs ------------------------------> check_ttft -> TtftCheck (agrees | client late)
+
+TTFT across stages: vLLM times a request from its arrival at the engine, so on 1P1D (sequential
+dispatch) the server's part of one request's TTFT is P's whole request
+(``vllm:e2e_request_latency_seconds``: queue, prefill, its one token) plus D's TTFT (its wait
+for the KV included), or D's TTFT alone for a request that bypassed P. Percentiles of a sum
+cannot be read from the stages' buckets, so the check compares means: the stages' sums over the
+turn divided by the requests, against the client's mean. The difference is the proxy, the HTTP
+hops and the client's own lateness.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from dataclasses import dataclass
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
-HISTOGRAMS = (TTFT, ITL, TPOT)
+E2E = "vllm:e2e_request_latency_seconds"
+HISTOGRAMS = (TTFT, ITL, TPOT, E2E)
 
 # Finer buckets than vLLM's defaults (whose ITL ladder starts at 10 ms and jumps 0.1/0.15/0.2),
 # so percentiles read from the buckets land within a few percent: 1 ms to 20 s, ~1.25x apart.
@@ -231,4 +241,84 @@ def check_itl(
         server_steps=steps,
         burst_share=share,
         agrees=steps > 0 and share <= MAX_BURST_SHARE and close,
+    )
+
+
+# The client's mean TTFT may exceed the server's by this share plus this much (the proxy's two
+# calls and the HTTP hops: 5-18 ms one request at a time, README "Low load") before the
+# client's own timing is suspect (its event loop late to read the first token).
+MAX_TTFT_REST_SHARE = 0.25
+TTFT_REST_ALLOWANCE_MS = 25.0
+
+
+@dataclass(frozen=True)
+class TtftCheck:
+    """The client's TTFT against the server's, in ms (module docstring: TTFT across stages)."""
+
+    client_p50_ms: float
+    client_p99_ms: float
+    client_mean_ms: float
+    server_mean_ms: float  # per request: the earlier stages' whole requests + the last's TTFT
+    last_stage_p50_ms: float  # the last stage's own TTFT histogram (D's, or the instance's)
+    last_stage_p99_ms: float
+    rest_mean_ms: float  # client mean - server mean: proxy, HTTP hops, client lateness
+    requests: int
+    last_stage_requests: int
+    agrees: bool
+
+    @property
+    def note(self) -> str:
+        if self.last_stage_requests == 0:
+            return "no server TTFT to check against"
+        if self.last_stage_requests != self.requests:
+            return (
+                f"the server counted {self.last_stage_requests} first tokens for "
+                f"{self.requests} requests"
+            )
+        if self.agrees:
+            return "client TTFT agrees with server"
+        if self.rest_mean_ms < 0:
+            return "client TTFT under the server's: the stages overlap (parallel dispatch?)"
+        return (
+            f"client TTFT {self.rest_mean_ms:.0f} ms over the server's on average: the client "
+            "or the proxy was late"
+        )
+
+
+def check_ttft(
+    ttfts_ms: Sequence[float], stages: Sequence[tuple[Histogram, Histogram]]
+) -> TtftCheck:
+    """``ttfts_ms``: the client's TTFT of each answered request; ``stages``: per stage of a
+    request, in order, (its whole-request histogram, its TTFT histogram) over the same turn,
+    the stage's instances added up. The earlier stages count whole requests (each hands over
+    when its request finishes), the last one its first token."""
+    requests = len(ttfts_ms)
+    client_mean = sum(ttfts_ms) / requests if requests else float("nan")
+    if stages:
+        *earlier, (_, last) = stages
+        server_s = sum(e2e.sum for e2e, _ in earlier) + last.sum
+        last_count = int(last.count)
+    else:
+        last, server_s, last_count = EMPTY, 0.0, 0
+    server_mean = 1000 * server_s / requests if requests and last_count else float("nan")
+    rest = client_mean - server_mean
+    agrees = (
+        requests > 0
+        and last_count == requests
+        and math.isfinite(rest)
+        and -max(1.0, 0.01 * server_mean)
+        <= rest
+        <= MAX_TTFT_REST_SHARE * server_mean + TTFT_REST_ALLOWANCE_MS
+    )
+    return TtftCheck(
+        client_p50_ms=_percentile(ttfts_ms, 0.5),
+        client_p99_ms=_percentile(ttfts_ms, 0.99),
+        client_mean_ms=client_mean,
+        server_mean_ms=server_mean,
+        last_stage_p50_ms=1000 * last.quantile(0.5),
+        last_stage_p99_ms=1000 * last.quantile(0.99),
+        rest_mean_ms=rest,
+        requests=requests,
+        last_stage_requests=last_count,
+        agrees=agrees,
     )
