@@ -29,7 +29,8 @@ Reported per system: TTFT p50 and p99 of each turn, of turns 2+ and of turns 2+ 
 tokens of context, and of the misses; prompt tokens served from
 the local cache / loaded from the store / computed (vLLM's own counters), throughput
 (answers' tokens per second), and every answer's tokens compared across systems; for
-``kvs+routing`` also the proxy's routing decisions by reason.
+``kvs+routing`` also the proxy's routing decisions by reason; for every store its counters
+(``STORE_STATS``: evictions, keys found, the disk tier's writes, hits and errors).
 
     flock /tmp/bench.lock uv run --frozen --no-sync python \\
         packages/hybrid-connector/benchmarks/bench_kvs_multiturn.py
@@ -54,6 +55,23 @@ import aiohttp
 RESULTS = Path(__file__).parent / "results"
 LONG_CONTEXT = 2048  # the target's "2k+ tokens of context"
 LOCAL, KVS, ROUTED, DISK = "local", "kvs", "kvs+routing", "kvs+disk"
+# Each store's counters at the end (refstore's ``Stats``): what its pool evicted, what lookups
+# found, and the disk tier's side of it.
+STORE_STATS = (
+    "keys",
+    "used",
+    "evictions",
+    "key_hits",
+    "key_misses",
+    "disk_keys",
+    "disk_bytes",
+    "disk_writes",
+    "disk_reads",
+    "disk_hits",
+    "disk_errors",
+    "disk_evictions",
+    "spill_dropped",
+)
 TOP_LOGPROBS = 5
 
 
@@ -721,18 +739,26 @@ def main() -> None:
         args.miss_prompts, args.miss_tokens, args.rounds = 2, 256, 1
         args.miss_pairs, args.context_trials, args.miss_gap_ms = 2, 1, 0.0
         args.context_tokens, args.new_tokens = 256, 64
-    import refstore
-    from pd_serving.launcher import stop_all, wait_all_ready
-
     if args.smoke:
         args.model_size = "tiny"
     if args.kv_mib is None:
         args.kv_mib = 16 if args.model_size == "tiny" else 64
-    work = Path(tempfile.mkdtemp(prefix="bench-kvs-"))
-    model = make_model(work, args.model_size)
-    if args.misses_only:
-        paired_main(args, model, work)
-        return
+    # The model, the servers' logs and the disk tier's preallocated file (``--disk-size``) go
+    # with the run.
+    with tempfile.TemporaryDirectory(prefix="bench-kvs-") as tmp:
+        work = Path(tmp)
+        model = make_model(work, args.model_size)
+        if args.misses_only:
+            paired_main(args, model, work)
+        else:
+            systems_main(args, model, work)
+
+
+def systems_main(args: argparse.Namespace, model: Path, work: Path) -> None:
+    """The systems of ``--systems`` up at once, the multi-turn rounds, the JSON."""
+    import refstore
+    from pd_serving.launcher import stop_all, wait_all_ready
+
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     results["date"] = time.strftime("%Y-%m-%d")
     systems = args.systems.split(",")
@@ -789,8 +815,8 @@ def main() -> None:
         for name in configs:
             results[name] = summarize(raw[name], args.turns)
         for name, store in stores.items():
-            fields = ("keys", "used", "evictions", "disk_keys", "disk_hits", "disk_writes")
-            results[name]["store"] = {k: getattr(store.stats(), k) for k in fields}
+            stats = store.stats()
+            results[name]["store"] = {k: getattr(stats, k) for k in STORE_STATS}
         if ROUTED in systems:
             results[ROUTED]["routing"] = routing_decisions(proxy_url)
     finally:
@@ -822,6 +848,13 @@ def main() -> None:
             f"{r['ttft_later_ms']['p50']:7.1f} p99 {r['ttft_later_ms']['p99']:7.1f} ms; "
             f"{r['tokens_per_s']:6.1f} tok/s; prompt tokens: "
             + ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(src.items()))
+        )
+    for name in stores:
+        st = results[name]["store"]
+        print(
+            f"{name} store: {st['evictions']} evictions, {st['key_hits']} keys found "
+            f"({st['disk_hits']} of them on disk), {st['disk_writes']} written to disk, "
+            f"{st['spill_dropped']} not written, {st['disk_errors']} disk errors"
         )
     if ROUTED in systems:
         print(f"{ROUTED} routing decisions: {results[ROUTED]['routing']}")
