@@ -197,39 +197,16 @@ def _parser() -> argparse.ArgumentParser:
 
 async def _smoke(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(TESTS))
-    from pd_serving.routing import Backend
-    from stand_ins import MODEL, FakeDecode, FakeUpstream, model_tokens
+    from stand_ins import MODEL, fake_1p2d, model_tokens, smoke_prompt
 
-    p = FakeUpstream(
-        "P",
-        kv_params=lambda kv: {
-            "do_remote_prefill": True,
-            "transfer_id": kv["transfer_id"],
-            "remote_rpc_address": "127.0.0.1:1",
-        },
-    )
-    decodes = [FakeDecode(f"D{i}", token_delay_s=0.002) for i in range(2)]
-    await p.start()
-    for d in decodes:
-        await d.start()
-
-    def make_prompt(n: int, seed: int) -> list[int]:
-        return [3 + (seed * 31 + i) % 400 for i in range(n)]
-
-    try:
-        result = await measure(
-            Backend(p.url, rpc_address="127.0.0.1:1"), decodes, MODEL, make_prompt, args
-        )
-    finally:
-        await p.close()
-        for d in decodes:
-            await d.close()
+    async with fake_1p2d(token_delay_s=0.002) as (prefill, decodes):
+        result = await measure(prefill, decodes, MODEL, smoke_prompt, args)
     row = summarize(result, args)
     print(markdown(row))
     assert row["same_tokens"] == f"{args.rounds}/{args.rounds}", row
     assert row["moved"] == args.requests, row
     first = result["samples"]["migrate"][0]["tokens"][0]
-    assert first == model_tokens(make_prompt(args.prompt_tokens, 0), args.max_tokens)
+    assert first == model_tokens(smoke_prompt(args.prompt_tokens, 0), args.max_tokens)
     print("bench_drain smoke: ok")
     return 0
 

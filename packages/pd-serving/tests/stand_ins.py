@@ -4,11 +4,12 @@ proxy, not vLLM), a stand-in KV-event publisher, and waiting for processes to ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import select
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -445,6 +446,37 @@ class FakeDecode:
         self.releases.append(req)
         self.released.set()
         return ReleaseResponse(req.transfer_id, released=True)
+
+
+def smoke_prompt(n: int, seed: int) -> list[int]:
+    """A prompt of ``n`` token ids the stand-ins' model answers (the benchmarks' smoke runs)."""
+    return [3 + (seed * 31 + i) % 400 for i in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def fake_1p2d(**decode: Any) -> AsyncIterator[tuple[Any, list[FakeDecode]]]:
+    """A stand-in P answering HybridConnector's ``kv_transfer_params`` (as the prefill
+    ``Backend``) and two stand-in D's (``FakeDecode(**decode)``), started, then closed."""
+    from pd_serving.routing import Backend
+
+    prefill = FakeUpstream(
+        "P",
+        kv_params=lambda kv: {
+            "do_remote_prefill": True,
+            "transfer_id": kv["transfer_id"],
+            "remote_rpc_address": "127.0.0.1:1",
+        },
+    )
+    decodes = [FakeDecode(f"D{i}", **decode) for i in range(2)]
+    await prefill.start()
+    try:
+        for d in decodes:
+            await d.start()
+        yield Backend(prefill.url, rpc_address="127.0.0.1:1"), decodes
+    finally:
+        await prefill.close()
+        for d in decodes:
+            await d.close()
 
 
 class FakeKvPublisher:
