@@ -550,6 +550,9 @@ def test_a_store_killed_and_restarted_is_missed_then_used_again(
         assert _without_addresses(after["threads"]) == _without_addresses(
             before[engine.name]["threads"]
         )
-        assert [len(f) for f in after["worker_socket_fds"]] == [
-            len(f) for f in before[engine.name]["worker_socket_fds"]
-        ]
+        # No socket added; the clients the test never used again (a's loads) re-attach only
+        # when next used, so an engine may hold fewer.
+        for now_fds, then_fds in zip(
+            after["worker_socket_fds"], before[engine.name]["worker_socket_fds"], strict=True
+        ):
+            assert len(now_fds) <= len(then_fds)
