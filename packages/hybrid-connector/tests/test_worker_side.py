@@ -6,6 +6,7 @@ Two WorkerSides in one process, each owning a torch "KV cache" laid out like vLL
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
@@ -102,17 +103,26 @@ class Pair:
         owner: Any = None,
         transport: str = "auto",
     ) -> None:
-        port = free_port()
-        self.rpc_address = f"127.0.0.1:{port}"
-        self.p_cfg = HybridConfig(
-            rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0, kvt_transport=transport
-        )
-        self.d_cfg = HybridConfig(transfer_timeout_s=transfer_timeout_s, kvt_transport=transport)
         self.p_kv = _kv_caches(None)
         self.d_kv = _kv_caches(0.0)
-        self.p = WorkerSide(self.p_cfg, is_producer=True, is_consumer=False, name="P")
+        # P needs a fixed port; another process on the box may take a free one before P binds
+        # it, so a taken port is tried again with another.
+        for attempt in range(5):
+            port = free_port()
+            self.p_cfg = HybridConfig(
+                rpc_port=port, lease_s=lease_s, transfer_timeout_s=5.0, kvt_transport=transport
+            )
+            self.p = WorkerSide(self.p_cfg, is_producer=True, is_consumer=False, name="P")
+            try:
+                self.p.register_kv_caches(self.p_kv, BLOCK_SIZE)
+                break
+            except OSError as exc:
+                self.p.close()
+                if exc.errno != errno.EADDRINUSE or attempt == 4:
+                    raise
+        self.rpc_address = f"127.0.0.1:{port}"
+        self.d_cfg = HybridConfig(transfer_timeout_s=transfer_timeout_s, kvt_transport=transport)
         self.d = WorkerSide(self.d_cfg, is_producer=False, is_consumer=True, name="D")
-        self.p.register_kv_caches(self.p_kv, BLOCK_SIZE)
         self.d.register_kv_caches(self.d_kv, BLOCK_SIZE)
         self.scheduler = SchedulerHalf(self.p, owner)
 
