@@ -489,6 +489,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         for name, value in _failover_settings(args).items():
             setattr(config, name, value)
         config.routing, config.health = routing_from_args(args)
+        config.r3 = args.r3 is not None
         config.routed_experts = args.r3 is not None and args.r3_routed_experts
         triggers_from_args(args, config)
         proxy = PdProxy(config)

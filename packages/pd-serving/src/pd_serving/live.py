@@ -119,9 +119,12 @@ class LiveStreams:
             and body.get("prompt_logprobs") is None
             and body.get("best_of") in (None, 1)
             and body.get("n") in (None, 1)
-            # A non-streaming answer is streamed from the D's and answered whole; one with
-            # routed-expert records attached stays as the D answers it.
-            and (bool(body.get("stream")) or self.proxy.routed_experts is None)
+            # A non-streaming answer is streamed from the D's and answered whole; one that
+            # carries D's R3 reference (or routed-expert records) stays as the D answers it.
+            and (
+                bool(body.get("stream"))
+                or not (self.proxy.config.r3 or self.proxy.config.routed_experts)
+            )
         )
 
     def decode_body(self, flow: Any, backend: Backend, body: dict[str, Any]) -> dict[str, Any]:
@@ -898,11 +901,13 @@ class _Assembler:
             "choices": [choice],
             "service_tier": None,
             "system_fingerprint": self.system_fingerprint,
+            # vLLM's whole answer's usage: its stream's keys (details included) and counts.
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "total_tokens": prompt_tokens + completion,
                 "completion_tokens": completion,
                 "prompt_tokens_details": usage.get("prompt_tokens_details"),
+                "completion_tokens_details": usage.get("completion_tokens_details"),
             },
             "kv_transfer_params": None,
             "ec_transfer_params": None,

@@ -208,6 +208,11 @@ class ProxyConfig:
     rebalance: RebalanceConfig | None = None
     # A drain's migrations at once, retries of a refused one (drain.py).
     drain: DrainConfig = field(default_factory=DrainConfig)
+    # R3 on in the D's (``pdserve up --r3``): a non-streamed answer is D's own, so the
+    # ``kv_transfer_params["r3"]`` reference to its record reaches the client (vLLM sends
+    # ``kv_transfer_params`` only in a whole answer, never in a stream); such an answer is not
+    # moved between D's (a stream's is).
+    r3: bool = False
     # R3: inline each non-streamed answer's routing record as ``choices[0].routed_experts``
     # (routed_experts.py); the ``kv_transfer_params["r3"]`` reference passes through either way.
     routed_experts: bool = False

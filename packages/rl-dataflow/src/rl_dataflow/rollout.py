@@ -318,6 +318,7 @@ class PdEngine:
             self._closers.append(self._stop_loop)
             config = self.deployment.proxy_config(Connector.HYBRID, model_names=[self.model])
             config.health = None  # the loop's calls meet a dead instance themselves
+            config.r3 = r3_store is not None  # whole answers: kv_transfer_params["r3"] with them
             self.url, self._runner, self._http = self._call(self._start_proxy(config))
             self._closers.append(lambda: self._call(self._stop_proxy()))
         except BaseException:
