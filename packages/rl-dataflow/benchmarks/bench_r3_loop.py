@@ -21,9 +21,9 @@ experts in the trainer's forward got another routing than the rollout's, and |tr
 rollout| token log-probs, with and without replay.
 
     flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
-        --rounds 3 --steps 6 --out packages/rl-dataflow/benchmarks/results/r3_loop.json
+        --rounds 5 --steps 6 --out packages/rl-dataflow/benchmarks/results/r3_loop.json
     flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
-        --arch qwen3-moe-wide --rounds 3 --steps 4 \\
+        --arch qwen3-moe-wide --modes off,replay --rounds 3 --steps 3 \\
         --out packages/rl-dataflow/benchmarks/results/r3_loop_wide.json
     flock /tmp/bench.lock python packages/rl-dataflow/benchmarks/bench_r3_loop.py \\
         --serving pd --rounds 3 --steps 6 \\

@@ -32,7 +32,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -44,7 +44,15 @@ from hybrid_connector.metadata import HybridConnectorMetadata, R3Copy
 
 log = logging.getLogger(__name__)
 
-_Put = tuple[str, str, np.ndarray]  # a record's key, its request, its rows
+
+class _Records(NamedTuple):
+    """One step's finished requests for the put thread: their rows, gathered in one copy, and
+    per record its key, its request, its first row in ``rows`` and its number of rows."""
+
+    rows: np.ndarray  # [gathered rows, layers, top_k]
+    records: list[tuple[str, str, int, int]]
+
+
 _TORCH_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16}  # uint16 ids < 0x7FFF
 
 
@@ -98,7 +106,7 @@ class R3Recorder:
         self._step_layers = 0  # bit l: layer l captured every token of the pass
         self._all_layers = (1 << rows.layers) - 1
         self._missed: list[int] = []
-        self._puts: queue.SimpleQueue[_Put | None] = queue.SimpleQueue()
+        self._puts: queue.SimpleQueue[_Records | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._client: Any = None
         self.stored = threading.Condition()
@@ -264,19 +272,20 @@ class R3Recorder:
         gathered = blocks[index].cpu().numpy().view(self.rows.dtype)  # a copy
         gathered = gathered.reshape(-1, self.rows.layers, self.rows.top_k)
         block_size = int(blocks.shape[1])
-        start = 0
+        records, start = [], 0
         for copy in copies:
-            rows = gathered[start : start + copy.num_tokens]
+            records.append((copy.key, copy.request_id, start, copy.num_tokens))
             start += len(copy.block_ids) * block_size
-            self._puts.put((copy.key, copy.request_id, rows))
+        self._puts.put(_Records(gathered, records))
 
     def _run(self) -> None:
         closing = False
         while not closing and (item := self._puts.get()) is not None:
             # Every record queued by now goes in one put_keyed (one allocation and one seal
             # round trip for a whole batch of finished requests, not one per request).
-            batch = [item]
-            while len(batch) < PUT_BATCH:
+            steps = [item]
+            queued = len(item.records)
+            while queued < PUT_BATCH:
                 try:
                     more = self._puts.get_nowait()
                 except queue.Empty:
@@ -284,37 +293,46 @@ class R3Recorder:
                 if more is None:
                     closing = True
                     break
-                batch.append(more)
-            pairs = [
-                (key.encode(), self._checked(request_id, rows)) for key, request_id, rows in batch
-            ]
-            try:
-                if self._client is None:
-                    self._client = self._connect()
-                refs = self._client.put_keyed(pairs, ttl=self._config.ttl_s)
-                outcomes = ["stored" if ref is not None else "failed" for ref in refs]
-            except Exception as exc:
-                log.warning(
-                    "r3: %d record(s) not stored (%s), first %s", len(batch), exc, batch[0][0]
-                )
-                self._drop_client()
-                outcomes = ["failed"] * len(batch)
-            with self.stored:
-                for outcome in outcomes:
-                    self.counters[outcome] += 1
-                self.stored.notify_all()
+                steps.append(more)
+                queued += len(more.records)
+            pairs = [pair for step in steps for pair in self._checked(step)]
+            for first in range(0, len(pairs), PUT_BATCH):
+                self._store(pairs[first : first + PUT_BATCH])
 
-    def _checked(self, request_id: str, rows: np.ndarray) -> np.ndarray:
-        """What is stored for one record; a record with rows missing is counted (WARNING)."""
-        missing = r3.missing_rows(rows)
-        if missing:
-            with self.stored:
-                self.counters["incomplete"] += 1
-            log.warning(
-                "r3: request %s: %d of %d token rows missing; its record says incomplete",
-                request_id, missing, len(rows),
-            )  # fmt: skip
-        return r3.stored_object(rows)
+    def _store(self, pairs: list[tuple[bytes, np.ndarray]]) -> None:
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            refs = self._client.put_keyed(pairs, ttl=self._config.ttl_s)
+            outcomes = ["stored" if ref is not None else "failed" for ref in refs]
+        except Exception as exc:
+            log.warning("r3: %d record(s) not stored (%s), first %s", len(pairs), exc, pairs[0][0])
+            self._drop_client()
+            outcomes = ["failed"] * len(pairs)
+        with self.stored:
+            for outcome in outcomes:
+                self.counters[outcome] += 1
+            self.stored.notify_all()
+
+    def _checked(self, step: _Records) -> list[tuple[bytes, np.ndarray]]:
+        """What is stored for each record of ``step``; a record with rows missing is counted
+        (WARNING). One pass over the step's rows finds the missing ones, not one check per
+        record: the put thread's time is taken from the interpreter the engine shares."""
+        rows = step.rows
+        flat = rows.reshape(len(rows), self.rows.layers * self.rows.top_k)
+        missing = np.concatenate(([0], np.cumsum((flat == r3.no_row(rows.dtype)).any(axis=1))))
+        pairs = []
+        for key, request_id, start, count in step.records:
+            lost = int(missing[start + count] - missing[start])
+            if lost:
+                with self.stored:
+                    self.counters["incomplete"] += 1
+                log.warning(
+                    "r3: request %s: %d of %d token rows missing; its record says incomplete",
+                    request_id, lost, count,
+                )  # fmt: skip
+            pairs.append((key.encode(), r3.stored_object(rows[start : start + count])))
+        return pairs
 
     def wait_stored(self, at_least: int, timeout_s: float) -> bool:
         """Block until ``at_least`` records were stored (tests and tools, never a step)."""
