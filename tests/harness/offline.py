@@ -420,6 +420,16 @@ class EngineError(RuntimeError):
     pass
 
 
+class EngineDied(EngineError):
+    """The engine's process ended without answering (a crash, or a kill: -9 with no test
+    killing it is most likely the kernel's OOM killer)."""
+
+    def __init__(self, name: str, status: str) -> None:
+        super().__init__(f"{name}: the engine's process died ({status})")
+        self.name = name
+        self.status = status
+
+
 class Batch:
     """Requests submitted together; ``result()`` waits for all of them to finish."""
 
@@ -464,14 +474,30 @@ class OfflineEngine:
         deadline = time.monotonic() + timeout
         while key not in self._arrived:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._conn.poll(left):
-                raise TimeoutError(f"{self.name}: no answer to {key} within {timeout}s")
-            kind, call_id, ok, value = self._conn.recv()
+            try:
+                if left <= 0 or not self._conn.poll(left):
+                    raise TimeoutError(f"{self.name}: no answer to {key} within {timeout}s")
+                kind, call_id, ok, value = self._conn.recv()
+            except (EOFError, ConnectionResetError) as exc:
+                raise EngineDied(self.name, self._exit_status()) from exc
             self._arrived[(kind, call_id)] = (ok, value)
+            if (kind, call_id) == ("reply", -1) and not ok and key != ("reply", -1):
+                # The child's last words (it failed and is exiting): whatever was awaited, it
+                # will not come.
+                raise EngineError(f"{self.name}: the engine failed: {value}")
         ok, value = self._arrived.pop(key)
         if not ok:
             raise EngineError(f"{self.name}: {value}")
         return value
+
+    def _exit_status(self) -> str:
+        self.process.join(5)  # its pipe closes a moment before it is reaped
+        code = self.process.exitcode
+        if code is None:
+            return "still running, its pipe closed"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
 
     def _call(self, cmd: str, arg: Any = None, timeout: float = 60) -> Any:
         call_id = next(self._ids)

@@ -70,6 +70,7 @@ TRANSFER_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 900.0
 
 _starts: list[str] = []
+_pool: EnginePool | None = None  # the session's, once a test asked for it
 _needed_key = pytest.StashKey[set[str]]()
 
 
@@ -97,8 +98,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         # A test that starts vLLM needs it installed, whether or not it says so.
         if item.get_closest_marker("starts_vllm") and not item.get_closest_marker("needs_vllm"):
             item.add_marker(pytest.mark.needs_vllm)
-    # Last: tests that end a shared resource.
-    items.sort(key=lambda item: item.get_closest_marker("destroys") is not None)
+    # The engines' tests first, those that end one of them last among them; then the rest, those
+    # that end a shared resource last. The engines close after their group (below), so the
+    # deployments that start later do not run beside them (twelve vLLM processes, ~9 GiB).
+    items.sort(
+        key=lambda item: (
+            not _in_engine_group(item),
+            item.get_closest_marker("destroys") is not None,
+        )
+    )
+
+
+def _in_engine_group(item: pytest.Item) -> bool:
+    destroyed = {name for mark in item.iter_markers("destroys") for name in mark.args}
+    uses = _resources(item) | destroyed | set(getattr(item, "fixturenames", ()))
+    return bool(uses & {*ENGINES, "engine_pool", "kvs_store"})
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    last_of_group = nextitem is None or not _in_engine_group(nextitem)
+    if _pool is not None and _in_engine_group(item) and last_of_group:
+        _pool.close()
 
 
 def _resources(item: pytest.Item) -> set[str]:
@@ -205,6 +226,8 @@ class EnginePool:
         self.needed = needed
         self.engines: dict[str, Any] = {}
         self.store: Any = None  # the KVS engines' refstore master (a client of it)
+        self.failed: dict[str, Exception] = {}  # engines whose start failed, and why
+        self.leaked: dict[str, list[str]] = {}  # threads closed engines left behind
 
     def start_store(self) -> Any:
         """The KVS engines' store, started once (before any of them)."""
@@ -246,42 +269,59 @@ class EnginePool:
 
         if kvs_engine_arch(name) is not None or name == "engine_r3":
             self.start_store()
+        self.failed.pop(name, None)
         self.engines[name] = OfflineEngine(engine_spec(name, self.models_dir))
         count_vllm_start(name)
         return self.engines[name]
 
     def get(self, name: str) -> Any:
+        from harness.offline import EngineError
+
         if name not in self.engines:
             for other in sorted(self.needed | {name}):
                 if other not in self.engines:
                     self.start(other)
         # Every engine started, not only this one: a test must not run its transfers while the
-        # others' start-ups take both cores (a pull can then miss P's lease).
-        for engine in self.engines.values():
-            engine.wait_ready(STARTUP_TIMEOUT_S)
+        # others' start-ups take both cores (a pull can then miss P's lease). An engine that did
+        # not start fails only the tests that use it, each naming why.
+        for other, engine in self.engines.items():
+            if other not in self.failed:
+                try:
+                    engine.wait_ready(STARTUP_TIMEOUT_S)
+                except EngineError as exc:
+                    self.failed[other] = exc
+        if name in self.failed:
+            raise EngineError(f"{name} did not start: {self.failed[name]}")
         return self.engines[name]
 
     def close(self) -> dict[str, list[str]]:
-        """Close every engine; the connector or kvt threads each one left behind."""
+        """Close every engine and the store (a later ``get`` starts them again); returns the
+        connector or kvt threads that each engine closed so far left behind."""
         from harness.offline import OWN_THREADS
 
-        leaked = {}
         for name, engine in self.engines.items():
             info = engine.close()
-            if info is not None:
-                leaked[name] = [t for t in info["threads"] if t.startswith(OWN_THREADS)]
+            threads = [t for t in (info or {}).get("threads", []) if t.startswith(OWN_THREADS)]
+            if threads:
+                self.leaked[name] = threads
+        self.engines.clear()
+        self.failed.clear()
         if self.store is not None:
             self.store.shutdown_master()
             self.store.close()
             self.store = None
-        return {name: threads for name, threads in leaked.items() if threads}
+        return self.leaked
 
 
 @pytest.fixture(scope="session")
 def engine_pool(request: pytest.FixtureRequest, models_dir: Path) -> Iterator[EnginePool]:
-    pool = EnginePool(models_dir, request.config.stash.get(_needed_key, set()))
-    yield pool
-    leaked = pool.close()
+    global _pool
+    pool = _pool = EnginePool(models_dir, request.config.stash.get(_needed_key, set()))
+    try:
+        yield pool
+    finally:
+        _pool = None
+        leaked = pool.close()
     assert not leaked, f"threads left after close: {leaked}"
 
 
