@@ -10,7 +10,9 @@ Resources, one per session:
   block 32), ``engine_qwen2_tp2`` (TP 2, block 64), ``engine_mla`` and ``engine_mla_tp2`` (MLA),
   ``engine_gdn`` (Gated DeltaNet hybrid). The first test that asks for any engine starts every
   engine the session's selected tests use, all at once, so their start-ups overlap, and waits
-  for all of them.
+  for all of them. The tests that use engines run first; the engines close after the last of
+  them, before the deployments below start. An engine that does not start fails only the tests
+  that use it, with its exit status or traceback.
 - KVS engines, sharing one refstore master (``kvs_store``, started with the first of them):
   ``engine_kvs_a`` and ``engine_kvs_b`` (qwen2, TP 1, block 32; b checks each loaded block's
   checksum), ``engine_kvs_mla`` (MLA), ``engine_kvs_gdn`` (Gated DeltaNet hybrid, prefix caching on:
@@ -21,9 +23,9 @@ Resources, one per session:
 
 A test that uses a resource is marked ``starts_vllm`` at collection (before ``-m`` selects), so
 ``-m "not starts_vllm"`` runs every test that needs no vLLM. A test marked
-``destroys("name")`` (it kills or stops that resource) runs after every other test. Each start
-is counted (``count_vllm_start``); the run prints the count and, if ``HARNESS_STARTS_FILE``
-is set, appends it there for a caller that runs several sessions.
+``destroys("name")`` (it kills or stops that resource) runs after every other test of its
+group. Each start is counted (``count_vllm_start``); the run prints the count and, if
+``HARNESS_STARTS_FILE`` is set, appends it there for a caller that runs several sessions.
 """
 
 from __future__ import annotations
