@@ -557,11 +557,41 @@ class OfflineEngine:
         return info
 
     def kill(self) -> None:
-        """SIGKILL the engine's whole process group (its TP workers too)."""
+        """SIGKILL the engine's whole process group (its TP workers too), then unlink the
+        shared-memory segments vLLM's TP message queues had mapped, as a crashed instance's
+        supervisor would: the killed processes cannot, and nothing else knows them."""
+        segments: set[str] = set()
         if self.process.pid is not None:
+            segments = _vllm_shm_segments(self.process.pid)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
         self.process.join()
+        for path in segments:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _vllm_shm_segments(pgid: int) -> set[str]:
+    """The ``multiprocessing.shared_memory`` segments (``/dev/shm/psm_*``: vLLM's TP message
+    queues) that the processes of group ``pgid`` have mapped."""
+    segments = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after it
+                group = int(stat.read().rsplit(")", 1)[1].split()[2])
+            if group != pgid:
+                continue
+            with open(f"/proc/{entry}/maps") as maps:
+                for line in maps:
+                    path = line.rstrip("\n").split(maxsplit=5)[-1]
+                    if path.startswith("/dev/shm/psm_"):
+                        segments.add(path)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+    return segments
 
 
 def abort_while_pulling(child: _Child, prompt: list[int], kv_params: dict) -> bool:
