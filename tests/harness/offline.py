@@ -558,8 +558,9 @@ class OfflineEngine:
 
     def kill(self) -> None:
         """SIGKILL the engine's whole process group (its TP workers too), then unlink the
-        shared-memory segments vLLM's TP message queues had mapped, as a crashed instance's
-        supervisor would: the killed processes cannot, and nothing else knows them."""
+        shared-memory segments of vLLM's TP message queues and CPU collectives that it had
+        mapped, as a crashed instance's supervisor would: the killed processes cannot, and
+        nothing else knows them."""
         segments: set[str] = set()
         if self.process.pid is not None:
             segments = _vllm_shm_segments(self.process.pid)
@@ -572,8 +573,8 @@ class OfflineEngine:
 
 
 def _vllm_shm_segments(pgid: int) -> set[str]:
-    """The ``multiprocessing.shared_memory`` segments (``/dev/shm/psm_*``: vLLM's TP message
-    queues) that the processes of group ``pgid`` have mapped."""
+    """The shared-memory segments of vLLM's TP message queues (``/dev/shm/psm_*``) and CPU
+    collectives (``/dev/shm/vllm_dist_*``) that the processes of group ``pgid`` have mapped."""
     segments = set()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -587,7 +588,7 @@ def _vllm_shm_segments(pgid: int) -> set[str]:
             with open(f"/proc/{entry}/maps") as maps:
                 for line in maps:
                     path = line.rstrip("\n").split(maxsplit=5)[-1]
-                    if path.startswith("/dev/shm/psm_"):
+                    if path.startswith(("/dev/shm/psm_", "/dev/shm/vllm_dist_")):
                         segments.add(path)
         except (OSError, ValueError, IndexError):
             continue  # gone meanwhile, or not ours to read
