@@ -226,7 +226,12 @@ async def test_client_disconnect_mid_stream_leaves_no_blocks(cluster: Cluster) -
             sock = resp.connection.transport.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             resp.close()
-            readings = await wait_idle(session, [*cluster.prefill_urls, *cluster.decode_urls])
+            # P gives back the blocks whose SEND_DONE arrived only at its next step.
+            readings = await wait_idle(
+                session,
+                [*cluster.prefill_urls, *cluster.decode_urls],
+                before_each=lambda: nudge_prefills(session, cluster),
+            )
             for url, gauges in readings.items():
                 assert all(v == 0.0 for v in gauges.values()), (url, gauges)
             disconnects = await metric_sum(
@@ -266,7 +271,11 @@ async def test_client_gone_while_upstream_leaves_no_blocks(cluster: Cluster) -> 
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.close()
         await writer.wait_closed()
-        readings = await wait_idle(session, [*cluster.prefill_urls, *cluster.decode_urls])
+        readings = await wait_idle(
+            session,
+            [*cluster.prefill_urls, *cluster.decode_urls],
+            before_each=lambda: nudge_prefills(session, cluster),
+        )
         for url, gauges in readings.items():
             assert all(v == 0.0 for v in gauges.values()), (url, gauges)
         assert await metric_sum(session, cluster.proxy_url, disconnects) == before + 1
