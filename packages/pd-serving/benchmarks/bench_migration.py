@@ -734,7 +734,9 @@ async def _smoke(args: argparse.Namespace) -> int:
             "remote_rpc_address": "127.0.0.1:1",
         },
     )
-    decodes = [FakeDecode(f"D{i}", token_delay_s=0.001, precopy_block=4) for i in range(2)]
+    # 4 ms a token: a move has the ~0.2 s of the last 48 tokens to finish even on a loaded box
+    # (at 1 ms a pre-copy was seen arriving after the stream had ended).
+    decodes = [FakeDecode(f"D{i}", token_delay_s=0.004, precopy_block=4) for i in range(2)]
     await p.start()
     for d in decodes:
         await d.start()
