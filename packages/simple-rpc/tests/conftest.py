@@ -35,11 +35,13 @@ class Gate:
 
     def __init__(self) -> None:
         self.arrived = 0
+        self.contexts: list[CallContext] = []
         self.changed = asyncio.Event()
         self.released = asyncio.Event()
 
     async def handler(self, value: float, ctx: CallContext) -> float:
         self.arrived += 1
+        self.contexts.append(ctx)
         self.changed.set()
         await self.released.wait()
         return value

@@ -172,6 +172,26 @@ async def test_close_fails_pending_calls(server, gate):
     await client.close()  # idempotent
 
 
+async def test_a_handler_learns_that_its_caller_left_while_it_waited(gate):
+    disconnected = asyncio.Event()
+    server = make_server(gate, on_disconnect=lambda peer: disconnected.set())
+    await server.start("127.0.0.1", 0)
+    try:
+        client = Client(server.address)
+        pending = asyncio.ensure_future(client.call(HOLD, 30.0))
+        await gate.wait_arrived(1)
+        [ctx] = gate.contexts
+        assert ctx.connected
+        await client.close()
+        await until(disconnected.is_set, disconnected)
+        assert not ctx.connected  # what the handler sees once it resumes
+        gate.released.set()
+        with pytest.raises(ConnectionLost):
+            await pending
+    finally:
+        await server.close()
+
+
 async def test_server_close_is_idempotent_and_start_twice_is_refused():
     server = Server()
     await server.start()

@@ -138,12 +138,22 @@ def encode_value(value: Any) -> bytes:
 class CallContext:
     """What a handler learns about the call besides its request."""
 
-    __slots__ = ("call_id", "method", "peer")
+    __slots__ = ("_connection", "call_id", "method", "peer")
 
-    def __init__(self, peer: str, method: Method, call_id: int) -> None:
+    def __init__(
+        self, peer: str, method: Method, call_id: int, connection: Any | None = None
+    ) -> None:
         self.peer = peer  # "host:port" of the caller
         self.method = method
         self.call_id = call_id
+        self._connection = connection  # the server's connection (its ``closing`` flag)
+
+    @property
+    def connected(self) -> bool:
+        """Whether the caller's connection is still open. A handler that awaited may find it
+        gone: its answer is then dropped, and state it would keep for the caller (a hold, a
+        subscription) has nobody left to end it."""
+        return self._connection is None or not self._connection.closing
 
     def __repr__(self) -> str:
         return (

@@ -296,7 +296,7 @@ class _ServerConnection(asyncio.Protocol):
             )
             self._send_error(call_id, "bad_request", f"{method.name}: {err}")
             return
-        ctx = CallContext(self.peer, method, call_id)
+        ctx = CallContext(self.peer, method, call_id, self)
         if route.is_async:
             # A Task per call: the handler gets full asyncio semantics (current_task(),
             # asyncio.timeout(), cancellation on close). Plain `def` handlers skip this cost.
