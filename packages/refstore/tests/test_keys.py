@@ -176,6 +176,37 @@ def test_an_ignored_hold_lets_an_object_go_between_lookup_and_get(client):
     assert client.lookup([b"k"]) == []
 
 
+def test_a_clients_holds_end_when_it_disconnects(master, disconnects):
+    """Holds are per connection: one that is gone cannot unhold, nor can a lookup that
+    answered after its caller gave up and left (a timeout) leave a hold behind."""
+    with Client("test") as observer:
+        observer.put_keyed([(b"k", b"v")])
+        base = observer.stats().clients
+        holder = Client("test")
+        holder.lookup([b"k"], hold_s=60.0)
+        assert observer.stats().held == 1
+        connections = observer.stats().clients - base
+        holder.close()
+        for _ in range(connections):
+            assert disconnects.acquire(timeout=10)
+        assert observer.stats().held == 0
+
+        # Two lookups wait out the same delay; the impatient one's comes back first.
+        faults.inject(observer, "lookup:delay=0.5#2")
+        impatient = Client("test", timeout=0.1)
+        impatient.stats()  # connected
+        connections = observer.stats().clients - base
+        with pytest.raises(refstore.MasterUnavailable):
+            impatient.lookup([b"k"], hold_s=60.0)
+        impatient.close()
+        for _ in range(connections):
+            assert disconnects.acquire(timeout=10)
+        hits = observer.stats().key_hits
+        assert observer.lookup([b"k"], hold_s=0) != []  # after the impatient one's ran
+        stats = observer.stats()
+        assert (stats.key_hits, stats.held) == (hits + 2, 0)
+
+
 def test_stats_count_the_connections_and_the_subscribers(master, disconnects):
     with Client("test") as observer:
         base = observer.stats()

@@ -163,6 +163,78 @@ def test_holds_are_per_holder_and_unhold_ends_only_its_own():
     assert a.holds is None
 
 
+def test_a_holders_disconnect_ends_its_holds_and_only_its_own():
+    state = _state(Clock())
+    a, b = _put(state, b"a"), _put(state, b"b")
+    state.lookup_keys([b"a", b"b"], 30.0, "gone")
+    state.lookup_keys([b"a"], 30.0, "stays")
+    state.owner_gone("gone")
+    assert a.holds == {"stays": 1030.0}
+    assert b.holds is None
+    assert state.stats().held == 1
+    state.owner_gone("gone")  # nothing more to end
+    state.evict_keys([b"a"])  # freed while held: the holder's record of it goes too
+    again = _put(state, b"a")
+    state.lookup_keys([b"a"], 30.0, "new")
+    state.owner_gone("stays")  # its old object is gone; the new one's hold is another's
+    assert again.holds == {"new": 1030.0}
+
+
+HOLDERS = ("h0", "h1", "h2")
+KEYS = (b"k0", b"k1", b"k2")
+hold_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("lookup"), st.sampled_from(HOLDERS), st.sampled_from(KEYS)),
+        st.tuples(st.just("unhold"), st.sampled_from(HOLDERS), st.sampled_from(KEYS)),
+        st.tuples(st.just("gone"), st.sampled_from(HOLDERS), st.none()),
+        st.tuples(st.just("evict"), st.none(), st.sampled_from(KEYS)),
+        st.tuples(st.just("tick"), st.none(), st.none()),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hold_ops)
+def test_holds_follow_lookups_unholds_disconnects_evictions_and_time(ops):
+    """Every object's holders are exactly those a model of the operations says: one that
+    looked it up, not since unheld, disconnected or lapsed, the object not freed meanwhile."""
+    clock = Clock()
+    state = _state(clock)
+    model: dict[tuple[str, bytes], float] = {}  # (holder, key) -> until
+    for op, holder, key in ops:
+        if op == "lookup":
+            obj = state.bound(key) or _put(state, key)
+            state.lookup_keys([key], 5.0, holder)
+            model[holder, key] = clock.now + 5.0
+        elif op == "unhold":
+            obj = state.bound(key)
+            if obj is not None:
+                state.unhold("epoch", [obj.oid], holder)
+            model.pop((holder, key), None)
+        elif op == "gone":
+            state.owner_gone(holder)
+            model = {hk: t for hk, t in model.items() if hk[0] != holder}
+        elif op == "evict":
+            state.evict_keys([key])
+            model = {hk: t for hk, t in model.items() if hk[1] != key}
+        else:
+            clock.now += 2.0
+            state.lapse_holds()
+            model = {hk: t for hk, t in model.items() if t > clock.now}
+        for k in KEYS:
+            obj = state.bound(k)
+            want = {h: t for (h, kk), t in model.items() if kk == k}
+            assert ({} if obj is None else obj.holds or {}) == want
+        # The holder index (what a disconnect ends) names exactly the live objects held.
+        index: dict[str, set[int]] = {}
+        for obj in state.objects.values():
+            for h in obj.holds or ():
+                index.setdefault(h, set()).add(obj.oid)
+        assert state._held_by == index
+    assert state.stats().held == len({k for _, k in model})
+
+
 def test_a_lease_ending_during_a_hold_waits_for_the_hold():
     clock = Clock()
     state = _state(clock)

@@ -696,6 +696,10 @@ class Master:
                 local = self.state.lookup_keys(req.keys, 0.0, ctx.peer, count=False)
             if self.peers and len(local) < len(req.keys):
                 await self._continue_from_peers(req.keys, local)
+        if not ctx.connected:
+            # The caller left while this call waited (its timeout, a fault's delay): a hold
+            # would have nobody to end it (its disconnect ended the ones it had).
+            hold_s = 0.0
         # The whole run from the state as it is now: what the peers' objects added, and
         # nothing that went meanwhile.
         found = self.state.lookup_keys(req.keys, hold_s, ctx.peer)

@@ -10,7 +10,8 @@ Object lifecycle::
                  '--write deadline passes (writer died) -------> freed (tombstone "lease expired")
 
     key index, for keyed objects:  unbound --seal (key free)--> bound --object freed--> unbound
-    hold, per holder:  none --lookup_keys(hold_s > 0), hold--> held --time passes, unhold--> none
+    hold, per holder:  none --lookup_keys(hold_s > 0), hold--> held
+                       held --time passes, unhold, the holder disconnects (owner_gone)--> none
 
 - A **lease** (``ttl_s`` at put, renewable with ``extend``) keeps the object readable and never
   evicted until its deadline; when it passes, the object is freed at once, so memory held by a
@@ -50,7 +51,9 @@ Object lifecycle::
   until its time; it is not a lease: when it lapses an unleased object is a cache entry again
   (back at the young end of its LRU list), not freed. Holds lapse lazily, when eviction or stats
   look (no timer: they only matter to eviction). A lease deadline that passes while a hold runs
-  later moves to the hold's end (the later protection wins). ``unhold`` ends a holder's hold.
+  later moves to the hold's end (the later protection wins). ``unhold`` ends a holder's hold,
+  and so does the holder's disconnect (``owner_gone``): nobody is left to end it, and whatever it
+  was held for went with the connection.
 - Every binding and unbinding is appended to ``key_changes`` (the master drains it once per
   loop turn and feeds its subscribers, ``KeyFeeds``).
 - A freed object leaves a **tombstone** (reason + wall-clock time) so a later get raises a typed
@@ -234,6 +237,7 @@ class MasterState:
         self.keys: dict[bytes, int] = {}  # key -> oid of the sealed, live object bound to it
         self.key_changes: list[KeyChange] = []  # drained by the master (its subscribers)
         self._holds: list[tuple[float, int]] = []  # heap of hold ends; stale entries skipped
+        self._held_by: dict[str, set[int]] = {}  # holder -> oids it holds (for ``owner_gone``)
         self.counters = dict.fromkeys(
             (
                 "puts",
@@ -317,6 +321,8 @@ class MasterState:
             return
         if self._is_evictable(obj):
             self._evictable_bytes -= self.allocator.block_size(obj.offset)
+        for holder in obj.holds or ():
+            self._forget_hold(holder, obj.oid)
         self._lru.pop(obj.oid, None)
         self._lru_pinned.pop(obj.oid, None)
         del self.objects[obj.oid]
@@ -415,7 +421,12 @@ class MasterState:
 
     def owner_gone(self, owner: str) -> None:
         """The client ``owner`` disconnected: adopt what its puts wrote into reserved blocks
-        (their leases then run as written), free the rest after ``DISCONNECT_GRACE_S``."""
+        (their leases then run as written), free the rest after ``DISCONNECT_GRACE_S``; its
+        holds end."""
+        for oid in self._held_by.pop(owner, ()):
+            obj = self.objects.get(oid)
+            if obj is not None:
+                self._drop_holds(obj, lambda h, t: h != owner)
         grace = self._clock() + DISCONNECT_GRACE_S
         for obj in [o for o in self.reserved.values() if o.owner == owner]:
             self.settle(obj)
@@ -621,15 +632,26 @@ class MasterState:
         if obj.holds.get(holder, -math.inf) < until:
             obj.holds[holder] = until
             heapq.heappush(self._holds, (until, obj.oid))
+            self._held_by.setdefault(holder, set()).add(obj.oid)
         if was_evictable:
             self._update_lists(obj, was_evictable)
 
     def _drop_holds(self, obj: StoredObject, keep: Callable[[str, float], bool]) -> None:
         if not obj.holds:
             return
-        obj.holds = {h: t for h, t in obj.holds.items() if keep(h, t)} or None
+        kept = {h: t for h, t in obj.holds.items() if keep(h, t)}
+        for holder in obj.holds.keys() - kept.keys():
+            self._forget_hold(holder, obj.oid)
+        obj.holds = kept or None
         if obj.holds is None:
             self._update_lists(obj, False)  # back to the young end of its LRU list
+
+    def _forget_hold(self, holder: str, oid: int) -> None:
+        oids = self._held_by.get(holder)
+        if oids is not None:
+            oids.discard(oid)
+            if not oids:
+                del self._held_by[holder]
 
     def unhold(self, epoch: str, oids: list[int], holder: str) -> None:
         """End ``holder``'s holds on these objects (gone ones are skipped)."""
