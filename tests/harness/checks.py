@@ -163,7 +163,10 @@ def assert_kvs_clean(store: Any, before: Any, *engines: OfflineEngine) -> None:
     except AssertionError:
         now = store.stats()
         fields = ("held", "leased", "reserved", "pinned", "clients", "subscribers")
+        # Whose holds: each engine's lookups count the objects they hold in the store.
+        holds = {e.name: e.stats()["kvs"]["store_holds"] for e in engines}
         raise AssertionError(
             "the store did not come back: "
             + ", ".join(f"{f} {getattr(before, f)} -> {getattr(now, f)}" for f in fields)
+            + f"; objects the engines' lookups hold: {holds}"
         ) from None

@@ -221,7 +221,7 @@ class _Child:
         groups = sched.kv_cache_config.kv_cache_groups
         kvs = getattr(side, "kvs", None)
         if kvs is not None:
-            out["kvs"] = dict(kvs.counters, pending_saves=kvs.pending_saves())
+            out["kvs"] = dict(kvs.counters, **kvs.gauges())
         out |= {
             "free_blocks": pool.get_num_free_blocks(),
             "total_blocks": pool.num_gpu_blocks - 1,  # one block is vLLM's reserved null block

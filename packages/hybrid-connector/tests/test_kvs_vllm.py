@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import refstore
 from harness.checks import (
     KV_BYTES_PER_TOKEN,
     MAX_TOKENS,
@@ -42,7 +43,7 @@ from harness.kvs import (
     start_failure,
 )
 from harness.offline import OfflineEngine
-from harness.pool import count_vllm_start, engine_spec
+from harness.pool import KVS_STORE, count_vllm_start, engine_spec
 from harness.ports import dead_address
 from refstore import faults
 from refstore.errors import PoolFull
@@ -371,7 +372,13 @@ def test_a_store_that_fails_lookups_and_saves_costs_only_the_hits(
 
 def _generate_fresh(engine: OfflineEngine, batch: list[list[int]]) -> tuple[list[Any], int]:
     """``batch`` on ``engine`` with its own prefix cache emptied first: (outputs, tokens it
-    loaded from the store)."""
+    loaded from the store). vLLM empties it only once no block is in use, and the engine's
+    earlier saves reference theirs until its workers report them stored."""
+    wait_for(
+        f"{engine.name}: its saves reported",
+        lambda: engine.stats()["kvs"]["pending_saves"] == 0,
+        timeout=60,
+    )
     assert engine.call(reset_prefix_cache)
     before = _by_source(engine)
     outs = engine.generate(batch, MAX_TOKENS)
@@ -458,11 +465,13 @@ def test_a_full_store_saves_what_fits_and_the_rest_is_recomputed(
 ) -> None:
     batch = prompts(2509, LENGTHS)
     ballast = []
+    # A client of its own: repeated puts stock reservations ahead, which its close gives back.
+    filler = refstore.Client(KVS_STORE)
     try:
         chunk = 16 << 20
         while chunk >= 4096:  # leased: evicts every cache entry, and cannot be evicted itself
             try:
-                ballast.append(kvs_store.put(np.zeros(chunk, np.uint8), ttl=120))
+                ballast.append(filler.put(np.zeros(chunk, np.uint8), ttl=120))
             except PoolFull:
                 chunk //= 2
         full_before = _counter(engine_kvs_a, "kvs_save_reports")
@@ -479,7 +488,8 @@ def test_a_full_store_saves_what_fits_and_the_rest_is_recomputed(
         assert _delta(after, before, "local_compute") == total - loaded
         assert loaded < sum(_stored_blocks(p) for p in batch) * BLOCK  # not everything fit
     finally:
-        kvs_store.release(ballast)
+        filler.release(ballast)
+        filler.close()
     kvs_clean(engine_kvs_a, engine_kvs_b)
 
 

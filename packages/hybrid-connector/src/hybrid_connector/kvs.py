@@ -204,6 +204,7 @@ class Lookups:
         self._answers: dict[str, LookupAnswer] = {}
         self._pending: set[str] = set()  # submitted, not answered yet (nor forgotten)
         self._holding: collections.Counter[Any] = collections.Counter()  # lookup thread only
+        self.holding = 0  # objects held in the store now (set by the lookup thread; a gauge)
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._thread = threading.Thread(
@@ -343,6 +344,7 @@ class Lookups:
             answer = self._lookup(items)  # type: ignore[arg-type]
             held = held_refs(answer)
             self._holding.update(held)
+            self.holding = len(self._holding)
             with self._answered:
                 late = request_id not in self._pending
                 if not late:
@@ -362,6 +364,7 @@ class Lookups:
             else:
                 self._holding.pop(ref, None)
                 gone.append(ref)
+        self.holding = len(self._holding)
         return gone
 
     def close(self) -> None:
@@ -816,8 +819,13 @@ class KvsScheduler:
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
 
-    def pending_saves(self) -> int:
-        return len(self._saves)
+    def gauges(self) -> dict[str, int]:
+        """Saves holding vLLM blocks, requests tracked, objects the lookups hold in the store."""
+        return {
+            "pending_saves": len(self._saves),
+            "tracked_requests": len(self._requests),
+            "store_holds": 0 if self._lookups is None else self._lookups.holding,
+        }
 
     def close(self) -> int:
         """Shut down: every block a save still references goes back. Returns how many saves."""
