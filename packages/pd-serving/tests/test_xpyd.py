@@ -1,5 +1,6 @@
-"""2P2D on the tiny model (HybridConnector): token-identical to one instance, load spread over
-both P's and both D's, prompts sharing a prefix on one P.
+"""2P2D on the tiny model (HybridConnector): the answers of one instance (token for token, or
+apart from a near tie, as vLLM compares models), load spread over both P's and both D's, prompts
+sharing a prefix on one P.
 
 The session's xPyD deployment (``harness.pool``'s ``xpyd``: ``pdserve up --prefill 2 --decode
 2``); every test makes its own in-process proxy in front of its instances, with the active health
@@ -17,6 +18,7 @@ import aiohttp
 import pytest
 from harness.pool import Xpyd
 from pd_serving.client import complete, exact_length_prompt, load_tokenizer
+from pd_serving.demo import TOP_LOGPROBS, compare
 from pd_serving.health import HealthCheckConfig
 from pd_serving.launcher import free_port
 from pd_serving.proxy import PdProxy, serve
@@ -77,12 +79,14 @@ async def _answers(session, url: str, model: str, prompts: list[str], concurrenc
 
     async def one(prompt: str):
         async with gate:
-            return await complete(session, url, model, prompt, max_tokens=MAX_TOKENS)
+            return await complete(
+                session, url, model, prompt, max_tokens=MAX_TOKENS, logprobs=TOP_LOGPROBS
+            )
 
     return await asyncio.gather(*(one(p) for p in prompts))
 
 
-async def test_2p2d_is_token_identical_and_spreads_load(xpyd: Xpyd, proxy) -> None:
+async def test_2p2d_answers_as_one_instance_and_spreads_load(xpyd: Xpyd, proxy) -> None:
     url, pd_proxy = proxy
     tokenizer = load_tokenizer(xpyd.model)
     prompts = [exact_length_prompt(tokenizer, 200, seed=1000 + i) for i in range(12)]
@@ -97,9 +101,14 @@ async def test_2p2d_is_token_identical_and_spreads_load(xpyd: Xpyd, proxy) -> No
         await asyncio.wait_for(pd_proxy.health.round_done.wait(), 30)
         async with session.get(f"{url}/health") as resp:
             health = await resp.json()
-    for ref, out in zip(reference, got, strict=True):
-        assert len(ref.token_ids) == MAX_TOKENS
-        assert out.token_ids == ref.token_ids
+    # Four requests at a time batch differently on one instance than over two P's and two D's,
+    # and a random-weight model's greedy token can flip where two logits nearly tie: a
+    # divergence counts only where each side's token is among the other's top logprobs.
+    verdicts = [compare(ref, out, near_ties=True) for ref, out in zip(reference, got, strict=True)]
+    print(f"answers: {verdicts}")
+    assert all(len(ref.token_ids) == MAX_TOKENS for ref in reference)
+    pairs = zip(reference, got, strict=True)
+    assert "NO" not in verdicts, [(r.token_ids, o.token_ids) for r, o in pairs]
     p_served = [a - b for a, b in zip(p_after, p_before, strict=True)]
     d_served = [a - b for a, b in zip(d_after, d_before, strict=True)]
     print(f"P served {p_served}, D served {d_served}")
