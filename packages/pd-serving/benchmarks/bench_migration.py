@@ -724,16 +724,15 @@ def _parser() -> argparse.ArgumentParser:
 async def _smoke(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(TESTS))
     from pd_serving.routing import Backend
-    from stand_ins import MODEL, FakeDecode, FakeUpstream, model_tokens
-
-    p = FakeUpstream(
-        "P",
-        kv_params=lambda kv: {
-            "do_remote_prefill": True,
-            "transfer_id": kv["transfer_id"],
-            "remote_rpc_address": "127.0.0.1:1",
-        },
+    from stand_ins import (
+        MODEL,
+        PREFILL_RPC,
+        FakeDecode,
+        fake_prefill,
+        model_tokens,
     )
+
+    p = fake_prefill()
     # 4 ms a token: a move has the ~0.2 s of the last 48 tokens to finish even on a loaded box
     # (at 1 ms a pre-copy was seen arriving after the stream had ended).
     decodes = [FakeDecode(f"D{i}", token_delay_s=0.004, precopy_block=4) for i in range(2)]
@@ -742,7 +741,7 @@ async def _smoke(args: argparse.Namespace) -> int:
         await d.start()
     try:
         result = await measure(
-            Backend(p.url, rpc_address="127.0.0.1:1"),
+            Backend(p.url, rpc_address=PREFILL_RPC),
             decodes,
             MODEL,
             lambda n, seed: [3 + (seed + i) % 400 for i in range(n)],

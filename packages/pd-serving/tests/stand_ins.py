@@ -453,26 +453,35 @@ def smoke_prompt(n: int, seed: int) -> list[int]:
     return [3 + (seed * 31 + i) % 400 for i in range(n)]
 
 
+PREFILL_RPC = "127.0.0.1:1"  # the stand-in P's pull address (a closed port)
+
+
+def fake_prefill() -> FakeUpstream:
+    """A stand-in P answering HybridConnector's ``kv_transfer_params`` (its pull address,
+    ``PREFILL_RPC``, is never dialled: the stand-in D's do not pull)."""
+    return FakeUpstream(
+        "P",
+        kv_params=lambda kv: {
+            "do_remote_prefill": True,
+            "transfer_id": kv["transfer_id"],
+            "remote_rpc_address": PREFILL_RPC,
+        },
+    )
+
+
 @contextlib.asynccontextmanager
 async def fake_1p2d(**decode: Any) -> AsyncIterator[tuple[Any, list[FakeDecode]]]:
     """A stand-in P answering HybridConnector's ``kv_transfer_params`` (as the prefill
     ``Backend``) and two stand-in D's (``FakeDecode(**decode)``), started, then closed."""
     from pd_serving.routing import Backend
 
-    prefill = FakeUpstream(
-        "P",
-        kv_params=lambda kv: {
-            "do_remote_prefill": True,
-            "transfer_id": kv["transfer_id"],
-            "remote_rpc_address": "127.0.0.1:1",
-        },
-    )
+    prefill = fake_prefill()
     decodes = [FakeDecode(f"D{i}", **decode) for i in range(2)]
     await prefill.start()
     try:
         for d in decodes:
             await d.start()
-        yield Backend(prefill.url, rpc_address="127.0.0.1:1"), decodes
+        yield Backend(prefill.url, rpc_address=PREFILL_RPC), decodes
     finally:
         await prefill.close()
         for d in decodes:

@@ -23,7 +23,13 @@ from pd_serving.health import InstanceLoad
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, PdProxy, ProxyConfig, serve
 from pd_serving.rebalance import RebalanceConfig
-from stand_ins import MODEL, FakeDecode, FakeUpstream, model_tokens
+from stand_ins import (
+    MODEL,
+    PREFILL_RPC,
+    FakeDecode,
+    fake_prefill,
+    model_tokens,
+)
 
 MAX_TOKENS = 12
 PAUSE_AFTER = 4
@@ -94,19 +100,12 @@ class Rig:
 
 @pytest.fixture
 async def rig() -> AsyncIterator[Rig]:
-    p = FakeUpstream(
-        "P",
-        kv_params=lambda kv: {
-            "do_remote_prefill": True,
-            "transfer_id": kv["transfer_id"],
-            "remote_rpc_address": "127.0.0.1:1",
-        },
-    )
+    p = fake_prefill()
     d1, d2 = (FakeDecode(f"d{i}", pause_after=PAUSE_AFTER) for i in (1, 2))
     for upstream in (p, d1, d2):
         await upstream.start()
     config = ProxyConfig(
-        prefill=[Backend(p.url, rpc_address="127.0.0.1:1", name="p")],
+        prefill=[Backend(p.url, rpc_address=PREFILL_RPC, name="p")],
         decode=[
             Backend(d1.url, rpc_address=d1.rpc_address, name="d1"),
             Backend(d2.url, rpc_address=d2.rpc_address, name="d2"),

@@ -20,7 +20,14 @@ from hybrid_connector.contract import PullParams, decode_params
 from pd_serving import live
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, PdProxy, ProxyConfig, serve
-from stand_ins import MODEL, FakeDecode, FakeUpstream, model_tokens
+from stand_ins import (
+    MODEL,
+    PREFILL_RPC,
+    FakeDecode,
+    FakeUpstream,
+    fake_prefill,
+    model_tokens,
+)
 
 PROMPT = [11, 12, 13, 14, 15]
 MAX_TOKENS = 12
@@ -94,19 +101,12 @@ async def rig3() -> AsyncIterator[Rig]:
 
 
 async def _rig(decodes: int) -> AsyncIterator[Rig]:
-    p = FakeUpstream(
-        "P",
-        kv_params=lambda kv: {
-            "do_remote_prefill": True,
-            "transfer_id": kv["transfer_id"],
-            "remote_rpc_address": "127.0.0.1:1",
-        },
-    )
+    p = fake_prefill()
     ds = [FakeDecode(f"d{i}", pause_after=PAUSE_AFTER) for i in range(1, decodes + 1)]
     for upstream in (p, *ds):
         await upstream.start()
     config = ProxyConfig(
-        prefill=[Backend(p.url, rpc_address="127.0.0.1:1", name="p")],
+        prefill=[Backend(p.url, rpc_address=PREFILL_RPC, name="p")],
         decode=[Backend(d.url, rpc_address=d.rpc_address, name=d.name) for d in ds],
         model_names=[MODEL],
         health=None,
