@@ -145,6 +145,62 @@ def test_a_child_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     assert wait_all_gone([helper], 10) == set()
 
 
+# A server whose helper, like the resource tracker of vLLM's processes, cleans up after its
+# parent: on SIGTERM it waits for the leader to exit, then takes a moment to unlink what it
+# tracks. The server is ready once its helper is (the helper says so on a pipe).
+TIDY_SERVER = textwrap.dedent(
+    """
+    import http.server, subprocess, sys
+    port, helper_script, done_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    helper = subprocess.Popen(
+        [sys.executable, helper_script, str(os.getpid()), done_file], stdout=subprocess.PIPE
+    )
+    helper.stdout.readline()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    print("INFO:     Application startup complete.", flush=True)
+    server.serve_forever()
+    """
+).replace("import http.server,", "import http.server, os,")
+TIDY_HELPER = textwrap.dedent(
+    """
+    import os, select, signal, sys, time
+    leader, done_file = int(sys.argv[1]), sys.argv[2]
+    termed = []
+    signal.signal(signal.SIGTERM, lambda *_: termed.append(1))
+    watch = os.pidfd_open(leader)
+    print(os.getpid(), flush=True)  # ready
+    select.select([watch], [], [])  # the leader exits on its SIGTERM
+    time.sleep(0.5)  # its cleanup
+    open(done_file, "w").write("cleaned up" if termed else "no SIGTERM")
+    """
+)
+
+
+def test_the_rest_of_the_group_finishes_its_shutdown_before_any_kill(tmp_path: Path) -> None:
+    server, helper = tmp_path / "server.py", tmp_path / "helper.py"
+    server.write_text(TIDY_SERVER)
+    helper.write_text(TIDY_HELPER)
+    port = free_port()
+    done = tmp_path / "helper.done"
+    proc = ManagedProcess(
+        "tidy",
+        [sys.executable, str(server), str(port), str(helper), str(done)],
+        log_path=tmp_path / "tidy.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+    )
+    proc.start()
+    proc.ready.result(timeout=30)
+    assert proc.stop() == -15
+    assert done.read_text() == "cleaned up"  # not killed with the leader
+
+
 def test_not_ready_in_time_is_an_error(tmp_path: Path) -> None:
     proc = ManagedProcess(
         "sleeper",

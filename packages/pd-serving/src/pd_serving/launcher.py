@@ -20,6 +20,7 @@ import ctypes
 import logging
 import os
 import random
+import select
 import signal
 import socket
 import subprocess
@@ -221,13 +222,15 @@ class ManagedProcess:
         return "\n".join(self._tail)
 
     def stop(self, timeout: float = 20.0) -> int | None:
-        """SIGTERM the child's process group, SIGKILL it after ``timeout``; idempotent."""
+        """SIGTERM the child's process group, SIGKILL what is left of it after ``timeout``;
+        idempotent."""
         with self._stop_lock:
             if self._stopped or self._proc is None:
                 return self._proc.returncode if self._proc else None
             self._stopped = True
         proc = self._proc
         self._fail_ready("was stopped", wait_for_output=False)
+        deadline = time.monotonic() + timeout
         _signal_group(proc.pid, signal.SIGTERM)
         _signal_group(proc.pid, signal.SIGCONT)  # a paused group would hold SIGTERM pending
         try:
@@ -238,7 +241,13 @@ class ManagedProcess:
             )
             _signal_group(proc.pid, signal.SIGKILL)
             code = self.exited.result(timeout=10.0)
-        # The group leader is gone; anything it left in its group (engine, workers) goes too.
+        else:
+            # The rest of the group ends its own shutdown first: vLLM's engine core, and the
+            # resource tracker that unlinks the shared memory its processes made once they
+            # are gone (killed with the leader, it would leave the segments in /dev/shm).
+            left = _wait_group_gone(proc.pid, max(0.0, deadline - time.monotonic()))
+            if left:
+                log.warning("%s: pids %s outlived its SIGTERM; killing", self.name, left)
         _signal_group(proc.pid, signal.SIGKILL)
         for thread in self._threads:
             thread.join(timeout=5.0)
@@ -294,6 +303,47 @@ class ManagedProcess:
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` now (from /proc)."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # gone meanwhile
+        # After the command name, in parentheses: state, ppid, pgrp.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> list[int]:
+    """Wait until every process of group ``pgid`` has exited (a pidfd each: no polling), at
+    most ``timeout`` seconds; returns the pids still running."""
+    fds: dict[int, int] = {}
+    for pid in _group_members(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            fds[os.pidfd_open(pid)] = pid
+    try:
+        deadline = time.monotonic() + timeout
+        pending = set(fds)
+        while pending:
+            ready, _, _ = select.select(
+                list(pending), [], [], max(0.0, deadline - time.monotonic())
+            )
+            if not ready:
+                break
+            pending.difference_update(ready)
+        return sorted(fds[fd] for fd in pending)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def start_all(processes: Iterable[ManagedProcess]) -> list[ManagedProcess]:
