@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness import shm
+
 _STEP_PACING_S = 0.002
 _HERE = Path(__file__).resolve().parent
 CONNECTOR = {
@@ -563,36 +565,11 @@ class OfflineEngine:
         nothing else knows them."""
         segments: set[str] = set()
         if self.process.pid is not None:
-            segments = _vllm_shm_segments(self.process.pid)
+            segments = shm.mapped_segments(shm.group_pids(self.process.pid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
         self.process.join()
-        for path in segments:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-
-
-def _vllm_shm_segments(pgid: int) -> set[str]:
-    """The shared-memory segments of vLLM's TP message queues (``/dev/shm/psm_*``) and CPU
-    collectives (``/dev/shm/vllm_dist_*``) that the processes of group ``pgid`` have mapped."""
-    segments = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after it
-                group = int(stat.read().rsplit(")", 1)[1].split()[2])
-            if group != pgid:
-                continue
-            with open(f"/proc/{entry}/maps") as maps:
-                for line in maps:
-                    path = line.rstrip("\n").split(maxsplit=5)[-1]
-                    if path.startswith(("/dev/shm/psm_", "/dev/shm/vllm_dist_")):
-                        segments.add(path)
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile, or not ours to read
-    return segments
+        shm.unlink(segments)
 
 
 def abort_while_pulling(child: _Child, prompt: list[int], kv_params: dict) -> bool:

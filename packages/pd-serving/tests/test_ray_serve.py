@@ -18,6 +18,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from harness import shm
 from harness.pool import Xpyd, count_vllm_start
 from pd_serving.client import complete, exact_length_prompt, load_tokenizer
 from pd_serving.launcher import free_port
@@ -113,14 +114,19 @@ def deployed(xpyd: Xpyd) -> Iterator[Deployed]:
             decode_metrics_url=f"http://{ray.util.get_node_ip_address()}:{metrics_port}/metrics",
         )
     finally:
+        segments: set[str] = set()
         if ray.is_initialized():
             started = started or [p for p in _descendants() if p.pid not in before]
+            # Ray ends its workers with the engines in them before vLLM unlinks its shared
+            # memory (and the semaphores of its locks): those are unlinked after.
+            segments = shm.mapped_segments(p.pid for p in started)
             serve.shutdown()
             ray.shutdown()
         _gone, alive = psutil.wait_procs(started, timeout=60)
         leftover = [f"{p.pid} {p.name()}" for p in alive if p.is_running()]
         for proc in alive:
             proc.kill()
+        shm.unlink(segments)
         assert not leftover, f"processes left after serve/ray shutdown: {leftover}"
 
 
