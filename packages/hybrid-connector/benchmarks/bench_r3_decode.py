@@ -11,6 +11,11 @@ node's master), HybridConnector as ``kv_both`` in every variant:
 * ``layer`` (``--attribute``): r3 on, the routers unhooked and the copy out a no-op (only the
   extra KV layer and the scheduler half's plan).
 
+``--pairs N`` instead: per round one process with r3 on, N pairs of batches alternating (ABBA)
+between the recorder running and its capture hooks and copy out switched off; the ratio per
+pair, no difference between processes in it (the box's noise between processes is larger
+than the cost on the tiny model).
+
 ``on - capture`` is then the copy out and the put, ``capture - layer`` the capture hook,
 ``layer - off`` the rest. ``--before DIR`` adds ``on@before``: r3 on with the project's packages
 imported from another checkout (``DIR/packages/*/src``), so a change is measured against the
@@ -28,6 +33,8 @@ runs' median throughputs; over rounds the median ratio and its range (min .. max
         --arch qwen3-moe --rounds 5
     flock /tmp/bench.lock python packages/hybrid-connector/benchmarks/bench_r3_decode.py \\
         --arch qwen3-moe-wide --rounds 3
+    flock /tmp/bench.lock python packages/hybrid-connector/benchmarks/bench_r3_decode.py \\
+        --arch qwen3-moe --pairs 16 --rounds 4
     python packages/hybrid-connector/benchmarks/bench_r3_decode.py --smoke   # 1 round, tiny
 """
 
@@ -42,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +63,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 BEFORE_SUFFIX = "@before"
 STORE = "bench-r3-decode"
 VARIANTS = ("off", "on")
+PAIRED = "paired"
 ATTRIBUTION = ("capture", "layer")
 
 
@@ -155,22 +164,63 @@ def _run(args: argparse.Namespace, variant: str, kv_bytes: int) -> dict[str, Any
         assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
         return {"generate_s": t1 - t0, "finish_s": t2 - t1, "records_s": t3 - t2}
 
-    batch(8)  # warm-up
-    reps = []
-    for _ in range(args.reps):
+    def timed() -> dict[str, float]:
         cpu0 = time.process_time()
         rep = batch(args.tokens)
         rep["process_cpu_s"] = time.process_time() - cpu0
         rep["tokens_per_s"] = args.requests * args.tokens / (rep["generate_s"] + rep["finish_s"])
-        reps.append(rep)
+        return rep
+
+    batch(8)  # warm-up
+    if variant == PAIRED:
+        return _paired(args, llm, worker, timed)
+    reps = [timed() for _ in range(args.reps)]
     counters = worker.r3.counters if worker.r3 is not None else {}
     llm.llm_engine.engine_core.shutdown()
     return {"reps": reps, "r3_counters": dict(counters)}
 
 
+def _paired(
+    args: argparse.Namespace, llm: Any, worker: Any, timed: Callable[[], dict[str, float]]
+) -> dict[str, Any]:
+    """One engine with r3 on; batches alternate (ABBA) between the recorder as it runs (the
+    routers' capture hook and the copy out of finished requests' rows) and both switched off,
+    so no difference between processes enters the ratio. The extra KV layer and the scheduler
+    half's plan run in both (``layer`` measures them)."""
+    from hybrid_connector import connector
+
+    routers = connector._moe_routers(llm.llm_engine.vllm_config)
+    hooks = [router.capture_fn for router in routers]
+    recorder = worker.r3
+
+    def set_recording(on: bool) -> None:
+        for router, hook in zip(routers, hooks, strict=True):
+            router.set_capture_fn(hook if on else None)
+        if on:
+            recorder.__dict__.pop("copy_out", None)
+        else:
+            recorder.copy_out = lambda copies: None
+
+    pairs = []
+    for i in range(args.pairs):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        runs = {}
+        for on in order:
+            set_recording(on)
+            stored = recorder.counters["stored"]
+            runs[on] = timed()
+            # The put thread's work stays out of the next batch (and out of the throughput,
+            # as for the variants).
+            if on and not recorder.wait_stored(stored + args.requests, 60):
+                raise RuntimeError(f"records not stored: {recorder.counters}")
+        pairs.append({"on": runs[True], "off": runs[False]})
+    llm.llm_engine.engine_core.shutdown()
+    return {"pairs": pairs}
+
+
 def run_child(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", variant]
-    for name in ("arch", "requests", "tokens", "prompt_len", "reps", "model_cache"):
+    for name in ("arch", "requests", "tokens", "prompt_len", "reps", "pairs", "model_cache"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if args.before:
         cmd += ["--before", args.before]
@@ -194,16 +244,23 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], variants: list[str]) -> d
             row[v] = {k: _median([rep[k] for rep in reps]) for k in reps[0]}
         for v in variants[1:]:
             row[f"{v}/off"] = row[v]["tokens_per_s"] / row["off"]["tokens_per_s"]
+            # Tokens per CPU second of the process (engine, workers and put thread are
+            # threads of it): less moved by other jobs than wall-clock throughput.
+            row[f"{v}/off cpu"] = row["off"]["process_cpu_s"] / row[v]["process_cpu_s"]
         per_round.append(row)
     summary: dict[str, Any] = {"per_round": per_round}
     for v in variants[1:]:
         ratios = [row[f"{v}/off"] for row in per_round]
+        cpu = [row[f"{v}/off cpu"] for row in per_round]
         # The cost: throughput lost, 1 - on/off (positive: R3 is slower).
         summary[v] = {
             "throughput_ratio_median": _median(ratios),
             "throughput_ratio_min": float(min(ratios)),
             "throughput_ratio_max": float(max(ratios)),
             "cost_median": 1 - _median(ratios),
+            "cpu_ratio_median": _median(cpu),
+            "cpu_ratio_min": float(min(cpu)),
+            "cpu_ratio_max": float(max(cpu)),
         }
     return summary
 
@@ -221,7 +278,9 @@ def print_summary(summary: dict[str, Any], variants: list[str]) -> None:
         print(
             f"{v} vs off, decode throughput: median {median:+.2f}%"
             f" (rounds {100 * (s['throughput_ratio_min'] - 1):+.2f}% .."
-            f" {100 * (s['throughput_ratio_max'] - 1):+.2f}%)"
+            f" {100 * (s['throughput_ratio_max'] - 1):+.2f}%); per CPU second:"
+            f" {100 * (s['cpu_ratio_median'] - 1):+.2f}%"
+            f" ({100 * (s['cpu_ratio_min'] - 1):+.2f}% .. {100 * (s['cpu_ratio_max'] - 1):+.2f}%)"
         )
     last = summary["per_round"][-1]
     for v in variants:
@@ -245,10 +304,17 @@ def main() -> None:
     parser.add_argument("--before", help="+ on@before: r3 on with this checkout's packages")
     parser.add_argument("--model-cache", default=str(Path(tempfile.gettempdir()) / "r3-models"))
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--pairs", type=int, default=0,
+        help="instead of variants in processes: this many on/off batch pairs in one engine",
+    )  # fmt: skip
     parser.add_argument("--out", help="JSON path (default: results/r3_decode_<arch>.json)")
     args = parser.parse_args()
     if args.child:
         child(args)
+        return
+    if args.pairs:
+        paired_main(args)
         return
     variants = list(VARIANTS)
     if args.attribute:
@@ -272,6 +338,46 @@ def main() -> None:
             {"config": vars(args), "variants": variants, "summary": summary, "rounds": rounds},
             indent=1,
         )
+    )
+    print(f"wrote {out}")
+
+
+def paired_main(args: argparse.Namespace) -> None:
+    """``--pairs``: per round one engine alternating the recorder on and off (``_paired``);
+    per pair the ratio of throughputs on / off; over every pair the median, quartiles, range."""
+    if args.smoke:
+        args.rounds, args.pairs, args.requests, args.tokens = 1, 2, 4, 16
+    rounds = []
+    for i in range(args.rounds):
+        rounds.append(run_child(PAIRED, args))
+        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    ratios = sorted(
+        p["on"]["tokens_per_s"] / p["off"]["tokens_per_s"] for r in rounds for p in r["pairs"]
+    )
+    q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    summary = {
+        "pairs": len(ratios),
+        "ratio_median": median,
+        "ratio_q1": q1,
+        "ratio_q3": q3,
+        "ratio_min": ratios[0],
+        "ratio_max": ratios[-1],
+        "round_medians": [
+            _median([p["on"]["tokens_per_s"] / p["off"]["tokens_per_s"] for p in r["pairs"]])
+            for r in rounds
+        ],
+    }
+    print(
+        f"recording on vs off in one engine, {len(ratios)} pairs: median {100 * (median - 1):+.2f}%"
+        f" (quartiles {100 * (q1 - 1):+.2f}% .. {100 * (q3 - 1):+.2f}%, range"
+        f" {100 * (ratios[0] - 1):+.2f}% .. {100 * (ratios[-1] - 1):+.2f}%); round medians "
+        + ", ".join(f"{100 * (m - 1):+.2f}%" for m in summary["round_medians"])
+    )
+    if args.smoke:
+        return
+    out = Path(args.out) if args.out else RESULTS / f"r3_decode_{args.arch}_paired.json"
+    out.write_text(
+        json.dumps({"config": vars(args), "summary": summary, "rounds": rounds}, indent=1)
     )
     print(f"wrote {out}")
 
