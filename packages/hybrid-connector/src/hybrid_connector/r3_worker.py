@@ -9,11 +9,14 @@ instances whose group layouts differ (block size, TP heads) would reorder those 
 so ``r3.check_peer`` refuses it (D recomputes, and records its own rows).
 
 Each MoE router's capture hook (vLLM's ``BaseRouter.set_capture_fn``: called in every forward
-with the logical ``topk_ids``, before EPLB mapping) scatters the ids to the step's token slots
-(the forward context's slot mapping of the attention group). On a CPU the hook works on numpy
-views of the tensors (a torch operation's dispatch costs more than the copy of a step's ids); on
-a GPU it stays on the device without a host sync (padding slots, negative, are sent to a row of
-vLLM's null block, which no request owns, instead of being filtered out).
+with the logical ``topk_ids``, before EPLB mapping) sends the ids to the step's token slots (the
+forward context's slot mapping of the attention group; the pass's first MoE layer plans their
+flat index). On a CPU the hook keeps the layer's ``topk_ids`` (fresh tensors each layer) and
+``flush`` writes the whole pass with one numpy scatter at its end (``step_done``, before the KVS
+saves and the sends read the blocks; also before anything else reads the buffer): between torch
+kernels each numpy call of a hook runs on cold caches, so one per pass instead of one per layer.
+On a GPU each hook writes at once, on the device, without a host sync (padding slots, negative,
+are sent to a row of vLLM's null block, which no request owns, instead of being filtered out).
 
 ``begin_step`` (from the metadata, before the step's forward pass): ``copy_out`` gathers the
 finished requests' rows and hands them to the put thread, which stores them under the records'
@@ -94,12 +97,16 @@ class R3Recorder:
         # entry (made once per pass, at its first MoE layer, instead of once per layer).
         self._flat: torch.Tensor | None = None
         self._flat_np: np.ndarray | None = None  # CPU only
-        self._layer_offsets: np.ndarray | torch.Tensor | None = None  # [layers, 1, top_k]
+        self._blocks_np: np.ndarray | None = None  # CPU only: ``blocks`` as numpy
+        self._layer_offsets: torch.Tensor | None = None  # device: [layers, 1, top_k]
         self._block_elems = 0
         self._plan_slots: torch.Tensor | None = None
         self._plan_rows = -1
-        self._plan_index: Any = None  # [layers, n, top_k]: numpy on a CPU, else torch
+        self._plan_index: Any = None  # device: [layers, n, top_k], each id's flat index
+        self._plan_at: tuple[np.ndarray, np.ndarray] | None = None  # CPU: (block, offset)
         self._plan_n = 0
+        # CPU: the running pass's (layer, topk_ids) not yet written (``flush``).
+        self._pending: list[tuple[int, torch.Tensor]] = []
         # The step's capture check: its number, its tokens, the MoE layers that captured them.
         self._step = 0
         self._step_tokens = 0
@@ -158,7 +165,7 @@ class R3Recorder:
         offsets = np.arange(layers * top_k, dtype=np.int64).reshape(layers, 1, top_k)
         if typed.device.type == "cpu" and self._numpy_on_cpu:
             self._flat_np = typed.numpy()
-            self._layer_offsets = offsets
+            self._blocks_np = self.blocks.numpy()
         else:
             self._layer_offsets = torch.from_numpy(offsets).to(typed.device)
         self._slot_layer = slot_layer
@@ -182,33 +189,48 @@ class R3Recorder:
         # A new pass starts at the first MoE layer; the slot tensor or the row count changing
         # within one (never seen) plans again rather than write to stale slots.
         if layer == 0 or slots is not self._plan_slots or rows != self._plan_rows:
+            self.flush()  # what an earlier pass (or plan) left
             self._plan(slots, rows)
         n = self._plan_n
-        flat_np = self._flat_np
-        if flat_np is not None:
-            flat_np[self._plan_index[layer]] = topk_ids.numpy()[:n]
+        if self._flat_np is not None:
+            self._pending.append((layer, topk_ids))
         else:
             self._flat.put_(self._plan_index[layer], topk_ids[:n].to(self._flat.dtype))
         if n >= self._step_tokens:
             self._step_layers |= 1 << layer
         self.counters["captures"] += 1
 
+    def flush(self) -> None:
+        """CPU: write the ids the running pass's hooks kept, every layer in one scatter."""
+        pending, self._pending = self._pending, []
+        if not pending or self._blocks_np is None or self._plan_at is None:
+            return
+        n = self._plan_n
+        ids = np.stack([topk_ids.numpy()[:n] for _, topk_ids in pending], axis=1)  # [n, l, k]
+        block, offset = self._plan_at
+        layers = [layer for layer, _ in pending]
+        if layers == list(range(self.rows.layers)):
+            self._blocks_np[block, offset] = ids
+        else:
+            self._blocks_np[block[:, None], offset[:, None], layers] = ids
+
     def _plan(self, slots: torch.Tensor, rows: int) -> None:
-        """The flat index of each layer's ids for this pass's slots (a negative slot, padding:
-        the null block's row, ``_PAD_ROW``)."""
+        """Where this pass's rows go: each token's (block, offset) on a CPU, each id's flat
+        index on a device (a negative slot, padding: the null block's first row)."""
         assert self.blocks is not None
         n = min(int(slots.shape[0]), rows)
         block_size = int(self.blocks.shape[1])
         row_elems = self.rows.layers * self.rows.top_k
-        if self._flat_np is not None:
-            s = slots.numpy()[:n].astype(np.int64)
-            base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
-            base[s < 0] = _PAD_ROW
+        if self._blocks_np is not None:
+            # Few numpy calls (each runs on cold caches between the pass's torch kernels):
+            # a padding slot (negative) goes to slot 0, the first row of the null block.
+            block, offset = np.divmod(np.maximum(slots.numpy()[:n], 0), block_size)
+            self._plan_at = (block, offset)
         else:
             s = slots[:n].to(torch.int64)
             base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
             base = torch.where(s < 0, _PAD_ROW, base)
-        self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
+            self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
         self._plan_n = n
         self._plan_slots = slots
         self._plan_rows = rows
@@ -218,6 +240,7 @@ class R3Recorder:
         """Before the step's forward pass: copy the finished requests' rows out, reset the
         blocks newly given to requests (in that order: a freed block may be both), start the
         step's capture check."""
+        self.flush()
         if meta.r3_copies:
             self.copy_out(meta.r3_copies)
         if meta.r3_fresh_blocks:
@@ -226,6 +249,7 @@ class R3Recorder:
 
     def reset(self, block_ids: Sequence[int]) -> None:
         """Every row of these blocks to "no row"."""
+        self.flush()
         blocks = self.blocks
         if blocks is None:
             return
@@ -241,6 +265,7 @@ class R3Recorder:
     def report(self) -> tuple[int, ...]:
         """After the step's forward pass: the steps (this one, if so) whose pass left some MoE
         layer without the routing of all its tokens (empty: none)."""
+        self.flush()
         if self._step_tokens > 0 and self._step_layers != self._all_layers:
             self._missed.append(self._step)
             self.counters["missed_steps"] += 1
@@ -261,6 +286,7 @@ class R3Recorder:
         """Gather the finished requests' rows now (before the step's forward pass may reuse
         their blocks), all in one copy, and queue the puts; the completeness check runs on the
         put thread. Only TP rank 0 stores (and checks): every rank holds the same rows."""
+        self.flush()
         blocks = self.blocks
         if blocks is None or not copies:
             return
@@ -354,7 +380,7 @@ class R3Recorder:
             self._thread = None
         self._drop_client()
         self.blocks = None
-        self._flat = self._flat_np = None
+        self._flat = self._flat_np = self._blocks_np = None
         self._plan_slots = self._plan_index = None
         self._tensor = None
 
