@@ -14,19 +14,10 @@ import pytest
 from pd_serving.launcher import ChildFailed, ManagedProcess, free_port, stop_all, wait_all_ready
 from stand_ins import wait_all_gone, wait_until
 
-# A server that, like vLLM, forks a helper (its "engine"), prints the ready marker and answers
-# /health. It writes the helper's pid to a file so the test can check the helper died too.
-SERVER = textwrap.dedent(
+# What every stand-in server ends with, as vLLM's does: it answers /health on ``port`` and prints
+# the ready marker.
+SERVE_HEALTH = textwrap.dedent(
     """
-    import http.server, subprocess, sys, signal
-    port, pid_file, on_term = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    if on_term == "1":
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if on_term == "2":  # a handler, as uvicorn's: a stopped process keeps SIGTERM pending
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))
-    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    open(pid_file, "w").write(str(helper.pid))
-
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
@@ -36,6 +27,26 @@ SERVER = textwrap.dedent(
     server = http.server.HTTPServer(("127.0.0.1", port), Health)
     print("INFO:     Application startup complete.", flush=True)
     server.serve_forever()
+    """
+)
+
+
+def _server_script(head: str) -> str:
+    return textwrap.dedent(head) + SERVE_HEALTH
+
+
+# A server that, like vLLM, forks a helper (its "engine"), prints the ready marker and answers
+# /health. It writes the helper's pid to a file so the test can check the helper died too.
+SERVER = _server_script(
+    """
+    import http.server, subprocess, sys, signal
+    port, pid_file, on_term = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    if on_term == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if on_term == "2":  # a handler, as uvicorn's: a stopped process keeps SIGTERM pending
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(15))
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(pid_file, "w").write(str(helper.pid))
     """
 )
 
@@ -148,26 +159,16 @@ def test_a_child_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
 # A server whose helper, like the resource tracker of vLLM's processes, cleans up after its
 # parent: on SIGTERM it waits for the leader to exit, then takes a moment to unlink what it
 # tracks. The server is ready once its helper is (the helper says so on a pipe).
-TIDY_SERVER = textwrap.dedent(
+TIDY_SERVER = _server_script(
     """
-    import http.server, subprocess, sys
+    import http.server, os, subprocess, sys
     port, helper_script, done_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     helper = subprocess.Popen(
         [sys.executable, helper_script, str(os.getpid()), done_file], stdout=subprocess.PIPE
     )
     helper.stdout.readline()
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", port), Health)
-    print("INFO:     Application startup complete.", flush=True)
-    server.serve_forever()
     """
-).replace("import http.server,", "import http.server, os,")
+)
 TIDY_HELPER = textwrap.dedent(
     """
     import os, select, signal, sys, time
