@@ -563,9 +563,11 @@ class OfflineEngine:
         shared-memory segments of vLLM's TP message queues and CPU collectives that it had
         mapped, as a crashed instance's supervisor would: the killed processes cannot, and
         nothing else knows them."""
+        from pd_serving.launcher import group_pids
+
         segments: set[str] = set()
         if self.process.pid is not None:
-            segments = shm.mapped_segments(shm.group_pids(self.process.pid))
+            segments = shm.mapped_segments(group_pids(self.process.pid))
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
         self.process.join()

@@ -13,22 +13,6 @@ from collections.abc import Iterable
 PREFIXES = ("/dev/shm/psm_", "/dev/shm/vllm_dist_", "/dev/shm/sem.mp-")
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The processes of group ``pgid`` now."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after it
-                if int(stat.read().rsplit(")", 1)[1].split()[2]) == pgid:
-                    pids.append(int(entry))
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-    return pids
-
-
 def mapped_segments(pids: Iterable[int]) -> set[str]:
     """The /dev/shm segments of vLLM (``PREFIXES``) that these processes have mapped."""
     segments = set()

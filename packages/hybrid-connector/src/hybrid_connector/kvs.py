@@ -204,7 +204,6 @@ class Lookups:
         self._answers: dict[str, LookupAnswer] = {}
         self._pending: set[str] = set()  # submitted, not answered yet (nor forgotten)
         self._holding: collections.Counter[Any] = collections.Counter()  # lookup thread only
-        self.holding = 0  # objects held in the store now (set by the lookup thread; a gauge)
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
         self._thread = threading.Thread(
@@ -243,6 +242,11 @@ class Lookups:
             self._pending.discard(request_id)  # an answer still to come is given up on arrival
         if answer is not None:
             self.unhold(held_refs(answer))
+
+    @property
+    def holding(self) -> int:
+        """Objects the answers hold in the store now (a gauge; any thread may read it)."""
+        return len(self._holding)
 
     def client(self) -> Any:
         """The lookup thread's client, connected if possible (None: the store is down)."""
@@ -344,7 +348,6 @@ class Lookups:
             answer = self._lookup(items)  # type: ignore[arg-type]
             held = held_refs(answer)
             self._holding.update(held)
-            self.holding = len(self._holding)
             with self._answered:
                 late = request_id not in self._pending
                 if not late:
@@ -364,7 +367,6 @@ class Lookups:
             else:
                 self._holding.pop(ref, None)
                 gone.append(ref)
-        self.holding = len(self._holding)
         return gone
 
     def close(self) -> None:

@@ -92,11 +92,9 @@ class R3Recorder:
         self._tensor: torch.Tensor | None = None
         self._slot_layer = ""
         self._slots: Callable[[str], torch.Tensor | None] = lambda name: None
-        # The buffer as one flat tensor of ids (and, on a CPU, its numpy view), and the running
-        # forward pass's write plan: for each MoE layer, the flat index of every (token, k)
-        # entry (made once per pass, at its first MoE layer, instead of once per layer).
+        # The buffer as one flat tensor of ids (on a CPU, ``blocks`` as numpy), and the running
+        # forward pass's write plan, made once per pass at its first MoE layer.
         self._flat: torch.Tensor | None = None
-        self._flat_np: np.ndarray | None = None  # CPU only
         self._blocks_np: np.ndarray | None = None  # CPU only: ``blocks`` as numpy
         self._layer_offsets: torch.Tensor | None = None  # device: [layers, 1, top_k]
         self._block_elems = 0
@@ -162,11 +160,10 @@ class R3Recorder:
         self._tensor = tensor
         self._flat = typed
         self._block_elems = block_stride // step
-        offsets = np.arange(layers * top_k, dtype=np.int64).reshape(layers, 1, top_k)
         if typed.device.type == "cpu" and self._numpy_on_cpu:
-            self._flat_np = typed.numpy()
             self._blocks_np = self.blocks.numpy()
         else:
+            offsets = np.arange(layers * top_k, dtype=np.int64).reshape(layers, 1, top_k)
             self._layer_offsets = torch.from_numpy(offsets).to(typed.device)
         self._slot_layer = slot_layer
         self._slots = slots
@@ -192,7 +189,7 @@ class R3Recorder:
             self.flush()  # what an earlier pass (or plan) left
             self._plan(slots, rows)
         n = self._plan_n
-        if self._flat_np is not None:
+        if self._blocks_np is not None:
             self._pending.append((layer, topk_ids))
         else:
             self._flat.put_(self._plan_index[layer], topk_ids[:n].to(self._flat.dtype))
@@ -220,7 +217,6 @@ class R3Recorder:
         assert self.blocks is not None
         n = min(int(slots.shape[0]), rows)
         block_size = int(self.blocks.shape[1])
-        row_elems = self.rows.layers * self.rows.top_k
         if self._blocks_np is not None:
             # Few numpy calls (each runs on cold caches between the pass's torch kernels):
             # a padding slot (negative) goes to slot 0, the first row of the null block.
@@ -228,6 +224,7 @@ class R3Recorder:
             self._plan_at = (block, offset)
         else:
             s = slots[:n].to(torch.int64)
+            row_elems = self.rows.layers * self.rows.top_k
             base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
             base = torch.where(s < 0, _PAD_ROW, base)
             self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
@@ -240,7 +237,6 @@ class R3Recorder:
         """Before the step's forward pass: copy the finished requests' rows out, reset the
         blocks newly given to requests (in that order: a freed block may be both), start the
         step's capture check."""
-        self.flush()
         if meta.r3_copies:
             self.copy_out(meta.r3_copies)
         if meta.r3_fresh_blocks:
@@ -256,8 +252,8 @@ class R3Recorder:
         self.counters["resets"] += len(block_ids)
         # r3.no_row as the buffer's torch type holds it (uint16 ids live in an int16 buffer)
         value = -1 if self.rows.dtype == "uint16" else 0xFF
-        if self._flat_np is not None:
-            blocks.numpy()[np.asarray(block_ids, dtype=np.int64)] = value
+        if self._blocks_np is not None:
+            self._blocks_np[np.asarray(block_ids, dtype=np.int64)] = value
         else:
             index = torch.as_tensor(block_ids, dtype=torch.int64, device=blocks.device)
             blocks.index_fill_(0, index, value)
@@ -380,7 +376,7 @@ class R3Recorder:
             self._thread = None
         self._drop_client()
         self.blocks = None
-        self._flat = self._flat_np = self._blocks_np = None
+        self._flat = self._blocks_np = None
         self._plan_slots = self._plan_index = None
         self._tensor = None
 

@@ -305,7 +305,7 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _group_members(pgid: int) -> list[int]:
+def group_pids(pgid: int) -> list[int]:
     """The processes of group ``pgid`` now (from /proc)."""
     members = []
     for entry in os.scandir("/proc"):
@@ -327,7 +327,7 @@ def _wait_group_gone(pgid: int, timeout: float) -> list[int]:
     """Wait until every process of group ``pgid`` has exited (a pidfd each: no polling), at
     most ``timeout`` seconds; returns the pids still running."""
     fds: dict[int, int] = {}
-    for pid in _group_members(pgid):
+    for pid in group_pids(pgid):
         with contextlib.suppress(ProcessLookupError):
             fds[os.pidfd_open(pid)] = pid
     try:
