@@ -218,6 +218,48 @@ def next_token(token: int) -> int:
     return (token * 7 + 3) % 1000
 
 
+class ByteText:
+    """A byte-level tokenizer over the stand-in model's token ids (each id a byte, ids from
+    256 a byte and a letter), detokenized as vLLM's detokenizer does: a ``tokenizers`` decode
+    stream primed with the prompt, holding a character's first bytes back until it is whole."""
+
+    def __init__(self, vocab_size: int = 1000) -> None:
+        from tokenizers import Tokenizer, decoders, models
+
+        char = _byte_chars()
+        vocab = {
+            char[i % 256] + ("" if i < 256 else chr(ord("a") + i // 256)): i
+            for i in range(vocab_size)
+        }
+        self.tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        self.tokenizer.decoder = decoders.ByteLevel()
+
+    def stream(self, prompt: list[int]) -> Callable[[int], str]:
+        """Each next token's text (empty while a character is incomplete)."""
+        from tokenizers.decoders import DecodeStream
+
+        decode = DecodeStream(ids=prompt, skip_special_tokens=True)
+        return lambda token: decode.step(self.tokenizer, token) or ""
+
+    def text(self, prompt: list[int], tokens: list[int]) -> str:
+        """The whole text a request's stream sends for ``tokens``."""
+        step = self.stream(prompt)
+        return "".join(step(t) for t in tokens)
+
+    def cut_inside_a_character(self, tokens: list[int]) -> bool:
+        return self.tokenizer.decode(tokens).endswith("\ufffd")
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: byte b as a printable character."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in kept else chr(next(extra)) for b in range(256)]
+
+
+BYTE_TEXT = ByteText()
+
+
 def model_tokens(prompt: list[int], n: int) -> list[int]:
     """The ``n`` tokens the stand-in decode's model generates after ``prompt``."""
     out, last = [], prompt[-1]
@@ -265,6 +307,9 @@ class FakeDecode:
     fail_new: bool = False
     die_on: str = ""
     break_at_stop: bool = False
+    # Each token's text as vLLM streams it with a byte-level tokenizer (``ByteText``), a
+    # character split over tokens included; else " t<id>".
+    byte_text: bool = False
     # /metrics: KV usage as the running streams' tokens over this many (0: always 0).
     kv_capacity: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
@@ -362,6 +407,7 @@ class FakeDecode:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         last = stream.prompt[-1]
+        text_of = BYTE_TEXT.stream(stream.prompt) if self.byte_text else (lambda t: f" t{t}")
         for i in range(body["max_tokens"]):
             first_d = isinstance(params, PullParams) and not params.transfer_id.startswith("mig-")
             if i == self.pause_after and first_d:
@@ -381,7 +427,7 @@ class FakeDecode:
             ids = body.get("return_token_ids")
             choice = {
                 "index": 0,
-                "text": f" t{last}",
+                "text": text_of(last),
                 "finish_reason": "length" if ends else None,
                 "prompt_token_ids": stream.prompt if i == 0 and ids else None,
                 "token_ids": [last] if ids else None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from pd_serving import live
 from pd_serving.launcher import free_port
 from pd_serving.proxy import Backend, PdProxy, ProxyConfig, serve
 from stand_ins import (
+    BYTE_TEXT,
     MODEL,
     PREFILL_RPC,
     FakeDecode,
@@ -183,6 +185,43 @@ async def test_a_stream_moves_to_another_d_token_for_token(rig: Rig) -> None:
     assert rig.proxy.metrics.registry.get_sample_value(
         "pdserve_migrations_total", {"outcome": "moved"}
     )
+
+
+# Prompts whose move cuts a character (UTF-8 bytes split over tokens) or falls between two;
+# one whose text repeats every few characters.
+CUT_INSIDE, CUT_INSIDE_REPEATING, CUT_BETWEEN = [11, 12, 13, 14, 1], [11, 12, 13, 14, 22], PROMPT
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+@pytest.mark.parametrize(
+    "prompt",
+    [CUT_INSIDE, CUT_INSIDE_REPEATING, CUT_BETWEEN],
+    ids=["cut-inside", "cut-inside-repeating", "cut-between"],
+)
+async def test_a_move_that_cuts_a_character_sends_the_unmoved_text(
+    rig: Rig, prompt: list[int], streamed: bool
+) -> None:
+    """D's detokenize as vLLM does with a byte-level tokenizer: the new D, primed with a
+    context ending inside a character, first sends the whole context's text. The client gets
+    the text of the unmoved stream all the same."""
+    tokens = model_tokens(prompt, MAX_TOKENS)
+    cut = PAUSE_AFTER + 1
+    assert BYTE_TEXT.cut_inside_a_character(prompt + tokens[:cut]) == (prompt != CUT_BETWEEN)
+    rig.d1.byte_text = rig.d2.byte_text = True
+    ask = rig.stream(prompt=prompt) if streamed else rig.complete(prompt=prompt)
+    client = asyncio.create_task(ask)
+    d1, d2 = await _paused(rig)
+    answer = await rig.migrate(instance=d1.name, to=d2.name)
+    got = await client
+    assert answer["requests"][0]["outcome"] == "moved", answer
+    choices = [c for e in got for c in e.get("choices") or []] if streamed else got["choices"]
+    text = "".join(c.get("text") or "" for c in choices)
+    unmoved = BYTE_TEXT.text(prompt, tokens)
+    assert text == unmoved
+    moved_unmended = BYTE_TEXT.text(prompt, tokens[:cut]) + BYTE_TEXT.text(
+        prompt + tokens[:cut], tokens[cut:]
+    )
+    assert (moved_unmended != unmoved) == (prompt != CUT_BETWEEN), "the D's as vLLM's"
 
 
 async def test_a_moved_stream_no_longer_counts_as_a_call_on_d1(rig: Rig) -> None:
@@ -576,3 +615,28 @@ def test_an_assembled_answer_joins_the_stream() -> None:
     assert choice["finish_reason"] == "length"
     assert answer["usage"]["completion_tokens"] == 3
     assert (answer["id"], answer["created"], answer["object"]) == ("c", 5, "text_completion")
+
+
+def test_a_text_mend_is_asked_only_where_the_cut_may_split_a_character() -> None:
+    """The old D's last token event: with text and one token the cut was clean; without text
+    (bytes held back), or several tokens in one event (speculative decoding), it may not be."""
+
+    def event(text: str, ids: list[int]) -> bytes:
+        choice = {"index": 0, "text": text, "token_ids": ids, "finish_reason": None}
+        return f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
+
+    def mend(*events: bytes | tuple[str, int]) -> live._TextMend | None:
+        return live._TextMend.after(deque(events))
+
+    assert mend(event("ab", [1]), event("c", [2])) is None
+    assert mend() is None
+    assert mend(event("", [1])) is None, "no text to find"
+    held = mend(event("ab", [1]), ("c", 1), event("", [3]))
+    assert held is not None
+    assert held.tail == "abc"
+    several = mend(event("ab", [1, 2]))
+    assert several is not None
+    # The new D's first text: its whole context's text, then the new character.
+    assert held.text("PROMPTabcé", "mig-1") == "é"
+    assert held.text("é", "mig-1") == "é", "its own text: the cut was clean"
+    assert held.text("abc", "mig-1") == "abc", "never mended to nothing"

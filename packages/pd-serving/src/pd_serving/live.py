@@ -14,8 +14,9 @@ withholds that D's end while a migration is asked, calls the next D with the pro
 token so far (``/v1/completions`` with token ids, ``max_tokens`` lowered by what was generated,
 ``kv_transfer_params`` pulling the old D's KV with ``remote_num_tokens``), and relays its events
 rewritten as the same stream (the first event's id and creation time; usage counted from the
-client's prompt; logprobs' text offsets running on; the new prompt's token ids not echoed). A
-migrated request can move again. Before the stop it pre-copies (``LiveStreams.precopy``):
+client's prompt; logprobs' text offsets running on; the new prompt's token ids not echoed; its
+first text mended when the move cut a multi-byte character, ``_TextMend``). A migrated request
+can move again. Before the stop it pre-copies (``LiveStreams.precopy``):
 PRECOPY to the old D, then a one-token warm-up on the next D pulling the offered full blocks into
 its prefix cache, so the stop's call pulls only the blocks after them.
 
@@ -46,6 +47,7 @@ import logging
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -69,6 +71,8 @@ COMPLETIONS = "/v1/completions"
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # MIGRATE_OUT: the instance answers after its next step; a stalled one is refused after this.
 MIGRATE_OUT_TIMEOUT_S = 60.0
+# The client's last token events kept to mend a later D's first text (``_TextMend``).
+TEXT_MEND_EVENTS = 64
 _DONE = b"data: [DONE]"
 _NULL_FINISH = re.compile(rb'"finish_reason"\s*:\s*null')
 
@@ -250,6 +254,10 @@ class LiveStream:
         self._cut: Decision | None = None  # a RECOMPUTE decided while D1's answer was open
         self._last_logprobs = b""  # the last event sent with logprobs (the text offsets)
         self._offset_base = 0  # added to a later D's text offsets
+        # The client's last token events (a first D's raw, a later D's (text, tokens)), and the
+        # mend of the next D's first text when the switch cut a character (``_TextMend``).
+        self._recent: deque[bytes | tuple[str, int]] = deque(maxlen=TEXT_MEND_EVENTS)
+        self._mend: _TextMend | None = None
         self._assembler: _Assembler | None = None if self.streaming else _Assembler(flow.body)
         self._target: Backend | None = None
         self._decided: asyncio.Future[Decision] | None = None  # D1's answer, as a decision
@@ -628,6 +636,7 @@ class LiveStream:
                 raise _LegFailed(target, self._broke, message) from exc
             self.plan.called_first_token()
             self._offset_base = _next_text_offset(self._last_logprobs)
+            self._mend = _TextMend.after(self._recent)
             self.generated = generated
             self.moved = True
             self.streams.unregister(self)
@@ -729,6 +738,7 @@ class LiveStream:
         start, end = found
         if end - start > 2:  # not "[]"
             self.output_ids.extend(int(t) for t in event[start + 1 : end - 1].split(b","))
+            self._recent.append(event)
             if b'"logprobs":{' in event or b'"logprobs": {' in event:
                 self._last_logprobs = event
         if self.strip_ids:
@@ -752,6 +762,12 @@ class LiveStream:
                 choice["prompt_token_ids"] = None
             ids = choice.get("token_ids") or []
             self.output_ids.extend(ids)
+            text = choice.get("text")
+            if text and self._mend is not None:
+                choice["text"] = text = self._mend.text(text, self.migration_id)
+                self._mend = None
+            if ids:
+                self._recent.append((text or "", len(ids)))
             if self.strip_ids and "token_ids" in choice:
                 choice["token_ids"] = None
             logprobs = choice.get("logprobs")
@@ -824,6 +840,63 @@ class LiveStream:
             "asked_at": self._stages.get("asked", 0.0),
             "precopied_tokens": self._precopied_tokens,
         }
+
+
+class _TextMend:
+    """The first text a later D sends, as the unmoved stream would have sent it.
+
+    vLLM detokenizes a request's output with a decode stream primed with its prompt. When the
+    switch cut a character (a multi-byte UTF-8 character split over tokens, as Chinese text
+    or an emoji often is), the old D had not sent its first bytes yet, and the new D's prompt
+    ends in them. A decode stream primed with a prompt whose text ends in an incomplete
+    character starts with no prefix, so the new D's first text is the whole text of its
+    context: the client's prompt, every character the client has, then the new one. What the
+    client lacks is what follows the last text it got: the text after the last place it
+    occurs in that first text. A cut between characters needs no mend (the new D's first
+    text is then its own new text), nor one the old D's last event shows as clean: that event
+    had text and one token.
+    """
+
+    def __init__(self, tail: str) -> None:
+        self.tail = tail  # the end of the text the client has
+
+    @classmethod
+    def after(cls, recent: deque[bytes | tuple[str, int]]) -> _TextMend | None:
+        """The mend for the next D, from the client's last token events; None when the cut
+        is known to be clean or the client has no text to find."""
+        seen: list[tuple[str, int]] = []
+        for event in recent:
+            if isinstance(event, tuple):
+                seen.append(event)
+                continue
+            for choice in _event(event).get("choices") or []:
+                ids = choice.get("token_ids") or []
+                if ids:
+                    seen.append((choice.get("text") or "", len(ids)))
+        if not seen:
+            return None
+        last_text, last_tokens = seen[-1]
+        tail = "".join(text for text, _ in seen)
+        if (last_text and last_tokens == 1) or not tail:
+            return None
+        return cls(tail)
+
+    def text(self, first: str, transfer_id: str) -> str:
+        """The new D's first text as the client gets it."""
+        # The last place that leaves it some text: the new D sent text, so it completed a
+        # character. (Text repeating with a period shorter than the mended part could lose
+        # whole periods here; the tail of up to TEXT_MEND_EVENTS events makes that rare.)
+        at = first.rfind(self.tail, 0, len(first) - 1)
+        if at < 0:  # its own new text: the cut was clean after all
+            return first
+        mended = first[at + len(self.tail) :]
+        log.info(
+            "transfer %s: the cut split a character; the new decode's first text %d -> %d chars",
+            transfer_id,
+            len(first),
+            len(mended),
+        )
+        return mended
 
 
 class _Assembler:
