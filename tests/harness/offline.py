@@ -147,6 +147,17 @@ def worker_peek(worker: Any) -> dict[str, Any]:
     }
 
 
+def worker_wait_store(worker: Any, timeout: float) -> bool:
+    """Runs in each vLLM worker (``collective_rpc``): its KVS threads' first connects to the
+    store done or failed (True without KVS); False on timeout."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    if not kv_transfer_state.has_kv_transfer_group():
+        return True
+    kvs = getattr(kv_transfer_state.get_kv_transfer_group()._worker, "kvs", None)
+    return kvs is None or kvs.wait_first_connect(timeout)
+
+
 def _sum_counters(per_rank: list[dict[str, int]]) -> dict[str, int]:
     total: dict[str, int] = {}
     for counters in per_rank:
@@ -184,6 +195,21 @@ class _Child:
             self._record_kv_at_free()
 
     # ---- stats
+    def wait_store(self) -> None:
+        """A KVS engine is ready once its lookups connected to the store: that connection (and
+        its key subscription) is made on the lookup thread, after vLLM's start, and a test's
+        store baseline taken before it would count it as added by the test."""
+        if self.core is None:
+            return
+        side = getattr(self.core.scheduler.connector, "_scheduler", None)
+        kvs = getattr(side, "kvs", None)
+        if kvs is None:
+            return
+        if not kvs.wait_store(timeout=30):
+            raise RuntimeError("the KVS lookups did not connect to the store within 30 s")
+        if not all(self.llm.collective_rpc(worker_wait_store, args=(30,))):
+            raise RuntimeError("the KVS worker threads did not connect to the store within 30 s")
+
     def stats(self) -> dict[str, Any]:
         peeks = self.llm.collective_rpc(worker_peek)
         config = self.engine.vllm_config.cache_config
@@ -407,6 +433,7 @@ def _child_main(conn: Any, spec: EngineSpec) -> None:
     threads_before = sorted(t.name for t in threading.enumerate())
     try:
         child = _Child(conn, spec)
+        child.wait_store()
         conn.send(("reply", 0, True, {"threads_before": threads_before, **child.stats()}))
         child.run()
         conn.send(("reply", -1, True, child.shutdown()))

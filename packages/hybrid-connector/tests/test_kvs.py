@@ -1173,3 +1173,38 @@ def test_a_hybrid_cache_saves_and_loads_the_state_where_it_is_asked() -> None:
         assert np.array_equal(cache.buffer, before)
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("outcome", ["connected", "refused"])
+def test_the_first_connect_is_waited_for_until_it_is_done_or_failed(outcome: str) -> None:
+    """A readiness check: the lookup and the worker threads connect after start; their first
+    connect's end, made or refused, is what ``wait_first_connect`` waits for."""
+    store, cache, reports = FakeStore(), Cache(), Reports()
+    go = threading.Event()
+
+    def connect() -> FakeStore:
+        go.wait(30)
+        if outcome == "refused":
+            raise ConnectionRefusedError("no master")
+        return store
+
+    lookups = Lookups(connect, hold_s=1.0)
+    worker = KvsWorker(
+        KvsConfig(),
+        cache.geometry(),
+        tp_rank=0,
+        tp_size=1,
+        connect=connect,
+        report_load=reports,
+        report_save=reports.save,
+    )
+    try:
+        assert not lookups.wait_first_connect(0.05)
+        assert not worker.wait_first_connect(0.05)
+        go.set()
+        assert lookups.wait_first_connect(30)
+        assert worker.wait_first_connect(30)
+        assert (lookups._client is store) == (outcome == "connected")
+    finally:
+        lookups.close()
+        worker.close()

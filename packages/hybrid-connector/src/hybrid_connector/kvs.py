@@ -206,6 +206,7 @@ class Lookups:
         self._holding: collections.Counter[Any] = collections.Counter()  # lookup thread only
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)
+        self._first_connect = threading.Event()  # the lookup thread's first connect, done
         self._thread = threading.Thread(
             target=self._main, name=f"hybrid-connector-kvs-lookup{name}", daemon=True
         )
@@ -242,6 +243,12 @@ class Lookups:
             self._pending.discard(request_id)  # an answer still to come is given up on arrival
         if answer is not None:
             self.unhold(held_refs(answer))
+
+    def wait_first_connect(self, timeout: float) -> bool:
+        """Wait until the first connect to the store (and its key subscription) is done or
+        failed (a readiness check: the connection is made on the lookup thread after start);
+        False on timeout."""
+        return self._first_connect.wait(timeout)
 
     @property
     def holding(self) -> int:
@@ -329,7 +336,10 @@ class Lookups:
                 log.debug("KVS: closing a failed client", exc_info=True)
 
     def _main(self) -> None:
-        self.client()  # connect now: the first request must not pay for it
+        try:
+            self.client()  # connect now: the first request must not pay for it
+        finally:
+            self._first_connect.set()
         while (job := self._jobs.get()) is not None:
             request_id, items = job
             if request_id is None or request_id is _PIN:
@@ -820,6 +830,11 @@ class KvsScheduler:
             self._release_holds(tracked)  # not loaded, or a load vLLM gave up on
         if self._lookups is not None:
             self._lookups.forget(request.request_id)
+
+    def wait_store(self, timeout: float) -> bool:
+        """Wait until the lookups' first connect to the store is done or failed (True at once
+        without a lookup connection); False on timeout."""
+        return self._lookups is None or self._lookups.wait_first_connect(timeout)
 
     def gauges(self) -> dict[str, int]:
         """Saves holding vLLM blocks, requests tracked, objects the lookups hold in the store."""

@@ -49,6 +49,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -265,6 +266,8 @@ class KvsWorker:
         # it, the load thread makes it: a connect is a call, and a step makes none).
         self._clients: dict[str, Any] = {}
         self._renew = False  # the load thread is to make a new "step" client
+        # Each thread's first connect, done or failed (``wait_first_connect``).
+        self._first_connects = {"load": threading.Event(), "save": threading.Event()}
         # In-step loads of the current step (vLLM's thread only): the requests loaded, and the
         # blocks of those that failed (vLLM recomputes them).
         self._loaded_in_step: list[str] = []
@@ -284,6 +287,16 @@ class KvsWorker:
         ]  # fmt: skip
         for thread in self._threads:
             thread.start()
+
+    def wait_first_connect(self, timeout: float) -> bool:
+        """Wait until the load and save threads' first connects to the store are done or
+        failed (a readiness check: they connect on their threads after start); False on
+        timeout."""
+        deadline = time.monotonic() + timeout
+        return all(
+            event.wait(max(0.0, deadline - time.monotonic()))
+            for event in self._first_connects.values()
+        )
 
     # ------------------------------------------------------------------ vLLM's thread
     def handle(self, loads: Sequence[KvsLoad], saves: Sequence[KvsSave]) -> None:
@@ -379,6 +392,8 @@ class KvsWorker:
                 self._store("step")
         except Exception as exc:  # the store is down: the first job tries again
             log.warning("KVS: the store is not reachable yet (%s)", exc)
+        finally:
+            self._first_connects[role].set()
         while True:
             with self._cond:
                 gather = None
