@@ -102,6 +102,12 @@ class R3Recorder:
         self._plan_rows = -1
         self._plan_index: Any = None  # device: [layers, n, top_k], each id's flat index
         self._plan_at: tuple[np.ndarray, np.ndarray] | None = None  # CPU: (block, offset)
+        # CPU: each slot's block and offset in it, one more entry for the padding slot (-1,
+        # vLLM's PAD_SLOT_ID: the null block's first row); a pass's ids are gathered into
+        # ``_ids`` before the scatter (numpy calls between the pass's torch kernels run on cold
+        # caches: a table lookup and a copy into a kept buffer instead of divmod and stack).
+        self._slot_at: tuple[np.ndarray, np.ndarray] | None = None  # (blocks, offsets)
+        self._ids: np.ndarray | None = None  # [tokens, layers, top_k], grown as needed
         self._plan_n = 0
         # CPU: the running pass's (layer, topk_ids) not yet written (``flush``).
         self._pending: list[tuple[int, torch.Tensor]] = []
@@ -162,6 +168,9 @@ class R3Recorder:
         self._block_elems = block_stride // step
         if typed.device.type == "cpu" and self._numpy_on_cpu:
             self._blocks_np = self.blocks.numpy()
+            slot_index = np.arange(num_blocks * block_size + 1, dtype=np.int32)
+            slot_index[-1] = _PAD_ROW
+            self._slot_at = np.divmod(slot_index, block_size)
         else:
             offsets = np.arange(layers * top_k, dtype=np.int64).reshape(layers, 1, top_k)
             self._layer_offsets = torch.from_numpy(offsets).to(typed.device)
@@ -203,12 +212,18 @@ class R3Recorder:
         if not pending or self._blocks_np is None or self._plan_at is None:
             return
         n = self._plan_n
-        ids = np.stack([topk_ids.numpy()[:n] for _, topk_ids in pending], axis=1)  # [n, l, k]
         block, offset = self._plan_at
         layers = [layer for layer, _ in pending]
         if layers == list(range(self.rows.layers)):
+            if self._ids is None or self._ids.shape[0] < n:
+                shape = (max(n, 256), self.rows.layers, self.rows.top_k)
+                self._ids = np.empty(shape, self._blocks_np.dtype)
+            ids = self._ids[:n]
+            for layer, topk_ids in pending:
+                ids[:, layer] = topk_ids.numpy()[:n]
             self._blocks_np[block, offset] = ids
         else:
+            ids = np.stack([topk_ids.numpy()[:n] for _, topk_ids in pending], axis=1)
             self._blocks_np[block[:, None], offset[:, None], layers] = ids
 
     def _plan(self, slots: torch.Tensor, rows: int) -> None:
@@ -216,13 +231,11 @@ class R3Recorder:
         index on a device (a negative slot, padding: the null block's first row)."""
         assert self.blocks is not None
         n = min(int(slots.shape[0]), rows)
-        block_size = int(self.blocks.shape[1])
-        if self._blocks_np is not None:
-            # Few numpy calls (each runs on cold caches between the pass's torch kernels):
-            # a padding slot (negative) goes to slot 0, the first row of the null block.
-            block, offset = np.divmod(np.maximum(slots.numpy()[:n], 0), block_size)
-            self._plan_at = (block, offset)
+        if self._blocks_np is not None and self._slot_at is not None:
+            index = slots.numpy()[:n]  # -1, padding: the tables' last entry
+            self._plan_at = (self._slot_at[0][index], self._slot_at[1][index])
         else:
+            block_size = int(self.blocks.shape[1])
             s = slots[:n].to(torch.int64)
             row_elems = self.rows.layers * self.rows.top_k
             base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
