@@ -72,7 +72,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # MIGRATE_OUT: the instance answers after its next step; a stalled one is refused after this.
 MIGRATE_OUT_TIMEOUT_S = 60.0
 # The client's last token events kept to mend a later D's first text (``_TextMend``).
-TEXT_MEND_EVENTS = 64
+TEXT_MEND_EVENTS = 16
 _DONE = b"data: [DONE]"
 _NULL_FINISH = re.compile(rb'"finish_reason"\s*:\s*null')
 
