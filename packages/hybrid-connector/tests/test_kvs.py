@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -250,14 +251,21 @@ class Reports:
             return self.loads[request_id]
 
 
-def _worker(cache: Cache, store: FakeStore, reports: Reports, **config: Any) -> KvsWorker:
+def _worker(
+    cache: Cache,
+    store: FakeStore,
+    reports: Reports,
+    connect: Callable[[], FakeStore] | None = None,
+    **config: Any,
+) -> KvsWorker:
+    """A worker of ``store`` (or of whatever ``connect`` returns), verifying by checksum."""
     config.setdefault("verify", "checksum")
     return KvsWorker(
         KvsConfig(**config),
         cache.geometry(),
         tp_rank=0,
         tp_size=1,
-        connect=lambda: store,
+        connect=connect or (lambda: store),
         report_load=reports,
         report_save=reports.save,
     )
@@ -412,15 +420,7 @@ def test_in_step_loads_without_a_client_fail_until_the_load_thread_makes_one() -
             raise ConnectionError("no master")
         return store
 
-    worker = KvsWorker(
-        KvsConfig(),
-        cache.geometry(),
-        tp_rank=0,
-        tp_size=1,
-        connect=connect,
-        report_load=reports,
-        report_save=reports.save,
-    )
+    worker = _worker(cache, store, reports, connect, verify="header")
     try:
         assert worker.wait_idle(30)
         chains = _chains(1)
@@ -1189,15 +1189,7 @@ def test_the_first_connect_is_waited_for_until_it_is_done_or_failed(outcome: str
         return store
 
     lookups = Lookups(connect, hold_s=1.0)
-    worker = KvsWorker(
-        KvsConfig(),
-        cache.geometry(),
-        tp_rank=0,
-        tp_size=1,
-        connect=connect,
-        report_load=reports,
-        report_save=reports.save,
-    )
+    worker = _worker(cache, store, reports, connect, verify="header")
     try:
         assert not lookups.wait_first_connect(0.05)
         assert not worker.wait_first_connect(0.05)
