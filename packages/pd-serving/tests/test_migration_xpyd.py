@@ -159,6 +159,8 @@ async def test_a_stream_moves_between_real_decodes_token_for_token(
     got = [t for e in events for c in e.get("choices") or [] for t in c.get("token_ids") or []]
     assert len(reference.token_ids) == MAX_TOKENS
     assert got == reference.token_ids, "token for token, none lost, repeated or reordered"
+    text = "".join(c.get("text") or "" for e in events for c in e.get("choices") or [])
+    assert text == reference.text, "the unmoved text, a character the move cut included"
     assert MIGRATE_AFTER <= generated < MAX_TOKENS
     usages = [e["usage"] for e in events if e.get("usage")]
     assert usages[-1]["prompt_tokens"] == PROMPT_TOKENS
