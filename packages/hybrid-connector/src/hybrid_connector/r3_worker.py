@@ -231,7 +231,7 @@ class R3Recorder:
         index on a device (a negative slot, padding: the null block's first row)."""
         assert self.blocks is not None
         n = min(int(slots.shape[0]), rows)
-        if self._blocks_np is not None and self._slot_at is not None:
+        if self._slot_at is not None:  # set with the CPU path's numpy view
             index = slots.numpy()[:n]  # -1, padding: the tables' last entry
             self._plan_at = (self._slot_at[0][index], self._slot_at[1][index])
         else:
