@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import refstore
 import torch
-from hybrid_connector import r3
+from hybrid_connector import r3, r3_worker
 from hybrid_connector.config import HybridConfig, R3Config, parse_config
 from hybrid_connector.errors import ConfigError, PeerError
 from hybrid_connector.layout import KvGroup
@@ -232,6 +232,48 @@ def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor(
         recorder.copy_out([R3Copy("req", "r3/a", [2], 4)])
         assert recorder.wait_stored(1, timeout_s=10)
         assert store.objects[b"r3/a"].tobytes() == want.astype(np.uint8).tobytes()
+    finally:
+        recorder.close()
+
+
+def test_quiet_steps_keep_their_rows_until_a_step_that_moves_blocks() -> None:
+    """CPU: the passes of steps whose metadata moves no block are kept and written later, in
+    pass order (a slot written twice keeps its last row), before a step that moves blocks
+    reads or resets any, at that step's end, or once ``KEEP_PASSES`` passes are kept."""
+    store = _DictStore()
+    recorder, rows = _recorder(store)
+    routers = [_Router() for _ in range(rows.layers)]
+    slot_tensor = torch.zeros(2, dtype=torch.int64)
+    recorder.attach(_template(), 4, "l0", routers, {"l0": slot_tensor}.get)
+    blocks = recorder.blocks
+    assert blocks is not None
+    no_row = torch.full((rows.layers, 2), 0xFF, dtype=torch.uint8)
+
+    def step(meta: HybridConnectorMetadata, slots: list[int], ids: np.ndarray) -> None:
+        recorder.begin_step(meta)
+        slot_tensor.copy_(torch.tensor(slots))  # refilled in place, as vLLM does
+        _forward(routers, ids, range(rows.layers))
+        recorder.step_done()
+        assert recorder.report() == ()
+
+    def quiet() -> HybridConnectorMetadata:
+        return HybridConnectorMetadata(r3_step=1, r3_step_tokens=2)
+
+    try:
+        rng = np.random.default_rng(4)
+        first, second = (rng.integers(0, 8, (2, rows.layers, 2), dtype=np.int32) for _ in "ab")
+        step(quiet(), [4, 5], first)
+        step(quiet(), [5, 6], second)  # slot 5 again: the second pass's row wins
+        assert (blocks[1] == no_row).all()  # nothing written yet
+        step(HybridConnectorMetadata(r3_fresh_blocks=[3]), [8, 9], first)  # moves blocks
+        want = np.stack([first[0], second[0], second[1]]).astype(np.uint8)
+        assert blocks[1, :3].numpy().tobytes() == want.tobytes()
+        assert blocks[2, :2].numpy().tobytes() == first.astype(np.uint8).tobytes()  # at its end
+        for _ in range(r3_worker.KEEP_PASSES - 1):
+            step(quiet(), [16, 17], second)
+        assert (blocks[4] == no_row).all()
+        step(quiet(), [16, 17], first)  # the KEEP_PASSES-th kept pass: all written
+        assert blocks[4, :2].numpy().tobytes() == first.astype(np.uint8).tobytes()
     finally:
         recorder.close()
 

@@ -11,12 +11,19 @@ so ``r3.check_peer`` refuses it (D recomputes, and records its own rows).
 Each MoE router's capture hook (vLLM's ``BaseRouter.set_capture_fn``: called in every forward
 with the logical ``topk_ids``, before EPLB mapping) sends the ids to the step's token slots (the
 forward context's slot mapping of the attention group; the pass's first MoE layer plans their
-flat index). On a CPU the hook keeps the layer's ``topk_ids`` (fresh tensors each layer) and
-``flush`` writes the whole pass with one numpy scatter at its end (``step_done``, before the KVS
-saves and the sends read the blocks; also before anything else reads the buffer): between torch
-kernels each numpy call of a hook runs on cold caches, so one per pass instead of one per layer.
-On a GPU each hook writes at once, on the device, without a host sync (padding slots, negative,
-are sent to a row of vLLM's null block, which no request owns, instead of being filtered out).
+flat index). On a GPU each hook writes at once, on the device, without a host sync (padding
+slots, negative, are sent to a row of vLLM's null block, which no request owns, instead of being
+filtered out).
+
+On a CPU the hooks only keep: the pass's first MoE layer a copy of its slots (vLLM refills one
+slot tensor in place), every layer its ``topk_ids`` (fresh tensors each layer). ``flush`` writes
+the kept passes, in order, one numpy scatter each. Between torch kernels every numpy call runs
+on cold caches (about ten times its warm cost), so the writes wait for a step that needs the
+buffer current and then run back to back, warm: ``begin_step`` flushes before any step whose
+metadata moves, offers, loads, saves, copies out or resets blocks (``is_empty`` is false), and
+``step_done`` after that step's forward pass; a quiet run of decode steps flushes every
+``KEEP_PASSES`` passes. Nothing reads the buffer but through that metadata: a pull or a save of
+blocks starts from it, a record's copy too.
 
 ``begin_step`` (from the metadata, before the step's forward pass): ``copy_out`` gathers the
 finished requests' rows and hands them to the put thread, which stores them under the records'
@@ -60,6 +67,9 @@ _TORCH_DTYPES = {"uint8": torch.uint8, "uint16": torch.int16}  # uint16 ids < 0x
 
 
 PUT_BATCH = 64  # records in one put_keyed at most
+# CPU: the most forward passes (and their tokens, for long prefills) kept unwritten.
+KEEP_PASSES = 32
+KEEP_TOKENS = 1 << 14
 # Where a padding row's ids go: the first row of vLLM's null block (block 0), which no request
 # owns, so nothing ever reads it.
 _PAD_ROW = 0
@@ -101,7 +111,6 @@ class R3Recorder:
         self._plan_slots: torch.Tensor | None = None
         self._plan_rows = -1
         self._plan_index: Any = None  # device: [layers, n, top_k], each id's flat index
-        self._plan_at: tuple[np.ndarray, np.ndarray] | None = None  # CPU: (block, offset)
         # CPU: each slot's block and offset in it, one more entry for the padding slot (-1,
         # vLLM's PAD_SLOT_ID: the null block's first row); a pass's ids are gathered into
         # ``_ids`` before the scatter (numpy calls between the pass's torch kernels run on cold
@@ -109,8 +118,11 @@ class R3Recorder:
         self._slot_at: tuple[np.ndarray, np.ndarray] | None = None  # (blocks, offsets)
         self._ids: np.ndarray | None = None  # [tokens, layers, top_k], grown as needed
         self._plan_n = 0
-        # CPU: the running pass's (layer, topk_ids) not yet written (``flush``).
-        self._pending: list[tuple[int, torch.Tensor]] = []
+        # CPU: the passes not yet written (``flush``), each its slots (a copy) and its layers'
+        # (layer, topk_ids); the running pass's layers are the last one's list.
+        self._kept: list[tuple[list[int], list[tuple[int, torch.Tensor]]]] = []
+        self._kept_tokens = 0
+        self._flush_at_step_end = False
         # The step's capture check: its number, its tokens, the MoE layers that captured them.
         self._step = 0
         self._step_tokens = 0
@@ -168,7 +180,7 @@ class R3Recorder:
         self._block_elems = block_stride // step
         if typed.device.type == "cpu" and self._numpy_on_cpu:
             self._blocks_np = self.blocks.numpy()
-            slot_index = np.arange(num_blocks * block_size + 1, dtype=np.int32)
+            slot_index = np.arange(num_blocks * block_size + 1, dtype=np.intp)
             slot_index[-1] = _PAD_ROW
             self._slot_at = np.divmod(slot_index, block_size)
         else:
@@ -195,24 +207,60 @@ class R3Recorder:
         # A new pass starts at the first MoE layer; the slot tensor or the row count changing
         # within one (never seen) plans again rather than write to stale slots.
         if layer == 0 or slots is not self._plan_slots or rows != self._plan_rows:
-            self.flush()  # what an earlier pass (or plan) left
-            self._plan(slots, rows)
+            if self._blocks_np is not None:
+                self._keep_pass(slots, rows)
+            else:
+                self._plan(slots, rows)
         n = self._plan_n
         if self._blocks_np is not None:
-            self._pending.append((layer, topk_ids))
+            self._kept[-1][1].append((layer, topk_ids))
         else:
             self._flat.put_(self._plan_index[layer], topk_ids[:n].to(self._flat.dtype))
         if n >= self._step_tokens:
             self._step_layers |= 1 << layer
         self.counters["captures"] += 1
 
+    def _keep_pass(self, slots: torch.Tensor, rows: int) -> None:
+        """CPU: a new pass, its slots copied (vLLM refills the tensor for the next pass); as
+        a list: between torch kernels ``tolist`` costs half of what a numpy view does."""
+        n = min(int(slots.shape[0]), rows)
+        kept = slots.tolist()
+        del kept[n:]
+        self._kept.append((kept, []))
+        self._kept_tokens += n
+        self._plan_n = n
+        self._plan_slots = slots
+        self._plan_rows = rows
+
     def flush(self) -> None:
-        """CPU: write the ids the running pass's hooks kept, every layer in one scatter."""
-        pending, self._pending = self._pending, []
-        if not pending or self._blocks_np is None or self._plan_at is None:
+        """CPU: write the kept passes' ids, in pass order (a slot written twice keeps its
+        last row), one scatter per pass after one lookup of every pass's rows."""
+        kept, self._kept, self._kept_tokens = self._kept, [], 0
+        if not kept or self._slot_at is None or self._blocks_np is None:
             return
-        n = self._plan_n
-        block, offset = self._plan_at
+        self._plan_slots = None  # a later hook of the running pass starts a new entry
+        slots = np.array([slot for pass_slots, _ in kept for slot in pass_slots], np.intp)
+        blocks, offsets = self._slot_at[0][slots], self._slot_at[1][slots]
+        start = 0
+        for pass_slots, pending in kept:
+            end = start + len(pass_slots)
+            if pending:
+                self._write(blocks[start:end], offsets[start:end], pending)
+            start = end
+
+    def step_done(self) -> None:
+        """The end of a step's forward pass: flush if the step moves blocks, or enough is kept."""
+        full = len(self._kept) >= KEEP_PASSES or self._kept_tokens > KEEP_TOKENS
+        if self._flush_at_step_end or full:
+            self.flush()
+
+    def _write(
+        self, block: np.ndarray, offset: np.ndarray, pending: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        """One pass's ids into the rows at (block, offset), one per token (a padding slot, -1:
+        the tables' last entry, the null block's first row)."""
+        assert self._blocks_np is not None
+        n = len(block)
         layers = [layer for layer, _ in pending]
         if layers == list(range(self.rows.layers)):
             if self._ids is None or self._ids.shape[0] < n:
@@ -227,20 +275,16 @@ class R3Recorder:
             self._blocks_np[block[:, None], offset[:, None], layers] = ids
 
     def _plan(self, slots: torch.Tensor, rows: int) -> None:
-        """Where this pass's rows go: each token's (block, offset) on a CPU, each id's flat
-        index on a device (a negative slot, padding: the null block's first row)."""
+        """Device: each id's flat index of this pass (a negative slot, padding: the null
+        block's first row)."""
         assert self.blocks is not None
         n = min(int(slots.shape[0]), rows)
-        if self._slot_at is not None:  # set with the CPU path's numpy view
-            index = slots.numpy()[:n]  # -1, padding: the tables' last entry
-            self._plan_at = (self._slot_at[0][index], self._slot_at[1][index])
-        else:
-            block_size = int(self.blocks.shape[1])
-            s = slots[:n].to(torch.int64)
-            row_elems = self.rows.layers * self.rows.top_k
-            base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
-            base = torch.where(s < 0, _PAD_ROW, base)
-            self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
+        block_size = int(self.blocks.shape[1])
+        s = slots[:n].to(torch.int64)
+        row_elems = self.rows.layers * self.rows.top_k
+        base = (s // block_size) * self._block_elems + (s % block_size) * row_elems
+        base = torch.where(s < 0, _PAD_ROW, base)
+        self._plan_index = base.reshape(1, -1, 1) + self._layer_offsets
         self._plan_n = n
         self._plan_slots = slots
         self._plan_rows = rows
@@ -250,6 +294,11 @@ class R3Recorder:
         """Before the step's forward pass: copy the finished requests' rows out, reset the
         blocks newly given to requests (in that order: a freed block may be both), start the
         step's capture check."""
+        # A step that moves blocks reads or writes the buffer: the kept passes first, and this
+        # step's at its end (step_done).
+        self._flush_at_step_end = not meta.is_empty()
+        if self._flush_at_step_end:
+            self.flush()
         if meta.r3_copies:
             self.copy_out(meta.r3_copies)
         if meta.r3_fresh_blocks:
@@ -274,7 +323,6 @@ class R3Recorder:
     def report(self) -> tuple[int, ...]:
         """After the step's forward pass: the steps (this one, if so) whose pass left some MoE
         layer without the routing of all its tokens (empty: none)."""
-        self.flush()
         if self._step_tokens > 0 and self._step_layers != self._all_layers:
             self._missed.append(self._step)
             self.counters["missed_steps"] += 1
@@ -391,6 +439,7 @@ class R3Recorder:
         self.blocks = None
         self._flat = self._blocks_np = None
         self._plan_slots = self._plan_index = None
+        self._kept = []
         self._tensor = None
 
 

@@ -881,7 +881,7 @@ class WorkerSide:
         """End of the step's forward pass (wait_for_save): every layer is written, and the
         requests whose prompt it completed are finished (offered now: ``final_prefill_ended``)."""
         if self.r3 is not None:
-            self.r3.flush()  # the pass's routing rows, before the saves and sends read blocks
+            self.r3.step_done()  # routing rows written before the saves and sends read blocks
         if self.kvs is not None:
             self.kvs.step_done()
         events, self._step_events = self._step_events, None
