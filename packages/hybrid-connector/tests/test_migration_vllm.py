@@ -14,7 +14,6 @@ rest. A warm-up that never comes (D2 died) is released and D1 finishes as if nev
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import pytest
 from harness.checks import (
@@ -29,40 +28,14 @@ from harness.checks import (
     wait_for,
     wait_for_sends,
 )
+from harness.migration import decoded, precopy_offered, pull_of, release, stop
 from harness.offline import Gen, OfflineEngine, Req
-from hybrid_connector.contract import PullParams, encode_params
-from hybrid_connector.control import migrate_out, precopy, release_transfer
-from hybrid_connector.migration import MIGRATION_ID_PREFIX, MigrateOutResponse, PrecopyResponse
-from simple_rpc import LoopThread
+from hybrid_connector.migration import MIGRATION_ID_PREFIX
 
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 400  # long enough that the migration lands mid-decode on a loaded box
 DECODED_FIRST = 50  # D1's tokens before the migration: more than a block of them
-
-
-def _outputs(child: Any, request_id: str) -> int:
-    """In the child: how many tokens D1's request has (0 before vLLM admitted it)."""
-    for request in child.core.scheduler.requests.values():
-        if request.request_id.startswith(request_id):
-            return int(request.num_output_tokens)
-    return 0
-
-
-def _stop(engine: OfflineEngine, transfer_id: str, migration_id: str) -> MigrateOutResponse:
-    """MIGRATE_OUT until D1 stops the request: the first calls may come before D1 admitted it,
-    or while it still pulls (each answer comes from an engine step)."""
-    loop = LoopThread(name="test-proxy")
-    try:
-        for _ in range(2000):
-            answer = loop.run(
-                migrate_out(engine.rpc_address, transfer_id, migration_id), timeout=60
-            )
-            if answer.stopped or "finished" in answer.reason:
-                return answer
-        return answer
-    finally:
-        loop.close()
 
 
 def test_a_migrated_request_decodes_on_as_if_never_moved(engine_qwen2: OfflineEngine) -> None:
@@ -77,9 +50,9 @@ def test_a_migrated_request_decodes_on_as_if_never_moved(engine_qwen2: OfflineEn
     on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
     wait_for(
         "D1 to decode",
-        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+        lambda: engine.call(decoded, d1_request.request_id) >= DECODED_FIRST,
     )
-    answer = _stop(engine, tid, mid)
+    answer = stop(engine, tid, mid)
     _, d1 = on_d1.result()
     assert answer.stopped, answer.reason
     n = len(answer.output_token_ids)
@@ -89,14 +62,7 @@ def test_a_migrated_request_decodes_on_as_if_never_moved(engine_qwen2: OfflineEn
     length = len(prompt) + n
     assert answer.num_tokens == length - 1, "KV for all but D1's last token"
 
-    d2_params = encode_params(
-        PullParams(
-            transfer_id=mid,
-            remote_rpc_address=answer.remote_rpc_address,
-            remote_tp_size=answer.remote_tp_size,
-            remote_num_tokens=answer.num_tokens,
-        )
-    )
+    d2_params = pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)
     [d2] = engine.generate([prompt + d1.token_ids], MAX_TOKENS - n, [d2_params], salt=salt())
     assert d1.token_ids + d2.token_ids == expected.token_ids, "token for token"
     wait_for_sends(engine, before["counters"], 2)  # P -> D1, D1 -> D2
@@ -110,39 +76,7 @@ def test_a_migrated_request_decodes_on_as_if_never_moved(engine_qwen2: OfflineEn
     assert_idle(engine)
 
 
-def _precopy(engine: OfflineEngine, transfer_id: str, precopy_id: str) -> PrecopyResponse:
-    """PRECOPY until D1 offers (the first calls may come before D1 admitted the request)."""
-    loop = LoopThread(name="test-proxy")
-    try:
-        for _ in range(2000):
-            answer = loop.run(precopy(engine.rpc_address, transfer_id, precopy_id), timeout=60)
-            if answer.offered or "finished" in answer.reason:
-                return answer
-        return answer
-    finally:
-        loop.close()
-
-
-def _release(engine: OfflineEngine, transfer_id: str) -> None:
-    loop = LoopThread(name="test-proxy")
-    try:
-        loop.run(release_transfer(engine.rpc_address, transfer_id), timeout=60)
-    finally:
-        loop.close()
-
-
-def _pull_of(transfer_id: str, address: str, tp: int, num_tokens: int) -> dict[str, Any]:
-    return encode_params(
-        PullParams(
-            transfer_id=transfer_id,
-            remote_rpc_address=address,
-            remote_tp_size=tp,
-            remote_num_tokens=num_tokens,
-        )
-    )
-
-
-def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
+def test_a_precopied_migration_pulls_only_the_last_blocks_at_thestop(
     engine_qwen2: OfflineEngine,
 ) -> None:
     engine = engine_qwen2
@@ -156,9 +90,9 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
     wait_for(
         "D1 to decode",
-        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+        lambda: engine.call(decoded, d1_request.request_id) >= DECODED_FIRST,
     )
-    offered = _precopy(engine, tid, cid)
+    offered = precopy_offered(engine, tid, cid)
     assert offered.offered, offered.reason
     n_pre = len(offered.token_ids)
     assert n_pre % bs == 0
@@ -173,7 +107,7 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     [warm] = engine.generate(
         [offered.token_ids + offered.next_token_ids],
         1,
-        [_pull_of(cid, offered.remote_rpc_address, offered.remote_tp_size, n_pre)],
+        [pull_of(cid, offered.remote_rpc_address, offered.remote_tp_size, n_pre)],
         salt=d2_salt,
     )
     assert len(warm.token_ids) == 1
@@ -182,7 +116,7 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     assert delta(warmed["by_source"], before["by_source"], "external_kv_transfer") == n_pre
     assert delta(warmed["by_source"], before["by_source"], "local_compute") == 1
 
-    answer = _stop(engine, tid, mid)
+    answer = stop(engine, tid, mid)
     _, d1 = on_d1.result()
     assert answer.stopped, answer.reason
     n = len(answer.output_token_ids)
@@ -194,7 +128,7 @@ def test_a_precopied_migration_pulls_only_the_last_blocks_at_the_stop(
     [d2] = engine.generate(
         [tokens],
         MAX_TOKENS - n,
-        [_pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)],
+        [pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)],
         salt=d2_salt,
     )
     assert d1.token_ids + d2.token_ids == expected.token_ids, "token for token"
@@ -222,11 +156,11 @@ def test_a_precopy_nobody_pulls_is_released_and_d1_finishes_unchanged(
     on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
     wait_for(
         "D1 to decode",
-        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+        lambda: engine.call(decoded, d1_request.request_id) >= DECODED_FIRST,
     )
-    offered = _precopy(engine, tid, cid)
+    offered = precopy_offered(engine, tid, cid)
     assert offered.offered, offered.reason
-    _release(engine, cid)
+    release(engine, cid)
     _, d1 = on_d1.result()
     assert d1.token_ids == expected.token_ids, "D1 finished as if never asked"
     assert_idle(engine)
@@ -262,16 +196,16 @@ def test_a_migrated_request_of_each_family_decodes_on(family_engine: OfflineEngi
     on_d1 = engine.submit([d1_request])
     wait_for(
         "D1 to decode",
-        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+        lambda: engine.call(decoded, d1_request.request_id) >= DECODED_FIRST,
     )
-    answer = _stop(engine, tid, mid)
+    answer = stop(engine, tid, mid)
     [d1] = on_d1.result()
     assert answer.stopped, answer.reason
     n = len(answer.output_token_ids)
     assert d1.token_ids == answer.output_token_ids
     length = len(prompt) + n
     assert answer.num_tokens == length - 1, "KV (and the state) for all but D1's last token"
-    d2_params = _pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)
+    d2_params = pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)
     d2_request = Req(prompt + d1.token_ids, FAMILY_MAX_TOKENS - n, d2_params, salt())
     [d2] = engine.submit([d2_request]).result()
     migrated = Gen(d2.request_id, d1.token_ids + d2.token_ids, d1.logprobs + d2.logprobs, None)
@@ -302,9 +236,9 @@ def test_precopy_on_each_family_is_offered_or_refused_with_its_reason(
     on_d1 = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), d1_request])
     wait_for(
         "D1 to decode",
-        lambda: engine.call(_outputs, d1_request.request_id) >= DECODED_FIRST,
+        lambda: engine.call(decoded, d1_request.request_id) >= DECODED_FIRST,
     )
-    offered = _precopy(engine, tid, cid)
+    offered = precopy_offered(engine, tid, cid)
     if engine.ready_info["has_state"]:
         assert not offered.offered
         assert "state" in offered.reason, offered.reason
@@ -314,6 +248,6 @@ def test_precopy_on_each_family_is_offered_or_refused_with_its_reason(
     else:
         assert offered.offered, offered.reason
         assert len(offered.token_ids) % engine.block_size == 0
-        _release(engine, cid)
+        release(engine, cid)
     on_d1.result()
     assert_idle(engine)

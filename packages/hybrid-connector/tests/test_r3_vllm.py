@@ -10,16 +10,29 @@ with noise. The records of the same greedy requests are byte for byte the same e
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
 
 import numpy as np
 import pytest
-from harness.checks import MAX_TOKENS, assert_idle, delta, prefill, prompts, salt, wait_for
+from harness.checks import (
+    MAX_TOKENS,
+    assert_idle,
+    delta,
+    prefill,
+    prefill_params,
+    prompts,
+    pull_params,
+    salt,
+    wait_for,
+)
 from harness.kvs import reset_prefix_cache, scrub_free_blocks, start_failure
-from harness.offline import Gen, OfflineEngine
+from harness.migration import decoded, precopy_offered, pull_of, stop
+from harness.offline import Gen, OfflineEngine, Req
 from harness.pool import KVS_STORE, count_vllm_start, engine_spec
 from harness.ports import free_port
 from harness.r3 import fill_free_routing_rows, ledger_size, skip_captures
+from hybrid_connector.migration import MIGRATION_ID_PREFIX
 from hybrid_connector.r3 import R3RecordError, read_record
 
 pytestmark = pytest.mark.timeout(600)
@@ -118,6 +131,49 @@ def test_a_kvs_hit_loads_the_rows_with_the_kv(engine_r3: OfflineEngine, kvs_stor
     assert_idle(engine)
 
 
+MIGRATED_TOKENS = 300  # long enough that the moves land mid-decode on a loaded box
+DECODED_FIRST = 50  # D1's tokens before the pre-copy: more than a block of them
+
+
+def test_a_migrated_request_keeps_its_rows(engine_r3: OfflineEngine, kvs_store: Any) -> None:
+    """P -> D1 -> D2 with a pre-copy while D1 decodes on, then the stop (all three the one
+    kv_both engine, each its own prefix-cache salt): D2's record, from the first prompt token to
+    the last generated one, is that of the same request never moved. D1's quiet decode steps
+    keep their rows unwritten until a step moves blocks, so the pre-copy and the stop must
+    write them before anything pulls."""
+    engine = engine_r3
+    [prompt] = prompts(3106, (3 * BLOCK + 5,))
+    [unmoved] = engine.generate([prompt], MIGRATED_TOKENS, salt=salt())
+    [want] = _records([unmoved], kvs_store)
+    tid, cid = f"t-{uuid.uuid4().hex}", f"{MIGRATION_ID_PREFIX}pre-{uuid.uuid4().hex}"
+    mid = f"{MIGRATION_ID_PREFIX}{uuid.uuid4().hex}"
+    on_d1 = Req(prompt, MIGRATED_TOKENS, pull_params(engine.rpc_address, tid), salt())
+    running = engine.submit([Req(prompt, 1, prefill_params(tid), salt()), on_d1])
+    wait_for("D1 to decode", lambda: engine.call(decoded, on_d1.request_id) >= DECODED_FIRST)
+    offered = precopy_offered(engine, tid, cid)
+    assert offered.offered, offered.reason
+    d2_salt = salt()
+    n_pre = len(offered.token_ids)
+    address, tp = offered.remote_rpc_address, offered.remote_tp_size
+    warm_prompt = offered.token_ids + offered.next_token_ids
+    engine.generate([warm_prompt], 1, [pull_of(cid, address, tp, n_pre)], salt=d2_salt)
+    answer = stop(engine, tid, mid)
+    _, d1 = running.result()
+    assert answer.stopped, answer.reason
+    n = len(answer.output_token_ids)
+    [d2] = engine.generate(
+        [prompt + d1.token_ids],
+        MIGRATED_TOKENS - n,
+        [pull_of(mid, answer.remote_rpc_address, answer.remote_tp_size, answer.num_tokens)],
+        salt=d2_salt,
+    )
+    assert d1.token_ids + d2.token_ids == unmoved.token_ids
+    [got] = _records([d2], kvs_store)
+    assert got.shape == want.shape == (len(prompt) + MIGRATED_TOKENS - 1, LAYERS, TOP_K)
+    assert got.tobytes() == want.tobytes()
+    assert_idle(engine)
+
+
 def _stored(params: dict[str, Any], store: Any) -> np.ndarray:
     """The stored rows of a record, as they are (``read_record`` would refuse incomplete ones)."""
     key = params["r3"]["key"].encode()
@@ -142,11 +198,11 @@ def test_a_skipped_capture_is_flagged_never_filled_by_a_reused_blocks_rows(
     try:
         assert engine.call(skip_captures, [1]) == [1]
         assert engine.call(fill_free_routing_rows, 0) > 0
-        decoded = engine.generate(batch, MAX_TOKENS, salt=salt())
+        decodes = engine.generate(batch, MAX_TOKENS, salt=salt())
         prefilled = engine.generate(batch, 1, salt=salt())  # the miss is in their last pass
     finally:
         assert engine.call(skip_captures, []) == []
-    for outs, engine_knew in ((decoded, True), (prefilled, False)):
+    for outs, engine_knew in ((decodes, True), (prefilled, False)):
         for out in outs:
             params = out.kv_transfer_params
             assert params is not None
