@@ -237,9 +237,10 @@ def test_each_forward_pass_writes_at_its_own_slots_even_in_a_reused_slot_tensor(
 
 
 def test_quiet_steps_keep_their_rows_until_a_step_that_moves_blocks() -> None:
-    """CPU: the passes of steps whose metadata moves no block are kept and written later, in
-    pass order (a slot written twice keeps its last row), before a step that moves blocks
-    reads or resets any, at that step's end, or once ``KEEP_PASSES`` passes are kept."""
+    """CPU: the passes and resets of steps whose metadata moves no block are kept and written
+    later, in order (a slot written twice keeps its last row; a block reset after a pass wrote
+    to it loses that row), before a step that moves blocks reads or frees any, at that step's
+    end, or once ``KEEP_PASSES`` passes are kept."""
     store = _DictStore()
     recorder, rows = _recorder(store)
     routers = [_Router() for _ in range(rows.layers)]
@@ -247,7 +248,7 @@ def test_quiet_steps_keep_their_rows_until_a_step_that_moves_blocks() -> None:
     recorder.attach(_template(), 4, "l0", routers, {"l0": slot_tensor}.get)
     blocks = recorder.blocks
     assert blocks is not None
-    no_row = torch.full((rows.layers, 2), 0xFF, dtype=torch.uint8)
+    no_row = np.full((rows.layers, 2), 0xFF, dtype=np.uint8)
 
     def step(meta: HybridConnectorMetadata, slots: list[int], ids: np.ndarray) -> None:
         recorder.begin_step(meta)
@@ -256,24 +257,32 @@ def test_quiet_steps_keep_their_rows_until_a_step_that_moves_blocks() -> None:
         recorder.step_done()
         assert recorder.report() == ()
 
-    def quiet() -> HybridConnectorMetadata:
-        return HybridConnectorMetadata(r3_step=1, r3_step_tokens=2)
+    def rows_of(block: int, first: int, last: int) -> bytes:
+        return blocks[block, first:last].numpy().tobytes()
 
     try:
         rng = np.random.default_rng(4)
-        first, second = (rng.integers(0, 8, (2, rows.layers, 2), dtype=np.int32) for _ in "ab")
-        step(quiet(), [4, 5], first)
-        step(quiet(), [5, 6], second)  # slot 5 again: the second pass's row wins
-        assert (blocks[1] == no_row).all()  # nothing written yet
-        step(HybridConnectorMetadata(r3_fresh_blocks=[3]), [8, 9], first)  # moves blocks
-        want = np.stack([first[0], second[0], second[1]]).astype(np.uint8)
-        assert blocks[1, :3].numpy().tobytes() == want.tobytes()
-        assert blocks[2, :2].numpy().tobytes() == first.astype(np.uint8).tobytes()  # at its end
+        one, two, three, four = (
+            rng.integers(0, 8, (2, rows.layers, 2), dtype=np.int32) for _ in range(4)
+        )
+        step(HybridConnectorMetadata(), [4, 12], one)
+        step(HybridConnectorMetadata(), [12, 13], two)  # slot 12 again: this row wins
+        step(HybridConnectorMetadata(r3_fresh_blocks=[1]), [5, 8], three)  # block 1 reset
+        for block in (1, 2, 3):
+            assert rows_of(block, 0, 4) == np.stack([no_row] * 4).tobytes()  # not yet
+        step(HybridConnectorMetadata(cancel_recv=["gone"]), [9, 10], four)  # moves blocks
+        # block 1: one's row (slot 4) went before the reset, three's (slot 5) after it
+        want = np.stack([no_row, three[0], no_row, no_row]).astype(np.uint8)
+        assert rows_of(1, 0, 4) == want.tobytes()
+        assert rows_of(3, 0, 2) == two.astype(np.uint8).tobytes()
+        assert rows_of(2, 0, 1) == three[1].astype(np.uint8).tobytes()
+        assert rows_of(2, 1, 3) == four.astype(np.uint8).tobytes()  # at the step's end
         for _ in range(r3_worker.KEEP_PASSES - 1):
-            step(quiet(), [16, 17], second)
-        assert (blocks[4] == no_row).all()
-        step(quiet(), [16, 17], first)  # the KEEP_PASSES-th kept pass: all written
-        assert blocks[4, :2].numpy().tobytes() == first.astype(np.uint8).tobytes()
+            step(HybridConnectorMetadata(), [16, 17], two)
+        assert rows_of(4, 0, 2) == np.stack([no_row] * 2).tobytes()
+        step(HybridConnectorMetadata(), [16, 17], one)  # the KEEP_PASSES-th kept pass
+        assert rows_of(4, 0, 2) == one.astype(np.uint8).tobytes()
+        assert recorder.counters["resets"] == 1
     finally:
         recorder.close()
 

@@ -162,7 +162,12 @@ class HybridConnectorMetadata:
     scheduler_address: str = ""
 
     def is_empty(self) -> bool:
-        return not (
+        return not (self.moves_blocks() or self.r3_fresh_blocks)
+
+    def moves_blocks(self) -> bool:
+        """Work beside the forward pass and R3's resets that reads, writes or gives up
+        blocks (R3 writes its kept rows before it)."""
+        return bool(
             self.to_offer
             or self.to_recv
             or self.cancel_recv
@@ -172,7 +177,6 @@ class HybridConnectorMetadata:
             or self.kvs_loads
             or self.kvs_saves
             or self.r3_copies
-            or self.r3_fresh_blocks
         )
 
 

@@ -55,6 +55,19 @@ from hybrid_connector.metadata import HybridConnectorMetadata, R3Copy
 log = logging.getLogger(__name__)
 
 
+class _Pass(NamedTuple):
+    """CPU: a forward pass kept unwritten: its slots, its layers' (layer, topk_ids)."""
+
+    slots: list[int]
+    layers: list[tuple[int, torch.Tensor]]
+
+
+class _Reset(NamedTuple):
+    """CPU: blocks newly given to requests, to be "no row" again, kept in order."""
+
+    blocks: list[int]
+
+
 class _Records(NamedTuple):
     """One step's finished requests for the put thread: their rows, gathered in one copy, and
     per record its key, its request, its first row in ``rows`` and its number of rows."""
@@ -118,9 +131,10 @@ class R3Recorder:
         self._slot_at: tuple[np.ndarray, np.ndarray] | None = None  # (blocks, offsets)
         self._ids: np.ndarray | None = None  # [tokens, layers, top_k], grown as needed
         self._plan_n = 0
-        # CPU: the passes not yet written (``flush``), each its slots (a copy) and its layers'
-        # (layer, topk_ids); the running pass's layers are the last one's list.
-        self._kept: list[tuple[list[int], list[tuple[int, torch.Tensor]]]] = []
+        # CPU: what is not yet written (``flush``), in order: passes, each its slots (a copy)
+        # and its layers' (layer, topk_ids) (the running pass's layers: the last entry's list),
+        # and resets of blocks newly given to requests.
+        self._kept: list[_Pass | _Reset] = []
         self._kept_tokens = 0
         self._flush_at_step_end = False
         # The step's capture check: its number, its tokens, the MoE layers that captured them.
@@ -128,6 +142,8 @@ class R3Recorder:
         self._step_tokens = 0
         self._step_layers = 0  # bit l: layer l captured every token of the pass
         self._all_layers = (1 << rows.layers) - 1
+        # r3.no_row as the buffer's torch type holds it (uint16 ids live in an int16 buffer)
+        self._no_row = -1 if rows.dtype == "uint16" else 0xFF
         self._missed: list[int] = []
         self._puts: queue.SimpleQueue[_Records | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -213,7 +229,7 @@ class R3Recorder:
                 self._plan(slots, rows)
         n = self._plan_n
         if self._blocks_np is not None:
-            self._kept[-1][1].append((layer, topk_ids))
+            self._kept[-1].layers.append((layer, topk_ids))
         else:
             self._flat.put_(self._plan_index[layer], topk_ids[:n].to(self._flat.dtype))
         if n >= self._step_tokens:
@@ -226,26 +242,31 @@ class R3Recorder:
         n = min(int(slots.shape[0]), rows)
         kept = slots.tolist()
         del kept[n:]
-        self._kept.append((kept, []))
+        self._kept.append(_Pass(kept, []))
         self._kept_tokens += n
         self._plan_n = n
         self._plan_slots = slots
         self._plan_rows = rows
 
     def flush(self) -> None:
-        """CPU: write the kept passes' ids, in pass order (a slot written twice keeps its
-        last row), one scatter per pass after one lookup of every pass's rows."""
+        """CPU: write what is kept, in order (a slot written twice keeps its last row; a
+        block reset after a pass's rows went to it loses them), one lookup of every pass's
+        rows, then one scatter per pass and one fill per reset."""
         kept, self._kept, self._kept_tokens = self._kept, [], 0
         if not kept or self._slot_at is None or self._blocks_np is None:
             return
         self._plan_slots = None  # a later hook of the running pass starts a new entry
-        slots = np.array([slot for pass_slots, _ in kept for slot in pass_slots], np.intp)
+        passes = [entry.slots for entry in kept if isinstance(entry, _Pass)]
+        slots = np.array([slot for pass_slots in passes for slot in pass_slots], np.intp)
         blocks, offsets = self._slot_at[0][slots], self._slot_at[1][slots]
         start = 0
-        for pass_slots, pending in kept:
-            end = start + len(pass_slots)
-            if pending:
-                self._write(blocks[start:end], offsets[start:end], pending)
+        for entry in kept:
+            if isinstance(entry, _Reset):
+                self._blocks_np[np.asarray(entry.blocks, dtype=np.intp)] = self._no_row
+                continue
+            end = start + len(entry.slots)
+            if entry.layers:
+                self._write(blocks[start:end], offsets[start:end], entry.layers)
             start = end
 
     def step_done(self) -> None:
@@ -294,9 +315,9 @@ class R3Recorder:
         """Before the step's forward pass: copy the finished requests' rows out, reset the
         blocks newly given to requests (in that order: a freed block may be both), start the
         step's capture check."""
-        # A step that moves blocks reads or writes the buffer: the kept passes first, and this
-        # step's at its end (step_done).
-        self._flush_at_step_end = not meta.is_empty()
+        # A step that moves blocks reads or writes the buffer: what is kept first, and this
+        # step's pass at its end (step_done). A reset alone is kept, in order.
+        self._flush_at_step_end = meta.moves_blocks()
         if self._flush_at_step_end:
             self.flush()
         if meta.r3_copies:
@@ -306,19 +327,16 @@ class R3Recorder:
         self._step, self._step_tokens, self._step_layers = meta.r3_step, meta.r3_step_tokens, 0
 
     def reset(self, block_ids: Sequence[int]) -> None:
-        """Every row of these blocks to "no row"."""
-        self.flush()
+        """Every row of these blocks to "no row" (CPU: kept, after what is kept already)."""
         blocks = self.blocks
         if blocks is None:
             return
         self.counters["resets"] += len(block_ids)
-        # r3.no_row as the buffer's torch type holds it (uint16 ids live in an int16 buffer)
-        value = -1 if self.rows.dtype == "uint16" else 0xFF
         if self._blocks_np is not None:
-            self._blocks_np[np.asarray(block_ids, dtype=np.int64)] = value
+            self._kept.append(_Reset(list(block_ids)))
         else:
             index = torch.as_tensor(block_ids, dtype=torch.int64, device=blocks.device)
-            blocks.index_fill_(0, index, value)
+            blocks.index_fill_(0, index, self._no_row)
 
     def report(self) -> tuple[int, ...]:
         """After the step's forward pass: the steps (this one, if so) whose pass left some MoE
