@@ -16,13 +16,14 @@ slots, negative, are sent to a row of vLLM's null block, which no request owns, 
 filtered out).
 
 On a CPU the hooks only keep: the pass's first MoE layer a copy of its slots (vLLM refills one
-slot tensor in place), every layer its ``topk_ids`` (fresh tensors each layer). ``flush`` writes
-the kept passes, in order, one numpy scatter each. Between torch kernels every numpy call runs
-on cold caches (about ten times its warm cost), so the writes wait for a step that needs the
-buffer current and then run back to back, warm: ``begin_step`` flushes before any step whose
-metadata moves, offers, loads, saves, copies out or resets blocks (``is_empty`` is false), and
-``step_done`` after that step's forward pass; a quiet run of decode steps flushes every
-``KEEP_PASSES`` passes. Nothing reads the buffer but through that metadata: a pull or a save of
+slot tensor in place), every layer its ``topk_ids`` (fresh tensors each layer); the resets of
+fresh blocks are kept with them, in order. ``flush`` writes what is kept, in order, one numpy
+scatter per pass. Between torch kernels every numpy call runs on cold caches (about ten times
+its warm cost), so the writes wait for a step that needs the buffer current and then run back
+to back, warm: ``begin_step`` flushes before any step whose metadata moves, offers, loads,
+saves, copies out or frees blocks (``moves_blocks``), and ``step_done`` after that step's
+forward pass; a quiet run of decode steps flushes every ``KEEP_PASSES`` passes. Nothing reads
+the buffer, or hands a block to another writer, but through that metadata: a pull or a save of
 blocks starts from it, a record's copy too.
 
 ``begin_step`` (from the metadata, before the step's forward pass): ``copy_out`` gathers the
