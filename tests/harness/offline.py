@@ -207,6 +207,9 @@ class _Child:
             return
         if not kvs.wait_store(timeout=30):
             raise RuntimeError("the KVS lookups did not connect to the store within 30 s")
+        if not kvs.lookups_subscribed():
+            # A later lookup would subscribe, which a test's store baseline would count.
+            raise RuntimeError("the KVS lookups have no key subscription to the store")
         if not all(self.llm.collective_rpc(worker_wait_store, args=(30,))):
             raise RuntimeError("the KVS worker threads did not connect to the store within 30 s")
 

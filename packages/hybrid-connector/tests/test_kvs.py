@@ -1175,6 +1175,34 @@ def test_a_hybrid_cache_saves_and_loads_the_state_where_it_is_asked() -> None:
         worker.close()
 
 
+class _SlowSubscriptions(FakeStore):
+    """A store whose key subscription times out at the client's (lookup) timeout, as a master
+    busy with instances starting beside this one would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def subscribe_keys(self, timeout: float | None = None) -> Any:
+        self.timeouts.append(timeout)
+        if timeout is None:
+            raise TimeoutError("subscribe: no answer within the client's timeout")
+        return SimpleNamespace(alive=True, close=lambda: None, take=list)
+
+
+def test_the_first_key_subscription_is_patient_so_no_lookup_has_to_make_it() -> None:
+    """A subscription missed at start would be made at the first lookup, a connection the
+    store gains in the middle of serving; the start-up's second try waits longer."""
+    store = _SlowSubscriptions()
+    lookups = Lookups(lambda: store, hold_s=1.0)
+    try:
+        assert lookups.wait_first_connect(30)
+        assert lookups.subscribed
+        assert store.timeouts == [None, kvs.FIRST_SUBSCRIBE_TIMEOUT_S]
+    finally:
+        lookups.close()
+
+
 @pytest.mark.parametrize("outcome", ["connected", "refused"])
 def test_the_first_connect_is_waited_for_until_it_is_done_or_failed(outcome: str) -> None:
     """A readiness check: the lookup and the worker threads connect after start; their first

@@ -172,6 +172,10 @@ def walk(lookup: Callable[[list[bytes]], list[Any]], plan: LookupPlan) -> Lookup
     return LookupAnswer(found, blocks=0, stray=stray)
 
 
+# The lookup thread's first key subscription, at start-up (later ones: the client's timeout).
+FIRST_SUBSCRIBE_TIMEOUT_S = 15.0
+
+
 class Lookups:
     """The scheduler half's one connection to the store, on its own thread: lookups go in,
     answers come back into a dict the scheduler thread reads (no waiting on either side).
@@ -277,13 +281,19 @@ class Lookups:
         self._subscribe()
         return self._client
 
-    def _subscribe(self) -> None:
+    @property
+    def subscribed(self) -> bool:
+        """Whether the store's key events reach the lookups now (any thread may read it)."""
+        sub = self._subscription
+        return sub is not None and sub.alive
+
+    def _subscribe(self, timeout: float | None = None) -> None:
         """Lookup thread: follow the store's key events (again, if the last feed ended)."""
         sub = self._subscription
         if sub is not None and sub.alive:
             return
         try:
-            new = self._client.subscribe_keys()
+            new = self._client.subscribe_keys(timeout)
         except Exception as exc:  # no events then: the store still serves lookups
             log.debug("KVS: no key events from the store (%s)", exc)
             return
@@ -337,7 +347,11 @@ class Lookups:
 
     def _main(self) -> None:
         try:
-            self.client()  # connect now: the first request must not pay for it
+            # Connect now: the first request must not pay for it. The first subscription may
+            # take longer than a lookup (a store busy with instances starting beside this one):
+            # one missed here would be made at the first lookup.
+            if self.client() is not None:
+                self._subscribe(FIRST_SUBSCRIBE_TIMEOUT_S)
         finally:
             self._first_connect.set()
         while (job := self._jobs.get()) is not None:
@@ -835,6 +849,10 @@ class KvsScheduler:
         """Wait until the lookups' first connect to the store is done or failed (True at once
         without a lookup connection); False on timeout."""
         return self._lookups is None or self._lookups.wait_first_connect(timeout)
+
+    def lookups_subscribed(self) -> bool:
+        """Whether the store's key events reach the lookups (True without lookups)."""
+        return self._lookups is None or self._lookups.subscribed
 
     def gauges(self) -> dict[str, int]:
         """Saves holding vLLM blocks, requests tracked, objects the lookups hold in the store."""

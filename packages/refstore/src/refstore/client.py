@@ -185,13 +185,16 @@ class Client(PutGet):
         for pool, oids in self._by_pool(refs, skip_dead=True).items():
             self._link.call(protocol.UNHOLD, protocol.OidList(pool, oids))
 
-    def subscribe_keys(self) -> KeySubscription:
+    def subscribe_keys(self, timeout: float | None = None) -> KeySubscription:
         """Key events of the master (``KeysStored``, ``KeysRemoved``, ``KeysLost``), on a
-        connection of their own; ``take()`` them; ``close()`` also comes with this client's."""
+        connection of their own; ``take()`` them; ``close()`` also comes with this client's.
+        ``timeout``: for its connect and subscribe (default: the client's)."""
         if self._closing:
             raise CallerError("refstore client is closed")
         sub = KeySubscription(
-            self.address, timeout=self.timeout, on_close=self._subscriptions.discard
+            self.address,
+            timeout=self.timeout if timeout is None else timeout,
+            on_close=self._subscriptions.discard,
         )
         with self._book:
             self._subscriptions.add(sub)
