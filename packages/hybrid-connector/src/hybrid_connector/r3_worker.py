@@ -126,9 +126,9 @@ class R3Recorder:
         self._plan_rows = -1
         self._plan_index: Any = None  # device: [layers, n, top_k], each id's flat index
         # CPU: each slot's block and offset in it, one more entry for the padding slot (-1,
-        # vLLM's PAD_SLOT_ID: the null block's first row); a pass's ids are gathered into
-        # ``_ids`` before the scatter (numpy calls between the pass's torch kernels run on cold
-        # caches: a table lookup and a copy into a kept buffer instead of divmod and stack).
+        # vLLM's PAD_SLOT_ID: the null block's first row); a kept pass's ids are copied into
+        # ``_ids`` before its scatter (a table lookup and a copy into a kept buffer instead of
+        # divmod and stack).
         self._slot_at: tuple[np.ndarray, np.ndarray] | None = None  # (blocks, offsets)
         self._ids: np.ndarray | None = None  # [tokens, layers, top_k], grown as needed
         self._plan_n = 0
@@ -215,25 +215,25 @@ class R3Recorder:
 
     # ------------------------------------------------------------------ the forward pass
     def _capture(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """A router's hook: this layer's ids of the step's tokens into their slots (one
-        assignment per layer; the slots' flat index is planned once per pass)."""
+        """A router's hook: this layer's ids of the step's tokens for their slots (CPU: kept
+        for ``flush``; device: written at once, the slots' flat index planned once per pass)."""
         slots = self._slots(self._slot_layer)
         if self._flat is None or slots is None or topk_ids.dim() != 2:
             return  # outside a forward pass with KV (a dummy run)
         rows = int(topk_ids.shape[0])
         # A new pass starts at the first MoE layer; the slot tensor or the row count changing
-        # within one (never seen) plans again rather than write to stale slots.
-        if layer == 0 or slots is not self._plan_slots or rows != self._plan_rows:
-            if self._blocks_np is not None:
-                self._keep_pass(slots, rows)
-            else:
-                self._plan(slots, rows)
-        n = self._plan_n
+        # within one (never seen) starts one again rather than write to stale slots.
+        new_pass = layer == 0 or slots is not self._plan_slots or rows != self._plan_rows
         if self._blocks_np is not None:
+            if new_pass:
+                self._keep_pass(slots, rows)
             self._kept[-1].layers.append((layer, topk_ids))
         else:
-            self._flat.put_(self._plan_index[layer], topk_ids[:n].to(self._flat.dtype))
-        if n >= self._step_tokens:
+            if new_pass:
+                self._plan(slots, rows)
+            ids = topk_ids[: self._plan_n].to(self._flat.dtype)
+            self._flat.put_(self._plan_index[layer], ids)
+        if self._plan_n >= self._step_tokens:
             self._step_layers |= 1 << layer
         self.counters["captures"] += 1
 
