@@ -39,6 +39,7 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 # The smoke run's stand-in upstreams are the tests' (stand_ins.py there).
 TESTS = Path(__file__).resolve().parents[1] / "tests"
+SMOKE_DEADLINE_S = 300
 SYSTEMS = ("precopy", "recompute", "none")
 # How each system moves a request: (pull the KV, pre-copy first); "none" is not moved (D1's
 # time per output token without a migration, at the same token positions).
@@ -733,20 +734,28 @@ async def _smoke(args: argparse.Namespace) -> int:
     )
 
     p = fake_prefill()
-    # 4 ms a token: a move has the ~0.2 s of the last 48 tokens to finish even on a loaded box
-    # (at 1 ms a pre-copy was seen arriving after the stream had ended).
-    decodes = [FakeDecode(f"D{i}", token_delay_s=0.004, precopy_block=4) for i in range(2)]
+
+    # A stream to be moved holds its second-to-last token until D1 is asked to stop it: on a
+    # loaded box the ask can come after the last token (a move that moved nothing) otherwise.
+    def to_move(body: dict) -> bool:
+        return not body.get("cache_salt", "").startswith("none-")
+
+    decodes = [
+        FakeDecode(f"D{i}", token_delay_s=0.004, precopy_block=4, hold_for_migration=to_move)
+        for i in range(2)
+    ]
     await p.start()
     for d in decodes:
         await d.start()
     try:
-        result = await measure(
-            Backend(p.url, rpc_address=PREFILL_RPC),
-            decodes,
-            MODEL,
-            lambda n, seed: [3 + (seed + i) % 400 for i in range(n)],
-            args,
-        )
+        async with asyncio.timeout(SMOKE_DEADLINE_S):  # a hung move fails, it does not hang CI
+            result = await measure(
+                Backend(p.url, rpc_address=PREFILL_RPC),
+                decodes,
+                MODEL,
+                lambda n, seed: [3 + (seed + i) % 400 for i in range(n)],
+                args,
+            )
     finally:
         await p.close()
         for d in decodes:

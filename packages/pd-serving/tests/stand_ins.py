@@ -303,6 +303,9 @@ class FakeDecode:
     hang: bool = False  # never answer generation requests
     # A request not migrated in stops after this many tokens until ``proceed`` (or MIGRATE_OUT).
     pause_after: int | None = None
+    # A first D's stream whose request body this is true of holds its second-to-last token
+    # until MIGRATE_OUT stops it: a move asked mid-stream never races the stream's end.
+    hold_for_migration: Callable[[dict[str, Any]], bool] | None = None
     token_delay_s: float = 0.0
     fail_new: bool = False
     die_on: str = ""
@@ -412,6 +415,9 @@ class FakeDecode:
             first_d = isinstance(params, PullParams) and not params.transfer_id.startswith("mig-")
             if i == self.pause_after and first_d:
                 stream.paused.set()
+                await stream.proceed.wait()
+            held = self.hold_for_migration is not None and self.hold_for_migration(body)
+            if i == body["max_tokens"] - 2 and first_d and held:
                 await stream.proceed.wait()
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)
