@@ -92,6 +92,37 @@ def test_ready_then_stop_kills_the_whole_group(tmp_path: Path) -> None:
     assert set(threading.enumerate()) <= threads_before
 
 
+def test_ready_waits_for_the_warm_up_and_a_failed_one_is_said(tmp_path: Path, caplog) -> None:
+    called, release = threading.Event(), threading.Event()
+
+    def warm_up() -> None:
+        called.set()
+        assert release.wait(30)
+
+    proc = _server(tmp_path)
+    proc.warm_up = warm_up
+    proc.start()
+    try:
+        assert called.wait(30)  # after /health answered
+        assert not proc.ready.done()
+        release.set()
+        proc.ready.result(timeout=30)
+    finally:
+        proc.stop()
+
+    def failing() -> None:
+        raise OSError("connection refused")
+
+    cold = _server(tmp_path, name="cold")
+    cold.warm_up = failing
+    cold.start()
+    try:
+        cold.ready.result(timeout=30)  # it answers /health: ready, cold
+    finally:
+        cold.stop()
+    assert "cold: warm-up failed, its first request pays for it: connection refused" in caplog.text
+
+
 def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().split()[2]
 

@@ -459,6 +459,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     _place(servers, args)
     idle_names = _place_when_idle(servers, args.prefill_when_idle)
+    for server in servers:
+        server.warm_up = args.warm_up
     print(
         f"pdserve: starting {args.prefill} prefill + {args.decode} decode vLLM instance(s) "
         f"({connector.value}, {dispatch.value} dispatch); logs in {log_dir}",
@@ -887,6 +889,13 @@ def build_parser() -> argparse.ArgumentParser:
         "finish) for at most S seconds before stopping them; a SIGTERM to one P or D drains only "
         "it (its streams migrate to the others) and the rest go on serving; 0 = stop at once; "
         "default 30",
+    )
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each instance answers one request with logprobs before it counts as ready (vLLM "
+        "compiles its logprobs kernel on the first one: seconds on a CPU); default on",
     )
     p.set_defaults(func=cmd_up)
 

@@ -103,8 +103,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 class ManagedProcess:
     """One child process: started in its own process group, readiness as a future, stopped for sure.
 
-    ``ready`` resolves when ``ready_marker`` appeared in the child's output and ``health_url`` (if
-    given) answered 200; it fails with :class:`ChildFailed` if the child exits first. ``cpus``
+    ``ready`` resolves when ``ready_marker`` appeared in the child's output, ``health_url`` (if
+    given) answered 200 and ``warm_up`` (if given) returned; it fails with :class:`ChildFailed` if
+    the child exits first. ``warm_up`` runs on the readiness thread: a failure is logged, the
+    child is still ready (it answers ``/health``; its first request pays what the warm-up
+    would have). ``cpus``
     confines the child and everything it forks to those CPUs (``None``: wherever the parent may
     run); ``nice`` lowers their CPU priority by that much (``os.nice``: 0 keeps the parent's).
     """
@@ -121,6 +124,7 @@ class ManagedProcess:
         cwd: Path | None = None,
         cpus: Iterable[int] | None = None,
         nice: int = 0,
+        warm_up: Callable[[], None] | None = None,
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -131,6 +135,7 @@ class ManagedProcess:
         self.cwd = cwd
         self.cpus = None if cpus is None else frozenset(cpus)
         self.nice = nice
+        self.warm_up = warm_up
         self.ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.exited: concurrent.futures.Future[int] = concurrent.futures.Future()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -195,6 +200,14 @@ class ManagedProcess:
                 # The marker is printed as the socket starts accepting; only a short race is left.
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
+        if self.warm_up is not None and not self.exited.done():
+            started = time.monotonic()
+            try:
+                self.warm_up()
+            except Exception as exc:  # the child serves anyway; say why it is cold
+                log.warning("%s: warm-up failed, its first request pays for it: %s", self.name, exc)
+            else:
+                log.info("%s warmed up in %.1f s", self.name, time.monotonic() - started)
         with contextlib.suppress(concurrent.futures.InvalidStateError):
             self.ready.set_result(None)
             log.info("%s ready (pid %s)", self.name, self.pid)

@@ -6,6 +6,7 @@ import enum
 import json
 import logging
 import os
+import urllib.request
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ class Role(enum.StrEnum):
 
 # vLLM's CPU backend allocates KV in blocks of 128 tokens by default.
 CPU_BLOCK_SIZE = 128
+# The warm-up request (``VllmServer.warm_up_request``): a few tokens, under one KV block.
+WARM_UP_PROMPT = "warm up"
+WARM_UP_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -127,6 +131,11 @@ class VllmServer:
     # (the proxy's /admin/drain URL, grace seconds): run under ``pd_serving.supervise``, so a
     # SIGTERM to it drains it through the proxy before vLLM stops. None: vLLM itself.
     drain_via: tuple[str, float] | None = None
+    # One request before it counts as ready (``warm_up_request``): vLLM compiles kernels on the
+    # first request that needs them (seconds on a CPU), which would land on a user's request,
+    # a live migration's or a drain's. Not where R3 is on: an R3 instance stores a record of
+    # every request, and the warm-up's would be an object in the store that nobody reads.
+    warm_up: bool = True
     process: ManagedProcess | None = None
 
     @property
@@ -275,8 +284,36 @@ class VllmServer:
             health_url=f"{self.url}/health",
             cpus=self.cpus,
             nice=self.cpu.nice,
+            warm_up=self.warm_up_request if self.warm_up and not self.records_r3 else None,
         )
         return self.process
+
+    @property
+    def records_r3(self) -> bool:
+        return "r3" in self.extra_connector_config
+
+    def warm_up_request(self, timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+        """One plain completion with logprobs, answered before the server counts as ready.
+
+        vLLM on a CPU compiles its logprobs kernel (``torch.compile``, inductor) on the first
+        request that asks for logprobs: 2.3-2.9 s measured on two cores, where a warm request
+        takes 0.04 s; a drain or migration whose streams ask for logprobs paid it on a D that
+        had served none. The prompt is shorter than a KV block, so nothing stays in the prefix
+        cache; no ``kv_transfer_params``: a plain request, P or D."""
+        body = {
+            "model": self.served_model_name or str(self.model),
+            "prompt": WARM_UP_PROMPT,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "logprobs": 1,
+        }
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
+            resp.read()
 
 
 def plan_servers(
