@@ -24,6 +24,7 @@ from kvt.lifecycle import (
     LastBatchWritten,
     Lifecycle,
     LinkLost,
+    Log,
     PeerAbort,
     PeerDone,
     Phase,
@@ -312,3 +313,17 @@ def test_a_sender_without_a_peer_decides_its_abort_at_once() -> None:
     (complete,) = [a for a in actions if isinstance(a, Complete)]
     assert complete.completion.status is TransferStatus.ABORTED
     assert complete.completion.origin is AbortOrigin.LOCAL
+
+
+def test_a_passed_deadline_says_where_the_request_stood() -> None:
+    """The first line a stall leaves: side, peer, phase, bytes moved, frames in flight."""
+    recv = Lifecycle(RequestKey(Side.RECV, "r"), peer="P")
+    recv.link = FIRST_LINK
+    assert recv.begin_io()
+    recv.handle(FrameEnded(1024))
+    line, *_ = [
+        a for a in recv.handle(DeadlinePassed("no completion within 60s")) if isinstance(a, Log)
+    ]
+    text = line.message % line.args
+    assert text.startswith("request 'r' (recv, peer P): no completion within 60s in phase ")
+    assert "1024 payload bytes moved, inside 0 frames, link on ?" in text

@@ -410,6 +410,27 @@ class Lifecycle:
         if self.phase is Phase.COMPLETE:
             return
         link = self.link
+        # Where it stood: what tells a stalled link from a peer that never started.
+        out.append(
+            Log(
+                logging.WARNING,
+                "request %r (%s, peer %s): %s in phase %s: %d payload bytes moved, inside %d "
+                "frames, %s; last batch submitted %s, begun %s, left %s",
+                (
+                    self.key.request_id,
+                    self.key.side.name.lower(),
+                    self.peer,
+                    reason,
+                    self.phase.name,
+                    self.nbytes,
+                    self.io_active,
+                    "no link" if link is None else f"link on {getattr(link, 'path', '?')}",
+                    self.last_submitted,
+                    self.last_begun,
+                    self.last_left,
+                ),
+            )
+        )
         # The backend is inside a frame of this request past its deadline: the link is stalled
         # or far too slow. Closing it wakes the I/O thread, which then lets go of the memory.
         stuck = self.io_active > 0 and link is not None
