@@ -8,7 +8,8 @@ Readiness is event driven: a reader thread copies the child's output into its lo
 for the line the server prints once it accepts connections (uvicorn's "Application startup
 complete."); a waiter thread blocks in ``wait()`` so a child that dies before it is ready fails the
 readiness future at once, with the tail of its log. Only after the marker is seen is ``/health``
-asked (a few tries with backoff, for servers that print the marker a moment before they answer).
+asked (a few tries with backoff, for servers that print the marker a moment before they answer),
+then the caller's warm-up, if any (a ``VllmServer``'s: one completion with logprobs).
 """
 
 from __future__ import annotations
