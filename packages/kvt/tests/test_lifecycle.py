@@ -326,4 +326,14 @@ def test_a_passed_deadline_says_where_the_request_stood() -> None:
     ]
     text = line.message % line.args
     assert text.startswith("request 'r' (recv, peer P): no completion within 60s in phase ")
-    assert "1024 payload bytes moved, inside 0 frames, link on ?" in text
+    assert "1024 payload bytes moved, inside 0 frames, link on ?, handshake ?" in text
+    # The sender, told that the receiver timed out, says where it stood too.
+    send = Lifecycle(RequestKey(Side.SEND, "s"), peer="D")
+    line, *_ = [
+        a
+        for a in send.handle(PeerAbort(AbortCode.TIMEOUT, "no completion within 60s", "D"))
+        if isinstance(a, Log)
+    ]
+    text = line.message % line.args
+    assert text.startswith("request 's' (send, peer D): the receiver timed out (no completion")
+    assert "0 payload bytes moved, inside 0 frames, no link" in text

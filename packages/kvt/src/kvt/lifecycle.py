@@ -406,31 +406,40 @@ class Lifecycle:
             )
         )
 
+    def _where_it_stood(self, reason: str) -> Log:
+        """A timed-out request's state: what tells a link that never came up (or never got a
+        handshake through) from a stalled one or a peer that never started."""
+        link = self.link
+        if link is None:
+            where = "no link"
+        else:
+            done = getattr(link, "handshake_done", None)
+            handshake = "?" if done is None else ("done" if done else "pending")
+            where = f"link on {getattr(link, 'path', '?')}, handshake {handshake}"
+        return Log(
+            logging.WARNING,
+            "request %r (%s, peer %s): %s in phase %s: %d payload bytes moved, inside %d frames, "
+            "%s; last batch submitted %s, begun %s, left %s",
+            (
+                self.key.request_id,
+                self.key.side.name.lower(),
+                self.peer,
+                reason,
+                self.phase.name,
+                self.nbytes,
+                self.io_active,
+                where,
+                self.last_submitted,
+                self.last_begun,
+                self.last_left,
+            ),
+        )
+
     def _deadline(self, reason: str, out: list[Action]) -> None:
         if self.phase is Phase.COMPLETE:
             return
         link = self.link
-        # Where it stood: what tells a stalled link from a peer that never started.
-        out.append(
-            Log(
-                logging.WARNING,
-                "request %r (%s, peer %s): %s in phase %s: %d payload bytes moved, inside %d "
-                "frames, %s; last batch submitted %s, begun %s, left %s",
-                (
-                    self.key.request_id,
-                    self.key.side.name.lower(),
-                    self.peer,
-                    reason,
-                    self.phase.name,
-                    self.nbytes,
-                    self.io_active,
-                    "no link" if link is None else f"link on {getattr(link, 'path', '?')}",
-                    self.last_submitted,
-                    self.last_begun,
-                    self.last_left,
-                ),
-            )
-        )
+        out.append(self._where_it_stood(reason))
         # The backend is inside a frame of this request past its deadline: the link is stalled
         # or far too slow. Closing it wakes the I/O thread, which then lets go of the memory.
         stuck = self.io_active > 0 and link is not None
@@ -529,6 +538,8 @@ class Lifecycle:
     def _sender_peer_abort(self, abort: PeerAbort, out: list[Action]) -> None:
         if self.decided:
             return
+        if abort.code is AbortCode.TIMEOUT:  # the receiver gave up waiting: where this side was
+            out.append(self._where_it_stood(f"the receiver timed out ({abort.reason})"))
         if abort.confirms and self.wanted is not None:
             origin, code, reason = self.wanted  # the receiver says this side's abort came first
             self._decide(origin, code, reason, out)

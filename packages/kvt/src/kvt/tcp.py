@@ -178,6 +178,11 @@ class TcpLink:
         assert self.backend.listener is not None
         return self.backend.listener
 
+    @property
+    def handshake_done(self) -> bool:
+        """The handshake chose a path: frames can go out (logs of a stalled request say it)."""
+        return self._ready
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Test and tool helper: True once the handshake chose a path (False if the link died)."""
         self._ready_event.wait(timeout)
