@@ -411,13 +411,13 @@ class FakeDecode:
         await resp.prepare(request)
         last = stream.prompt[-1]
         text_of = BYTE_TEXT.stream(stream.prompt) if self.byte_text else (lambda t: f" t{t}")
+        first_d = isinstance(params, PullParams) and not params.transfer_id.startswith("mig-")
+        held = first_d and self.hold_for_migration is not None and self.hold_for_migration(body)
         for i in range(body["max_tokens"]):
-            first_d = isinstance(params, PullParams) and not params.transfer_id.startswith("mig-")
             if i == self.pause_after and first_d:
                 stream.paused.set()
                 await stream.proceed.wait()
-            held = self.hold_for_migration is not None and self.hold_for_migration(body)
-            if i == body["max_tokens"] - 2 and first_d and held:
+            if held and i == body["max_tokens"] - 2:
                 await stream.proceed.wait()
             if self.token_delay_s:
                 await asyncio.sleep(self.token_delay_s)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import http.server
+import asyncio
 import json
 import logging
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from pd_serving.servers import (
     parse_cpu_list,
     plan_servers,
 )
+from stand_ins import FakeUpstream
 
 
 def test_cpu_lists_parse_like_vllm_bind_strings() -> None:
@@ -146,31 +146,18 @@ def test_cpu_settings_reach_the_childs_environment_and_priority(tmp_path: Path) 
     assert plain.make_process().nice == 0
 
 
-def test_the_warm_up_asks_one_token_with_logprobs_of_a_plain_server(tmp_path: Path) -> None:
-    bodies: list[dict] = []
-
-    class Completions(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    with http.server.HTTPServer(("127.0.0.1", 0), Completions) as httpd:
-        thread = threading.Thread(target=httpd.serve_forever)
-        thread.start()
-        try:
-            (server,) = plan_servers(tmp_path, log_dir=tmp_path, connector=Connector.HYBRID,
-                                     prefill=0, served_model_name="m")  # fmt: skip
-            server.port = httpd.server_address[1]
-            assert server.make_process().warm_up == server.warm_up_request
-            server.warm_up_request()
-        finally:
-            httpd.shutdown()
-            thread.join()
+async def test_the_warm_up_asks_one_token_with_logprobs_of_a_plain_server(tmp_path: Path) -> None:
+    upstream = FakeUpstream("D")
+    await upstream.start()
+    try:
+        (server,) = plan_servers(tmp_path, log_dir=tmp_path, connector=Connector.HYBRID,
+                                 prefill=0, served_model_name="m")  # fmt: skip
+        server.port = upstream.port
+        assert server.make_process().warm_up == server.warm_up_request
+        await asyncio.to_thread(server.warm_up_request)
+    finally:
+        await upstream.close()
+    bodies = upstream.received
     # vLLM compiles its logprobs kernel on the first request asking for logprobs.
     assert bodies == [
         {"model": "m", "prompt": "warm up", "max_tokens": 1, "temperature": 0.0, "logprobs": 1}
